@@ -1,0 +1,222 @@
+"""Pure rank arithmetic for an n-D device mesh: no process group, no devices.
+
+A :class:`MeshLayout` is the row-major mesh that ``init_device_mesh`` builds:
+global rank ``r`` sits at the coordinate whose dot product with the strides is
+``r``. Everything here is O(ndim) integer arithmetic, so it answers questions
+about *any* rank of a 16384-rank world in about a microsecond, on a laptop.
+
+A *group* is named by a tuple of dim indices ``dims``. The group of rank ``r``
+along ``dims`` is every rank that agrees with ``r`` on all the other dims; its
+members are ordered row-major over ``dims`` (in the order given), which is the
+order torch uses for a slice ``mesh["DP", "TP"]`` and for ``_flatten``. The
+empty tuple is the group of one: ``r`` itself. This is how vemesh treats a
+standard strategy that the mesh does not have (its size is 1).
+
+Example on shape ``(PP=2, DP=2, TP=2)``::
+
+    rank:  0 1 2 3 4 5 6 7
+    PP:    0 0 0 0 1 1 1 1
+    DP:    0 0 1 1 0 0 1 1
+    TP:    0 1 0 1 0 1 0 1
+
+    layout.group_ranks(5, (2,))    -> [4, 5]         # TP group of rank 5
+    layout.group_ranks(5, (0,))    -> [1, 5]         # PP group of rank 5
+    layout.group_ranks(5, (1, 2))  -> [4, 5, 6, 7]   # DP x TP of rank 5
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["MeshLayout", "unknown_name_error"]
+
+
+def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyError:
+    """Build the ``KeyError`` for an unknown name, listing the valid ones and the closest match."""
+    message = f"unknown {kind} {name!r}; valid {kind}s are {list(valid)}"
+    if isinstance(name, str):
+        lowered = {v.lower(): v for v in valid}
+        close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.5)
+        if close:
+            message += f"; did you mean {lowered[close[0]]!r}?"
+    return KeyError(message)
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """An immutable, hashable row-major mesh: named dims, sizes and strides.
+
+    Args:
+        shape: size of each dim, outermost first. All sizes must be positive.
+        dim_names: one unique name per dim.
+    """
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    world_size: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        shape, names = tuple(self.shape), tuple(self.dim_names)
+        if not shape:
+            raise ValueError("a mesh needs at least one dim; got shape ()")
+        bad = [s for s in shape if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+        if bad:
+            raise ValueError(f"mesh sizes must be positive integers; got shape {shape}")
+        if len(names) != len(shape):
+            raise ValueError(
+                f"need one dim name per dim: shape {shape} has {len(shape)} dims "
+                f"but dim_names {names} has {len(names)}"
+            )
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"dim names must be unique; {dupes} repeat in {names}")
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dim_names", names)
+        object.__setattr__(self, "strides", tuple(strides))
+        object.__setattr__(self, "world_size", math.prod(shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    # ------------------------------------------------------------------ lookups
+    def dim_index(self, dim: str | int) -> int:
+        """Index of ``dim`` (a name, or an index counted from the outermost dim)."""
+        if isinstance(dim, str):
+            try:
+                return self.dim_names.index(dim)
+            except ValueError:
+                raise unknown_name_error("dim name", dim, self.dim_names) from None
+        if isinstance(dim, int) and not isinstance(dim, bool):
+            if 0 <= dim < self.ndim:
+                return dim
+            raise ValueError(f"dim index {dim} is out of range for a {self.ndim}-D mesh; valid: 0..{self.ndim - 1}")
+        raise TypeError(f"a dim is a name (str) or an index (int); got {dim!r}")
+
+    def check_rank(self, rank: int) -> int:
+        """Return ``rank`` if it is a global rank of this mesh, else raise ``ValueError``."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise ValueError(f"global rank {rank!r} is out of range; valid: 0..{self.world_size - 1}")
+        return rank
+
+    def group_size(self, dims: tuple[int, ...]) -> int:
+        """Number of ranks in every group along ``dims`` (1 for ``()``)."""
+        return math.prod(self.shape[d] for d in dims)
+
+    # ------------------------------------------------- coordinate <-> global rank
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        """Coordinate of global ``rank``: on (2, 4), rank 6 -> (1, 2) and rank 1 -> (0, 1)."""
+        self.check_rank(rank)
+        return tuple((rank // st) % sz for st, sz in zip(self.strides, self.shape))
+
+    def rank(self, coordinate: Sequence[int]) -> int:
+        """Global rank at ``coordinate``: on (2, 4), (1, 2) -> 6 and (0, 1) -> 1."""
+        coordinate = tuple(coordinate)
+        if len(coordinate) != self.ndim:
+            raise ValueError(
+                f"coordinate {coordinate} has {len(coordinate)} entries; this mesh "
+                f"{dict(zip(self.dim_names, self.shape))} needs {self.ndim}"
+            )
+        for name, c, size in zip(self.dim_names, coordinate, self.shape):
+            if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < size:
+                raise ValueError(f"coordinate {coordinate}: {name}={c!r} is out of range; valid: 0..{size - 1}")
+        return sum(c * st for c, st in zip(coordinate, self.strides))
+
+    # ----------------------------------------------------------------- groups
+    def index_in_group(self, rank: int, dims: tuple[int, ...]) -> int:
+        """Position of ``rank`` inside its group along ``dims`` (row-major over ``dims``)."""
+        self.check_rank(rank)
+        index = 0
+        for d in dims:
+            index = index * self.shape[d] + (rank // self.strides[d]) % self.shape[d]
+        return index
+
+    def member(self, rank: int, dims: tuple[int, ...], index: int) -> int:
+        """Global rank of member ``index`` of ``rank``'s group along ``dims``."""
+        self.check_rank(rank)
+        size = self.group_size(dims)
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < size:
+            names = "x".join(self.dim_names[d] for d in dims) or "(none)"
+            raise ValueError(f"local rank {index!r} is out of range along {names} (size {size}); valid: 0..{size - 1}")
+        base = self._base(rank, dims)
+        for d in reversed(dims):
+            index, c = divmod(index, self.shape[d])
+            base += c * self.strides[d]
+        return base
+
+    def group_ranks(self, rank: int, dims: tuple[int, ...]) -> list[int]:
+        """Every global rank in ``rank``'s group along ``dims``, in member order."""
+        self.check_rank(rank)
+        return self._ranks_from(self._base(rank, dims), dims)
+
+    def group_index(self, rank: int, dims: tuple[int, ...]) -> int:
+        """Which group along ``dims`` holds ``rank``, counting groups as :meth:`all_groups` lists them."""
+        self.check_rank(rank)
+        index = 0
+        for d in self.complement(dims):
+            index = index * self.shape[d] + (rank // self.strides[d]) % self.shape[d]
+        return index
+
+    def all_groups(self, dims: tuple[int, ...]) -> list[list[int]]:
+        """The world partitioned into groups along ``dims``, ordered row-major over the other dims.
+
+        On (2, 4) with names (DP, TP): ``all_groups((1,))`` (TP) is
+        ``[[0, 1, 2, 3], [4, 5, 6, 7]]`` and ``all_groups((0,))`` (DP) is
+        ``[[0, 4], [1, 5], [2, 6], [3, 7]]``.
+        """
+        return [self._ranks_from(base, dims) for base in self._offsets(self.complement(dims))]
+
+    def group_at(self, dims: tuple[int, ...], index: int) -> list[int]:
+        """Group number ``index`` along ``dims``: ``all_groups(dims)[index]`` without building the rest."""
+        others = self.complement(dims)
+        count = self.world_size // self.group_size(dims)
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+            raise ValueError(f"group index {index!r} is out of range; valid: 0..{count - 1}")
+        base = 0
+        for d in reversed(others):
+            index, c = divmod(index, self.shape[d])
+            base += c * self.strides[d]
+        return self._ranks_from(base, dims)
+
+    def complement(self, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """The dims not in ``dims``, in mesh order."""
+        return tuple(d for d in range(self.ndim) if d not in dims)
+
+    def neighbor(self, rank: int, dim: int, offset: int = 1, wrap: bool = False) -> int | None:
+        """The global rank ``offset`` steps from ``rank`` along ``dim``, or None past an edge.
+
+        On (PP=4, TP=2): ``neighbor(3, 0, +1)`` is 5; ``neighbor(7, 0, +1)`` is None,
+        and 1 with ``wrap=True``.
+        """
+        self.check_rank(rank)
+        c = (rank // self.strides[dim]) % self.shape[dim]
+        target = c + offset
+        if wrap:
+            target %= self.shape[dim]
+        elif not 0 <= target < self.shape[dim]:
+            return None
+        return rank + (target - c) * self.strides[dim]
+
+    # ---------------------------------------------------------------- helpers
+    def _base(self, rank: int, dims: tuple[int, ...]) -> int:
+        """``rank`` with its coordinate on ``dims`` set to zero."""
+        for d in dims:
+            rank -= ((rank // self.strides[d]) % self.shape[d]) * self.strides[d]
+        return rank
+
+    def _ranks_from(self, base: int, dims: tuple[int, ...]) -> list[int]:
+        return [base + off for off in self._offsets(dims)]
+
+    def _offsets(self, dims: tuple[int, ...]) -> list[int]:
+        return [
+            sum(c * self.strides[d] for c, d in zip(cs, dims))
+            for cs in itertools.product(*(range(self.shape[d]) for d in dims))
+        ]

@@ -1,0 +1,557 @@
+"""``VeDeviceMesh``: one global torch ``DeviceMesh`` that answers for every rank.
+
+All examples below use this mesh, built on 8 ranks::
+
+    VESCALE_DEVICE_MESH.init_device_mesh("cuda", (2, 2, 2), mesh_dim_names=("PP", "DP", "TP"))
+
+    rank:  0 1 2 3 4 5 6 7
+    PP:    0 0 0 0 1 1 1 1
+    DP:    0 0 1 1 0 0 1 1
+    TP:    0 1 0 1 0 1 0 1
+
+Queries take a dim by name (``"TP"``), by index (outermost is 0), or, where it
+makes sense, a flattened name made by :meth:`VeDeviceMesh.flatten`. Questions
+about *strategies* (``get_strategy_size``, ``lookup_rank``, ``to_global_rank``,
+``to_local_rank``, ``get_neighbor_rank``) treat the standard names ``PP, DP,
+TP, CP, EP`` that the mesh lacks as size 1, so ``get_strategy_size("CP") > 1``
+works on any mesh. Questions about *structure* (``size``, ``mesh["CP"]``,
+``get_group``) raise ``KeyError`` for a name the mesh does not have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
+
+from .layout import MeshLayout, unknown_name_error
+from .spec import STANDARD_STRATEGIES, MeshSpec
+
+__all__ = ["VeDeviceMesh", "VESCALE_DEVICE_MESH"]
+
+#: A dim: its name, its index, or several of them for a multi-dim view.
+Dim = Union[str, int]
+Dims = Union[str, int, Sequence[Union[str, int]]]
+
+_NOT_INITIALIZED = (
+    "the device mesh is not initialized; call "
+    "VESCALE_DEVICE_MESH.init_device_mesh(device_type, mesh_shape, mesh_dim_names=...) first"
+)
+
+
+class VeDeviceMesh:
+    """A manager for one global torch ``DeviceMesh`` plus rank arithmetic for any rank.
+
+    ``VESCALE_DEVICE_MESH`` is the process-wide instance; ``VeDeviceMesh()``
+    builds an independent one (handy in tests). All state lives on the
+    instance; :meth:`reset` drops it.
+    """
+
+    def __init__(self) -> None:
+        self._mesh: DeviceMesh | None = None
+        self._layout: MeshLayout | None = None
+        self._rank = -1
+        self._dims: dict[str, tuple[int, ...]] = {}  # dim name or flattened name -> dims
+        self._views: dict[Any, DeviceMesh] = {}  # key as the user wrote it -> view
+        self._submeshes: dict[tuple[tuple[int, ...], int], DeviceMesh] = {}
+
+    # ================================================================ set-up
+    def init_device_mesh(
+        self,
+        device_type: str,
+        mesh_shape: Sequence[int],
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+        check_uniqueness: bool = False,
+    ) -> DeviceMesh:
+        """Build the global mesh (and the default process group if there is none).
+
+        Args:
+            device_type: ``"cpu"``, ``"cuda"``, ... (``"cuda:0"`` becomes ``"cuda"`` with a warning).
+            mesh_shape: size per dim, outermost first; one size may be ``-1`` (inferred).
+                The product must equal the world size.
+            mesh_dim_names: one name per dim. Defaults: 1-D ``("DP",)``, 2-D ``("DP", "TP")``,
+                3-D ``("PP", "DP", "TP")``; 4-D and more must be named.
+            check_uniqueness: raise ``RuntimeError`` instead of replacing an existing mesh.
+
+        Returns:
+            The torch ``DeviceMesh``; on 8 ranks with shape ``(2, -1, 2)`` every rank gets
+            ``DeviceMesh((PP=2, DP=2, TP=2), ...)``.
+
+        Under torchrun the process group comes from its environment; a plain
+        ``python script.py`` gets a one-rank group. Every rank must pass the
+        same arguments: on a real backend a mismatch raises ``ValueError`` on
+        every rank instead of hanging in group creation.
+        """
+        if check_uniqueness and self._mesh is not None:
+            raise RuntimeError(
+                f"the device mesh is already initialized as {self!r}; call reset() first "
+                "or pass check_uniqueness=False to replace it"
+            )
+        spec = MeshSpec(
+            device_type=device_type,
+            mesh_shape=mesh_shape,  # type: ignore[arg-type]
+            mesh_dim_names=mesh_dim_names,  # type: ignore[arg-type]
+        )
+        _ensure_process_group(spec.device_type)
+        layout = spec.resolve(dist.get_world_size())
+        _check_same_on_all_ranks(spec.device_type, layout)
+        self.reset()
+        mesh = _torch_init_device_mesh(spec.device_type, layout.shape, mesh_dim_names=layout.dim_names)
+        self._mesh, self._layout, self._rank = mesh, layout, dist.get_rank()
+        self._dims = {name: (i,) for i, name in enumerate(layout.dim_names)}
+        self._views[layout.dim_names] = mesh
+        return mesh
+
+    def get(self, **kwargs: Any) -> DeviceMesh:
+        """Return the global torch mesh, initializing it from ``kwargs`` if needed.
+
+        ``get()`` before any init raises ``RuntimeError``; ``get(device_type="cpu",
+        mesh_shape=(2, 2))`` initializes on first call and returns the same mesh afterwards.
+        """
+        if self._mesh is None:
+            if not kwargs:
+                raise RuntimeError(_NOT_INITIALIZED)
+            return self.init_device_mesh(**kwargs)
+        return self._mesh
+
+    def is_initialized(self) -> bool:
+        """Whether :meth:`init_device_mesh` has run (and :meth:`reset` has not since)."""
+        return self._mesh is not None
+
+    def reset(self) -> None:
+        """Drop the global mesh and every cached view, flattened dim and submesh.
+
+        The process groups themselves belong to torch and stay alive for
+        anyone still holding them.
+        """
+        self._mesh, self._layout, self._rank = None, None, -1
+        self._dims, self._views, self._submeshes = {}, {}, {}
+
+    # ============================================================= the mesh
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The global torch ``DeviceMesh`` (the same on every rank)."""
+        if self._mesh is None:
+            raise RuntimeError(_NOT_INITIALIZED)
+        return self._mesh
+
+    @property
+    def layout(self) -> MeshLayout:
+        """The mesh as pure arithmetic (:class:`~vemesh.layout.MeshLayout`)."""
+        if self._layout is None:
+            raise RuntimeError(_NOT_INITIALIZED)
+        return self._layout
+
+    @property
+    def device_type(self) -> str:
+        return self.mesh.device_type
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Sizes per dim: ``(2, 2, 2)`` on every rank of the example mesh."""
+        return self.layout.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.layout.ndim
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """``("PP", "DP", "TP")`` on every rank of the example mesh."""
+        return self.layout.dim_names
+
+    def size(self, dim: Dims | None = None) -> int:
+        """World size, or the size of a dim: ``size("TP")`` is 2 on every rank; an absent name raises ``KeyError``."""
+        if dim is None:
+            return self.layout.world_size
+        return self.layout.group_size(self._resolve(dim))
+
+    def get_coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate: ``(0, 1, 1)`` on rank 3, ``(1, 0, 1)`` on rank 5."""
+        return self.layout.coordinate(self._my_rank())
+
+    # ======================================================== rank arithmetic
+    def get_strategy_size(self, dim: Dims) -> int:
+        """Size of a strategy: ``"TP"`` gives 2; ``"CP"``, absent, gives 1; ``"Tp"`` raises ``KeyError``."""
+        return self.layout.group_size(self._resolve(dim, absent_ok=True))
+
+    def get_strategy_coordinate(self, rank: int | None = None) -> list[int]:
+        """Coordinate of this rank (rank 6 gets ``[1, 1, 0]``) or of any global ``rank``.
+
+        ``get_strategy_coordinate(5)`` is ``[1, 0, 1]`` whichever rank asks.
+        """
+        return list(self.layout.coordinate(self._my_rank() if rank is None else rank))
+
+    def get_global_rank(self, coordinate: Sequence[int] | Mapping[Dim, int]) -> int:
+        """Global rank at a coordinate: the inverse of :meth:`get_strategy_coordinate`.
+
+        Args:
+            coordinate: a full coordinate (``[1, 0, 1]`` -> 5 on every rank), or a
+                mapping by dim whose missing dims keep this rank's coordinate:
+                ``{"PP": 1}`` is this rank's counterpart in stage 1 (rank 2 gets 6, rank 3 gets 7).
+        """
+        layout = self.layout
+        if isinstance(coordinate, Mapping):
+            full = list(layout.coordinate(self._my_rank()))
+            for dim, index in coordinate.items():
+                full[layout.dim_index(dim)] = index
+            return layout.rank(full)
+        return layout.rank(coordinate)
+
+    def lookup_rank(self, dim: Dims) -> int:
+        """This rank's index along ``dim``: ``lookup_rank("DP")`` is 1 on ranks 2, 3, 6, 7 and 0 elsewhere."""
+        return self.layout.index_in_group(self._my_rank(), self._resolve(dim, absent_ok=True))
+
+    def get_local_rank(self) -> int:
+        """This rank's index on its host: torchrun's ``LOCAL_RANK``.
+
+        Without torchrun's variables vemesh assumes one host, so it is the global rank
+        (``LOCAL_WORLD_SIZE`` alone gives ``rank % LOCAL_WORLD_SIZE``). With 4 devices
+        per host, rank 5 gets 1 and rank 2 gets 2. Unlike veScale, vemesh never
+        uses this number to find a mesh coordinate.
+        """
+        rank = self._my_rank()
+        if "LOCAL_RANK" in os.environ:
+            return int(os.environ["LOCAL_RANK"])
+        if "LOCAL_WORLD_SIZE" in os.environ:
+            return rank % int(os.environ["LOCAL_WORLD_SIZE"])
+        return rank
+
+    def to_global_rank(self, local_rank: int, dim: Dims) -> int:
+        """Global rank of member ``local_rank`` of this rank's group along ``dim``.
+
+        ``to_global_rank(1, "PP")`` is 5 on rank 1 and 7 on rank 3; ``to_global_rank(0, "TP")``
+        is 4 on rank 5. A ``local_rank`` outside ``0..size-1`` raises ``ValueError``.
+        """
+        return self.layout.member(self._my_rank(), self._resolve(dim, absent_ok=True), local_rank)
+
+    def to_local_rank(self, global_rank: int, dim: Dims) -> int:
+        """Index of any ``global_rank`` inside its own group along ``dim``.
+
+        ``to_local_rank(6, "DP")`` is 1 and ``to_local_rank(6, "TP")`` is 0 on every rank.
+        """
+        return self.layout.index_in_group(global_rank, self._resolve(dim, absent_ok=True))
+
+    def get_neighbor_rank(self, dim: Dims, offset: int = 1, wrap: bool = False) -> int | None:
+        """Global rank ``offset`` steps along ``dim`` from this rank, or None past the edge.
+
+        ``get_neighbor_rank("PP")`` is 4 on rank 0 and None on rank 4 (4 gets 0 with
+        ``wrap=True``); ``get_neighbor_rank("PP", -1)`` is 1 on rank 5.
+        """
+        rank, dims = self._my_rank(), self._resolve(dim, absent_ok=True)
+        size = self.layout.group_size(dims)
+        target = self.layout.index_in_group(rank, dims) + offset
+        if wrap:
+            target %= size
+        elif not 0 <= target < size:
+            return None
+        return self.layout.member(rank, dims, target)
+
+    # ================================================= views, groups, submeshes
+    def __getitem__(self, dims: Dims) -> DeviceMesh:
+        """The cached torch view of this rank's submesh along ``dims``.
+
+        ``VESCALE_DEVICE_MESH["TP"]`` is ``DeviceMesh([4, 5])`` on rank 5 and ``[2, 3]`` on
+        rank 3; ``["DP", "TP"]`` is ``[[4, 5], [6, 7]]`` on rank 5. A repeated lookup returns
+        the same object from a dict (torch's own slicing rebuilds one each call).
+        """
+        try:
+            return self._views[dims]
+        except (KeyError, TypeError):
+            pass
+        mesh = self.mesh
+        resolved = self._resolve(dims)
+        names = self._names(dims, resolved)
+        if names in self._views:
+            view = self._views[names]
+        else:
+            view = mesh[names]
+            self._views[names] = view
+        if isinstance(dims, (str, tuple)):
+            self._views[dims] = view
+        return view
+
+    def get_optional_mesh(self, dims: Dims) -> DeviceMesh | None:
+        """Like ``mesh[dims]`` but None for an absent standard strategy: ``get_optional_mesh("CP")`` is None."""
+        if not self._resolve(dims, absent_ok=True):
+            return None
+        return self[dims]
+
+    def flatten(self, dims: Sequence[Dim], name: str | None = None) -> DeviceMesh:
+        """Merge dims (given in mesh order) into one 1-D dim with its own process group.
+
+        ``flatten(("DP", "TP"))`` makes ``"DP_TP"``: ``DeviceMesh([4, 5, 6, 7])`` on rank 5 and
+        ``[0, 1, 2, 3]`` on rank 1, reachable afterwards as ``VESCALE_DEVICE_MESH["DP_TP"]``
+        and usable by every query. Flattening again with the same name returns the same mesh.
+        """
+        layout, mesh = self.layout, self.mesh
+        if isinstance(dims, (str, int)):
+            dims = (dims,)
+        resolved = tuple(layout.dim_index(d) for d in dims)
+        if len(set(resolved)) != len(resolved) or list(resolved) != sorted(resolved):
+            raise ValueError(
+                f"flatten needs distinct dims in mesh order {layout.dim_names}; got {tuple(dims)}"
+            )
+        names = tuple(layout.dim_names[d] for d in resolved)
+        name = name or "_".join(names)
+        if name in layout.dim_names:
+            raise ValueError(f"flattened name {name!r} is already a dim of {layout.dim_names}; pick another")
+        if name in self._dims:
+            if self._dims[name] != resolved:
+                taken = tuple(layout.dim_names[d] for d in self._dims[name])
+                raise ValueError(f"{name!r} already names the flattened dims {taken}, not {names}; pick another")
+            return self._views[name]
+        flat = mesh[names]._flatten(name)
+        self._dims[name] = resolved
+        self._views[name] = self._views[(name,)] = flat
+        return flat
+
+    def get_group(self, dim: Dim | None = None) -> dist.ProcessGroup:
+        """This rank's process group along one dim (or a flattened dim).
+
+        ``get_group("TP")`` holds ranks ``[4, 5]`` on rank 5; ``get_group("DP")`` holds
+        ``[1, 3]`` on rank 1. ``dim`` may be omitted on a 1-D mesh.
+        """
+        if dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_group() needs a dim on a {self.ndim}-D mesh; choose one of {self.mesh_dim_names}")
+            return self.mesh.get_group()
+        if len(self._resolve(dim)) != 1 and not (isinstance(dim, str) and dim in self._dims):
+            raise ValueError(f"a process group runs along one dim; got {dim!r} (flatten() several dims first)")
+        return self[dim].get_group()
+
+    def get_submeshes(self, dims: Dims) -> list[DeviceMesh]:
+        """Every submesh along ``dims``: the world partitioned, ordered by the other dims.
+
+        ``get_submeshes("TP")`` is ``[[0, 1], [2, 3], [4, 5], [6, 7]]`` on every rank. The
+        submesh holding this rank is the cached view, with its process group; the others
+        are layout-only meshes (no process group is created for them).
+        """
+        resolved = self._resolve(dims)
+        count = self.layout.world_size // self.layout.group_size(resolved)
+        return [self._submesh_at(dims, resolved, i) for i in range(count)]
+
+    def get_neighbor_submesh(
+        self, view_dim: Dims, along: Dim, offset: int = 1, wrap: bool = False
+    ) -> DeviceMesh | None:
+        """The ``view_dim`` submesh ``offset`` steps ``along`` another dim, or None past the edge.
+
+        ``get_neighbor_submesh("TP", along="PP")`` is the TP submesh of the next pipeline stage
+        with the same other coordinates: ``[4, 5]`` on ranks 0 and 1, ``[6, 7]`` on rank 2,
+        None on ranks 4..7 (``[0, 1]`` on rank 4 with ``wrap=True``).
+        """
+        view = self._resolve(view_dim)
+        along_dims = self._resolve(along, absent_ok=True)
+        if set(view) & set(along_dims):
+            raise ValueError(f"along={along!r} must be a dim outside view_dim={view_dim!r}")
+        neighbor = self.get_neighbor_rank(along, offset, wrap)
+        if neighbor is None:
+            return None
+        return self._submesh_at(view_dim, view, self.layout.group_index(neighbor, view))
+
+    # ======================================================= veScale-style names
+    def get_tensor_parallel_rank(self) -> int:
+        """This rank's TP index (0 when the mesh has no TP): 1 on rank 5, 0 on rank 4."""
+        return self.lookup_rank("TP")
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank's DP index (0 when the mesh has no DP): 1 on rank 6, 0 on rank 5."""
+        return self.lookup_rank("DP")
+
+    def get_pipeline_parallel_rank(self) -> int:
+        """This rank's pipeline stage (0 when the mesh has no PP): 1 on rank 5, 0 on rank 2."""
+        return self.lookup_rank("PP")
+
+    def get_tensor_parallel_mesh(self) -> DeviceMesh:
+        """``mesh["TP"]``: ``[4, 5]`` on rank 5 (veScale returned the wrong dim here)."""
+        return self["TP"]
+
+    def get_data_parallel_mesh(self) -> DeviceMesh:
+        """``mesh["DP"]``: ``[5, 7]`` on rank 5."""
+        return self["DP"]
+
+    def get_pipeline_parallel_mesh(self) -> DeviceMesh:
+        """``mesh["PP"]``: ``[1, 5]`` on rank 5 (veScale returned the TP submesh here)."""
+        return self["PP"]
+
+    def get_tensor_parallel_dim_groups(self) -> dist.ProcessGroup:
+        """The group along TP: ranks ``[4, 5]`` on rank 5 (veScale returned the outermost group)."""
+        return self.get_group("TP")
+
+    def get_data_parallel_dim_groups(self) -> dist.ProcessGroup:
+        """The group along DP: ranks ``[5, 7]`` on rank 5."""
+        return self.get_group("DP")
+
+    def get_global_tensor_parallel_meshes(self) -> list[DeviceMesh]:
+        """Every TP submesh: ``[[0, 1], [2, 3], [4, 5], [6, 7]]`` on every rank."""
+        return self.get_submeshes("TP")
+
+    def get_global_pipeline_parallel_meshes(self) -> list[DeviceMesh]:
+        """One submesh of the non-PP dims per pipeline stage, in stage order.
+
+        On every rank: ``[DeviceMesh([[0, 1], [2, 3]]), DeviceMesh([[4, 5], [6, 7]])]``
+        with dims ``("DP", "TP")``. Without a PP dim the whole mesh is the one stage.
+        """
+        layout = self.layout
+        if "PP" not in layout.dim_names:
+            return [self.mesh]
+        others = tuple(n for n in layout.dim_names if n != "PP")
+        if not others:
+            raise ValueError("the mesh has only the PP dim, so each stage is one rank; use get_submeshes('PP')")
+        return self.get_submeshes(others)
+
+    def is_first_stage(self) -> bool:
+        """True on pipeline stage 0 (ranks 0..3), and on every rank without PP."""
+        return self.lookup_rank("PP") == 0
+
+    def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (ranks 4..7), and on every rank without PP."""
+        return self.lookup_rank("PP") == self.get_strategy_size("PP") - 1
+
+    # ============================================================== display
+    def describe(self, rank: int | None = None, devices_per_host: int | None = None) -> str:
+        """The layout as text: the rank grid, the groups along every dim, and ``rank``'s view.
+
+        ``rank`` defaults to this rank. ``devices_per_host`` defaults to torchrun's
+        ``LOCAL_WORLD_SIZE`` when set.
+        """
+        from .describe import describe_layout
+
+        if devices_per_host is None and "LOCAL_WORLD_SIZE" in os.environ:
+            devices_per_host = int(os.environ["LOCAL_WORLD_SIZE"])
+        return describe_layout(
+            self.layout,
+            rank=self._my_rank() if rank is None else rank,
+            devices_per_host=devices_per_host,
+            flattened={n: d for n, d in self._dims.items() if n not in self.layout.dim_names},
+        )
+
+    def __repr__(self) -> str:
+        if self._layout is None:
+            return "VeDeviceMesh(uninitialized)"
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self._layout.dim_names, self._layout.shape))
+        return (
+            f"VeDeviceMesh(({dims}), device_type={self.device_type!r}, "
+            f"rank={self._rank}, coordinate={self.get_coordinate()})"
+        )
+
+    # ============================================================== helpers
+    def _my_rank(self) -> int:
+        if self._mesh is None:
+            raise RuntimeError(_NOT_INITIALIZED)
+        return self._rank
+
+    def _resolve(self, dims: Dims, absent_ok: bool = False) -> tuple[int, ...]:
+        """Dim indices for a name, index, flattened name, or a sequence of names/indices."""
+        layout = self.layout
+        if isinstance(dims, str):
+            found = self._dims.get(dims)
+            if found is not None:
+                return found
+            if absent_ok and dims in STANDARD_STRATEGIES:
+                return ()
+            valid = list(self._dims)
+            err = unknown_name_error("dim name", dims, valid)
+            if absent_ok:
+                err.args = (err.args[0] + f" (absent standard strategies {list(STANDARD_STRATEGIES)} have size 1)",)
+            raise err
+        if isinstance(dims, int) and not isinstance(dims, bool):
+            return (layout.dim_index(dims),)
+        if isinstance(dims, Sequence):
+            out: list[int] = []
+            for d in dims:
+                if isinstance(d, str) and d in self._dims and d not in layout.dim_names:
+                    raise ValueError(f"flattened dim {d!r} cannot be combined with other dims in {tuple(dims)}")
+                out.extend(self._resolve(d, absent_ok))
+            if len(set(out)) != len(out):
+                raise ValueError(f"dims {tuple(dims)} name the same dim twice")
+            return tuple(out)
+        raise TypeError(f"a dim is a name (str), an index (int) or a sequence of them; got {dims!r}")
+
+    def _names(self, dims: Dims, resolved: tuple[int, ...]) -> tuple[str, ...]:
+        """The torch slicing key for ``dims``: a flattened name as is, otherwise names in mesh order."""
+        if isinstance(dims, str) and dims in self._dims and dims not in self.layout.dim_names:
+            return (dims,)
+        if list(resolved) != sorted(resolved):
+            names = tuple(self.layout.dim_names[d] for d in resolved)
+            raise ValueError(f"view dims must follow mesh order {self.layout.dim_names}; got {names}")
+        return tuple(self.layout.dim_names[d] for d in resolved)
+
+    def _submesh_at(self, dims: Dims, resolved: tuple[int, ...], index: int) -> DeviceMesh:
+        """Submesh number ``index`` along ``dims`` (see :meth:`MeshLayout.all_groups`), cached."""
+        key = (resolved, index)
+        cached = self._submeshes.get(key)
+        if cached is not None:
+            return cached
+        layout = self.layout
+        names = self._names(dims, resolved)
+        if layout.group_index(self._rank, resolved) == index:
+            submesh = self[dims]
+        else:
+            ranks = torch.tensor(layout.group_at(resolved, index), dtype=torch.int)
+            shape = [layout.shape[d] for d in resolved] if len(names) == len(resolved) else [ranks.numel()]
+            submesh = DeviceMesh(self.device_type, ranks.view(shape), mesh_dim_names=names, _init_backend=False)
+        self._submeshes[key] = submesh
+        return submesh
+
+
+def _ensure_process_group(device_type: str) -> None:
+    """Create the default process group if there is none: torchrun's env, or one local rank."""
+    if dist.is_initialized():
+        return
+    accel = dist.Backend.default_device_backend_map.get(device_type)
+    backend = "gloo" if device_type == "cpu" or accel is None else f"cpu:gloo,{device_type}:{accel}"
+    if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:  # a plain `python script.py`: one rank, no rendezvous needed
+        dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+
+
+_CHECK_SLOTS = 16  # mesh sizes carried by the cross-rank check, beyond ndim and a name digest
+
+
+def _check_same_on_all_ranks(device_type: str, layout: MeshLayout) -> None:
+    """Fail loudly on every rank when ranks disagree on the mesh, before any group is built.
+
+    One all_gather of a small int64 row per rank: ``[ndim, sizes..., digest(device, names)]``.
+    Without it, mismatched shapes make torch's group creation hang or pair wrong ranks.
+    """
+    world = dist.get_world_size()
+    if world == 1 or dist.get_backend() == "fake":
+        return
+    digest = int.from_bytes(
+        hashlib.blake2b(repr((device_type, layout.dim_names)).encode(), digest_size=7).digest(), "little"
+    )
+    row = [layout.ndim, *layout.shape[:_CHECK_SLOTS]] + [0] * max(0, _CHECK_SLOTS - layout.ndim) + [digest]
+    device = torch.device("cpu")
+    if "cpu:" not in str(dist.get_backend_config()) and device_type != "cpu":
+        device = torch.device(device_type, torch.get_device_module(device_type).current_device())
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    gathered = [tuple(r.tolist()) for r in rows]
+    if all(g == gathered[0] for g in gathered):
+        return
+    by_config: dict[tuple[int, ...], list[int]] = {}
+    for r, g in enumerate(gathered):
+        by_config.setdefault(g, []).append(r)
+    summary = "; ".join(
+        f"ranks {ranks} have shape {tuple(cfg[1 : 1 + cfg[0]])}" + (" (other dim names/device)" if cfg[-1] != digest else "")
+        for cfg, ranks in by_config.items()
+    )
+    raise ValueError(
+        f"ranks disagree on the mesh: rank {dist.get_rank()} asked for shape {layout.shape} with dim names "
+        f"{layout.dim_names} on {device_type!r}, but {summary}. Every rank must call init_device_mesh "
+        f"with the same arguments."
+    )
+
+
+#: The process-wide mesh manager.
+VESCALE_DEVICE_MESH = VeDeviceMesh()

@@ -1,0 +1,140 @@
+"""The mesh spec: ``init_device_mesh`` arguments, parsed and validated once.
+
+Everything a user can get wrong in ``init_device_mesh(device_type, mesh_shape,
+mesh_dim_names=...)`` is caught here with a ``ValueError`` (pydantic's
+``ValidationError`` is one) that names the bad value and the valid choices.
+The one check that needs the process group, the world size, is
+:meth:`MeshSpec.resolve`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from .layout import MeshLayout
+
+__all__ = ["DEFAULT_DIM_NAMES", "STANDARD_STRATEGIES", "VALID_DEVICE_TYPES", "MeshSpec"]
+
+#: Dim names used when ``mesh_dim_names`` is not given, by number of dims.
+DEFAULT_DIM_NAMES: dict[int, tuple[str, ...]] = {
+    1: ("DP",),
+    2: ("DP", "TP"),
+    3: ("PP", "DP", "TP"),
+}
+
+#: Strategy names that every mesh answers for: absent ones have size 1.
+STANDARD_STRATEGIES: tuple[str, ...] = ("PP", "DP", "TP", "CP", "EP")
+
+#: Device types a mesh can be built on.
+VALID_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "xpu", "hpu", "npu", "mtia", "mps")
+
+
+class MeshSpec(BaseModel):
+    """A validated ``init_device_mesh`` request; ``-1`` is kept until :meth:`resolve`.
+
+    >>> MeshSpec(device_type="cuda:0", mesh_shape=(2, -1)).mesh_dim_names  # doctest: +SKIP
+    ('DP', 'TP')   # and device_type is normalized to "cuda" with a warning
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device_type: str
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None = None
+
+    @field_validator("device_type", mode="before")
+    @classmethod
+    def _device_type(cls, value: object) -> str:
+        text = getattr(value, "type", value)  # accept torch.device("cuda", 1)
+        if not isinstance(text, str):
+            raise ValueError(f"device_type must be a string such as 'cpu' or 'cuda'; got {value!r}")
+        base, sep, index = text.partition(":")
+        if base not in VALID_DEVICE_TYPES:
+            raise ValueError(f"unknown device type {text!r}; valid device types are {list(VALID_DEVICE_TYPES)}")
+        if sep:
+            warnings.warn(
+                f"device_type {text!r} names a device index; a mesh spans all devices, "
+                f"so vemesh uses {base!r} (set the current device before init instead)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return base
+
+    @field_validator("mesh_shape", mode="before")
+    @classmethod
+    def _mesh_shape(cls, value: object) -> tuple[int, ...]:
+        if isinstance(value, int):
+            value = (value,)
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ValueError(f"mesh_shape must be a tuple of ints such as (2, 4); got {value!r}")
+        shape = tuple(value)
+        if not shape:
+            raise ValueError("mesh_shape must have at least one dim; got ()")
+        if any(not isinstance(s, int) or isinstance(s, bool) for s in shape):
+            raise ValueError(f"mesh_shape entries must be ints; got {shape}")
+        bad = [s for s in shape if s < 1 and s != -1]
+        if bad:
+            raise ValueError(f"mesh sizes must be positive (or one -1 to infer); got {bad} in mesh_shape {shape}")
+        if shape.count(-1) > 1:
+            raise ValueError(f"at most one mesh size may be -1 (inferred); got {shape.count(-1)} in mesh_shape {shape}")
+        return shape
+
+    @field_validator("mesh_dim_names", mode="before")
+    @classmethod
+    def _names(cls, value: object) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = (value,)
+        names = tuple(value)  # type: ignore[arg-type]
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise ValueError(f"mesh_dim_names must be non-empty strings; got {bad!r} in {names!r}")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"mesh_dim_names must be unique; {dupes} repeat in {names}")
+        return names
+
+    @model_validator(mode="after")
+    def _names_match_shape(self) -> MeshSpec:
+        n = len(self.mesh_shape)
+        if self.mesh_dim_names is None:
+            if n not in DEFAULT_DIM_NAMES:
+                raise ValueError(
+                    f"a {n}-D mesh_shape {self.mesh_shape} needs mesh_dim_names; defaults exist only "
+                    f"for {', '.join(f'{k}-D {v}' for k, v in DEFAULT_DIM_NAMES.items())}"
+                )
+            object.__setattr__(self, "mesh_dim_names", DEFAULT_DIM_NAMES[n])
+        elif len(self.mesh_dim_names) != n:
+            raise ValueError(
+                f"mesh_dim_names {self.mesh_dim_names} has {len(self.mesh_dim_names)} names "
+                f"but mesh_shape {self.mesh_shape} has {n} dims"
+            )
+        return self
+
+    def resolve(self, world_size: int) -> MeshLayout:
+        """Fill in a ``-1`` from ``world_size`` and check the product equals it.
+
+        torch accepts a mesh smaller than the world; vemesh does not, since the
+        ranks left out would silently take no part in training.
+        """
+        shape = self.mesh_shape
+        known = math.prod(s for s in shape if s != -1)
+        if -1 in shape:
+            if world_size % known:
+                raise ValueError(
+                    f"cannot infer the -1 in mesh_shape {shape}: world size {world_size} "
+                    f"is not divisible by the product of the other sizes ({known})"
+                )
+            shape = tuple(world_size // known if s == -1 else s for s in shape)
+        elif known != world_size:
+            raise ValueError(
+                f"mesh_shape {shape} holds {known} ranks but the world size is {world_size}; "
+                f"the product of the sizes must equal the world size (use -1 to infer one size)"
+            )
+        assert self.mesh_dim_names is not None
+        return MeshLayout(shape, self.mesh_dim_names)
