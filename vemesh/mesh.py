@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -99,6 +100,13 @@ class VeDeviceMesh:
             mesh_shape=mesh_shape,  # type: ignore[arg-type]
             mesh_dim_names=mesh_dim_names,  # type: ignore[arg-type]
         )
+        if str(device_type) != spec.device_type:  # "cuda:0" or torch.device("cuda", 0)
+            warnings.warn(
+                f"device_type {str(device_type)!r} names one device, but a mesh spans all of them: "
+                f"using {spec.device_type!r} (select this rank's device before init instead)",
+                UserWarning,
+                stacklevel=2,
+            )
         _ensure_process_group(spec.device_type)
         layout = spec.resolve(dist.get_world_size())
         _check_same_on_all_ranks(spec.device_type, layout)

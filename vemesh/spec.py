@@ -10,7 +10,6 @@ The one check that needs the process group, the world size, is
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -36,8 +35,8 @@ VALID_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "xpu", "hpu", "npu", "mtia
 class MeshSpec(BaseModel):
     """A validated ``init_device_mesh`` request; ``-1`` is kept until :meth:`resolve`.
 
-    >>> MeshSpec(device_type="cuda:0", mesh_shape=(2, -1)).mesh_dim_names  # doctest: +SKIP
-    ('DP', 'TP')   # and device_type is normalized to "cuda" with a warning
+    >>> MeshSpec(device_type="cuda:0", mesh_shape=(2, -1))  # doctest: +SKIP
+    MeshSpec(device_type='cuda', mesh_shape=(2, -1), mesh_dim_names=('DP', 'TP'))
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,16 +51,9 @@ class MeshSpec(BaseModel):
         text = getattr(value, "type", value)  # accept torch.device("cuda", 1)
         if not isinstance(text, str):
             raise ValueError(f"device_type must be a string such as 'cpu' or 'cuda'; got {value!r}")
-        base, sep, index = text.partition(":")
+        base = text.partition(":")[0]
         if base not in VALID_DEVICE_TYPES:
             raise ValueError(f"unknown device type {text!r}; valid device types are {list(VALID_DEVICE_TYPES)}")
-        if sep:
-            warnings.warn(
-                f"device_type {text!r} names a device index; a mesh spans all devices, "
-                f"so vemesh uses {base!r} (set the current device before init instead)",
-                UserWarning,
-                stacklevel=2,
-            )
         return base
 
     @field_validator("mesh_shape", mode="before")

@@ -1,0 +1,144 @@
+"""Layer 3: real gloo collectives over the mesh's groups, 8 and 4 processes.
+
+Each rank computes the expected sums itself from the layout arithmetic, then
+checks what the collective actually returned. The cases are grouped so the
+whole file spawns three process groups.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch import RankFailed, run_ranks
+
+
+def _grid_group(shape, dims, rank):
+    grid = np.arange(math.prod(shape)).reshape(shape)
+    moved = np.moveaxis(grid, dims, tuple(range(len(shape) - len(dims), len(shape))))
+    rows = moved.reshape(-1, math.prod(shape[d] for d in dims)).tolist()
+    return next(r for r in rows if rank in r)
+
+
+def _sum_over(group, rank):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def _eight_ranks(rank, world):
+    from vemesh import VESCALE_DEVICE_MESH as mesh
+
+    shape = (2, 2, 2)
+    mesh.init_device_mesh("cpu", shape, mesh_dim_names=("PP", "DP", "TP"))
+    checked = []
+    for d, name in enumerate(("PP", "DP", "TP")):
+        group = _grid_group(shape, (d,), rank)
+        assert dist.get_process_group_ranks(mesh.get_group(name)) == group
+        assert _sum_over(mesh[name].get_group(), rank) == sum(r + 1 for r in group), name
+        checked.append(name)
+    # a 2-D view, and its groups through torch's own API
+    view = mesh["DP", "TP"]
+    assert view.mesh.flatten().tolist() == _grid_group(shape, (1, 2), rank)
+    assert _sum_over(view.get_group("TP"), rank) == sum(r + 1 for r in _grid_group(shape, (2,), rank))
+    # flattened groups
+    for dims in ((1, 2), (0, 1), (0, 2)):
+        names = tuple(("PP", "DP", "TP")[d] for d in dims)
+        flat = mesh.flatten(names)
+        group = _grid_group(shape, dims, rank)
+        assert _sum_over(flat.get_group(), rank) == sum(r + 1 for r in group), names
+        assert _sum_over(mesh.get_group("_".join(names)), rank) == sum(r + 1 for r in group)
+        checked.append("_".join(names))
+    # point-to-point along the pipeline: send my rank forward, receive from behind
+    nxt, prev = mesh.get_neighbor_rank("PP", 1, wrap=True), mesh.get_neighbor_rank("PP", -1, wrap=True)
+    out, inbox = torch.tensor([rank]), torch.tensor([-1])
+    reqs = [dist.isend(out, nxt), dist.irecv(inbox, prev)]
+    for r in reqs:
+        r.wait()
+    assert inbox.item() == prev
+    # the submesh of the next stage holds the ranks our neighbor sits with
+    nb = mesh.get_neighbor_submesh("TP", along="PP", wrap=True)
+    assert nb.mesh.tolist() == _grid_group(shape, (2,), nxt)
+    # the stage's own submesh carries its real group
+    stage = mesh.get_global_pipeline_parallel_meshes()[mesh.lookup_rank("PP")]
+    assert stage is mesh["DP", "TP"]
+    assert mesh.get_local_rank() == rank  # LOCAL_RANK from the launcher
+    dist.barrier()
+    return checked
+
+
+def _four_ranks(rank, world):
+    from vemesh import VeDeviceMesh
+
+    results = {}
+    mesh = VeDeviceMesh()
+    # a -1 is inferred; a 1-D mesh defaults to DP
+    mesh.init_device_mesh("cpu", (-1, 2))
+    results["shape"] = mesh.shape
+    results["tp_sum"] = _sum_over(mesh.get_group("TP"), rank)
+    mesh.init_device_mesh("cpu", (4,))
+    results["dp_names"] = mesh.mesh_dim_names
+    results["dp_sum"] = _sum_over(mesh.get_group(), rank)
+    # ranks that disagree fail loudly on every rank instead of hanging
+    shape = (2, 2) if rank < 2 else (4, 1)
+    try:
+        mesh.init_device_mesh("cpu", shape)
+    except ValueError as err:
+        results["mismatch"] = str(err)
+    names = ("DP", "TP") if rank != 3 else ("TP", "DP")
+    try:
+        mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    except ValueError as err:
+        results["names_mismatch"] = str(err)
+    # the mesh from before the failed inits is untouched and still works
+    results["after"] = (mesh.shape, _sum_over(mesh.get_group(), rank))
+    return results
+
+
+def test_collectives_over_views_and_flattened_groups_on_8_ranks():
+    results = run_ranks(_eight_ranks, 8)
+    assert all(r == ["PP", "DP", "TP", "DP_TP", "PP_DP", "PP_TP"] for r in results)
+
+
+def test_inference_defaults_and_mismatch_on_4_ranks():
+    results = run_ranks(_four_ranks, 4)
+    for rank, res in enumerate(results):
+        assert res["shape"] == (2, 2)
+        assert res["tp_sum"] == (3 if rank < 2 else 7)
+        assert res["dp_names"] == ("DP",) and res["dp_sum"] == 10
+        assert "ranks disagree on the mesh" in res["mismatch"]
+        assert "ranks [0, 1] have shape (2, 2); ranks [2, 3] have shape (4, 1)" in res["mismatch"]
+        assert f"rank {rank} asked for shape" in res["mismatch"]
+        assert "ranks [0, 1, 2] have shape (2, 2)" in res["names_mismatch"]
+        assert "ranks [3] have shape (2, 2) (other dim names/device)" in res["names_mismatch"] or rank == 3
+        assert res["after"] == ((4,), 10)
+
+
+def _fails_on_rank_one(rank, world):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # rank 1 never arrives: the launcher must not hang
+
+
+def test_launcher_reports_a_failing_rank_instead_of_hanging():
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 .*boom on rank 1"):
+        run_ranks(_fails_on_rank_one, 2, timeout=60)
+
+
+def test_plain_python_gets_a_one_rank_group():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    code = (
+        "from vemesh import VESCALE_DEVICE_MESH as m\n"
+        "m.init_device_mesh('cpu', (1, 1))\n"
+        "print(m, m.get_strategy_size('TP'), m.get_local_rank())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "VeDeviceMesh((DP=1, TP=1), device_type='cpu', rank=0, coordinate=(0, 0)) 1 0" in out.stdout
