@@ -29,10 +29,21 @@ from __future__ import annotations
 import difflib
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["MeshLayout", "unknown_name_error"]
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer (numpy and torch ints too), else None; bools are not."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyError:
@@ -103,9 +114,10 @@ class MeshLayout:
 
     def check_rank(self, rank: int) -> int:
         """Return ``rank`` if it is a global rank of this mesh, else raise ``ValueError``."""
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+        value = _as_int(rank)
+        if value is None or not 0 <= value < self.world_size:
             raise ValueError(f"global rank {rank!r} is out of range; valid: 0..{self.world_size - 1}")
-        return rank
+        return value
 
     def group_size(self, dims: tuple[int, ...]) -> int:
         """Number of ranks in every group along ``dims`` (1 for ``()``)."""
@@ -114,26 +126,36 @@ class MeshLayout:
     # ------------------------------------------------- coordinate <-> global rank
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Coordinate of global ``rank``: on (2, 4), rank 6 -> (1, 2) and rank 1 -> (0, 1)."""
-        self.check_rank(rank)
-        return tuple((rank // st) % sz for st, sz in zip(self.strides, self.shape))
+        if type(rank) is not int or not 0 <= rank < self.world_size:
+            rank = self.check_rank(rank)
+        return tuple([(rank // st) % sz for st, sz in zip(self.strides, self.shape)])
 
     def rank(self, coordinate: Sequence[int]) -> int:
         """Global rank at ``coordinate``: on (2, 4), (1, 2) -> 6 and (0, 1) -> 1."""
-        coordinate = tuple(coordinate)
+        rank = 0
+        if len(coordinate) == self.ndim:
+            for c, size, st in zip(coordinate, self.shape, self.strides):
+                if type(c) is not int or not 0 <= c < size:
+                    break
+                rank += c * st
+            else:
+                return rank
+        given = tuple(coordinate)
+        coordinate = tuple(v if (v := _as_int(c)) is not None else c for c in given)
         if len(coordinate) != self.ndim:
             raise ValueError(
                 f"coordinate {coordinate} has {len(coordinate)} entries; this mesh "
                 f"{dict(zip(self.dim_names, self.shape))} needs {self.ndim}"
             )
         for name, c, size in zip(self.dim_names, coordinate, self.shape):
-            if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < size:
-                raise ValueError(f"coordinate {coordinate}: {name}={c!r} is out of range; valid: 0..{size - 1}")
+            if type(c) is not int or not 0 <= c < size:
+                raise ValueError(f"coordinate {given}: {name}={c!r} is out of range; valid: 0..{size - 1}")
         return sum(c * st for c, st in zip(coordinate, self.strides))
 
     # ----------------------------------------------------------------- groups
     def index_in_group(self, rank: int, dims: tuple[int, ...]) -> int:
         """Position of ``rank`` inside its group along ``dims`` (row-major over ``dims``)."""
-        self.check_rank(rank)
+        rank = self.check_rank(rank)
         index = 0
         for d in dims:
             index = index * self.shape[d] + (rank // self.strides[d]) % self.shape[d]
@@ -141,11 +163,12 @@ class MeshLayout:
 
     def member(self, rank: int, dims: tuple[int, ...], index: int) -> int:
         """Global rank of member ``index`` of ``rank``'s group along ``dims``."""
-        self.check_rank(rank)
+        rank = self.check_rank(rank)
         size = self.group_size(dims)
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < size:
+        given, index = index, _as_int(index)  # type: ignore[assignment]
+        if index is None or not 0 <= index < size:
             names = "x".join(self.dim_names[d] for d in dims) or "(none)"
-            raise ValueError(f"local rank {index!r} is out of range along {names} (size {size}); valid: 0..{size - 1}")
+            raise ValueError(f"local rank {given!r} is out of range along {names} (size {size}); valid: 0..{size - 1}")
         base = self._base(rank, dims)
         for d in reversed(dims):
             index, c = divmod(index, self.shape[d])
@@ -154,12 +177,12 @@ class MeshLayout:
 
     def group_ranks(self, rank: int, dims: tuple[int, ...]) -> list[int]:
         """Every global rank in ``rank``'s group along ``dims``, in member order."""
-        self.check_rank(rank)
+        rank = self.check_rank(rank)
         return self._ranks_from(self._base(rank, dims), dims)
 
     def group_index(self, rank: int, dims: tuple[int, ...]) -> int:
         """Which group along ``dims`` holds ``rank``, counting groups as :meth:`all_groups` lists them."""
-        self.check_rank(rank)
+        rank = self.check_rank(rank)
         index = 0
         for d in self.complement(dims):
             index = index * self.shape[d] + (rank // self.strides[d]) % self.shape[d]
@@ -196,7 +219,7 @@ class MeshLayout:
         On (PP=4, TP=2): ``neighbor(3, 0, +1)`` is 5; ``neighbor(7, 0, +1)`` is None,
         and 1 with ``wrap=True``.
         """
-        self.check_rank(rank)
+        rank = self.check_rank(rank)
         c = (rank // self.strides[dim]) % self.shape[dim]
         target = c + offset
         if wrap:

@@ -143,3 +143,16 @@ def test_layout_bad_queries_name_the_value_and_range():
         layout.dim_index(2)
     with pytest.raises(ValueError, match=r"group index 4 is out of range; valid: 0..3"):
         layout.group_at((0,), 4)
+
+
+def test_numpy_and_torch_integers_are_ranks_but_bools_are_not():
+    import torch
+
+    layout = MeshLayout((2, 4), ("DP", "TP"))
+    assert layout.rank((np.int64(1), torch.tensor(2))) == 6
+    assert layout.coordinate(np.int32(5)) == (1, 1)
+    assert layout.member(np.int64(3), (1,), np.int16(2)) == 2
+    with pytest.raises(ValueError, match=r"global rank True is out of range"):
+        layout.coordinate(True)
+    with pytest.raises(ValueError, match=r"TP=2.0 is out of range"):
+        layout.rank((1, 2.0))
