@@ -5,8 +5,21 @@
 >>> tp_mesh = VESCALE_DEVICE_MESH["TP"]                                                # doctest: +SKIP
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .layout import MeshLayout
-from .mesh import VESCALE_DEVICE_MESH, VeDeviceMesh
+
+if TYPE_CHECKING:
+    from .mesh import VESCALE_DEVICE_MESH, VeDeviceMesh
 
 __all__ = ["VESCALE_DEVICE_MESH", "VeDeviceMesh", "MeshLayout"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported on first use of the mesh, so `vemesh show` / `vemesh plan` start fast
+    if name in ("VESCALE_DEVICE_MESH", "VeDeviceMesh"):
+        from . import mesh
+
+        return getattr(mesh, name)
+    raise AttributeError(f"module 'vemesh' has no attribute {name!r}")

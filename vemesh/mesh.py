@@ -21,6 +21,7 @@ works on any mesh. Questions about *structure* (``size``, ``mesh["CP"]``,
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,8 @@ from .layout import MeshLayout, unknown_name_error
 from .spec import STANDARD_STRATEGIES, MeshSpec
 
 __all__ = ["VeDeviceMesh", "VESCALE_DEVICE_MESH"]
+
+_logger = logging.getLogger("vemesh")
 
 #: A dim: its name, its index, or several of them for a multi-dim view.
 Dim = Union[str, int]
@@ -70,6 +73,7 @@ class VeDeviceMesh:
         *,
         mesh_dim_names: Sequence[str] | None = None,
         check_uniqueness: bool = False,
+        log_layout: bool | None = None,
     ) -> DeviceMesh:
         """Build the global mesh (and the default process group if there is none).
 
@@ -80,6 +84,8 @@ class VeDeviceMesh:
             mesh_dim_names: one name per dim. Defaults: 1-D ``("DP",)``, 2-D ``("DP", "TP")``,
                 3-D ``("PP", "DP", "TP")``; 4-D and more must be named.
             check_uniqueness: raise ``RuntimeError`` instead of replacing an existing mesh.
+            log_layout: rank 0 logs :meth:`describe` (and layout warnings, such as a TP group
+                spanning hosts) to the ``vemesh`` logger. Defaults to ``VEMESH_LOG_LAYOUT=1``.
 
         Returns:
             The torch ``DeviceMesh``; on 8 ranks with shape ``(2, -1, 2)`` every rank gets
@@ -115,6 +121,10 @@ class VeDeviceMesh:
         self._mesh, self._layout, self._rank = mesh, layout, dist.get_rank()
         self._dims = {name: (i,) for i, name in enumerate(layout.dim_names)}
         self._views[layout.dim_names] = mesh
+        if log_layout is None:
+            log_layout = os.environ.get("VEMESH_LOG_LAYOUT", "0") not in ("", "0")
+        if log_layout and self._rank == 0:
+            self._log_layout()
         return mesh
 
     def get(self, **kwargs: Any) -> DeviceMesh:
@@ -440,6 +450,14 @@ class VeDeviceMesh:
             devices_per_host=devices_per_host,
             flattened={n: d for n, d in self._dims.items() if n not in self.layout.dim_names},
         )
+
+    def _log_layout(self) -> None:
+        from .describe import check_layout
+
+        per_host = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+        _logger.info("%s", self.describe(devices_per_host=per_host))
+        for warning in check_layout(self.layout, per_host):
+            _logger.warning("%s", warning)
 
     def __repr__(self) -> str:
         if self._layout is None:

@@ -244,3 +244,23 @@ def test_describe_lists_groups_and_rank_view(fake_mesh):
     text = mesh.describe()
     assert "mesh (PP=2, DP=2, TP=2): 8 ranks" in text
     assert "[4, 5]" in text and "rank 5" in text and "PP=1, DP=0, TP=1" in text
+
+
+def test_rank_zero_logs_the_layout_when_asked(fake_rank, caplog, monkeypatch):
+    from vemesh import VeDeviceMesh
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    for rank in (0, 5):
+        fake_rank(rank, 16)
+        mesh = VeDeviceMesh()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="vemesh"):
+            mesh.init_device_mesh("cpu", (2, 8), log_layout=True)
+            mesh.init_device_mesh("cpu", (2, 8))  # not asked: silent
+        logged = [r for r in caplog.records if r.name == "vemesh"]
+        if rank == 0:
+            assert "mesh (DP=2, TP=8): 16 ranks" in logged[0].getMessage()
+            assert any(r.levelname == "WARNING" and "TP groups cross hosts" in r.getMessage() for r in logged)
+            assert len(logged) == 2
+        else:
+            assert logged == []

@@ -1,0 +1,5 @@
+"""``python -m vemesh``: the ``vemesh`` command line (see :mod:`vemesh.cli`)."""
+
+from .cli import main
+
+raise SystemExit(main())

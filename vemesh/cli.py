@@ -1,0 +1,247 @@
+"""The ``vemesh`` command line: see which ranks land in which groups before you launch.
+
+No process group, no GPU, no torch: it is the arithmetic of :mod:`vemesh.layout`::
+
+    vemesh show --shape 2,2,2 [--names PP,DP,TP] [--devices-per-host 4] [--rank 5] [--json]
+    vemesh plan --world-size 64 --devices-per-host 8 --tp 8 --pp 2 [--cp N] [--dp N|auto] [--json]
+
+``python -m vemesh`` is the same. ``show`` prints the rank grid (hosts marked),
+the groups along every dim and, with ``--rank``, one rank's view; ``plan`` fills
+in the missing degree (DP unless one is ``auto``) and prints the layout and the
+``init_device_mesh(...)`` call to paste. Layouts that waste bandwidth (a TP or
+CP group across hosts, TP not innermost, a partly used host) get a
+``vemesh: warning:`` on stderr, and are listed under ``"warnings"`` with
+``--json``; they do not change the exit status.
+
+Exit status: 0 on success, 2 on bad input, with one line ``vemesh: error: ...``
+on stderr that names the bad value and the valid ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+
+from .describe import WIDTH, LayoutWarning, check_layout, describe_layout, layout_document
+from .layout import MeshLayout
+from .plan import AUTO, MeshPlan, plan_mesh
+from .spec import DEFAULT_DIM_NAMES, VALID_DEVICE_TYPES, MeshSpec
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one ``vemesh: error:`` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``vemesh`` with ``argv`` (default ``sys.argv[1:]``) and return the exit status.
+
+    ``main(["show", "--shape", "2,2"])`` prints the layout and returns 0;
+    ``main(["show", "--shape", "2,0"])`` prints ``vemesh: error: ...`` and returns 2.
+    """
+    try:
+        args = _parser().parse_args(argv)
+        return args.run(args)
+    except UsageError as e:
+        message = " ".join(str(e).split())  # one line, whatever the source
+        if message.endswith("required: command"):
+            message += " (choose from 'show', 'plan')"
+        print(f"vemesh: error: {message}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except BrokenPipeError:  # `vemesh show ... | head`: stop quietly, as the Python docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+# ------------------------------------------------------------------ commands
+def _show(args: argparse.Namespace) -> int:
+    try:
+        spec = MeshSpec(device_type="cpu", mesh_shape=args.shape, mesh_dim_names=args.names)
+    except ValidationError as e:
+        raise UsageError(_spec_message(e)) from None
+    if -1 in spec.mesh_shape and args.world_size is None:
+        raise UsageError(f"argument --shape: {_csv(args.shape)} has a -1 to infer; pass --world-size N to fill it in")
+    world_size = args.world_size if args.world_size is not None else math.prod(spec.mesh_shape)
+    try:
+        layout = spec.resolve(world_size)
+    except ValueError as e:
+        raise UsageError(f"argument --world-size: {e}") from None
+    _check_rank(layout, args.rank)
+    warnings = check_layout(layout, args.devices_per_host)
+    if args.json:
+        _print_json(layout_document(layout, rank=args.rank, devices_per_host=args.devices_per_host))
+    else:
+        print(describe_layout(layout, rank=args.rank, devices_per_host=args.devices_per_host))
+    _print_warnings(warnings)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_mesh(
+            args.world_size, pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp,
+            devices_per_host=args.devices_per_host, device_type=args.device_type,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    _check_rank(plan.layout, args.rank)
+    if args.json:
+        doc: dict[str, Any] = {
+            "world_size": plan.world_size,
+            "degrees": plan.degrees,
+            "filled_in": plan.filled,
+            "init_device_mesh": plan.init_call(),
+        }
+        doc.update(layout_document(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host))
+        _print_json(doc)
+    else:
+        print(_plan_header(plan))
+        print(describe_layout(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host))
+        print("paste into the training script:")
+        print("    from vemesh import VESCALE_DEVICE_MESH")
+        call = plan.init_call()
+        if len(call) + 4 <= WIDTH:
+            print(f"    {call}")
+        else:
+            head, _, rest = call.partition("(")
+            print(f"    {head}(\n        {rest[:-1]}\n    )")
+    _print_warnings(plan.warnings)
+    return 0
+
+
+def _plan_header(plan: MeshPlan) -> str:
+    filled = f" ({plan.filled} filled in)" if plan.filled else ""
+    header = f"plan: {plan.world_size} ranks = {plan.product()}{filled}"
+    left_out = [n for n in plan.degrees if n not in plan.layout.dim_names]
+    if left_out:
+        header += f"\n  left out of the mesh (size 1): {', '.join(left_out)}"
+    return header
+
+
+# ------------------------------------------------------------------ parsing
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="vemesh",
+        description="See a device mesh layout (which ranks form which groups, on which hosts) before launching.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    show = commands.add_parser(
+        "show", help="draw a mesh: rank grid, groups along every dim, one rank's view",
+        description="Draw a mesh: the rank grid with hosts marked, the groups along every dim, one rank's view.",
+    )
+    show.add_argument("--shape", type=_shape, required=True, metavar="N,N,...",
+                      help="size per dim, outermost first, e.g. 2,2,2 (one -1 with --world-size)")
+    defaults = "; ".join(f"{k}-D {','.join(v)}" for k, v in DEFAULT_DIM_NAMES.items())
+    show.add_argument("--names", type=_names, metavar="A,B,...",
+                      help=f"dim names, outermost first (default: {defaults})")
+    show.add_argument("--world-size", type=_positive, metavar="N", help="fill in a -1 in --shape")
+    show.set_defaults(run=_show)
+
+    plan = commands.add_parser(
+        "plan", help="fill in the missing degree and print the init_device_mesh call",
+        description="Fill in the one missing degree (DP unless another is 'auto'), check the layout, "
+        "and print the init_device_mesh(...) call. Dims run PP, DP, CP, TP (outermost first); "
+        "dims of size 1 are left out.",
+    )
+    plan.add_argument("--world-size", type=_positive, required=True, metavar="N", help="total number of ranks")
+    for name, default in (("pp", 1), ("dp", None), ("cp", 1), ("tp", 1)):
+        plan.add_argument(f"--{name}", type=_degree, default=default, metavar="N",
+                          help=f"{name.upper()} degree or 'auto' (default: "
+                          + ("auto, or 1 when another degree is auto)" if default is None else f"{default})"))
+    plan.add_argument("--device-type", choices=VALID_DEVICE_TYPES, default="cuda",
+                      help="device type written into the call (default: cuda)")
+    plan.set_defaults(run=_plan)
+
+    for sub in (show, plan):
+        sub.add_argument("--devices-per-host", type=_positive, metavar="N",
+                         help="ranks per host (torchrun --nproc-per-node), to mark hosts and check groups")
+        sub.add_argument("--rank", type=int, metavar="R",
+                         help="show this global rank's coordinate, host, groups and pipeline neighbors")
+        sub.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    return parser
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid shape {text!r}: expected integer sizes separated by commas, such as 2,2,2"
+        ) from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(","))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive integer")
+    return value
+
+
+def _degree(text: str) -> int | str:
+    if text.strip().lower() in (AUTO, "-1"):
+        return AUTO
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"invalid degree {text!r}: expected a positive integer or 'auto'"
+        ) from None
+
+
+# ------------------------------------------------------------------ helpers
+def _check_rank(layout: MeshLayout, rank: int | None) -> None:
+    if rank is not None:
+        try:
+            layout.check_rank(rank)
+        except ValueError as e:
+            raise UsageError(f"argument --rank: {e}") from None
+
+
+def _spec_message(error: ValidationError) -> str:
+    """The library's own message (without pydantic's decoration), tagged with the argument it came from."""
+    options = {"mesh_shape": "argument --shape: ", "mesh_dim_names": "argument --names: ", "": "argument --names: "}
+    parts = []
+    for err in error.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        text = str(cause) if cause is not None else err["msg"]
+        parts.append(options.get(str(err["loc"][0]) if err["loc"] else "", "") + text)
+    return "; ".join(parts)
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    """One top-level key per line, each value compact: readable for 8 ranks, few lines for 16384."""
+    body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items())
+    print("{\n" + body + "\n}")
+
+
+def _print_warnings(warnings: list[LayoutWarning]) -> None:
+    for w in warnings:
+        print(textwrap.fill(f"vemesh: warning: {w}", width=WIDTH, subsequent_indent="  "), file=sys.stderr)
+
+
+def _csv(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
