@@ -70,6 +70,7 @@ class MeshLayout:
     dim_names: tuple[str, ...]
     strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
     world_size: int = field(init=False, repr=False, compare=False)
+    _pairs: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shape, names = tuple(self.shape), tuple(self.dim_names)
@@ -93,6 +94,7 @@ class MeshLayout:
         object.__setattr__(self, "dim_names", names)
         object.__setattr__(self, "strides", tuple(strides))
         object.__setattr__(self, "world_size", math.prod(shape))
+        object.__setattr__(self, "_pairs", tuple(zip(strides, shape)))
 
     @property
     def ndim(self) -> int:
@@ -128,7 +130,7 @@ class MeshLayout:
         """Coordinate of global ``rank``: on (2, 4), rank 6 -> (1, 2) and rank 1 -> (0, 1)."""
         if type(rank) is not int or not 0 <= rank < self.world_size:
             rank = self.check_rank(rank)
-        return tuple([(rank // st) % sz for st, sz in zip(self.strides, self.shape)])
+        return tuple([(rank // st) % sz for st, sz in self._pairs])
 
     def rank(self, coordinate: Sequence[int]) -> int:
         """Global rank at ``coordinate``: on (2, 4), (1, 2) -> 6 and (0, 1) -> 1."""

@@ -61,6 +61,7 @@ class VeDeviceMesh:
         self._mesh: DeviceMesh | None = None
         self._layout: MeshLayout | None = None
         self._rank = -1
+        self._coordinate: tuple[int, ...] = ()
         self._dims: dict[str, tuple[int, ...]] = {}  # dim name or flattened name -> dims
         self._views: dict[Any, DeviceMesh] = {}  # key as the user wrote it -> view
         self._submeshes: dict[tuple[tuple[int, ...], int], DeviceMesh] = {}
@@ -119,6 +120,7 @@ class VeDeviceMesh:
         self.reset()
         mesh = _torch_init_device_mesh(spec.device_type, layout.shape, mesh_dim_names=layout.dim_names)
         self._mesh, self._layout, self._rank = mesh, layout, dist.get_rank()
+        self._coordinate = layout.coordinate(self._rank)
         self._dims = {name: (i,) for i, name in enumerate(layout.dim_names)}
         self._views[layout.dim_names] = mesh
         if log_layout is None:
@@ -149,7 +151,7 @@ class VeDeviceMesh:
         The process groups themselves belong to torch and stay alive for
         anyone still holding them.
         """
-        self._mesh, self._layout, self._rank = None, None, -1
+        self._mesh, self._layout, self._rank, self._coordinate = None, None, -1, ()
         self._dims, self._views, self._submeshes = {}, {}, {}
 
     # ============================================================= the mesh
@@ -193,7 +195,8 @@ class VeDeviceMesh:
 
     def get_coordinate(self) -> tuple[int, ...]:
         """This rank's coordinate: ``(0, 1, 1)`` on rank 3, ``(1, 0, 1)`` on rank 5."""
-        return self.layout.coordinate(self._my_rank())
+        self._my_rank()
+        return self._coordinate
 
     # ======================================================== rank arithmetic
     def get_strategy_size(self, dim: Dims) -> int:
@@ -205,7 +208,12 @@ class VeDeviceMesh:
 
         ``get_strategy_coordinate(5)`` is ``[1, 0, 1]`` whichever rank asks.
         """
-        return list(self.layout.coordinate(self._my_rank() if rank is None else rank))
+        layout = self._layout
+        if layout is None:
+            raise RuntimeError(_NOT_INITIALIZED)
+        if rank is None:
+            return list(self._coordinate)
+        return list(layout.coordinate(rank))
 
     def get_global_rank(self, coordinate: Sequence[int] | Mapping[Dim, int]) -> int:
         """Global rank at a coordinate: the inverse of :meth:`get_strategy_coordinate`.
@@ -215,9 +223,13 @@ class VeDeviceMesh:
                 mapping by dim whose missing dims keep this rank's coordinate:
                 ``{"PP": 1}`` is this rank's counterpart in stage 1 (rank 2 gets 6, rank 3 gets 7).
         """
-        layout = self.layout
+        layout = self._layout
+        if layout is None:
+            raise RuntimeError(_NOT_INITIALIZED)
+        if type(coordinate) is tuple or type(coordinate) is list:
+            return layout.rank(coordinate)
         if isinstance(coordinate, Mapping):
-            full = list(layout.coordinate(self._my_rank()))
+            full = list(self._coordinate)
             for dim, index in coordinate.items():
                 full[layout.dim_index(dim)] = index
             return layout.rank(full)

@@ -47,6 +47,7 @@ def test_coordinate_rank_bijection(shape):
         assert all(0 <= x < s for x, s in zip(c, shape))
 
 
+@settings(deadline=None)  # a 5x3x5x5 example checks every rank of every group: slow under load
 @given(layout_and_dims())
 def test_groups_partition_world_and_match_numpy(case):
     layout, dims = case
