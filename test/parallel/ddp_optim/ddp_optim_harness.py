@@ -1,0 +1,191 @@
+"""Shared pieces for the DDP / DistributedOptimizer tests: a launcher for real gloo worlds,
+a small tensor-parallel MLP, and the single-process ``torch.optim.AdamW`` reference.
+
+Workers run many scenarios in one process group (spawning 4 ranks costs seconds of torch
+import on 2 cores) and report ``{scenario: None | error text}`` back to pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+Results = dict[str, str | None]
+
+D_IN, D_HID, D_MID, D_OUT = 16, 32, 16, 8
+GLOBAL_BATCH = 16
+TP_PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(), "fc3": ColwiseParallel(), "fc4": RowwiseParallel()}
+
+
+class Net(nn.Module):
+    """Two column/row-parallel pairs around a LayerNorm (which stays a plain, TP-replicated module)."""
+
+    def __init__(self, with_unused: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D_IN, D_HID)
+        self.fc2 = nn.Linear(D_HID, D_MID)
+        self.norm = nn.LayerNorm(D_MID)
+        self.fc3 = nn.Linear(D_MID, D_HID)
+        self.fc4 = nn.Linear(D_HID, D_OUT)
+        self.unused = nn.Parameter(torch.randn(D_OUT)) if with_unused else None
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        x = self.norm(self.fc2(F.relu(self.fc1(x))))  # B, D_MID
+        out = self.fc4(F.relu(self.fc3(x)))  # B, D_OUT
+        return out + self.unused if use_extra and self.unused is not None else out
+
+
+def make_net(seed: int = 0, with_unused: bool = False, dtype: torch.dtype = torch.float32) -> Net:
+    torch.manual_seed(seed)
+    return Net(with_unused).to(dtype)
+
+
+def batch(step: int, micro: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of one micro-step (same on every rank)."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(GLOBAL_BATCH, D_IN, generator=g)
+    y = torch.randn(GLOBAL_BATCH, D_OUT, generator=g)
+    return x.to(dtype), y.to(dtype)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (biases, norms and ``unused`` get none)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int, partial_extra: bool) -> torch.Tensor:
+    """MSE on one (DP-local) batch; with ``partial_extra`` only DP chunk 0 uses ``unused``."""
+    return F.mse_loss(model(x, use_extra=partial_extra and chunk == 0), y)
+
+
+def reference_run(
+    steps: int,
+    micro: int,
+    lr: float,
+    weight_decay: float,
+    clip: float | None,
+    groups: bool,
+    with_unused: bool,
+    dp: int = 1,
+    partial_extra: bool = False,
+) -> tuple[Net, list[dict[str, torch.Tensor]], list[float]]:
+    """Single process, global batch, ``torch.optim.AdamW``.
+
+    With ``partial_extra`` the loss is the mean of ``dp`` equal chunk losses where only chunk 0
+    uses the extra parameter (what DP rank 0 does in the distributed run); otherwise it is the
+    plain MSE over the global batch.
+
+    Returns:
+        The trained model, the gradients of step 0 (after accumulation), and each step's grad norm.
+    """
+    model = make_net(with_unused=with_unused)
+    params: Any = param_groups(model, weight_decay) if groups else model.parameters()
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    first_grads: list[dict[str, torch.Tensor]] = []
+    norms: list[float] = []
+    for step in range(steps):
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = batch(step, m)
+            if partial_extra:
+                chunks = zip(x.chunk(dp), y.chunk(dp))
+                (sum(loss_of(model, xc, yc, c, True) for c, (xc, yc) in enumerate(chunks)) / dp).backward()
+            else:
+                F.mse_loss(model(x), y).backward()
+        if step == 0:
+            first_grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return model, first_grads, norms
+
+
+def tp_model(tp_mesh: Any, seed: int = 0, with_unused: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
+    model = make_net(seed, with_unused, dtype)
+    return parallelize_module(model, tp_mesh, TP_PLAN) if tp_mesh.size() > 1 else model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The unsharded value (all-gathers over TP for DTensors; every rank must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        worst = max(worst, (full(p.detach()).float() - ref_params[name.removeprefix("module.")].detach()).abs().max().item())
+    return worst
+
+
+def check(results: Results, name: str, fn: Callable[[], None]) -> None:
+    """Run one scenario; record None on success or the traceback text on failure."""
+    try:
+        fn()
+        results[name] = None
+    except Exception:  # noqa: BLE001 - reported back to pytest
+        results[name] = traceback.format_exc()
+
+
+# --------------------------------------------------------------------------- launcher
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[[int, int], Results], rank: int, world_size: int, port: int, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        queue.put((rank, fn(rank, world_size)))
+    except Exception:  # noqa: BLE001
+        queue.put((rank, {"<worker>": traceback.format_exc()}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable[[int, int], Results], world_size: int, timeout_s: float = 240.0) -> list[Results]:
+    """Run ``fn(rank, world_size)`` on ``world_size`` gloo ranks; return each rank's results.
+
+    Processes still alive after ``timeout_s`` are killed and reported as timed out.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: list[Results] = [{"<worker>": "timed out"} for _ in range(world_size)]
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for _ in range(world_size):
+        try:
+            rank, res = queue.get(timeout=max(deadline - time.monotonic(), 0.1))
+        except queue_mod.Empty:
+            break
+        results[rank] = res
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return results

@@ -1,0 +1,39 @@
+"""DDP and ZeRO-1 against a single process running torch.optim.AdamW on the global batch.
+
+One 4-rank gloo world (spawned once for the module) runs every scenario of
+``ddp_optim_scenarios.worker`` on meshes (DP, TP) = (4, 1), (2, 2), (1, 4); each test below
+checks that its scenario passed on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ddp_optim_harness import Results, launch
+from ddp_optim_scenarios import CONFIGS, EXTRA_CONFIGS, MESHES, worker
+
+WORLD_SIZE = 4
+
+PARITY = [f"parity[{dp}x{tp}-{c.name}]" for dp, tp in MESHES for c in CONFIGS + EXTRA_CONFIGS.get((dp, tp), [])]
+OTHERS = ["dp1-pass-through", "bf16", "state_dict", "errors", "broadcast", "vescale_mesh"]
+
+
+@pytest.fixture(scope="module")
+def world() -> list[Results]:
+    return launch(worker, WORLD_SIZE, timeout_s=300)
+
+
+def _assert_passed(world: list[Results], name: str) -> None:
+    for rank, results in enumerate(world):
+        assert "<worker>" not in results, f"rank {rank} failed outside any scenario:\n{results['<worker>']}"
+        assert name in results, f"rank {rank} did not run {name}"
+        assert results[name] is None, f"rank {rank}, {name}:\n{results[name]}"
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_parity_with_single_process_adamw(world: list[Results], name: str) -> None:
+    _assert_passed(world, name)
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_scenario(world: list[Results], name: str) -> None:
+    _assert_passed(world, name)
