@@ -1,0 +1,187 @@
+"""The GPT example's configuration: one pydantic model, validated once, overridable from the command line.
+
+Every field is a flag: ``n_layer`` is ``--n-layer``, booleans come in pairs
+(``--distributed-optimizer`` / ``--no-distributed-optimizer``). Nonsense fails
+here, before any process group exists, with a message that names the flag::
+
+    $ python examples/gpt/train.py --mesh-shape 1,3
+    error: --mesh-shape: TP size 3 does not divide --n-head 4 (choose TP from 1, 2, 4)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad configuration; ``str()`` is a user-facing message, one problem per line."""
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ---- parallelism
+    mesh_shape: tuple[int, int] | None = Field(
+        None,
+        description="DP,TP sizes, e.g. 2,2 or 4,1 or -1,2 (-1: take the rest of the world). "
+        "Default: TP=2 when the world size is even, else TP=1; DP takes the rest.",
+    )
+    distributed_optimizer: bool = Field(True, description="ZeRO-1 vemesh.optim.DistributedOptimizer (else plain AdamW)")
+    overlap_grad_reduce: bool = Field(True, description="start each gradient bucket's all-reduce during backward")
+    sequence_parallel: bool = Field(False, description="shard activations along the sequence between TP regions")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available, else cpu (resolved here)")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="parameter and activation dtype")
+    world_size: int = Field(default_factory=_world_size, ge=1, description="from torchrun's WORLD_SIZE; not a flag")
+
+    # ---- data
+    data: str | None = Field(None, description="a text file to train on (default: the Python standard library sources)")
+    max_data_bytes: int = Field(2_000_000, gt=0, description="read at most this many bytes of the corpus")
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of the corpus (its tail)")
+
+    # ---- model
+    n_layer: int = Field(2, ge=1)
+    n_head: int = Field(4, ge=1)
+    n_embd: int = Field(192, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    seq_len: int = Field(64, ge=2, description="tokens per sequence (also the model's block size)")
+
+    # ---- optimization
+    steps: int = Field(200, ge=1)
+    global_batch_size: int = Field(32, ge=1, description="sequences per step, summed over DP ranks")
+    lr: float = Field(2e-3, gt=0.0, description="peak learning rate")
+    min_lr: float = Field(2e-4, ge=0.0, description="learning rate at the end of the cosine decay")
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="clip the global gradient norm to this (0: off)")
+    seed: int = Field(1337, ge=0)
+
+    # ---- output
+    log_every: int = Field(10, ge=1, description="print a training line every N steps")
+    eval_every: int = Field(50, ge=0, description="evaluate on the held-out split every N steps (0: only at the end)")
+    eval_batches: int = Field(4, ge=1, description="global batches per evaluation")
+    sample_tokens: int = Field(160, ge=0, description="length of the text sample generated at the end (0: none)")
+    metrics_file: str | None = Field(None, description="write JSON lines (step, loss, tokens_per_s, ...) here")
+
+    @field_validator("mesh_shape", mode="before")
+    @classmethod
+    def _parse_mesh_shape(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            parts = [p.strip() for p in v.split(",")]
+            if len(parts) != 2 or not all(p.lstrip("-").isdigit() for p in parts):
+                raise ValueError(f"expected two sizes DP,TP like 2,2 or -1,2, got {v!r}")
+            return tuple(int(p) for p in parts)
+        return v
+
+    @field_validator("data")
+    @classmethod
+    def _data_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"no such file: {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.device == "auto":
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: this torch build sees no CUDA device (use --device cpu or auto)")
+        W = self.world_size
+        if self.mesh_shape is None:
+            tp = 2 if W % 2 == 0 else 1
+            object.__setattr__(self, "mesh_shape", (W // tp, tp))
+        dp, tp = self.mesh_shape
+        if (dp, tp).count(-1) > 1 or any(s == 0 or s < -1 for s in (dp, tp)):
+            raise ValueError(f"--mesh-shape: sizes must be positive, with at most one -1; got {dp},{tp}")
+        if dp == -1 or tp == -1:
+            known = tp if dp == -1 else dp
+            if W % known:
+                raise ValueError(f"--mesh-shape: {dp},{tp} cannot fill a world of {W} processes ({known} does not divide {W})")
+            dp, tp = (W // known, tp) if dp == -1 else (dp, W // known)
+            object.__setattr__(self, "mesh_shape", (dp, tp))
+        if dp * tp != W:
+            hint = "" if W > 1 else "; launch with torchrun --nproc_per_node=N to use N processes"
+            raise ValueError(f"--mesh-shape: {dp}x{tp} needs {dp * tp} processes but the world has {W}{hint}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
+        if self.n_head % tp:
+            divisors = ", ".join(str(d) for d in range(1, self.n_head + 1) if self.n_head % d == 0)
+            raise ValueError(f"--mesh-shape: TP size {tp} does not divide --n-head {self.n_head} (choose TP from {divisors})")
+        if self.global_batch_size % dp:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by the DP size {dp} "
+                f"(each DP rank takes an equal slice)"
+            )
+        if self.sequence_parallel and self.seq_len % tp:
+            raise ValueError(f"--sequence-parallel: --seq-len {self.seq_len} must be divisible by the TP size {tp}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        return self
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh_shape[0]
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh_shape[1]
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> TrainConfig:
+        """Parse command-line flags into a validated config; raise ``ConfigError`` on any problem."""
+        parser = _build_parser(cls)
+        args: list[str] = []
+        rest = iter(sys.argv[1:] if argv is None else argv)
+        for arg in rest:  # argparse would take the "-1,2" in "--mesh-shape -1,2" for a flag
+            value = next(rest, None) if arg == "--mesh-shape" else None
+            args.append(arg if value is None else f"{arg}={value}")
+        ns = parser.parse_args(args)
+        try:
+            return cls(**vars(ns))
+        except ValidationError as e:
+            raise ConfigError("\n".join(_describe(err) for err in e.errors())) from None
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage and sys.exit(2) itself
+        raise ConfigError(f"{message} (see --help)")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _build_parser(cls: type[BaseModel]) -> argparse.ArgumentParser:
+    p = _ArgumentParser(
+        prog="train.py",
+        description="Train a small GPT on a (DP, TP) vemesh mesh. Every flag maps to a TrainConfig field.",
+        argument_default=argparse.SUPPRESS,  # absent flags keep the pydantic defaults
+    )
+    for name, field in cls.model_fields.items():
+        if name == "world_size":
+            continue
+        default = field.get_default(call_default_factory=False)
+        help_text = f"{field.description or ''} (default: {default})".strip()
+        if field.annotation is bool:
+            p.add_argument(_flag(name), dest=name, action="store_true", help=help_text)
+            p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false")
+        else:
+            p.add_argument(_flag(name), dest=name, metavar=name.upper(), help=help_text)
+    return p
+
+
+def _describe(err: dict[str, Any]) -> str:
+    """One pydantic error as ``--flag: message``."""
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not err["loc"]:
+        return msg  # model-level checks already name their flags
+    return f"{_flag(str(err['loc'][0]))}: {msg}"

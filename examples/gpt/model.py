@@ -1,0 +1,159 @@
+"""A small GPT-2 style decoder, written to be read (after nanoGPT's model.py).
+
+Nothing here knows about meshes or ranks: tensor parallelism is applied from the
+outside by ``tp_plan.py``. The one concession to it is that attention splits
+heads with ``view(B, T, -1, head_dim)``: under TP each rank holds
+``n_head // tp`` heads, so the head count is read from the tensor, not the config.
+
+Shapes: B = batch, T = sequence length, C = n_embd, V = vocab_size, H = heads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # byte-level tokens
+    block_size: int = 64  # longest sequence the position table covers
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 192
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        # Separate q/k/v projections (not one fused c_attn) so that a column-wise
+        # split over TP hands each rank whole heads of q, k and v.
+        self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.head_dim = config.n_embd // config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        # Under TP, q/k/v hold only this rank's heads: (B, T, C // tp).
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, H, T, hd)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, H * hd)
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.gelu(self.c_fc(x))  # (B, T, 4C), or (B, T, 4C // tp) under TP
+        return self.dropout(self.c_proj(x))  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embeddings
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        # Not tied to wte (nanoGPT ties them): under TP the two would need the
+        # same sharding, and at V=256 the saving is small.
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer).
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        # DTensor parameters report their global numel, so this is the same
+        # before and after tensor parallelism.
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V)."""
+        B, T = idx.size()
+        assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.h:
+            x = block(x)  # (B, T, C)
+        x = self.ln_f(x)  # (B, T, C)
+        return self.lm_head(x)  # (B, T, V)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend ``idx`` (B, T) by ``max_new_tokens`` sampled tokens.
+
+        Sampling draws from ``generator``: give every rank a generator with the
+        same seed and every rank picks the same tokens, so a tensor-parallel
+        model stays in lockstep.
+        """
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size :]  # (B, t), t <= block_size
+            t = idx_cond.size(1)
+            # Pad on the right to a fixed length. Attention is causal, so the
+            # padding never changes the logits at position t - 1; a fixed shape
+            # suits sequence parallelism (T must split evenly over TP ranks).
+            idx_cond = F.pad(idx_cond, (0, self.config.block_size - t))  # (B, block_size)
+            logits = self(idx_cond)[:, t - 1, :].float() / temperature  # (B, V)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)  # (B, V)
+            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)  # (B, T + 1)
+        return idx

@@ -1,0 +1,119 @@
+"""Tensor parallelism for ``model.GPT``, with torch's own ``parallelize_module``.
+
+Megatron-style: in each block, q/k/v and the MLP's up projection are split
+column-wise (each TP rank owns ``n_head // tp`` whole heads and ``4C // tp``
+hidden units) and the two output projections row-wise, so each block costs one
+all-reduce in attention and one in the MLP, forward and backward.
+
+Every parameter becomes a DTensor on the TP mesh, so gradient clipping,
+DDP and checkpointing see one kind of parameter:
+
+    =============  ==========================  ===========================
+    module         parameters                  activations out
+    =============  ==========================  ===========================
+    wte, wpe       Shard(0): rows of the table  Replicate (all-reduce)
+    ln_*           Replicate                    Replicate
+    q, k, v, c_fc  Shard(0): output features    local shard, Shard(-1)
+    c_proj         Shard(1): input features     Replicate (all-reduce)
+    lm_head        Shard(0): vocab rows         Replicate (all-gather)
+    =============  ==========================  ===========================
+
+The loss is exact: the logits are all-gathered (V = 256 bytes, cheap) and every
+TP rank computes the same full cross-entropy on the same batch.
+
+With ``sequence_parallel=True`` the activations between blocks are split along
+the sequence (``Shard(1)``): LayerNorms run on ``T // tp`` positions, the
+all-reduces become reduce-scatter + all-gather. The math is the same; only the
+summation order of the LayerNorm weight gradients changes (fp32 rounding).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+class ReplicateParallel(ParallelStyle):
+    """Keep a module whole on every TP rank, with its parameters as ``Replicate()`` DTensors.
+
+    Inputs are taken as replicated local tensors and outputs handed back as
+    local tensors, so the module's math is untouched.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False) if not isinstance(t, DTensor) else t
+                for t in inputs
+            )
+
+        def to_local(mod, outputs, mesh):
+            return outputs.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def gpt_tp_plan(n_layer: int, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan for a ``GPT`` with ``n_layer`` blocks."""
+    if not sequence_parallel:
+        plan: dict[str, ParallelStyle] = {
+            "wte": RowwiseParallel(input_layouts=Replicate()),
+            "wpe": RowwiseParallel(input_layouts=Replicate()),
+            "ln_f": ReplicateParallel(),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        }
+        for i in range(n_layer):
+            plan |= {
+                f"h.{i}.ln_1": ReplicateParallel(),
+                f"h.{i}.attn.q": ColwiseParallel(),
+                f"h.{i}.attn.k": ColwiseParallel(),
+                f"h.{i}.attn.v": ColwiseParallel(),
+                f"h.{i}.attn.c_proj": RowwiseParallel(),
+                f"h.{i}.ln_2": ReplicateParallel(),
+                f"h.{i}.mlp.c_fc": ColwiseParallel(),
+                f"h.{i}.mlp.c_proj": RowwiseParallel(),
+            }
+        return plan
+
+    # Sequence parallel: between the blocks each rank holds x[:, rank's T // tp positions, :].
+    plan = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),  # (B, T/tp, C)
+        "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (T/tp, C)
+        "ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(n_layer):
+        plan |= {
+            f"h.{i}.ln_1": SequenceParallel(),
+            f"h.{i}.attn": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+            f"h.{i}.attn.q": ColwiseParallel(),
+            f"h.{i}.attn.k": ColwiseParallel(),
+            f"h.{i}.attn.v": ColwiseParallel(),
+            f"h.{i}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+            f"h.{i}.ln_2": SequenceParallel(),
+            f"h.{i}.mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+            f"h.{i}.mlp.c_fc": ColwiseParallel(),
+            f"h.{i}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` (a ``GPT``) over the 1-D ``tp_mesh`` in place and return it.
+
+    Every rank must have built the model with the same weights (same seed): TP
+    rank 0's copy is what gets sharded or broadcast (``SequenceParallel``'s
+    LayerNorms keep each rank's own copy).
+
+    On a (DP=2, TP=2) mesh, rank 1 (TP rank 1) ends up with heads 2-3 of every
+    q/k/v, the second half of every ``c_fc`` and byte ids 128-255 of ``wte``.
+    """
+    return parallelize_module(model, tp_mesh, gpt_tp_plan(len(model.h), sequence_parallel=sequence_parallel))

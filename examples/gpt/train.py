@@ -1,0 +1,212 @@
+"""Train a small GPT with tensor + data parallelism on one vemesh mesh.
+
+On a CPU machine (gloo), 4 processes on a (DP=2, TP=2) mesh, about two minutes:
+
+    torchrun --nproc_per_node=4 examples/gpt/train.py
+
+One process (a 1x1 mesh, no torchrun needed):
+
+    python examples/gpt/train.py
+
+Other shapes, sizes and options (every TrainConfig field is a flag; see --help):
+
+    torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape 4,1     # pure DP
+    torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape 1,4     # pure TP
+    torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape -1,2 --sequence-parallel
+    torchrun --nproc_per_node=4 examples/gpt/train.py --no-distributed-optimizer --dtype bf16
+    python examples/gpt/train.py --data my_text.txt --steps 500 --metrics-file metrics.jsonl
+
+On GPUs (nccl) and across nodes the same script runs unchanged:
+
+    torchrun --nproc_per_node=8 examples/gpt/train.py --mesh-shape -1,4
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        examples/gpt/train.py --mesh-shape -1,8
+
+What each rank does: every rank builds the same model from the same seed; TP
+shards it over ``VESCALE_DEVICE_MESH["TP"]``; DDP averages gradients over
+``VESCALE_DEVICE_MESH["DP"]``; the ZeRO-1 optimizer steps 1/DP of the state on
+each DP rank. Each step, every rank draws the same global batch and keeps the
+rows of its DP rank, so the loss (the mean over the global batch) matches a
+single-process run of the same config.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from config import ConfigError, TrainConfig
+from data import VOCAB_SIZE, ByteDataset, decode, encode
+from model import GPT, GPTConfig
+from tp_plan import apply_tp
+from vemesh import VESCALE_DEVICE_MESH
+from vemesh.ddp import DistributedDataParallel as DDP
+from vemesh.optim import DistributedOptimizer
+
+SAMPLE_PROMPT = "def "
+
+
+def print0(*args, **kwargs) -> None:
+    """Print on global rank 0 only (before the process group exists, trust torchrun's RANK)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.min_lr`` at the last step."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(1, cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token of this rank's batch, computed in fp32."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def dp_mean(value: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
+    """The mean of a scalar over the DP ranks (every DP rank holds an equal share of the batch)."""
+    value = value.detach().float().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dp_group)  # gloo has no AVG
+    return value.item() / dist.get_world_size(dp_group)
+
+
+@torch.no_grad()
+def evaluate(model, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, dp_group, device) -> float:
+    """Mean loss over ``cfg.eval_batches`` fixed global batches of the held-out split."""
+    model.eval()
+    losses = []
+    for i in range(cfg.eval_batches):
+        x, y = dataset.get_batch("val", step=i, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
+                                 seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=cfg.dp_size)
+        losses.append(loss_fn(model(x.to(device)), y.to(device)))
+    model.train()
+    return dp_mean(torch.stack(losses).mean(), dp_group)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # --------------------------------------------------------------- config
+    try:
+        cfg = TrainConfig.from_args(argv)
+        # ------------------------------------------------------------- data
+        dataset = ByteDataset(cfg.data, max_bytes=cfg.max_data_bytes, val_fraction=cfg.val_fraction)
+        dataset.check(cfg.seq_len)
+    except ConfigError as e:  # bad flags or data: one clear message, no traceback, exit code 2
+        print0(f"error: {e}".replace("\n", "\nerror: "), file=sys.stderr)
+        return 2
+
+    # ------------------------------------------------------- device and mesh
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device_type = cfg.device  # "auto" was resolved to "cuda" or "cpu" by the config
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this host's ranks
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+
+    VESCALE_DEVICE_MESH.init_device_mesh(device_type, cfg.mesh_shape, mesh_dim_names=("DP", "TP"))
+    dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
+    dp_group = VESCALE_DEVICE_MESH["DP"].get_group()
+    tp_size = VESCALE_DEVICE_MESH.get_strategy_size("TP")
+
+    print0(f"vemesh GPT example: {dist.get_world_size()} processes on {device_type} "
+           f"(backend {dist.get_backend()}), mesh DP={cfg.dp_size} x TP={cfg.tp_size}")
+    print0(VESCALE_DEVICE_MESH.describe())
+
+    print0(f"data: {dataset.source}: {len(dataset.train):,} train / {len(dataset.val):,} held-out bytes")
+
+    # ----------------------------------------------------------------- model
+    torch.manual_seed(cfg.seed)  # every rank builds the same weights before they are sharded
+    model_config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.seq_len, n_layer=cfg.n_layer,
+                             n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
+    model = GPT(model_config).to(device=device, dtype=dtype)
+    if tp_size > 1:
+        model = apply_tp(model, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel)
+    raw_model = model  # for eval and generation, without the DDP wrapper
+    model = DDP(model, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce,
+                use_distributed_optimizer=cfg.distributed_optimizer)
+    # Dropout masks: the same within a TP group (its activations are replicated), different across DP.
+    torch.manual_seed(cfg.seed + 1 + dp_rank)
+    print0(f"model: {raw_model.num_params():,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
+           f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
+           + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else ""))
+
+    # ------------------------------------------------------------- optimizer
+    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    if cfg.distributed_optimizer:
+        optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model],
+                                         clip_grad=cfg.grad_clip or None, **adamw)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    print0(f"optimizer: {'ZeRO-1 DistributedOptimizer' if cfg.distributed_optimizer else 'AdamW'}, "
+           f"global batch {cfg.global_batch_size} x {cfg.seq_len} tokens, "
+           f"{cfg.global_batch_size // cfg.dp_size} sequences per DP rank, {cfg.steps} steps")
+
+    metrics = open(cfg.metrics_file, "w") if cfg.metrics_file and dist.get_rank() == 0 else None
+    start_step = 0  # optimizer steps already done (0: a fresh run)
+
+    # ------------------------------------------------------------- training
+    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    t_start = time.perf_counter()
+    for step in range(start_step + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        lr = get_lr(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = dataset.get_batch("train", step=step, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
+                                 seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=cfg.dp_size)
+        x, y = x.to(device), y.to(device)
+
+        model.zero_grad_buffer()  # clear the DP gradient buffer (= optimizer.zero_grad() for ZeRO-1)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        model.finish_grad_sync()  # gradients are now averaged over DP
+        if not cfg.distributed_optimizer and cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+
+        train_loss = dp_mean(loss, dp_group)  # the mean over the global batch
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+                  "elapsed_s": time.perf_counter() - t_start}
+        if step % cfg.log_every == 0 or step == 1 or step == cfg.steps:
+            print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
+                   f"{record['tokens_per_s']:8.0f} tok/s | {record['elapsed_s']:6.1f}s")
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            record["eval_loss"] = evaluate(raw_model, dataset, cfg, dp_rank=dp_rank, dp_group=dp_group, device=device)
+            print0(f"step {step:5d}/{cfg.steps} | eval loss {record['eval_loss']:.4f} (held-out)")
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+
+    # --------------------------------------------------------------- sample
+    if cfg.sample_tokens:
+        # Every rank runs the (sharded) model in lockstep and draws the same tokens; rank 0 prints.
+        raw_model.eval()
+        prompt = encode(SAMPLE_PROMPT).unsqueeze(0).to(device)  # (1, T)
+        gen = torch.Generator(device=device).manual_seed(cfg.seed)
+        out = raw_model.generate(prompt, cfg.sample_tokens, generator=gen)
+        print0(f"sample after {cfg.steps} steps:\n{'-' * 60}\n{decode(out[0].tolist())}\n{'-' * 60}")
+
+    print0(f"done in {time.perf_counter() - t_start:.1f}s")
+    if metrics:
+        metrics.close()
+    VESCALE_DEVICE_MESH.reset()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Helpers for the GPT example's tests: import its modules, and run train.py as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "gpt"
+TRAIN = EXAMPLE / "train.py"
+
+# The example's modules import each other by plain name, as a script in its folder does.
+if str(EXAMPLE) not in sys.path:
+    sys.path.insert(0, str(EXAMPLE))
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    records: list[dict]
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+    def describe(self) -> str:
+        return f"exit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}"
+
+
+def run_train(args: list[str], tmp_path: Path, *, nproc: int | None = None, timeout: float = 240.0) -> Run:
+    """Run ``train.py`` with ``args``: plain ``python`` when ``nproc`` is None, else under torchrun.
+
+    Adds ``--metrics-file`` and returns its records. A run that outlives
+    ``timeout`` is killed with its whole process group, so no rank is left behind.
+    """
+    metrics = tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*')))}.jsonl"
+    cmd = [sys.executable]
+    if nproc is not None:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [str(TRAIN), *args, "--metrics-file", str(metrics)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout:.0f}s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return Run(proc.returncode, stdout, stderr, records)

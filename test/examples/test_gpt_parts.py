@@ -1,0 +1,130 @@
+"""Fast, in-process checks of the GPT example's pieces: config errors, data slicing, the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import REPO, run_train
+from config import ConfigError, TrainConfig
+from data import ByteDataset, decode, encode, stdlib_corpus
+from model import GPT, GPTConfig
+
+
+def config(argv: list[str], world_size: int = 1) -> TrainConfig:
+    """Parse ``argv`` as rank of a torchrun world of ``world_size`` processes would."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WORLD_SIZE", str(world_size))
+        return TrainConfig.from_args(argv + ["--device", "cpu"])
+
+
+# ------------------------------------------------------------------ config
+@pytest.mark.parametrize(
+    ("world", "flag", "shape"),
+    [(1, None, (1, 1)), (4, None, (2, 2)), (3, None, (3, 1)), (4, "4,1", (4, 1)), (4, "1,4", (1, 4)),
+     (4, "-1,2", (2, 2)), (8, "2,-1", (2, 4))],
+)
+def test_mesh_shape_resolves(world, flag, shape):
+    argv = ["--global-batch-size", "24"] + ([] if flag is None else [f"--mesh-shape={flag}"])
+    cfg = config(argv, world)
+    assert cfg.mesh_shape == shape
+    assert (cfg.dp_size, cfg.tp_size) == shape
+
+
+def test_negative_mesh_size_needs_no_equals_sign():
+    assert config(["--mesh-shape", "-1,2"], 4).mesh_shape == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("world", "argv", "message"),
+    [
+        (4, ["--mesh-shape", "1,4", "--n-head", "6", "--n-embd", "192"], "TP size 4 does not divide --n-head 6 (choose TP from 1, 2, 3, 6)"),
+        (4, ["--mesh-shape", "4,1", "--global-batch-size", "6"], "--global-batch-size 6 is not divisible by the DP size 4"),
+        (1, ["--mesh-shape", "2,2"], "2x2 needs 4 processes but the world has 1; launch with torchrun"),
+        (4, ["--mesh-shape", "-1,3"], "-1,3 cannot fill a world of 4 processes"),
+        (4, ["--mesh-shape", "-1,-1"], "at most one -1"),
+        (4, ["--mesh-shape", "2x2"], "--mesh-shape: expected two sizes DP,TP like 2,2 or -1,2, got '2x2'"),
+        (1, ["--n-head", "5"], "--n-embd 192 is not divisible by --n-head 5"),
+        (1, ["--steps", "ten"], "--steps: Input should be a valid integer"),
+        (1, ["--dtype", "fp16"], "--dtype: Input should be 'fp32' or 'bf16'"),
+        (1, ["--data", "/no/such/file.txt"], "--data: no such file"),
+        (1, ["--bogus", "1"], "unrecognized arguments: --bogus 1 (see --help)"),
+        (2, ["--mesh-shape", "1,2", "--sequence-parallel", "--seq-len", "33"], "--seq-len 33 must be divisible by the TP size 2"),
+    ],
+)
+def test_bad_config_names_the_flag(world, argv, message):
+    with pytest.raises(ConfigError) as err:
+        config(argv, world)
+    assert message in str(err.value)
+
+
+def test_several_problems_are_all_reported():
+    with pytest.raises(ConfigError) as err:
+        config(["--steps", "0", "--lr", "-1"])
+    assert "--steps:" in str(err.value) and "--lr:" in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda():
+    with pytest.raises(ConfigError, match="--device cuda: this torch build sees no CUDA device"):
+        TrainConfig.from_args(["--device", "cuda"])
+
+
+def test_boolean_flags_come_in_pairs():
+    assert config([]).distributed_optimizer is True
+    assert config(["--no-distributed-optimizer"]).distributed_optimizer is False
+    assert config(["--sequence-parallel"]).sequence_parallel is True
+
+
+# -------------------------------------------------------------------- data
+def test_default_corpus_is_deterministic_and_capped():
+    a, b = stdlib_corpus(50_000), stdlib_corpus(50_000)
+    assert a == b and len(a) == 50_000
+
+
+def test_dp_slices_tile_the_global_batch():
+    """DP rank r of 4 gets rows [2r, 2r + 2) of the same global batch the single process sees."""
+    ds = ByteDataset(None, max_bytes=100_000, val_fraction=0.1)
+    kw = dict(step=3, seed=7, global_batch_size=8, seq_len=16)
+    x, y = ds.get_batch("train", dp_rank=0, dp_size=1, **kw)
+    parts = [ds.get_batch("train", dp_rank=r, dp_size=4, **kw) for r in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), x)
+    assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one byte
+    other_step = ds.get_batch("train", dp_rank=0, dp_size=1, **dict(kw, step=4))[0]
+    assert not torch.equal(other_step, x)
+
+
+def test_split_and_encoding(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("héllo wörld " * 100, encoding="utf-8")
+    ds = ByteDataset(str(path), max_bytes=10_000, val_fraction=0.25)
+    assert len(ds) == len("héllo wörld ".encode()) * 100
+    assert len(ds.val) == len(ds) // 4
+    assert decode(encode("héllo")) == "héllo"
+    with pytest.raises(ConfigError, match="needs more than --seq-len"):
+        ds.check(seq_len=1000)
+
+
+# ------------------------------------------------------------------- model
+def test_generate_pads_without_changing_logits():
+    """Right-padding is invisible to causal attention, so generate() can use a fixed length."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+    idx = torch.randint(0, 256, (2, 5))
+    padded = torch.nn.functional.pad(idx, (0, 11))
+    torch.testing.assert_close(model(padded)[:, :5], model(idx))
+    out = model.generate(idx, 20, generator=torch.Generator().manual_seed(0))
+    again = model.generate(idx, 20, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 25) and torch.equal(out, again) and torch.equal(out[:, :5], idx)
+
+
+def test_model_file_does_not_import_vemesh():
+    assert "vemesh" not in (REPO / "examples" / "gpt" / "model.py").read_text().replace("meshes", "")
+
+
+# ---------------------------------------------- one real process, bad config
+def test_bad_config_exits_cleanly(tmp_path):
+    run = run_train(["--n-head", "5"], tmp_path)
+    assert run.returncode == 2, run.describe()
+    assert run.stderr.strip() == "error: --n-embd 192 is not divisible by --n-head 5", run.describe()
+    assert "Traceback" not in run.stdout + run.stderr
