@@ -1,22 +1,17 @@
-"""Shared pieces for the DDP / DistributedOptimizer tests: a launcher for real gloo worlds,
-a small tensor-parallel MLP, and the single-process ``torch.optim.AdamW`` reference.
+"""Shared pieces for the DDP / DistributedOptimizer tests: a small tensor-parallel MLP and the
+single-process ``torch.optim.AdamW`` reference.
 
-Workers run many scenarios in one process group (spawning 4 ranks costs seconds of torch
-import on 2 cores) and report ``{scenario: None | error text}`` back to pytest.
+Workers (launched by ``test/launch.py``) run many scenarios in one process group (spawning 4
+ranks costs seconds of torch import on 2 cores) and report ``{scenario: None | error text}``.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -139,53 +134,3 @@ def check(results: Results, name: str, fn: Callable[[], None]) -> None:
         results[name] = None
     except Exception:  # noqa: BLE001 - reported back to pytest
         results[name] = traceback.format_exc()
-
-
-# --------------------------------------------------------------------------- launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn: Callable[[int, int], Results], rank: int, world_size: int, port: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-        queue.put((rank, fn(rank, world_size)))
-    except Exception:  # noqa: BLE001
-        queue.put((rank, {"<worker>": traceback.format_exc()}))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def launch(fn: Callable[[int, int], Results], world_size: int, timeout_s: float = 240.0) -> list[Results]:
-    """Run ``fn(rank, world_size)`` on ``world_size`` gloo ranks; return each rank's results.
-
-    Processes still alive after ``timeout_s`` are killed and reported as timed out.
-    """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: list[Results] = [{"<worker>": "timed out"} for _ in range(world_size)]
-    import queue as queue_mod
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    for _ in range(world_size):
-        try:
-            rank, res = queue.get(timeout=max(deadline - time.monotonic(), 0.1))
-        except queue_mod.Empty:
-            break
-        results[rank] = res
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return results
