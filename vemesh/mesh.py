@@ -547,9 +547,30 @@ def _ensure_process_group(device_type: str) -> None:
     accel = dist.Backend.default_device_backend_map.get(device_type)
     backend = "gloo" if device_type == "cpu" or accel is None else f"cpu:gloo,{device_type}:{accel}"
     if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
-        dist.init_process_group(backend)
+        store = _restart_scoped_store()
+        if store is None:
+            dist.init_process_group(backend)
+        else:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     else:  # a plain `python script.py`: one rank, no rendezvous needed
         dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+
+
+def _restart_scoped_store() -> dist.Store | None:
+    """torchrun's shared store with this restart attempt's keys kept apart, or None for torch's default.
+
+    torch 2.13's torchrun keeps one TCPStore per node for the whole job and hands it to the
+    workers it restarts (``--max-restarts``), but its env:// rendezvous no longer prefixes keys
+    per attempt; a restarted worker then reads the previous attempt's keys and fails with
+    "Gloo connectFullMesh failed ... Connection refused". Prefixing with
+    ``TORCHELASTIC_RESTART_COUNT`` (the same on every worker of an attempt) keeps each apart.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return dist.PrefixStore(f"/vemesh/attempt_{restart}", store)
 
 
 _CHECK_SLOTS = 16  # mesh sizes carried by the cross-rank check, beyond ndim and a name digest

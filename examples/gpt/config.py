@@ -72,6 +72,16 @@ class TrainConfig(BaseModel):
     sample_tokens: int = Field(160, ge=0, description="length of the text sample generated at the end (0: none)")
     metrics_file: str | None = Field(None, description="write JSON lines (step, loss, tokens_per_s, ...) here")
 
+    # ---- checkpoints and fault tolerance
+    checkpoint_dir: str | None = Field(
+        None, description="save checkpoints here, and resume from the latest good one found here at start"
+    )
+    checkpoint_every: int = Field(0, ge=0, description="save every N steps (0: only after the last step)")
+    keep_checkpoints: int = Field(3, ge=1, description="keep the newest N checkpoints")
+    fail_at_step: int | None = Field(
+        None, ge=1, description="fault injection: the last rank exits at the start of step K, on torchrun's first attempt only"
+    )
+
     @field_validator("mesh_shape", mode="before")
     @classmethod
     def _parse_mesh_shape(cls, v: Any) -> Any:
@@ -125,6 +135,10 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--sequence-parallel: --seq-len {self.seq_len} must be divisible by the TP size {tp}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError(f"--checkpoint-every {self.checkpoint_every} needs --checkpoint-dir")
+        if self.fail_at_step is not None and self.fail_at_step > self.steps:
+            raise ValueError(f"--fail-at-step {self.fail_at_step} is after the last step (--steps {self.steps})")
         return self
 
     @property

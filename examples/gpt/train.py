@@ -16,6 +16,14 @@ Other shapes, sizes and options (every TrainConfig field is a flag; see --help):
     torchrun --nproc_per_node=4 examples/gpt/train.py --no-distributed-optimizer --dtype bf16
     python examples/gpt/train.py --data my_text.txt --steps 500 --metrics-file metrics.jsonl
 
+Checkpoints and recovery: save every 25 steps, resume automatically from the latest good
+checkpoint (on any mesh shape), and let torchrun restart a crashed worker. --fail-at-step
+makes the last rank exit at step 60 on the first attempt, to watch the recovery:
+
+    torchrun --nproc_per_node=4 --max-restarts=1 examples/gpt/train.py \
+        --checkpoint-dir ckpt --checkpoint-every 25 --fail-at-step 60
+    torchrun --nproc_per_node=2 examples/gpt/train.py --checkpoint-dir ckpt --mesh-shape -1,2   # fewer workers
+
 On GPUs (nccl) and across nodes the same script runs unchanged:
 
     torchrun --nproc_per_node=8 examples/gpt/train.py --mesh-shape -1,4
@@ -45,7 +53,7 @@ from config import ConfigError, TrainConfig
 from data import VOCAB_SIZE, ByteDataset, decode, encode
 from model import GPT, GPTConfig
 from tp_plan import apply_tp
-from vemesh import VESCALE_DEVICE_MESH
+from vemesh import VESCALE_DEVICE_MESH, checkpoint
 from vemesh.ddp import DistributedDataParallel as DDP
 from vemesh.optim import DistributedOptimizer
 
@@ -137,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     raw_model = model  # for eval and generation, without the DDP wrapper
     model = DDP(model, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce,
                 use_distributed_optimizer=cfg.distributed_optimizer)
-    # Dropout masks: the same within a TP group (its activations are replicated), different across DP.
-    torch.manual_seed(cfg.seed + 1 + dp_rank)
     print0(f"model: {raw_model.num_params():,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else ""))
@@ -154,14 +160,38 @@ def main(argv: list[str] | None = None) -> int:
            f"global batch {cfg.global_batch_size} x {cfg.seq_len} tokens, "
            f"{cfg.global_batch_size // cfg.dp_size} sequences per DP rank, {cfg.steps} steps")
 
-    metrics = open(cfg.metrics_file, "w") if cfg.metrics_file and dist.get_rank() == 0 else None
+    # ---------------------------------------------------------------- resume
     start_step = 0  # optimizer steps already done (0: a fresh run)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's attempt, from 0
+    if cfg.checkpoint_dir:
+        try:  # every rank gets the same checkpoint, or the same error
+            resumed = checkpoint.load_latest(cfg.checkpoint_dir, model=model, optimizer=optimizer)
+        except checkpoint.CheckpointError as e:
+            print0(f"error: cannot resume: {e}".replace("\n", "\nerror: "), file=sys.stderr)
+            VESCALE_DEVICE_MESH.reset()
+            dist.destroy_process_group()
+            return 1
+        if resumed is None:
+            print0(f"checkpoints: none in {cfg.checkpoint_dir} yet; starting at step 1")
+        else:
+            start_step = resumed[0]
+            print0(f"resumed from {checkpoint.checkpoint_path(cfg.checkpoint_dir, start_step)} (saved on mesh "
+                   f"{resumed[1].get('mesh')}, restart {restart}): continuing at step {start_step + 1}")
+    append = start_step > 0  # keep the metrics of the steps before the checkpoint
+    metrics = open(cfg.metrics_file, "a" if append else "w") if cfg.metrics_file and dist.get_rank() == 0 else None
 
     # ------------------------------------------------------------- training
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     t_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
+        if step == cfg.fail_at_step and restart == 0 and dist.get_rank() == dist.get_world_size() - 1:
+            print(f"rank {dist.get_rank()}: --fail-at-step {step}: exiting to simulate a crashed worker",
+                  file=sys.stderr, flush=True)
+            os._exit(13)
         t0 = time.perf_counter()
+        # Dropout masks: the same within a TP group (its activations are replicated), different
+        # across DP, and a function of the step, so that a resumed run draws the same ones.
+        torch.manual_seed(cfg.seed + 1 + dp_rank + 1_000_003 * step)
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -180,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         train_loss = dp_mean(loss, dp_group)  # the mean over the global batch
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                  "elapsed_s": time.perf_counter() - t_start}
-        if step % cfg.log_every == 0 or step == 1 or step == cfg.steps:
+                  "elapsed_s": time.perf_counter() - t_start, "restart": restart}
+        if step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps:
             print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
                    f"{record['tokens_per_s']:8.0f} tok/s | {record['elapsed_s']:6.1f}s")
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
@@ -190,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+        if cfg.checkpoint_dir and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            t_save = time.perf_counter()
+            path = checkpoint.save(cfg.checkpoint_dir, model=model, optimizer=optimizer, step=step,
+                                   extra={"loss": train_loss, "mesh": list(cfg.mesh_shape)},
+                                   keep_last=cfg.keep_checkpoints)
+            print0(f"step {step:5d}/{cfg.steps} | saved {path} ({time.perf_counter() - t_save:.2f}s)")
 
     # --------------------------------------------------------------- sample
     if cfg.sample_tokens:

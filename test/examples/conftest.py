@@ -36,21 +36,31 @@ class Run:
         return f"exit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}"
 
 
-def run_train(args: list[str], tmp_path: Path, *, nproc: int | None = None, timeout: float = 240.0) -> Run:
+def run_train(
+    args: list[str],
+    tmp_path: Path,
+    *,
+    nproc: int | None = None,
+    timeout: float = 240.0,
+    torchrun_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Run:
     """Run ``train.py`` with ``args``: plain ``python`` when ``nproc`` is None, else under torchrun.
 
     Adds ``--metrics-file`` and returns its records. A run that outlives
     ``timeout`` is killed with its whole process group, so no rank is left behind.
+    ``torchrun_args`` go to torchrun (e.g. ``--max-restarts=1``), ``env`` into the environment.
     """
     metrics = tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*')))}.jsonl"
     cmd = [sys.executable]
     if nproc is not None:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(torchrun_args or [])]
     cmd += [str(TRAIN), *args, "--metrics-file", str(metrics)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    run_env.pop("WORLD_SIZE", None)
+    run_env.pop("RANK", None)
+    run_env.update(env or {})
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

@@ -132,6 +132,7 @@ class DistributedOptimizer:
         self.clip_grad = float(clip_grad)
         params = [p for m in self.models for b in m.buffers for p in b.params]
         group_of, group_options, cls = self._param_groups(optimizer, params, optimizer_kwargs)
+        self._group_of = group_of  # id(model parameter) -> param group index
         self._shards = [_Shard(b, group_of) for m in self.models for b in m.buffers]
         inner_groups: list[dict[str, Any]] = [dict(opts, params=[]) for opts in group_options]
         #: ``(inner parameter, its gradient)``: one per chunk of each run of this rank's shard.
@@ -268,6 +269,34 @@ class DistributedOptimizer:
             "main_params": [t.detach().clone() for s in self._shards for t in s.main],
             "shard_numels": [t.numel() for s in self._shards for t in s.main],
         }
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The state per parameter name, each tensor shaped and sharded like its parameter (any mesh can load it).
+
+        A collective over DP: every DP rank must call it. On ``(DP, TP) = (2, 2)``, ranks 0 and 2
+        both get the full TP shard of each ``exp_avg`` (a DTensor like the weight), though each
+        holds Adam state for only half of it.
+
+        Returns:
+            ``{"state": {name: {"exp_avg": ..., "step": 0-dim tensor, ...}}, "param_groups":
+            [{hyperparameters..., "params": [names]}]}``, plus ``"master_params": {name: fp32}``
+            for bf16/fp16 models. :mod:`vemesh.checkpoint` saves it.
+        """
+        from .sharded_state import sharded_state_dict
+
+        return sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`sharded_state_dict`'s form, whatever mesh wrote it, keeping this rank's slices.
+
+        Args:
+            state_dict: each tensor sharded like its parameter *on this mesh* (as DCP loads it);
+                hyperparameters are taken from its ``param_groups``; ``master_params``, when
+                present, become the weights (then gathered into the models over DP).
+        """
+        from .sharded_state import load_sharded_state_dict
+
+        load_sharded_state_dict(self, state_dict)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

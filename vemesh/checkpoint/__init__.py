@@ -1,0 +1,42 @@
+"""Checkpoints that survive failures and load on a mesh of another shape.
+
+Built on ``torch.distributed.checkpoint`` (DCP)::
+
+    from vemesh import checkpoint
+
+    resumed = checkpoint.load_latest("ckpt", model=model, optimizer=optimizer)   # None on a fresh run
+    start = resumed[0] if resumed else 0
+    for step in range(start + 1, steps + 1):
+        ...
+        if step % 50 == 0:
+            checkpoint.save("ckpt", model=model, optimizer=optimizer, step=step, extra={"tokens": n})
+
+What is stored: every parameter as a DTensor with its TP placements (or a plain tensor), and
+the optimizer state per parameter, shaped and sharded like the parameter, also for the ZeRO-1
+:class:`~vemesh.optim.DistributedOptimizer` (whose state lives in flat per-DP-rank shards). So a
+checkpoint written on ``(DP, TP) = (2, 2)`` loads on ``(4, 1)``, ``(1, 4)`` or one process:
+on ``(4, 1)`` rank 3 reads whole tensors and keeps, of the Adam state, the quarter of each
+gradient bucket it owns; on ``(1, 4)`` rank 3 reads the last TP quarter of every sharded weight
+and of its Adam state. Hyperparameters go to ``vemesh.json``, as JSON, with ``extra``.
+
+Safety: saves are atomic (written aside, published by a rename once every rank is done; the
+last ``keep_last`` are kept); loading never unpickles arbitrary objects (DCP's ``.metadata`` is
+read with a restricted unpickler, tensors with ``weights_only=True``). Errors name what differs.
+"""
+
+from .api import load, load_latest, save
+from .errors import CheckpointError, CheckpointNotFoundError, DamagedCheckpointError, IncompatibleCheckpointError
+from .files import CheckpointInfo, checkpoint_path, list_checkpoints
+
+__all__ = [
+    "save",
+    "load",
+    "load_latest",
+    "list_checkpoints",
+    "checkpoint_path",
+    "CheckpointInfo",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "DamagedCheckpointError",
+    "IncompatibleCheckpointError",
+]

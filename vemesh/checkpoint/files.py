@@ -1,0 +1,214 @@
+"""A checkpoint directory on disk: naming, the manifest, atomic publishing, and safe reading.
+
+One training run keeps its checkpoints under a root directory::
+
+    ckpt/
+      step_000020/          a published checkpoint: torch.distributed.checkpoint files
+        .metadata             (DCP's index of every tensor chunk, a pickle)
+        __0_0.distcp ...      (tensor data, one file per writing rank)
+        vemesh.json           (the manifest: step, extra, optimizer hyperparameters, file sizes)
+      step_000030/
+      .step_000040.tmp/     a save in progress (or one that crashed): never read
+
+A save writes everything into ``.step_N.tmp``, adds the manifest last, and only then renames
+the directory to ``step_N`` (an atomic rename), so a crash at any point leaves the published
+checkpoints untouched. A checkpoint is *good* when its manifest parses, every file it lists has
+the recorded size, and its metadata unpickles under the restricted unpickler of
+:mod:`vemesh.checkpoint.safe_read`.
+
+Nothing here touches ``torch.distributed``; :mod:`vemesh.checkpoint.api` decides on rank 0 and
+broadcasts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointNotFoundError, DamagedCheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+__all__ = ["CheckpointInfo", "checkpoint_path", "list_checkpoints", "read_manifest"]
+
+MANIFEST = "vemesh.json"
+FORMAT = "vemesh-checkpoint"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.step_(\d+)\.(tmp|old)$")
+
+
+def checkpoint_path(root: str | os.PathLike, step: int) -> Path:
+    """Where step ``step`` is published under ``root``: ``checkpoint_path("ckpt", 30)`` is ``ckpt/step_000030``."""
+    return Path(root) / f"step_{step:06d}"
+
+
+def is_step_dir(path: Path) -> bool:
+    """Whether ``path`` is named like a published checkpoint (``step_000030``)."""
+    return _STEP_DIR.match(path.name) is not None
+
+
+def tmp_path(root: str | os.PathLike, step: int) -> Path:
+    """Where a save of step ``step`` is written before it is published."""
+    return Path(root) / f".step_{step:06d}.tmp"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One published checkpoint directory: its step, path, and what is wrong with it (None: good)."""
+
+    step: int
+    path: Path
+    problem: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
+    """Every ``step_N`` directory under ``root``, newest first, each checked (see :func:`check`).
+
+    A missing ``root`` gives an empty list. In-progress ``.step_N.tmp`` directories are not listed.
+    """
+    return list(_iter_checkpoints(root, check_all=True))
+
+
+def _iter_checkpoints(root: str | os.PathLike, check_all: bool) -> Iterator[CheckpointInfo]:
+    root = Path(root)
+    if not root.is_dir():
+        return
+    found = sorted(
+        ((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()),
+        reverse=True,
+    )
+    for step, path in found:
+        yield CheckpointInfo(step, path, check(path) if check_all else None)
+
+
+def check(path: str | os.PathLike) -> str | None:
+    """What is wrong with the checkpoint at ``path``, or None if it is complete and readable."""
+    from .safe_read import read_metadata
+
+    try:
+        manifest = read_manifest(path)
+        check_files(path, manifest, read_metadata(path))
+    except DamagedCheckpointError as e:
+        return str(e)
+    return None
+
+
+# ------------------------------------------------------------------------------ manifest
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``vemesh.json`` of a checkpoint.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist.
+        DamagedCheckpointError: the manifest is missing (an unfinished save) or not a vemesh manifest.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint at '{path}': no such directory")
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise DamagedCheckpointError(
+            f"checkpoint '{path}' has no {MANIFEST}: its save did not finish, or it is not a vemesh checkpoint"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedCheckpointError(f"checkpoint '{path}': {MANIFEST} is unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DamagedCheckpointError(f"checkpoint '{path}': {MANIFEST} is not a {FORMAT} manifest")
+    if not isinstance(manifest.get("version"), int) or manifest["version"] > FORMAT_VERSION:
+        raise DamagedCheckpointError(
+            f"checkpoint '{path}' has format version {manifest.get('version')!r}; this vemesh reads up to "
+            f"{FORMAT_VERSION} (upgrade vemesh)"
+        )
+    if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("files"), dict):
+        raise DamagedCheckpointError(f"checkpoint '{path}': {MANIFEST} lacks 'step' or 'files'")
+    return manifest
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Write ``vemesh.json`` into ``path`` (recording every file's size) and fsync it."""
+    manifest = dict(manifest, files={p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()})
+    with open(path / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_files(path: str | os.PathLike, manifest: dict[str, Any], metadata: Metadata) -> None:
+    """Every file the manifest lists has its recorded size, and every tensor chunk lies inside its file.
+
+    Raises:
+        DamagedCheckpointError: naming the first missing or truncated file.
+    """
+    path = Path(path)
+    sizes: dict[str, int] = {}
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not is_plain_name(name) or not file.is_file():
+            raise DamagedCheckpointError(f"checkpoint '{path}': file '{name}' is missing")
+        sizes[name] = file.stat().st_size
+        if sizes[name] != expected:
+            raise DamagedCheckpointError(
+                f"checkpoint '{path}': file '{name}' has {sizes[name]} bytes, {expected} expected (truncated or overwritten)"
+            )
+    for index, info in metadata.storage_data.items():
+        end = info.offset + info.length
+        if sizes.get(info.relative_path, -1) < end:
+            raise DamagedCheckpointError(
+                f"checkpoint '{path}': tensor '{index.fqn}' lies at bytes [{info.offset}, {end}) of "
+                f"'{info.relative_path}', which the manifest does not list with that size"
+            )
+
+
+# ------------------------------------------------------------------------ publishing
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale(root: Path) -> None:
+    """Delete ``.step_N.tmp`` / ``.step_N.old`` left behind by saves that crashed."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if _TMP_DIR.match(p.name):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Atomically rename the finished ``tmp`` directory to ``final`` (replacing an older ``final``)."""
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():  # the same step saved again (after a restart): move the old one aside first
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int, keep: Path) -> list[Path]:
+    """Delete all but the ``keep_last`` newest ``step_N`` directories (never ``keep``); return the deleted ones."""
+    deleted = []
+    for i, info in enumerate(_iter_checkpoints(root, check_all=False)):
+        if i >= keep_last and info.path != keep:
+            shutil.rmtree(info.path, ignore_errors=True)
+            deleted.append(info.path)
+    return deleted
+
+
+def is_plain_name(name: Any) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
