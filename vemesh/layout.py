@@ -36,6 +36,9 @@ from dataclasses import dataclass, field
 __all__ = ["MeshLayout", "unknown_name_error"]
 
 
+_MEMO_LIMIT = 1 << 16  # coordinates remembered per layout (a few MB at most)
+
+
 def _as_int(value: object) -> int | None:
     """``value`` as a Python int if it is an integer (numpy and torch ints too), else None; bools are not."""
     if isinstance(value, bool):
@@ -71,6 +74,7 @@ class MeshLayout:
     strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
     world_size: int = field(init=False, repr=False, compare=False)
     _pairs: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    _memo: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shape, names = tuple(self.shape), tuple(self.dim_names)
@@ -95,6 +99,7 @@ class MeshLayout:
         object.__setattr__(self, "strides", tuple(strides))
         object.__setattr__(self, "world_size", math.prod(shape))
         object.__setattr__(self, "_pairs", tuple(zip(strides, shape)))
+        object.__setattr__(self, "_memo", {})
 
     @property
     def ndim(self) -> int:
@@ -128,9 +133,15 @@ class MeshLayout:
     # ------------------------------------------------- coordinate <-> global rank
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Coordinate of global ``rank``: on (2, 4), rank 6 -> (1, 2) and rank 1 -> (0, 1)."""
-        if type(rank) is not int or not 0 <= rank < self.world_size:
-            rank = self.check_rank(rank)
-        return tuple([(rank // st) % sz for st, sz in self._pairs])
+        if type(rank) is int:  # exact ints only: True must not find rank 1's entry
+            found = self._memo.get(rank)
+            if found is not None:
+                return found
+        rank = self.check_rank(rank)
+        coordinate = tuple([(rank // st) % sz for st, sz in self._pairs])
+        if len(self._memo) < _MEMO_LIMIT:
+            self._memo[rank] = coordinate
+        return coordinate
 
     def rank(self, coordinate: Sequence[int]) -> int:
         """Global rank at ``coordinate``: on (2, 4), (1, 2) -> 6 and (0, 1) -> 1."""
