@@ -2,13 +2,14 @@
 
 Keys and what each rank puts under them (parameter names are the unwrapped module's)::
 
-    model.h.0.attn.q.weight                the parameter: a DTensor (TP-sharded) or a plain tensor
-    optimizer.state.h.0.attn.q.weight.exp_avg   per-element state, sharded like the parameter
-    optimizer.state.h.0.attn.q.weight.step      scalar state, a 0-dim tensor
-    optimizer.master.h.0.attn.q.weight     fp32 master weights (ZeRO-1 with bf16/fp16 parameters)
+    model.h.0.attn.q.weight                          the parameter: a DTensor (TP-sharded) or a plain tensor
+    optimizer.state.h.0.attn.q.weight.exp_avg        per-element state, sharded like the parameter
+    optimizer.state.h.0.attn.q.weight.step           scalar state, a 0-dim tensor
+    optimizer.state.h.0.attn.q.weight.master_param   fp32 master weights (ZeRO-1 with bf16/fp16 parameters)
 
-Optimizer hyperparameters and param-group membership go to the manifest as JSON. Because
-every state tensor is shaped like its parameter, a checkpoint written by a ZeRO-1
+Optimizer hyperparameters and param-group membership go to the manifest as JSON. The optimizer
+state comes from :func:`vemesh.optim.get_optimizer_state` (torch's per-parameter format, by
+name) for every optimizer, so a checkpoint written by a ZeRO-1
 :class:`~vemesh.optim.DistributedOptimizer` on ``(DP, TP) = (2, 2)`` loads into a plain
 ``torch.optim.AdamW`` on one process, and the other way round.
 """
@@ -22,9 +23,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..optim.state import MASTER, get_optimizer_state, set_optimizer_state
 from .errors import IncompatibleCheckpointError
 
-MODEL, OPTIM_STATE, OPTIM_MASTER = "model.", "optimizer.state.", "optimizer.master."
+MODEL, OPTIM_STATE = "model.", "optimizer.state."
+_V1_MASTER = "optimizer.master."  # fp32 masters in checkpoints of vemesh 0.1
 
 #: A checkpoint entry as the loader sees it before reading: key -> (global shape, dtype name).
 Entries = dict[str, tuple[tuple[int, ...], str]]
@@ -41,12 +44,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _is_zero(optimizer: Any) -> bool:
-    from ..optim import DistributedOptimizer
-
-    return isinstance(optimizer, DistributedOptimizer)
-
-
 def _model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     sd = module.state_dict()
     for key, value in sd.items():
@@ -56,33 +53,24 @@ def _model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------- saving
-def _plain_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    name_of = {id(p): n for n, p in module.named_parameters()}
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    groups = []
-    for gid, group in enumerate(optimizer.param_groups):
-        names = []
-        for p in group["params"]:
-            if id(p) not in name_of:
-                raise ValueError(f"optimizer param group {gid} holds a tensor of shape {tuple(p.shape)} that is not a model parameter")
-            name = name_of[id(p)]
-            names.append(name)
-            for key, value in optimizer.state.get(p, {}).items():
-                if not torch.is_tensor(value) or (value.ndim and value.shape != p.shape):
-                    raise ValueError(
-                        f"optimizer state {key!r} of parameter {name!r} is a {type(value).__name__} of another shape; "
-                        "vemesh checkpoints hold per-element tensors and scalars only"
-                    )
-                state.setdefault(name, {})[key] = value
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
-    return {"state": state, "param_groups": groups}
+def _algorithm(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer that defines the update: the inner one of a ZeRO-1 optimizer, else itself."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def optimizer_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """``{"state": {name: {key: tensor}}, "param_groups": [...], "master_params"?: {...}}`` (collective for ZeRO-1)."""
-    if _is_zero(optimizer):
-        return optimizer.sharded_state_dict()
-    return _plain_optimizer_state(module, optimizer)
+    """``{"state": {name: {key: tensor}}, "param_groups": [...]}``, checked to hold tensors shaped like the parameters."""
+    osd = get_optimizer_state(module, optimizer)
+    params = dict(module.named_parameters())
+    for name, entry in osd["state"].items():
+        for key, value in entry.items():
+            if not torch.is_tensor(value) or (value.ndim and value.shape != params[name].shape):
+                raise ValueError(
+                    f"optimizer state {key!r} of parameter {name!r} is a {type(value).__name__} of another shape; "
+                    "vemesh checkpoints hold per-element tensors and scalars only"
+                )
+    return osd
 
 
 def _jsonable(value: Any) -> Any:
@@ -106,10 +94,7 @@ def save_state(model: nn.Module, optimizer: Any | None) -> tuple[dict[str, torch
     for name, entry in osd["state"].items():
         for key, value in entry.items():
             tensors[f"{OPTIM_STATE}{name}.{key}"] = value
-    for name, value in osd.get("master_params", {}).items():
-        tensors[OPTIM_MASTER + name] = value
-    inner = optimizer.optimizer if _is_zero(optimizer) else optimizer
-    return tensors, {"class": type(inner).__name__, "param_groups": [_json_group(g) for g in osd["param_groups"]]}
+    return tensors, {"class": type(_algorithm(optimizer)).__name__, "param_groups": [_json_group(g) for g in osd["param_groups"]]}
 
 
 def _json_group(group: dict[str, Any]) -> dict[str, Any]:
@@ -124,10 +109,6 @@ def _json_group(group: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- loading
 def _group_names(module: nn.Module, optimizer: Any) -> list[list[str]]:
-    if _is_zero(optimizer):
-        from ..optim.sharded_state import param_group_names
-
-        return param_group_names(optimizer)
     name_of = {id(p): n for n, p in module.named_parameters()}
     return [[name_of.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
 
@@ -216,9 +197,9 @@ def _optimizer_template(
     if optim_meta is None:
         problems.append("it was saved without optimizer state; pass optimizer=None to load the model only")
         return lambda: None
-    inner = optimizer.optimizer if _is_zero(optimizer) else optimizer
-    if strict and optim_meta.get("class") != type(inner).__name__:
-        problems.append(f"its optimizer is {optim_meta.get('class')}, not {type(inner).__name__}")
+    algorithm = type(_algorithm(optimizer)).__name__
+    if strict and optim_meta.get("class") != algorithm:
+        problems.append(f"its optimizer is {optim_meta.get('class')}, not {algorithm}")
     saved_groups = optim_meta["param_groups"]
     if len(saved_groups) != len(current_groups):
         problems.append(f"its optimizer has {len(saved_groups)} param groups, this one has {len(current_groups)}")
@@ -228,11 +209,14 @@ def _optimizer_template(
                 diff = sorted(set(saved["params"]) ^ set(now))
                 problems.append(f"optimizer param group {gid} differs in parameters {_few(diff)}")
 
-    state_keys: dict[str, list[str]] = {}
+    state_keys: dict[str, list[tuple[str, str]]] = {}  # name -> [(state key, checkpoint key)]
     for key, (shape, dtype) in entries.items():
-        if not key.startswith(OPTIM_STATE):
+        if key.startswith(OPTIM_STATE):
+            name, _, skey = key[len(OPTIM_STATE):].rpartition(".")
+        elif key.startswith(_V1_MASTER):  # written by vemesh 0.1 before masters became a state key
+            name, skey = key[len(_V1_MASTER):], MASTER
+        else:
             continue
-        name, _, skey = key[len(OPTIM_STATE):].rpartition(".")
         if name not in params:
             if strict:
                 problems.append(f"the checkpoint has optimizer state {skey!r} for {name!r}, which the model lacks")
@@ -241,53 +225,20 @@ def _optimizer_template(
             if tuple(entries.get(MODEL + name, ((),))[0]) == tuple(params[name].shape):  # else reported above
                 problems.append(f"optimizer state {skey!r} of {name!r} has shape {_shape(shape)}, the parameter {_shape(params[name].shape)}")
             continue
-        state_keys.setdefault(name, []).append(skey)
+        state_keys.setdefault(name, []).append((skey, key))
         p = params[name]
         template[key] = torch.zeros((), dtype=getattr(torch, dtype)) if not shape else _alloc_like(p, getattr(torch, dtype))
     if state_keys and strict:
         missing = sorted(n for g in current_groups for n in g if n not in state_keys)
         if missing:
             problems.append(f"the checkpoint has no optimizer state for {_few(missing)}")
-    # fp32 master weights (saved by ZeRO-1 from bf16/fp16 models) are loaded into a ZeRO-1 optimizer,
-    # which takes them over the model's (rounded) weights; other optimizers keep none
-    masters = [n for n in params if OPTIM_MASTER + n in entries] if _is_zero(optimizer) else []
-    if len(masters) != len(params):
-        masters = []
-    for name in masters:
-        template[OPTIM_MASTER + name] = _alloc_like(params[name], torch.float32)
 
     def finish() -> None:
         groups = [
             {**_merge_hyperparameters(now, saved), "params": saved["params"]}
             for now, saved in zip(optimizer.param_groups, saved_groups)
         ]
-        osd: dict[str, Any] = {
-            "state": {n: {k: template[f"{OPTIM_STATE}{n}.{k}"] for k in keys} for n, keys in state_keys.items()},
-            "param_groups": groups,
-        }
-        if _is_zero(optimizer):
-            optimizer.reload_model_params()  # the weights were loaded in place; refresh its copies
-            if masters:
-                osd["master_params"] = {n: template[OPTIM_MASTER + n] for n in masters}
-            optimizer.load_sharded_state_dict(osd)
-        else:
-            _load_plain(optimizer, params, osd)
+        state = {n: {skey: template[key] for skey, key in keys} for n, keys in state_keys.items()}
+        set_optimizer_state(module, optimizer, {"state": state, "param_groups": groups})
 
     return finish
-
-
-def _load_plain(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], osd: dict[str, Any]) -> None:
-    name_of = {id(p): n for n, p in params.items()}
-    sd = optimizer.state_dict()
-    state = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = name_of.get(id(p))
-            if name in osd["state"]:
-                state[index] = dict(osd["state"][name])
-            index += 1
-    for current, saved in zip(sd["param_groups"], osd["param_groups"]):
-        current.update({k: v for k, v in saved.items() if k != "params"})
-    sd["state"] = state
-    optimizer.load_state_dict(sd)

@@ -1,15 +1,23 @@
-"""Data parallelism over one mesh dim, with a contiguous gradient buffer.
+"""Data parallelism over one mesh dim, with a contiguous gradient buffer, behaving like torch DDP.
 
 :class:`DistributedDataParallel` wraps a module (possibly tensor-parallel, with DTensor
 parameters from torch's ``parallelize_module``) and averages its gradients over a data-parallel
 group. On a ``(DP, TP) = (2, 2)`` mesh over ranks ``[[0, 1], [2, 3]]``, rank 0 and rank 2 hold
 the same TP shard of each weight and average their shard gradients with each other; rank 1 and
 rank 3 do the same for the other shard.
+
+The contract is torch DDP's: when ``loss.backward()`` returns, every trainable parameter's
+``.grad`` holds the gradient averaged over DP, so any torch optimizer, ``clip_grad_norm_``,
+``GradScaler`` and hand-written loops work unchanged. ``no_sync()`` accumulates locally, and every
+way of clearing gradients (``opt.zero_grad()``, ``model.zero_grad()``, with or without
+``set_to_none``) works. An optimizer step over gradients that were accumulated under
+``no_sync()`` and never averaged raises instead of training on them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,11 +26,32 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .bucketing import DEFAULT_BUCKET_SIZE
-from .grad_buffer import GradBuffer, grad_collective_for_backend, local_tensor
+from .grad_buffer import GradBuffer, local_tensor
 
 __all__ = ["DistributedDataParallel"]
+
+#: Wrappers holding gradients accumulated under ``no_sync()`` that were never averaged.
+_UNSYNCED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+_step_hook: Any = None
+
+
+def _refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: no torch optimizer steps on gradients that skipped the DP average."""
+    if not _UNSYNCED:
+        return
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for ddp in list(_UNSYNCED):
+        names = [ddp._param_names[id(p)] for p in ddp._params if id(p) in ids and p.grad is not None]
+        if names:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would use gradients of {len(names)} parameters (e.g. "
+                f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
+                "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
+                "model.finish_grad_sync() before stepping"
+            )
 
 
 def _resolve_group(data_pg_or_device_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -54,36 +83,65 @@ def _check_bucket_size(bucket_size: int | None) -> int:
     return bucket_size
 
 
-class DistributedDataParallel(nn.Module):
+@torch.no_grad()
+def _broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensors`` with the values of the group's first rank, one flat broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, group=group, group_src=0)
+        torch._foreach_copy_(same, [c.view(t.shape) for t, c in zip(same, flat.split([t.numel() for t in same]))])
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor like ``p``: a DTensor with ``p``'s mesh and placements if ``p`` is one."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return local
+
+
+class _PipelineReducer:
+    """The one piece of torch DDP's reducer that ``torch.distributed.pipelining`` calls on a DDP stage.
+
+    A pipeline stage calls ``submod.reducer.prepare_for_backward(outputs)`` before the last
+    micro-batch's backward (and runs the others inside ``no_sync()``). vemesh decides whether to
+    average when each backward pass starts, from ``require_backward_grad_sync``, so there is
+    nothing to prepare.
+    """
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Nothing to do (see the class docstring)."""
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """Average gradients over a data-parallel group through a contiguous gradient buffer.
 
-    Each trainable parameter gets ``param.main_grad``, a view into a flat buffer (fp32 when
-    ``accumulate_allreduce_grads_in_fp32``). A post-accumulate-grad hook adds every new local
-    gradient (the local shard for DTensor parameters) into ``main_grad``, pre-scaled by ``1/DP``
-    (exact for power-of-two DP), and frees ``param.grad``. Buckets are reduced over DP
-    asynchronously as soon as they are complete (``overlap_grad_reduce=True``), always in bucket
-    order; :meth:`finish_grad_sync` starts the rest and waits.
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (it is an instance of it, so
+    ``model.module``, ``isinstance`` checks and DCP's ``get_state_dict``, which strips the
+    ``module.`` prefix, all behave as with torch DDP), that also takes a DeviceMesh dim and
+    TP-sharded DTensor parameters:
 
-    After :meth:`finish_grad_sync`, and unless ``use_distributed_optimizer``, every ``param.grad``
-    is the DP-averaged gradient: a view of the buffer (or a copy in the parameter's dtype), a
-    DTensor with the parameter's placements for DTensor parameters. Any torch optimizer works.
-    Call :meth:`zero_grad_buffer` (or ``model.zero_grad()``) before the next step's backward; a
-    backward without it raises ``RuntimeError`` instead of silently adding to last step's
-    gradients. The buffer is zeroed lazily (the first gradient of a step overwrites).
+    * each trainable parameter's gradient lives in ``param.main_grad``, a view into a flat
+      buffer (fp32 when ``accumulate_allreduce_grads_in_fp32``), and ``param.grad`` *is* that
+      view (a DTensor over it for DTensor parameters), like torch's ``gradient_as_bucket_view``.
+      For bf16/fp16 parameters with an fp32 buffer, ``.grad`` is a copy in the parameter's
+      dtype and the buffer keeps fp32 precision across accumulation;
+    * buckets are divided by DP and all-reduced asynchronously as soon as they are complete
+      (``overlap_grad_reduce=True``), always in bucket order; a post-backward callback starts
+      the rest and waits, so when ``loss.backward()`` returns every ``.grad`` is the DP mean;
+    * ``no_sync()`` accumulates locally; the first backward outside it averages the sum;
+    * gradients accumulate across backward passes until cleared, as in torch. Any way of
+      clearing works: ``optimizer.zero_grad()``, ``model.zero_grad()`` (``set_to_none`` or not),
+      :meth:`zero_grad_buffer`;
+    * a torch optimizer's ``step()`` over gradients accumulated under ``no_sync()`` that were
+      never averaged raises ``RuntimeError`` (a global optimizer step pre-hook).
 
-    With ``use_distributed_optimizer=True`` each bucket is padded to split evenly over DP, the
-    parameters' values also live in a flat parameter buffer with the same layout,
-    ``param.grad`` is left unset, and :class:`vemesh.optim.DistributedOptimizer` reads the
-    reduced gradients from the buffer. The bucket collective is chosen per backend by
-    :func:`~vemesh.ddp.grad_buffer.grad_collective_for_backend` (gloo: all-reduce, measured
-    faster than its emulated reduce-scatter; others: reduce-scatter).
-
-    Parameters are broadcast from the first rank of the DP group at construction. Module
-    buffers (e.g. batch-norm statistics) are not synchronised. A parameter that got no gradient
-    on any rank in a step gets a zero gradient (not ``None``), so every DP rank's optimizer
-    sees the same thing. With DP size 1 and nothing to convert (same gradient and parameter
-    dtype, no distributed optimizer) the wrapper is a pass-through: no buffer, no hooks, and
-    autograd's own ``param.grad`` (``None`` for unused parameters).
+    Parameters and buffers are broadcast from the first rank of the DP group at construction,
+    and buffers again before each forward with grad enabled (``broadcast_buffers``, as torch).
+    A parameter that got no gradient on any rank in a step gets a zero gradient (torch DDP keeps
+    ``None`` for parameters unused on every rank; here every DP rank's optimizer sees zeros).
 
     Args:
         module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
@@ -91,19 +149,21 @@ class DistributedDataParallel(nn.Module):
             ProcessGroup, or None for the default group.
         accumulate_allreduce_grads_in_fp32: accumulate and reduce gradients in fp32 even for
             bf16/fp16 parameters.
-        overlap_grad_reduce: start each bucket's collective during backward.
-        use_distributed_optimizer: prepare the buffers for :class:`vemesh.optim.DistributedOptimizer`.
+        overlap_grad_reduce: start each bucket's all-reduce during backward.
+        use_distributed_optimizer: accepted for veScale compatibility; any wrapper works with
+            :class:`vemesh.optim.DistributedOptimizer`, so it changes nothing.
         bucket_size: bucket size in elements (default 6,553,600: 25 MiB of fp32, torch DDP's default).
+        broadcast_buffers: broadcast module buffers from DP rank 0 before each forward (torch's default).
 
     Example::
 
         # (DP, TP) = (2, 2) on 4 ranks: rank 0 averages with rank 2, rank 1 with rank 3.
         model = parallelize_module(model, mesh["TP"], tp_plan)
         model = DistributedDataParallel(model, mesh["DP"])
-        loss_fn(model(x), y).backward()
-        model.finish_grad_sync()      # param.grad now DP-averaged on every rank
-        optimizer.step()
-        model.zero_grad_buffer()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # param.grad is now the DP mean on every rank
+        opt.step()
     """
 
     def __init__(
@@ -115,11 +175,12 @@ class DistributedDataParallel(nn.Module):
         overlap_grad_reduce: bool = True,
         use_distributed_optimizer: bool = False,
         bucket_size: int | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # torch DDP's own __init__ builds its C++ reducer, which this replaces
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-        if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+        if isinstance(module, nn.parallel.DistributedDataParallel):
             raise ValueError(f"module is already wrapped in {type(module).__name__}; wrap the inner module once")
         group = _resolve_group(data_pg_or_device_mesh)
         bucket_size = _check_bucket_size(bucket_size)
@@ -138,150 +199,263 @@ class DistributedDataParallel(nn.Module):
             p._vemesh_ddp_wrapped = True  # type: ignore[attr-defined]
         self.module = module
         self.data_parallel_group = group
+        self.process_group = group  # torch DDP's name for it
         self.dp_size = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.bucket_size = bucket_size
-        self._sync_enabled = True
-        self._grads_synced = False
+        self.broadcast_buffers = broadcast_buffers
+        #: torch DDP's flag, toggled by :meth:`no_sync` (and by libraries that set it directly).
+        self.require_backward_grad_sync = True
+        self.reducer = _PipelineReducer()
         self._params = params
         self._param_names = names
+        self._in_backward = False
+        self._sync_this_pass = True
+        self._arrived: set[int] = set()
+        self._unsynced = False
+
+        if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
+            _broadcast_from_first([local_tensor(p) for p in module.parameters()] + self._module_buffers(), group)
 
         def grad_dtype(p: torch.Tensor) -> torch.dtype:
             return torch.float32 if accumulate_allreduce_grads_in_fp32 else p.dtype
 
-        # DP=1 without an optimizer that reads the buffer: autograd's own .grad is already the answer.
-        self._pass_through = (
-            self.dp_size == 1 and not use_distributed_optimizer and all(grad_dtype(p) == p.dtype for p in params)
-        )
-        self.buffers: list[GradBuffer] = []
-        self._buffer_of: dict[int, GradBuffer] = {}
-        self._hooks: list[Any] = []
-        self._grad_views: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
-        if self._pass_through:
-            return
-        collective = grad_collective_for_backend(dist.get_backend(group), use_distributed_optimizer)
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
         for p in reversed(params):  # backward produces gradients roughly in reverse order
             by_dtype.setdefault((p.dtype, grad_dtype(p)), []).append(p)
-        for (_, gdtype), group_params in by_dtype.items():
-            buffer = GradBuffer(group_params, gdtype, group, bucket_size, collective, use_distributed_optimizer)
-            self.buffers.append(buffer)
-            self._buffer_of.update((id(p), buffer) for p in group_params)
-        self._broadcast_params()
+        #: One contiguous gradient buffer per (parameter dtype, gradient dtype).
+        self.grad_buffers: list[GradBuffer] = [GradBuffer(ps, g, group, bucket_size) for (_, g), ps in by_dtype.items()]
+        self._buffer_of = {id(p): b for b in self.grad_buffers for p in b.params}
+        # What this wrapper puts in param.grad: the main_grad view itself, or for a parameter whose
+        # dtype differs from the buffer's a "holder" copy in the parameter's dtype (versions tell
+        # whether anyone wrote to it since); wrapped as a DTensor like the parameter where needed.
+        self._holder: dict[int, torch.Tensor] = {}
+        self._holder_version: dict[int, int] = {}
+        self._exposed: dict[int, torch.Tensor] = {}
+        self._main_grad_like: list[torch.Tensor] = []  # main_grad shaped like each parameter (for norms)
+        self._hooks: list[Any] = []
         for p in params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
-        if not use_distributed_optimizer:
-            self._grad_views = [self._make_grad_view(p) for p in params]
+            main_grad: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
+            self._main_grad_like.append(_like(p, main_grad))
+            if main_grad.dtype == p.dtype:
+                self._exposed[id(p)] = self._main_grad_like[-1]
+            else:
+                self._holder[id(p)] = torch.zeros_like(main_grad, dtype=p.dtype)
+                self._exposed[id(p)] = _like(p, self._holder[id(p)])
+                self._hooks.append(p.register_hook(self._make_pre_hook(p)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+        global _step_hook
+        if _step_hook is None:
+            _step_hook = register_optimizer_step_pre_hook(_refuse_unsynced_step)
 
+    # ------------------------------------------------------------------ module
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module."""
+        """Run the wrapped module (after broadcasting its buffers, see ``broadcast_buffers``)."""
+        if self._in_backward:  # a backward pass raised before its end-of-backward callback ran
+            self._abandon_pass()
+        if self.broadcast_buffers and self.dp_size > 1 and torch.is_grad_enabled():
+            buffers = self._module_buffers()
+            if buffers:
+                _broadcast_from_first(buffers, self.data_parallel_group)
         return self.module(*args, **kwargs)
 
-    @torch.no_grad()
-    def _broadcast_params(self) -> None:
-        """Make every DP rank start from the parameters of the first rank of the DP group."""
-        if self.dp_size == 1:
+    def _module_buffers(self) -> list[torch.Tensor]:
+        return [local_tensor(b) for b in self.module.buffers()]
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "a vemesh DistributedDataParallel holds process groups and gradient-buffer views and cannot be "
+            "pickled or deep-copied; copy or save model.module (or its state_dict) instead"
+        )
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Not supported: the buckets always average with a pre-divided all-reduce."""
+        raise NotImplementedError("vemesh DistributedDataParallel has no communication hooks; its buckets always all-reduce")
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: every DP rank must run the same number of backward passes."""
+        raise NotImplementedError("vemesh DistributedDataParallel does not support uneven inputs (join); give every DP rank the same number of batches")
+
+    # ------------------------------------------------------------------- hooks
+    def _local_grad(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor):
+            if grad.placements != p.placements:  # type: ignore[attr-defined]
+                grad = grad.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+            return grad._local_tensor
+        return grad
+
+    def _begin_pass(self) -> None:
+        """At the first gradient of a backward pass: decide whether it averages, and queue the end."""
+        if self._in_backward:
             return
-        for buffer in self.buffers:
-            if buffer.param_data is not None:
-                dist.broadcast(buffer.param_data, group=self.data_parallel_group, group_src=0)
-                buffer.copy_params_out()
-                continue
-            tensors = [local_tensor(p).detach() for p in buffer.params]
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            dist.broadcast(flat, group=self.data_parallel_group, group_src=0)
-            for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
-                t.copy_(chunk.view(t.shape))
+        self._in_backward = True
+        self._sync_this_pass = self.require_backward_grad_sync or self.dp_size == 1
+        self._arrived = set()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
-    def _make_hook(self, param: nn.Parameter) -> Any:
-        buffer = self._buffer_of[id(param)]
+    def _make_pre_hook(self, p: nn.Parameter) -> Any:
+        key = id(p)
+        holder = self._holder[key]
 
-        def hook(p: torch.Tensor) -> None:
-            grad = p.grad
-            if grad is None:
-                return
-            if self._grads_synced:
-                raise RuntimeError(
-                    f"gradient for {self._param_names[id(p)]!r} arrived after finish_grad_sync() and before "
-                    "zero_grad_buffer(); call model.zero_grad_buffer() (or DistributedOptimizer.zero_grad()) "
-                    "at the start of each step"
-                )
-            sync = self.overlap_grad_reduce and self._sync_enabled
-            if sync and buffer.arrived(param):
-                raise RuntimeError(
-                    f"{self._param_names[id(p)]!r} got a second gradient while its bucket may be reducing; with "
-                    "overlap_grad_reduce=True run all but the last backward of a step inside model.no_sync()"
-                )
-            if isinstance(grad, DTensor):
-                if grad.placements != p.placements:  # type: ignore[attr-defined]
-                    grad = grad.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
-                grad = grad._local_tensor
-            buffer.accumulate(param, grad)
-            p.grad = None
-            if sync:
-                buffer.mark_ready(param)
+        def pre_hook(grad: torch.Tensor) -> torch.Tensor:
+            # Runs before autograd adds ``grad`` into p.grad: fold it into the fp32 main_grad here,
+            # so that accumulation keeps fp32 precision whatever happens to the low-precision .grad.
+            self._begin_pass()
+            main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
+            current = p.grad
+            new = self._local_grad(p, grad)
+            with torch.no_grad():
+                if current is None:  # cleared with set_to_none: the gradient so far is zero
+                    main.copy_(new)
+                elif current is self._exposed[key] and holder._version == self._holder_version.get(key):
+                    main.add_(new)  # main_grad is the exact value behind .grad
+                else:  # .grad was replaced or written to (zero_(), unscale_, clipping): it is the truth
+                    main.copy_(self._local_grad(p, current))
+                    main.add_(new)
+            return grad
 
-        return hook
+        return pre_hook
 
     @torch.no_grad()
-    def _make_grad_view(self, p: nn.Parameter) -> tuple[nn.Parameter, torch.Tensor, torch.Tensor]:
-        """``(param, local grad holder, what to assign to param.grad)``, built once."""
-        main_grad: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
-        holder = main_grad if main_grad.dtype == p.dtype else torch.empty_like(main_grad, dtype=p.dtype)
-        grad = holder
-        if isinstance(p, DTensor):
-            grad = DTensor.from_local(
-                holder, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
-        return p, holder, grad
+    def _post_accumulate(self, p: torch.Tensor) -> None:
+        self._begin_pass()
+        key = id(p)
+        exposed = self._exposed[key]
+        if key in self._holder:
+            self._expose(p)
+        elif p.grad is not exposed:  # autograd made a new tensor (.grad was None or replaced)
+            p.main_grad.copy_(self._local_grad(p, p.grad))  # type: ignore[attr-defined]
+            p.grad = exposed
+        # else: autograd accumulated in place into the buffer view
+        self._arrived.add(key)
+        if self._sync_this_pass and self.overlap_grad_reduce:
+            self._buffer_of[key].mark_ready(p)  # type: ignore[arg-type]
 
-    def finish_grad_sync(self) -> None:
-        """Start any bucket not started yet, wait for all, and expose the averaged gradients.
+    def _expose(self, p: torch.Tensor) -> None:
+        """Point ``p.grad`` at the buffer view, refreshing the low-precision copy if there is one."""
+        key = id(p)
+        holder = self._holder.get(key)
+        if holder is not None:
+            holder.copy_(p.main_grad)  # type: ignore[attr-defined]
+            self._holder_version[key] = holder._version
+        if p.grad is not self._exposed[key]:
+            p.grad = self._exposed[key]
 
-        Every DP rank must call this once per step (after the last backward). Calling it again
-        before :meth:`zero_grad_buffer` does nothing. Without the distributed optimizer every
-        ``param.grad`` then holds the DP-averaged gradient on every rank.
-        """
-        if self._pass_through or self._grads_synced:
-            return
-        for buffer in self.buffers:
+    def _end_pass(self) -> None:
+        """End-of-backward callback: average now, or remember that the gradients are local only."""
+        self._in_backward = False
+        if self._sync_this_pass:
+            self._sync()
+        else:
+            self._unsynced = True
+            _UNSYNCED.add(self)
+            for buffer in self.grad_buffers:
+                buffer.reset()
+
+    @torch.no_grad()
+    def _refresh_main_grad(self, p: nn.Parameter) -> None:
+        """Make ``main_grad`` equal ``p.grad`` for a parameter that got no gradient in this pass."""
+        key = id(p)
+        current = p.grad
+        main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
+        if current is None:
+            main.zero_()
+        elif current is not self._exposed[key] or (
+            key in self._holder and self._holder[key]._version != self._holder_version.get(key)
+        ):
+            main.copy_(self._local_grad(p, current))
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        for buffer in self.grad_buffers:
+            for p in buffer.params:
+                if id(p) not in self._arrived:
+                    self._refresh_main_grad(p)
             buffer.start_remaining()
-        for buffer in self.buffers:
+        for buffer in self.grad_buffers:
             buffer.wait()
-        for p, holder, grad in self._grad_views:
-            if holder is not p.main_grad:  # type: ignore[attr-defined]
-                holder.copy_(p.main_grad)  # type: ignore[attr-defined]
-            p.grad = grad
-        self._grads_synced = True
-
-    def zero_grad_buffer(self) -> None:
-        """Zero the gradient buffers and set every ``param.grad`` to None (start of a step)."""
-        for buffer in self.buffers:
-            buffer.zero()
         for p in self._params:
-            p.grad = None
-        self._grads_synced = False
+            self._expose(p)
+        self._arrived = set()
+        self._unsynced = False
+        _UNSYNCED.discard(self)
+
+    def _abandon_pass(self) -> None:
+        for buffer in self.grad_buffers:
+            buffer.wait()
+        self._in_backward = False
+        self._arrived = set()
+
+    # ------------------------------------------- for vemesh.optim (reads the buffer)
+    @torch.no_grad()
+    def _grads_into_buffer(self) -> list[str]:
+        """Make every ``main_grad`` equal its ``param.grad`` (after outside writes); names of parameters without one."""
+        if self._in_backward:
+            raise RuntimeError("the optimizer stepped during a backward pass; step after backward returns")
+        missing = []
+        for p in self._params:
+            if p.grad is None:
+                missing.append(self._param_names[id(p)])
+                continue
+            self._refresh_main_grad(p)
+            if p.grad is not self._exposed[id(p)]:
+                self._expose(p)
+        return missing
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        """Every parameter's ``main_grad`` (fp32 when accumulating in fp32), as a DTensor for DTensor parameters."""
+        return self._main_grad_like
+
+    # --------------------------------------------------------------- public API
+    def finish_grad_sync(self) -> None:
+        """Average gradients accumulated under :meth:`no_sync` now; otherwise do nothing.
+
+        Backward already averages when it ends (outside ``no_sync()``), so this is only needed
+        to average a ``no_sync()`` accumulation without another backward. Safe to call any
+        number of times; every DP rank must make the same calls.
+        """
+        if self._in_backward:
+            raise RuntimeError("finish_grad_sync() was called during a backward pass; call it after backward returns")
+        if self._unsynced:
+            self._sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Same as :meth:`zero_grad_buffer` (``set_to_none`` is accepted for torch compatibility)."""
-        self.zero_grad_buffer()
+        """Clear every gradient, as ``nn.Module.zero_grad``.
+
+        Args:
+            set_to_none: set ``param.grad`` to None (the next backward overwrites the buffer);
+                otherwise zero the buffer and keep ``param.grad`` as zeroed views.
+        """
+        with torch.no_grad():
+            for p in self._params:
+                p.grad = None
+            if not set_to_none:
+                for buffer in self.grad_buffers:
+                    buffer.data.zero_()
+                for p in self._params:
+                    self._expose(p)
+        self._unsynced = False
+        _UNSYNCED.discard(self)
+
+    def zero_grad_buffer(self) -> None:
+        """veScale's name for ``zero_grad(set_to_none=False)``: zero the buffer in place."""
+        self.zero_grad(set_to_none=False)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (no collectives) for the backward passes inside the block.
+        """Backward passes started inside the block accumulate locally, without collectives.
 
         Example::
 
             with model.no_sync():
                 loss_fn(model(x0), y0).backward()   # accumulates only
-            loss_fn(model(x1), y1).backward()       # buckets reduce the sum of both
-            model.finish_grad_sync()
+            loss_fn(model(x1), y1).backward()       # averages the sum of both over DP
         """
-        previous = self._sync_enabled
-        self._sync_enabled = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._sync_enabled = previous
+            self.require_backward_grad_sync = previous

@@ -1,108 +1,110 @@
-"""Global gradient norm over DP shards and TP shards, each element counted once.
+"""Gradient norms and clipping over TP-sharded, DP-sharded and pipeline-split models, on torch's code.
 
-The distributed optimizer holds, on each rank, only its DP shard of the *local* (TP-sharded)
-gradients. The norm of the full, unsharded gradient is the square root of
+torch's ``clip_grad_norm_`` handles DTensor gradients (a TP shard counts once, a ``Replicate``
+bias once), but raises on a model that mixes DTensor and plain parameters, and knows nothing
+of pipeline stages. :func:`total_norm` runs torch's ``get_total_norm`` on each group of
+gradients that torch can take together (plain tensors; DTensors of one mesh), combines the
+parts, and optionally sums over extra process groups, e.g. the pipeline group, whose ranks hold
+different layers. :func:`clip_grad_norm_` then scales with torch's ``clip_grads_with_norm_``.
 
-    sum over DP ranks of [ plain pieces  +  sum over TP ranks of (DTensor pieces) ]
-
-where a DTensor piece counts on a rank only if that rank has coordinate 0 on every mesh dim
-the parameter is *replicated* over (a ``Replicate()`` bias is the same on all TP ranks, so only
-TP rank 0 adds it), and the sum over TP ranks runs over the DTensor's mesh. Plain parameters
-are whole on every TP rank, so they are added once, outside the TP sum.
-
-On a ``(DP, TP) = (2, 2)`` mesh, rank 0 adds its DP-half of its TP-shard of ``fc1.weight``
-(``Shard(0)``) and of the ``Replicate()`` bias of a row-parallel layer; rank 1 (TP rank 1) adds
-only the ``fc1.weight`` piece. The result is the same on every rank.
+On a ``(PP, TP) = (2, 2)`` mesh, rank 0 (stage 0, TP rank 0) computes the norm of stage 0's
+gradients over both TP shards, and the sum over ``groups=[pp_group]`` adds stage 1's: every
+rank returns the norm of the whole model, equal to ``clip_grad_norm_`` on one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["NormTerm", "build_norm_terms", "global_grad_norm", "clip_grads_"]
+__all__ = ["total_norm", "clip_grad_norm_"]
 
 
-@dataclass
-class NormTerm:
-    """Gradient pieces whose squares are summed over ``mesh`` (None: not summed beyond DP)."""
-
-    mesh: DeviceMesh | None
-    grads: list[torch.Tensor] = field(default_factory=list)
-
-
-def _counts_here(param: DTensor) -> bool:
-    """Whether this rank adds ``param``'s local gradient (coordinate 0 on every Replicate dim)."""
-    mesh = param.device_mesh
-    return all(mesh.get_local_rank(d) == 0 for d, pl in enumerate(param.placements) if pl.is_replicate())
+def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group tensors that torch can reduce together: plain ones, and DTensors per mesh."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        key = id(t.device_mesh) if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
 
 
-def build_norm_terms(
-    pieces: Sequence[tuple[torch.nn.Parameter, torch.Tensor]], all_params: Sequence[torch.nn.Parameter]
-) -> list[NormTerm]:
-    """Sort this rank's gradient pieces into norm terms.
-
-    Args:
-        pieces: ``(parameter, gradient view)`` for every piece this rank owns.
-        all_params: every parameter of the models (not only the owned ones), so that every TP
-            rank issues the same collectives even if its shard holds no piece of some mesh.
-
-    Returns:
-        One term for plain parameters, then one per distinct DTensor mesh in parameter order.
-    """
-    terms = [NormTerm(None)]
-    by_mesh: dict[int, NormTerm] = {}
-    for p in all_params:
-        if isinstance(p, DTensor) and id(p.device_mesh) not in by_mesh:
-            by_mesh[id(p.device_mesh)] = NormTerm(p.device_mesh)
-            terms.append(by_mesh[id(p.device_mesh)])
-    for p, grad in pieces:
-        if not isinstance(p, DTensor):
-            terms[0].grads.append(grad)
-        elif _counts_here(p):
-            by_mesh[id(p.device_mesh)].grads.append(grad)
-    return terms
-
-
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0).float().square()
-
-
-def global_grad_norm(terms: Sequence[NormTerm], dp_group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    """The 2-norm of the full gradient, identical on every rank.
+def total_norm(
+    grads: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    groups: Sequence[dist.ProcessGroup] = (),
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The norm of all ``grads`` taken together, the same on every rank.
 
     Args:
-        terms: from :func:`build_norm_terms`.
-        dp_group: the data-parallel group (each DP rank holds a distinct shard).
-        device: where to compute (the buffers' device).
+        grads: gradient tensors; plain tensors and DTensors (on any meshes) may be mixed.
+        norm_type: as in ``torch.nn.utils.get_total_norm`` (``inf`` for the max norm).
+        groups: process groups whose ranks hold *different* gradients to add in (e.g. the
+            pipeline group). Not the DP group: DP ranks hold the same averaged gradients.
+        error_if_nonfinite: raise if the norm is nan or inf, as torch does.
+        foreach: passed to torch.
 
     Returns:
-        A 0-dim fp32 tensor, as ``torch.nn.utils.clip_grad_norm_`` would return on the
-        unsharded single-process model.
+        A 0-dim fp32 tensor.
     """
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for term in terms:
-        sq = _sum_of_squares(term.grads, device)
-        if term.mesh is not None:
-            for dim in range(term.mesh.ndim):
-                if term.mesh.size(dim) > 1:
-                    dist.all_reduce(sq, group=term.mesh.get_group(dim))
-        total += sq
-    if dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(total, group=dp_group)
-    return total.sqrt()
+    norm_type = float(norm_type)
+    parts = []
+    device = None
+    for same in _by_mesh(grads):
+        part = torch.nn.utils.get_total_norm(same, norm_type, error_if_nonfinite=False, foreach=foreach)
+        if isinstance(part, DTensor):
+            part = part.full_tensor()
+        parts.append(part.float())
+        device = part.device
+    if not parts:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+    elif math.isinf(norm_type):
+        total = torch.stack(parts).max()
+    else:
+        total = torch.stack(parts).pow(norm_type).sum()
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+    if not math.isinf(norm_type):
+        total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot be "
+            "clipped; pass error_if_nonfinite=False to skip this check"
+        )
+    return total
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))``, as torch does."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef)
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    groups: Sequence[dist.ProcessGroup] = (),
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for models that mix DTensor and plain parameters or span pipeline stages.
+
+    Args:
+        parameters: the parameters whose ``.grad`` is clipped in place (those without one are skipped).
+        max_norm: the largest total norm allowed.
+        norm_type, error_if_nonfinite, foreach: as in torch.
+        groups: see :func:`total_norm` (e.g. ``[VESCALE_DEVICE_MESH["PP"].get_group()]``).
+
+    Returns:
+        The total norm before clipping, a 0-dim tensor, the same on every rank.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    with_grad = [p for p in params if p.grad is not None]
+    norm = total_norm([p.grad for p in with_grad], norm_type, groups=groups, error_if_nonfinite=error_if_nonfinite, foreach=foreach)  # type: ignore[misc]
+    for same in _by_mesh(with_grad):
+        torch.nn.utils.clip_grads_with_norm_(same, max_norm, norm, foreach=foreach)
+    return norm

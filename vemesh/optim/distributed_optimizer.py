@@ -1,35 +1,35 @@
 """ZeRO-1: each data-parallel rank keeps optimizer state for 1/DP of the parameters.
 
-The models are :class:`~vemesh.ddp.DistributedDataParallel` built with
-``use_distributed_optimizer=True``, so their gradients and parameters live in flat buffers
-whose buckets split evenly over DP. DP rank ``r`` owns slice ``r`` of every bucket. A step:
+:class:`DistributedOptimizer` is a ``torch.optim.Optimizer`` over the models' parameters, so LR
+schedulers, ``GradScaler``, ``clip_grad_norm_`` and DCP's ``get_state_dict`` use it as they use
+``torch.optim.AdamW``. Under the hood a step is:
 
-1. gradients are reduced over DP by the DDP buckets during backward (all-reduce on gloo,
-   reduce-scatter elsewhere: see :func:`vemesh.ddp.grad_buffer.grad_collective_for_backend`);
+1. the models' gradients are already averaged over DP (:class:`~vemesh.ddp.DistributedDataParallel`
+   finishes that when ``loss.backward()`` returns) and live in flat buffers;
 2. optionally clip by the global norm (:mod:`vemesh.optim.clip_grad`);
-3. the inner torch optimizer steps only this rank's slices ("main params": views of the
-   parameter buffer for fp32 models, fp32 master copies for bf16/fp16 models);
-4. each bucket's updated slices are gathered over DP into the parameter buffer, which plain
-   parameters are views of (one broadcast per rank on gloo, all-gather elsewhere: see
-   :func:`vemesh.ddp.grad_buffer.param_gather_for_backend`).
+3. an inner torch optimizer of the requested class steps only this rank's slice of each buffer
+   (:mod:`vemesh.optim.param_buffer`): flat fp32 tensors, views of the parameters for fp32
+   models, fp32 masters for bf16/fp16 ones;
+4. every rank's updated slice is gathered into the parameters.
 
-With DP = 2 and one bucket of 10 elements, rank 0 steps elements ``[0, 5)`` and holds Adam
+With DP = 2 and one buffer of 10 elements, rank 0 steps elements ``[0, 5)`` and holds Adam
 state for 5 elements; rank 1 steps ``[5, 10)``; after the gather both see all 10.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ddp.bucketing import contiguous_runs, shard_pieces
 from ..ddp.distributed_data_parallel import DistributedDataParallel
-from ..ddp.grad_buffer import GradBuffer
-from .clip_grad import NormTerm, build_norm_terms, clip_grads_, global_grad_norm
+from .clip_grad import total_norm
+from .param_buffer import ParamShard
+from .state import gather_state_dict, scatter_state_dict
 
 __all__ = ["DistributedOptimizer"]
 
@@ -40,279 +40,267 @@ __all__ = ["DistributedOptimizer"]
 MAIN_PARAM_CHUNK = 1 << 19
 
 
-class _Shard:
-    """This rank's slices of one buffer: main params, their gradients, and how to sync them."""
-
-    def __init__(self, buffer: GradBuffer, group_of: dict[int, int]) -> None:
-        assert buffer.param_data is not None, "DDP was not built with use_distributed_optimizer=True"
-        self.buffer = buffer
-        self.pieces = shard_pieces(buffer.layout, buffer.dp_rank, buffer.dp_size)
-        keys = [group_of.get(id(buffer.params[pc.param])) for pc in self.pieces]
-        self.runs = contiguous_runs(self.pieces, keys)
-        param_data = buffer.param_data
-        self.copy_params = param_data.dtype != torch.float32  # keep fp32 masters
-        self.copy_grads = buffer.data.dtype != torch.float32
-        total = sum(end - start for _, start, end in self.runs)
-        master = torch.empty(total, dtype=torch.float32, device=param_data.device) if self.copy_params else None
-        grad_copy = torch.empty(total, dtype=torch.float32, device=param_data.device) if self.copy_grads else None
-        self.main: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
-        self.model_views: list[torch.Tensor] = []  # param_data slices, one per run
-        self.grad_views: list[torch.Tensor] = []  # buffer.data slices, one per run
-        offset = 0
-        for _, start, end in self.runs:
-            n = end - start
-            self.model_views.append(param_data[start:end])
-            self.grad_views.append(buffer.data[start:end])
-            self.main.append(master[offset : offset + n] if master is not None else param_data[start:end])
-            self.grads.append(grad_copy[offset : offset + n] if grad_copy is not None else buffer.data[start:end])
-            offset += n
-        self.reload_model_params()
-
-    def reload_model_params(self) -> None:
-        """Copy the model's parameters into the parameter buffer and the fp32 masters."""
-        self.buffer.copy_params_in()
-        if self.copy_params:
-            with torch.no_grad():
-                torch._foreach_copy_(self.main, self.model_views)
-
-    def piece_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """``(parameter, gradient view)`` for each owned piece that the optimizer steps."""
-        out = []
-        run = 0
-        for pc in self.pieces:
-            while run < len(self.runs) and self.runs[run][2] <= pc.start:
-                run += 1
-            if run == len(self.runs):
-                break
-            _, start, _ = self.runs[run]
-            if pc.start >= start:  # pieces outside every run belong to no param group
-                lo = pc.start - start
-                out.append((self.buffer.params[pc.param], self.grads[run][lo : lo + pc.end - pc.start]))
-        return out
+def _check_models(models: Any) -> list[DistributedDataParallel]:
+    if models is None:
+        raise TypeError("models is required: pass the wrapped models, e.g. models=[DistributedDataParallel(model, mesh['DP'])]")
+    if isinstance(models, nn.Module) or not isinstance(models, Sequence) or not models:
+        raise TypeError(f"models must be a non-empty list of vemesh DistributedDataParallel, got {models!r:.80}")
+    for i, m in enumerate(models):
+        if not isinstance(m, DistributedDataParallel):
+            raise TypeError(
+                f"models[{i}] must be a vemesh DistributedDataParallel, got {type(m).__name__}; "
+                "wrap it with vemesh.ddp.DistributedDataParallel(model, mesh['DP'])"
+            )
+    ranks = [dist.get_process_group_ranks(m.data_parallel_group) for m in models]
+    if any(r != ranks[0] for r in ranks):
+        raise ValueError(f"all models must share one data-parallel group, got groups with ranks {ranks}")
+    return list(models)
 
 
-class DistributedOptimizer:
+def _groups_of(optimizer: Any, params: list[nn.Parameter], kwargs: dict[str, Any]) -> tuple[type, list[list[nn.Parameter]], list[dict[str, Any]]]:
+    """The optimizer class, each param group's model parameters, and each group's options."""
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer, [params], [{}]
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistributedOptimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer subclass or instance, got {optimizer!r:.80}")
+    if kwargs:
+        raise ValueError(f"optimizer_kwargs {sorted(kwargs)} are only accepted with an optimizer class, not an instance")
+    if optimizer.state:
+        raise ValueError(f"optimizer already holds state for {len(optimizer.state)} parameters; pass a freshly built one")
+    known = {id(p) for p in params}
+    members, options = [], []
+    for gid, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in known:
+                raise ValueError(
+                    f"optimizer param group {gid} holds a tensor of shape {tuple(p.shape)} that is not a trainable "
+                    "parameter of the models"
+                )
+        members.append(list(group["params"]))
+        options.append({k: v for k, v in group.items() if k != "params"})
+    return type(optimizer), members, options
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose state and update are sharded over the data-parallel group (ZeRO-1).
 
     Args:
-        optimizer: a ``torch.optim.Optimizer`` subclass (built here with ``optimizer_kwargs`` over
-            this rank's shard), or a freshly built instance over the models' parameters (its
-            param groups and their hyperparameters are kept; it must have no state yet).
-        models: the :class:`~vemesh.ddp.DistributedDataParallel` models to optimize, all built
-            with ``use_distributed_optimizer=True`` over the same DP group.
-        clip_grad: clip gradients to this global 2-norm (``0.0`` or None: no clipping). The norm
-            equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
-        **optimizer_kwargs: passed to ``optimizer`` when it is a class.
+        optimizer: a ``torch.optim.Optimizer`` subclass (built with ``optimizer_kwargs``), or an
+            instance built over the models' parameters (its param groups and hyperparameters are
+            kept; it must have no state yet).
+        models: the :class:`~vemesh.ddp.DistributedDataParallel` models to optimize, over one DP group.
+        clip_grad: clip gradients to this global 2-norm inside :meth:`step` (``0.0`` or None: no
+            clipping); the norm equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+            The last norm is :attr:`grad_norm`.
+        overlap_param_gather: leave the parameter gather running after :meth:`step`, to overlap
+            with whatever comes before the next forward. It is waited for before the models'
+            next forward, ``state_dict()``, the next step, or :meth:`finish_param_gather`;
+            parameters read any other way in between may be stale.
+        grad_to_fp32: step with fp32 gradients (veScale's flag; only True is possible, because
+            the fp32 main params need fp32 gradients).
+        optimizer_kwargs: options for ``optimizer`` when it is a class (veScale's form).
+        **kwargs: more options for ``optimizer`` when it is a class.
 
-    The inner optimizer is :attr:`optimizer`; it only ever sees flat fp32 tensors covering this
-    rank's shard, in chunks of at most :data:`MAIN_PARAM_CHUNK` elements. :meth:`step` returns
-    the global gradient norm (before clipping) when ``clip_grad`` is set, else None. After
-    loading model weights directly, call :meth:`reload_model_params`.
+    :attr:`param_groups` hold the models' parameters and drive the shards: change ``lr`` there
+    (or attach any LR scheduler). :meth:`state_dict` is torch's per-parameter format, each state
+    tensor shaped and sharded like its parameter (plus ``master_param`` for bf16/fp16 models),
+    gathered over DP: a collective, so call it on every DP rank, as DCP does. :attr:`state` is
+    this rank's shard state, keyed by the inner optimizer's flat tensors (:attr:`optimizer`).
 
     Example::
 
-        model = DDP(model, mesh["DP"], use_distributed_optimizer=True)
-        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=3e-4, clip_grad=1.0)
-        opt.zero_grad(); loss_fn(model(x), y).backward(); model.finish_grad_sync(); opt.step()
+        model = DistributedDataParallel(model, VESCALE_DEVICE_MESH["DP"])
+        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], optimizer_kwargs={"lr": 3e-4})
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step(); sched.step()
     """
+
+    #: load_state_dict takes fp32 master weights from a ``master_param`` state entry.
+    _loads_master_params = True
 
     def __init__(
         self,
         optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer,
-        models: Sequence[DistributedDataParallel],
+        models: Sequence[DistributedDataParallel] | None = None,
         clip_grad: float | None = 0.0,
-        **optimizer_kwargs: Any,
+        overlap_param_gather: bool = False,
+        grad_to_fp32: bool = True,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
-        self.models = self._check_models(models)
+        self.models = _check_models(models)
         if clip_grad is None:
             clip_grad = 0.0
         if isinstance(clip_grad, bool) or not isinstance(clip_grad, (int, float)) or clip_grad < 0:
             raise ValueError(f"clip_grad must be a non-negative number (0 or None disables clipping), got {clip_grad!r}")
+        if grad_to_fp32 is not True:
+            raise ValueError(f"grad_to_fp32={grad_to_fp32!r} is not supported: the fp32 main params step with fp32 gradients")
+        clashing = sorted(set(optimizer_kwargs or {}) & set(kwargs))
+        if clashing:
+            raise ValueError(f"options {clashing} were given both in optimizer_kwargs and as keyword arguments")
+        options = {**(optimizer_kwargs or {}), **kwargs}
         self.clip_grad = float(clip_grad)
-        params = [p for m in self.models for b in m.buffers for p in b.params]
-        group_of, group_options, cls = self._param_groups(optimizer, params, optimizer_kwargs)
-        self._group_of = group_of  # id(model parameter) -> param group index
-        self._shards = [_Shard(b, group_of) for m in self.models for b in m.buffers]
-        inner_groups: list[dict[str, Any]] = [dict(opts, params=[]) for opts in group_options]
-        #: ``(inner parameter, its gradient)``: one per chunk of each run of this rank's shard.
+        self.overlap_param_gather = bool(overlap_param_gather)
+        #: The global gradient norm before clipping at the last :meth:`step` (when ``clip_grad`` is set).
+        self.grad_norm: torch.Tensor | None = None
+        params = [p for m in self.models for b in m.grad_buffers for p in b.params]
+        cls, members, group_options = _groups_of(optimizer, [p for m in self.models for p in m._params], options)
+        group_of = {id(p): gid for gid, ps in enumerate(members) for p in ps}
+        self._shards = [ParamShard(b, group_of) for m in self.models for b in m.grad_buffers]
+        inner_groups: list[dict[str, Any]] = [dict(o, params=[]) for o in group_options]
+        #: ``(inner parameter, its gradient)``: one per chunk of each run of this rank's slices.
         self._inner: list[tuple[nn.Parameter, torch.Tensor]] = []
-        for shard in self._shards:
-            for (gid, _, _), main, grad in zip(shard.runs, shard.main, shard.grads):
-                for main_chunk, grad_chunk in zip(main.split(MAIN_PARAM_CHUNK), grad.split(MAIN_PARAM_CHUNK)):
+        #: ``(inner parameter, shard index, first buffer element)``, for the per-parameter state dict.
+        self._inner_at: list[tuple[nn.Parameter, int, int]] = []
+        for si, shard in enumerate(self._shards):
+            for (gid, start, _), main, grad in zip(shard.runs, shard.main, shard.grads):
+                for k, (main_chunk, grad_chunk) in enumerate(zip(main.split(MAIN_PARAM_CHUNK), grad.split(MAIN_PARAM_CHUNK))):
                     inner = nn.Parameter(main_chunk)  # shares storage with main
                     inner_groups[gid]["params"].append(inner)  # type: ignore[index]
                     self._inner.append((inner, grad_chunk))
-        if not self._inner:  # a tiny model can leave a rank with nothing to own
-            inner_groups[0]["params"].append(nn.Parameter(torch.zeros(0, device=params[0].device)))
+                    self._inner_at.append((inner, si, start + k * MAIN_PARAM_CHUNK))
+        for group in inner_groups:  # a small model can leave a rank (or a group) with nothing to own
+            if not group["params"]:
+                group["params"].append(nn.Parameter(torch.zeros(0, device=params[0].device)))
+        for inner, grad in self._inner:
+            inner.grad = grad  # fixed views: the inner optimizer always sees this rank's gradient slices
         #: The inner torch optimizer, stepping only this rank's flat fp32 shard tensors.
-        self.optimizer: torch.optim.Optimizer = cls(inner_groups, **optimizer_kwargs)
+        self.optimizer: torch.optim.Optimizer = cls(inner_groups, **options)
         if isinstance(optimizer, torch.optim.Optimizer):
             self.optimizer.defaults.update(optimizer.defaults)
-        self._grads = [g for _, g in self._inner]
-        self._norm_terms: list[NormTerm] = build_norm_terms(
-            [pg for s in self._shards for pg in s.piece_grads()], params
+        self._building = True
+        super().__init__(
+            [{**{k: v for k, v in g.items() if k != "params"}, "params": ps} for g, ps in zip(self.optimizer.param_groups, members)],
+            dict(self.optimizer.defaults),
         )
+        self._building = False
         self._dp_group = self.models[0].data_parallel_group
-        self._device = self._shards[0].buffer.data.device
+        self._pending: list[dist.Work] = []
+        if self.overlap_param_gather:
+            for m in self.models:
+                m.module.register_forward_pre_hook(lambda *_: self._wait_gather())
+                m.module.register_state_dict_pre_hook(lambda *_, **__: self._wait_gather())
 
-    @staticmethod
-    def _check_models(models: Sequence[DistributedDataParallel]) -> list[DistributedDataParallel]:
-        if isinstance(models, nn.Module) or not isinstance(models, Sequence) or not models:
-            raise TypeError(f"models must be a non-empty list of vemesh DistributedDataParallel, got {models!r:.80}")
-        for i, m in enumerate(models):
-            if not isinstance(m, DistributedDataParallel):
-                raise TypeError(f"models[{i}] must be a vemesh DistributedDataParallel, got {type(m).__name__}")
-            if not m.use_distributed_optimizer:
-                raise ValueError(
-                    f"models[{i}] was built with use_distributed_optimizer=False; build it with "
-                    "DistributedDataParallel(..., use_distributed_optimizer=True)"
-                )
-        ranks = [dist.get_process_group_ranks(m.data_parallel_group) for m in models]
-        if any(r != ranks[0] for r in ranks):
-            raise ValueError(f"all models must share one data-parallel group, got groups with ranks {ranks}")
-        return list(models)
+    # ----------------------------------------------------- torch.optim.Optimizer
+    @property  # type: ignore[override]
+    def state(self) -> Mapping[Any, Any]:
+        """This rank's shard state, read-only, keyed by the inner optimizer's flat tensors."""
+        return types.MappingProxyType(self.optimizer.state)
 
-    @staticmethod
-    def _param_groups(
-        optimizer: Any, params: list[nn.Parameter], kwargs: dict[str, Any]
-    ) -> tuple[dict[int, int], list[dict[str, Any]], type[torch.optim.Optimizer]]:
-        """Map each model parameter to a param group index; return the groups' options and the class."""
-        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-            return {id(p): 0 for p in params}, [{}], optimizer
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer subclass or instance, got {optimizer!r:.80}"
+    @state.setter
+    def state(self, value: Any) -> None:  # torch.optim.Optimizer.__init__ assigns an empty dict
+        if value:
+            raise AttributeError("DistributedOptimizer.state is read-only; load state with load_state_dict()")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only while building: the shards are laid out once, over the models' parameters."""
+        if not getattr(self, "_building", False):
+            raise NotImplementedError(
+                "DistributedOptimizer shards the parameters of its models once; add_param_group is not supported. "
+                "Build a new DistributedOptimizer (pass an optimizer instance to choose the param groups)"
             )
-        if kwargs:
-            raise ValueError(f"optimizer_kwargs {sorted(kwargs)} are only accepted with an optimizer class")
-        if optimizer.state:
-            raise ValueError(
-                f"optimizer already holds state for {len(optimizer.state)} parameters; pass a freshly built one"
-            )
-        known = {id(p) for p in params}
-        group_of: dict[int, int] = {}
-        options = []
-        for gid, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in known:
-                    raise ValueError(
-                        f"optimizer param group {gid} holds a parameter of shape {tuple(p.shape)} "
-                        "that is not a trainable parameter of the models"
-                    )
-                group_of[id(p)] = gid
-            options.append({k: v for k, v in group.items() if k != "params"})
-        return group_of, options, type(optimizer)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's param groups (set ``lr`` here, as on any torch optimizer)."""
-        return self.optimizer.param_groups
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the models' gradient buffers (``set_to_none`` is accepted for torch compatibility)."""
+        """Clear the models' gradients (see :meth:`DistributedDataParallel.zero_grad`)."""
         for m in self.models:
-            m.zero_grad_buffer()
+            m.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def step(self) -> torch.Tensor | None:
-        """Finish the models' gradient sync, clip, step this rank's shard, all-gather the parameters.
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Clip (if ``clip_grad``), step this rank's slices, and gather the parameters.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as for any torch optimizer.
 
         Returns:
-            The global gradient norm before clipping (a 0-dim tensor) if ``clip_grad`` is set, else None.
-        """
-        for m in self.models:
-            m.finish_grad_sync()
-        for shard in self._shards:
-            if shard.copy_grads:
-                torch._foreach_copy_(shard.grads, shard.grad_views)
-        norm = None
-        if self.clip_grad > 0:
-            norm = global_grad_norm(self._norm_terms, self._dp_group, self._device)
-            clip_grads_(self._grads, self.clip_grad, norm)
-        for p, g in self._inner:
-            p.grad = g
-        self.optimizer.step()
-        self._sync_model_params()
-        return norm
+            The closure's loss, or None.
 
-    def _sync_model_params(self) -> None:
-        works: list[dist.Work] = []
+        Raises:
+            RuntimeError: gradients accumulated under ``no_sync()`` were never averaged.
+            ValueError: some parameters have a gradient and others have none.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._wait_gather()
+        missing: list[str] = []
+        for m in self.models:
+            missing += m._grads_into_buffer()
+        if missing:
+            total = sum(len(m._params) for m in self.models)
+            if len(missing) == total:
+                return loss  # nothing has a gradient: nothing to do, as a torch optimizer
+            raise ValueError(
+                f"{len(missing)} of {total} parameters have no gradient (e.g. {missing[0]!r}); DistributedOptimizer steps "
+                "flat shards and cannot skip some of them: clear gradients with zero_grad(set_to_none=False), or set "
+                "requires_grad=False on parameters that must not change"
+            )
         for shard in self._shards:
-            if shard.copy_params and shard.main:
-                torch._foreach_copy_(shard.model_views, shard.main)
-            works += shard.buffer.start_param_gather()
-        for work in works:
+            if shard.params_changed():
+                shard.reload()
+            shard.grads_to_main()
+        if self.clip_grad > 0:
+            self.grad_norm = total_norm([g for m in self.models for g in m._main_grads()])
+            torch.nn.utils.clip_grads_with_norm_([p for p, _ in self._inner], self.clip_grad, self.grad_norm)
+        for inner, group in zip(self.optimizer.param_groups, self.param_groups):
+            inner.update({k: v for k, v in group.items() if k != "params"})
+        self.optimizer.step()
+        self._start_gather()
+        if not self.overlap_param_gather:
+            self._wait_gather()
+        return loss
+
+    def _start_gather(self) -> None:
+        for shard in self._shards:
+            self._pending += shard.start_gather()
+        self._gathering = True
+
+    def finish_param_gather(self) -> None:
+        """Wait for the parameter gather left running by ``overlap_param_gather=True``.
+
+        The models' next forward and ``state_dict()`` wait for it on their own; call this before
+        reading parameters any other way (``model.parameters()``, ``p.data``) between
+        :meth:`step` and the next forward. Without ``overlap_param_gather`` there is never
+        anything to wait for.
+        """
+        self._wait_gather()
+
+    def _wait_gather(self) -> None:
+        if not getattr(self, "_gathering", False):
+            return
+        for work in self._pending:
             work.wait()
+        self._pending = []
         for shard in self._shards:
-            shard.buffer.copy_params_out()
+            shard.finish_gather()
+        self._gathering = False
 
     def reload_model_params(self) -> None:
-        """Re-read the models' parameters after changing them outside :meth:`step`.
-
-        Call it after loading model weights directly (``model.load_state_dict``) once the
-        optimizer exists: the optimizer steps its own copies (the parameter buffer for DTensor
-        parameters, fp32 masters for bf16/fp16 models). :meth:`load_state_dict` needs no call.
-        """
+        """Re-read the models' parameters now (:meth:`step` also does it when it sees them changed)."""
+        self._wait_gather()
         for shard in self._shards:
-            shard.reload_model_params()
+            shard.reload()
 
+    # ------------------------------------------------------------ state dicts
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: the inner optimizer's state dict and its fp32 main params.
+        """torch's format over the models' parameters (a collective over DP).
 
         Returns:
-            ``{"optimizer": ..., "main_params": [...], "shard_numels": [...]}``; load it on the
-            same rank of the same mesh with :meth:`load_state_dict`.
+            ``{"state": {index: {"exp_avg": ..., "step": ..., "master_param"?: ...}}, "param_groups":
+            [{..., "params": [index, ...]}]}``, indices running over :attr:`param_groups` as in
+            ``torch.optim.Optimizer.state_dict``; each state tensor is shaped and sharded like its
+            parameter, so a plain ``torch.optim.AdamW`` on one process can load it.
         """
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "main_params": [t.detach().clone() for s in self._shards for t in s.main],
-            "shard_numels": [t.numel() for s in self._shards for t in s.main],
-        }
+        self._wait_gather()
+        return gather_state_dict(self)
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The state per parameter name, each tensor shaped and sharded like its parameter (any mesh can load it).
-
-        A collective over DP: every DP rank must call it. On ``(DP, TP) = (2, 2)``, ranks 0 and 2
-        both get the full TP shard of each ``exp_avg`` (a DTensor like the weight), though each
-        holds Adam state for only half of it.
-
-        Returns:
-            ``{"state": {name: {"exp_avg": ..., "step": 0-dim tensor, ...}}, "param_groups":
-            [{hyperparameters..., "params": [names]}]}``, plus ``"master_params": {name: fp32}``
-            for bf16/fp16 models. :mod:`vemesh.checkpoint` saves it.
-        """
-        from .sharded_state import sharded_state_dict
-
-        return sharded_state_dict(self)
-
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load :meth:`sharded_state_dict`'s form, whatever mesh wrote it, keeping this rank's slices.
-
-        Args:
-            state_dict: each tensor sharded like its parameter *on this mesh* (as DCP loads it);
-                hyperparameters are taken from its ``param_groups``; ``master_params``, when
-                present, become the weights (then gathered into the models over DP).
-        """
-        from .sharded_state import load_sharded_state_dict
-
-        load_sharded_state_dict(self, state_dict)
-
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` and write the main params into the models.
+        """Load torch's per-parameter format (from :meth:`state_dict`, or any torch optimizer of this class).
 
-        Args:
-            state_dict: saved by the same rank on the same mesh and model.
+        Every rank keeps the elements of its own slices; ``master_param`` entries, when present,
+        become the weights (gathered into the models).
         """
-        mains = [t for s in self._shards for t in s.main]
-        numels = [t.numel() for t in mains]
-        if state_dict.get("shard_numels") != numels:
-            raise ValueError(
-                f"state_dict holds shards of sizes {state_dict.get('shard_numels')}, this rank owns {numels}; "
-                "load it on the same rank of the same mesh and model"
-            )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        for main, saved in zip(mains, state_dict["main_params"]):
-            main.copy_(saved)
-        self._sync_model_params()
+        self._wait_gather()
+        scatter_state_dict(self, state_dict)

@@ -21,6 +21,7 @@ Results = dict[str, str | None]
 
 D_IN, D_HID, D_MID, D_OUT = 16, 32, 16, 8
 GLOBAL_BATCH = 16
+WEIGHT_DECAY = 0.1
 TP_PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(), "fc3": ColwiseParallel(), "fc4": RowwiseParallel()}
 
 
@@ -70,26 +71,29 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int, part
 def reference_run(
     steps: int,
     micro: int,
-    lr: float,
-    weight_decay: float,
+    make_opt: Callable[[Any], torch.optim.Optimizer],
     clip: float | None,
     groups: bool,
     with_unused: bool,
     dp: int = 1,
     partial_extra: bool = False,
+    make_sched: Callable[[torch.optim.Optimizer], Any] | None = None,
+    skip: tuple[int, ...] = (),
 ) -> tuple[Net, list[dict[str, torch.Tensor]], list[float]]:
-    """Single process, global batch, ``torch.optim.AdamW``.
+    """Single process, global batch, a plain torch optimizer from ``make_opt(params)``.
 
     With ``partial_extra`` the loss is the mean of ``dp`` equal chunk losses where only chunk 0
     uses the extra parameter (what DP rank 0 does in the distributed run); otherwise it is the
-    plain MSE over the global batch.
+    plain MSE over the global batch. Steps in ``skip`` compute gradients but do not step (as a
+    GradScaler skipping a step with non-finite gradients).
 
     Returns:
         The trained model, the gradients of step 0 (after accumulation), and each step's grad norm.
     """
     model = make_net(with_unused=with_unused)
-    params: Any = param_groups(model, weight_decay) if groups else model.parameters()
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    params: Any = param_groups(model, WEIGHT_DECAY) if groups else model.parameters()
+    opt = make_opt(params)
+    sched = make_sched(opt) if make_sched else None
     first_grads: list[dict[str, torch.Tensor]] = []
     norms: list[float] = []
     for step in range(steps):
@@ -105,7 +109,10 @@ def reference_run(
             first_grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
+        if step not in skip:
+            opt.step()
+            if sched is not None:
+                sched.step()
     return model, first_grads, norms
 
 

@@ -1,4 +1,5 @@
-"""DDP and ZeRO-1 against a single process running torch.optim.AdamW on the global batch.
+"""DDP and ZeRO-1 against a single process running the same torch optimizer on the global batch,
+and the torch contract (schedulers, GradScaler, DCP, clipping, veScale's call forms).
 
 One 4-rank gloo world (spawned once for the module) runs every scenario of
 ``ddp_optim_scenarios.worker`` on meshes (DP, TP) = (4, 1), (2, 2), (1, 4); each test below
@@ -9,14 +10,15 @@ from __future__ import annotations
 
 import pytest
 from ddp_optim_harness import Results
-from ddp_optim_scenarios import CONFIGS, EXTRA_CONFIGS, MESHES, worker
+from ddp_optim_scenarios import CONFIGS, MESHES, worker
+from torch_contract_scenarios import CONTRACT
 
 from launch import run_ranks
 
 WORLD_SIZE = 4
 
-PARITY = [f"parity[{dp}x{tp}-{c.name}]" for dp, tp in MESHES for c in CONFIGS + EXTRA_CONFIGS.get((dp, tp), [])]
-OTHERS = ["dp1-pass-through", "bf16", "state_dict", "errors", "broadcast", "vescale_mesh"]
+PARITY = [f"parity[{dp}x{tp}-{c.name}]" for dp, tp in MESHES for c in CONFIGS[(dp, tp)]]
+OTHERS = ["bf16", "state_dict", "errors", "broadcast", "vescale_mesh"]
 
 
 @pytest.fixture(scope="module")
@@ -37,4 +39,9 @@ def test_parity_with_single_process_adamw(world: list[Results], name: str) -> No
 
 @pytest.mark.parametrize("name", OTHERS)
 def test_scenario(world: list[Results], name: str) -> None:
+    _assert_passed(world, name)
+
+
+@pytest.mark.parametrize("name", CONTRACT)
+def test_torch_contract(world: list[Results], name: str) -> None:
     _assert_passed(world, name)
