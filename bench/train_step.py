@@ -12,8 +12,8 @@ Under ``torchrun --nproc-per-node 2 bench/train_step.py`` it uses torchrun's ran
 the memory table (that needs a fresh process per contender).
 
 The default model is the GPT example's (``examples/gpt/model.py``), trained with its step
-(``train.py``: zero the gradients, ``loss_fn(model(x), y).backward()``, ``finish_grad_sync()``,
-clip the global gradient norm to ``--grad-clip``, ``AdamW.step()``) on its byte-level data, every
+(``train.py``: ``opt.zero_grad()``, ``loss_fn(model(x), y).backward()``, ``clip_grad_norm_`` to
+``--grad-clip``, ``opt.step()``: torch's loop, the same calls for every contender) on its byte-level data, every
 rank taking its own DP slice of each global batch. ``--model mlp`` is issue 3's MLP on random
 data (MSE loss). Every contender trains the same model from the same initial weights on the same
 batches.
@@ -29,11 +29,13 @@ rounds on a shared machine; the ratio of the two medians is printed beside it. P
 * vemesh ``DistributedOptimizer`` vs torch DDP + ``ZeroRedundancyOptimizer``: target <= 1.0;
   FSDP2 ``fully_shard`` per transformer block and at the root, resharding after forward (ZeRO-3)
   and not (ZeRO-2-like), as a reference without a target;
-* gradient sync (``finish_grad_sync()`` after a backward, nothing overlapped) vs a bare
+* gradient sync (a backward inside ``no_sync()``, then the timed ``finish_grad_sync()``) vs a bare
   ``all_reduce`` of the same number of bytes: target bare/sync >= 0.8;
 * optimizer-state bytes per rank for each optimizer (DTensor state counted by its local shard);
-* the ZeRO-1 collective choice on this backend: reduce-scatter vs all-reduce for gradients,
-  all-gather vs one broadcast per rank for parameters.
+* collectives on this backend: reduce-scatter vs all-reduce for gradients (vemesh always
+  all-reduces, so that every ``.grad`` is valid for clipping and GradScaler, as ZeRO-1 in
+  DeepSpeed and torch's ZeroRedundancyOptimizer do), all-gather vs one broadcast per rank for
+  the parameter gather (vemesh broadcasts on gloo).
 
 Memory: peak RSS is per process for its whole life (``ru_maxrss``, ``VmHWM``), and freed heap is
 not always handed back to the OS, so one process cannot measure several contenders fairly. Each
@@ -182,18 +184,15 @@ def _timed(fn: Callable[[], object]) -> float:
 BATCHES: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-def _training_step(cfg: BenchConfig, model: nn.Module, opt: Any, zero_grad: Callable[[], None],
-                   sync: Callable[[], None] | None, clip: bool) -> Callable[[], float]:
-    """train.py's step: zero, forward + backward, sync, clip (unless the optimizer does), step."""
+def _training_step(cfg: BenchConfig, model: nn.Module, opt: Any) -> Callable[[], float]:
+    """train.py's step, torch's loop: zero, forward + backward, clip the global norm, step."""
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = itertools.cycle(BATCHES)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        zero_grad()
+        opt.zero_grad(set_to_none=True)
         compute_loss(cfg, model, x, y).backward()
-        if sync is not None:
-            sync()
-        if clip and cfg.grad_clip:
+        if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
 
@@ -207,30 +206,25 @@ def _training_step(cfg: BenchConfig, model: nn.Module, opt: Any, zero_grad: Call
 def build_vemesh_ddp(cfg: BenchConfig) -> Runner:
     model = VeDDP(build_model(cfg), overlap_grad_reduce=True, bucket_size=cfg.bucket_elems)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    step = _training_step(cfg, model, opt, model.zero_grad_buffer, model.finish_grad_sync, clip=True)
-    return Runner(step, lambda: _state_bytes(opt))
+    return Runner(_training_step(cfg, model, opt), lambda: _state_bytes(opt))
 
 
 def build_torch_ddp(cfg: BenchConfig) -> Runner:
     model = nn.parallel.DistributedDataParallel(build_model(cfg), bucket_cap_mb=cfg.bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    step = _training_step(cfg, model, opt, lambda: opt.zero_grad(set_to_none=True), None, clip=True)
-    return Runner(step, lambda: _state_bytes(opt))
+    return Runner(_training_step(cfg, model, opt), lambda: _state_bytes(opt))
 
 
 def build_vemesh_zero(cfg: BenchConfig) -> Runner:
-    model = VeDDP(build_model(cfg), overlap_grad_reduce=True, use_distributed_optimizer=True,
-                  bucket_size=cfg.bucket_elems)
-    opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=cfg.lr, clip_grad=cfg.grad_clip or None)
-    step = _training_step(cfg, model, opt, opt.zero_grad, model.finish_grad_sync, clip=False)
-    return Runner(step, lambda: _state_bytes(opt.optimizer))
+    model = VeDDP(build_model(cfg), overlap_grad_reduce=True, bucket_size=cfg.bucket_elems)
+    opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=cfg.lr)
+    return Runner(_training_step(cfg, model, opt), lambda: _state_bytes(opt.optimizer))
 
 
 def build_torch_zero(cfg: BenchConfig) -> Runner:
     model = nn.parallel.DistributedDataParallel(build_model(cfg), bucket_cap_mb=cfg.bucket_mb)
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=cfg.lr)
-    step = _training_step(cfg, model, opt, lambda: opt.zero_grad(set_to_none=True), None, clip=True)
-    return Runner(step, lambda: _state_bytes(opt.optim))
+    return Runner(_training_step(cfg, model, opt), lambda: _state_bytes(opt.optim))
 
 
 def _build_fsdp2(cfg: BenchConfig, reshard_after_forward: bool) -> Runner:
@@ -242,8 +236,7 @@ def _build_fsdp2(cfg: BenchConfig, reshard_after_forward: bool) -> Runner:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    step = _training_step(cfg, model, opt, lambda: opt.zero_grad(set_to_none=True), None, clip=True)
-    return Runner(step, lambda: _state_bytes(opt))
+    return Runner(_training_step(cfg, model, opt), lambda: _state_bytes(opt))
 
 
 def build_fsdp2_zero3(cfg: BenchConfig) -> Runner:
@@ -255,14 +248,15 @@ def build_fsdp2_zero2(cfg: BenchConfig) -> Runner:
 
 
 def build_vemesh_sync(cfg: BenchConfig) -> Runner:
-    """Times only ``finish_grad_sync()``: backward runs first with nothing overlapped."""
+    """Times only the gradient average: backward runs first inside ``no_sync()``, then ``finish_grad_sync()``."""
     model = VeDDP(build_model(cfg), overlap_grad_reduce=False, bucket_size=cfg.bucket_elems)
     numel = sum(p.numel() for p in model.parameters())
     x, y = BATCHES[0]
 
     def step() -> float:
-        model.zero_grad_buffer()
-        compute_loss(cfg, model, x, y).backward()
+        model.zero_grad()
+        with model.no_sync():
+            compute_loss(cfg, model, x, y).backward()
         dist.barrier()
         return _timed(model.finish_grad_sync)
 

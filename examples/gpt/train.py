@@ -32,8 +32,9 @@ On GPUs (nccl) and across nodes the same script runs unchanged:
 
 What each rank does: every rank builds the same model from the same seed; TP
 shards it over ``VESCALE_DEVICE_MESH["TP"]``; DDP averages gradients over
-``VESCALE_DEVICE_MESH["DP"]``; the ZeRO-1 optimizer steps 1/DP of the state on
-each DP rank. Each step, every rank draws the same global batch and keeps the
+``VESCALE_DEVICE_MESH["DP"]`` during backward; the ZeRO-1 optimizer (a
+``torch.optim.Optimizer``) steps 1/DP of the state on each DP rank. The loop is
+torch's own: ``optimizer.zero_grad(); loss.backward(); clip_grad_norm_; optimizer.step()``. Each step, every rank draws the same global batch and keeps the
 rows of its DP rank, so the loss (the mean over the global batch) matches a
 single-process run of the same config.
 """
@@ -143,17 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     if tp_size > 1:
         model = apply_tp(model, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel)
     raw_model = model  # for eval and generation, without the DDP wrapper
-    model = DDP(model, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce,
-                use_distributed_optimizer=cfg.distributed_optimizer)
+    model = DDP(model, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce)
     print0(f"model: {raw_model.num_params():,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else ""))
 
     # ------------------------------------------------------------- optimizer
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    if cfg.distributed_optimizer:
-        optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model],
-                                         clip_grad=cfg.grad_clip or None, **adamw)
+    if cfg.distributed_optimizer:  # a torch.optim.Optimizer whose AdamW state is split over DP
+        optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model], **adamw)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
     print0(f"optimizer: {'ZeRO-1 DistributedOptimizer' if cfg.distributed_optimizer else 'AdamW'}, "
@@ -199,12 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                                  seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=cfg.dp_size)
         x, y = x.to(device), y.to(device)
 
-        model.zero_grad_buffer()  # clear the DP gradient buffer (= optimizer.zero_grad() for ZeRO-1)
+        optimizer.zero_grad()
         loss = loss_fn(model(x), y)
-        loss.backward()
-        model.finish_grad_sync()  # gradients are now averaged over DP
-        if not cfg.distributed_optimizer and cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        loss.backward()  # when it returns, every .grad is averaged over DP
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # the global norm, TP shards included
         optimizer.step()
 
         train_loss = dp_mean(loss, dp_group)  # the mean over the global batch

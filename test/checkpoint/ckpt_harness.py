@@ -41,7 +41,7 @@ def build(
     model = GPT(tiny_config(n_embd)).to(dtype)
     if VESCALE_DEVICE_MESH.get_strategy_size("TP") > 1:
         model = apply_tp(model, VESCALE_DEVICE_MESH["TP"])
-    ddp = DDP(model, VESCALE_DEVICE_MESH["DP"], use_distributed_optimizer=zero, bucket_size=BUCKET)
+    ddp = DDP(model, VESCALE_DEVICE_MESH["DP"], bucket_size=BUCKET)
     if zero:
         return ddp, DistributedOptimizer(torch.optim.AdamW, models=[ddp], clip_grad=1.0, **ADAMW)
     return ddp, torch.optim.AdamW(ddp.parameters(), **ADAMW)
@@ -58,10 +58,9 @@ def train_step(ddp: DDP, optimizer: Any, step: int) -> float:
     dp, dp_rank = VESCALE_DEVICE_MESH.get_strategy_size("DP"), VESCALE_DEVICE_MESH.lookup_rank("DP")
     x, y = global_batch(step)
     rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
-    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
     loss = F.cross_entropy(ddp(x[rows]).float().reshape(-1, VOCAB), y[rows].reshape(-1))
     loss.backward()
-    ddp.finish_grad_sync()
     if not isinstance(optimizer, DistributedOptimizer):
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
     optimizer.step()

@@ -76,9 +76,8 @@ def two_ranks(rank: int, world_size: int, src: str, work: str) -> dict[str, Any]
 
 
 def _full_state(opt: Any) -> dict[str, torch.Tensor]:
-    sd = opt.sharded_state_dict()
-    out = {f"master.{n}": t for n, t in sd.get("master_params", {}).items()}
-    out |= {f"{n}.{k}": t for n, st in sd["state"].items() for k, t in st.items()}
+    sd = opt.state_dict()
+    out = {f"{n}.{k}": t for n, st in sd["state"].items() for k, t in st.items()}
     return {k: (t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t).float() for k, t in out.items()}
 
 
@@ -92,7 +91,7 @@ def _bf16_masters(root: Path) -> dict[str, Any]:
     ddp, opt = build((1, 2), dtype=torch.bfloat16, seed=9)
     checkpoint.load(root, model=ddp, optimizer=opt)
     loaded = _full_state(opt)
-    return {"keys": sorted(saved) == sorted(loaded), "has_masters": any(k.startswith("master.") for k in saved),
+    return {"keys": sorted(saved) == sorted(loaded), "has_masters": any(k.endswith(".master_param") for k in saved),
             "state_diff": _max_diff(saved, loaded), "loss": train_step(ddp, opt, 3)}
 
 

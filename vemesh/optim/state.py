@@ -19,22 +19,37 @@ torch's, so :mod:`vemesh.checkpoint` treats ZeRO-1 and ``torch.optim.AdamW`` the
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..ddp.distributed_data_parallel import DistributedDataParallel
 from ..ddp.grad_buffer import local_tensor
-
-if TYPE_CHECKING:
-    from .distributed_optimizer import DistributedOptimizer
+from .param_buffer import ParamShard
 
 __all__ = ["gather_state_dict", "scatter_state_dict", "get_optimizer_state", "set_optimizer_state", "MASTER"]
 
 #: The state key holding fp32 master weights of bf16/fp16 parameters.
 MASTER = "master_param"
+
+
+class DistributedOptimizer(Protocol):
+    """What this module reads of :class:`vemesh.optim.DistributedOptimizer` (named so, without importing it)."""
+
+    models: list[DistributedDataParallel]
+    optimizer: torch.optim.Optimizer
+    param_groups: list[dict[str, Any]]
+    _shards: list[ParamShard]
+    _inner_at: Sequence[tuple[torch.nn.Parameter, int, int]]
+    _dp_group: dist.ProcessGroup
+
+    def _start_gather(self) -> None: ...
+
+    def _wait_gather(self) -> None: ...
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
