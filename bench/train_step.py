@@ -231,7 +231,7 @@ def _build_fsdp2(cfg: BenchConfig, reshard_after_forward: bool) -> Runner:
     """FSDP2 ``fully_shard`` on each block (GPT) or layer (MLP), then on the root."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = build_model(cfg)
-    units = list(model.h) if cfg.model == "gpt" else [m for m in model if isinstance(m, nn.Linear)]
+    units = list(model.h.values()) if cfg.model == "gpt" else [m for m in model if isinstance(m, nn.Linear)]
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)

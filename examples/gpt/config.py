@@ -10,6 +10,7 @@ here, before any process group exists, with a message that names the flag::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -31,11 +32,15 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # ---- parallelism
-    mesh_shape: tuple[int, int] | None = Field(
+    mesh_shape: tuple[int, int] | tuple[int, int, int] | None = Field(
         None,
-        description="DP,TP sizes, e.g. 2,2 or 4,1 or -1,2 (-1: take the rest of the world). "
-        "Default: TP=2 when the world size is even, else TP=1; DP takes the rest.",
+        description="DP,TP sizes (e.g. 2,2 or -1,2; -1 takes the rest of the world), or PP,DP,TP for a 3-D "
+        "mesh with pipeline stages (e.g. 2,2,2). Default: TP=2 when the world size is even, else TP=1; DP takes the rest.",
     )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
+        "1f1b", description="torch.distributed.pipelining schedule (interleaved: 2 stages per PP rank, round-robin)"
+    )
+    microbatches: int | None = Field(None, ge=1, description="micro-batches per step with PP > 1 (default: 2 x PP)")
     distributed_optimizer: bool = Field(True, description="ZeRO-1 vemesh.optim.DistributedOptimizer (else plain AdamW)")
     overlap_grad_reduce: bool = Field(True, description="start each gradient bucket's all-reduce during backward")
     sequence_parallel: bool = Field(False, description="shard activations along the sequence between TP regions")
@@ -87,8 +92,8 @@ class TrainConfig(BaseModel):
     def _parse_mesh_shape(cls, v: Any) -> Any:
         if isinstance(v, str):
             parts = [p.strip() for p in v.split(",")]
-            if len(parts) != 2 or not all(p.lstrip("-").isdigit() for p in parts):
-                raise ValueError(f"expected two sizes DP,TP like 2,2 or -1,2, got {v!r}")
+            if len(parts) not in (2, 3) or not all(p.lstrip("-").isdigit() for p in parts):
+                raise ValueError(f"expected DP,TP like 2,2 or -1,2, or PP,DP,TP like 2,2,1; got {v!r}")
             return tuple(int(p) for p in parts)
         return v
 
@@ -109,18 +114,42 @@ class TrainConfig(BaseModel):
         if self.mesh_shape is None:
             tp = 2 if W % 2 == 0 else 1
             object.__setattr__(self, "mesh_shape", (W // tp, tp))
-        dp, tp = self.mesh_shape
-        if (dp, tp).count(-1) > 1 or any(s == 0 or s < -1 for s in (dp, tp)):
-            raise ValueError(f"--mesh-shape: sizes must be positive, with at most one -1; got {dp},{tp}")
-        if dp == -1 or tp == -1:
-            known = tp if dp == -1 else dp
+        shape = list(self.mesh_shape)
+        text = ",".join(map(str, shape))
+        if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+            raise ValueError(f"--mesh-shape: sizes must be positive, with at most one -1; got {text}")
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
             if W % known:
-                raise ValueError(f"--mesh-shape: {dp},{tp} cannot fill a world of {W} processes ({known} does not divide {W})")
-            dp, tp = (W // known, tp) if dp == -1 else (dp, W // known)
-            object.__setattr__(self, "mesh_shape", (dp, tp))
-        if dp * tp != W:
+                raise ValueError(f"--mesh-shape: {text} cannot fill a world of {W} processes ({known} does not divide {W})")
+            shape[shape.index(-1)] = W // known
+            object.__setattr__(self, "mesh_shape", tuple(shape))
+        if math.prod(shape) != W:
             hint = "" if W > 1 else "; launch with torchrun --nproc_per_node=N to use N processes"
-            raise ValueError(f"--mesh-shape: {dp}x{tp} needs {dp * tp} processes but the world has {W}{hint}")
+            raise ValueError(f"--mesh-shape: {'x'.join(map(str, shape))} needs {math.prod(shape)} processes but the world has {W}{hint}")
+        pp, dp, tp = self.pp_size, self.dp_size, self.tp_size
+        if len(shape) == 2 and (self.microbatches is not None or "pp_schedule" in self.model_fields_set):
+            raise ValueError("--microbatches and --pp-schedule need a 3-D --mesh-shape PP,DP,TP")
+        if pp > 1:
+            stages = pp * (2 if self.pp_schedule == "interleaved-1f1b" else 1)
+            if stages > self.n_layer:
+                raise ValueError(
+                    f"--mesh-shape: {stages} pipeline stages ({'2 per PP rank with interleaved-1f1b, ' if stages > pp else ''}"
+                    f"PP={pp}) cannot split --n-layer {self.n_layer}; use at most {self.n_layer} stages"
+                )
+            m = self.microbatches if self.microbatches is not None else 2 * pp
+            object.__setattr__(self, "microbatches", m)
+            per_rank = self.global_batch_size // dp if self.global_batch_size % dp == 0 else None
+            if per_rank is not None and per_rank % m:
+                raise ValueError(
+                    f"--microbatches {m} does not divide the {per_rank} sequences per DP rank "
+                    f"(--global-batch-size {self.global_batch_size} / DP {dp})"
+                )
+            if self.pp_schedule == "1f1b" and m < pp:
+                raise ValueError(f"--microbatches {m}: the 1f1b schedule needs at least one per stage ({pp})")
+            rounds = max(1, m // pp)
+            if self.pp_schedule == "interleaved-1f1b" and m % rounds:
+                raise ValueError(f"--microbatches {m}: interleaved-1f1b needs a multiple of its {rounds} rounds (m // PP)")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
         if self.n_head % tp:
@@ -142,12 +171,20 @@ class TrainConfig(BaseModel):
         return self
 
     @property
+    def pp_size(self) -> int:
+        return self.mesh_shape[0] if len(self.mesh_shape) == 3 else 1
+
+    @property
     def dp_size(self) -> int:
-        return self.mesh_shape[0]
+        return self.mesh_shape[-2]
 
     @property
     def tp_size(self) -> int:
-        return self.mesh_shape[1]
+        return self.mesh_shape[-1]
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return ("PP", "DP", "TP") if len(self.mesh_shape) == 3 else ("DP", "TP")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> TrainConfig:
@@ -177,7 +214,7 @@ def _flag(name: str) -> str:
 def _build_parser(cls: type[BaseModel]) -> argparse.ArgumentParser:
     p = _ArgumentParser(
         prog="train.py",
-        description="Train a small GPT on a (DP, TP) vemesh mesh. Every flag maps to a TrainConfig field.",
+        description="Train a small GPT on a (DP, TP) or (PP, DP, TP) vemesh mesh. Every flag maps to a TrainConfig field.",
         argument_default=argparse.SUPPRESS,  # absent flags keep the pydantic defaults
     )
     for name, field in cls.model_fields.items():

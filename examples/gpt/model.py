@@ -89,7 +89,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
         self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embeddings
         self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        # Keyed by layer number, so that a pipeline stage that keeps only some blocks (and
+        # drops wte/wpe or ln_f/lm_head, setting them to None) keeps the full model's names.
+        self.h = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # Not tied to wte (nanoGPT ties them): under TP the two would need the
         # same sharding, and at V=256 the saving is small.
@@ -116,13 +118,21 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V)."""
-        B, T = idx.size()
-        assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.h:
+        """Token ids (B, T) -> logits (B, T, V).
+
+        A pipeline stage without ``wte`` takes hidden states (B, T, C) instead of token ids,
+        and one without ``lm_head`` returns hidden states instead of logits.
+        """
+        x = idx
+        if self.wte is not None:
+            B, T = idx.size()
+            assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.h.values():
             x = block(x)  # (B, T, C)
+        if self.lm_head is None:
+            return x  # (B, T, C)
         x = self.ln_f(x)  # (B, T, C)
         return self.lm_head(x)  # (B, T, V)
 
@@ -149,11 +159,19 @@ class GPT(nn.Module):
             # padding never changes the logits at position t - 1; a fixed shape
             # suits sequence parallelism (T must split evenly over TP ranks).
             idx_cond = F.pad(idx_cond, (0, self.config.block_size - t))  # (B, block_size)
-            logits = self(idx_cond)[:, t - 1, :].float() / temperature  # (B, V)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)  # (B, V)
-            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            logits = self(idx_cond)[:, t - 1, :]  # (B, V)
+            idx_next = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)  # (B, T + 1)
         return idx
+
+
+def sample_next(
+    logits: torch.Tensor, *, temperature: float = 0.8, top_k: int | None = 40, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Draw the next token (B, 1) from the last position's logits (B, V), keeping the ``top_k`` most likely."""
+    logits = logits.float() / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    probs = F.softmax(logits, dim=-1)  # (B, V)
+    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)

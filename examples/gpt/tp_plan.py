@@ -28,6 +28,8 @@ summation order of the LayerNorm weight gradients changes (fp32 rounding).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -61,8 +63,8 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
-def gpt_tp_plan(n_layer: int, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan for a ``GPT`` with ``n_layer`` blocks."""
+def gpt_tp_plan(layers: Iterable[str], *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan for a ``GPT`` whose blocks are ``h[layer]`` for ``layer`` in ``layers``."""
     if not sequence_parallel:
         plan: dict[str, ParallelStyle] = {
             "wte": RowwiseParallel(input_layouts=Replicate()),
@@ -70,7 +72,7 @@ def gpt_tp_plan(n_layer: int, *, sequence_parallel: bool = False) -> dict[str, P
             "ln_f": ReplicateParallel(),
             "lm_head": ColwiseParallel(output_layouts=Replicate()),
         }
-        for i in range(n_layer):
+        for i in layers:
             plan |= {
                 f"h.{i}.ln_1": ReplicateParallel(),
                 f"h.{i}.attn.q": ColwiseParallel(),
@@ -90,7 +92,7 @@ def gpt_tp_plan(n_layer: int, *, sequence_parallel: bool = False) -> dict[str, P
         "ln_f": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
-    for i in range(n_layer):
+    for i in layers:
         plan |= {
             f"h.{i}.ln_1": SequenceParallel(),
             f"h.{i}.attn": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
@@ -116,4 +118,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     On a (DP=2, TP=2) mesh, rank 1 (TP rank 1) ends up with heads 2-3 of every
     q/k/v, the second half of every ``c_fc`` and byte ids 128-255 of ``wte``.
     """
-    return parallelize_module(model, tp_mesh, gpt_tp_plan(len(model.h), sequence_parallel=sequence_parallel))
+    plan = gpt_tp_plan(model.h.keys(), sequence_parallel=sequence_parallel)
+    present = {name for name, _ in model.named_modules()}  # a pipeline stage lacks some of them
+    return parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if k in present})

@@ -53,10 +53,11 @@ import torch.nn.functional as F
 from config import ConfigError, TrainConfig
 from data import VOCAB_SIZE, ByteDataset, decode, encode
 from model import GPT, GPTConfig
+from pipeline import Pipeline, cut_stage, generate, layout_line, split_layers, stage_indices, stages_per_rank, to_rank0
 from tp_plan import apply_tp
 from vemesh import VESCALE_DEVICE_MESH, checkpoint
 from vemesh.ddp import DistributedDataParallel as DDP
-from vemesh.optim import DistributedOptimizer
+from vemesh.optim import DistributedOptimizer, clip_grad_norm_
 
 SAMPLE_PROMPT = "def "
 
@@ -89,16 +90,20 @@ def dp_mean(value: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, dp_group, device) -> float:
-    """Mean loss over ``cfg.eval_batches`` fixed global batches of the held-out split."""
-    model.eval()
+def evaluate(forward, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, dp_group, device) -> float | None:
+    """Mean loss over ``cfg.eval_batches`` fixed global batches of the held-out split, on global rank 0.
+
+    ``forward(x)`` returns the logits, or None on a pipeline rank without the last stage.
+    """
     losses = []
     for i in range(cfg.eval_batches):
         x, y = dataset.get_batch("val", step=i, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
                                  seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=cfg.dp_size)
-        losses.append(loss_fn(model(x.to(device)), y.to(device)))
-    model.train()
-    return dp_mean(torch.stack(losses).mean(), dp_group)
+        logits = forward(x.to(device))
+        if logits is not None:
+            losses.append(loss_fn(logits, y.to(device)))
+    loss = dp_mean(torch.stack(losses).mean(), dp_group) if losses else None
+    return to_rank0(loss if loss is None else torch.tensor(loss))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,14 +130,20 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
 
-    VESCALE_DEVICE_MESH.init_device_mesh(device_type, cfg.mesh_shape, mesh_dim_names=("DP", "TP"))
+    VESCALE_DEVICE_MESH.init_device_mesh(device_type, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names)
     dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
     dp_group = VESCALE_DEVICE_MESH["DP"].get_group()
     tp_size = VESCALE_DEVICE_MESH.get_strategy_size("TP")
+    pp_size = VESCALE_DEVICE_MESH.get_strategy_size("PP")
 
     print0(f"vemesh GPT example: {dist.get_world_size()} processes on {device_type} "
-           f"(backend {dist.get_backend()}), mesh DP={cfg.dp_size} x TP={cfg.tp_size}")
+           f"(backend {dist.get_backend()}), mesh "
+           + " x ".join(f"{n}={s}" for n, s in zip(cfg.mesh_dim_names, cfg.mesh_shape)))
     print0(VESCALE_DEVICE_MESH.describe())
+    if pp_size > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
+        lines = [None] * dist.get_world_size()
+        dist.all_gather_object(lines, layout_line())
+        print0("\n".join(lines))
 
     print0(f"data: {dataset.source}: {len(dataset.train):,} train / {len(dataset.val):,} held-out bytes")
 
@@ -141,20 +152,36 @@ def main(argv: list[str] | None = None) -> int:
     model_config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.seq_len, n_layer=cfg.n_layer,
                              n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
     model = GPT(model_config).to(device=device, dtype=dtype)
+    n_params = model.num_params()
+    parts, stages = [model], [0]
+    if pp_size > 1:  # this rank's stages: the full model with the other stages' blocks removed
+        n_stages = pp_size * stages_per_rank(cfg.pp_schedule)
+        stages = stage_indices(VESCALE_DEVICE_MESH.lookup_rank("PP"), pp_size, stages_per_rank(cfg.pp_schedule))
+        parts = [cut_stage(model, s, n_stages) for s in stages]
+        del model
     if tp_size > 1:
-        model = apply_tp(model, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel)
-    raw_model = model  # for eval and generation, without the DDP wrapper
-    model = DDP(model, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce)
-    print0(f"model: {raw_model.num_params():,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
+        parts = [apply_tp(p, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel) for p in parts]
+    raw_model = parts[0]  # for eval and generation without PP, without the DDP wrapper
+    chunks = [DDP(p, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce) for p in parts]
+    model = chunks[0] if pp_size == 1 else chunks
+    print0(f"model: {n_params:,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else ""))
+    pipe = None
+    if pp_size > 1:
+        layers = split_layers(cfg.n_layer, n_stages)
+        pipe = Pipeline(chunks, stages, n_stages, cfg.pp_schedule, cfg.microbatches, loss_fn, device)
+        print0(f"pipeline: {cfg.pp_schedule}, {n_stages} stages over PP={pp_size} (blocks per stage "
+               f"{[len(b) for b in layers]}), {cfg.microbatches} micro-batches of "
+               f"{cfg.global_batch_size // cfg.dp_size // cfg.microbatches} sequences per DP rank")
 
     # ------------------------------------------------------------- optimizer
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    params = [p for c in chunks for p in c.parameters()]
     if cfg.distributed_optimizer:  # a torch.optim.Optimizer whose AdamW state is split over DP
-        optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model], **adamw)
+        optimizer = DistributedOptimizer(torch.optim.AdamW, models=chunks, **adamw)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+        optimizer = torch.optim.AdamW(params, **adamw)
     print0(f"optimizer: {'ZeRO-1 DistributedOptimizer' if cfg.distributed_optimizer else 'AdamW'}, "
            f"global batch {cfg.global_batch_size} x {cfg.seq_len} tokens, "
            f"{cfg.global_batch_size // cfg.dp_size} sequences per DP rank, {cfg.steps} steps")
@@ -199,22 +226,35 @@ def main(argv: list[str] | None = None) -> int:
         x, y = x.to(device), y.to(device)
 
         optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()  # when it returns, every .grad is averaged over DP
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # the global norm, TP shards included
+        if pipe is None:
+            loss = loss_fn(model(x), y)
+            loss.backward()  # when it returns, every .grad is averaged over DP
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)  # the global norm, TP shards included
+        else:
+            loss = pipe.step(x, y)  # micro-batches through torch's schedule; the loss on the last stage only
+            if cfg.grad_clip:  # the norm of the whole model: torch's per stage, summed over PP
+                clip_grad_norm_(params, cfg.grad_clip, groups=[VESCALE_DEVICE_MESH["PP"].get_group()])
         optimizer.step()
 
-        train_loss = dp_mean(loss, dp_group)  # the mean over the global batch
+        # the mean over the global batch, sent from the last stage to rank 0
+        train_loss = to_rank0(None if loss is None else torch.tensor(dp_mean(loss, dp_group)))
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                   "elapsed_s": time.perf_counter() - t_start, "restart": restart}
-        if step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps:
+        rank0 = dist.get_rank() == 0  # the losses arrive on rank 0 only
+        if rank0 and (step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps):
             print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
                    f"{record['tokens_per_s']:8.0f} tok/s | {record['elapsed_s']:6.1f}s")
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            record["eval_loss"] = evaluate(raw_model, dataset, cfg, dp_rank=dp_rank, dp_group=dp_group, device=device)
-            print0(f"step {step:5d}/{cfg.steps} | eval loss {record['eval_loss']:.4f} (held-out)")
+            for c in chunks:
+                c.eval()
+            record["eval_loss"] = evaluate(raw_model if pipe is None else pipe.forward, dataset, cfg,
+                                           dp_rank=dp_rank, dp_group=dp_group, device=device)
+            for c in chunks:
+                c.train()
+            if rank0:
+                print0(f"step {step:5d}/{cfg.steps} | eval loss {record['eval_loss']:.4f} (held-out)")
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -228,10 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     # --------------------------------------------------------------- sample
     if cfg.sample_tokens:
         # Every rank runs the (sharded) model in lockstep and draws the same tokens; rank 0 prints.
-        raw_model.eval()
         prompt = encode(SAMPLE_PROMPT).unsqueeze(0).to(device)  # (1, T)
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
-        out = raw_model.generate(prompt, cfg.sample_tokens, generator=gen)
+        for c in chunks:
+            c.eval()
+        if pipe is None:
+            out = raw_model.generate(prompt, cfg.sample_tokens, generator=gen)
+        else:  # a token at a time through the stages, along get_neighbor_rank("PP")
+            out = generate(pipe, prompt, cfg.sample_tokens, cfg.seq_len, generator=gen)
         print0(f"sample after {cfg.steps} steps:\n{'-' * 60}\n{decode(out[0].tolist())}\n{'-' * 60}")
 
     print0(f"done in {time.perf_counter() - t_start:.1f}s")

@@ -1,0 +1,188 @@
+"""Pipeline parallelism for the GPT example: stages cut from the full model, run by torch's engine.
+
+A stage is the full ``GPT`` with the blocks of the other stages removed (torchtitan's way):
+the first stage keeps ``wte``/``wpe``, the last ``ln_f``/``lm_head``, and every parameter keeps
+its full-model name (``h.3.attn.q.weight`` stays that on whichever stage holds block 3), so a
+checkpoint saved with PP=2 loads with PP=1 or PP=4. The schedules are torch's
+(``torch.distributed.pipelining``) on the group of ``VESCALE_DEVICE_MESH["PP"]``; nothing here
+schedules micro-batches itself.
+
+Stages go to PP ranks round-robin: with ``interleaved-1f1b`` and PP=2, PP rank 0 holds stages 0
+and 2, PP rank 1 holds stages 1 and 3. Where a rank must find another (the next stage, the rank
+that holds the loss), it asks the mesh: ``get_neighbor_rank("PP")``, ``get_global_rank({...})``.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from model import GPT, sample_next
+from vemesh import VESCALE_DEVICE_MESH
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Virtual stages per PP rank: 2 for the interleaved schedule, else 1."""
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
+def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
+    """Consecutive blocks per stage, as even as possible (earlier stages take the remainder).
+
+    >>> split_layers(5, 2)
+    [[0, 1, 2], [3, 4]]
+    """
+    if n_stages > n_layer:
+        raise ValueError(f"{n_stages} pipeline stages cannot split {n_layer} layers (each stage needs at least one)")
+    base, extra = divmod(n_layer, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (s < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def stage_indices(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
+    """The stages PP rank ``pp_rank`` holds, round-robin: rank 1 of 2 with 2 per rank holds [1, 3]."""
+    return [pp_rank + k * pp_size for k in range(per_rank)]
+
+
+def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
+    """A copy of ``model`` holding only stage ``stage``'s blocks (and the embeddings or head at the ends)."""
+    layers = {str(i) for i in split_layers(len(model.h), n_stages)[stage]}
+    part = copy.deepcopy(model)
+    for key in list(part.h.keys()):
+        if key not in layers:
+            del part.h[key]
+    if stage != 0:
+        part.wte = part.wpe = None
+    if stage != n_stages - 1:
+        part.ln_f = part.lm_head = None
+    return part
+
+
+class Pipeline:
+    """This rank's pipeline stages and the torch schedule that runs them, over ``VESCALE_DEVICE_MESH["PP"]``.
+
+    Args:
+        chunks: this rank's stage modules (wrapped in DDP), in the order of ``indices``.
+        indices: their stage numbers (:func:`stage_indices`).
+        n_stages: stages in the whole pipeline.
+        schedule: a key of :data:`SCHEDULES`.
+        n_microbatches: micro-batches per step (each DP rank's batch splits into this many).
+        loss_fn: ``loss_fn(logits, targets)``, the mean over one micro-batch.
+        device: this rank's device.
+    """
+
+    def __init__(self, chunks: list[nn.Module], indices: list[int], n_stages: int, schedule: str,
+                 n_microbatches: int, loss_fn, device: torch.device) -> None:
+        self.chunks, self.indices, self.n_stages = chunks, indices, n_stages
+        self.pp_group = VESCALE_DEVICE_MESH["PP"].get_group()
+        self.stages = [PipelineStage(c, i, n_stages, device, group=self.pp_group) for c, i in zip(chunks, indices)]
+        cls = SCHEDULES[schedule]
+        stages = self.stages if cls is ScheduleInterleaved1F1B else self.stages[0]
+        self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn)
+        self.has_first, self.has_last = 0 in indices, n_stages - 1 in indices
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch through every stage; the mean micro-batch loss on the last stage."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        return torch.stack(losses).mean() if self.has_last else None
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Run ``x`` through every stage, in stage order, without the schedule (for eval and sampling).
+
+        Activations go to the rank of the next stage, ``get_neighbor_rank("PP", wrap=True)`` (the
+        wrap takes the last stage of one round to the first rank again with interleaving).
+        Returns the logits on the rank holding the last stage, None elsewhere.
+        """
+        nxt = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", 1, wrap=True)
+        prev = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", -1, wrap=True)
+        mine = dict(zip(self.indices, self.chunks))
+        out = None
+        for s in range(self.n_stages):
+            if s in mine:
+                h = x if s == 0 else _recv(prev, x.device)
+                out = mine[s](h)
+                if s < self.n_stages - 1:
+                    _send(out, nxt)
+        return out if self.has_last else None
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _send(t: torch.Tensor, dst: int) -> None:
+    t = t.contiguous()  # the shape first: (B, T, C), or (B, T/tp, C) under sequence parallelism
+    dist.send(torch.tensor([*t.shape, _DTYPES.index(t.dtype)], dtype=torch.long), dst=dst)
+    dist.send(t, dst=dst)
+
+
+def _recv(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(4, dtype=torch.long)
+    dist.recv(header, src=src)
+    *shape, dtype = header.tolist()
+    t = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
+    dist.recv(t, src=src)
+    return t
+
+
+def layout_line() -> str:
+    """This rank's place in the pipeline, from the mesh: its stage, the ranks of the stages
+    around it, and the TP submesh of the next stage."""
+    pp, stage = VESCALE_DEVICE_MESH.get_strategy_size("PP"), VESCALE_DEVICE_MESH.lookup_rank("PP")
+    prev = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", -1)
+    nxt = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", 1)
+    nxt_tp = VESCALE_DEVICE_MESH.get_neighbor_submesh("TP", along="PP")
+    return (f"rank {dist.get_rank()}: PP rank {stage} of {pp}, previous stage on rank {'-' if prev is None else prev}, "
+            f"next stage on rank {'-' if nxt is None else nxt}, next stage's TP submesh "
+            f"{'-' if nxt_tp is None else nxt_tp.mesh.tolist()}")
+
+
+def to_rank0(value: torch.Tensor | None) -> float | None:
+    """A scalar known on the last stage, delivered to global rank 0 (the others get None).
+
+    The sender is rank 0's counterpart on the last stage, ``get_global_rank({"PP": PP - 1})``
+    asked on rank 0 (and the same rank asked anywhere with DP and TP coordinates 0).
+    """
+    rank = dist.get_rank()
+    last = VESCALE_DEVICE_MESH.get_strategy_size("PP") - 1
+    if last == 0:  # no pipeline: rank 0 computed it
+        return None if rank or value is None else float(value)
+    src = VESCALE_DEVICE_MESH.get_global_rank({"PP": last, "DP": 0, "TP": 0})
+    if rank == src == 0:
+        return float(value)
+    if rank == src:
+        dist.send(value.detach().float().reshape(()), dst=0)
+    elif rank == 0:
+        buf = torch.zeros((), dtype=torch.float32)
+        dist.recv(buf, src=src)
+        return buf.item()
+    return None
+
+
+@torch.no_grad()
+def generate(pipe: Pipeline, idx: torch.Tensor, max_new_tokens: int, block_size: int,
+             generator: torch.Generator) -> torch.Tensor:
+    """``GPT.generate`` through the pipeline: each new token is drawn on the last stage and sent to every stage."""
+    for _ in range(max_new_tokens):
+        idx_cond = idx[:, -block_size:]
+        t = idx_cond.size(1)
+        logits = pipe.forward(torch.nn.functional.pad(idx_cond, (0, block_size - t)))  # (B, block_size, V) on the last stage
+        nxt = torch.zeros(idx.size(0), 1, dtype=torch.long, device=idx.device)
+        if logits is not None:
+            nxt = sample_next(logits[:, t - 1, :], generator=generator)
+        # every stage needs the token for the next round: the last stage's PP rank shares it
+        dist.broadcast(nxt, group=pipe.pp_group, group_src=(pipe.n_stages - 1) % VESCALE_DEVICE_MESH.get_strategy_size("PP"))
+        idx = torch.cat((idx, nxt), dim=1)
+    return idx
