@@ -13,7 +13,7 @@ import datetime
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,7 +51,7 @@ T = TypeVar("T")
 def save(
     checkpoint_dir: str | os.PathLike,
     *,
-    model: nn.Module,
+    model: nn.Module | Sequence[nn.Module],
     optimizer: Any | None = None,
     step: int,
     extra: dict[str, Any] | None = None,
@@ -61,7 +61,9 @@ def save(
 
     Args:
         checkpoint_dir: the run's checkpoint root (a directory shared by all hosts).
-        model: the model, bare or wrapped in DDP; its parameters may be DTensors.
+        model: the model, bare or wrapped in DDP; its parameters may be DTensors. With pipeline
+            parallelism, the list of this rank's stage modules (which keep the full model's
+            parameter names): every stage's entries go into one checkpoint.
         optimizer: a :class:`~vemesh.optim.DistributedOptimizer`, any ``torch.optim`` optimizer over
             the model's parameters, or None.
         step: the number of optimizer steps taken so far (``load`` returns it).
@@ -122,7 +124,7 @@ def save(
 def load(
     checkpoint: str | os.PathLike,
     *,
-    model: nn.Module,
+    model: nn.Module | Sequence[nn.Module],
     optimizer: Any | None = None,
     strict: bool = True,
 ) -> tuple[int, dict[str, Any]]:
@@ -131,7 +133,8 @@ def load(
     Args:
         checkpoint: one checkpoint (``ckpt/step_000030``), or a root: then the latest good one
             in it, as :func:`load_latest` picks it.
-        model: the model, bare or wrapped in DDP, built on this run's mesh.
+        model: the model, bare or wrapped in DDP, built on this run's mesh (or this rank's list of
+            pipeline stages; strict checks then cover the stages of all ranks together).
         optimizer: built over ``model`` (after it is wrapped), or None to load the weights only.
         strict: every model entry and optimizer state must match by name, both ways; shapes
             must match either way.
@@ -168,7 +171,7 @@ def load(
 def load_latest(
     checkpoint_dir: str | os.PathLike,
     *,
-    model: nn.Module,
+    model: nn.Module | Sequence[nn.Module],
     optimizer: Any | None = None,
     strict: bool = True,
 ) -> tuple[int, dict[str, Any]] | None:

@@ -16,10 +16,11 @@ name) for every optimizer, so a checkpoint written by a ZeRO-1
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -35,13 +36,42 @@ Entries = dict[str, tuple[tuple[int, ...], str]]
 _MAX_PROBLEMS = 12  # differences listed in one error
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside vemesh's or torch's DistributedDataParallel."""
-    from ..ddp import DistributedDataParallel
+class _Stages:
+    """Several modules seen as one model: the pipeline stages one rank holds, whose names do not overlap."""
 
-    while isinstance(model, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for m in self.modules:
+            for key, value in m.state_dict().items():
+                if key in out:
+                    raise ValueError(f"model parts share the entry {key!r}; pipeline stages must hold different parameters")
+                out[key] = value
+        return out
+
+
+def unwrap(model: nn.Module | Sequence[nn.Module]) -> Any:
+    """The user's module inside vemesh's or torch's DistributedDataParallel (or the stages of a list)."""
+    if isinstance(model, Sequence):
+        return _Stages([unwrap(m) for m in model])
+    while isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
     return model
+
+
+def _union_over_ranks(names: list[list[str]]) -> list[list[str]]:
+    """Per list, the names every rank holds taken together: pipeline stages hold different parameters."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return names
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return [sorted(set().union(*(g[i] for g in gathered))) for i in range(len(names))]
 
 
 def _model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -94,7 +124,10 @@ def save_state(model: nn.Module, optimizer: Any | None) -> tuple[dict[str, torch
     for name, entry in osd["state"].items():
         for key, value in entry.items():
             tensors[f"{OPTIM_STATE}{name}.{key}"] = value
-    return tensors, {"class": type(_algorithm(optimizer)).__name__, "param_groups": [_json_group(g) for g in osd["param_groups"]]}
+    groups = [_json_group(g) for g in osd["param_groups"]]
+    for group, names in zip(groups, _union_over_ranks([g["params"] for g in groups])):
+        group["params"] = names  # the manifest (written by rank 0) lists every stage's parameters
+    return tensors, {"class": type(_algorithm(optimizer)).__name__, "param_groups": groups}
 
 
 def _json_group(group: dict[str, Any]) -> dict[str, Any]:
@@ -162,14 +195,15 @@ def load_state(
         if tuple(saved) != tuple(tensor.shape):
             problems.append(f"{kind} {name!r} has shape {_shape(saved)} in the checkpoint but {_shape(tensor.shape)} in the model")
         template[MODEL + name] = tensor
-    model_keys = {MODEL + n for n in module.state_dict()}
+    model_keys = {MODEL + n for n in _union_over_ranks([list(module.state_dict())])[0]}  # every stage's
     unexpected = sorted(k[len(MODEL):] for k in entries if k.startswith(MODEL) and k not in model_keys)
     if unexpected and strict:
         problems.append(f"the checkpoint has {len(unexpected)} entries the model lacks: {_few(unexpected)}")
 
     finish: Callable[[], None] = lambda: None  # noqa: E731
     if optimizer is not None:
-        finish = _optimizer_template(module, optimizer, params, entries, optim_meta, strict, template, problems)
+        finish = _optimizer_template(module, optimizer, params, model_keys, entries, optim_meta, strict, template, problems)
+    problems = _union_over_ranks([problems])[0]  # pipeline stages check different parameters: all raise, or none
     if problems:
         shown = problems[:_MAX_PROBLEMS] + ([f"... and {len(problems) - _MAX_PROBLEMS} more"] if len(problems) > _MAX_PROBLEMS else [])
         raise IncompatibleCheckpointError(
@@ -187,13 +221,15 @@ def _optimizer_template(
     module: nn.Module,
     optimizer: Any,
     params: dict[str, nn.Parameter],
+    model_keys: set[str],
     entries: Entries,
     optim_meta: dict[str, Any] | None,
     strict: bool,
     template: dict[str, torch.Tensor],
     problems: list[str],
 ) -> Callable[[], None]:
-    current_groups = _group_names(module, optimizer)
+    local_groups = _group_names(module, optimizer)
+    current_groups = _union_over_ranks(local_groups)  # every pipeline stage's, as the manifest lists them
     if optim_meta is None:
         problems.append("it was saved without optimizer state; pass optimizer=None to load the model only")
         return lambda: None
@@ -218,7 +254,7 @@ def _optimizer_template(
         else:
             continue
         if name not in params:
-            if strict:
+            if strict and MODEL + name not in model_keys:  # else another pipeline stage holds it
                 problems.append(f"the checkpoint has optimizer state {skey!r} for {name!r}, which the model lacks")
             continue
         if tuple(shape) not in ((), tuple(params[name].shape)):
@@ -229,7 +265,7 @@ def _optimizer_template(
         p = params[name]
         template[key] = torch.zeros((), dtype=getattr(torch, dtype)) if not shape else _alloc_like(p, getattr(torch, dtype))
     if state_keys and strict:
-        missing = sorted(n for g in current_groups for n in g if n not in state_keys)
+        missing = sorted(n for g in local_groups for n in g if n not in state_keys)
         if missing:
             problems.append(f"the checkpoint has no optimizer state for {_few(missing)}")
 
