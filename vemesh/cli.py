@@ -95,7 +95,7 @@ def _show(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     try:
         plan = plan_mesh(
-            args.world_size, pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp,
+            args.world_size, pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,
             devices_per_host=args.devices_per_host, device_type=args.device_type,
         )
     except ValueError as e:
@@ -105,6 +105,7 @@ def _plan(args: argparse.Namespace) -> int:
         doc: dict[str, Any] = {
             "world_size": plan.world_size,
             "degrees": plan.degrees,
+            "ep": plan.ep,
             "filled_in": plan.filled,
             "init_device_mesh": plan.init_call(),
         }
@@ -131,6 +132,10 @@ def _plan_header(plan: MeshPlan) -> str:
     left_out = [n for n in plan.degrees if n not in plan.layout.dim_names]
     if left_out:
         header += f"\n  left out of the mesh (size 1): {', '.join(left_out)}"
+    if plan.ep > 1:
+        dpcp = plan.degrees["DP"] * plan.degrees["CP"]
+        header += (f"\n  EP {plan.ep}: experts spread over groups of {plan.ep} of the {dpcp} DP x CP ranks "
+                   "(EP reuses them; the mesh does not change)")
     return header
 
 
@@ -165,6 +170,8 @@ def _parser() -> argparse.ArgumentParser:
         plan.add_argument(f"--{name}", type=_degree, default=default, metavar="N",
                           help=f"{name.upper()} degree or 'auto' (default: "
                           + ("auto, or 1 when another degree is auto)" if default is None else f"{default})"))
+    plan.add_argument("--ep", type=_positive, default=1, metavar="N",
+                      help="expert-parallel degree; reuses the DP x CP ranks, so it must divide DP x CP (default: 1)")
     plan.add_argument("--device-type", choices=VALID_DEVICE_TYPES, default="cuda",
                       help="device type written into the call (default: cuda)")
     plan.set_defaults(run=_plan)

@@ -13,8 +13,8 @@ innermost puts each TP group on consecutive ranks, so on one host when TP
 divides the devices per host, and CP next keeps CP x TP together as far as it
 fits. Dims of size 1 are left out of the mesh: vemesh answers for an absent
 standard strategy as size 1 (``get_strategy_size("CP") == 1``), and torch then
-builds no process group for it. EP is not planned here: expert parallelism
-usually reuses the DP (or DP x CP) ranks, so it does not change the product.
+builds no process group for it. EP (expert parallelism) reuses the DP x CP ranks,
+as in torchtitan, so it does not change the product: ``ep`` must divide DP x CP.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class MeshPlan:
     devices_per_host: int | None
     layout: MeshLayout
     warnings: list[LayoutWarning] = field(default_factory=list)
+    ep: int = 1  # expert-parallel degree, carved out of the DP x CP ranks
 
     def product(self) -> str:
         """The degrees as arithmetic: ``"PP 2 x DP 4 x CP 1 x TP 8"``."""
@@ -65,6 +66,7 @@ def plan_mesh(
     dp: int | str | None = None,
     cp: int | str = 1,
     tp: int | str = 1,
+    ep: int = 1,
     devices_per_host: int | None = None,
     device_type: str = "cuda",
 ) -> MeshPlan:
@@ -75,6 +77,7 @@ def plan_mesh(
         pp, dp, cp, tp: degree of each parallelism; at most one may be ``"auto"``
             (or ``-1``) to be computed. ``dp=None`` means ``"auto"`` when no other
             degree is, and 1 otherwise.
+        ep: expert-parallel degree; it reuses the DP x CP ranks, so it must divide DP x CP.
         devices_per_host: ranks per host, for the host checks of :func:`check_layout`.
         device_type: written into :meth:`MeshPlan.init_call`.
 
@@ -118,6 +121,13 @@ def plan_mesh(
         )
     else:
         degrees = dict(known)
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"the EP degree must be a positive integer; got {ep!r}")
+    if (degrees["DP"] * degrees["CP"]) % ep:
+        raise ValueError(
+            f"EP {ep} must divide DP x CP = {degrees['DP']} x {degrees['CP']} = {degrees['DP'] * degrees['CP']}: "
+            "expert parallelism reuses the data- and context-parallel ranks"
+        )
     names = tuple(n for n in PLAN_ORDER if degrees[n] > 1) or ("DP",)
     spec = MeshSpec(device_type=device_type, mesh_shape=tuple(degrees[n] for n in names), mesh_dim_names=names)
     layout = spec.resolve(world_size)
@@ -129,4 +139,5 @@ def plan_mesh(
         devices_per_host=devices_per_host,
         layout=layout,
         warnings=check_layout(layout, devices_per_host),
+        ep=ep,
     )

@@ -276,6 +276,19 @@ def test_plan_degrees_and_dim_order(kwargs, degrees, shape, names):
     assert (plan.layout.shape, plan.layout.dim_names) == (shape, names)
 
 
+def test_plan_ep_reuses_dp_x_cp(capsys):
+    code, out, err = run(capsys, "plan", "--world-size", "16", "--pp", "2", "--cp", "2", "--tp", "2", "--ep", "4")
+    assert code == 0 and err == ""
+    assert "EP 4: experts spread over groups of 4 of the 4 DP x CP ranks (EP reuses them; the mesh does not change)" in out
+    assert '(2, 2, 2, 2), mesh_dim_names=("PP", "DP", "CP", "TP")' in out
+    code, out, _ = run(capsys, "plan", "--world-size", "16", "--pp", "2", "--cp", "2", "--tp", "2", "--ep", "4", "--json")
+    assert json.loads(out)["ep"] == 4
+    code, out, err = run(capsys, "plan", "--world-size", "8", "--pp", "2", "--tp", "2", "--ep", "3")
+    assert code == 2 and "EP 3 must divide DP x CP = 2 x 1 = 2" in err
+    code, out, err = run(capsys, "plan", "--world-size", "8", "--ep", "0")
+    assert code == 2 and "--ep" in err
+
+
 def test_plan_of_one_rank_keeps_a_dp_dim():
     plan = plan_mesh(1)
     assert plan.init_call() == 'VESCALE_DEVICE_MESH.init_device_mesh("cuda", (1,), mesh_dim_names=("DP",))'
