@@ -1,4 +1,4 @@
-"""Train a small GPT with tensor + data parallelism on one vemesh mesh.
+"""Train a small GPT with tensor, data and pipeline parallelism on one vemesh mesh.
 
 On a CPU machine (gloo), 4 processes on a (DP=2, TP=2) mesh, about two minutes:
 
@@ -15,6 +15,12 @@ Other shapes, sizes and options (every TrainConfig field is a flag; see --help):
     torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape -1,2 --sequence-parallel
     torchrun --nproc_per_node=4 examples/gpt/train.py --no-distributed-optimizer --dtype bf16
     python examples/gpt/train.py --data my_text.txt --steps 500 --metrics-file metrics.jsonl
+
+Pipeline x data x tensor parallelism on a 3-D (PP, DP, TP) mesh, with torch's schedules
+(--pp-schedule gpipe | 1f1b | interleaved-1f1b, --microbatches N, default 2 x PP):
+
+    torchrun --nproc_per_node=8 examples/gpt/train.py --mesh-shape 2,2,2 --n-layer 4
+    torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape 2,1,2 --n-layer 4 --pp-schedule interleaved-1f1b
 
 Checkpoints and recovery: save every 25 steps, resume automatically from the latest good
 checkpoint (on any mesh shape), and let torchrun restart a crashed worker. --fail-at-step
