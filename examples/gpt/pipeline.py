@@ -137,14 +137,15 @@ def _recv(src: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-def layout_line() -> str:
-    """This rank's place in the pipeline, from the mesh: its stage, the ranks of the stages
+def layout_line(stages: list[int]) -> str:
+    """This rank's place in the pipeline, from the mesh: its stages, the ranks of the stages
     around it, and the TP submesh of the next stage."""
     pp, stage = VESCALE_DEVICE_MESH.get_strategy_size("PP"), VESCALE_DEVICE_MESH.lookup_rank("PP")
     prev = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", -1)
     nxt = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", 1)
     nxt_tp = VESCALE_DEVICE_MESH.get_neighbor_submesh("TP", along="PP")
-    return (f"rank {dist.get_rank()}: PP rank {stage} of {pp}, previous stage on rank {'-' if prev is None else prev}, "
+    held = f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(map(str, stages))
+    return (f"rank {dist.get_rank()}: PP rank {stage} of {pp} ({held}), previous stage on rank {'-' if prev is None else prev}, "
             f"next stage on rank {'-' if nxt is None else nxt}, next stage's TP submesh "
             f"{'-' if nxt_tp is None else nxt_tp.mesh.tolist()}")
 

@@ -146,10 +146,6 @@ def main(argv: list[str] | None = None) -> int:
            f"(backend {dist.get_backend()}), mesh "
            + " x ".join(f"{n}={s}" for n, s in zip(cfg.mesh_dim_names, cfg.mesh_shape)))
     print0(VESCALE_DEVICE_MESH.describe())
-    if pp_size > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
-        lines = [None] * dist.get_world_size()
-        dist.all_gather_object(lines, layout_line())
-        print0("\n".join(lines))
 
     print0(f"data: {dataset.source}: {len(dataset.train):,} train / {len(dataset.val):,} held-out bytes")
 
@@ -174,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else ""))
     pipe = None
-    if pp_size > 1:
+    if pp_size > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
+        lines = [None] * dist.get_world_size()
+        dist.all_gather_object(lines, layout_line(stages))
+        print0("\n".join(lines))
         layers = split_layers(cfg.n_layer, n_stages)
         pipe = Pipeline(chunks, stages, n_stages, cfg.pp_schedule, cfg.microbatches, loss_fn, device)
         print0(f"pipeline: {cfg.pp_schedule}, {n_stages} stages over PP={pp_size} (blocks per stage "

@@ -9,6 +9,8 @@ with PP=1 on another DP x TP and continues the same curve.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from conftest import run_train
 
@@ -64,16 +66,21 @@ def test_3d_mesh_on_8_processes(single, tmp_path):
     assert "mesh PP=2 x DP=2 x TP=2" in out
     assert "pipeline: 1f1b, 2 stages over PP=2 (blocks per stage [2, 2]), 4 micro-batches of 2 sequences per DP rank" in out
     # every rank's place, found through the mesh: rank 1 is stage 0 with its next stage on rank 5
-    assert "rank 1: PP rank 0 of 2, previous stage on rank -, next stage on rank 5, next stage's TP submesh [4, 5]" in out
-    assert "rank 6: PP rank 1 of 2, previous stage on rank 2, next stage on rank -, next stage's TP submesh -" in out
+    assert "rank 1: PP rank 0 of 2 (stage 0), previous stage on rank -, next stage on rank 5, next stage's TP submesh [4, 5]" in out
+    assert "rank 6: PP rank 1 of 2 (stage 1), previous stage on rank 2, next stage on rank -, next stage's TP submesh -" in out
 
 
 def test_resume_across_pipeline_shapes(single, tmp_path):
-    """Save on (2,2,1) after 3 steps; resume on (1,2,2); steps 4 onward match the uninterrupted run."""
+    """Save on (2,2,1) after 3 steps; resume on (1,2,2) and on (4,1,1); steps 4 onward match the uninterrupted run."""
     ckpt = tmp_path / "ckpt"
     first = run_train(TINY + ["--mesh-shape", "2,2,1", "--steps", "6", "--fail-at-step", "4",
                               "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"], tmp_path, nproc=4)
     assert first.returncode != 0 and (ckpt / "step_000003").is_dir(), first.describe()
+    ckpt4 = tmp_path / "ckpt4"
+    shutil.copytree(ckpt, ckpt4)
     resumed = run_train(TINY + ["--mesh-shape", "1,2,2", "--checkpoint-dir", str(ckpt)], tmp_path, nproc=4)
     assert "resumed from" in resumed.stdout and "continuing at step 4" in resumed.stdout, resumed.describe()
     _same_curve(resumed, single, first_step=4)
+    deeper = run_train(TINY + ["--mesh-shape", "4,1,1", "--checkpoint-dir", str(ckpt4)], tmp_path, nproc=4)
+    assert "continuing at step 4" in deeper.stdout, deeper.describe()
+    _same_curve(deeper, single, first_step=4)
