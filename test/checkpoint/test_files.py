@@ -3,6 +3,8 @@ checkpoint, clear errors for damaged or incompatible checkpoints, and safe loadi
 
 from __future__ import annotations
 
+import shutil
+
 import io
 import os
 import pickle
@@ -124,7 +126,8 @@ def test_a_crash_mid_save_leaves_the_last_checkpoint_intact(two_saved, monkeypat
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(root, model=model, optimizer=opt, step=6)
     monkeypatch.undo()
-    assert (root / ".step_000006.tmp").is_dir() and not (root / "step_000006").exists()
+    assert not (root / ".step_000006.tmp").exists() and not (root / "step_000006").exists()  # cleaned up
+    shutil.copytree(root / "step_000004", root / ".step_000006.tmp")  # what a kill -9 mid-save leaves
     assert [i.step for i in list_checkpoints(root)] == [4, 2]
     fresh, fresh_opt = make(seed=1)
     assert checkpoint.load_latest(root, model=fresh, optimizer=fresh_opt) == (4, {"seen": 4})
@@ -152,7 +155,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(two_saved, d
     expected_problem = {
         "truncate": f"file '{shard.name}' has {size // 2} bytes, {size} expected",
         "delete": f"file '{shard.name}' is missing",
-        "garble": f"could not be read: rank 0: file '{shard.name}' is corrupt",
+        "garble": f"file '{shard.name}' does not match its checksum",
         "no-manifest": "has no vemesh.json: its save did not finish",
     }[damage]
     if damage == "truncate":
@@ -258,6 +261,10 @@ def _rewrite_metadata(path: Path, edit) -> None:
     (path / ".metadata").write_bytes(buf.getvalue())
     manifest = checkpoint.files.read_manifest(path)
     manifest["files"][".metadata"] = len(buf.getvalue())
+    # a forger who knows the format also fixes the checksums (CRC-32 is no defence against that):
+    # the restricted unpickler must still refuse what the metadata points at
+    manifest["checksums"][".metadata"] = checkpoint.integrity.file_checksum(path / ".metadata")
+    manifest["manifest_checksum"] = checkpoint.integrity.manifest_checksum(manifest)
     (path / "vemesh.json").write_text(__import__("json").dumps(manifest))
 
 

@@ -132,7 +132,7 @@ def test_every_rank_falls_back_from_a_damaged_checkpoint(two, how: str) -> None:
         assert r["step"] == 1 and r["param_diff"] == 0.0
         assert len(r["warnings"]) == (1 if rank == 0 else 0)  # rank 0 warns, once
         if rank == 0:
-            assert {"truncate": "has", "delete": "is missing", "garble": "is corrupt"}[how] in r["warnings"][0]
+            assert {"truncate": "has", "delete": "is missing", "garble": "does not match its checksum"}[how] in r["warnings"][0]
 
 
 def test_every_rank_gets_the_same_clear_error_for_another_model_shape(two) -> None:

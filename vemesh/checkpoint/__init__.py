@@ -19,19 +19,30 @@ on ``(4, 1)`` rank 3 reads whole tensors and keeps, of the Adam state, the quart
 gradient bucket it owns; on ``(1, 4)`` rank 3 reads the last TP quarter of every sharded weight
 and of its Adam state. Hyperparameters go to ``vemesh.json``, as JSON, with ``extra``.
 
-Safety: saves are atomic (written aside, published by a rename once every rank is done; the
+Safety: one job per directory (:func:`acquire_lock`); every file is checksummed at save and
+verified at load, so a flipped bit, a swapped-in stale shard, a symlink or an edited manifest
+makes the checkpoint *damaged* and the previous good one is used; nothing non-finite is ever
+saved, and pruning never deletes the newest good checkpoint. Saves are atomic (written aside, published by a rename once every rank is done; the
 last ``keep_last`` are kept); loading never unpickles arbitrary objects (DCP's ``.metadata`` is
 read with a restricted unpickler, tensors with ``weights_only=True``). Errors name what differs.
 """
 
-from .api import load, load_latest, save
-from .errors import CheckpointError, CheckpointNotFoundError, DamagedCheckpointError, IncompatibleCheckpointError
+from .api import acquire_lock, load, load_latest, release_lock, save
+from .errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    DamagedCheckpointError,
+    IncompatibleCheckpointError,
+)
 from .files import CheckpointInfo, checkpoint_path, list_checkpoints
 
 __all__ = [
     "save",
     "load",
     "load_latest",
+    "acquire_lock",
+    "release_lock",
     "list_checkpoints",
     "checkpoint_path",
     "CheckpointInfo",
@@ -39,4 +50,5 @@ __all__ = [
     "CheckpointNotFoundError",
     "DamagedCheckpointError",
     "IncompatibleCheckpointError",
+    "CheckpointLockedError",
 ]

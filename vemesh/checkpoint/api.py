@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,7 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import errors
-from .errors import CheckpointError, CheckpointNotFoundError, DamagedCheckpointError
+from . import lock
+from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError, DamagedCheckpointError
 from .files import (
     FORMAT,
     FORMAT_VERSION,
@@ -40,10 +42,12 @@ from .files import (
     tmp_path,
     write_manifest,
 )
+from .guards import all_ranks_here, check_finite, check_layout, gather
+from .integrity import checksum_share
 from .safe_read import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from .state import Entries, load_state, save_state
 
-__all__ = ["save", "load", "load_latest"]
+__all__ = ["save", "load", "load_latest", "acquire_lock", "release_lock"]
 
 T = TypeVar("T")
 
@@ -86,39 +90,89 @@ def save(
     except (TypeError, ValueError) as e:
         raise ValueError(f"extra must be JSON-serializable: {e}") from None
     root = Path(checkpoint_dir)
+    all_ranks_here(f"checkpoint.save(step={step})")
     tensors, optim_meta = save_state(model, optimizer)
+    check_layout(step, tensors)
+    check_finite(step, tensors)
     tmp, final = tmp_path(root, step), checkpoint_path(root, step)
 
     def prepare() -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_stale(root)  # saves that crashed before publishing
-        tmp.mkdir()
+        _check_root(root, "save into")
+        other = lock.conflict(root)
+        if other is not None:
+            raise CheckpointLockedError(f"cannot save into '{root}': another job holds its lock ({other})")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale(root)  # saves that crashed before publishing
+            tmp.mkdir()
+        except OSError as e:
+            raise CheckpointError(f"cannot save into '{root}': {e.strerror or e}") from None
 
     _decide_on_rank0(prepare)
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False), no_dist=_no_dist())
-    except CheckpointException as e:
-        raise CheckpointError(f"saving step {step} into '{tmp}' failed: {_summary(e)}") from None
-    manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "step": step,
-        "extra": extra_json,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "world_size": _world_size(),
-        "mesh": _mesh_description(),
-        "torch": torch.__version__,
-        "optimizer": optim_meta,
-    }
+        try:
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False), no_dist=_no_dist())
+        except CheckpointException as e:
+            raise CheckpointError(f"saving step {step} into '{tmp}' failed: {_summary(e)}") from None
+        # every rank checksums its share of the files, in parallel; rank 0 records them all
+        names = _decide_on_rank0(lambda: sorted(p.name for p in tmp.iterdir() if p.is_file()))
+        rank, world = _rank_and_world()
+        try:
+            share: dict[str, str] | str = checksum_share(tmp, names, rank, world)
+        except OSError as e:  # told to every rank through the gather, so none is left waiting
+            share = f"rank {rank} could not read back '{tmp}': {e.strerror or e}"
+        shares = gather(share)
+        failed = [x for x in shares if isinstance(x, str)]
+        if failed:
+            raise CheckpointError(f"saving step {step} failed: {failed[0]}")
+        checksums = {k: v for x in shares for k, v in x.items()}
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": step,
+            "extra": extra_json,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": world,
+            "mesh": _mesh_description(),
+            "torch": torch.__version__,
+            "optimizer": optim_meta,
+        }
 
-    def finish() -> None:
-        write_manifest(tmp, manifest)
-        publish(tmp, final)
-        if keep_last is not None:
-            prune(root, keep_last, keep=final)
+        def finish() -> None:
+            try:
+                write_manifest(tmp, manifest, checksums)
+                publish(tmp, final)
+            except OSError as e:
+                raise CheckpointError(f"publishing step {step} as '{final}' failed: {e.strerror or e}") from None
+            if keep_last is not None:
+                prune(root, keep_last, keep=final)
 
-    _decide_on_rank0(finish)
+        _decide_on_rank0(finish)
+    except BaseException:
+        if _rank_and_world()[0] == 0:  # no partial save is left to fill the disk
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
+
+
+def acquire_lock(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """Take ``checkpoint_dir`` for this job, at start (see :mod:`vemesh.checkpoint.lock`).
+
+    Rank 0 creates the directory and ``.vemesh.lock`` in it (which also proves it writable);
+    every rank returns the holder it wrote, or raises the same error.
+
+    Raises:
+        CheckpointLockedError: another live job holds it; the text names host, pid, start time
+            and torchrun run id.
+        CheckpointError: the directory is not writable, or is itself a checkpoint.
+    """
+    root = Path(checkpoint_dir)
+    return _decide_on_rank0(lambda: _check_root(root, "lock") or lock.take(root))
+
+
+def release_lock(checkpoint_dir: str | os.PathLike) -> None:
+    """Give ``checkpoint_dir`` back at the end of the job (only the holder's lock is removed)."""
+    _decide_on_rank0(lambda: lock.release(Path(checkpoint_dir)))
 
 
 def load(
@@ -159,6 +213,7 @@ def load(
         assert loaded is not None  # _kind saw a step directory
         return loaded
     manifest, entries = _decide_on_rank0(lambda: _inspect(path))
+    _verify_checksums(path, manifest)
     template, apply_optimizer_state = load_state(model, optimizer, entries, manifest.get("optimizer"), str(path), strict)
     try:
         dcp.load(template, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=_no_dist())
@@ -188,7 +243,8 @@ def load_latest(
     rank 0 warns "skipping damaged checkpoint: checkpoint 'ckpt/step_000040': file
     '__1_0.distcp' has 1200 bytes, 3154 expected (truncated or overwritten) (trying the previous one)".
     """
-    candidates = _decide_on_rank0(lambda: [(i.path, i.problem) for i in list_checkpoints(checkpoint_dir)])
+    candidates = _decide_on_rank0(lambda: _check_root(Path(checkpoint_dir), "resume from") or
+                                  [(i.path, i.problem) for i in list_checkpoints(checkpoint_dir)])
     if not candidates:
         return None
     reasons = []
@@ -214,6 +270,32 @@ def _kind(path: Path) -> str:
     raise CheckpointNotFoundError(f"no checkpoint at '{path}': neither a checkpoint nor a directory of step_N checkpoints")
 
 
+def _check_root(root: Path, what: str) -> None:
+    """Refuse a checkpoint given where the directory of checkpoints is expected."""
+    if root.is_dir() and (is_step_dir(root) or (root / MANIFEST).exists()):
+        raise CheckpointError(
+            f"cannot {what} '{root}': it is a checkpoint itself, not a directory of checkpoints; "
+            f"pass its parent '{root.parent}'"
+        )
+
+
+def _verify_checksums(path: Path, manifest: dict[str, Any]) -> None:
+    """Every rank checks its share of the files against the manifest; all raise if any differs."""
+    recorded: dict[str, str] = manifest.get("checksums") or {}  # none in version-1 checkpoints
+    rank, world = _rank_and_world()
+    mine = checksum_share(path, list(recorded), rank, world)
+    bad = sorted(name for share in gather(sorted(n for n, c in mine.items() if c != recorded[n])) for name in share)
+    if bad:
+        raise DamagedCheckpointError(
+            f"checkpoint '{path}': file '{bad[0]}' does not match its checksum (damaged, or replaced by another "
+            f"file){f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}"
+        )
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
 def _inspect(path: Path) -> tuple[dict[str, Any], Entries]:
     manifest = read_manifest(path)
     metadata = read_metadata(path)
@@ -231,10 +313,6 @@ def _distributed() -> bool:
 
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _mesh_description() -> dict[str, Any] | None:

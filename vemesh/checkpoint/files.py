@@ -6,15 +6,17 @@ One training run keeps its checkpoints under a root directory::
       step_000020/          a published checkpoint: torch.distributed.checkpoint files
         .metadata             (DCP's index of every tensor chunk, a pickle)
         __0_0.distcp ...      (tensor data, one file per writing rank)
-        vemesh.json           (the manifest: step, extra, optimizer hyperparameters, file sizes)
+        vemesh.json           (the manifest: step, extra, optimizer hyperparameters, file sizes and
+                               checksums, and a checksum of the manifest itself)
       step_000030/
       .step_000040.tmp/     a save in progress (or one that crashed): never read
 
 A save writes everything into ``.step_N.tmp``, adds the manifest last, and only then renames
 the directory to ``step_N`` (an atomic rename), so a crash at any point leaves the published
-checkpoints untouched. A checkpoint is *good* when its manifest parses, every file it lists has
-the recorded size, and its metadata unpickles under the restricted unpickler of
-:mod:`vemesh.checkpoint.safe_read`.
+checkpoints untouched. A checkpoint is *good* when its manifest parses, matches its own checksum
+and its directory's step, every file it lists has the recorded size (and, checked when it is
+loaded, the recorded checksum), nothing in it is a symbolic link, and its metadata unpickles
+under the restricted unpickler of :mod:`vemesh.checkpoint.safe_read`.
 
 Nothing here touches ``torch.distributed``; :mod:`vemesh.checkpoint.api` decides on rank 0 and
 broadcasts.
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointNotFoundError, DamagedCheckpointError
+from .integrity import manifest_checksum
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -40,7 +43,7 @@ __all__ = ["CheckpointInfo", "checkpoint_path", "list_checkpoints", "read_manife
 
 MANIFEST = "vemesh.json"
 FORMAT = "vemesh-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: file and manifest checksums
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.step_(\d+)\.(tmp|old)$")
 
@@ -90,6 +93,9 @@ def _iter_checkpoints(root: str | os.PathLike, check_all: bool) -> Iterator[Chec
         reverse=True,
     )
     for step, path in found:
+        if path.is_symlink():  # e.g. an older checkpoint linked in under a newer name
+            yield CheckpointInfo(step, path, f"checkpoint '{path}' is a symbolic link to '{os.readlink(path)}'; refused")
+            continue
         yield CheckpointInfo(step, path, check(path) if check_all else None)
 
 
@@ -134,12 +140,33 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         )
     if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("files"), dict):
         raise DamagedCheckpointError(f"checkpoint '{path}': {MANIFEST} lacks 'step' or 'files'")
+    if file.is_symlink():
+        raise DamagedCheckpointError(f"checkpoint '{path}': {MANIFEST} is a symbolic link; refused")
+    if manifest["version"] >= 2:
+        if manifest.get("manifest_checksum") != manifest_checksum(manifest) or not isinstance(manifest.get("checksums"), dict):
+            raise DamagedCheckpointError(
+                f"checkpoint '{path}': {MANIFEST} does not match its checksum (edited or damaged); refused"
+            )
+    match = _STEP_DIR.match(path.name)
+    if match and int(match.group(1)) != manifest["step"]:
+        raise DamagedCheckpointError(
+            f"checkpoint '{path}': its {MANIFEST} is for step {manifest['step']}, but the directory is step "
+            f"{int(match.group(1))} (moved or copied from another checkpoint); refused"
+        )
     return manifest
 
 
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Write ``vemesh.json`` into ``path`` (recording every file's size) and fsync it."""
-    manifest = dict(manifest, files={p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()})
+def write_manifest(path: Path, manifest: dict[str, Any], checksums: dict[str, str]) -> None:
+    """Write ``vemesh.json`` into ``path`` and fsync it.
+
+    It records every file's size and its checksum (``checksums``, computed by the ranks), and
+    a checksum of the manifest's own content.
+    """
+    files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+    missing = sorted(set(files) - set(checksums))
+    assert not missing, f"no checksum for {missing}"
+    manifest = dict(manifest, files=files, checksums={n: checksums[n] for n in files})
+    manifest["manifest_checksum"] = manifest_checksum(manifest)
     with open(path / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
@@ -158,6 +185,8 @@ def check_files(path: str | os.PathLike, manifest: dict[str, Any], metadata: Met
         file = path / name
         if not is_plain_name(name) or not file.is_file():
             raise DamagedCheckpointError(f"checkpoint '{path}': file '{name}' is missing")
+        if file.is_symlink():
+            raise DamagedCheckpointError(f"checkpoint '{path}': file '{name}' is a symbolic link to '{os.readlink(file)}'; refused")
         sizes[name] = file.stat().st_size
         if sizes[name] != expected:
             raise DamagedCheckpointError(
@@ -201,12 +230,19 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def prune(root: Path, keep_last: int, keep: Path) -> list[Path]:
-    """Delete all but the ``keep_last`` newest ``step_N`` directories (never ``keep``); return the deleted ones."""
-    deleted = []
-    for i, info in enumerate(_iter_checkpoints(root, check_all=False)):
-        if i >= keep_last and info.path != keep:
+    """Keep the ``keep_last`` newest *good* checkpoints (and ``keep``); delete the older ones.
+
+    Damaged checkpoints never count towards ``keep_last``, so the newest good one survives
+    however many broken ones come after it; those newer than the oldest kept good one stay
+    (for a person to look at). Returns the deleted directories.
+    """
+    deleted, good = [], 0
+    for info in _iter_checkpoints(root, check_all=False):
+        if good >= keep_last and info.path != keep and not info.path.is_symlink():
             shutil.rmtree(info.path, ignore_errors=True)
             deleted.append(info.path)
+        elif info.path == keep or check(info.path) is None:
+            good += 1
     return deleted
 
 
