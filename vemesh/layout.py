@@ -33,7 +33,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["MeshLayout", "unknown_name_error"]
+__all__ = ["MeshLayout", "as_index", "check_dim_names", "unknown_name_error"]
 
 
 _MEMO_LIMIT = 1 << 16  # coordinates remembered per layout (a few MB at most)
@@ -47,6 +47,45 @@ def _as_int(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def as_index(value: object, what: str) -> int:
+    """``value`` as a Python int, or ``TypeError`` naming ``what``: numpy and torch integers count, bools do not."""
+    index = _as_int(value)
+    if index is None:
+        raise TypeError(
+            f"{what} must be an integer (numpy and torch integer scalars count, bool does not); "
+            f"got {value!r} of type {type(value).__name__}"
+        )
+    return index
+
+
+def check_dim_names(names: object) -> tuple[str, ...]:
+    """``names`` as a tuple, checked: an ordered sequence of distinct identifier-like strings.
+
+    ``("DP", "TP")`` passes; ``{"DP", "TP"}`` (its order depends on the hash seed), ``(" DP",)``
+    and ``("D-P",)`` raise ``ValueError``; ``(1, 2)`` raises ``TypeError``.
+    """
+    if isinstance(names, (set, frozenset, dict)):
+        raise ValueError(
+            f"dim names must be an ordered sequence (a tuple or list); got a {type(names).__name__}, "
+            f"whose order changes from run to run: {sorted(map(str, names))!r}"
+        )
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(f"dim names must be a tuple or list of strings; got {names!r}")
+    out = tuple(names)
+    for name in out:
+        if not isinstance(name, str):
+            raise TypeError(f"dim names must be strings; got {name!r} of type {type(name).__name__} in {out!r}")
+        if not name.isidentifier():
+            raise ValueError(
+                f"dim name {name!r} is not a plain name (letters, digits and '_', not starting with a digit, "
+                f"no spaces); got {out!r}"
+            )
+    dupes = sorted({n for n in out if out.count(n) > 1})
+    if dupes:
+        raise ValueError(f"dim names must be unique; {dupes} repeat in {out}")
+    return out
 
 
 def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyError:
@@ -77,20 +116,17 @@ class MeshLayout:
     _memo: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        shape, names = tuple(self.shape), tuple(self.dim_names)
+        shape = tuple(as_index(s, "a mesh size") for s in self.shape)
+        names = check_dim_names(self.dim_names)
         if not shape:
             raise ValueError("a mesh needs at least one dim; got shape ()")
-        bad = [s for s in shape if not isinstance(s, int) or isinstance(s, bool) or s < 1]
-        if bad:
+        if any(s < 1 for s in shape):
             raise ValueError(f"mesh sizes must be positive integers; got shape {shape}")
         if len(names) != len(shape):
             raise ValueError(
                 f"need one dim name per dim: shape {shape} has {len(shape)} dims "
                 f"but dim_names {names} has {len(names)}"
             )
-        if len(set(names)) != len(names):
-            dupes = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"dim names must be unique; {dupes} repeat in {names}")
         strides = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * shape[i + 1]
@@ -120,10 +156,10 @@ class MeshLayout:
         raise TypeError(f"a dim is a name (str) or an index (int); got {dim!r}")
 
     def check_rank(self, rank: int) -> int:
-        """Return ``rank`` if it is a global rank of this mesh, else raise ``ValueError``."""
-        value = _as_int(rank)
-        if value is None or not 0 <= value < self.world_size:
-            raise ValueError(f"global rank {rank!r} is out of range; valid: 0..{self.world_size - 1}")
+        """Return ``rank`` if it is a global rank of this mesh; ``TypeError`` if not an integer, else ``ValueError``."""
+        value = as_index(rank, "a global rank")
+        if not 0 <= value < self.world_size:
+            raise ValueError(f"global rank {value} is out of range; valid: 0..{self.world_size - 1}")
         return value
 
     def group_size(self, dims: tuple[int, ...]) -> int:
@@ -153,8 +189,13 @@ class MeshLayout:
                 rank += c * st
             else:
                 return rank
+        if isinstance(coordinate, (str, bytes)) or not isinstance(coordinate, Sequence):
+            raise TypeError(
+                f"a coordinate is a sequence of integers, one per dim {self.dim_names} (or, in VeDeviceMesh queries, "
+                f"a mapping by dim name); got {coordinate!r}"
+            )
         given = tuple(coordinate)
-        coordinate = tuple(v if (v := _as_int(c)) is not None else c for c in given)
+        coordinate = tuple(as_index(c, f"coordinate entry {name}") for name, c in zip(self.dim_names, given))
         if len(coordinate) != self.ndim:
             raise ValueError(
                 f"coordinate {coordinate} has {len(coordinate)} entries; this mesh "
@@ -178,8 +219,8 @@ class MeshLayout:
         """Global rank of member ``index`` of ``rank``'s group along ``dims``."""
         rank = self.check_rank(rank)
         size = self.group_size(dims)
-        given, index = index, _as_int(index)  # type: ignore[assignment]
-        if index is None or not 0 <= index < size:
+        given, index = index, as_index(index, "a local rank")
+        if not 0 <= index < size:
             names = "x".join(self.dim_names[d] for d in dims) or "(none)"
             raise ValueError(f"local rank {given!r} is out of range along {names} (size {size}); valid: 0..{size - 1}")
         base = self._base(rank, dims)
@@ -214,7 +255,8 @@ class MeshLayout:
         """Group number ``index`` along ``dims``: ``all_groups(dims)[index]`` without building the rest."""
         others = self.complement(dims)
         count = self.world_size // self.group_size(dims)
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+        index = as_index(index, "a group index")
+        if not 0 <= index < count:
             raise ValueError(f"group index {index!r} is out of range; valid: 0..{count - 1}")
         base = 0
         for d in reversed(others):

@@ -24,6 +24,7 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any, Union
 
 import torch
@@ -31,8 +32,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
-from .layout import MeshLayout, unknown_name_error
-from .process_group import check_same_on_all_ranks, ensure_process_group
+from .layout import MeshLayout, as_index, unknown_name_error
+from .process_group import apply_timeout, as_timeout, check_same_on_all_ranks, ensure_process_group
 from .spec import STANDARD_STRATEGIES, MeshSpec
 
 __all__ = ["VeDeviceMesh", "VESCALE_DEVICE_MESH"]
@@ -65,6 +66,7 @@ class VeDeviceMesh:
         self._dims: dict[str, tuple[int, ...]] = {}  # dim name or flattened name -> dims
         self._views: dict[Any, DeviceMesh] = {}  # key as the user wrote it -> view
         self._submeshes: dict[tuple[tuple[int, ...], int], DeviceMesh] = {}
+        self._timeout: timedelta | None = None  # given to every group this mesh creates
 
     # ================================================================ set-up
     def init_device_mesh(
@@ -75,6 +77,7 @@ class VeDeviceMesh:
         mesh_dim_names: Sequence[str] | None = None,
         check_uniqueness: bool = False,
         log_layout: bool | None = None,
+        timeout: timedelta | float | None = None,
     ) -> DeviceMesh:
         """Build the global mesh (and the default process group if there is none).
 
@@ -87,6 +90,9 @@ class VeDeviceMesh:
             check_uniqueness: raise ``RuntimeError`` instead of replacing an existing mesh.
             log_layout: rank 0 logs :meth:`describe` (and layout warnings, such as a TP group
                 spanning hosts) to the ``vemesh`` logger. Defaults to ``VEMESH_LOG_LAYOUT=1``.
+            timeout: how long the start-up rendezvous and every collective of the mesh's groups
+                wait for the other ranks (a ``timedelta`` or seconds). Default: 10 minutes when
+                vemesh creates the process group; an existing group keeps its own.
 
         Returns:
             The torch ``DeviceMesh``; on 8 ranks with shape ``(2, -1, 2)`` every rank gets
@@ -114,11 +120,22 @@ class VeDeviceMesh:
                 UserWarning,
                 stacklevel=2,
             )
-        ensure_process_group(spec.device_type)
+        wait = as_timeout(timeout)
+        if spec.device_type != "cpu" and not dist.is_initialized():
+            module = getattr(torch, spec.device_type, None)
+            if module is None or not module.is_available():
+                raise RuntimeError(
+                    f"device_type {spec.device_type!r}: this machine has no {spec.device_type} device (torch "
+                    f"{torch.__version__}); use 'cpu' to run on the CPU with gloo"
+                )
+        created = ensure_process_group(spec.device_type, wait)
         layout = spec.resolve(dist.get_world_size())
         check_same_on_all_ranks(spec.device_type, layout)
         self.reset()
         mesh = _torch_init_device_mesh(spec.device_type, layout.shape, mesh_dim_names=layout.dim_names)
+        self._timeout = wait if (created or timeout is not None) else None
+        if self._timeout is not None and dist.get_backend() != "fake":
+            apply_timeout([mesh.get_group(d) for d in range(mesh.ndim)], self._timeout)
         self._mesh, self._layout, self._rank = mesh, layout, dist.get_rank()
         self._coordinate = layout.coordinate(self._rank)
         self._dims = {name: (i,) for i, name in enumerate(layout.dim_names)}
@@ -153,6 +170,7 @@ class VeDeviceMesh:
         """
         self._mesh, self._layout, self._rank, self._coordinate = None, None, -1, ()
         self._dims, self._views, self._submeshes = {}, {}, {}
+        self._timeout = None
 
     # ============================================================= the mesh
     @property
@@ -231,9 +249,9 @@ class VeDeviceMesh:
         if isinstance(coordinate, Mapping):
             full = list(self._coordinate)
             for dim, index in coordinate.items():
-                full[layout.dim_index(dim)] = index
+                full[layout.dim_index(dim)] = as_index(index, f"coordinate entry {dim!r}")
             return layout.rank(full)
-        return layout.rank(coordinate)
+        return layout.rank(coordinate)  # checks it is a sequence of integers
 
     def lookup_rank(self, dim: Dims) -> int:
         """This rank's index along ``dim``: ``lookup_rank("DP")`` is 1 on ranks 2, 3, 6, 7 and 0 elsewhere."""
@@ -275,6 +293,9 @@ class VeDeviceMesh:
         ``get_neighbor_rank("PP")`` is 4 on rank 0 and None on rank 4 (4 gets 0 with
         ``wrap=True``); ``get_neighbor_rank("PP", -1)`` is 1 on rank 5.
         """
+        offset = as_index(offset, "a neighbor offset")
+        if not isinstance(wrap, bool):
+            raise TypeError(f"wrap must be True or False; got {wrap!r}")
         rank, dims = self._my_rank(), self._resolve(dim, absent_ok=True)
         size = self.layout.group_size(dims)
         target = self.layout.index_in_group(rank, dims) + offset
@@ -339,6 +360,8 @@ class VeDeviceMesh:
                 raise ValueError(f"{name!r} already names the flattened dims {taken}, not {names}; pick another")
             return self._views[name]
         flat = mesh[names]._flatten(name)
+        if self._timeout is not None and dist.get_backend() != "fake":
+            apply_timeout([flat.get_group()], self._timeout)
         self._dims[name] = resolved
         self._views[name] = self._views[(name,)] = flat
         return flat

@@ -8,71 +8,130 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+from collections.abc import Iterable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from .layout import MeshLayout
 
-__all__ = ["check_same_on_all_ranks", "ensure_process_group"]
+__all__ = ["DEFAULT_TIMEOUT", "as_timeout", "apply_timeout", "check_same_on_all_ranks", "ensure_process_group"]
+
+#: How long a collective, or the start-up rendezvous, waits for the other ranks (NCCL's default;
+#: torch's gloo default is 30 minutes).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-def ensure_process_group(device_type: str) -> None:
-    """Create the default process group if there is none: torchrun's env, or one local rank."""
+def as_timeout(value: object) -> timedelta:
+    """A ``timedelta`` from a ``timedelta`` or a number of seconds; ``None`` gives :data:`DEFAULT_TIMEOUT`."""
+    if value is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds; got {value!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive; got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def ensure_process_group(device_type: str, timeout: timedelta) -> bool:
+    """Create the default process group if there is none (torchrun's env, or one local rank).
+
+    Every rank first checks in at the job's store and waits (at most ``timeout``) for all the
+    others, so a rank that crashed or exited before ``init_device_mesh`` is named instead of
+    leaving the rest blocked. Returns whether it created the group.
+    """
     if dist.is_initialized():
-        return
+        return False
     accel = dist.Backend.default_device_backend_map.get(device_type)
     backend = "gloo" if device_type == "cpu" or accel is None else f"cpu:gloo,{device_type}:{accel}"
     if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
-        store = _restart_scoped_store()
-        if store is None:
-            dist.init_process_group(backend)
-        else:
-            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _job_store(rank, world_size, timeout)
+        _wait_for_everyone(store, rank, world_size, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:  # a plain `python script.py`: one rank, no rendezvous needed
-        dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+        dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore(), timeout=timeout)
+    return True
 
 
-def _restart_scoped_store() -> dist.Store | None:
-    """torchrun's shared store with this restart attempt's keys kept apart, or None for torch's default.
+def _job_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The job's key-value store, with this restart attempt's keys kept apart.
 
-    torch 2.13's torchrun keeps one TCPStore per node for the whole job and hands it to the
-    workers it restarts (``--max-restarts``), but its env:// rendezvous no longer prefixes keys
-    per attempt; a restarted worker then reads the previous attempt's keys and fails with
-    "Gloo connectFullMesh failed ... Connection refused". Prefixing with
-    ``TORCHELASTIC_RESTART_COUNT`` (the same on every worker of an attempt) keeps each apart.
+    Under torchrun it is the agent's store. torch 2.13's torchrun hands it to the workers it
+    restarts (``--max-restarts``) without prefixing keys per attempt, so a restarted worker would
+    read the previous attempt's keys and fail with "Gloo connectFullMesh failed ... Connection
+    refused"; the ``TORCHELASTIC_RESTART_COUNT`` prefix keeps each attempt apart. Without the
+    agent (``MASTER_ADDR``/``MASTER_PORT`` set by another launcher), rank 0 hosts it, as env:// does.
     """
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        if agent:
+            store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        else:
+            store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        host = "torchrun's agent" if agent else "rank 0"
+        raise RuntimeError(
+            f"init_device_mesh on rank {rank}: could not reach the job's store at {addr}:{port} ({host}) within "
+            f"{timeout.total_seconds():.0f} s: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+        ) from None
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     return dist.PrefixStore(f"/vemesh/attempt_{restart}", store)
 
 
-_CHECK_SLOTS = 16  # mesh sizes carried by the cross-rank check, beyond ndim and a name digest
+def _wait_for_everyone(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    keys = [f"arrived/{r}" for r in range(world_size)]
+    store.set(keys[rank], socket.gethostname())
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError:  # DistStoreError: the wait timed out
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"init_device_mesh on rank {rank}: rank{'s' if len(missing) > 1 else ''} {missing} of {world_size} never "
+            f"arrived within {timeout.total_seconds():.0f} s (crashed, exited early, or never started); "
+            f"the other {world_size - len(missing)} did"
+        ) from None
+
+
+def apply_timeout(groups: Iterable[dist.ProcessGroup], timeout: timedelta) -> None:
+    """Give ``groups`` the same timeout as the default group (torch's subgroups get 30 minutes on gloo)."""
+    for group in groups:
+        _set_pg_timeout(timeout, group)
 
 
 def check_same_on_all_ranks(device_type: str, layout: MeshLayout) -> None:
     """Fail loudly on every rank when ranks disagree on the mesh, before any group is built.
 
-    One all_gather of a small int64 row per rank: ``[ndim, sizes..., digest(device, names)]``.
-    Without it, mismatched shapes make torch's group creation hang or pair wrong ranks.
+    Two small all_gathers: every rank's number of dims, then ``[ndim, sizes..., digest(device,
+    names)]`` padded to the largest ndim, so meshes of any dimension are compared whole. Without
+    it, mismatched shapes make torch's group creation hang or pair wrong ranks.
     """
     world = dist.get_world_size()
     if world == 1 or dist.get_backend() == "fake":
         return
-    digest = int.from_bytes(
-        hashlib.blake2b(repr((device_type, layout.dim_names)).encode(), digest_size=7).digest(), "little"
-    )
-    row = [layout.ndim, *layout.shape[:_CHECK_SLOTS]] + [0] * max(0, _CHECK_SLOTS - layout.ndim) + [digest]
     device = torch.device("cpu")
     if "cpu:" not in str(dist.get_backend_config()) and device_type != "cpu":
         device = torch.device(device_type, torch.get_device_module(device_type).current_device())
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine)
-    gathered = [tuple(r.tolist()) for r in rows]
+
+    def all_gather(row: list[int]) -> list[tuple[int, ...]]:
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        return [tuple(r.tolist()) for r in rows]
+
+    width = max(n for (n,) in all_gather([layout.ndim]))
+    digest = int.from_bytes(
+        hashlib.blake2b(repr((device_type, layout.dim_names)).encode(), digest_size=7).digest(), "little"
+    )
+    gathered = all_gather([layout.ndim, *layout.shape, *[0] * (width - layout.ndim), digest])
     if all(g == gathered[0] for g in gathered):
         return
     by_config: dict[tuple[int, ...], list[int]] = {}

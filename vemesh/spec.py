@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from .layout import MeshLayout
+from .layout import MeshLayout, as_index, check_dim_names
 
 __all__ = ["DEFAULT_DIM_NAMES", "STANDARD_STRATEGIES", "VALID_DEVICE_TYPES", "MeshSpec"]
 
@@ -63,11 +63,10 @@ class MeshSpec(BaseModel):
             value = (value,)
         if not isinstance(value, Sequence) or isinstance(value, str):
             raise ValueError(f"mesh_shape must be a tuple of ints such as (2, 4); got {value!r}")
-        shape = tuple(value)
-        if not shape:
+        given = tuple(value)
+        if not given:
             raise ValueError("mesh_shape must have at least one dim; got ()")
-        if any(not isinstance(s, int) or isinstance(s, bool) for s in shape):
-            raise ValueError(f"mesh_shape entries must be ints; got {shape}")
+        shape = tuple(as_index(s, f"every mesh_shape entry (in {given})") for s in given)
         bad = [s for s in shape if s < 1 and s != -1]
         if bad:
             raise ValueError(f"mesh sizes must be positive (or one -1 to infer); got {bad} in mesh_shape {shape}")
@@ -82,14 +81,7 @@ class MeshSpec(BaseModel):
             return None
         if isinstance(value, str):
             value = (value,)
-        names = tuple(value)  # type: ignore[arg-type]
-        bad = [n for n in names if not isinstance(n, str) or not n]
-        if bad:
-            raise ValueError(f"mesh_dim_names must be non-empty strings; got {bad!r} in {names!r}")
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"mesh_dim_names must be unique; {dupes} repeat in {names}")
-        return names
+        return check_dim_names(value)
 
     @model_validator(mode="after")
     def _names_match_shape(self) -> MeshSpec:

@@ -153,7 +153,9 @@ def test_numpy_and_torch_integers_are_ranks_but_bools_are_not():
     assert layout.rank((np.int64(1), torch.tensor(2))) == 6
     assert layout.coordinate(np.int32(5)) == (1, 1)
     assert layout.member(np.int64(3), (1,), np.int16(2)) == 2
-    with pytest.raises(ValueError, match=r"global rank True is out of range"):
+    with pytest.raises(TypeError, match=r"a global rank must be an integer .* got True of type bool"):
         layout.coordinate(True)
-    with pytest.raises(ValueError, match=r"TP=2.0 is out of range"):
+    with pytest.raises(TypeError, match=r"coordinate entry TP must be an integer .* got 2.0 of type float"):
         layout.rank((1, 2.0))
+    with pytest.raises(ValueError, match=r"global rank 8 is out of range; valid: 0..7"):
+        layout.coordinate(np.int64(8))
