@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +45,7 @@ class TrainConfig(BaseModel):
     distributed_optimizer: bool = Field(True, description="ZeRO-1 vemesh.optim.DistributedOptimizer (else plain AdamW)")
     overlap_grad_reduce: bool = Field(True, description="start each gradient bucket's all-reduce during backward")
     sequence_parallel: bool = Field(False, description="shard activations along the sequence between TP regions")
+    timeout_s: float = Field(600.0, gt=0, description="seconds a rank waits for the others, at start-up and in every collective")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available, else cpu (resolved here)")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="parameter and activation dtype")
     world_size: int = Field(default_factory=_world_size, ge=1, description="from torchrun's WORLD_SIZE; not a flag")
@@ -68,6 +70,9 @@ class TrainConfig(BaseModel):
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, ge=0.0, description="clip the global gradient norm to this (0: off)")
+    skip_nonfinite: int = Field(
+        0, ge=0, description="skip up to N steps whose loss or gradient norm is nan/inf, then stop (0: stop at the first)"
+    )
     seed: int = Field(1337, ge=0)
 
     # ---- output
@@ -86,6 +91,7 @@ class TrainConfig(BaseModel):
     fail_at_step: int | None = Field(
         None, ge=1, description="fault injection: the last rank exits at the start of step K, on torchrun's first attempt only"
     )
+    nan_at_step: int | None = Field(None, ge=1, description="fault injection: the loss of step K is nan on one rank")
 
     @field_validator("mesh_shape", mode="before")
     @classmethod
@@ -100,8 +106,45 @@ class TrainConfig(BaseModel):
     @field_validator("data")
     @classmethod
     def _data_exists(cls, v: str | None) -> str | None:
-        if v is not None and not Path(v).is_file():
-            raise ValueError(f"no such file: {v!r}")
+        if v is not None:
+            path = Path(v)
+            if not path.is_file():
+                raise ValueError(f"no such file: {v!r}")
+            if not os.access(path, os.R_OK):
+                raise ValueError(f"{v!r} is not readable")
+            if path.stat().st_size == 0:
+                raise ValueError(f"{v!r} is empty; give a text file to train on")
+        return v
+
+    @field_validator("metrics_file")
+    @classmethod
+    def _metrics_writable(cls, v: str | None) -> str | None:
+        if v is not None:
+            path = Path(v)
+            if path.is_dir():
+                raise ValueError(f"{v!r} is a directory; give a file name")
+            parent = path.parent if str(path.parent) else Path(".")
+            if not parent.is_dir():
+                raise ValueError(f"the directory of {v!r} does not exist")
+            if not os.access(path if path.exists() else parent, os.W_OK):
+                raise ValueError(f"{v!r} is not writable")
+        return v
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _checkpoint_dir_usable(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        path = Path(v)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{v!r} is a file, not a directory")
+        if path.is_dir() and (re.fullmatch(r"step_\d+", path.name) or (path / "vemesh.json").exists()):
+            raise ValueError(f"{v!r} is a checkpoint itself; pass the directory that holds the checkpoints, {str(path.parent)!r}")
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{v!r} is not writable ({str(existing)!r} does not let this user create files)")
         return v
 
     @model_validator(mode="after")
@@ -164,11 +207,48 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--sequence-parallel: --seq-len {self.seq_len} must be divisible by the TP size {tp}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        need, have = self.memory_estimate()
+        if need > have:
+            raise ValueError(
+                f"this run needs about {need / 2**30:.1f} GiB per process (parameters, gradients and AdamW state of "
+                f"{self.n_params() / 1e6:.1f}M parameters, and the activations of {self.global_batch_size // dp} sequences "
+                f"of --seq-len {self.seq_len}), but each of this host's {self.local_world_size} processes has "
+                f"{have / 2**30:.1f} GiB; lower --global-batch-size, --seq-len or the model size"
+            )
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError(f"--checkpoint-every {self.checkpoint_every} needs --checkpoint-dir")
+        if self.nan_at_step is not None and pp > 1:
+            raise ValueError("--nan-at-step injects into the loss of the DDP path; it does not apply with PP > 1")
+        if self.nan_at_step is not None and self.nan_at_step > self.steps:
+            raise ValueError(f"--nan-at-step {self.nan_at_step} is after the last step (--steps {self.steps})")
         if self.fail_at_step is not None and self.fail_at_step > self.steps:
             raise ValueError(f"--fail-at-step {self.fail_at_step} is after the last step (--steps {self.steps})")
         return self
+
+    @property
+    def local_world_size(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+    def n_params(self) -> int:
+        """Parameters of the full model (blocks, embeddings, head), before any sharding."""
+        C, V, L = self.n_embd, 256, self.n_layer
+        return L * (12 * C * C + 13 * C) + 2 * V * C + self.seq_len * C + 2 * C
+
+    def memory_estimate(self) -> tuple[int, int]:
+        """(bytes one process needs at most, bytes of memory per process on this host), roughly.
+
+        Needs: every parameter with its gradient and two AdamW moments in fp32 (16 bytes; no
+        sharding credited), plus activations kept for backward, per layer about
+        ``b * T * C * 34 + 5 * b * H * T^2`` values of 4 bytes (Megatron's count) for this
+        DP rank's ``b`` sequences. On CUDA the device's memory is the limit, else the host's RAM.
+        """
+        b, T, C, H, L = self.global_batch_size // self.dp_size, self.seq_len, self.n_embd, self.n_head, self.n_layer
+        need = 16 * self.n_params() + 4 * L * (34 * b * T * C + 5 * b * H * T * T)
+        if self.device == "cuda":
+            have = torch.cuda.get_device_properties(0).total_memory
+        else:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, self.local_world_size)
+        return need, have
 
     @property
     def pp_size(self) -> int:

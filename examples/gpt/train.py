@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
 
-    VESCALE_DEVICE_MESH.init_device_mesh(device_type, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names)
+    VESCALE_DEVICE_MESH.init_device_mesh(device_type, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names,
+                                         timeout=cfg.timeout_s)
     dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
     dp_group = VESCALE_DEVICE_MESH["DP"].get_group()
     tp_size = VESCALE_DEVICE_MESH.get_strategy_size("TP")
@@ -195,25 +196,31 @@ def main(argv: list[str] | None = None) -> int:
     start_step = 0  # optimizer steps already done (0: a fresh run)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's attempt, from 0
     if cfg.checkpoint_dir:
-        try:  # every rank gets the same checkpoint, or the same error
+        try:  # one job per directory (a restart of this job takes its lock back); every rank gets the same answer
+            checkpoint.acquire_lock(cfg.checkpoint_dir)
             resumed = checkpoint.load_latest(cfg.checkpoint_dir, model=model, optimizer=optimizer)
         except checkpoint.CheckpointError as e:
             print0(f"error: cannot resume: {e}".replace("\n", "\nerror: "), file=sys.stderr)
-            VESCALE_DEVICE_MESH.reset()
-            dist.destroy_process_group()
-            return 1
+            return shutdown(cfg, 1, release=not isinstance(e, checkpoint.CheckpointLockedError))
         if resumed is None:
             print0(f"checkpoints: none in {cfg.checkpoint_dir} yet; starting at step 1")
         else:
             start_step = resumed[0]
             print0(f"resumed from {checkpoint.checkpoint_path(cfg.checkpoint_dir, start_step)} (saved on mesh "
                    f"{resumed[1].get('mesh')}, restart {restart}): continuing at step {start_step + 1}")
-    append = start_step > 0  # keep the metrics of the steps before the checkpoint
-    metrics = open(cfg.metrics_file, "a" if append else "w") if cfg.metrics_file and dist.get_rank() == 0 else None
+    metrics = None
+    if cfg.metrics_file and dist.get_rank() == 0:  # keep the rows of the steps before the checkpoint, drop the rest
+        kept = []
+        if start_step > 0 and os.path.exists(cfg.metrics_file):
+            with open(cfg.metrics_file) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        metrics = open(cfg.metrics_file, "w")
+        metrics.writelines(kept)
 
     # ------------------------------------------------------------- training
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     t_start = time.perf_counter()
+    skipped = 0  # steps skipped for a non-finite loss or gradient norm
     for step in range(start_step + 1, cfg.steps + 1):
         if step == cfg.fail_at_step and restart == 0 and dist.get_rank() == dist.get_world_size() - 1:
             print(f"rank {dist.get_rank()}: --fail-at-step {step}: exiting to simulate a crashed worker",
@@ -233,20 +240,36 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad()
         if pipe is None:
             loss = loss_fn(model(x), y)
+            if step == cfg.nan_at_step and restart == 0 and dist.get_rank() == 0:
+                loss = loss * float("nan")  # fault injection: one rank's loss goes bad
             loss.backward()  # when it returns, every .grad is averaged over DP
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)  # the global norm, TP shards included
+            # the global norm, TP shards included (clipping only with --grad-clip)
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
         else:
             loss = pipe.step(x, y)  # micro-batches through torch's schedule; the loss on the last stage only
-            if cfg.grad_clip:  # the norm of the whole model: torch's per stage, summed over PP
-                clip_grad_norm_(params, cfg.grad_clip, groups=[VESCALE_DEVICE_MESH["PP"].get_group()])
-        optimizer.step()
+            # the norm of the whole model: torch's per stage, summed over PP
+            norm = clip_grad_norm_(params, cfg.grad_clip or float("inf"), groups=[VESCALE_DEVICE_MESH["PP"].get_group()])
+        # a nan or inf loss or gradient norm on any rank: every rank skips the step, or stops
+        bad = torch.tensor(float(not torch.isfinite(norm) or (loss is not None and not torch.isfinite(loss))))
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            skipped += 1
+            if skipped > cfg.skip_nonfinite:
+                print0(f"error: step {step}: the loss or the gradient norm is nan or inf; stopping before the "
+                       f"optimizer steps (--skip-nonfinite {cfg.skip_nonfinite} allows skipping that many such steps). "
+                       f"The checkpoints in {cfg.checkpoint_dir or '(none)'} are untouched.", file=sys.stderr)
+                return shutdown(cfg, 1, metrics=metrics)
+            print0(f"step {step:5d}/{cfg.steps} | non-finite loss or gradient norm: step skipped "
+                   f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})")
+            optimizer.zero_grad()  # the weights stay as they were; the step still counts
+        else:
+            optimizer.step()
 
         # the mean over the global batch, sent from the last stage to rank 0
         train_loss = to_rank0(None if loss is None else torch.tensor(dp_mean(loss, dp_group)))
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                  "elapsed_s": time.perf_counter() - t_start, "restart": restart}
+                  "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bool(bad.item())}
         rank0 = dist.get_rank() == 0  # the losses arrive on rank 0 only
         if rank0 and (step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps):
             print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
@@ -284,11 +307,18 @@ def main(argv: list[str] | None = None) -> int:
         print0(f"sample after {cfg.steps} steps:\n{'-' * 60}\n{decode(out[0].tolist())}\n{'-' * 60}")
 
     print0(f"done in {time.perf_counter() - t_start:.1f}s")
+    return shutdown(cfg, 0, metrics=metrics)
+
+
+def shutdown(cfg: TrainConfig, code: int, *, metrics=None, release: bool = True) -> int:
+    """Close the metrics file, give the checkpoint directory back, and tear the mesh down; return ``code``."""
     if metrics:
         metrics.close()
+    if cfg.checkpoint_dir and release:
+        checkpoint.release_lock(cfg.checkpoint_dir)
     VESCALE_DEVICE_MESH.reset()
     dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":
