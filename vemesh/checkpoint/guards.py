@@ -12,6 +12,7 @@ Each gathers every rank's answer and raises the same :class:`CheckpointError` on
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,8 +41,8 @@ def all_ranks_here(what: str) -> None:
     """A barrier that names the missing ranks when not every rank arrives within the group's timeout."""
     if not _distributed():
         return
-    try:
-        dist.monitored_barrier(wait_all_ranks=True)
+    try:  # torch's own default here would be 30 minutes, whatever the group's timeout is
+        dist.monitored_barrier(timeout=_group_timeout(), wait_all_ranks=True)
     except RuntimeError as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "monitored_barrier" in text and "only supported" in text:  # not gloo: a plain barrier
@@ -50,6 +51,15 @@ def all_ranks_here(what: str) -> None:
         raise CheckpointError(
             f"{what} on rank {dist.get_rank()}: not every rank arrived ({text}); every rank must call it, with the same arguments"
         ) from None
+
+
+def _group_timeout() -> timedelta | None:
+    """The default process group's own timeout (what ``init_device_mesh(timeout=...)`` set), if it can be read."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _entry(t: torch.Tensor) -> tuple[tuple[int, ...], str]:
