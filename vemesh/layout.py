@@ -182,7 +182,7 @@ class MeshLayout:
     def rank(self, coordinate: Sequence[int]) -> int:
         """Global rank at ``coordinate``: on (2, 4), (1, 2) -> 6 and (0, 1) -> 1."""
         rank = 0
-        if len(coordinate) == self.ndim:
+        if (type(coordinate) is tuple or type(coordinate) is list) and len(coordinate) == self.ndim:
             for c, size, st in zip(coordinate, self.shape, self.strides):
                 if type(c) is not int or not 0 <= c < size:
                     break

@@ -43,11 +43,11 @@ def all_ranks_here(what: str) -> None:
         return
     try:  # torch's own default here would be 30 minutes, whatever the group's timeout is
         dist.monitored_barrier(timeout=_group_timeout(), wait_all_ranks=True)
+    except ValueError:  # "monitored_barrier is only implemented for GLOO backend": a plain barrier then
+        dist.barrier()
+        return
     except RuntimeError as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "monitored_barrier" in text and "only supported" in text:  # not gloo: a plain barrier
-            dist.barrier()
-            return
         raise CheckpointError(
             f"{what} on rank {dist.get_rank()}: not every rank arrived ({text}); every rank must call it, with the same arguments"
         ) from None

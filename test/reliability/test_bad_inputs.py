@@ -1,0 +1,223 @@
+"""Bad inputs across the API, the CLI, the example's config and the checkpoint calls.
+
+Each case names the exception type and a piece of the message: the bad value, and what would
+be valid. Nothing here hangs or needs more than one process (mesh queries run on torch's fake
+backend). ``CASES`` is counted in the README's fault-tolerance section.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from vemesh import VeDeviceMesh, checkpoint
+from vemesh.cli import main as cli
+from vemesh.layout import MeshLayout
+from vemesh.spec import MeshSpec
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+if str(EXAMPLE) not in sys.path:
+    sys.path.insert(0, str(EXAMPLE))
+from config import ConfigError, TrainConfig  # noqa: E402
+
+LAYOUT = MeshLayout((2, 4), ("DP", "TP"))
+
+
+def spec(**kw: Any) -> Callable[[], Any]:
+    return lambda: MeshSpec(**{"device_type": "cpu", "mesh_shape": (2, 2), **kw})
+
+
+# (id, call, exception type, piece of the message)
+API = [
+    ("name-with-space", spec(mesh_dim_names=(" DP", "TP")), ValueError, "dim name ' DP' is not a plain name"),
+    ("name-set", spec(mesh_dim_names={"DP", "TP"}), ValueError, "ordered sequence (a tuple or list); got a set"),
+    ("name-inner-space", spec(mesh_dim_names=("D P", "TP")), ValueError, "'D P' is not a plain name"),
+    ("name-leading-digit", spec(mesh_dim_names=("1DP", "TP")), ValueError, "'1DP' is not a plain name"),
+    ("name-not-str", spec(mesh_dim_names=(1, 2)), TypeError, "dim names must be strings; got 1 of type int"),
+    ("size-float", spec(mesh_shape=(2.0, 2)), TypeError, "must be an integer (numpy and torch integer scalars count"),
+    ("size-bool", spec(mesh_shape=(True, 2)), TypeError, "got True of type bool"),
+    ("size-text", spec(mesh_shape="2,2"), ValueError, "mesh_shape must be a tuple of ints"),
+    ("size-zero", spec(mesh_shape=(2, 0)), ValueError, "mesh sizes must be positive"),
+    ("rank-bool", lambda: LAYOUT.coordinate(True), TypeError, "a global rank must be an integer"),
+    ("rank-float", lambda: LAYOUT.coordinate(2.0), TypeError, "got 2.0 of type float"),
+    ("rank-str", lambda: LAYOUT.coordinate("3"), TypeError, "got '3' of type str"),
+    ("rank-too-big", lambda: LAYOUT.coordinate(8), ValueError, "global rank 8 is out of range; valid: 0..7"),
+    ("rank-negative", lambda: LAYOUT.coordinate(-1), ValueError, "global rank -1 is out of range"),
+    ("rank-numpy-too-big", lambda: LAYOUT.coordinate(np.int64(9)), ValueError, "global rank 9 is out of range"),
+    ("coordinate-float", lambda: LAYOUT.rank((1, 2.5)), TypeError, "coordinate entry TP must be an integer"),
+    ("coordinate-str", lambda: LAYOUT.rank("12"), TypeError, "a coordinate is a sequence of integers"),
+    ("coordinate-short", lambda: LAYOUT.rank((1,)), ValueError, "has 1 entries"),
+    ("local-rank-float", lambda: LAYOUT.member(0, (1,), 1.0), TypeError, "a local rank must be an integer"),
+    ("cuda-without-cuda", lambda: VeDeviceMesh().init_device_mesh("cuda", (1,)), RuntimeError,
+     "device_type 'cuda': this machine has no cuda device"),
+    ("timeout-negative", lambda: VeDeviceMesh().init_device_mesh("cpu", (1,), timeout=-1), ValueError, "timeout must be positive"),
+    ("timeout-text", lambda: VeDeviceMesh().init_device_mesh("cpu", (1,), timeout="10"), TypeError, "timeout must be a datetime.timedelta"),
+]
+
+# on a fake (PP, DP, TP) = (2, 2, 2) world, as rank 5 sees it
+MESH = [
+    ("offset-float", lambda m: m.get_neighbor_rank("PP", 1.5), TypeError, "a neighbor offset must be an integer (numpy"),
+    ("offset-bool", lambda m: m.get_neighbor_rank("PP", True), TypeError, "got True of type bool"),
+    ("wrap-str", lambda m: m.get_neighbor_rank("PP", 1, wrap="yes"), TypeError, "wrap must be True or False; got 'yes'"),
+    ("global-rank-of-int", lambda m: m.get_global_rank(5), TypeError, "a coordinate is a sequence of integers"),
+    ("global-rank-float-entry", lambda m: m.get_global_rank({"PP": 1.0}), TypeError, "coordinate entry 'PP' must be an integer"),
+    ("global-rank-unknown-dim", lambda m: m.get_global_rank({"XP": 0}), KeyError, "unknown dim name 'XP'"),
+    ("global-rank-out-of-range", lambda m: m.get_global_rank([0, 0, 2]), ValueError, "TP=2 is out of range; valid: 0..1"),
+    ("coordinate-of-bool", lambda m: m.get_strategy_coordinate(True), TypeError, "a global rank must be an integer"),
+    ("coordinate-of-8", lambda m: m.get_strategy_coordinate(8), ValueError, "global rank 8 is out of range; valid: 0..7"),
+    ("to-global-float", lambda m: m.to_global_rank(0.5, "TP"), TypeError, "a local rank must be an integer"),
+    ("to-global-too-big", lambda m: m.to_global_rank(2, "TP"), ValueError, "local rank 2 is out of range along TP"),
+    ("to-local-str", lambda m: m.to_local_rank("5", "TP"), TypeError, "got '5' of type str"),
+    ("size-of-spaced-name", lambda m: m.get_strategy_size(" DP"), KeyError, "unknown dim name ' DP'"),
+]
+
+CLI = [
+    ("show-minus-one-needs-world", ["show", "--shape", "-1,2"], "has a -1 to infer; pass --world-size N"),
+    ("show-not-a-number", ["show", "--shape", "2,x"], "invalid shape '2,x'"),
+    ("show-zero", ["show", "--shape", "0,2"], "mesh sizes must be positive"),
+    ("show-negative", ["show", "--shape", "-2,2"], "got [-2] in mesh_shape (-2, 2)"),
+    ("show-rank-out-of-range", ["show", "--shape", "2,2", "--rank", "4"], "global rank 4 is out of range; valid: 0..3"),
+    ("show-rank-negative", ["show", "--shape", "2,2", "--rank", "-1"], "global rank -1 is out of range"),
+    ("show-rank-float", ["show", "--shape", "2,2", "--rank", "1.5"], "invalid int value: '1.5'"),
+    ("show-repeated-names", ["show", "--shape", "2,2", "--names", "DP,DP"], "must be unique"),
+    ("show-spaced-name", ["show", "--shape", "2,2", "--names", "DP, TP"], "dim name ' TP' is not a plain name"),
+    ("show-too-big", ["show", "--shape", "100000,100000"], "10,000,000,000 ranks is more than vemesh draws (524,288"),
+    ("plan-too-big", ["plan", "--world-size", "1000000000"], "1,000,000,000 ranks is more than vemesh draws"),
+    ("plan-overflow", ["plan", "--world-size", "9" * 30], "ranks is more than vemesh draws"),
+    ("plan-zero-world", ["plan", "--world-size", "0"], "invalid value '0': expected a positive integer"),
+    ("plan-tp-does-not-divide", ["plan", "--world-size", "8", "--tp", "3"], "TP 3 = 3 does not divide the world size 8"),
+    ("plan-ep-does-not-divide", ["plan", "--world-size", "8", "--tp", "2", "--ep", "3"], "EP 3 must divide DP x CP = 4 x 1 = 4"),
+]
+
+
+def _config(argv: list[str], world: int = 1) -> Callable[[], Any]:
+    def parse() -> Any:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("WORLD_SIZE", str(world))
+            mp.delenv("LOCAL_WORLD_SIZE", raising=False)
+            return TrainConfig.from_args([*argv, "--device", "cpu"])
+
+    return parse
+
+
+def example_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]]:
+    (tmp / "empty.txt").write_text("")
+    (tmp / "ckpt" / "step_000040").mkdir(parents=True, exist_ok=True)
+    (tmp / "a_file").write_text("x")
+    return [
+        ("data-empty", _config(["--data", str(tmp / "empty.txt")]), ConfigError, "is empty; give a text file"),
+        ("data-directory", _config(["--data", str(tmp)]), ConfigError, "--data: no such file"),
+        ("metrics-missing-dir", _config(["--metrics-file", str(tmp / "no" / "m.jsonl")]), ConfigError, "does not exist"),
+        ("metrics-is-dir", _config(["--metrics-file", str(tmp)]), ConfigError, "is a directory; give a file name"),
+        ("ckpt-is-a-checkpoint", _config(["--checkpoint-dir", str(tmp / "ckpt" / "step_000040")]), ConfigError,
+         f"is a checkpoint itself; pass the directory that holds the checkpoints, '{tmp / 'ckpt'}'"),
+        ("ckpt-is-a-file", _config(["--checkpoint-dir", str(tmp / "a_file")]), ConfigError, "is a file, not a directory"),
+        ("ckpt-under-a-file", _config(["--checkpoint-dir", str(tmp / "a_file" / "ckpt")]), ConfigError, "is not writable"),
+        ("memory", _config(["--seq-len", "8192", "--global-batch-size", "512"]), ConfigError, "GiB per process"),
+        ("timeout-zero", _config(["--timeout-s", "0"]), ConfigError, "--timeout-s: Input should be greater than 0"),
+        ("skip-negative", _config(["--skip-nonfinite", "-1"]), ConfigError, "--skip-nonfinite: Input should be greater than or equal to 0"),
+        ("nan-with-pp", _config(["--mesh-shape", "2,1,1", "--n-layer", "2", "--nan-at-step", "1"], 2), ConfigError,
+         "--nan-at-step injects into the loss of the DDP path"),
+        ("stages-over-layers", _config(["--mesh-shape", "4,1,1", "--n-layer", "2"], 4), ConfigError,
+         "4 pipeline stages (PP=4) cannot split --n-layer 2"),
+        ("mesh-3-numbers-wrong-world", _config(["--mesh-shape", "2,2,2"], 4), ConfigError, "2x2x2 needs 8 processes but the world has 4"),
+    ]
+
+
+def checkpoint_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]]:
+    model = nn.Linear(2, 2)
+    step_dir = tmp / "ckpts" / "step_000010"
+    step_dir.mkdir(parents=True, exist_ok=True)
+    (tmp / "plain_file").write_text("x")
+    return [
+        ("save-into-a-checkpoint", lambda: checkpoint.save(step_dir, model=model, step=1), checkpoint.CheckpointError,
+         f"it is a checkpoint itself, not a directory of checkpoints; pass its parent '{step_dir.parent}'"),
+        ("resume-from-a-checkpoint", lambda: checkpoint.load_latest(step_dir, model=model), checkpoint.CheckpointError,
+         "cannot resume from"),
+        ("step-negative", lambda: checkpoint.save(tmp / "c", model=model, step=-1), ValueError, "step must be a non-negative int, got -1"),
+        ("step-bool", lambda: checkpoint.save(tmp / "c", model=model, step=True), ValueError, "got True"),
+        ("extra-not-json", lambda: checkpoint.save(tmp / "c", model=model, step=1, extra={"x": object()}), ValueError,
+         "extra must be JSON-serializable"),
+        ("lock-under-a-file", lambda: checkpoint.acquire_lock(tmp / "plain_file" / "ckpt"),
+         checkpoint.CheckpointError, "is not writable"),
+        ("lock-a-checkpoint", lambda: checkpoint.acquire_lock(step_dir), checkpoint.CheckpointError, "it is a checkpoint itself"),
+    ]
+
+
+def _raises(call: Callable[[], Any], exc: type, piece: str) -> None:
+    with pytest.raises(exc) as err:
+        call()
+    text = err.value.args[0] if isinstance(err.value, KeyError) else str(err.value)
+    assert piece in text, f"{exc.__name__} message {text!r} lacks {piece!r}"
+
+
+@pytest.mark.parametrize(("call", "exc", "piece"), [c[1:] for c in API], ids=[c[0] for c in API])
+def test_api(call, exc, piece):
+    if "cuda" in piece and torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without CUDA")
+    _raises(call, exc, piece)
+
+
+@pytest.fixture
+def rank5() -> Any:
+    dist.init_process_group("fake", rank=5, world_size=8, store=FakeStore())
+    mesh = VeDeviceMesh()
+    mesh.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("PP", "DP", "TP"))
+    yield mesh
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("call", "exc", "piece"), [c[1:] for c in MESH], ids=[c[0] for c in MESH])
+def test_mesh_queries(rank5, call, exc, piece):
+    _raises(lambda: call(rank5), exc, piece)
+
+
+@pytest.mark.parametrize(("argv", "piece"), [c[1:] for c in CLI], ids=[c[0] for c in CLI])
+def test_cli(capsys, argv, piece):
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vemesh: error: ") and err.count("\n") == 1, err
+    assert piece in err, err
+
+
+def test_example_config(tmp_path):
+    for name, call, exc, piece in example_cases(tmp_path):
+        try:
+            _raises(call, exc, piece)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def test_checkpoint_calls(tmp_path):
+    for name, call, exc, piece in checkpoint_cases(tmp_path):
+        try:
+            _raises(call, exc, piece)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def test_numpy_and_torch_integers_are_accepted_everywhere(rank5):
+    assert MeshSpec(device_type="cpu", mesh_shape=(np.int64(2), torch.tensor(2))).mesh_shape == (2, 2)
+    assert rank5.get_neighbor_rank("PP", np.int64(-1)) == 1
+    assert rank5.get_global_rank({"PP": torch.tensor(0)}) == 1
+    assert rank5.to_global_rank(np.int32(0), "TP") == 4
+
+
+def count_cases(tmp: Path) -> int:
+    """How many bad inputs this file tries (the README quotes it)."""
+    return len(API) + len(MESH) + len(CLI) + len(example_cases(tmp)) + len(checkpoint_cases(tmp))
+
+
+def test_at_least_forty_bad_inputs(tmp_path):
+    assert count_cases(tmp_path) >= 40, count_cases(tmp_path)
+    assert math.isfinite(count_cases(tmp_path))
