@@ -26,13 +26,14 @@ class RankFailed(RuntimeError):
     """A rank raised; the message carries every failing rank's traceback."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, env: dict, out: Any) -> None:
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, env: dict, out: Any,
+            pg_timeout: float = 60.0) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
         )
         result = fn(rank, world_size, *args)
         out.put((rank, True, result))
@@ -43,14 +44,19 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None, pg_timeout: float = 60.0
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    ``pg_timeout`` is the process group's own timeout (how long a collective waits).
+    """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, dict(env or {}), out), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, dict(env or {}), out, pg_timeout), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -1,0 +1,84 @@
+"""Faults across ranks fail loudly and within a bounded time, on every rank, instead of hanging.
+
+Four gloo ranks (``distributed_scenarios.worker``) with a 3-second process group timeout, and
+one torchrun job in which a rank exits before ``init_device_mesh``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from distributed_scenarios import TIMEOUT, hung_worker, worker
+
+from launch import run_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return run_ranks(worker, 4, str(root), timeout=120, pg_timeout=TIMEOUT, env={"OMP_NUM_THREADS": "1"}), root
+
+
+def test_ranks_that_disagree_on_the_step_all_fail_and_write_nothing(world):
+    results, root = world
+    for r in results:
+        o = r["different-steps"]
+        assert not o["ok"] and o["type"] == "CheckpointError", o
+        assert "ranks disagree on the step to save: ranks [0, 1, 3] passed step=2; ranks [2] passed step=3" in o["message"]
+    assert not (root / "a").exists() or not any((root / "a").iterdir())
+
+
+def test_a_mesh_of_any_dimension_is_compared_whole(world):
+    results, _ = world
+    for r in results:
+        o = r["mesh-18d"]
+        assert not o["ok"] and o["type"] == "ValueError", o
+        assert "ranks disagree on the mesh" in o["message"] and "Every rank must call init_device_mesh" in o["message"]
+
+
+def test_a_save_called_on_one_rank_fails_within_the_timeout_naming_the_others(world):
+    results, root = world
+    o = results[0]["save-on-rank-0"]
+    assert not o["ok"] and o["type"] == "CheckpointError", o
+    assert "not every rank arrived" in o["message"] and "Ranks 1, 2, 3 failed to pass monitoredBarrier in 3000 ms" in o["message"]
+    assert "every rank must call it" in o["message"]
+    assert o["s"] < TIMEOUT + 5, o["s"]
+    assert not (root / "b" / "step_000001").exists()
+
+
+def test_a_rank_that_stops_responding_fails_the_others_within_the_timeout():
+    results = run_ranks(hung_worker, 4, timeout=120, pg_timeout=TIMEOUT, env={"OMP_NUM_THREADS": "1"})
+    for rank in range(3):
+        o = results[rank]["hung-rank"]
+        assert not o["ok"], o
+        assert "Timed out" in o["message"] or "timed out" in o["message"], o["message"]
+        assert o["s"] < 2 * TIMEOUT + 3, o["s"]
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    if os.environ["RANK"] == "3":
+        sys.exit(0)  # exits cleanly before init_device_mesh
+    from vemesh import VESCALE_DEVICE_MESH
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), timeout=4)
+""")
+
+
+def test_a_rank_missing_at_start_up_is_named(tmp_path):
+    script = tmp_path / "missing.py"
+    script.write_text(SCRIPT)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    assert proc.returncode != 0
+    assert "rank [3] of 4 never arrived within 4 s (crashed, exited early, or never started); the other 3 did" in proc.stderr, proc.stderr[-3000:]
+    assert time.perf_counter() - start < 60
