@@ -4,7 +4,7 @@ Every field is a flag: ``n_layer`` is ``--n-layer``, booleans come in pairs
 (``--distributed-optimizer`` / ``--no-distributed-optimizer``). Nonsense fails
 here, before any process group exists, with a message that names the flag::
 
-    $ python examples/gpt/train.py --mesh-shape 1,3
+    $ torchrun --nproc_per_node=3 examples/gpt/train.py --mesh-shape 1,3
     error: --mesh-shape: TP size 3 does not divide --n-head 4 (choose TP from 1, 2, 4)
 """
 from __future__ import annotations

@@ -128,3 +128,16 @@ def test_bad_config_exits_cleanly(tmp_path):
     assert run.returncode == 2, run.describe()
     assert run.stderr.strip() == "error: --n-embd 192 is not divisible by --n-head 5", run.describe()
     assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_config_docstring_quotes_the_real_error():
+    """config.py's docstring shows a command and its error: the code must still print exactly that."""
+    import config as config_module
+
+    lines = [line.strip() for line in config_module.__doc__.splitlines() if line.strip().startswith(("$", "error:"))]
+    command, expected = lines[0], lines[1]
+    world = int(command.split("--nproc_per_node=")[1].split()[0])
+    argv = command.split("train.py", 1)[1].split()
+    with pytest.raises(ConfigError) as err:
+        config(argv, world)
+    assert f"error: {err.value}" == expected
