@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
-from .layout import MeshLayout, as_index, unknown_name_error
+from .layout import MeshLayout, as_index, check_dim_names, unknown_name_error
 from .process_group import apply_timeout, as_timeout, check_same_on_all_ranks, ensure_process_group
 from .spec import STANDARD_STRATEGIES, MeshSpec
 
@@ -342,23 +342,23 @@ class VeDeviceMesh:
         ``flatten(("DP", "TP"))`` makes ``"DP_TP"``: ``DeviceMesh([4, 5, 6, 7])`` on rank 5 and
         ``[0, 1, 2, 3]`` on rank 1, reachable afterwards as ``VESCALE_DEVICE_MESH["DP_TP"]``
         and usable by every query. Flattening again with the same name returns the same mesh.
+        The dims may themselves be flattened ones (torchtitan's ``dp_cp`` from ``dp_replicate``
+        and ``dp_shard_cp``), as long as they run in mesh order.
         """
         layout, mesh = self.layout, self.mesh
         if isinstance(dims, (str, int)):
             dims = (dims,)
-        resolved = tuple(layout.dim_index(d) for d in dims)
-        if len(set(resolved)) != len(resolved) or list(resolved) != sorted(resolved):
-            raise ValueError(
-                f"flatten needs distinct dims in mesh order {layout.dim_names}; got {tuple(dims)}"
-            )
-        names = tuple(layout.dim_names[d] for d in resolved)
-        name = name or "_".join(names)
+        resolved = self._resolve(dims)  # dims, or flattened dims: ("dp_replicate", "dp_shard_cp") is fine
+        names = self._names(dims, resolved)  # in mesh order, or ValueError
+        name = name or "_".join(layout.dim_names[d] for d in resolved)
+        check_dim_names((name,))
         if name in layout.dim_names:
             raise ValueError(f"flattened name {name!r} is already a dim of {layout.dim_names}; pick another")
         if name in self._dims:
             if self._dims[name] != resolved:
                 taken = tuple(layout.dim_names[d] for d in self._dims[name])
-                raise ValueError(f"{name!r} already names the flattened dims {taken}, not {names}; pick another")
+                spelled = tuple(layout.dim_names[d] for d in resolved)
+                raise ValueError(f"{name!r} already names the flattened dims {taken}, not {spelled}; pick another")
             return self._views[name]
         flat = mesh[names]._flatten(name)
         if self._timeout is not None and dist.get_backend() != "fake":
@@ -529,22 +529,45 @@ class VeDeviceMesh:
         if isinstance(dims, Sequence):
             out: list[int] = []
             for d in dims:
-                if isinstance(d, str) and d in self._dims and d not in layout.dim_names:
-                    raise ValueError(f"flattened dim {d!r} cannot be combined with other dims in {tuple(dims)}")
                 out.extend(self._resolve(d, absent_ok))
             if len(set(out)) != len(out):
-                raise ValueError(f"dims {tuple(dims)} name the same dim twice")
+                raise ValueError(f"dims {tuple(dims)} name the same dim twice: {self._spell(dims)}")
             return tuple(out)
         raise TypeError(f"a dim is a name (str), an index (int) or a sequence of them; got {dims!r}")
 
+    def _spell(self, dims: Dims) -> str:
+        """``dims`` with each flattened name spelled out: ``dp_replicate, dp_shard_cp=(dp_shard, cp)``."""
+        parts = [dims] if isinstance(dims, (str, int)) else list(dims)
+        out = []
+        for part in parts:
+            if isinstance(part, str) and part in self._dims and part not in self.layout.dim_names:
+                out.append(f"{part}=({', '.join(self.layout.dim_names[d] for d in self._dims[part])})")
+            else:
+                out.append(str(part))
+        return ", ".join(out)
+
+    def _parts(self, dims: Dims) -> list[Dims]:
+        return [dims] if isinstance(dims, (str, int)) else list(dims)  # type: ignore[arg-type]
+
     def _names(self, dims: Dims, resolved: tuple[int, ...]) -> tuple[str, ...]:
-        """The torch slicing key for ``dims``: a flattened name as is, otherwise names in mesh order."""
-        if isinstance(dims, str) and dims in self._dims and dims not in self.layout.dim_names:
-            return (dims,)
+        """The torch slicing key for ``dims``: dim and flattened names, whose dims must run in mesh order.
+
+        ``("dp_replicate", "dp_shard_cp")`` on ``(dp_replicate, dp_shard, cp, tp)`` is a sub-mesh:
+        its dims 0, then 1 and 2, keep mesh order, so every group's ranks are laid out as in the
+        mesh. ``("dp_shard_cp", "dp_replicate")`` is not, and raises ``ValueError``.
+        """
         if list(resolved) != sorted(resolved):
-            names = tuple(self.layout.dim_names[d] for d in resolved)
-            raise ValueError(f"view dims must follow mesh order {self.layout.dim_names}; got {names}")
-        return tuple(self.layout.dim_names[d] for d in resolved)
+            raise ValueError(
+                f"dims ({self._spell(dims)}) do not form a sub-mesh: their dims must run in mesh order "
+                f"{self.layout.dim_names}"
+            )
+        names = []
+        for part in self._parts(dims):
+            if isinstance(part, str) and part in self._dims and part not in self.layout.dim_names:
+                names.append(part)  # a flattened dim, sliced by its own name
+            else:
+                names.extend(self.layout.dim_names[d] for d in self._resolve(part))
+        return tuple(names)
 
     def _submesh_at(self, dims: Dims, resolved: tuple[int, ...], index: int) -> DeviceMesh:
         """Submesh number ``index`` along ``dims`` (see :meth:`MeshLayout.all_groups`), cached."""
@@ -558,7 +581,7 @@ class VeDeviceMesh:
             submesh = self[dims]
         else:
             ranks = torch.tensor(layout.group_at(resolved, index), dtype=torch.int)
-            shape = [layout.shape[d] for d in resolved] if len(names) == len(resolved) else [ranks.numel()]
+            shape = [layout.group_size(self._resolve(name)) for name in names]
             submesh = DeviceMesh(self.device_type, ranks.view(shape), mesh_dim_names=names, _init_backend=False)
         self._submeshes[key] = submesh
         return submesh
