@@ -21,6 +21,7 @@ works on any mesh. Questions about *structure* (``size``, ``mesh["CP"]``,
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -78,6 +79,7 @@ class VeDeviceMesh:
         check_uniqueness: bool = False,
         log_layout: bool | None = None,
         timeout: timedelta | float | None = None,
+        backend_override: Mapping[str | int, Any] | None = None,
     ) -> DeviceMesh:
         """Build the global mesh (and the default process group if there is none).
 
@@ -93,6 +95,9 @@ class VeDeviceMesh:
             timeout: how long the start-up rendezvous and every collective of the mesh's groups
                 wait for the other ranks (a ``timedelta`` or seconds). Default: 10 minutes when
                 vemesh creates the process group; an existing group keeps its own.
+            backend_override: per dim (name or index), a backend name, process-group options,
+                or ``(backend, options)``, passed to torch's ``init_device_mesh``. A dim given
+                options keeps their timeout.
 
         Returns:
             The torch ``DeviceMesh``; on 8 ranks with shape ``(2, -1, 2)`` every rank gets
@@ -133,10 +138,14 @@ class VeDeviceMesh:
         layout = spec.resolve(dist.get_world_size())
         check_same_on_all_ranks(spec.device_type, layout)
         self.reset()
-        mesh = _torch_init_device_mesh(spec.device_type, layout.shape, mesh_dim_names=layout.dim_names)
+        override = self._check_backend_override(backend_override, layout)
+        mesh = _torch_init_device_mesh(
+            spec.device_type, layout.shape, mesh_dim_names=layout.dim_names, backend_override=override
+        )
         self._timeout = wait if (created or timeout is not None) else None
         if self._timeout is not None and dist.get_backend() != "fake":
-            apply_timeout([mesh.get_group(d) for d in range(mesh.ndim)], self._timeout)
+            keep = {layout.dim_index(k) for k, v in (override or {}).items() if not isinstance(v, str)}
+            apply_timeout([mesh.get_group(d) for d in range(mesh.ndim) if d not in keep], self._timeout)
         self._mesh, self._layout, self._rank = mesh, layout, dist.get_rank()
         self._coordinate = layout.coordinate(self._rank)
         self._dims = {name: (i,) for i, name in enumerate(layout.dim_names)}
@@ -145,6 +154,73 @@ class VeDeviceMesh:
             log_layout = os.environ.get("VEMESH_LOG_LAYOUT", "0") not in ("", "0")
         if log_layout and self._rank == 0:
             self._log_layout()
+        return mesh
+
+    @staticmethod
+    def _check_backend_override(override: Mapping[str | int, Any] | None, layout: MeshLayout) -> dict | None:
+        """``backend_override`` checked against the mesh's dims (KeyError names the valid ones)."""
+        if override is None:
+            return None
+        if not isinstance(override, Mapping):
+            raise TypeError(f"backend_override must be a dict from dim name (or index) to a backend; got {override!r}")
+        out = {}
+        for key, value in override.items():
+            layout.dim_index(key)  # KeyError naming the valid dims, or TypeError/ValueError for an index
+            options_type = getattr(dist.ProcessGroup, "Options", None) or getattr(dist.Backend, "Options", ())
+            ok = isinstance(value, str) or (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str))
+            if not ok and not (options_type and isinstance(value, options_type)):
+                raise TypeError(
+                    f"backend_override[{key!r}] must be a backend name such as 'gloo', process-group options, "
+                    f"or (backend, options); got {value!r}"
+                )
+            out[key] = value
+        return out
+
+    def split(self, dim: str, names: Sequence[str], sizes: Sequence[int]) -> DeviceMesh:
+        """Divide one dim into several, in place: the global mesh gains their names (torch's ``_unflatten``).
+
+        On ``(DP, TP) = (4, 2)``, ``split("DP", ("dp_replicate", "dp_shard"), (2, 2))`` makes the
+        mesh ``(dp_replicate, dp_shard, TP) = (2, 2, 2)``: rank 5 is then in ``dp_shard`` group
+        ``[5, 7]`` and ``dp_replicate`` group ``[1, 5]``, exactly the groups of a mesh built
+        ``(2, 2, 2)`` from the start. Flattened dims that included ``dim`` now cover its parts;
+        their process groups are kept. Every rank must call it.
+
+        Returns:
+            The new global torch ``DeviceMesh``.
+        """
+        layout = self.layout
+        if not isinstance(dim, str) or dim not in layout.dim_names:
+            raise unknown_name_error("dim name", dim, layout.dim_names)
+        names = check_dim_names(names)
+        sizes = tuple(as_index(s, "a split size") for s in sizes)
+        if len(names) != len(sizes) or len(names) < 2:
+            raise ValueError(f"split needs two or more names and one size per name; got names {names} and sizes {sizes}")
+        index = layout.dim_index(dim)
+        clash = [n for n in names if n in self._dims and n != dim]
+        if clash:
+            raise ValueError(f"split names {clash} are already dims of this mesh {tuple(self._dims)}; pick others")
+        if any(s < 1 for s in sizes) or math.prod(sizes) != layout.shape[index]:
+            raise ValueError(
+                f"split sizes {sizes} multiply to {math.prod(sizes)}, but dim {dim!r} has size {layout.shape[index]}; "
+                f"they must multiply to {layout.shape[index]}"
+            )
+        mesh = self.mesh._unflatten(index, sizes, names)
+        new_names = layout.dim_names[:index] + names + layout.dim_names[index + 1 :]
+        new_shape = layout.shape[:index] + sizes + layout.shape[index + 1 :]
+        grow = len(names) - 1
+
+        def remap(d: int) -> tuple[int, ...]:
+            return tuple(range(index, index + len(names))) if d == index else (d if d < index else d + grow,)
+
+        flattened = {n: tuple(x for d in ds for x in remap(d)) for n, ds in self._dims.items() if n not in layout.dim_names}
+        flat_views = {n: self._views[n] for n in flattened}
+        self._mesh, self._layout = mesh, MeshLayout(new_shape, new_names)
+        self._coordinate = self._layout.coordinate(self._rank)
+        self._dims = {name: (i,) for i, name in enumerate(new_names)} | flattened
+        self._views = {new_names: mesh} | flat_views | {(n,): v for n, v in flat_views.items()}
+        self._submeshes = {}
+        if self._timeout is not None and dist.get_backend() != "fake":
+            apply_timeout([mesh.get_group(d) for d in range(index, index + len(names))], self._timeout)
         return mesh
 
     def get(self, **kwargs: Any) -> DeviceMesh:
