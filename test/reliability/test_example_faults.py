@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from vemesh.checkpoint import list_checkpoints
 from vemesh.checkpoint.lock import LOCK

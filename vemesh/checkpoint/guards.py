@@ -73,7 +73,7 @@ def check_layout(step: int, tensors: dict[str, torch.Tensor]) -> None:
     if len(steps) > 1:
         by_step = {s: [r for r, (x, _) in enumerate(answers) if x == s] for s in steps}
         raise CheckpointError(
-            f"ranks disagree on the step to save: " + "; ".join(f"ranks {rs} passed step={s}" for s, rs in by_step.items())
+            "ranks disagree on the step to save: " + "; ".join(f"ranks {rs} passed step={s}" for s, rs in by_step.items())
             + ". Every rank must call checkpoint.save with the same step"
         )
     seen: dict[str, tuple[tuple[tuple[int, ...], str], int]] = {}

@@ -16,8 +16,7 @@ way of clearing gradients (``opt.zero_grad()``, ``model.zero_grad()``, with or w
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,94 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .bucketing import DEFAULT_BUCKET_SIZE
 from .grad_buffer import GradBuffer, local_tensor
+from .support import UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, install_step_guard, like, resolve_group
 
 __all__ = ["DistributedDataParallel"]
-
-#: Wrappers holding gradients accumulated under ``no_sync()`` that were never averaged.
-_UNSYNCED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
-_step_hook: Any = None
-
-
-def _refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: no torch optimizer steps on gradients that skipped the DP average."""
-    if not _UNSYNCED:
-        return
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for ddp in list(_UNSYNCED):
-        names = [ddp._param_names[id(p)] for p in ddp._params if id(p) in ids and p.grad is not None]
-        if names:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() would use gradients of {len(names)} parameters (e.g. "
-                f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
-                "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
-                "model.finish_grad_sync() before stepping"
-            )
-
-
-def _resolve_group(data_pg_or_device_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if data_pg_or_device_mesh is None:
-        return dist.group.WORLD  # type: ignore[return-value]
-    if isinstance(data_pg_or_device_mesh, DeviceMesh):
-        mesh = data_pg_or_device_mesh
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"data_pg_or_device_mesh must be a 1-D DeviceMesh (e.g. mesh['DP']), got a {mesh.ndim}-D mesh "
-                f"with shape {tuple(mesh.shape)} and dim names {mesh.mesh_dim_names}"
-            )
-        return mesh.get_group()
-    if isinstance(data_pg_or_device_mesh, dist.ProcessGroup):
-        return data_pg_or_device_mesh
-    raise TypeError(
-        "data_pg_or_device_mesh must be a 1-D DeviceMesh, a ProcessGroup or None, "
-        f"got {type(data_pg_or_device_mesh).__name__}"
-    )
-
-
-def _check_bucket_size(bucket_size: int | None) -> int:
-    if bucket_size is None:
-        return DEFAULT_BUCKET_SIZE
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
-        raise TypeError(f"bucket_size must be an int number of elements or None, got {bucket_size!r}")
-    if bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size}")
-    return bucket_size
-
-
-@torch.no_grad()
-def _broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensors`` with the values of the group's first rank, one flat broadcast per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.broadcast(flat, group=group, group_src=0)
-        torch._foreach_copy_(same, [c.view(t.shape) for t, c in zip(same, flat.split([t.numel() for t in same]))])
-
-
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a tensor like ``p``: a DTensor with ``p``'s mesh and placements if ``p`` is one."""
-    if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return local
-
-
-class _PipelineReducer:
-    """The one piece of torch DDP's reducer that ``torch.distributed.pipelining`` calls on a DDP stage.
-
-    A pipeline stage calls ``submod.reducer.prepare_for_backward(outputs)`` before the last
-    micro-batch's backward (and runs the others inside ``no_sync()``). vemesh decides whether to
-    average when each backward pass starts, from ``require_backward_grad_sync``, so there is
-    nothing to prepare.
-    """
-
-    def prepare_for_backward(self, outputs: Any) -> None:
-        """Nothing to do (see the class docstring)."""
-
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """Average gradients over a data-parallel group through a contiguous gradient buffer.
@@ -182,8 +98,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise ValueError(f"module is already wrapped in {type(module).__name__}; wrap the inner module once")
-        group = _resolve_group(data_pg_or_device_mesh)
-        bucket_size = _check_bucket_size(bucket_size)
+        group = resolve_group(data_pg_or_device_mesh)
+        bucket_size = check_bucket_size(bucket_size)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters (none with requires_grad=True)")
@@ -208,7 +124,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.broadcast_buffers = broadcast_buffers
         #: torch DDP's flag, toggled by :meth:`no_sync` (and by libraries that set it directly).
         self.require_backward_grad_sync = True
-        self.reducer = _PipelineReducer()
+        self.reducer = PipelineReducer()
         self._params = params
         self._param_names = names
         self._in_backward = False
@@ -217,7 +133,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._unsynced = False
 
         if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
-            _broadcast_from_first([local_tensor(p) for p in module.parameters()] + self._module_buffers(), group)
+            broadcast_from_first([local_tensor(p) for p in module.parameters()] + self._module_buffers(), group)
 
         def grad_dtype(p: torch.Tensor) -> torch.dtype:
             return torch.float32 if accumulate_allreduce_grads_in_fp32 else p.dtype
@@ -238,17 +154,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._hooks: list[Any] = []
         for p in params:
             main_grad: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
-            self._main_grad_like.append(_like(p, main_grad))
+            self._main_grad_like.append(like(p, main_grad))
             if main_grad.dtype == p.dtype:
                 self._exposed[id(p)] = self._main_grad_like[-1]
             else:
                 self._holder[id(p)] = torch.zeros_like(main_grad, dtype=p.dtype)
-                self._exposed[id(p)] = _like(p, self._holder[id(p)])
+                self._exposed[id(p)] = like(p, self._holder[id(p)])
                 self._hooks.append(p.register_hook(self._make_pre_hook(p)))
             self._hooks.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
-        global _step_hook
-        if _step_hook is None:
-            _step_hook = register_optimizer_step_pre_hook(_refuse_unsynced_step)
+        install_step_guard()
 
     # ------------------------------------------------------------------ module
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -258,7 +172,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self.broadcast_buffers and self.dp_size > 1 and torch.is_grad_enabled():
             buffers = self._module_buffers()
             if buffers:
-                _broadcast_from_first(buffers, self.data_parallel_group)
+                broadcast_from_first(buffers, self.data_parallel_group)
         return self.module(*args, **kwargs)
 
     def _module_buffers(self) -> list[torch.Tensor]:
@@ -350,7 +264,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._sync()
         else:
             self._unsynced = True
-            _UNSYNCED.add(self)
+            UNSYNCED.add(self)
             for buffer in self.grad_buffers:
                 buffer.reset()
 
@@ -380,7 +294,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._expose(p)
         self._arrived = set()
         self._unsynced = False
-        _UNSYNCED.discard(self)
+        UNSYNCED.discard(self)
 
     def _abandon_pass(self) -> None:
         for buffer in self.grad_buffers:
@@ -437,7 +351,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 for p in self._params:
                     self._expose(p)
         self._unsynced = False
-        _UNSYNCED.discard(self)
+        UNSYNCED.discard(self)
 
     def zero_grad_buffer(self) -> None:
         """veScale's name for ``zero_grad(set_to_none=False)``: zero the buffer in place."""

@@ -1,0 +1,115 @@
+"""Helpers of :class:`~vemesh.ddp.DistributedDataParallel`: argument checks, broadcasts, and the
+global optimizer-step guard against gradients that skipped the DP average."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .bucketing import DEFAULT_BUCKET_SIZE
+
+if TYPE_CHECKING:
+    from .distributed_data_parallel import DistributedDataParallel
+
+__all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "resolve_group", "check_bucket_size", "broadcast_from_first",
+           "PipelineReducer", "like"]
+
+#: Wrappers holding gradients accumulated under ``no_sync()`` that were never averaged.
+UNSYNCED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+
+
+def refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: no torch optimizer steps on gradients that skipped the DP average."""
+    if not UNSYNCED:
+        return
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for ddp in list(UNSYNCED):
+        names = [ddp._param_names[id(p)] for p in ddp._params if id(p) in ids and p.grad is not None]
+        if names:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would use gradients of {len(names)} parameters (e.g. "
+                f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
+                "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
+                "model.finish_grad_sync() before stepping"
+            )
+
+
+def resolve_group(data_pg_or_device_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if data_pg_or_device_mesh is None:
+        return dist.group.WORLD  # type: ignore[return-value]
+    if isinstance(data_pg_or_device_mesh, DeviceMesh):
+        mesh = data_pg_or_device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"data_pg_or_device_mesh must be a 1-D DeviceMesh (e.g. mesh['DP']), got a {mesh.ndim}-D mesh "
+                f"with shape {tuple(mesh.shape)} and dim names {mesh.mesh_dim_names}"
+            )
+        return mesh.get_group()
+    if isinstance(data_pg_or_device_mesh, dist.ProcessGroup):
+        return data_pg_or_device_mesh
+    raise TypeError(
+        "data_pg_or_device_mesh must be a 1-D DeviceMesh, a ProcessGroup or None, "
+        f"got {type(data_pg_or_device_mesh).__name__}"
+    )
+
+
+def check_bucket_size(bucket_size: int | None) -> int:
+    if bucket_size is None:
+        return DEFAULT_BUCKET_SIZE
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
+        raise TypeError(f"bucket_size must be an int number of elements or None, got {bucket_size!r}")
+    if bucket_size <= 0:
+        raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size}")
+    return bucket_size
+
+
+@torch.no_grad()
+def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensors`` with the values of the group's first rank, one flat broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, group=group, group_src=0)
+        torch._foreach_copy_(same, [c.view(t.shape) for t, c in zip(same, flat.split([t.numel() for t in same]))])
+
+
+def like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor like ``p``: a DTensor with ``p``'s mesh and placements if ``p`` is one."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return local
+
+
+class PipelineReducer:
+    """The one piece of torch DDP's reducer that ``torch.distributed.pipelining`` calls on a DDP stage.
+
+    A pipeline stage calls ``submod.reducer.prepare_for_backward(outputs)`` before the last
+    micro-batch's backward (and runs the others inside ``no_sync()``). vemesh decides whether to
+    average when each backward pass starts, from ``require_backward_grad_sync``, so there is
+    nothing to prepare.
+    """
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Nothing to do (see the class docstring)."""
+
+
+
+
+
+_step_hook: Any = None
+
+
+def install_step_guard() -> None:
+    """Register :func:`refuse_unsynced_step` for every torch optimizer, once per process."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(refuse_unsynced_step)
