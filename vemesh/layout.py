@@ -106,10 +106,13 @@ class MeshLayout:
     Args:
         shape: size of each dim, outermost first. All sizes must be positive.
         dim_names: one unique name per dim.
+        first_rank: the global rank of the mesh's first member. A mesh over ranks 4..7 of an
+            8-rank world has ``first_rank=4``; every rank in and out of it is a global rank.
     """
 
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
+    first_rank: int = 0
     strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
     world_size: int = field(init=False, repr=False, compare=False)
     _pairs: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
@@ -130,6 +133,10 @@ class MeshLayout:
         strides = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * shape[i + 1]
+        first = as_index(self.first_rank, "first_rank")
+        if first < 0:
+            raise ValueError(f"first_rank must be a global rank (>= 0); got {first}")
+        object.__setattr__(self, "first_rank", first)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dim_names", names)
         object.__setattr__(self, "strides", tuple(strides))
@@ -156,11 +163,12 @@ class MeshLayout:
         raise TypeError(f"a dim is a name (str) or an index (int); got {dim!r}")
 
     def check_rank(self, rank: int) -> int:
-        """Return ``rank`` if it is a global rank of this mesh; ``TypeError`` if not an integer, else ``ValueError``."""
+        """``rank``'s index in the mesh (``rank - first_rank``) if it is a member; ``TypeError`` if not an integer, else ``ValueError``."""
         value = as_index(rank, "a global rank")
-        if not 0 <= value < self.world_size:
-            raise ValueError(f"global rank {value} is out of range; valid: 0..{self.world_size - 1}")
-        return value
+        first = self.first_rank
+        if not first <= value < first + self.world_size:
+            raise ValueError(f"global rank {value} is out of range; valid: {first}..{first + self.world_size - 1}")
+        return value - first
 
     def group_size(self, dims: tuple[int, ...]) -> int:
         """Number of ranks in every group along ``dims`` (1 for ``()``)."""
@@ -173,10 +181,10 @@ class MeshLayout:
             found = self._memo.get(rank)
             if found is not None:
                 return found
-        rank = self.check_rank(rank)
-        coordinate = tuple([(rank // st) % sz for st, sz in self._pairs])
+        index = self.check_rank(rank)
+        coordinate = tuple([(index // st) % sz for st, sz in self._pairs])
         if len(self._memo) < _MEMO_LIMIT:
-            self._memo[rank] = coordinate
+            self._memo[index + self.first_rank] = coordinate
         return coordinate
 
     def rank(self, coordinate: Sequence[int]) -> int:
@@ -188,7 +196,7 @@ class MeshLayout:
                     break
                 rank += c * st
             else:
-                return rank
+                return rank + self.first_rank
         if isinstance(coordinate, (str, bytes)) or not isinstance(coordinate, Sequence):
             raise TypeError(
                 f"a coordinate is a sequence of integers, one per dim {self.dim_names} (or, in VeDeviceMesh queries, "
@@ -204,7 +212,7 @@ class MeshLayout:
         for name, c, size in zip(self.dim_names, coordinate, self.shape):
             if type(c) is not int or not 0 <= c < size:
                 raise ValueError(f"coordinate {given}: {name}={c!r} is out of range; valid: 0..{size - 1}")
-        return sum(c * st for c, st in zip(coordinate, self.strides))
+        return self.first_rank + sum(c * st for c, st in zip(coordinate, self.strides))
 
     # ----------------------------------------------------------------- groups
     def index_in_group(self, rank: int, dims: tuple[int, ...]) -> int:
@@ -227,7 +235,7 @@ class MeshLayout:
         for d in reversed(dims):
             index, c = divmod(index, self.shape[d])
             base += c * self.strides[d]
-        return base
+        return base + self.first_rank
 
     def group_ranks(self, rank: int, dims: tuple[int, ...]) -> list[int]:
         """Every global rank in ``rank``'s group along ``dims``, in member order."""
@@ -281,7 +289,7 @@ class MeshLayout:
             target %= self.shape[dim]
         elif not 0 <= target < self.shape[dim]:
             return None
-        return rank + (target - c) * self.strides[dim]
+        return self.first_rank + rank + (target - c) * self.strides[dim]
 
     # ---------------------------------------------------------------- helpers
     def _base(self, rank: int, dims: tuple[int, ...]) -> int:
@@ -291,6 +299,8 @@ class MeshLayout:
         return rank
 
     def _ranks_from(self, base: int, dims: tuple[int, ...]) -> list[int]:
+        """Global ranks of the group whose first member has mesh index ``base``."""
+        base += self.first_rank
         return [base + off for off in self._offsets(dims)]
 
     def _offsets(self, dims: tuple[int, ...]) -> list[int]:

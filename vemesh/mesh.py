@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Union
 
@@ -68,6 +68,7 @@ class VeDeviceMesh:
         self._views: dict[Any, DeviceMesh] = {}  # key as the user wrote it -> view
         self._submeshes: dict[tuple[tuple[int, ...], int], DeviceMesh] = {}
         self._timeout: timedelta | None = None  # given to every group this mesh creates
+        self._member = False  # whether this rank is in the mesh (a mesh may cover part of the world)
 
     # ================================================================ set-up
     def init_device_mesh(
@@ -80,6 +81,7 @@ class VeDeviceMesh:
         log_layout: bool | None = None,
         timeout: timedelta | float | None = None,
         backend_override: Mapping[str | int, Any] | None = None,
+        rank_offset: int | None = None,
     ) -> DeviceMesh:
         """Build the global mesh (and the default process group if there is none).
 
@@ -95,6 +97,11 @@ class VeDeviceMesh:
             timeout: how long the start-up rendezvous and every collective of the mesh's groups
                 wait for the other ranks (a ``timedelta`` or seconds). Default: 10 minutes when
                 vemesh creates the process group; an existing group keeps its own.
+            rank_offset: build the mesh over the ranks from this global rank on (``(2, 2)`` with
+                ``rank_offset=4`` is ranks 4..7 of 8), e.g. one model of two on one job. Every rank
+                of the world must make the call; ranks outside get a clear error when they ask
+                about their own place, and rank-agnostic queries answer in global ranks. Hold a
+                second such mesh in another ``VeDeviceMesh()``.
             backend_override: per dim (name or index), a backend name, process-group options,
                 or ``(backend, options)``, passed to torch's ``init_device_mesh``. A dim given
                 options keeps their timeout.
@@ -135,21 +142,28 @@ class VeDeviceMesh:
                     f"{torch.__version__}); use 'cpu' to run on the CPU with gloo"
                 )
         created = ensure_process_group(spec.device_type, wait)
-        layout = spec.resolve(dist.get_world_size())
+        layout = spec.resolve(dist.get_world_size(), rank_offset)
         check_same_on_all_ranks(spec.device_type, layout)
         self.reset()
         override = self._check_backend_override(backend_override, layout)
-        mesh = _torch_init_device_mesh(
-            spec.device_type, layout.shape, mesh_dim_names=layout.dim_names, backend_override=override
-        )
+        if layout.first_rank == 0 and layout.world_size == dist.get_world_size():
+            mesh = _torch_init_device_mesh(
+                spec.device_type, layout.shape, mesh_dim_names=layout.dim_names, backend_override=override
+            )
+        else:  # part of the world: every rank builds it (group creation is collective), members use it
+            ranks = torch.arange(layout.first_rank, layout.first_rank + layout.world_size).view(layout.shape)
+            mesh = DeviceMesh(spec.device_type, ranks, mesh_dim_names=layout.dim_names,
+                              backend_override=tuple(self._override_tuple(override, layout)))
         self._timeout = wait if (created or timeout is not None) else None
         if self._timeout is not None and dist.get_backend() != "fake":
             keep = {layout.dim_index(k) for k, v in (override or {}).items() if not isinstance(v, str)}
             apply_timeout([mesh.get_group(d) for d in range(mesh.ndim) if d not in keep], self._timeout)
         self._mesh, self._layout, self._rank = mesh, layout, dist.get_rank()
-        self._coordinate = layout.coordinate(self._rank)
+        self._member = layout.first_rank <= self._rank < layout.first_rank + layout.world_size
+        self._coordinate = layout.coordinate(self._rank) if self._member else ()
         self._dims = {name: (i,) for i, name in enumerate(layout.dim_names)}
-        self._views[layout.dim_names] = mesh
+        if self._member:
+            self._views[layout.dim_names] = mesh
         if log_layout is None:
             log_layout = os.environ.get("VEMESH_LOG_LAYOUT", "0") not in ("", "0")
         if log_layout and self._rank == 0:
@@ -175,6 +189,13 @@ class VeDeviceMesh:
                 )
             out[key] = value
         return out
+
+    @staticmethod
+    def _override_tuple(override: dict | None, layout: MeshLayout) -> Iterator[tuple[Any, Any]]:
+        """``backend_override`` as the per-dim ``(backend, options)`` tuple that DeviceMesh takes."""
+        for d in range(layout.ndim):
+            value = next((v for k, v in (override or {}).items() if layout.dim_index(k) == d), None)
+            yield (value, None) if isinstance(value, str) else (value if isinstance(value, tuple) else (None, value))
 
     def split(self, dim: str, names: Sequence[str], sizes: Sequence[int]) -> DeviceMesh:
         """Divide one dim into several, in place: the global mesh gains their names (torch's ``_unflatten``).
@@ -214,8 +235,9 @@ class VeDeviceMesh:
 
         flattened = {n: tuple(x for d in ds for x in remap(d)) for n, ds in self._dims.items() if n not in layout.dim_names}
         flat_views = {n: self._views[n] for n in flattened}
-        self._mesh, self._layout = mesh, MeshLayout(new_shape, new_names)
-        self._coordinate = self._layout.coordinate(self._rank)
+        self._mesh = mesh
+        self._layout = MeshLayout(new_shape, new_names, first_rank=layout.first_rank)
+        self._coordinate = self._layout.coordinate(self._rank) if self._member else ()
         self._dims = {name: (i,) for i, name in enumerate(new_names)} | flattened
         self._views = {new_names: mesh} | flat_views | {(n,): v for n, v in flat_views.items()}
         self._submeshes = {}
@@ -307,6 +329,7 @@ class VeDeviceMesh:
         if layout is None:
             raise RuntimeError(_NOT_INITIALIZED)
         if rank is None:
+            self._my_rank()
             return list(self._coordinate)
         return list(layout.coordinate(rank))
 
@@ -324,6 +347,7 @@ class VeDeviceMesh:
         if type(coordinate) is tuple or type(coordinate) is list:
             return layout.rank(coordinate)
         if isinstance(coordinate, Mapping):
+            self._my_rank()  # missing dims keep this rank's coordinate
             full = list(self._coordinate)
             for dim, index in coordinate.items():
                 full[layout.dim_index(dim)] = as_index(index, f"coordinate entry {dim!r}")
@@ -394,6 +418,7 @@ class VeDeviceMesh:
             return self._views[dims]
         except (KeyError, TypeError):
             pass
+        self._my_rank()  # a rank outside a mesh over part of the world has no view of it
         mesh = self.mesh
         resolved = self._resolve(dims)
         names = self._names(dims, resolved)
@@ -575,15 +600,20 @@ class VeDeviceMesh:
         if self._layout is None:
             return "VeDeviceMesh(uninitialized)"
         dims = ", ".join(f"{n}={s}" for n, s in zip(self._layout.dim_names, self._layout.shape))
-        return (
-            f"VeDeviceMesh(({dims}), device_type={self.device_type!r}, "
-            f"rank={self._rank}, coordinate={self.get_coordinate()})"
-        )
+        where = f"coordinate={self._coordinate}" if self._member else "not a member"
+        return f"VeDeviceMesh(({dims}), device_type={self.device_type!r}, rank={self._rank}, {where})"
 
     # ============================================================== helpers
     def _my_rank(self) -> int:
         if self._mesh is None:
             raise RuntimeError(_NOT_INITIALIZED)
+        if not self._member:
+            first, n = self.layout.first_rank, self.layout.world_size
+            raise RuntimeError(
+                f"global rank {self._rank} is not in this mesh, which covers global ranks {first}..{first + n - 1}; "
+                "only its members can ask about their own place in it (rank-agnostic queries such as "
+                "get_strategy_coordinate(r) or get_submeshes(dim) work on every rank)"
+            )
         return self._rank
 
     def _resolve(self, dims: Dims, absent_ok: bool = False) -> tuple[int, ...]:
@@ -653,7 +683,7 @@ class VeDeviceMesh:
             return cached
         layout = self.layout
         names = self._names(dims, resolved)
-        if layout.group_index(self._rank, resolved) == index:
+        if self._member and layout.group_index(self._rank, resolved) == index:
             submesh = self[dims]
         else:
             ranks = torch.tensor(layout.group_at(resolved, index), dtype=torch.int)

@@ -100,25 +100,40 @@ class MeshSpec(BaseModel):
             )
         return self
 
-    def resolve(self, world_size: int) -> MeshLayout:
-        """Fill in a ``-1`` from ``world_size`` and check the product equals it.
+    def resolve(self, world_size: int, rank_offset: int | None = None) -> MeshLayout:
+        """Fill in a ``-1`` and check the mesh fits the world.
 
-        torch accepts a mesh smaller than the world; vemesh does not, since the
-        ranks left out would silently take no part in training.
+        Without ``rank_offset`` the product must equal ``world_size``: torch accepts a mesh
+        smaller than the world, but the ranks left out would silently take no part in training.
+        With ``rank_offset`` the mesh covers the ranks from ``rank_offset`` on (a ``-1`` takes all
+        of them): ``(2, 2)`` with ``rank_offset=4`` in a world of 8 is ranks 4..7.
         """
         shape = self.mesh_shape
         known = math.prod(s for s in shape if s != -1)
+        first = 0
+        if rank_offset is not None:
+            first = as_index(rank_offset, "rank_offset")
+            if not 0 <= first < world_size:
+                raise ValueError(f"rank_offset {first} is outside the world of {world_size} ranks; valid: 0..{world_size - 1}")
+        available = world_size - first
+        where = f"the {available} ranks from rank_offset {first} on" if rank_offset is not None else f"world size {world_size}"
         if -1 in shape:
-            if world_size % known:
+            if available % known:
                 raise ValueError(
-                    f"cannot infer the -1 in mesh_shape {shape}: world size {world_size} "
-                    f"is not divisible by the product of the other sizes ({known})"
+                    f"cannot infer the -1 in mesh_shape {shape}: {where} is not divisible by the product of "
+                    f"the other sizes ({known})"
                 )
-            shape = tuple(world_size // known if s == -1 else s for s in shape)
-        elif known != world_size:
+            shape = tuple(available // known if s == -1 else s for s in shape)
+        elif rank_offset is None and known != world_size:
             raise ValueError(
                 f"mesh_shape {shape} holds {known} ranks but the world size is {world_size}; "
-                f"the product of the sizes must equal the world size (use -1 to infer one size)"
+                f"the product of the sizes must equal the world size (use -1 to infer one size, or "
+                f"rank_offset= for a mesh over part of the world)"
+            )
+        elif known > available:
+            raise ValueError(
+                f"mesh_shape {shape} holds {known} ranks, but only {available} ranks ({first}..{world_size - 1}) "
+                f"follow rank_offset {first} in a world of {world_size}"
             )
         assert self.mesh_dim_names is not None
-        return MeshLayout(shape, self.mesh_dim_names)
+        return MeshLayout(shape, self.mesh_dim_names, first_rank=first)

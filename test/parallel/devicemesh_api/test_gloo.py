@@ -70,8 +70,34 @@ def _eight_ranks(rank, world):
     stage = mesh.get_global_pipeline_parallel_meshes()[mesh.lookup_rank("PP")]
     assert stage is mesh["DP", "TP"]
     assert mesh.get_local_rank() == rank  # LOCAL_RANK from the launcher
+    checked += _two_half_meshes(rank)
     dist.barrier()
     return checked
+
+
+def _two_half_meshes(rank):
+    """Two meshes over the halves of the world (ranks 0-3 and 4-7), each with its own collectives."""
+    from vemesh import VeDeviceMesh
+
+    first, second = VeDeviceMesh(), VeDeviceMesh()
+    first.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"), rank_offset=0)
+    second.init_device_mesh("cpu", (-1, 2), mesh_dim_names=("DP", "TP"), rank_offset=4)
+    mine, other = (first, second) if rank < 4 else (second, first)
+    base = 0 if rank < 4 else 4
+    assert mine.get_coordinate() == ((rank - base) // 2, rank % 2)
+    dp = [base + rank % 2, base + 2 + rank % 2]
+    assert dist.get_process_group_ranks(mine.get_group("DP")) == dp
+    assert _sum_over(mine.get_group("DP"), rank) == sum(r + 1 for r in dp)
+    assert _sum_over(mine.get_group("TP"), rank) == sum(r + 1 for r in _grid_group((2, 2), (1,), rank - base)) + 2 * base
+    # rank-agnostic queries answer in global ranks on every rank; own-place queries refuse outsiders
+    assert second.get_strategy_coordinate(7) == [1, 1] and second.to_global_rank is not None
+    assert [m.mesh.tolist() for m in second.get_submeshes("TP")] == [[4, 5], [6, 7]]
+    try:
+        other.lookup_rank("DP")
+        raise AssertionError("an outsider got an answer about its own place")
+    except RuntimeError as e:
+        assert f"global rank {rank} is not in this mesh, which covers global ranks {4 - base}..{7 - base}" in str(e)
+    return ["halves"]
 
 
 def _four_ranks(rank, world):
@@ -104,7 +130,7 @@ def _four_ranks(rank, world):
 
 def test_collectives_over_views_and_flattened_groups_on_8_ranks():
     results = run_ranks(_eight_ranks, 8)
-    assert all(r == ["PP", "DP", "TP", "DP_TP", "PP_DP", "PP_TP"] for r in results)
+    assert all(r == ["PP", "DP", "TP", "DP_TP", "PP_DP", "PP_TP", "halves"] for r in results)
 
 
 def test_inference_defaults_and_mismatch_on_4_ranks():
