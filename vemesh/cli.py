@@ -2,7 +2,7 @@
 
 No process group, no GPU, no torch: it is the arithmetic of :mod:`vemesh.layout`::
 
-    vemesh show --shape 2,2,2 [--names PP,DP,TP] [--devices-per-host 4] [--rank 5] [--json]
+    vemesh show --shape 2,2,2 [--names PP,DP,TP] [--devices-per-host 4] [--rank 5] [--flatten NAME=A,B] [--json]
     vemesh plan --world-size 64 --devices-per-host 8 --tp 8 --pp 2 [--cp N] [--dp N|auto] [--json]
 
 ``python -m vemesh`` is the same. ``show`` prints the rank grid (hosts marked),
@@ -91,6 +91,30 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _flattened(layout: MeshLayout, specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """``--flatten NAME=DIM,DIM`` (in order; a DIM may be an earlier NAME) as name -> dim indices."""
+    out: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        if not sep or not rest:
+            raise UsageError(f"argument --flatten: expected NAME=DIM,DIM such as dp_shard_cp=dp_shard,cp; got {spec!r}")
+        dims: list[int] = []
+        for part in rest.split(","):
+            if part in out:
+                dims.extend(out[part])
+            elif part in layout.dim_names:
+                dims.append(layout.dim_names.index(part))
+            else:
+                valid = list(layout.dim_names) + list(out)
+                raise UsageError(f"argument --flatten: unknown dim {part!r} in {spec!r}; valid: {valid}")
+        if dims != sorted(set(dims)):
+            raise UsageError(f"argument --flatten: the dims of {spec!r} must be distinct and in mesh order {layout.dim_names}")
+        if not name.isidentifier() or name in layout.dim_names or name in out:
+            raise UsageError(f"argument --flatten: {name!r} must be a new plain name (not {list(layout.dim_names) + list(out)})")
+        out[name] = tuple(dims)
+    return out
+
+
 def _check_world(world_size: int, where: str) -> None:
     if world_size > MAX_WORLD:
         raise UsageError(
@@ -116,11 +140,15 @@ def _show(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"argument --world-size: {e}") from None
     _check_rank(layout, args.rank)
+    flattened = _flattened(layout, args.flatten or [])
     warnings = check_layout(layout, args.devices_per_host)
     if args.json:
-        _print_json(layout_document(layout, rank=args.rank, devices_per_host=args.devices_per_host))
+        doc = layout_document(layout, rank=args.rank, devices_per_host=args.devices_per_host)
+        doc["flattened"] = {name: {"dims": [layout.dim_names[d] for d in dims], "groups": layout.all_groups(dims)}
+                            for name, dims in flattened.items()}
+        _print_json(doc)
     else:
-        print(describe_layout(layout, rank=args.rank, devices_per_host=args.devices_per_host))
+        print(describe_layout(layout, rank=args.rank, devices_per_host=args.devices_per_host, flattened=flattened))
     _print_warnings(warnings)
     return 0
 
@@ -191,6 +219,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--names", type=_names, metavar="A,B,...",
                       help=f"dim names, outermost first (default: {defaults})")
     show.add_argument("--world-size", type=_positive, metavar="N", help="fill in a -1 in --shape")
+    show.add_argument("--flatten", action="append", metavar="NAME=DIM,DIM",
+                      help="also show a flattened dim, as VESCALE_DEVICE_MESH.flatten makes it "
+                      "(repeatable; a DIM may be an earlier NAME), e.g. dp_shard_cp=dp_shard,cp")
     show.set_defaults(run=_show)
 
     plan = commands.add_parser(

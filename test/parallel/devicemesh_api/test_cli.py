@@ -289,6 +289,21 @@ def test_plan_ep_reuses_dp_x_cp(capsys):
     assert code == 2 and "--ep" in err
 
 
+def test_show_flattened_dims_of_torchtitans_mesh(capsys):
+    argv = ["show", "--shape", "2,2,2,2", "--names", "dp_replicate,dp_shard,cp,tp", "--flatten", "dp_shard_cp=dp_shard,cp",
+            "--flatten", "dp_cp=dp_replicate,dp_shard_cp", "--rank", "5"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and err == ""
+    assert "dp_shard_cp: 4 groups of 4\n        [0, 2, 4, 6] [1, 3, 5, 7] [8, 10, 12, 14] [9, 11, 13, 15]" in out
+    assert "dp_cp group [1..15 step 2] (index 2)" in out
+    code, out, _ = run(capsys, *argv, "--json")
+    assert json.loads(out)["flattened"]["dp_shard_cp"]["groups"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    for bad, piece in [("x=tp,cp", "must be distinct and in mesh order"), ("x=dp,cp", "unknown dim 'dp'"),
+                       ("tp=cp", "'tp' must be a new plain name"), ("nodims", "expected NAME=DIM,DIM")]:
+        code, _, err = run(capsys, "show", "--shape", "2,2,2,2", "--names", "dp_replicate,dp_shard,cp,tp", "--flatten", bad)
+        assert code == 2 and piece in err, err
+
+
 def test_plan_of_one_rank_keeps_a_dp_dim():
     plan = plan_mesh(1)
     assert plan.init_call() == 'VESCALE_DEVICE_MESH.init_device_mesh("cuda", (1,), mesh_dim_names=("DP",))'
