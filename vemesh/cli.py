@@ -158,11 +158,12 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         plan = plan_mesh(
             args.world_size, pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,
-            devices_per_host=args.devices_per_host, device_type=args.device_type,
+            dp_replicate=args.dp_replicate, devices_per_host=args.devices_per_host, device_type=args.device_type,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_rank(plan.layout, args.rank)
+    flattened = _flattened(plan.layout, [f"{n}={','.join(d)}" for n, d in plan.flattens.items()])
     if args.json:
         doc: dict[str, Any] = {
             "world_size": plan.world_size,
@@ -170,12 +171,13 @@ def _plan(args: argparse.Namespace) -> int:
             "ep": plan.ep,
             "filled_in": plan.filled,
             "init_device_mesh": plan.init_call(),
+            "flatten": plan.flatten_calls(),
         }
         doc.update(layout_document(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host))
         _print_json(doc)
     else:
         print(_plan_header(plan))
-        print(describe_layout(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host))
+        print(describe_layout(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host, flattened=flattened))
         print("paste into the training script:")
         print("    from vemesh import VESCALE_DEVICE_MESH")
         call = plan.init_call()
@@ -184,6 +186,8 @@ def _plan(args: argparse.Namespace) -> int:
         else:
             head, _, rest = call.partition("(")
             print(f"    {head}(\n        {rest[:-1]}\n    )")
+        for line in plan.flatten_calls():
+            print(f"    {line}")
     _print_warnings(plan.warnings)
     return 0
 
@@ -237,6 +241,9 @@ def _parser() -> argparse.ArgumentParser:
                           + ("auto, or 1 when another degree is auto)" if default is None else f"{default})"))
     plan.add_argument("--ep", type=_positive, default=1, metavar="N",
                       help="expert-parallel degree; reuses the DP x CP ranks, so it must divide DP x CP (default: 1)")
+    plan.add_argument("--dp-replicate", type=_positive, default=1, metavar="N",
+                      help="split DP into dp_replicate x dp_shard for HSDP (torchtitan's layout) and list the "
+                      "flattens to make (default: 1, no split)")
     plan.add_argument("--device-type", choices=VALID_DEVICE_TYPES, default="cuda",
                       help="device type written into the call (default: cuda)")
     plan.set_defaults(run=_plan)

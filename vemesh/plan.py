@@ -47,6 +47,13 @@ class MeshPlan:
     layout: MeshLayout
     warnings: list[LayoutWarning] = field(default_factory=list)
     ep: int = 1  # expert-parallel degree, carved out of the DP x CP ranks
+    #: flattened dims to create after init (name -> dims, by name), with DP split for HSDP
+    flattens: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def flatten_calls(self) -> list[str]:
+        """The ``flatten`` lines to paste after :meth:`init_call`."""
+        return [f'VESCALE_DEVICE_MESH.flatten(({", ".join(repr(d) for d in dims)}), {name!r})'.replace("'", '"')
+                for name, dims in self.flattens.items()]
 
     def product(self) -> str:
         """The degrees as arithmetic: ``"PP 2 x DP 4 x CP 1 x TP 8"``."""
@@ -67,6 +74,7 @@ def plan_mesh(
     cp: int | str = 1,
     tp: int | str = 1,
     ep: int = 1,
+    dp_replicate: int = 1,
     devices_per_host: int | None = None,
     device_type: str = "cuda",
 ) -> MeshPlan:
@@ -78,6 +86,9 @@ def plan_mesh(
             (or ``-1``) to be computed. ``dp=None`` means ``"auto"`` when no other
             degree is, and 1 otherwise.
         ep: expert-parallel degree; it reuses the DP x CP ranks, so it must divide DP x CP.
+        dp_replicate: split DP into ``(dp_replicate, dp_shard)`` for HSDP (torchtitan's layout): FSDP2
+            shards over ``dp_shard`` (times CP) and replicates over ``dp_replicate``. The plan then
+            also lists the flattens to make: ``DP`` back, ``dp_shard_cp`` and ``dp_cp`` with CP.
         devices_per_host: ranks per host, for the host checks of :func:`check_layout`.
         device_type: written into :meth:`MeshPlan.init_call`.
 
@@ -128,8 +139,25 @@ def plan_mesh(
             f"EP {ep} must divide DP x CP = {degrees['DP']} x {degrees['CP']} = {degrees['DP'] * degrees['CP']}: "
             "expert parallelism reuses the data- and context-parallel ranks"
         )
-    names = tuple(n for n in PLAN_ORDER if degrees[n] > 1) or ("DP",)
-    spec = MeshSpec(device_type=device_type, mesh_shape=tuple(degrees[n] for n in names), mesh_dim_names=names)
+    if not isinstance(dp_replicate, int) or isinstance(dp_replicate, bool) or dp_replicate < 1:
+        raise ValueError(f"the dp_replicate degree must be a positive integer; got {dp_replicate!r}")
+    if degrees["DP"] % dp_replicate:
+        raise ValueError(f"dp_replicate {dp_replicate} must divide DP {degrees['DP']} (DP splits into dp_replicate x dp_shard)")
+    sizes = dict(degrees)
+    flattens: dict[str, tuple[str, ...]] = {}
+    order = PLAN_ORDER
+    if dp_replicate > 1:
+        sizes.pop("DP")
+        sizes["dp_replicate"], sizes["dp_shard"] = dp_replicate, degrees["DP"] // dp_replicate
+        order = ("PP", "dp_replicate", "dp_shard", "CP", "TP")
+        present = [n for n in ("dp_replicate", "dp_shard") if sizes[n] > 1]
+        if len(present) == 2:
+            flattens["DP"] = ("dp_replicate", "dp_shard")
+        if degrees["CP"] > 1 and sizes["dp_shard"] > 1:
+            flattens["dp_shard_cp"] = ("dp_shard", "CP")
+            flattens["dp_cp"] = ("dp_replicate", "dp_shard_cp")
+    names = tuple(n for n in order if sizes[n] > 1) or ("DP",)
+    spec = MeshSpec(device_type=device_type, mesh_shape=tuple(sizes.get(n, 1) for n in names), mesh_dim_names=names)
     layout = spec.resolve(world_size)
     return MeshPlan(
         world_size=world_size,
@@ -140,4 +168,5 @@ def plan_mesh(
         layout=layout,
         warnings=check_layout(layout, devices_per_host),
         ep=ep,
+        flattens=flattens,
     )

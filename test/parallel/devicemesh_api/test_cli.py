@@ -397,3 +397,23 @@ def test_pasted_init_call_builds_the_planned_mesh(capsys):
 def test_import_vemesh_cli_is_torch_free():
     proc = _subprocess(sys.executable, "-c", "import vemesh.cli, sys; assert 'torch' not in sys.modules")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_hsdp_plan_pastes_into_a_working_mesh(fake_rank, capsys):
+    """``plan --dp-replicate`` splits DP as torchtitan does; its init and flatten lines build those groups."""
+    from vemesh import VESCALE_DEVICE_MESH
+
+    plan = plan_mesh(16, dp_replicate=2, cp=2, tp=2, device_type="cpu")
+    assert plan.layout.dim_names == ("dp_replicate", "dp_shard", "CP", "TP")
+    for rank in (0, 5, 15):
+        fake_rank(rank, 16)
+        exec("\n".join([plan.init_call(), *plan.flatten_calls()]), {"VESCALE_DEVICE_MESH": VESCALE_DEVICE_MESH})
+        try:
+            for name, dims in plan.flattens.items():
+                assert VESCALE_DEVICE_MESH[name].mesh.flatten().tolist() == plan.layout.group_ranks(
+                    rank, VESCALE_DEVICE_MESH._resolve(name))
+            assert VESCALE_DEVICE_MESH["dp_replicate", "dp_shard_cp"].mesh.shape == (2, 4)
+        finally:
+            VESCALE_DEVICE_MESH.reset()
+    code, _, err = run(capsys, "plan", "--world-size", "16", "--dp-replicate", "3", "--tp", "2")
+    assert code == 2 and "dp_replicate 3 must divide DP 8" in err
