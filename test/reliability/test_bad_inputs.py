@@ -196,16 +196,9 @@ def test_cli(capsys, argv, piece):
     assert piece in err, err
 
 
-def test_example_config(tmp_path):
-    for name, call, exc, piece in example_cases(tmp_path):
-        try:
-            _raises(call, exc, piece)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
-
-
-def test_checkpoint_calls(tmp_path):
-    for name, call, exc, piece in checkpoint_cases(tmp_path):
+@pytest.mark.parametrize("cases", [example_cases, checkpoint_cases], ids=["example-config", "checkpoint-calls"])
+def test_cases_built_in_a_directory(tmp_path, cases):
+    for name, call, exc, piece in cases(tmp_path):
         try:
             _raises(call, exc, piece)
         except AssertionError as e:

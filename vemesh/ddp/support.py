@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,14 +15,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .bucketing import DEFAULT_BUCKET_SIZE
 
-if TYPE_CHECKING:
-    from .distributed_data_parallel import DistributedDataParallel
-
 __all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "resolve_group", "check_bucket_size", "broadcast_from_first",
            "PipelineReducer", "like"]
 
 #: Wrappers holding gradients accumulated under ``no_sync()`` that were never averaged.
-UNSYNCED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+UNSYNCED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
