@@ -210,12 +210,18 @@ def main(argv: list[str] | None = None) -> int:
                    f"{resumed[1].get('mesh')}, restart {restart}): continuing at step {start_step + 1}")
     metrics = None
     if cfg.metrics_file and dist.get_rank() == 0:  # keep the rows of the steps before the checkpoint, drop the rest
-        kept = []
+        rows = []
         if start_step > 0 and os.path.exists(cfg.metrics_file):
             with open(cfg.metrics_file) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+                rows = [json.loads(line) for line in f if line.strip()]
+        kept = [r for r in rows if r.get("step", 0) <= start_step]
+        if start_step > 0 and rows:  # a restart (torchrun's, or an elastic change of world): say what changed
+            before = rows[-1]
+            print0(f"reconfigured: mesh {before.get('mesh')} ({before.get('world_size')} processes) -> "
+                   f"{list(cfg.mesh_shape)} ({dist.get_world_size()} processes); resumed step {start_step}; "
+                   f"steps redone: {len(rows) - len(kept)}")
         metrics = open(cfg.metrics_file, "w")
-        metrics.writelines(kept)
+        metrics.writelines(json.dumps(r) + "\n" for r in kept)
 
     # ------------------------------------------------------------- training
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
@@ -269,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         train_loss = to_rank0(None if loss is None else torch.tensor(dp_mean(loss, dp_group)))
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                  "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bool(bad.item())}
+                  "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bool(bad.item()),
+                  "world_size": dist.get_world_size(), "mesh": list(cfg.mesh_shape)}
         rank0 = dist.get_rank() == 0  # the losses arrive on rank 0 only
         if rank0 and (step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps):
             print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
