@@ -65,6 +65,10 @@ class TrainConfig(BaseModel):
     # ---- optimization
     steps: int = Field(200, ge=1)
     global_batch_size: int = Field(32, ge=1, description="sequences per step, summed over DP ranks")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="sequences per forward on each DP rank; the DP rank's share of the global batch is "
+        "run in global_batch_size / DP / this passes, gradients accumulated (default: all at once)"
+    )
     lr: float = Field(2e-3, gt=0.0, description="peak learning rate")
     min_lr: float = Field(2e-4, ge=0.0, description="learning rate at the end of the cosine decay")
     warmup_steps: int = Field(10, ge=0)
@@ -87,6 +91,9 @@ class TrainConfig(BaseModel):
         None, description="save checkpoints here, and resume from the latest good one found here at start"
     )
     checkpoint_every: int = Field(0, ge=0, description="save every N steps (0: only after the last step)")
+    checkpoint_interval_s: float | None = Field(
+        None, gt=0, description="also save when this many seconds have passed since the last save (rank 0's clock)"
+    )
     keep_checkpoints: int = Field(3, ge=1, description="keep the newest N checkpoints")
     fail_at_step: int | None = Field(
         None, ge=1, description="fault injection: the last rank exits at the start of step K, on torchrun's first attempt only"
@@ -215,6 +222,17 @@ class TrainConfig(BaseModel):
                 f"of --seq-len {self.seq_len}), but each of this host's {self.local_world_size} processes has "
                 f"{have / 2**30:.1f} GiB; lower --global-batch-size, --seq-len or the model size"
             )
+        if self.micro_batch_size is not None:
+            if pp > 1:
+                raise ValueError("--micro-batch-size splits the batch of the DDP path; with PP > 1 use --microbatches")
+            per_rank = self.global_batch_size // dp
+            if per_rank % self.micro_batch_size:
+                raise ValueError(
+                    f"--micro-batch-size {self.micro_batch_size} does not divide the {per_rank} sequences per DP rank "
+                    f"(--global-batch-size {self.global_batch_size} / DP {dp})"
+                )
+        if self.checkpoint_interval_s and not self.checkpoint_dir:
+            raise ValueError(f"--checkpoint-interval-s {self.checkpoint_interval_s} needs --checkpoint-dir")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError(f"--checkpoint-every {self.checkpoint_every} needs --checkpoint-dir")
         if self.nan_at_step is not None and pp > 1:
@@ -224,6 +242,13 @@ class TrainConfig(BaseModel):
         if self.fail_at_step is not None and self.fail_at_step > self.steps:
             raise ValueError(f"--fail-at-step {self.fail_at_step} is after the last step (--steps {self.steps})")
         return self
+
+    @property
+    def grad_accum(self) -> int:
+        """Passes per step on each DP rank (derived from the world: DP changes, the global batch does not)."""
+        if self.micro_batch_size is None or self.pp_size > 1:
+            return 1
+        return self.global_batch_size // self.dp_size // self.micro_batch_size
 
     @property
     def local_world_size(self) -> int:

@@ -46,6 +46,7 @@ single-process run of the same config.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = torch.optim.AdamW(params, **adamw)
     print0(f"optimizer: {'ZeRO-1 DistributedOptimizer' if cfg.distributed_optimizer else 'AdamW'}, "
            f"global batch {cfg.global_batch_size} x {cfg.seq_len} tokens, "
-           f"{cfg.global_batch_size // cfg.dp_size} sequences per DP rank, {cfg.steps} steps")
+           f"{cfg.global_batch_size // cfg.dp_size} sequences per DP rank"
+           + (f" in {cfg.grad_accum} passes" if cfg.grad_accum > 1 else "") + f", {cfg.steps} steps")
 
     # ---------------------------------------------------------------- resume
     start_step = 0  # optimizer steps already done (0: a fresh run)
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     t_start = time.perf_counter()
     skipped = 0  # steps skipped for a non-finite loss or gradient norm
+    last_save = time.monotonic()
     for step in range(start_step + 1, cfg.steps + 1):
         if step == cfg.fail_at_step and restart == 0 and dist.get_rank() == dist.get_world_size() - 1:
             print(f"rank {dist.get_rank()}: --fail-at-step {step}: exiting to simulate a crashed worker",
@@ -245,10 +248,16 @@ def main(argv: list[str] | None = None) -> int:
 
         optimizer.zero_grad()
         if pipe is None:
-            loss = loss_fn(model(x), y)
-            if step == cfg.nan_at_step and restart == 0 and dist.get_rank() == 0:
-                loss = loss * float("nan")  # fault injection: one rank's loss goes bad
-            loss.backward()  # when it returns, every .grad is averaged over DP
+            # cfg.grad_accum passes over equal slices; all but the last accumulate without DP communication
+            passes = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)))
+            loss = 0.0
+            for i, (xs, ys) in enumerate(passes):
+                with model.no_sync() if i < len(passes) - 1 else contextlib.nullcontext():
+                    part = loss_fn(model(xs), ys) / len(passes)
+                    if step == cfg.nan_at_step and restart == 0 and dist.get_rank() == 0:
+                        part = part * float("nan")  # fault injection: one rank's loss goes bad
+                    part.backward()  # after the last, every .grad is averaged over DP
+                    loss = loss + part.detach()
             # the global norm, TP shards included (clipping only with --grad-clip)
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
         else:
@@ -293,7 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-        if cfg.checkpoint_dir and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+        due = cfg.checkpoint_dir and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0))
+        if cfg.checkpoint_interval_s and not due:  # rank 0's clock decides for everyone
+            late = torch.tensor(float(time.monotonic() - last_save >= cfg.checkpoint_interval_s))
+            dist.broadcast(late, src=0)
+            due = bool(late.item())
+        if due:
+            last_save = time.monotonic()
             t_save = time.perf_counter()
             path = checkpoint.save(cfg.checkpoint_dir, model=model, optimizer=optimizer, step=step,
                                    extra={"loss": train_loss, "mesh": list(cfg.mesh_shape)},

@@ -136,6 +136,11 @@ def example_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]]:
          "--nan-at-step injects into the loss of the DDP path"),
         ("stages-over-layers", _config(["--mesh-shape", "4,1,1", "--n-layer", "2"], 4), ConfigError,
          "4 pipeline stages (PP=4) cannot split --n-layer 2"),
+        ("micro-batch-does-not-divide", _config(["--mesh-shape", "2,1", "--micro-batch-size", "5"], 2), ConfigError,
+         "--micro-batch-size 5 does not divide the 16 sequences per DP rank"),
+        ("interval-without-dir", _config(["--checkpoint-interval-s", "60"]), ConfigError,
+         "--checkpoint-interval-s 60.0 needs --checkpoint-dir"),
+        ("world-cannot-hold-tp", _config(["--mesh-shape", "-1,2"], 3), ConfigError, "-1,2 cannot fill a world of 3 processes"),
         ("mesh-3-numbers-wrong-world", _config(["--mesh-shape", "2,2,2"], 4), ConfigError, "2x2x2 needs 8 processes but the world has 4"),
     ]
 

@@ -84,3 +84,24 @@ def test_a_resumed_run_writes_each_steps_metrics_once(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]  # the dead holder's lock was taken over
     assert "continuing at step 5" in second.stdout
     assert [r["step"] for r in _rows(metrics)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_gradient_accumulation_keeps_the_loss_curve(tmp_path):
+    """``--micro-batch-size`` runs each DP rank's rows in several passes: the same losses as one pass."""
+    from train import main
+
+    curves = []
+    for extra in ([], ["--micro-batch-size", "1"]):
+        metrics = tmp_path / f"m{len(curves)}.jsonl"
+        assert main([*TINY, "--steps", "4", "--metrics-file", str(metrics), *extra]) == 0
+        curves.append([r["loss"] for r in _rows(metrics)])
+    assert max(abs(a - b) for a, b in zip(*curves)) < 1e-5, curves
+
+
+def test_checkpoint_interval_saves_by_the_clock(tmp_path):
+    from train import main
+
+    ckpt = tmp_path / "ckpt"
+    assert main([*TINY, "--steps", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-interval-s", "1e-6",
+                 "--keep-checkpoints", "5"]) == 0
+    assert [i.step for i in list_checkpoints(ckpt)] == [3, 2, 1]

@@ -19,6 +19,12 @@ on ``(4, 1)`` rank 3 reads whole tensors and keeps, of the Adam state, the quart
 gradient bucket it owns; on ``(1, 4)`` rank 3 reads the last TP quarter of every sharded weight
 and of its Adam state. Hyperparameters go to ``vemesh.json``, as JSON, with ``extra``.
 
+Elastic training: run the same script under ``torchrun --nnodes=MIN:MAX --rdzv-backend=c10d
+--max-restarts=K`` with a ``-1`` on DP; when the world shrinks or grows, torchrun restarts the
+workers, ``init_device_mesh`` gets the new world, and ``load_latest`` reshards the last good
+checkpoint onto it. Set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun so that a joining
+node can rendezvous (a torch 2.13 bug; see the README's elastic section for the commands).
+
 Safety: one job per directory (:func:`acquire_lock`); every file is checksummed at save and
 verified at load, so a flipped bit, a swapped-in stale shard, a symlink or an edited manifest
 makes the checkpoint *damaged* and the previous good one is used; nothing non-finite is ever
