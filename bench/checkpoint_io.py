@@ -17,24 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 sys.path.insert(0, str(GPT_EXAMPLE))
 from model import GPT, GPTConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from two_ranks import run_on_two_ranks  # noqa: E402
 
 import vemesh.checkpoint.api as api  # noqa: E402
 from vemesh import VESCALE_DEVICE_MESH, checkpoint  # noqa: E402
@@ -104,18 +104,6 @@ def run(cfg: BenchConfig, work: Path) -> dict[str, Any]:
     return result
 
 
-def _worker(rank: int, world: int, init_file: str, cfg: BenchConfig, work: str, out: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=5))
-    try:
-        result = run(cfg, Path(work))
-        if rank == 0:
-            out.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def report(r: dict[str, Any]) -> str:
     m = r["median_ms"]
     return "\n".join([
@@ -138,13 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else BenchConfig()
     if args.rounds:
         cfg = replace(cfg, rounds=args.rounds)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.makedirs(os.path.join(tmp, "work"))
-        mp.start_processes(_worker, args=(2, os.path.join(tmp, "rdzv"), cfg, os.path.join(tmp, "work"), out),
-                           nprocs=2, start_method="spawn")
-    result = out.get(timeout=10)
+    with tempfile.TemporaryDirectory() as work:
+        result = run_on_two_ranks(run, cfg, Path(work))
     print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
@@ -42,6 +38,7 @@ from data import VOCAB_SIZE, ByteDataset  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from pipeline import Pipeline, cut_stage  # noqa: E402
 from train import loss_fn  # noqa: E402
+from two_ranks import run_on_two_ranks  # noqa: E402
 
 from vemesh import VESCALE_DEVICE_MESH  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
@@ -158,19 +155,6 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _worker(rank: int, world: int, init_file: str, cfg: BenchConfig, out: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=5))
-    try:
-        result = run(cfg)
-        if rank == 0:
-            out.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
@@ -185,11 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if "microbatches" in overrides:
         overrides["microbatches"] = tuple(int(m) for m in overrides["microbatches"].split(","))
     cfg = replace(cfg, **overrides)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(2, os.path.join(tmp, "rdzv"), cfg, out), nprocs=2, start_method="spawn")
-    result = out.get(timeout=10)
+    result = run_on_two_ranks(run, cfg)
     print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,40 @@
+"""Run a benchmark function on 2 gloo ranks spawned from this script; return rank 0's result.
+
+Shared by ``bench/pipeline.py`` and ``bench/checkpoint_io.py``: each rank gets one thread, a
+file rendezvous (no port to pick) and a 5-minute process group timeout.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_on_two_ranks"]
+
+
+def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple, out: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(minutes=5))
+    try:
+        result = fn(*args)
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_two_ranks(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on ranks 0 and 1 (``fn`` lives at module level, so spawn can find it); rank 0's return value."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(2, os.path.join(tmp, "rdzv"), fn, args, out), nprocs=2, start_method="spawn")
+    return out.get(timeout=10)
