@@ -16,6 +16,7 @@ way of clearing gradients (``opt.zero_grad()``, ``model.zero_grad()``, with or w
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .grad_buffer import GradBuffer, local_tensor
-from .support import UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, install_step_guard, like, resolve_group
+from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, install_step_guard, like, resolve_group,
+                      weak_method)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -105,14 +107,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise ValueError(f"{type(module).__name__} has no trainable parameters (none with requires_grad=True)")
         names = {id(p): n for n, p in module.named_parameters()}
         for p in params:
-            if getattr(p, "_vemesh_ddp_wrapped", False):
+            if getattr(p, "_vemesh_ddp", lambda: None)() is not None:  # a live wrapper; a freed one is gone
                 raise ValueError(
                     f"parameter {names[id(p)]!r} already belongs to a vemesh DistributedDataParallel; wrap the module once"
                 )
             if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
                 raise ValueError(f"parameter {names[id(p)]!r} has Partial placements {p.placements}; use Shard or Replicate")
+        owner = weakref.ref(self)
         for p in params:
-            p._vemesh_ddp_wrapped = True  # type: ignore[attr-defined]
+            p._vemesh_ddp = owner  # type: ignore[attr-defined]
         self.module = module
         self.data_parallel_group = group
         self.process_group = group  # torch DDP's name for it
@@ -161,7 +164,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 self._holder[id(p)] = torch.zeros_like(main_grad, dtype=p.dtype)
                 self._exposed[id(p)] = like(p, self._holder[id(p)])
                 self._hooks.append(p.register_hook(self._make_pre_hook(p)))
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+            self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
         install_step_guard()
 
     # ------------------------------------------------------------------ module
@@ -210,27 +213,36 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
     def _make_pre_hook(self, p: nn.Parameter) -> Any:
-        key = id(p)
-        holder = self._holder[key]
+        # The hook lives on the parameter: it holds the parameter and this wrapper weakly (see weak_method).
+        param, fold = weakref.ref(p), weak_method(self._fold_grad)
 
-        def pre_hook(grad: torch.Tensor) -> torch.Tensor:
-            # Runs before autograd adds ``grad`` into p.grad: fold it into the fp32 main_grad here,
-            # so that accumulation keeps fp32 precision whatever happens to the low-precision .grad.
-            self._begin_pass()
-            main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
-            current = p.grad
-            new = self._local_grad(p, grad)
-            with torch.no_grad():
-                if current is None:  # cleared with set_to_none: the gradient so far is zero
-                    main.copy_(new)
-                elif current is self._exposed[key] and holder._version == self._holder_version.get(key):
-                    main.add_(new)  # main_grad is the exact value behind .grad
-                else:  # .grad was replaced or written to (zero_(), unscale_, clipping): it is the truth
-                    main.copy_(self._local_grad(p, current))
-                    main.add_(new)
-            return grad
+        def pre_hook(grad: torch.Tensor) -> None:
+            q = param()
+            if q is not None:
+                fold(q, grad)
 
         return pre_hook
+
+    def _fold_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Tensor pre-hook of a low-precision parameter: fold its new gradient into the fp32 main_grad.
+
+        It runs before autograd adds ``grad`` into p.grad, so accumulation keeps fp32 precision
+        whatever happens to the low-precision .grad.
+        """
+        key = id(p)
+        holder = self._holder[key]
+        self._begin_pass()
+        main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
+        current = p.grad
+        new = self._local_grad(p, grad)
+        with torch.no_grad():
+            if current is None:  # cleared with set_to_none: the gradient so far is zero
+                main.copy_(new)
+            elif current is self._exposed[key] and holder._version == self._holder_version.get(key):
+                main.add_(new)  # main_grad is the exact value behind .grad
+            else:  # .grad was replaced or written to (zero_(), unscale_, clipping): it is the truth
+                main.copy_(self._local_grad(p, current))
+                main.add_(new)
 
     @torch.no_grad()
     def _post_accumulate(self, p: torch.Tensor) -> None:

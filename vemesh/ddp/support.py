@@ -16,7 +16,25 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .bucketing import DEFAULT_BUCKET_SIZE
 
 __all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "resolve_group", "check_bucket_size", "broadcast_from_first",
-           "PipelineReducer", "like"]
+           "PipelineReducer", "like", "weak_method"]
+
+def weak_method(method: Any) -> Any:
+    """``method`` as a plain function that holds its object weakly (a no-op once the object is gone).
+
+    Hooks that a parameter keeps (tensor hooks, post-accumulate-grad hooks) live on the C++ side of
+    the tensor, where Python's garbage collector cannot see them. A hook holding its wrapper strongly
+    closes an uncollectable cycle (parameter -> hook -> wrapper -> parameter), and the wrapper, its
+    buffers and its process groups then live until the interpreter is torn down, when gloo's worker
+    threads can no longer take the GIL and the process aborts at exit.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+
+    return call
+
 
 #: Wrappers holding gradients accumulated under ``no_sync()`` that were never averaged.
 UNSYNCED: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ddp.distributed_data_parallel import DistributedDataParallel
+from ..ddp.support import weak_method
 from .clip_grad import total_norm
 from .param_buffer import ParamShard
 from .state import gather_state_dict, scatter_state_dict
@@ -177,9 +178,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._dp_group = self.models[0].data_parallel_group
         self._pending: list[dist.Work] = []
         if self.overlap_param_gather:
+            wait = weak_method(self._wait_gather)  # the modules must not keep this optimizer alive
             for m in self.models:
-                m.module.register_forward_pre_hook(lambda *_: self._wait_gather())
-                m.module.register_state_dict_pre_hook(lambda *_, **__: self._wait_gather())
+                m.module.register_forward_pre_hook(lambda *_: wait())
+                m.module.register_state_dict_pre_hook(lambda *_, **__: wait())
 
     # ----------------------------------------------------- torch.optim.Optimizer
     @property  # type: ignore[override]

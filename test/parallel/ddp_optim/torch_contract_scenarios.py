@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from ddp_optim_harness import GLOBAL_BATCH, TP_PLAN, Results, batch, check, full, make_net, max_param_diff, reference_run
@@ -26,6 +27,7 @@ LR, WD, STEPS, ATOL = 1e-3, 0.1, 5, 1e-5
 
 CONTRACT = [
     "types[4x1]",
+    "freed-when-dropped[4x1]",
     "lr-scheduler[4x1]",
     "grad-scaler[4x1-adamw]",
     "grad-scaler[4x1-zero]",
@@ -73,6 +75,37 @@ def run_types(mesh: DeviceMesh) -> None:
     assert list(model.buffers()) == [] and list(model.named_buffers()) == []
     assert next(iter(model.state_dict())).startswith("module.")
     assert model.module.fc1 is model.module.fc1 and all(p.grad is None for p in model.parameters())
+
+
+def run_freed_when_dropped(mesh: DeviceMesh) -> None:
+    """Like torch's, a wrapper that nobody holds any more is freed, with its buffers and groups.
+
+    The parameters keep hooks on the C++ side, where Python's collector cannot follow them: a hook
+    holding its wrapper would keep wrapper and process groups alive until the interpreter is torn
+    down, when gloo's worker threads can no longer take the GIL.
+    """
+    import gc
+    import weakref
+
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: the tensor pre-hook that folds into fp32
+        model = DDP(make_net(dtype=dtype), mesh["DP"])
+        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=LR)
+        x, y = (_slice(mesh, t) for t in batch(0, 0, dtype))
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(model.grad_buffers[0])]
+        module = model.module  # the user keeps the plain module
+        del model, opt
+        gc.collect()
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+        assert not alive, f"{dtype}: still alive after del and gc.collect(): {alive}"
+        F.mse_loss(module(x), y).backward()  # the dead wrapper's hooks are no-ops: plain local gradients
+        assert all(p.grad is not None and p.grad.dtype == dtype for p in module.parameters())
+        again = DDP(module, mesh["DP"])  # the freed wrapper no longer owns the parameters
+        with pytest.raises(ValueError, match="already belongs to a vemesh DistributedDataParallel"):
+            DDP(module, mesh["DP"])
+        del again
 
 
 def run_lr_scheduler(mesh: DeviceMesh) -> None:
@@ -237,6 +270,7 @@ def run_seed_snippet() -> None:
 def contract_scenarios(results: Results, mesh: DeviceMesh, shape: tuple[int, int]) -> None:
     if shape == (4, 1):
         check(results, "types[4x1]", lambda: run_types(mesh))
+        check(results, "freed-when-dropped[4x1]", lambda: run_freed_when_dropped(mesh))
         check(results, "lr-scheduler[4x1]", lambda: run_lr_scheduler(mesh))
         check(results, "grad-scaler[4x1-adamw]", lambda: run_grad_scaler(mesh, zero=False))
         check(results, "grad-scaler[4x1-zero]", lambda: run_grad_scaler(mesh, zero=True))
