@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointNotFoundError, DamagedCheckpointError
 from .integrity import manifest_checksum
+from .safe_read import is_plain_name, read_metadata
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -101,8 +102,6 @@ def _iter_checkpoints(root: str | os.PathLike, check_all: bool) -> Iterator[Chec
 
 def check(path: str | os.PathLike) -> str | None:
     """What is wrong with the checkpoint at ``path``, or None if it is complete and readable."""
-    from .safe_read import read_metadata
-
     try:
         manifest = read_manifest(path)
         check_files(path, manifest, read_metadata(path))
@@ -246,5 +245,3 @@ def prune(root: Path, keep_last: int, keep: Path) -> list[Path]:
     return deleted
 
 
-def is_plain_name(name: Any) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name

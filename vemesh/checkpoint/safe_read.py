@@ -23,9 +23,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .errors import DamagedCheckpointError
-from .files import is_plain_name
 
-__all__ = ["read_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
+__all__ = ["read_metadata", "is_plain_name", "SafeFileSystemReader", "SafeLoadPlanner"]
 
 # Everything a torch.distributed.checkpoint ``.metadata`` pickle refers to (checked with torch 2.13).
 _ALLOWED_GLOBALS = {
@@ -68,6 +67,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             "containers (the file is corrupt or malicious)"
         )
 
+
+def is_plain_name(name: Any) -> bool:
+    """A file name inside one directory: no separator, not empty, not ``.`` or ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """DCP's ``.metadata`` of a checkpoint, unpickled safely and checked for shape.
