@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .grad_buffer import GradBuffer, local_tensor
-from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, install_step_guard, like, resolve_group,
-                      weak_method)
+from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, install_step_guard, like,
+                      release_params, resolve_group, weak_method)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -116,6 +116,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         owner = weakref.ref(self)
         for p in params:
             p._vemesh_ddp = owner  # type: ignore[attr-defined]
+        weakref.finalize(self, release_params, params, owner).atexit = False
         self.module = module
         self.data_parallel_group = group
         self.process_group = group  # torch DDP's name for it

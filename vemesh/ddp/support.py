@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .bucketing import DEFAULT_BUCKET_SIZE
 
 __all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "resolve_group", "check_bucket_size", "broadcast_from_first",
-           "PipelineReducer", "like", "weak_method"]
+           "PipelineReducer", "like", "weak_method", "release_params"]
 
 def weak_method(method: Any) -> Any:
     """``method`` as a plain function that holds its object weakly (a no-op once the object is gone).
@@ -34,6 +34,16 @@ def weak_method(method: Any) -> Any:
         return None if bound is None else bound(*args, **kwargs)
 
     return call
+
+
+def release_params(params: Sequence[torch.Tensor], owner: Any) -> None:
+    """Once the wrapper ``owner`` (a weak reference) is freed: its parameters drop their views into
+    its gradient buffer (``main_grad``), so the buffer's memory goes too, and are free to be wrapped again."""
+    for p in params:
+        if getattr(p, "_vemesh_ddp", None) is owner:
+            for attr in ("main_grad", "_vemesh_ddp"):
+                if hasattr(p, attr):
+                    delattr(p, attr)
 
 
 #: Wrappers holding gradients accumulated under ``no_sync()`` that were never averaged.

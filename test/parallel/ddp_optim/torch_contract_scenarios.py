@@ -100,6 +100,7 @@ def run_freed_when_dropped(mesh: DeviceMesh) -> None:
         gc.collect()
         alive = [type(r()).__name__ for r in refs if r() is not None]
         assert not alive, f"{dtype}: still alive after del and gc.collect(): {alive}"
+        assert not any(hasattr(p, "main_grad") for p in module.parameters()), "main_grad views keep the old buffer"
         F.mse_loss(module(x), y).backward()  # the dead wrapper's hooks are no-ops: plain local gradients
         assert all(p.grad is not None and p.grad.dtype == dtype for p in module.parameters())
         again = DDP(module, mesh["DP"])  # the freed wrapper no longer owns the parameters
