@@ -35,6 +35,9 @@ def worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     model = nn.Linear(4, 4)
     # ranks pass different steps: every rank gets the same error, nothing is written
     out["different-steps"] = _outcome(lambda: checkpoint.save(Path(root) / "a", model=model, step=3 if rank == 2 else 2))
+    # one rank built a different model: every rank names the entry, the two shapes and their ranks
+    other = nn.Linear(4, 5) if rank == 3 else model
+    out["different-shapes"] = _outcome(lambda: checkpoint.save(Path(root) / "c", model=other, step=1))
     # an 18-D mesh whose ranks differ in the 18th dim: found before any group is built
     names = tuple(f"d{i}" for i in range(18))
     shape = (1,) * 16 + ((2, 2) if rank % 2 else (4, 1))

@@ -36,6 +36,16 @@ def test_ranks_that_disagree_on_the_step_all_fail_and_write_nothing(world):
     assert not (root / "a").exists() or not any((root / "a").iterdir())
 
 
+def test_ranks_that_built_different_models_all_fail_naming_the_entry(world):
+    results, root = world
+    for r in results:
+        o = r["different-shapes"]
+        assert not o["ok"] and o["type"] == "CheckpointError", o
+        assert ("ranks disagree on the state to save: 'model.weight' is (4, 4) float32 on rank 0 but (5, 4) "
+                "float32 on rank 3") in o["message"], o["message"]
+    assert not (root / "c").exists() or not any((root / "c").iterdir())
+
+
 def test_a_mesh_of_any_dimension_is_compared_whole(world):
     results, _ = world
     for r in results:
