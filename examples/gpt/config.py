@@ -43,6 +43,14 @@ class TrainConfig(BaseModel):
     )
     microbatches: int | None = Field(None, ge=1, description="micro-batches per step with PP > 1 (default: 2 x PP)")
     distributed_optimizer: bool = Field(True, description="ZeRO-1 vemesh.optim.DistributedOptimizer (else plain AdamW)")
+    fsdp: bool = Field(
+        False, description="torch's FSDP2 (fully_shard) over DP instead of vemesh DDP + ZeRO-1: parameters, gradients "
+        "and AdamW state sharded; HSDP with --dp-replicate"
+    )
+    dp_replicate: int = Field(
+        1, ge=1, description="with --fsdp: split DP into dp_replicate x dp_shard (HSDP: shards within a dp_shard "
+        "group, replicas across dp_replicate)"
+    )
     overlap_grad_reduce: bool = Field(True, description="start each gradient bucket's all-reduce during backward")
     sequence_parallel: bool = Field(False, description="shard activations along the sequence between TP regions")
     timeout_s: float = Field(600.0, gt=0, description="seconds a rank waits for the others, at start-up and in every collective")
@@ -200,6 +208,18 @@ class TrainConfig(BaseModel):
             rounds = max(1, m // pp)
             if self.pp_schedule == "interleaved-1f1b" and m % rounds:
                 raise ValueError(f"--microbatches {m}: interleaved-1f1b needs a multiple of its {rounds} rounds (m // PP)")
+        if self.fsdp:
+            if pp > 1:
+                raise ValueError("--fsdp shards over DP on a (DP, TP) mesh; with PP > 1 use the default DDP + ZeRO-1")
+            given = sorted(f for f in ("distributed_optimizer", "overlap_grad_reduce") if f in self.model_fields_set)
+            if given:
+                raise ValueError(f"--fsdp shards the optimizer state and reduces gradients itself; "
+                                 f"{', '.join(_flag(f) for f in given)} does not apply to it")
+            if dp % self.dp_replicate:
+                divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+                raise ValueError(f"--dp-replicate {self.dp_replicate} does not divide the DP size {dp} (choose from {divisors})")
+        elif "dp_replicate" in self.model_fields_set:
+            raise ValueError(f"--dp-replicate {self.dp_replicate} splits DP for HSDP; it needs --fsdp")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
         if self.n_head % tp:

@@ -14,6 +14,7 @@ Other shapes, sizes and options (every TrainConfig field is a flag; see --help):
     torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape 1,4     # pure TP
     torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape -1,2 --sequence-parallel
     torchrun --nproc_per_node=4 examples/gpt/train.py --no-distributed-optimizer --dtype bf16
+    torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape 4,1 --fsdp --dp-replicate 2   # FSDP2, HSDP
     python examples/gpt/train.py --data my_text.txt --steps 500 --metrics-file metrics.jsonl
 
 Pipeline x data x tensor parallelism on a 3-D (PP, DP, TP) mesh, with torch's schedules
@@ -39,7 +40,8 @@ On GPUs (nccl) and across nodes the same script runs unchanged:
 What each rank does: every rank builds the same model from the same seed; TP
 shards it over ``VESCALE_DEVICE_MESH["TP"]``; DDP averages gradients over
 ``VESCALE_DEVICE_MESH["DP"]`` during backward; the ZeRO-1 optimizer (a
-``torch.optim.Optimizer``) steps 1/DP of the state on each DP rank. The loop is
+``torch.optim.Optimizer``) steps 1/DP of the state on each DP rank (or, with
+``--fsdp``, torch's FSDP2 shards parameters, gradients and AdamW state over DP). The loop is
 torch's own: ``optimizer.zero_grad(); loss.backward(); clip_grad_norm_; optimizer.step()``. Each step, every rank draws the same global batch and keeps the
 rows of its DP rank, so the loss (the mean over the global batch) matches a
 single-process run of the same config.
@@ -56,6 +58,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 
 from config import ConfigError, TrainConfig
 from data import VOCAB_SIZE, ByteDataset, decode, encode
@@ -145,8 +148,12 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
 
     VESCALE_DEVICE_MESH.init_device_mesh(device_type, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names,
                                          timeout=cfg.timeout_s)
-    dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
-    dp_group = VESCALE_DEVICE_MESH["DP"].get_group()
+    dp = "DP"  # the data-parallel dim: each of its ranks takes its rows of the global batch
+    if cfg.fsdp and cfg.dp_replicate > 1:  # HSDP: DP split in two; torchtitan's "dp" flattens them back
+        VESCALE_DEVICE_MESH.split("DP", ("dp_replicate", "dp_shard"), (cfg.dp_replicate, cfg.dp_size // cfg.dp_replicate))
+        dp = VESCALE_DEVICE_MESH.flatten(("dp_replicate", "dp_shard"), "dp").mesh_dim_names[0]
+    dp_rank = VESCALE_DEVICE_MESH.lookup_rank(dp)
+    dp_group = VESCALE_DEVICE_MESH[dp].get_group()
     tp_size = VESCALE_DEVICE_MESH.get_strategy_size("TP")
     pp_size = VESCALE_DEVICE_MESH.get_strategy_size("PP")
 
@@ -172,7 +179,13 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     if tp_size > 1:
         parts = [apply_tp(p, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel) for p in parts]
     raw_model = parts[0]  # for eval and generation without PP, without the DDP wrapper
-    chunks = [DDP(p, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce) for p in parts]
+    if cfg.fsdp:  # torch's FSDP2 on the DP view (2-D for HSDP): each block, then the rest
+        shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard"] if cfg.dp_replicate > 1 else VESCALE_DEVICE_MESH[dp]
+        for block in raw_model.h.values():
+            fully_shard(block, mesh=shard_mesh)
+        chunks = [fully_shard(raw_model, mesh=shard_mesh)]
+    else:
+        chunks = [DDP(p, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce) for p in parts]
     model = chunks[0] if pp_size == 1 else chunks
     print0(f"model: {n_params:,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
@@ -191,11 +204,15 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     # ------------------------------------------------------------- optimizer
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     params = [p for c in chunks for p in c.parameters()]
-    if cfg.distributed_optimizer:  # a torch.optim.Optimizer whose AdamW state is split over DP
+    if cfg.distributed_optimizer and not cfg.fsdp:  # a torch.optim.Optimizer whose AdamW state is split over DP
         optimizer = DistributedOptimizer(torch.optim.AdamW, models=chunks, **adamw)
-    else:
+        kind = "ZeRO-1 DistributedOptimizer"
+    else:  # with FSDP2 the parameters are shards already, and so is AdamW's state
         optimizer = torch.optim.AdamW(params, **adamw)
-    print0(f"optimizer: {'ZeRO-1 DistributedOptimizer' if cfg.distributed_optimizer else 'AdamW'}, "
+        kind = "AdamW"
+        if cfg.fsdp:
+            kind += " on FSDP2 shards" + (f" (HSDP, {cfg.dp_replicate} replicas)" if cfg.dp_replicate > 1 else "")
+    print0(f"optimizer: {kind}, "
            f"global batch {cfg.global_batch_size} x {cfg.seq_len} tokens, "
            f"{cfg.global_batch_size // cfg.dp_size} sequences per DP rank"
            + (f" in {cfg.grad_accum} passes" if cfg.grad_accum > 1 else "") + f", {cfg.steps} steps")
@@ -258,7 +275,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             passes = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)))
             loss = 0.0
             for i, (xs, ys) in enumerate(passes):
-                with model.no_sync() if i < len(passes) - 1 else contextlib.nullcontext():
+                with gradient_sync(model, i == len(passes) - 1):
                     part = loss_fn(model(xs), ys) / len(passes)
                     if step == cfg.nan_at_step and restart == 0 and dist.get_rank() == 0:
                         part = part * float("nan")  # fault injection: one rank's loss goes bad
@@ -336,6 +353,14 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
 
     print0(f"done in {time.perf_counter() - t_start:.1f}s")
     return shutdown(cfg, 0, metrics=metrics)
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """The context of one backward pass: gradients are averaged over DP only if ``sync``."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2's switch
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else model.no_sync()
 
 
 def shutdown(cfg: TrainConfig, code: int, *, metrics=None, release: bool = True) -> int:

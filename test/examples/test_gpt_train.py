@@ -2,10 +2,13 @@
 
 Exactness: with dropout off, the same seed and the same global batch, the loss of
 every step on a (2,2), (4,1) or (1,4) mesh equals the single-process loss within
-1e-4, because each DP rank takes its slice of one global batch and DDP averages.
+1e-4, because each DP rank takes its slice of one global batch and DDP averages; with
+torch's FSDP2 (``--fsdp``, HSDP with ``--dp-replicate``) too.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 from conftest import run_train
@@ -34,8 +37,11 @@ def single(tmp_path_factory):
         ("2,2", []),  # DP x TP with the ZeRO-1 optimizer, the default
         ("4,1", ["--no-distributed-optimizer"]),  # pure DP, plain AdamW after DDP's averaging
         ("1,4", ["--sequence-parallel"]),  # pure TP, activations split along the sequence
+        ("4,1", ["--fsdp"]),  # torch's FSDP2 over DP=4 instead of DDP + ZeRO-1
+        ("4,1", ["--fsdp", "--dp-replicate", "2"]),  # HSDP: DP split into 2 replicas x 2 shards
+        ("2,2", ["--fsdp"]),  # FSDP2 over DP composed with TP
     ],
-    ids=["dp2-tp2", "dp4-tp1-plain-adamw", "dp1-tp4-sequence-parallel"],
+    ids=["dp2-tp2", "dp4-tp1-plain-adamw", "dp1-tp4-sequence-parallel", "dp4-fsdp", "dp4-hsdp-2x2", "dp2-tp2-fsdp"],
 )
 def test_loss_curve_matches_single_process(single, tmp_path, mesh, extra):
     run = run_train(TINY + ["--mesh-shape", mesh, *extra], tmp_path, nproc=4)
@@ -46,6 +52,24 @@ def test_loss_curve_matches_single_process(single, tmp_path, mesh, extra):
     evals = [(r["eval_loss"], s["eval_loss"]) for r, s in zip(run.records, single.records) if "eval_loss" in s]
     assert len(evals) == 2 and all(abs(a - b) < TOL for a, b in evals), evals
     assert single.losses[-1] < single.losses[0] - 1.0  # and it is learning, not matching at a standstill
+
+
+def test_checkpoints_move_between_ddp_zero1_and_fsdp2(single, tmp_path):
+    """DDP + ZeRO-1 on (2,2) saves step 6; HSDP (2 replicas x 2 shards) resumes it and saves step 9;
+    DDP + ZeRO-1 resumes that. Every step equals the single-process curve."""
+    ckpt = tmp_path / "ckpt"
+    plan = [(["--mesh-shape", "2,2", "--checkpoint-every", "6"], 0),
+            (["--mesh-shape", "4,1", "--fsdp", "--dp-replicate", "2", "--checkpoint-every", "3"], 6),
+            (["--mesh-shape", "2,2"], 9)]
+    for args, resumed in plan:
+        shutil.rmtree(ckpt / f"step_{STEPS:06d}", ignore_errors=True)  # resume from the step before
+        run = run_train(TINY + args + ["--checkpoint-dir", str(ckpt)], tmp_path, nproc=4)
+        assert run.returncode == 0, run.describe()
+        assert not resumed or f"step_{resumed:06d} (saved on mesh" in run.stdout, run.stdout[-2000:]
+        steps = [r["step"] for r in run.records if r["step"] > resumed]
+        assert steps == list(range(resumed + 1, STEPS + 1)), steps
+        diffs = [abs(r["loss"] - single.losses[r["step"] - 1]) for r in run.records if r["step"] > resumed]
+        assert max(diffs) < TOL, f"{args}: per-step |loss - single-process loss| after step {resumed}: {diffs}"
 
 
 def test_default_command_end_to_end(tmp_path):
