@@ -58,7 +58,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from config import ConfigError, TrainConfig
 from data import VOCAB_SIZE, ByteDataset, decode, encode
@@ -168,7 +168,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     torch.manual_seed(cfg.seed)  # every rank builds the same weights before they are sharded
     model_config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.seq_len, n_layer=cfg.n_layer,
                              n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
-    model = GPT(model_config).to(device=device, dtype=dtype)
+    # FSDP2 keeps fp32 parameters and computes in bf16 (its MixedPrecisionPolicy), as ZeRO-1 keeps fp32 masters
+    model = GPT(model_config).to(device=device, dtype=torch.float32 if cfg.fsdp else dtype)
     n_params = model.num_params()
     parts, stages = [model], [0]
     if pp_size > 1:  # this rank's stages: the full model with the other stages' blocks removed
@@ -181,9 +182,10 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     raw_model = parts[0]  # for eval and generation without PP, without the DDP wrapper
     if cfg.fsdp:  # torch's FSDP2 on the DP view (2-D for HSDP): each block, then the rest
         shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard"] if cfg.dp_replicate > 1 else VESCALE_DEVICE_MESH[dp]
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in raw_model.h.values():
-            fully_shard(block, mesh=shard_mesh)
-        chunks = [fully_shard(raw_model, mesh=shard_mesh)]
+            fully_shard(block, mesh=shard_mesh, mp_policy=mp)
+        chunks = [fully_shard(raw_model, mesh=shard_mesh, mp_policy=mp)]
     else:
         chunks = [DDP(p, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce) for p in parts]
     model = chunks[0] if pp_size == 1 else chunks
