@@ -103,6 +103,10 @@ class TrainConfig(BaseModel):
         None, gt=0, description="also save when this many seconds have passed since the last save (rank 0's clock)"
     )
     keep_checkpoints: int = Field(3, ge=1, description="keep the newest N checkpoints")
+    stop_grace_s: float = Field(
+        15.0, ge=0, description="with --checkpoint-dir: on SIGTERM (torchrun stopping the workers, e.g. a node joined) "
+        "save at the next step boundary if it comes within this many seconds, and exit (0: exit at once, unsaved)"
+    )
     fail_at_step: int | None = Field(
         None, ge=1, description="fault injection: the last rank exits at the start of step K, on torchrun's first attempt only"
     )

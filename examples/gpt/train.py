@@ -64,6 +64,7 @@ from config import ConfigError, TrainConfig
 from data import VOCAB_SIZE, ByteDataset, decode, encode
 from model import GPT, GPTConfig
 from pipeline import Pipeline, cut_stage, generate, layout_line, split_layers, stage_indices, stages_per_rank, to_rank0
+from stopping import StopRequest
 from tp_plan import apply_tp
 from vemesh import VESCALE_DEVICE_MESH, checkpoint
 from vemesh.ddp import DistributedDataParallel as DDP
@@ -251,6 +252,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         metrics.writelines(json.dumps(r) + "\n" for r in kept)
 
     # ------------------------------------------------------------- training
+    stop = StopRequest(cfg.stop_grace_s, enabled=bool(cfg.checkpoint_dir))  # SIGTERM: save, then stop
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     t_start = time.perf_counter()
     skipped = 0  # steps skipped for a non-finite loss or gradient norm
@@ -290,9 +292,14 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             # the norm of the whole model: torch's per stage, summed over PP
             norm = clip_grad_norm_(params, cfg.grad_clip or float("inf"), groups=[VESCALE_DEVICE_MESH["PP"].get_group()])
         # a nan or inf loss or gradient norm on any rank: every rank skips the step, or stops
-        bad = torch.tensor(float(not torch.isfinite(norm) or (loss is not None and not torch.isfinite(loss))))
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
+        # (and whether torchrun asked any rank to stop: then all stop after this step, saved)
+        flags = torch.tensor([float(not torch.isfinite(norm) or (loss is not None and not torch.isfinite(loss))),
+                              float(stop.received.is_set())])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad, stopping = bool(flags[0].item()), bool(flags[1].item())
+        if stopping:
+            stop.agreed()
+        if bad:
             skipped += 1
             if skipped > cfg.skip_nonfinite:
                 print0(f"error: step {step}: the loss or the gradient norm is nan or inf; stopping before the "
@@ -309,7 +316,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         train_loss = to_rank0(None if loss is None else torch.tensor(dp_mean(loss, dp_group)))
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                  "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bool(bad.item()),
+                  "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bad,
                   "world_size": dist.get_world_size(), "mesh": list(cfg.mesh_shape)}
         rank0 = dist.get_rank() == 0  # the losses arrive on rank 0 only
         if rank0 and (step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps):
@@ -328,17 +335,25 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
         due = cfg.checkpoint_dir and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0))
-        if cfg.checkpoint_interval_s and not due:  # rank 0's clock decides for everyone
+        if cfg.checkpoint_interval_s and not due and not stopping:  # rank 0's clock decides for everyone
             late = torch.tensor(float(time.monotonic() - last_save >= cfg.checkpoint_interval_s))
             dist.broadcast(late, src=0)
             due = bool(late.item())
-        if due:
+        if due or (stopping and cfg.checkpoint_dir):
             last_save = time.monotonic()
             t_save = time.perf_counter()
             path = checkpoint.save(cfg.checkpoint_dir, model=model, optimizer=optimizer, step=step,
                                    extra={"loss": train_loss, "mesh": list(cfg.mesh_shape)},
                                    keep_last=cfg.keep_checkpoints)
             print0(f"step {step:5d}/{cfg.steps} | saved {path} ({time.perf_counter() - t_save:.2f}s)")
+        if stopping and step < cfg.steps:
+            print0(f"step {step:5d}/{cfg.steps} | stopping: torchrun sent SIGTERM (a node joined, or the job is "
+                   f"being stopped); step {step} is saved, so a restart redoes nothing")
+            if not stop.received.is_set() and not stop.wait(cfg.timeout_s):  # its agent had not asked it yet
+                print(f"rank {dist.get_rank()}: other ranks were stopped by torchrun, but this one got no SIGTERM "
+                      f"within --timeout-s {cfg.timeout_s:g}; exiting", file=sys.stderr, flush=True)
+                return shutdown(cfg, 1, metrics=metrics)
+            return shutdown(cfg, 0, metrics=metrics)
 
     # --------------------------------------------------------------- sample
     if cfg.sample_tokens:

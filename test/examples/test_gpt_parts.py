@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import REPO, run_train
+from conftest import EXAMPLE, REPO, run_train
 from config import ConfigError, TrainConfig
 from data import ByteDataset, decode, encode, stdlib_corpus
 from model import GPT, GPTConfig
@@ -141,3 +144,30 @@ def test_config_docstring_quotes_the_real_error():
     with pytest.raises(ConfigError) as err:
         config(argv, world)
     assert f"error: {err.value}" == expected
+
+
+# ------------------------------------------------------------------ SIGTERM
+_STOP_SCRIPT = """
+import os, signal, sys, time
+sys.path.insert(0, {example!r})
+from stopping import StopRequest
+stop = StopRequest(0.5, enabled=True)
+os.kill(os.getpid(), signal.SIGTERM)
+assert stop.received.is_set() and stop.wait(0)
+if sys.argv[1] == "agreed":
+    stop.agreed()  # the ranks agreed to stop and save: the grace timer no longer applies
+time.sleep(2)
+print("still here")
+"""
+
+
+@pytest.mark.parametrize("how", ["not-at-a-boundary", "agreed"])
+def test_sigterm_waits_for_a_step_boundary_only_within_the_grace_period(how):
+    """SIGTERM becomes a request; a rank that does not reach a step boundary in time exits anyway."""
+    script = _STOP_SCRIPT.format(example=str(EXAMPLE))
+    run = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=60)
+    if how == "agreed":
+        assert run.returncode == 0 and "still here" in run.stdout, run.stderr
+    else:
+        assert run.returncode == 128 + 15 and "still here" not in run.stdout, (run.returncode, run.stderr)
+        assert "SIGTERM, and no step boundary within 0.5 s (--stop-grace-s): exiting without saving" in run.stderr
