@@ -152,7 +152,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     dp = "DP"  # the data-parallel dim: each of its ranks takes its rows of the global batch
     if cfg.fsdp and cfg.dp_replicate > 1:  # HSDP: DP split in two; torchtitan's "dp" flattens them back
         VESCALE_DEVICE_MESH.split("DP", ("dp_replicate", "dp_shard"), (cfg.dp_replicate, cfg.dp_size // cfg.dp_replicate))
-        dp = VESCALE_DEVICE_MESH.flatten(("dp_replicate", "dp_shard"), "dp").mesh_dim_names[0]
+        VESCALE_DEVICE_MESH.flatten(("dp_replicate", "dp_shard"), "dp")
+        dp = "dp"
     dp_rank = VESCALE_DEVICE_MESH.lookup_rank(dp)
     dp_group = VESCALE_DEVICE_MESH[dp].get_group()
     tp_size = VESCALE_DEVICE_MESH.get_strategy_size("TP")
