@@ -243,5 +243,3 @@ def prune(root: Path, keep_last: int, keep: Path) -> list[Path]:
         elif info.path == keep or check(info.path) is None:
             good += 1
     return deleted
-
-

@@ -72,6 +72,7 @@ def is_plain_name(name: Any) -> bool:
     """A file name inside one directory: no separator, not empty, not ``.`` or ``..``."""
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
 
+
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """DCP's ``.metadata`` of a checkpoint, unpickled safely and checked for shape.
 

@@ -116,7 +116,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         owner = weakref.ref(self)
         for p in params:
             p._vemesh_ddp = owner  # type: ignore[attr-defined]
-        weakref.finalize(self, release_params, params, owner).atexit = False
         self.module = module
         self.data_parallel_group = group
         self.process_group = group  # torch DDP's name for it
@@ -166,6 +165,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 self._exposed[id(p)] = like(p, self._holder[id(p)])
                 self._hooks.append(p.register_hook(self._make_pre_hook(p)))
             self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
+        weakref.finalize(self, release_params, params, owner, self._hooks).atexit = False
         install_step_guard()
 
     # ------------------------------------------------------------------ module

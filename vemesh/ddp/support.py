@@ -36,9 +36,12 @@ def weak_method(method: Any) -> Any:
     return call
 
 
-def release_params(params: Sequence[torch.Tensor], owner: Any) -> None:
-    """Once the wrapper ``owner`` (a weak reference) is freed: its parameters drop their views into
-    its gradient buffer (``main_grad``), so the buffer's memory goes too, and are free to be wrapped again."""
+def release_params(params: Sequence[torch.Tensor], owner: Any, hooks: Sequence[Any]) -> None:
+    """Once the wrapper ``owner`` (a weak reference) is freed: its hooks come off its parameters, and
+    the parameters drop their views into its gradient buffer (``main_grad``), so the buffer's memory
+    goes too, and are free to be wrapped again."""
+    for handle in hooks:
+        handle.remove()
     for p in params:
         if getattr(p, "_vemesh_ddp", None) is owner:
             for attr in ("main_grad", "_vemesh_ddp"):

@@ -101,6 +101,8 @@ def run_freed_when_dropped(mesh: DeviceMesh) -> None:
         alive = [type(r()).__name__ for r in refs if r() is not None]
         assert not alive, f"{dtype}: still alive after del and gc.collect(): {alive}"
         assert not any(hasattr(p, "main_grad") for p in module.parameters()), "main_grad views keep the old buffer"
+        hooks = [h for p in module.parameters() for h in ("_post_accumulate_grad_hooks", "_backward_hooks") if getattr(p, h, None)]
+        assert not hooks, f"the freed wrapper's hooks are still on the parameters: {hooks}"
         F.mse_loss(module(x), y).backward()  # the dead wrapper's hooks are no-ops: plain local gradients
         assert all(p.grad is not None and p.grad.dtype == dtype for p in module.parameters())
         again = DDP(module, mesh["DP"])  # the freed wrapper no longer owns the parameters
