@@ -6,20 +6,12 @@ prints both ratios.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_run import run_bench
 
 
 def test_checkpoint_io_bench_quick(tmp_path: Path) -> None:
-    out = tmp_path / "io.json"
-    proc = subprocess.run([sys.executable, "bench/checkpoint_io.py", "--quick", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| save |" in proc.stdout and "| load |" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_bench("checkpoint_io.py", "--quick", json_out=tmp_path / "io.json")
+    assert "| save |" in stdout and "| load |" in stdout
     assert result["save_ratio"] > 0 and result["load_ratio"] > 0

@@ -8,12 +8,9 @@ matplotlib is installed).
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_run import run_bench
 
 HEADERS = [
     "Mesh init + views PP, DP, TP, DPxTP",
@@ -27,17 +24,13 @@ HEADERS = [
 
 
 def test_mesh_scale_quick(tmp_path: Path) -> None:
-    out_json, out_png = tmp_path / "mesh_scale.json", tmp_path / "mesh_scale.png"
-    proc = subprocess.run(
-        [sys.executable, "bench/mesh_scale.py", "--quick", "--json", str(out_json), "--plot", str(out_png)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out_png = tmp_path / "mesh_scale.png"
+    stdout, results = run_bench("mesh_scale.py", "--quick", "--plot", str(out_png), json_out=tmp_path / "mesh_scale.json",
+                                timeout=300)
     for header in HEADERS:
-        assert header in proc.stdout, f"missing table {header!r} in:\n{proc.stdout}"
-    assert "PASS" in proc.stdout or "MISS" in proc.stdout
+        assert header in stdout, f"missing table {header!r} in:\n{stdout}"
+    assert "PASS" in stdout or "MISS" in stdout
 
-    results = json.loads(out_json.read_text())
     assert {c["world"] for c in results["cases"]} == {64, 1024}
     assert {c["family"] for c in results["cases"]} == {"3-D", "4-D"}
     for case in results["cases"]:
@@ -46,4 +39,4 @@ def test_mesh_scale_quick(tmp_path: Path) -> None:
     if importlib.util.find_spec("matplotlib") is not None:
         assert out_png.read_bytes().startswith(b"\x89PNG")
     else:
-        assert "matplotlib is not installed" in proc.stdout
+        assert "matplotlib is not installed" in stdout

@@ -6,13 +6,9 @@ prints every table: the GPT path with its memory runs, and the MLP path (timing 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_run import run_bench
 
 TABLES = [
     "| contender | median ms |",
@@ -26,23 +22,17 @@ TABLES = [
 CONTENDERS = ["vemesh_ddp", "torch_ddp", "vemesh_zero", "torch_zero", "fsdp2_zero3", "fsdp2_zero2"]
 
 
-def _run(*args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "bench/train_step.py", "--quick", *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _run(*args: str, json_out: Path | None = None) -> tuple[str, object]:
+    stdout, results = run_bench("train_step.py", "--quick", *args, json_out=json_out)
     for line in TABLES:
-        assert line in proc.stdout, f"missing {line!r} in:\n{proc.stdout}"
-    return proc.stdout
+        assert line in stdout, f"missing {line!r} in:\n{stdout}"
+    return stdout, results
 
 
 def test_train_step_quick_gpt(tmp_path: Path) -> None:
-    out = tmp_path / "train_step.json"
-    stdout = _run("--json", str(out))
+    stdout, results = _run(json_out=tmp_path / "train_step.json")
     assert "# model: GPT (examples/gpt)" in stdout
     assert "# memory (glibc)" in stdout and "peak RSS over baseline MiB" in stdout
-    results = json.loads(out.read_text())
     assert set(results["memory_glibc"]) == set(CONTENDERS)
     for name in CONTENDERS:
         assert results["state_bytes"][name] > 0
@@ -52,6 +42,6 @@ def test_train_step_quick_gpt(tmp_path: Path) -> None:
 
 
 def test_train_step_quick_mlp() -> None:
-    stdout = _run("--model", "mlp", "--memory", "none")
+    stdout, _ = _run("--model", "mlp", "--memory", "none")
     assert "# model: MLP" in stdout
     assert "# memory" not in stdout
