@@ -2,7 +2,8 @@
 
 No process group, no GPU, no torch: it is the arithmetic of :mod:`vemesh.layout`::
 
-    vemesh show --shape 2,2,2 [--names PP,DP,TP] [--devices-per-host 4] [--rank 5] [--flatten NAME=A,B] [--json]
+    vemesh show --shape 2,2,2 [--names PP,DP,TP] [--devices-per-host 4] [--rank 5] [--flatten NAME=A,B]
+                [--split DIM=A:2,B:4] [--json]
     vemesh plan --world-size 64 --devices-per-host 8 --tp 8 --pp 2 [--cp N] [--dp N|auto] [--json]
 
 ``python -m vemesh`` is the same. ``show`` prints the rank grid (hosts marked),
@@ -91,28 +92,35 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _flattened(layout: MeshLayout, specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    """``--flatten NAME=DIM,DIM`` (in order; a DIM may be an earlier NAME) as name -> dim indices."""
-    out: dict[str, tuple[int, ...]] = {}
-    for spec in specs:
+def _derived(layout: MeshLayout, steps: Sequence[tuple[str, str]]) -> MeshLayout:
+    """``layout`` after each ``--flatten NAME=DIM,DIM`` and ``--split DIM=NAME:SIZE,NAME:SIZE``, in the order given."""
+    for kind, spec in steps:
         name, sep, rest = spec.partition("=")
+        example = "dp_shard_cp=dp_shard,cp" if kind == "flatten" else "dp_cp=EDP:2,EP:4"
+        form = "NAME=DIM,DIM" if kind == "flatten" else "DIM=NAME:SIZE,NAME:SIZE"
         if not sep or not rest:
-            raise UsageError(f"argument --flatten: expected NAME=DIM,DIM such as dp_shard_cp=dp_shard,cp; got {spec!r}")
-        dims: list[int] = []
-        for part in rest.split(","):
-            if part in out:
-                dims.extend(out[part])
-            elif part in layout.dim_names:
-                dims.append(layout.dim_names.index(part))
+            raise UsageError(f"argument --{kind}: expected {form} such as {example}; got {spec!r}")
+        try:
+            if kind == "flatten":
+                dims = tuple(rest.split(","))
+                unknown = [d for d in dims if not layout.has(d)]
+                if unknown:
+                    raise UsageError(f"argument --flatten: unknown dim {unknown[0]!r} in {spec!r}; valid: {list(layout.names)}")
+                if not name.isidentifier() or layout.has(name):
+                    raise UsageError(f"argument --flatten: {name!r} must be a new plain name (not {list(layout.names)})")
+                try:
+                    layout = layout.flatten(dims, name)
+                except ValueError as e:
+                    raise UsageError(f"argument --flatten: the dims of {spec!r} must be distinct and in mesh order "
+                                     f"{layout.dim_names}: {e}") from None
             else:
-                valid = list(layout.dim_names) + list(out)
-                raise UsageError(f"argument --flatten: unknown dim {part!r} in {spec!r}; valid: {valid}")
-        if dims != sorted(set(dims)):
-            raise UsageError(f"argument --flatten: the dims of {spec!r} must be distinct and in mesh order {layout.dim_names}")
-        if not name.isidentifier() or name in layout.dim_names or name in out:
-            raise UsageError(f"argument --flatten: {name!r} must be a new plain name (not {list(layout.dim_names) + list(out)})")
-        out[name] = tuple(dims)
-    return out
+                pieces = [p.partition(":") for p in rest.split(",")]
+                if any(not sep or not size.strip().isdigit() for _, sep, size in pieces):
+                    raise UsageError(f"argument --split: expected {form} such as {example}; got {spec!r}")
+                layout = layout.split(name, tuple(n for n, _, _ in pieces), tuple(int(s) for _, _, s in pieces))
+        except (KeyError, ValueError) as e:
+            raise UsageError(f"argument --{kind}: {str(e).strip(chr(34))}") from None
+    return layout
 
 
 def _check_world(world_size: int, where: str) -> None:
@@ -140,15 +148,12 @@ def _show(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"argument --world-size: {e}") from None
     _check_rank(layout, args.rank)
-    flattened = _flattened(layout, args.flatten or [])
+    layout = _derived(layout, args.derive or [])
     warnings = check_layout(layout, args.devices_per_host)
     if args.json:
-        doc = layout_document(layout, rank=args.rank, devices_per_host=args.devices_per_host)
-        doc["flattened"] = {name: {"dims": [layout.dim_names[d] for d in dims], "groups": layout.all_groups(dims)}
-                            for name, dims in flattened.items()}
-        _print_json(doc)
+        _print_json(layout_document(layout, rank=args.rank, devices_per_host=args.devices_per_host))
     else:
-        print(describe_layout(layout, rank=args.rank, devices_per_host=args.devices_per_host, flattened=flattened))
+        print(describe_layout(layout, rank=args.rank, devices_per_host=args.devices_per_host))
     _print_warnings(warnings)
     return 0
 
@@ -163,7 +168,6 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_rank(plan.layout, args.rank)
-    flattened = _flattened(plan.layout, [f"{n}={','.join(d)}" for n, d in plan.flattens.items()])
     if args.json:
         doc: dict[str, Any] = {
             "world_size": plan.world_size,
@@ -177,7 +181,7 @@ def _plan(args: argparse.Namespace) -> int:
         _print_json(doc)
     else:
         print(_plan_header(plan))
-        print(describe_layout(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host, flattened=flattened))
+        print(describe_layout(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host))
         print("paste into the training script:")
         print("    from vemesh import VESCALE_DEVICE_MESH")
         call = plan.init_call()
@@ -195,7 +199,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_header(plan: MeshPlan) -> str:
     filled = f" ({plan.filled} filled in)" if plan.filled else ""
     header = f"plan: {plan.world_size} ranks = {plan.product()}{filled}"
-    left_out = [n for n in plan.degrees if n not in plan.layout.dim_names]
+    left_out = [n for n in plan.degrees if not plan.layout.has(n)]
     if left_out:
         header += f"\n  left out of the mesh (size 1): {', '.join(left_out)}"
     if plan.ep > 1:
@@ -223,9 +227,14 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--names", type=_names, metavar="A,B,...",
                       help=f"dim names, outermost first (default: {defaults})")
     show.add_argument("--world-size", type=_positive, metavar="N", help="fill in a -1 in --shape")
-    show.add_argument("--flatten", action="append", metavar="NAME=DIM,DIM",
+    show.add_argument("--flatten", action="append", dest="derive", metavar="NAME=DIM,DIM",
+                      type=lambda text: ("flatten", text),
                       help="also show a flattened dim, as VESCALE_DEVICE_MESH.flatten makes it "
                       "(repeatable; a DIM may be an earlier NAME), e.g. dp_shard_cp=dp_shard,cp")
+    show.add_argument("--split", action="append", dest="derive", metavar="DIM=NAME:SIZE,NAME:SIZE",
+                      type=lambda text: ("split", text),
+                      help="split a dim, as VESCALE_DEVICE_MESH.split does (repeatable, in order with --flatten); "
+                      "a flattened DIM gives a second factorization, e.g. --flatten dp_cp=DP,CP --split dp_cp=EDP:2,EP:4")
     show.set_defaults(run=_show)
 
     plan = commands.add_parser(

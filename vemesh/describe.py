@@ -36,7 +36,7 @@ bandwidth; the text never includes them (the CLI prints them to stderr).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,9 +91,9 @@ def check_layout(layout: MeshLayout, devices_per_host: int | None = None) -> lis
     names = layout.dim_names
     if dph is not None:
         for name in _HOST_DIMS:
-            if name not in names or layout.shape[names.index(name)] == 1:
+            if not layout.has(name) or layout.group_size(name) == 1:
                 continue
-            groups = layout.all_groups((names.index(name),))
+            groups = layout.all_groups(name)
             crossing = [g for g in groups if len(hosts_of(g, dph)) > 1]
             if crossing:
                 first = crossing[0]
@@ -126,15 +126,13 @@ def describe_layout(
     *,
     rank: int | None = None,
     devices_per_host: int | None = None,
-    flattened: Mapping[str, tuple[int, ...]] | None = None,
 ) -> str:
-    """Describe ``layout``: sizes, the rank grid with host boundaries, every dim's groups and ``rank``'s view.
+    """Describe ``layout``: sizes, the rank grid with host boundaries, every name's groups and ``rank``'s view.
 
     Args:
-        layout: the mesh.
+        layout: the mesh, with its flattened and split names (all are listed).
         rank: a global rank whose coordinate, host, groups and pipeline neighbors to show.
         devices_per_host: ranks per host; hosts are marked in the grid and in the groups.
-        flattened: extra flattened dims (name -> dim indices) to list with the others.
 
     Returns:
         Lines of at most 80 columns (group lists wrap); see the module docstring.
@@ -166,11 +164,13 @@ def describe_layout(
                 for h in shown
             ]
             lines.extend(_wrap(spans, "  hosts: ", "         "))
-    groups = _group_dims(layout, flattened)
+    if len(layout.factorizations) > 1:
+        lines.extend(_wrap([" and ".join(f"({', '.join(f)})" for f in layout.factorizations)],
+                           "  factorizations of the ranks: ", "    "))
     lines.append("  groups along each dim:")
-    for name, ds in groups.items():
-        all_groups = layout.all_groups(ds)
-        header = f"    {name}: {len(all_groups)} group{'s' if len(all_groups) > 1 else ''} of {layout.group_size(ds)}"
+    for name in layout.names:
+        all_groups = layout.all_groups(name)
+        header = f"    {name}: {len(all_groups)} group{'s' if len(all_groups) > 1 else ''} of {layout.group_size(name)}"
         if dph is not None:
             header += f", {_span_phrase([len(hosts_of(g, dph)) for g in all_groups])}"
         lines.append(header)
@@ -178,7 +178,7 @@ def describe_layout(
         tokens = ["..." if g is None else _fmt_ranks(g) for g in shown]
         lines.extend(_wrap(tokens, " " * 8, " " * 8))
     if rank is not None:
-        lines.extend(_rank_view(layout, rank, dph, groups))
+        lines.extend(_rank_view(layout, rank, dph))
     return "\n".join(lines)
 
 
@@ -195,10 +195,12 @@ def layout_document(
     :meth:`MeshLayout.all_groups`), ``groups_spanning_hosts`` (dim name -> how many
     of its groups cross a host boundary; only with hosts), ``warnings`` (messages of
     :func:`check_layout`) and, with ``rank``, ``rank`` (its coordinate, host, local
-    rank, groups, index in each group and pipeline neighbors).
+    rank, groups, index in each group and pipeline neighbors). A layout with flattened or split
+    names also has ``flattened`` (name -> its dims and groups), and one with a second
+    factorization ``factorizations`` (the dims of each).
     """
     dph = _check_devices_per_host(devices_per_host)
-    groups = {name: layout.all_groups((i,)) for i, name in enumerate(layout.dim_names)}
+    groups = {name: layout.all_groups(name) for name in layout.dim_names}
     doc: dict[str, Any] = {
         "shape": list(layout.shape),
         "dim_names": list(layout.dim_names),
@@ -211,6 +213,11 @@ def layout_document(
         doc["groups_spanning_hosts"] = {
             name: sum(len(hosts_of(g, dph)) > 1 for g in gs) for name, gs in groups.items()
         }
+    others = [n for n in layout.names if n not in layout.dim_names]
+    if others:
+        doc["flattened"] = {n: {"dims": list(layout.named(n).parts), "groups": layout.all_groups(n)} for n in others}
+    if len(layout.factorizations) > 1:
+        doc["factorizations"] = [list(f) for f in layout.factorizations]
     doc["warnings"] = [w.message for w in check_layout(layout, dph)]
     if rank is not None:
         layout.check_rank(rank)
@@ -219,12 +226,11 @@ def layout_document(
             "coordinate": dict(zip(layout.dim_names, layout.coordinate(rank))),
             "host": None if dph is None else rank // dph,
             "local_rank": None if dph is None else rank % dph,
-            "groups": {n: layout.group_ranks(rank, (i,)) for i, n in enumerate(layout.dim_names)},
-            "index_in_group": {n: layout.index_in_group(rank, (i,)) for i, n in enumerate(layout.dim_names)},
+            "groups": {n: layout.group_ranks(rank, n) for n in layout.dim_names},
+            "index_in_group": {n: layout.index_in_group(rank, n) for n in layout.dim_names},
         }
-        if "PP" in layout.dim_names:
-            pp = layout.dim_index("PP")
-            view["pipeline"] = {"previous": layout.neighbor(rank, pp, -1), "next": layout.neighbor(rank, pp, 1)}
+        if layout.has("PP"):
+            view["pipeline"] = {"previous": layout.neighbor(rank, "PP", -1), "next": layout.neighbor(rank, "PP", 1)}
         doc["rank"] = view
     return doc
 
@@ -236,12 +242,6 @@ def _check_devices_per_host(devices_per_host: int | None) -> int | None:
     if not isinstance(devices_per_host, int) or isinstance(devices_per_host, bool) or devices_per_host < 1:
         raise ValueError(f"devices per host must be a positive integer; got {devices_per_host!r}")
     return devices_per_host
-
-
-def _group_dims(layout: MeshLayout, flattened: Mapping[str, tuple[int, ...]] | None) -> dict[str, tuple[int, ...]]:
-    groups: dict[str, tuple[int, ...]] = {n: (i,) for i, n in enumerate(layout.dim_names)}
-    groups.update(flattened or {})
-    return groups
 
 
 def _hosts_phrase(world_size: int, dph: int | None) -> str:
@@ -342,18 +342,17 @@ def _grid(layout: MeshLayout, dph: int | None) -> list[str]:
     return lines
 
 
-def _rank_view(layout: MeshLayout, rank: int, dph: int | None, groups: dict[str, tuple[int, ...]]) -> list[str]:
+def _rank_view(layout: MeshLayout, rank: int, dph: int | None) -> list[str]:
     coord = ", ".join(f"{n}={c}" for n, c in zip(layout.dim_names, layout.coordinate(rank)))
     host = "" if dph is None else f"; host {rank // dph}, local rank {rank % dph}"
     lines = [f"  rank {rank}: {coord}{host}"]
-    for name, ds in groups.items():
-        members = layout.group_ranks(rank, ds)
+    for name in layout.names:
+        members = layout.group_ranks(rank, name)
         lines.extend(_wrap(
-            [f"{name} group", _fmt_ranks(members), f"(index {layout.index_in_group(rank, ds)})"], "    ", "      "
+            [f"{name} group", _fmt_ranks(members), f"(index {layout.index_in_group(rank, name)})"], "    ", "      "
         ))
-    if "PP" in layout.dim_names:
-        pp = layout.dim_index("PP")
-        prev, nxt = layout.neighbor(rank, pp, -1), layout.neighbor(rank, pp, 1)
+    if layout.has("PP"):
+        prev, nxt = layout.neighbor(rank, "PP", -1), layout.neighbor(rank, "PP", 1)
         before = "none (first stage)" if prev is None else f"rank {prev}"
         after = "none (last stage)" if nxt is None else f"rank {nxt}"
         lines.append(f"    pipeline: previous stage {before}, next stage {after}")

@@ -1,16 +1,23 @@
-"""Pure rank arithmetic for an n-D device mesh: no process group, no devices.
+"""Pure rank arithmetic for an n-D device mesh and every name it has: no process group, no devices.
 
-A :class:`MeshLayout` is the row-major mesh that ``init_device_mesh`` builds:
-global rank ``r`` sits at the coordinate whose dot product with the strides is
-``r``. Everything here is O(ndim) integer arithmetic, so it answers questions
-about *any* rank of a 16384-rank world in about a microsecond, on a laptop.
+A :class:`MeshLayout` starts as the row-major mesh that ``init_device_mesh`` builds:
+global rank ``r`` sits at the coordinate whose dot product with the strides is ``r``.
+Every *name* of the layout is a :class:`NamedDim`, a tuple of (size, stride) modes
+over the mesh (see :mod:`vemesh.modes`):
 
-A *group* is named by a tuple of dim indices ``dims``. The group of rank ``r``
-along ``dims`` is every rank that agrees with ``r`` on all the other dims; its
-members are ordered row-major over ``dims`` (in the order given), which is the
-order torch uses for a slice ``mesh["DP", "TP"]`` and for ``_flatten``. The
-empty tuple is the group of one: ``r`` itself. This is how vemesh treats a
-standard strategy that the mesh does not have (its size is 1).
+* the mesh dims, one mode each;
+* flattened dims (:meth:`MeshLayout.flatten`), the modes of the dims they merge;
+* the parts of a split (:meth:`MeshLayout.split`). Splitting a mesh dim refines the mesh
+  and keeps the old name as a flattened dim over its parts, so it answers as before.
+  Splitting a flattened dim adds a *second factorization* of the same ranks (MoE's
+  ``(EDP, EP)`` over ``DP x CP``) beside the first.
+
+``flatten`` and ``split`` return new layouts; a layout never changes, and never loses a
+name. A *group* is named by ``dims``: a name, a mesh-dim index, or a sequence of them
+(which must be a sub-mesh of one factorization, in its order). The group of rank ``r``
+along ``dims`` is every rank that agrees with ``r`` on all the other modes; its members
+are ordered row-major over ``dims``, the order torch uses for ``mesh["DP", "TP"]`` and
+``_flatten``. The empty tuple is the group of one: ``r`` itself.
 
 Example on shape ``(PP=2, DP=2, TP=2)``::
 
@@ -19,104 +26,73 @@ Example on shape ``(PP=2, DP=2, TP=2)``::
     DP:    0 0 1 1 0 0 1 1
     TP:    0 1 0 1 0 1 0 1
 
-    layout.group_ranks(5, (2,))    -> [4, 5]         # TP group of rank 5
-    layout.group_ranks(5, (0,))    -> [1, 5]         # PP group of rank 5
-    layout.group_ranks(5, (1, 2))  -> [4, 5, 6, 7]   # DP x TP of rank 5
+    layout.group_ranks(5, "TP")           -> [4, 5]
+    layout.group_ranks(5, "PP")           -> [1, 5]
+    layout.group_ranks(5, ("DP", "TP"))   -> [4, 5, 6, 7]
 """
 
 from __future__ import annotations
 
-import difflib
-import itertools
 import math
-import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, Union
 
-__all__ = ["MeshLayout", "as_index", "check_dim_names", "unknown_name_error"]
+from .modes import Group, Modes, coalesce, complement, divide
+from .names import STANDARD_STRATEGIES, as_index, check_dim_names, unknown_name_error
 
+__all__ = ["Dims", "MeshLayout", "NamedDim", "as_index", "check_dim_names", "unknown_name_error"]
+
+#: A dim, or several: a name, a mesh-dim index (outermost is 0), or a sequence of them.
+Dims = Union[str, int, Sequence[Union[str, int]]]
 
 _MEMO_LIMIT = 1 << 16  # coordinates remembered per layout (a few MB at most)
 
 
-def _as_int(value: object) -> int | None:
-    """``value`` as a Python int if it is an integer (numpy and torch ints too), else None; bools are not."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
+@dataclass(frozen=True)
+class NamedDim:
+    """One name of a layout: its size, its modes, and the atoms (dims that are not merges) it covers.
 
-
-def as_index(value: object, what: str) -> int:
-    """``value`` as a Python int, or ``TypeError`` naming ``what``: numpy and torch integers count, bools do not."""
-    index = _as_int(value)
-    if index is None:
-        raise TypeError(
-            f"{what} must be an integer (numpy and torch integer scalars count, bool does not); "
-            f"got {value!r} of type {type(value).__name__}"
-        )
-    return index
-
-
-def check_dim_names(names: object) -> tuple[str, ...]:
-    """``names`` as a tuple, checked: an ordered sequence of distinct identifier-like strings.
-
-    ``("DP", "TP")`` passes; ``{"DP", "TP"}`` (its order depends on the hash seed), ``(" DP",)``
-    and ``("D-P",)`` raise ``ValueError``; ``(1, 2)`` raises ``TypeError``.
+    ``parts`` is ``(name,)`` for a mesh dim or a split part, and the merged dims, in order, for a
+    flattened one. ``given`` is what :meth:`MeshLayout.flatten` was given (empty for an atom).
     """
-    if isinstance(names, (set, frozenset, dict)):
-        raise ValueError(
-            f"dim names must be an ordered sequence (a tuple or list); got a {type(names).__name__}, "
-            f"whose order changes from run to run: {sorted(map(str, names))!r}"
-        )
-    if isinstance(names, str) or not isinstance(names, Sequence):
-        raise TypeError(f"dim names must be a tuple or list of strings; got {names!r}")
-    out = tuple(names)
-    for name in out:
-        if not isinstance(name, str):
-            raise TypeError(f"dim names must be strings; got {name!r} of type {type(name).__name__} in {out!r}")
-        if not name.isidentifier():
-            raise ValueError(
-                f"dim name {name!r} is not a plain name (letters, digits and '_', not starting with a digit, "
-                f"no spaces); got {out!r}"
-            )
-    dupes = sorted({n for n in out if out.count(n) > 1})
-    if dupes:
-        raise ValueError(f"dim names must be unique; {dupes} repeat in {out}")
-    return out
 
+    name: str
+    size: int
+    modes: Modes
+    parts: tuple[str, ...]
+    given: tuple[str, ...] = ()
 
-def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyError:
-    """Build the ``KeyError`` for an unknown name, listing the valid ones and the closest match."""
-    message = f"unknown {kind} {name!r}; valid {kind}s are {list(valid)}"
-    if isinstance(name, str):
-        lowered = {v.lower(): v for v in valid}
-        close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.5)
-        if close:
-            message += f"; did you mean {lowered[close[0]]!r}?"
-    return KeyError(message)
+    @property
+    def is_atom(self) -> bool:
+        return self.parts == (self.name,)
 
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """An immutable, hashable row-major mesh: named dims, sizes and strides.
+    """An immutable, hashable mesh with named dims: the row-major base, plus flattened and split names.
 
     Args:
-        shape: size of each dim, outermost first. All sizes must be positive.
-        dim_names: one unique name per dim.
+        shape: size of each mesh dim, outermost first. All sizes must be positive.
+        dim_names: one unique name per mesh dim.
         first_rank: the global rank of the mesh's first member. A mesh over ranks 4..7 of an
             8-rank world has ``first_rank=4``; every rank in and out of it is a global rank.
+        extra_dims: flattened dims and the atoms of other factorizations, as :meth:`flatten` and
+            :meth:`split` make them (build layouts with those, not by hand).
+        extra_factorizations: the atoms of each factorization beside the mesh dims.
     """
 
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
     first_rank: int = 0
+    extra_dims: tuple[NamedDim, ...] = ()
+    extra_factorizations: tuple[tuple[str, ...], ...] = ()
     strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
     world_size: int = field(init=False, repr=False, compare=False)
+    _named: dict[str, NamedDim] = field(init=False, repr=False, compare=False)
     _pairs: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     _memo: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _groups: dict[Any, tuple[tuple[str, ...], Group]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shape = tuple(as_index(s, "a mesh size") for s in self.shape)
@@ -136,21 +112,45 @@ class MeshLayout:
         first = as_index(self.first_rank, "first_rank")
         if first < 0:
             raise ValueError(f"first_rank must be a global rank (>= 0); got {first}")
-        object.__setattr__(self, "first_rank", first)
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dim_names", names)
-        object.__setattr__(self, "strides", tuple(strides))
-        object.__setattr__(self, "world_size", math.prod(shape))
-        object.__setattr__(self, "_pairs", tuple(zip(strides, shape)))
-        object.__setattr__(self, "_memo", {})
+        named = {n: NamedDim(n, s, coalesce(((s, st),)), (n,)) for n, s, st in zip(names, shape, strides)}
+        for dim in self.extra_dims:
+            assert dim.name not in named, f"{dim.name!r} named twice"
+            named[dim.name] = dim
+        for atoms in self.extra_factorizations:
+            assert all(named[a].is_atom for a in atoms) and math.prod(named[a].size for a in atoms) == math.prod(shape)
+        for attr, value in (("first_rank", first), ("shape", shape), ("dim_names", names), ("strides", tuple(strides)),
+                            ("world_size", math.prod(shape)), ("_named", named), ("_pairs", tuple(zip(strides, shape))),
+                            ("_memo", {}), ("_groups", {})):
+            object.__setattr__(self, attr, value)
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
-    # ------------------------------------------------------------------ lookups
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name: the mesh dims, then flattened and split names in the order they were made."""
+        return tuple(self._named)
+
+    @property
+    def factorizations(self) -> tuple[tuple[str, ...], ...]:
+        """The atoms of each factorization of the ranks: the mesh dims first, then one per split of a flattened dim."""
+        return (self.dim_names, *self.extra_factorizations)
+
+    def named(self, name: str) -> NamedDim:
+        """The :class:`NamedDim` for ``name``; ``KeyError`` listing the valid names otherwise."""
+        found = self._named.get(name) if isinstance(name, str) else None
+        if found is None:
+            raise unknown_name_error("dim name", name, self.names)
+        return found
+
+    def has(self, name: object) -> bool:
+        """Whether ``name`` is one of this layout's names."""
+        return isinstance(name, str) and name in self._named
+
+    # ------------------------------------------------------------------ names
     def dim_index(self, dim: str | int) -> int:
-        """Index of ``dim`` (a name, or an index counted from the outermost dim)."""
+        """Index of a mesh dim (a name, or an index counted from the outermost dim)."""
         if isinstance(dim, str):
             try:
                 return self.dim_names.index(dim)
@@ -162,21 +162,197 @@ class MeshLayout:
             raise ValueError(f"dim index {dim} is out of range for a {self.ndim}-D mesh; valid: 0..{self.ndim - 1}")
         raise TypeError(f"a dim is a name (str) or an index (int); got {dim!r}")
 
+    def resolve(self, dims: Dims, absent_ok: bool = False) -> tuple[str, ...]:
+        """The names that ``dims`` stand for, checked to be one sub-mesh; the one place names are resolved.
+
+        ``absent_ok`` lets a standard strategy (``PP, DP, TP, CP, EP``) that this layout never had
+        stand for the group of one. A name the layout has, flattened or split, always answers as
+        itself. On ``(DP, CP, TP)`` with ``EP`` split out of ``DP x CP``: ``resolve(("EP", "TP"))`` is
+        ``("EP", "TP")``; ``("TP", "EP")`` raises ``ValueError`` (not in mesh order), and so does
+        ``("DP", "EP")`` (two factorizations).
+        """
+        return self._group(dims, absent_ok)[0]
+
+    def spell(self, dims: Dims) -> str:
+        """``dims`` with each merged name spelled out: ``dp_replicate, dp_shard_cp=(dp_shard, cp)``."""
+        out = []
+        for part in [dims] if isinstance(dims, (str, int)) else list(dims):
+            dim = self._named.get(part) if isinstance(part, str) else None
+            out.append(f"{part}=({', '.join(dim.parts)})" if dim is not None and not dim.is_atom else str(part))
+        return ", ".join(out)
+
+    def _one(self, dim: object, absent_ok: bool) -> tuple[str, ...]:
+        if isinstance(dim, str):
+            if dim in self._named:
+                return (dim,)
+            if absent_ok and dim in STANDARD_STRATEGIES:
+                return ()
+            err = unknown_name_error("dim name", dim, self.names)
+            if absent_ok:
+                err.args = (err.args[0] + f" (absent standard strategies {list(STANDARD_STRATEGIES)} have size 1)",)
+            raise err
+        if isinstance(dim, int) and not isinstance(dim, bool):
+            return (self.dim_names[self.dim_index(dim)],)
+        raise TypeError(f"a dim is a name (str), an index (int) or a sequence of them; got {dim!r}")
+
+    def _group(self, dims: Dims, absent_ok: bool = False) -> tuple[tuple[str, ...], Group]:
+        key = (dims, absent_ok)
+        try:
+            return self._groups[key]
+        except TypeError:  # a list: resolved every time
+            key = None
+        except KeyError:
+            pass
+        if isinstance(dims, (str, int)):
+            names = self._one(dims, absent_ok)
+        elif isinstance(dims, Sequence):
+            names = tuple(n for d in dims for n in self._one(d, absent_ok))
+            if len(names) > 1:
+                self._check_sub_mesh(names, dims)
+        else:
+            raise TypeError(f"a dim is a name (str), an index (int) or a sequence of them; got {dims!r}")
+        modes = tuple(m for n in names for m in self._named[n].modes)
+        others = complement(modes, self.world_size)
+        assert others is not None, f"{names} passed the sub-mesh check but overlap"
+        found = (names, Group(modes, others, self.world_size))
+        if key is not None and len(self._groups) < _MEMO_LIMIT:
+            self._groups[key] = found
+        return found
+
+    def _check_sub_mesh(self, names: tuple[str, ...], dims: Dims) -> None:
+        atoms = [a for n in names for a in self._named[n].parts]
+        if len(set(atoms)) != len(atoms):
+            raise ValueError(f"dims {tuple(dims)} name the same dim twice: {self.spell(dims)}")
+        holding = [f for f in self.factorizations if all(a in f for a in atoms)]
+        if not holding:
+            homes = "; ".join(f"{n} is in ({', '.join(self._home(n))})" for n in names)
+            raise ValueError(
+                f"dims ({self.spell(dims)}) mix two factorizations of the ranks: {homes}. "
+                "A view takes all its dims from one factorization"
+            )
+        if not any([f.index(a) for a in atoms] == sorted(f.index(a) for a in atoms) for f in holding):
+            raise ValueError(
+                f"dims ({self.spell(dims)}) do not form a sub-mesh: their dims must run in mesh order "
+                f"{holding[0]}"
+            )
+
+    def _home(self, name: str) -> tuple[str, ...]:
+        parts = self._named[name].parts
+        return next(f for f in self.factorizations if all(a in f for a in parts))
+
+    # ------------------------------------------------------------- algebra
+    def flatten(self, dims: Dims, name: str | None = None) -> MeshLayout:
+        """This layout plus one flattened dim merging ``dims`` (a sub-mesh, in mesh order).
+
+        On ``(DP=4, CP=2, TP=2)``, ``flatten(("DP", "CP"), "dp_cp")`` adds ``dp_cp`` of size 8:
+        rank 5's group is ``[1, 3, 5, 7, 9, 11, 13, 15]`` and rank 4's ``[0, 2, ..., 14]``. The name
+        defaults to the atoms joined by ``_``. Flattening the same dims under the same name again
+        returns this layout.
+        """
+        if isinstance(dims, (str, int)):
+            dims = (dims,)
+        names = self.resolve(dims)
+        if not names:
+            raise ValueError("flatten needs at least one dim; got none")
+        atoms = tuple(a for n in names for a in self._named[n].parts)
+        name = self.flat_name(dims, name)
+        existing = self._named.get(name)
+        if existing is not None:
+            if existing.is_atom:
+                raise ValueError(f"flattened name {name!r} is already a dim of {self.names}; pick another")
+            if existing.parts != atoms:
+                raise ValueError(f"{name!r} already names the flattened dims {existing.parts}, not {atoms}; pick another")
+            return self
+        modes = coalesce(tuple(m for n in names for m in self._named[n].modes))
+        size = math.prod(self._named[n].size for n in names)
+        return replace(self, extra_dims=(*self.extra_dims, NamedDim(name, size, modes, atoms, names)))
+
+    def flat_name(self, dims: Dims, name: str | None = None) -> str:
+        """The name :meth:`flatten` gives ``dims``: ``name`` checked, or the atoms joined by ``_`` (``DP_TP``)."""
+        if name is None:
+            name = "_".join(a for n in self.resolve((dims,) if isinstance(dims, (str, int)) else dims)
+                            for a in self._named[n].parts)
+        return check_dim_names((name,))[0]
+
+    def split(self, dim: str, names: Sequence[str], sizes: Sequence[int]) -> MeshLayout:
+        """This layout with ``dim`` divided row-major into ``names`` of ``sizes``; ``dim`` keeps answering.
+
+        * A mesh dim (or a part of an earlier split) is refined: on ``(DP=4, TP=2)``,
+          ``split("DP", ("dp_replicate", "dp_shard"), (2, 2))`` gives mesh dims
+          ``(dp_replicate, dp_shard, TP)``, and ``DP`` becomes a flattened dim over its parts
+          (rank 5's DP group is still ``[1, 3, 5, 7]``, its index still 2).
+        * A flattened dim gets a second factorization: on ``(DP=4, CP=2, TP=2)`` with
+          ``dp_cp = DP x CP``, ``split("dp_cp", ("EDP", "EP"), (2, 4))`` adds the factorization
+          ``(EDP, EP, TP)`` beside ``(DP, CP, TP)``; rank 5's EP group is ``[1, 3, 5, 7]`` and its
+          EDP group ``[5, 13]``. Views take their dims from one factorization.
+        """
+        target = self._named.get(dim) if isinstance(dim, str) else None
+        if target is None:
+            raise unknown_name_error("dim name", dim, self.names)
+        names = check_dim_names(names)
+        sizes = tuple(as_index(s, "a split size") for s in sizes)
+        if len(names) != len(sizes) or len(names) < 2:
+            raise ValueError(f"split needs two or more names and one size per name; got names {names} and sizes {sizes}")
+        clash = [n for n in names if n in self._named]
+        if clash:
+            raise ValueError(f"split names {clash} are already dims of this mesh {self.names}; pick others")
+        if any(s < 1 for s in sizes) or math.prod(sizes) != target.size:
+            raise ValueError(
+                f"split sizes {sizes} multiply to {math.prod(sizes)}, but dim {dim!r} has size {target.size}; "
+                f"they must multiply to {target.size}"
+            )
+        modes = divide(target.modes, sizes)
+        if modes is None:
+            raise ValueError(
+                f"cannot split {self.spell(dim)} into sizes {sizes}: a part would not be one stride pattern over "
+                f"its ranks (the sizes must fall on the boundaries of {', '.join(target.parts)})"
+            )
+        parts = tuple(NamedDim(n, s, m, (n,)) for n, s, m in zip(names, sizes, modes))
+        if target.is_atom:
+            return self._refine(target, parts)
+        home = next((f for f in self.factorizations if _run(f, target.parts) is not None), None)
+        if home is None:
+            raise ValueError(
+                f"cannot split {self.spell(dim)}: its dims are not adjacent in any factorization "
+                f"{list(self.factorizations)}, so the parts would have no place in one"
+            )
+        start = _run(home, target.parts)
+        assert start is not None
+        atoms = (*home[:start], *names, *home[start + len(target.parts):])
+        return replace(self, extra_dims=(*self.extra_dims, *parts), extra_factorizations=(*self.extra_factorizations, atoms))
+
+    def _refine(self, target: NamedDim, parts: tuple[NamedDim, ...]) -> MeshLayout:
+        """Replace the atom ``target`` by ``parts`` everywhere; ``target`` stays, as a flattened dim over them."""
+        names = tuple(p.name for p in parts)
+
+        def splice(atoms: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(n for a in atoms for n in (names if a == target.name else (a,)))
+
+        kept = tuple(replace(d, parts=splice(d.parts)) if d.name != target.name else None for d in self.extra_dims)
+        merged = NamedDim(target.name, target.size, target.modes, names, names)
+        extra = tuple(d for d in kept if d is not None)
+        shape, dim_names = self.shape, self.dim_names
+        if target.name in dim_names:
+            i = dim_names.index(target.name)
+            shape = (*shape[:i], *(p.size for p in parts), *shape[i + 1:])
+            dim_names = splice(dim_names)
+        else:
+            extra = (*extra, *parts)
+        out = MeshLayout(shape, dim_names, self.first_rank, (*extra, merged), tuple(map(splice, self.extra_factorizations)))
+        assert all(out._named[p.name].modes == p.modes for p in parts)
+        return out
+
+    # ------------------------------------------------ coordinate <-> global rank
     def check_rank(self, rank: int) -> int:
-        """``rank``'s index in the mesh (``rank - first_rank``) if it is a member; ``TypeError`` if not an integer, else ``ValueError``."""
+        """``rank``'s position in the mesh (``rank - first_rank``) if it is a member; ``TypeError`` if not an integer, else ``ValueError``."""
         value = as_index(rank, "a global rank")
         first = self.first_rank
         if not first <= value < first + self.world_size:
             raise ValueError(f"global rank {value} is out of range; valid: {first}..{first + self.world_size - 1}")
         return value - first
 
-    def group_size(self, dims: tuple[int, ...]) -> int:
-        """Number of ranks in every group along ``dims`` (1 for ``()``)."""
-        return math.prod(self.shape[d] for d in dims)
-
-    # ------------------------------------------------- coordinate <-> global rank
     def coordinate(self, rank: int) -> tuple[int, ...]:
-        """Coordinate of global ``rank``: on (2, 4), rank 6 -> (1, 2) and rank 1 -> (0, 1)."""
+        """Coordinate of global ``rank`` on the mesh dims: on (2, 4), rank 6 -> (1, 2) and rank 1 -> (0, 1)."""
         if type(rank) is int:  # exact ints only: True must not find rank 1's entry
             found = self._memo.get(rank)
             if found is not None:
@@ -210,101 +386,79 @@ class MeshLayout:
                 f"{dict(zip(self.dim_names, self.shape))} needs {self.ndim}"
             )
         for name, c, size in zip(self.dim_names, coordinate, self.shape):
-            if type(c) is not int or not 0 <= c < size:
+            if not 0 <= c < size:
                 raise ValueError(f"coordinate {given}: {name}={c!r} is out of range; valid: 0..{size - 1}")
         return self.first_rank + sum(c * st for c, st in zip(coordinate, self.strides))
 
     # ----------------------------------------------------------------- groups
-    def index_in_group(self, rank: int, dims: tuple[int, ...]) -> int:
+    def group_size(self, dims: Dims, absent_ok: bool = False) -> int:
+        """Number of ranks in every group along ``dims`` (1 for ``()``)."""
+        return self._group(dims, absent_ok)[1].size
+
+    def index_in_group(self, rank: int, dims: Dims, absent_ok: bool = False) -> int:
         """Position of ``rank`` inside its group along ``dims`` (row-major over ``dims``)."""
-        rank = self.check_rank(rank)
-        index = 0
-        for d in dims:
-            index = index * self.shape[d] + (rank // self.strides[d]) % self.shape[d]
-        return index
+        return self._group(dims, absent_ok)[1].index(self.check_rank(rank))
 
-    def member(self, rank: int, dims: tuple[int, ...], index: int) -> int:
+    def member(self, rank: int, dims: Dims, index: int, absent_ok: bool = False) -> int:
         """Global rank of member ``index`` of ``rank``'s group along ``dims``."""
-        rank = self.check_rank(rank)
-        size = self.group_size(dims)
+        names, group = self._group(dims, absent_ok)
+        x = self.check_rank(rank)
         given, index = index, as_index(index, "a local rank")
-        if not 0 <= index < size:
-            names = "x".join(self.dim_names[d] for d in dims) or "(none)"
-            raise ValueError(f"local rank {given!r} is out of range along {names} (size {size}); valid: 0..{size - 1}")
-        base = self._base(rank, dims)
-        for d in reversed(dims):
-            index, c = divmod(index, self.shape[d])
-            base += c * self.strides[d]
-        return base + self.first_rank
+        if not 0 <= index < group.size:
+            raise ValueError(
+                f"local rank {given!r} is out of range along {'x'.join(names) or '(none)'} (size {group.size}); "
+                f"valid: 0..{group.size - 1}"
+            )
+        return self.first_rank + group.place(group.base(x), index)
 
-    def group_ranks(self, rank: int, dims: tuple[int, ...]) -> list[int]:
+    def group_ranks(self, rank: int, dims: Dims, absent_ok: bool = False) -> list[int]:
         """Every global rank in ``rank``'s group along ``dims``, in member order."""
-        rank = self.check_rank(rank)
-        return self._ranks_from(self._base(rank, dims), dims)
+        group = self._group(dims, absent_ok)[1]
+        base = self.first_rank + group.base(self.check_rank(rank))
+        return [base + o for o in group.offsets()]
 
-    def group_index(self, rank: int, dims: tuple[int, ...]) -> int:
+    def group_index(self, rank: int, dims: Dims, absent_ok: bool = False) -> int:
         """Which group along ``dims`` holds ``rank``, counting groups as :meth:`all_groups` lists them."""
-        rank = self.check_rank(rank)
-        index = 0
-        for d in self.complement(dims):
-            index = index * self.shape[d] + (rank // self.strides[d]) % self.shape[d]
-        return index
+        return self._group(dims, absent_ok)[1].which(self.check_rank(rank))
 
-    def all_groups(self, dims: tuple[int, ...]) -> list[list[int]]:
-        """The world partitioned into groups along ``dims``, ordered row-major over the other dims.
+    def all_groups(self, dims: Dims) -> list[list[int]]:
+        """The world partitioned into groups along ``dims``, ordered row-major over the other modes.
 
-        On (2, 4) with names (DP, TP): ``all_groups((1,))`` (TP) is
-        ``[[0, 1, 2, 3], [4, 5, 6, 7]]`` and ``all_groups((0,))`` (DP) is
-        ``[[0, 4], [1, 5], [2, 6], [3, 7]]``.
+        On (2, 4) with names (DP, TP): ``all_groups("TP")`` is ``[[0, 1, 2, 3], [4, 5, 6, 7]]`` and
+        ``all_groups("DP")`` is ``[[0, 4], [1, 5], [2, 6], [3, 7]]``.
         """
-        return [self._ranks_from(base, dims) for base in self._offsets(self.complement(dims))]
+        group = self._group(dims)[1]
+        offsets = group.offsets()
+        return [[self.first_rank + b + o for o in offsets] for b in group.firsts()]
 
-    def group_at(self, dims: tuple[int, ...], index: int) -> list[int]:
+    def group_at(self, dims: Dims, index: int) -> list[int]:
         """Group number ``index`` along ``dims``: ``all_groups(dims)[index]`` without building the rest."""
-        others = self.complement(dims)
-        count = self.world_size // self.group_size(dims)
+        group = self._group(dims)[1]
         index = as_index(index, "a group index")
-        if not 0 <= index < count:
-            raise ValueError(f"group index {index!r} is out of range; valid: 0..{count - 1}")
-        base = 0
-        for d in reversed(others):
-            index, c = divmod(index, self.shape[d])
-            base += c * self.strides[d]
-        return self._ranks_from(base, dims)
+        if not 0 <= index < group.count:
+            raise ValueError(f"group index {index!r} is out of range; valid: 0..{group.count - 1}")
+        base = self.first_rank + group.first_of(index)
+        return [base + o for o in group.offsets()]
 
-    def complement(self, dims: tuple[int, ...]) -> tuple[int, ...]:
-        """The dims not in ``dims``, in mesh order."""
-        return tuple(d for d in range(self.ndim) if d not in dims)
+    def neighbor(self, rank: int, dims: Dims, offset: int = 1, wrap: bool = False, absent_ok: bool = False) -> int | None:
+        """The global rank ``offset`` steps from ``rank`` along ``dims``, or None past an edge.
 
-    def neighbor(self, rank: int, dim: int, offset: int = 1, wrap: bool = False) -> int | None:
-        """The global rank ``offset`` steps from ``rank`` along ``dim``, or None past an edge.
-
-        On (PP=4, TP=2): ``neighbor(3, 0, +1)`` is 5; ``neighbor(7, 0, +1)`` is None,
+        On (PP=4, TP=2): ``neighbor(3, "PP", +1)`` is 5; ``neighbor(7, "PP", +1)`` is None,
         and 1 with ``wrap=True``.
         """
-        rank = self.check_rank(rank)
-        c = (rank // self.strides[dim]) % self.shape[dim]
-        target = c + offset
+        group = self._group(dims, absent_ok)[1]
+        x = self.check_rank(rank)
+        target = group.index(x) + offset
         if wrap:
-            target %= self.shape[dim]
-        elif not 0 <= target < self.shape[dim]:
+            target %= group.size
+        elif not 0 <= target < group.size:
             return None
-        return self.first_rank + rank + (target - c) * self.strides[dim]
+        return self.first_rank + group.place(group.base(x), target)
 
-    # ---------------------------------------------------------------- helpers
-    def _base(self, rank: int, dims: tuple[int, ...]) -> int:
-        """``rank`` with its coordinate on ``dims`` set to zero."""
-        for d in dims:
-            rank -= ((rank // self.strides[d]) % self.shape[d]) * self.strides[d]
-        return rank
 
-    def _ranks_from(self, base: int, dims: tuple[int, ...]) -> list[int]:
-        """Global ranks of the group whose first member has mesh index ``base``."""
-        base += self.first_rank
-        return [base + off for off in self._offsets(dims)]
-
-    def _offsets(self, dims: tuple[int, ...]) -> list[int]:
-        return [
-            sum(c * self.strides[d] for c, d in zip(cs, dims))
-            for cs in itertools.product(*(range(self.shape[d]) for d in dims))
-        ]
+def _run(atoms: tuple[str, ...], run: tuple[str, ...]) -> int | None:
+    """Where ``run`` starts as a contiguous run inside ``atoms``, or None."""
+    for i in range(len(atoms) - len(run) + 1):
+        if atoms[i:i + len(run)] == run:
+            return i
+    return None

@@ -14,13 +14,18 @@ divides the devices per host, and CP next keeps CP x TP together as far as it
 fits. Dims of size 1 are left out of the mesh: vemesh answers for an absent
 standard strategy as size 1 (``get_strategy_size("CP") == 1``), and torch then
 builds no process group for it. EP (expert parallelism) reuses the DP x CP ranks,
-as in torchtitan, so it does not change the product: ``ep`` must divide DP x CP.
+as in torchtitan, so it does not change the product: ``ep`` must divide DP x CP,
+and the plan splits DP x CP into ``(EDP, EP)``, a second factorization of those ranks.
+
+The plan's :attr:`MeshPlan.layout` is built by the same ``split`` and ``flatten`` of
+:class:`~vemesh.layout.MeshLayout` that the pasted lines run on the live mesh.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from .describe import LayoutWarning, check_layout
 from .layout import MeshLayout
@@ -44,16 +49,20 @@ class MeshPlan:
     filled: str | None  # the degree computed from the world size, if any
     device_type: str
     devices_per_host: int | None
-    layout: MeshLayout
+    layout: MeshLayout  # the mesh after the pasted split and flatten lines, with every name
+    base: MeshLayout  # the mesh that init_device_mesh builds
     warnings: list[LayoutWarning] = field(default_factory=list)
     ep: int = 1  # expert-parallel degree, carved out of the DP x CP ranks
-    #: flattened dims to create after init (name -> dims, by name), with DP split for HSDP
-    flattens: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    calls: tuple[str, ...] = ()  # the split and flatten lines to paste after init_call, in order
+
+    @property
+    def flattens(self) -> dict[str, tuple[str, ...]]:
+        """Every merged name of the plan and the dims it merges: ``{"DP": ("dp_replicate", "dp_shard")}``."""
+        return {n: self.layout.named(n).parts for n in self.layout.names if not self.layout.named(n).is_atom}
 
     def flatten_calls(self) -> list[str]:
-        """The ``flatten`` lines to paste after :meth:`init_call`."""
-        return [f'VESCALE_DEVICE_MESH.flatten(({", ".join(repr(d) for d in dims)}), {name!r})'.replace("'", '"')
-                for name, dims in self.flattens.items()]
+        """The ``split`` and ``flatten`` lines to paste after :meth:`init_call`."""
+        return list(self.calls)
 
     def product(self) -> str:
         """The degrees as arithmetic: ``"PP 2 x DP 4 x CP 1 x TP 8"``."""
@@ -61,8 +70,8 @@ class MeshPlan:
 
     def init_call(self) -> str:
         """The one line to paste into a training script (after ``from vemesh import VESCALE_DEVICE_MESH``)."""
-        shape = ", ".join(map(str, self.layout.shape)) + ("," if self.layout.ndim == 1 else "")
-        names = ", ".join(f'"{n}"' for n in self.layout.dim_names) + ("," if self.layout.ndim == 1 else "")
+        shape = ", ".join(map(str, self.base.shape)) + ("," if self.base.ndim == 1 else "")
+        names = ", ".join(f'"{n}"' for n in self.base.dim_names) + ("," if self.base.ndim == 1 else "")
         return f'VESCALE_DEVICE_MESH.init_device_mesh("{self.device_type}", ({shape}), mesh_dim_names=({names}))'
 
 
@@ -87,8 +96,9 @@ def plan_mesh(
             degree is, and 1 otherwise.
         ep: expert-parallel degree; it reuses the DP x CP ranks, so it must divide DP x CP.
         dp_replicate: split DP into ``(dp_replicate, dp_shard)`` for HSDP (torchtitan's layout): FSDP2
-            shards over ``dp_shard`` (times CP) and replicates over ``dp_replicate``. The plan then
-            also lists the flattens to make: ``DP`` back, ``dp_shard_cp`` and ``dp_cp`` with CP.
+            shards over ``dp_shard`` (times CP) and replicates over ``dp_replicate``; ``DP`` keeps
+            answering as the two. The plan then also lists the flattens to make: ``dp_shard_cp``
+            and ``dp_cp`` with CP.
         devices_per_host: ranks per host, for the host checks of :func:`check_layout`.
         device_type: written into :meth:`MeshPlan.init_call`.
 
@@ -143,22 +153,29 @@ def plan_mesh(
         raise ValueError(f"the dp_replicate degree must be a positive integer; got {dp_replicate!r}")
     if degrees["DP"] % dp_replicate:
         raise ValueError(f"dp_replicate {dp_replicate} must divide DP {degrees['DP']} (DP splits into dp_replicate x dp_shard)")
-    sizes = dict(degrees)
-    flattens: dict[str, tuple[str, ...]] = {}
-    order = PLAN_ORDER
+    names = tuple(n for n in PLAN_ORDER if degrees[n] > 1) or ("DP",)
+    spec = MeshSpec(device_type=device_type, mesh_shape=tuple(degrees[n] for n in names), mesh_dim_names=names)
+    base = spec.resolve(world_size)
+    layout, calls = base, []
+
+    def step(method: str, *args: Any) -> None:
+        nonlocal layout
+        layout = getattr(layout, method)(*args)
+        calls.append(f"VESCALE_DEVICE_MESH.{method}({', '.join(_literal(a) for a in args)})")
+
     if dp_replicate > 1:
-        sizes.pop("DP")
-        sizes["dp_replicate"], sizes["dp_shard"] = dp_replicate, degrees["DP"] // dp_replicate
-        order = ("PP", "dp_replicate", "dp_shard", "CP", "TP")
-        present = [n for n in ("dp_replicate", "dp_shard") if sizes[n] > 1]
-        if len(present) == 2:
-            flattens["DP"] = ("dp_replicate", "dp_shard")
-        if degrees["CP"] > 1 and sizes["dp_shard"] > 1:
-            flattens["dp_shard_cp"] = ("dp_shard", "CP")
-            flattens["dp_cp"] = ("dp_replicate", "dp_shard_cp")
-    names = tuple(n for n in order if sizes[n] > 1) or ("DP",)
-    spec = MeshSpec(device_type=device_type, mesh_shape=tuple(sizes.get(n, 1) for n in names), mesh_dim_names=names)
-    layout = spec.resolve(world_size)
+        step("split", "DP", ("dp_replicate", "dp_shard"), (dp_replicate, degrees["DP"] // dp_replicate))
+        if degrees["CP"] > 1 and degrees["DP"] > dp_replicate:
+            step("flatten", ("dp_shard", "CP"), "dp_shard_cp")
+            step("flatten", ("dp_replicate", "dp_shard_cp"), "dp_cp")
+    if ep > 1:
+        if degrees["CP"] > 1 and not layout.has("dp_cp"):
+            step("flatten", tuple(n for n in ("DP", "CP") if degrees[n] > 1), "dp_cp")
+        folded = "dp_cp" if degrees["CP"] > 1 else "DP"
+        if layout.named(folded).is_atom:  # a mesh dim: flatten it under its own name for a second factorization
+            step("flatten", (folded,), "dp_ep")
+            folded = "dp_ep"
+        step("split", folded, ("EDP", "EP"), (degrees["DP"] * degrees["CP"] // ep, ep))
     return MeshPlan(
         world_size=world_size,
         degrees=degrees,
@@ -166,7 +183,15 @@ def plan_mesh(
         device_type=spec.device_type,
         devices_per_host=devices_per_host,
         layout=layout,
+        base=base,
         warnings=check_layout(layout, devices_per_host),
         ep=ep,
-        flattens=flattens,
+        calls=tuple(calls),
     )
+
+
+def _literal(value: Any) -> str:
+    """A call argument as Python source with double quotes: ``("dp_shard", "CP")``, ``"DP"``, ``(2, 4)``."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_literal, value)) + ("," if len(value) == 1 else "") + ")"
+    return f'"{value}"' if isinstance(value, str) else repr(value)

@@ -1,7 +1,7 @@
-"""Bring up the default process group for a mesh, and check that every rank asks for the same mesh.
+"""Start-up: bring up the default process group, check every rank asks for the same mesh, build torch's mesh.
 
-Kept apart from :mod:`vemesh.mesh` so the mesh manager reads as queries only. Everything
-here runs once per ``init_device_mesh``.
+Kept apart from :mod:`vemesh.mesh` so the mesh manager reads as queries and a view cache.
+Everything here runs once per ``init_device_mesh``; :func:`build_mesh` is the one entry.
 """
 
 from __future__ import annotations
@@ -12,13 +12,22 @@ import socket
 from collections.abc import Iterable
 from datetime import timedelta
 
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from .layout import MeshLayout
+from .spec import MeshSpec
 
-__all__ = ["DEFAULT_TIMEOUT", "as_timeout", "apply_timeout", "check_same_on_all_ranks", "ensure_process_group"]
+__all__ = [
+    "DEFAULT_TIMEOUT", "as_timeout", "apply_timeout", "build_mesh", "check_same_on_all_ranks", "ensure_process_group",
+]
 
 #: How long a collective, or the start-up rendezvous, waits for the other ranks (NCCL's default;
 #: torch's gloo default is 30 minutes).
@@ -38,6 +47,91 @@ def as_timeout(value: object) -> timedelta:
     if not seconds > 0:
         raise ValueError(f"timeout must be positive; got {value!r}")
     return timedelta(seconds=seconds)
+
+
+def build_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    mesh_dim_names: Sequence[str] | None,
+    timeout: timedelta | float | None,
+    backend_override: Mapping[str | int, Any] | None,
+    rank_offset: int | None,
+) -> tuple[DeviceMesh, MeshLayout, timedelta | None]:
+    """Everything ``VeDeviceMesh.init_device_mesh`` does before it answers queries.
+
+    Validates the request, checks the device, creates the default process group if there is
+    none, resolves ``-1``, checks that every rank asked for the same mesh, and builds torch's
+    mesh (over part of the world when ``rank_offset`` is given).
+
+    Returns:
+        ``(mesh, layout, group_timeout)``: torch's ``DeviceMesh``, its :class:`MeshLayout`, and
+        the timeout to give every group the mesh creates later (None: keep torch's own).
+    """
+    spec = MeshSpec(
+        device_type=device_type,
+        mesh_shape=mesh_shape,  # type: ignore[arg-type]
+        mesh_dim_names=mesh_dim_names,  # type: ignore[arg-type]
+    )
+    if str(device_type) != spec.device_type:  # "cuda:0" or torch.device("cuda", 0)
+        warnings.warn(
+            f"device_type {str(device_type)!r} names one device, but a mesh spans all of them: "
+            f"using {spec.device_type!r} (select this rank's device before init instead)",
+            UserWarning,
+            stacklevel=3,
+        )
+    wait = as_timeout(timeout)
+    fake = dist.is_initialized() and dist.get_backend() == "fake"  # torch's fake backend takes any device
+    if spec.device_type != "cpu" and not fake:
+        module = getattr(torch, spec.device_type, None)
+        if module is None or not module.is_available():
+            raise RuntimeError(
+                f"device_type {spec.device_type!r}: this machine has no {spec.device_type} device (torch "
+                f"{torch.__version__}); use 'cpu' to run on the CPU with gloo"
+            )
+    created = ensure_process_group(spec.device_type, wait)
+    layout = spec.resolve(dist.get_world_size(), rank_offset)
+    check_same_on_all_ranks(spec.device_type, layout)
+    override = _check_backend_override(backend_override, layout)
+    if layout.first_rank == 0 and layout.world_size == dist.get_world_size():
+        mesh = _torch_init_device_mesh(
+            spec.device_type, layout.shape, mesh_dim_names=layout.dim_names, backend_override=override
+        )
+    else:  # part of the world: every rank builds it (group creation is collective), members use it
+        ranks = torch.arange(layout.first_rank, layout.first_rank + layout.world_size).view(layout.shape)
+        mesh = DeviceMesh(spec.device_type, ranks, mesh_dim_names=layout.dim_names,
+                          backend_override=tuple(_override_tuple(override, layout)))
+    group_timeout = wait if (created or timeout is not None) else None
+    if group_timeout is not None and dist.get_backend() != "fake":
+        keep = {layout.dim_index(k) for k, v in (override or {}).items() if not isinstance(v, str)}
+        apply_timeout([mesh.get_group(d) for d in range(mesh.ndim) if d not in keep], group_timeout)
+    return mesh, layout, group_timeout
+
+
+def _check_backend_override(override: Mapping[str | int, Any] | None, layout: MeshLayout) -> dict | None:
+    """``backend_override`` checked against the mesh's dims (KeyError names the valid ones)."""
+    if override is None:
+        return None
+    if not isinstance(override, Mapping):
+        raise TypeError(f"backend_override must be a dict from dim name (or index) to a backend; got {override!r}")
+    out = {}
+    options_type = getattr(dist.ProcessGroup, "Options", None) or getattr(dist.Backend, "Options", ())
+    for key, value in override.items():
+        layout.dim_index(key)  # KeyError naming the valid dims, or TypeError/ValueError for an index
+        ok = isinstance(value, str) or (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str))
+        if not ok and not (options_type and isinstance(value, options_type)):
+            raise TypeError(
+                f"backend_override[{key!r}] must be a backend name such as 'gloo', process-group options, "
+                f"or (backend, options); got {value!r}"
+            )
+        out[key] = value
+    return out
+
+
+def _override_tuple(override: dict | None, layout: MeshLayout) -> Iterator[tuple[Any, Any]]:
+    """``backend_override`` as the per-dim ``(backend, options)`` tuple that DeviceMesh takes."""
+    for d in range(layout.ndim):
+        value = next((v for k, v in (override or {}).items() if layout.dim_index(k) == d), None)
+        yield (value, None) if isinstance(value, str) else (value if isinstance(value, tuple) else (None, value))
 
 
 def ensure_process_group(device_type: str, timeout: timedelta) -> bool:

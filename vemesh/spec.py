@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from .layout import MeshLayout, as_index, check_dim_names
+from .layout import MeshLayout
+from .names import STANDARD_STRATEGIES, as_index, check_dim_names
 
 __all__ = ["DEFAULT_DIM_NAMES", "STANDARD_STRATEGIES", "VALID_DEVICE_TYPES", "MeshSpec"]
 
@@ -24,9 +25,6 @@ DEFAULT_DIM_NAMES: dict[int, tuple[str, ...]] = {
     2: ("DP", "TP"),
     3: ("PP", "DP", "TP"),
 }
-
-#: Strategy names that every mesh answers for: absent ones have size 1.
-STANDARD_STRATEGIES: tuple[str, ...] = ("PP", "DP", "TP", "CP", "EP")
 
 #: Device types a mesh can be built on.
 VALID_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "xpu", "hpu", "npu", "mtia", "mps")

@@ -316,8 +316,8 @@ def test_plan_warns_when_tp_spans_hosts(capsys):
 
 # ------------------------------------------------------------------ describe_layout keeps mesh.py's keywords
 def test_describe_layout_lists_flattened_dims():
-    layout = MeshLayout((2, 2, 2), ("PP", "DP", "TP"))
-    text = describe_layout(layout, rank=5, devices_per_host=4, flattened={"DP_TP": (1, 2)})
+    layout = MeshLayout((2, 2, 2), ("PP", "DP", "TP")).flatten(("DP", "TP"))
+    text = describe_layout(layout, rank=5, devices_per_host=4)
     assert "    DP_TP: 2 groups of 4, each on one host\n        [0, 1, 2, 3] [4, 5, 6, 7]" in text
     assert "    DP_TP group [4, 5, 6, 7] (index 1)" in text
 
@@ -410,8 +410,7 @@ def test_hsdp_plan_pastes_into_a_working_mesh(fake_rank, capsys):
         exec("\n".join([plan.init_call(), *plan.flatten_calls()]), {"VESCALE_DEVICE_MESH": VESCALE_DEVICE_MESH})
         try:
             for name, dims in plan.flattens.items():
-                assert VESCALE_DEVICE_MESH[name].mesh.flatten().tolist() == plan.layout.group_ranks(
-                    rank, VESCALE_DEVICE_MESH._resolve(name))
+                assert VESCALE_DEVICE_MESH[name].mesh.flatten().tolist() == plan.layout.group_ranks(rank, name)
             assert VESCALE_DEVICE_MESH["dp_replicate", "dp_shard_cp"].mesh.shape == (2, 4)
         finally:
             VESCALE_DEVICE_MESH.reset()
