@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .modes import Group, Modes, coalesce, complement, divide
+from . import algebra
+from .modes import Group, NamedDim, coalesce, complement
 from .names import STANDARD_STRATEGIES, as_index, check_dim_names, unknown_name_error
 
 __all__ = ["Dims", "MeshLayout", "NamedDim", "as_index", "check_dim_names", "unknown_name_error"]
@@ -47,25 +48,6 @@ __all__ = ["Dims", "MeshLayout", "NamedDim", "as_index", "check_dim_names", "unk
 Dims = Union[str, int, Sequence[Union[str, int]]]
 
 _MEMO_LIMIT = 1 << 16  # coordinates remembered per layout (a few MB at most)
-
-
-@dataclass(frozen=True)
-class NamedDim:
-    """One name of a layout: its size, its modes, and the atoms (dims that are not merges) it covers.
-
-    ``parts`` is ``(name,)`` for a mesh dim or a split part, and the merged dims, in order, for a
-    flattened one. ``given`` is what :meth:`MeshLayout.flatten` was given (empty for an atom).
-    """
-
-    name: str
-    size: int
-    modes: Modes
-    parts: tuple[str, ...]
-    given: tuple[str, ...] = ()
-
-    @property
-    def is_atom(self) -> bool:
-        return self.parts == (self.name,)
 
 
 @dataclass(frozen=True)
@@ -249,30 +231,11 @@ class MeshLayout:
         defaults to the atoms joined by ``_``. Flattening the same dims under the same name again
         returns this layout.
         """
-        if isinstance(dims, (str, int)):
-            dims = (dims,)
-        names = self.resolve(dims)
-        if not names:
-            raise ValueError("flatten needs at least one dim; got none")
-        atoms = tuple(a for n in names for a in self._named[n].parts)
-        name = self.flat_name(dims, name)
-        existing = self._named.get(name)
-        if existing is not None:
-            if existing.is_atom:
-                raise ValueError(f"flattened name {name!r} is already a dim of {self.names}; pick another")
-            if existing.parts != atoms:
-                raise ValueError(f"{name!r} already names the flattened dims {existing.parts}, not {atoms}; pick another")
-            return self
-        modes = coalesce(tuple(m for n in names for m in self._named[n].modes))
-        size = math.prod(self._named[n].size for n in names)
-        return replace(self, extra_dims=(*self.extra_dims, NamedDim(name, size, modes, atoms, names)))
+        return algebra.flatten(self, dims, name)
 
     def flat_name(self, dims: Dims, name: str | None = None) -> str:
         """The name :meth:`flatten` gives ``dims``: ``name`` checked, or the atoms joined by ``_`` (``DP_TP``)."""
-        if name is None:
-            name = "_".join(a for n in self.resolve((dims,) if isinstance(dims, (str, int)) else dims)
-                            for a in self._named[n].parts)
-        return check_dim_names((name,))[0]
+        return algebra.flat_name(self, dims, name)
 
     def split(self, dim: str, names: Sequence[str], sizes: Sequence[int]) -> MeshLayout:
         """This layout with ``dim`` divided row-major into ``names`` of ``sizes``; ``dim`` keeps answering.
@@ -286,61 +249,7 @@ class MeshLayout:
           ``(EDP, EP, TP)`` beside ``(DP, CP, TP)``; rank 5's EP group is ``[1, 3, 5, 7]`` and its
           EDP group ``[5, 13]``. Views take their dims from one factorization.
         """
-        target = self._named.get(dim) if isinstance(dim, str) else None
-        if target is None:
-            raise unknown_name_error("dim name", dim, self.names)
-        names = check_dim_names(names)
-        sizes = tuple(as_index(s, "a split size") for s in sizes)
-        if len(names) != len(sizes) or len(names) < 2:
-            raise ValueError(f"split needs two or more names and one size per name; got names {names} and sizes {sizes}")
-        clash = [n for n in names if n in self._named]
-        if clash:
-            raise ValueError(f"split names {clash} are already dims of this mesh {self.names}; pick others")
-        if any(s < 1 for s in sizes) or math.prod(sizes) != target.size:
-            raise ValueError(
-                f"split sizes {sizes} multiply to {math.prod(sizes)}, but dim {dim!r} has size {target.size}; "
-                f"they must multiply to {target.size}"
-            )
-        modes = divide(target.modes, sizes)
-        if modes is None:
-            raise ValueError(
-                f"cannot split {self.spell(dim)} into sizes {sizes}: a part would not be one stride pattern over "
-                f"its ranks (the sizes must fall on the boundaries of {', '.join(target.parts)})"
-            )
-        parts = tuple(NamedDim(n, s, m, (n,)) for n, s, m in zip(names, sizes, modes))
-        if target.is_atom:
-            return self._refine(target, parts)
-        home = next((f for f in self.factorizations if _run(f, target.parts) is not None), None)
-        if home is None:
-            raise ValueError(
-                f"cannot split {self.spell(dim)}: its dims are not adjacent in any factorization "
-                f"{list(self.factorizations)}, so the parts would have no place in one"
-            )
-        start = _run(home, target.parts)
-        assert start is not None
-        atoms = (*home[:start], *names, *home[start + len(target.parts):])
-        return replace(self, extra_dims=(*self.extra_dims, *parts), extra_factorizations=(*self.extra_factorizations, atoms))
-
-    def _refine(self, target: NamedDim, parts: tuple[NamedDim, ...]) -> MeshLayout:
-        """Replace the atom ``target`` by ``parts`` everywhere; ``target`` stays, as a flattened dim over them."""
-        names = tuple(p.name for p in parts)
-
-        def splice(atoms: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(n for a in atoms for n in (names if a == target.name else (a,)))
-
-        kept = tuple(replace(d, parts=splice(d.parts)) if d.name != target.name else None for d in self.extra_dims)
-        merged = NamedDim(target.name, target.size, target.modes, names, names)
-        extra = tuple(d for d in kept if d is not None)
-        shape, dim_names = self.shape, self.dim_names
-        if target.name in dim_names:
-            i = dim_names.index(target.name)
-            shape = (*shape[:i], *(p.size for p in parts), *shape[i + 1:])
-            dim_names = splice(dim_names)
-        else:
-            extra = (*extra, *parts)
-        out = MeshLayout(shape, dim_names, self.first_rank, (*extra, merged), tuple(map(splice, self.extra_factorizations)))
-        assert all(out._named[p.name].modes == p.modes for p in parts)
-        return out
+        return algebra.split(self, dim, names, sizes)
 
     # ------------------------------------------------ coordinate <-> global rank
     def check_rank(self, rank: int) -> int:
@@ -454,11 +363,3 @@ class MeshLayout:
         elif not 0 <= target < group.size:
             return None
         return self.first_rank + group.place(group.base(x), target)
-
-
-def _run(atoms: tuple[str, ...], run: tuple[str, ...]) -> int | None:
-    """Where ``run`` starts as a contiguous run inside ``atoms``, or None."""
-    for i in range(len(atoms) - len(run) + 1):
-        if atoms[i:i + len(run)] == run:
-            return i
-    return None

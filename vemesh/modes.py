@@ -22,11 +22,31 @@ group, the member at an index, the group's ranks, and which group holds a rank
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-__all__ = ["Group", "Mode", "Modes", "coalesce", "complement", "divide"]
+__all__ = ["Group", "Mode", "Modes", "NamedDim", "coalesce", "complement", "divide"]
 
 Mode = tuple[int, int]  # (size, stride)
 Modes = tuple[Mode, ...]
+
+
+@dataclass(frozen=True)
+class NamedDim:
+    """One name of a layout: its size, its modes, and the atoms (dims that are not merges) it covers.
+
+    ``parts`` is ``(name,)`` for a mesh dim or a split part, and the merged dims, in order, for a
+    flattened one. ``given`` is what :meth:`MeshLayout.flatten` was given (empty for an atom).
+    """
+
+    name: str
+    size: int
+    modes: Modes
+    parts: tuple[str, ...]
+    given: tuple[str, ...] = ()
+
+    @property
+    def is_atom(self) -> bool:
+        return self.parts == (self.name,)
 
 
 def coalesce(modes: Modes) -> Modes:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -31,6 +31,8 @@ def _world_size() -> int:
 
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # --mesh-shape with its -1 filled in, for the checks here only: train.py asks the mesh, which resolves it itself
+    _shape: tuple[int, ...] = PrivateAttr(default=())
 
     # ---- parallelism
     mesh_shape: tuple[int, int] | tuple[int, int, int] | None = Field(
@@ -185,10 +187,10 @@ class TrainConfig(BaseModel):
             if W % known:
                 raise ValueError(f"--mesh-shape: {text} cannot fill a world of {W} processes ({known} does not divide {W})")
             shape[shape.index(-1)] = W // known
-            object.__setattr__(self, "mesh_shape", tuple(shape))
         if math.prod(shape) != W:
             hint = "" if W > 1 else "; launch with torchrun --nproc_per_node=N to use N processes"
             raise ValueError(f"--mesh-shape: {'x'.join(map(str, shape))} needs {math.prod(shape)} processes but the world has {W}{hint}")
+        self._shape = tuple(shape)
         pp, dp, tp = self.pp_size, self.dp_size, self.tp_size
         if len(shape) == 2 and (self.microbatches is not None or "pp_schedule" in self.model_fields_set):
             raise ValueError("--microbatches and --pp-schedule need a 3-D --mesh-shape PP,DP,TP")
@@ -270,9 +272,13 @@ class TrainConfig(BaseModel):
     @property
     def grad_accum(self) -> int:
         """Passes per step on each DP rank (derived from the world: DP changes, the global batch does not)."""
-        if self.micro_batch_size is None or self.pp_size > 1:
+        return self.grad_accum_for(self.dp_size, self.pp_size)
+
+    def grad_accum_for(self, dp_size: int, pp_size: int) -> int:
+        """Passes per step on each of ``dp_size`` DP ranks (the pipeline micro-batches instead when PP > 1)."""
+        if self.micro_batch_size is None or pp_size > 1:
             return 1
-        return self.global_batch_size // self.dp_size // self.micro_batch_size
+        return self.global_batch_size // dp_size // self.micro_batch_size
 
     @property
     def local_world_size(self) -> int:
@@ -301,15 +307,15 @@ class TrainConfig(BaseModel):
 
     @property
     def pp_size(self) -> int:
-        return self.mesh_shape[0] if len(self.mesh_shape) == 3 else 1
+        return self._shape[0] if len(self._shape) == 3 else 1
 
     @property
     def dp_size(self) -> int:
-        return self.mesh_shape[-2]
+        return self._shape[-2]
 
     @property
     def tp_size(self) -> int:
-        return self.mesh_shape[-1]
+        return self._shape[-1]
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:

@@ -101,7 +101,8 @@ def dp_mean(value: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
 
 
 @torch.no_grad()
-def evaluate(forward, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, dp_group, device) -> float | None:
+def evaluate(forward, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, dp_size: int, dp_group,
+             device) -> float | None:
     """Mean loss over ``cfg.eval_batches`` fixed global batches of the held-out split, on global rank 0.
 
     ``forward(x)`` returns the logits, or None on a pipeline rank without the last stage.
@@ -109,7 +110,7 @@ def evaluate(forward, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, d
     losses = []
     for i in range(cfg.eval_batches):
         x, y = dataset.get_batch("val", step=i, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
-                                 seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=cfg.dp_size)
+                                 seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=dp_size)
         logits = forward(x.to(device))
         if logits is not None:
             losses.append(loss_fn(logits, y.to(device)))
@@ -147,21 +148,22 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
 
+    # Every size and rank below comes from the mesh (which also resolves a -1 in --mesh-shape).
     VESCALE_DEVICE_MESH.init_device_mesh(device_type, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names,
                                          timeout=cfg.timeout_s)
-    dp = "DP"  # the data-parallel dim: each of its ranks takes its rows of the global batch
-    if cfg.fsdp and cfg.dp_replicate > 1:  # HSDP: DP split in two; torchtitan's "dp" flattens them back
-        VESCALE_DEVICE_MESH.split("DP", ("dp_replicate", "dp_shard"), (cfg.dp_replicate, cfg.dp_size // cfg.dp_replicate))
-        VESCALE_DEVICE_MESH.flatten(("dp_replicate", "dp_shard"), "dp")
-        dp = "dp"
-    dp_rank = VESCALE_DEVICE_MESH.lookup_rank(dp)
-    dp_group = VESCALE_DEVICE_MESH[dp].get_group()
+    mesh_shape = list(VESCALE_DEVICE_MESH.shape)  # as launched, for the log and the metrics
+    mesh_text = " x ".join(f"{n}={s}" for n, s in zip(VESCALE_DEVICE_MESH.mesh_dim_names, mesh_shape))
+    dp_size = VESCALE_DEVICE_MESH.get_strategy_size("DP")  # each DP rank takes its rows of the global batch
+    if cfg.fsdp and cfg.dp_replicate > 1:  # HSDP: DP split in two; "DP" keeps answering as both
+        VESCALE_DEVICE_MESH.split("DP", ("dp_replicate", "dp_shard"), (cfg.dp_replicate, dp_size // cfg.dp_replicate))
+    dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
+    dp_group = VESCALE_DEVICE_MESH.get_group("DP")
     tp_size = VESCALE_DEVICE_MESH.get_strategy_size("TP")
     pp_size = VESCALE_DEVICE_MESH.get_strategy_size("PP")
+    grad_accum = cfg.grad_accum_for(dp_size, pp_size)
 
     print0(f"vemesh GPT example: {dist.get_world_size()} processes on {device_type} "
-           f"(backend {dist.get_backend()}), mesh "
-           + " x ".join(f"{n}={s}" for n, s in zip(cfg.mesh_dim_names, cfg.mesh_shape)))
+           f"(backend {dist.get_backend()}), mesh {mesh_text}")
     print0(VESCALE_DEVICE_MESH.describe())
 
     print0(f"data: {dataset.source}: {len(dataset.train):,} train / {len(dataset.val):,} held-out bytes")
@@ -183,7 +185,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         parts = [apply_tp(p, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel) for p in parts]
     raw_model = parts[0]  # for eval and generation without PP, without the DDP wrapper
     if cfg.fsdp:  # torch's FSDP2 on the DP view (2-D for HSDP): each block, then the rest
-        shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard"] if cfg.dp_replicate > 1 else VESCALE_DEVICE_MESH[dp]
+        shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard"] if cfg.dp_replicate > 1 else VESCALE_DEVICE_MESH["DP"]
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in raw_model.h.values():
             fully_shard(block, mesh=shard_mesh, mp_policy=mp)
@@ -203,7 +205,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         pipe = Pipeline(chunks, stages, n_stages, cfg.pp_schedule, cfg.microbatches, loss_fn, device)
         print0(f"pipeline: {cfg.pp_schedule}, {n_stages} stages over PP={pp_size} (blocks per stage "
                f"{[len(b) for b in layers]}), {cfg.microbatches} micro-batches of "
-               f"{cfg.global_batch_size // cfg.dp_size // cfg.microbatches} sequences per DP rank")
+               f"{cfg.global_batch_size // dp_size // cfg.microbatches} sequences per DP rank")
 
     # ------------------------------------------------------------- optimizer
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -218,8 +220,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             kind += " on FSDP2 shards" + (f" (HSDP, {cfg.dp_replicate} replicas)" if cfg.dp_replicate > 1 else "")
     print0(f"optimizer: {kind}, "
            f"global batch {cfg.global_batch_size} x {cfg.seq_len} tokens, "
-           f"{cfg.global_batch_size // cfg.dp_size} sequences per DP rank"
-           + (f" in {cfg.grad_accum} passes" if cfg.grad_accum > 1 else "") + f", {cfg.steps} steps")
+           f"{cfg.global_batch_size // dp_size} sequences per DP rank"
+           + (f" in {grad_accum} passes" if grad_accum > 1 else "") + f", {cfg.steps} steps")
 
     # ---------------------------------------------------------------- resume
     start_step = 0  # optimizer steps already done (0: a fresh run)
@@ -247,7 +249,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         if start_step > 0 and rows:  # a restart (torchrun's, or an elastic change of world): say what changed
             before = rows[-1]
             print0(f"reconfigured: mesh {before.get('mesh')} ({before.get('world_size')} processes) -> "
-                   f"{list(cfg.mesh_shape)} ({dist.get_world_size()} processes); resumed step {start_step}; "
+                   f"{mesh_shape} ({dist.get_world_size()} processes); resumed step {start_step}; "
                    f"steps redone: {len(rows) - len(kept)}")
         metrics = open(cfg.metrics_file, "w")
         metrics.writelines(json.dumps(r) + "\n" for r in kept)
@@ -271,13 +273,13 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = dataset.get_batch("train", step=step, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
-                                 seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=cfg.dp_size)
+                                 seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=dp_size)
         x, y = x.to(device), y.to(device)
 
         optimizer.zero_grad()
         if pipe is None:
-            # cfg.grad_accum passes over equal slices; all but the last accumulate without DP communication
-            passes = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)))
+            # grad_accum passes over equal slices; all but the last accumulate without DP communication
+            passes = list(zip(x.chunk(grad_accum), y.chunk(grad_accum)))
             loss = 0.0
             for i, (xs, ys) in enumerate(passes):
                 with gradient_sync(model, i == len(passes) - 1):
@@ -318,7 +320,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                   "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bad,
-                  "world_size": dist.get_world_size(), "mesh": list(cfg.mesh_shape)}
+                  "world_size": dist.get_world_size(), "mesh": mesh_shape}
         rank0 = dist.get_rank() == 0  # the losses arrive on rank 0 only
         if rank0 and (step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps):
             print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
@@ -327,7 +329,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             for c in chunks:
                 c.eval()
             record["eval_loss"] = evaluate(raw_model if pipe is None else pipe.forward, dataset, cfg,
-                                           dp_rank=dp_rank, dp_group=dp_group, device=device)
+                                           dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group, device=device)
             for c in chunks:
                 c.train()
             if rank0:
@@ -344,7 +346,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             last_save = time.monotonic()
             t_save = time.perf_counter()
             path = checkpoint.save(cfg.checkpoint_dir, model=model, optimizer=optimizer, step=step,
-                                   extra={"loss": train_loss, "mesh": list(cfg.mesh_shape)},
+                                   extra={"loss": train_loss, "mesh": mesh_shape},
                                    keep_last=cfg.keep_checkpoints)
             print0(f"step {step:5d}/{cfg.steps} | saved {path} ({time.perf_counter() - t_save:.2f}s)")
         if stopping and step < cfg.steps:

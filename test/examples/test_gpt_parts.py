@@ -29,12 +29,13 @@ def config(argv: list[str], world_size: int = 1) -> TrainConfig:
 def test_mesh_shape_resolves(world, flag, shape):
     argv = ["--global-batch-size", "24"] + ([] if flag is None else [f"--mesh-shape={flag}"])
     cfg = config(argv, world)
-    assert cfg.mesh_shape == shape
-    assert (cfg.dp_size, cfg.tp_size) == shape
+    assert cfg.mesh_shape == (shape if flag is None or "-1" not in flag else tuple(int(s) for s in flag.split(",")))
+    assert (cfg.dp_size, cfg.tp_size) == shape  # checked here; the mesh resolves the -1 itself at init
 
 
 def test_negative_mesh_size_needs_no_equals_sign():
-    assert config(["--mesh-shape", "-1,2"], 4).mesh_shape == (2, 2)
+    cfg = config(["--mesh-shape", "-1,2"], 4)
+    assert cfg.mesh_shape == (-1, 2) and (cfg.dp_size, cfg.tp_size) == (2, 2)
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ def test_three_numbers_make_a_3d_mesh():
     cfg = config(["--mesh-shape", "2,2,2", "--n-layer", "4"], 8)
     assert cfg.mesh_shape == (2, 2, 2) and cfg.mesh_dim_names == ("PP", "DP", "TP")
     assert (cfg.pp_size, cfg.dp_size, cfg.tp_size, cfg.microbatches) == (2, 2, 2, 4)  # default 2 x PP
-    assert config(["--mesh-shape", "2,-1,1", "--n-layer", "4"], 8).mesh_shape == (2, 4, 1)
+    assert config(["--mesh-shape", "2,-1,1", "--n-layer", "4"], 8).dp_size == 4
     assert config(["--mesh-shape", "1,1,1"]).microbatches is None  # no pipeline: no micro-batches
     two_d = config(["--mesh-shape", "2,2"], 4)
     assert two_d.pp_size == 1 and two_d.mesh_dim_names == ("DP", "TP")
