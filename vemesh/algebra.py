@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .modes import NamedDim, coalesce, divide
 from .names import as_index, check_dim_names, unknown_name_error
 
-if TYPE_CHECKING:
-    from .layout import Dims, MeshLayout
+# A vemesh.layout.MeshLayout and its Dims: that module imports this one, so they are not imported here.
+MeshLayout = Any
+Dims = Any
 
 __all__ = ["flat_name", "flatten", "split"]
 

@@ -9,16 +9,11 @@ when they are all dims of torch's mesh, else their 1-D meshes side by side
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .layout import Dims
-
-if TYPE_CHECKING:
-    from .mesh import VeDeviceMesh
 
 __all__ = ["MeshViews"]
 
@@ -26,7 +21,7 @@ __all__ = ["MeshViews"]
 class MeshViews:
     """``mesh[dims]``, ``get_group``, ``get_submeshes`` and friends; the state lives on the ``VeDeviceMesh``."""
 
-    def __getitem__(self: VeDeviceMesh, dims: Dims) -> DeviceMesh:
+    def __getitem__(self, dims: Dims) -> DeviceMesh:
         """The cached torch view of this rank's submesh along ``dims``.
 
         ``VESCALE_DEVICE_MESH["TP"]`` is ``DeviceMesh([4, 5])`` on rank 5 and ``[2, 3]`` on
@@ -48,13 +43,13 @@ class MeshViews:
             self._views[dims] = view
         return view
 
-    def get_optional_mesh(self: VeDeviceMesh, dims: Dims) -> DeviceMesh | None:
+    def get_optional_mesh(self, dims: Dims) -> DeviceMesh | None:
         """Like ``mesh[dims]`` but None for an absent standard strategy: ``get_optional_mesh("CP")`` is None."""
         if not self.layout.resolve(dims, absent_ok=True):
             return None
         return self[dims]
 
-    def get_group(self: VeDeviceMesh, dim: Dims | None = None) -> dist.ProcessGroup:
+    def get_group(self, dim: Dims | None = None) -> dist.ProcessGroup:
         """This rank's process group along one dim (a mesh dim, a flattened or a split one).
 
         ``get_group("TP")`` holds ranks ``[4, 5]`` on rank 5; ``get_group("DP")`` holds
@@ -68,7 +63,7 @@ class MeshViews:
             raise ValueError(f"a process group runs along one dim; got {dim!r} (flatten() several dims first)")
         return self[dim].get_group()
 
-    def get_submeshes(self: VeDeviceMesh, dims: Dims) -> list[DeviceMesh]:
+    def get_submeshes(self, dims: Dims) -> list[DeviceMesh]:
         """Every submesh along ``dims``: the world partitioned, ordered by the other dims.
 
         ``get_submeshes("TP")`` is ``[[0, 1], [2, 3], [4, 5], [6, 7]]`` on every rank. The
@@ -79,7 +74,7 @@ class MeshViews:
         count = layout.world_size // layout.group_size(dims)
         return [self._submesh_at(dims, i) for i in range(count)]
 
-    def get_neighbor_submesh(self: VeDeviceMesh, view_dim: Dims, along: Dims, offset: int = 1, wrap: bool = False) -> DeviceMesh | None:
+    def get_neighbor_submesh(self, view_dim: Dims, along: Dims, offset: int = 1, wrap: bool = False) -> DeviceMesh | None:
         """The ``view_dim`` submesh ``offset`` steps ``along`` another dim, or None past the edge.
 
         ``get_neighbor_submesh("TP", along="PP")`` is the TP submesh of the next pipeline stage
@@ -95,14 +90,14 @@ class MeshViews:
             return None
         return self._submesh_at(view_dim, layout.group_index(neighbor, view_dim))
 
-    def _dim_mesh(self: VeDeviceMesh, name: str) -> DeviceMesh:
+    def _dim_mesh(self, name: str) -> DeviceMesh:
         """The 1-D torch mesh of one name; flattened and split names get theirs when they are made."""
         found = self._dim_meshes.get(name)
         if found is None:
             found = self._dim_meshes[name] = self.mesh[name]  # a dim of torch's mesh: torch's own slice
         return found
 
-    def _torch_view(self: VeDeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    def _torch_view(self, names: tuple[str, ...]) -> DeviceMesh:
         """torch's mesh over ``names`` (already resolved): torch's slice, or the names' 1-D meshes side by side."""
         mesh = self.mesh
         if names == mesh.mesh_dim_names:
@@ -113,7 +108,7 @@ class MeshViews:
             return mesh[names]
         return DeviceMesh._concatenate([self._dim_mesh(n) for n in names])
 
-    def _submesh_at(self: VeDeviceMesh, dims: Dims, index: int) -> DeviceMesh:
+    def _submesh_at(self, dims: Dims, index: int) -> DeviceMesh:
         """Submesh number ``index`` along ``dims`` (see :meth:`MeshLayout.all_groups`), cached."""
         layout = self.layout
         names = layout.resolve(dims)

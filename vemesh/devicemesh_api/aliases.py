@@ -13,54 +13,52 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..mesh import VeDeviceMesh
-
 __all__ = ["VeScaleAliases"]
 
 
 class VeScaleAliases:
     """The veScale names; every one is a query of :class:`~vemesh.VeDeviceMesh` by dim name."""
 
-    def get_tensor_parallel_rank(self: VeDeviceMesh) -> int:
+    def get_tensor_parallel_rank(self) -> int:
         """This rank's TP index (0 when the mesh has no TP): 1 on rank 5, 0 on rank 4."""
         return self.lookup_rank("TP")
 
-    def get_data_parallel_rank(self: VeDeviceMesh) -> int:
+    def get_data_parallel_rank(self) -> int:
         """This rank's DP index (0 when the mesh has no DP): 1 on rank 6, 0 on rank 5.
 
         After ``split("DP", ...)`` it is still the DP index: ``DP`` answers as the flattened parts.
         """
         return self.lookup_rank("DP")
 
-    def get_pipeline_parallel_rank(self: VeDeviceMesh) -> int:
+    def get_pipeline_parallel_rank(self) -> int:
         """This rank's pipeline stage (0 when the mesh has no PP): 1 on rank 5, 0 on rank 2."""
         return self.lookup_rank("PP")
 
-    def get_tensor_parallel_mesh(self: VeDeviceMesh) -> DeviceMesh:
+    def get_tensor_parallel_mesh(self) -> DeviceMesh:
         """``mesh["TP"]``: ``[4, 5]`` on rank 5 (veScale returned the wrong dim here)."""
         return self["TP"]
 
-    def get_data_parallel_mesh(self: VeDeviceMesh) -> DeviceMesh:
+    def get_data_parallel_mesh(self) -> DeviceMesh:
         """``mesh["DP"]``: ``[5, 7]`` on rank 5."""
         return self["DP"]
 
-    def get_pipeline_parallel_mesh(self: VeDeviceMesh) -> DeviceMesh:
+    def get_pipeline_parallel_mesh(self) -> DeviceMesh:
         """``mesh["PP"]``: ``[1, 5]`` on rank 5 (veScale returned the TP submesh here)."""
         return self["PP"]
 
-    def get_tensor_parallel_dim_groups(self: VeDeviceMesh) -> dist.ProcessGroup:
+    def get_tensor_parallel_dim_groups(self) -> dist.ProcessGroup:
         """The group along TP: ranks ``[4, 5]`` on rank 5 (veScale returned the outermost group)."""
         return self.get_group("TP")
 
-    def get_data_parallel_dim_groups(self: VeDeviceMesh) -> dist.ProcessGroup:
+    def get_data_parallel_dim_groups(self) -> dist.ProcessGroup:
         """The group along DP: ranks ``[5, 7]`` on rank 5."""
         return self.get_group("DP")
 
-    def get_global_tensor_parallel_meshes(self: VeDeviceMesh) -> list[DeviceMesh]:
+    def get_global_tensor_parallel_meshes(self) -> list[DeviceMesh]:
         """Every TP submesh: ``[[0, 1], [2, 3], [4, 5], [6, 7]]`` on every rank."""
         return self.get_submeshes("TP")
 
-    def get_global_pipeline_parallel_meshes(self: VeDeviceMesh) -> list[DeviceMesh]:
+    def get_global_pipeline_parallel_meshes(self) -> list[DeviceMesh]:
         """One submesh of the non-PP mesh dims per pipeline stage, in stage order.
 
         On every rank: ``[DeviceMesh([[0, 1], [2, 3]]), DeviceMesh([[4, 5], [6, 7]])]``
@@ -74,10 +72,10 @@ class VeScaleAliases:
             raise ValueError("the mesh has only the PP dim, so each stage is one rank; use get_submeshes('PP')")
         return self.get_submeshes(others)
 
-    def is_first_stage(self: VeDeviceMesh) -> bool:
+    def is_first_stage(self) -> bool:
         """True on pipeline stage 0 (ranks 0..3), and on every rank without PP."""
         return self.lookup_rank("PP") == 0
 
-    def is_last_stage(self: VeDeviceMesh) -> bool:
+    def is_last_stage(self) -> bool:
         """True on the last pipeline stage (ranks 4..7), and on every rank without PP."""
         return self.lookup_rank("PP") == self.get_strategy_size("PP") - 1

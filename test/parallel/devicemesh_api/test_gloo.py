@@ -71,8 +71,35 @@ def _eight_ranks(rank, world):
     assert stage is mesh["DP", "TP"]
     assert mesh.get_local_rank() == rank  # LOCAL_RANK from the launcher
     checked += _two_half_meshes(rank)
+    checked += _experts_beside_context(rank)
     dist.barrier()
     return checked
+
+
+def _experts_beside_context(rank):
+    """(DP, CP, TP) = (2, 2, 2) with EP folded over DP x CP: an all-reduce on EP and one on CP in the same job.
+
+    Expected groups come from Megatron's rule for expert groups (order tp-ep-dp: TP stride 1, EP
+    stride 2, EDP stride 4), not from vemesh's arithmetic; then DP is split and still all-reduces.
+    """
+    from vemesh import VeDeviceMesh
+
+    mesh = VeDeviceMesh()
+    mesh.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("DP", "CP", "TP"))
+    mesh.flatten(("DP", "CP"), "dp_cp")
+    mesh.split("dp_cp", ("EDP", "EP"), (2, 2))
+    ep = [rank % 2 + 2 * k + 4 * (rank // 4) for k in range(2)]
+    cp = _grid_group((2, 2, 2), (1,), rank)
+    assert dist.get_process_group_ranks(mesh.get_group("EP")) == ep
+    assert _sum_over(mesh.get_group("EP"), rank) == sum(r + 1 for r in ep)
+    assert _sum_over(mesh.get_group("CP"), rank) == sum(r + 1 for r in cp)
+    edp = [rank % 4, rank % 4 + 4]
+    assert _sum_over(mesh["EDP"].get_group(), rank) == sum(r + 1 for r in edp)
+    mesh.split("DP", ("dp_replicate", "dp_shard"), (2, 1))  # DP keeps its group and its answers
+    dp = _grid_group((2, 2, 2), (0,), rank)
+    assert mesh.get_strategy_size("DP") == 2 and mesh.lookup_rank("DP") == rank // 4
+    assert _sum_over(mesh.get_group("DP"), rank) == sum(r + 1 for r in dp)
+    return ["EP", "CP"]
 
 
 def _two_half_meshes(rank):
@@ -130,7 +157,7 @@ def _four_ranks(rank, world):
 
 def test_collectives_over_views_and_flattened_groups_on_8_ranks():
     results = run_ranks(_eight_ranks, 8)
-    assert all(r == ["PP", "DP", "TP", "DP_TP", "PP_DP", "PP_TP", "halves"] for r in results)
+    assert all(r == ["PP", "DP", "TP", "DP_TP", "PP_DP", "PP_TP", "halves", "EP", "CP"] for r in results)
 
 
 def test_inference_defaults_and_mismatch_on_4_ranks():

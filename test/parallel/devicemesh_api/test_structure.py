@@ -1,0 +1,52 @@
+"""The package's shape: no import circles in ``vemesh/`` and no module far over 400 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[3] / "vemesh"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """vemesh modules that ``path`` imports at module level (``TYPE_CHECKING`` blocks included)."""
+    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        nodes = node.body if isinstance(node, ast.If) else [node]
+        for n in nodes:
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (n.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                if base.startswith("vemesh"):
+                    out.update(f"{base}.{a.name}" if not base else base for a in n.names)
+            elif isinstance(n, ast.Import):
+                out.update(a.name for a in n.names if a.name.startswith("vemesh"))
+    return out
+
+
+def test_no_import_circles_and_short_modules():
+    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: {i for i in _imports(p) if i in files and i != m} for m, p in files.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in graph[m]:
+            assert state.get(n) != 1, f"import circle: {' -> '.join(path + [m, n])}"
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])
+    long = {m: n for m, p in files.items() if (n := len(p.read_text().splitlines())) > 410}
+    assert not long, f"modules over ~400 lines: {long}"
