@@ -25,8 +25,8 @@ def _imports(path: Path) -> set[str]:
                 if n.level:
                     anchor = package.split(".")[: len(package.split(".")) - (n.level - 1)]
                     base = ".".join(anchor + ([base] if base else []))
-                if base.startswith("vemesh"):
-                    out.update(f"{base}.{a.name}" if not base else base for a in n.names)
+                if base.startswith("vemesh"):  # "from . import algebra" names a module; "from .x import y" the module x
+                    out.update(f"{base}.{a.name}" for a in n.names) if n.module is None else out.add(base)
             elif isinstance(n, ast.Import):
                 out.update(a.name for a in n.names if a.name.startswith("vemesh"))
     return out
