@@ -1,0 +1,41 @@
+"""What each gloo rank does in test_ring_attention.py: ring attention against one process's SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vemesh import VeDeviceMesh
+from vemesh.context_parallel import positions, ring_attention, shard_sequence
+
+B, H, T, D = 2, 3, 32, 8
+
+
+def _full(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64).float() for _ in range(4))
+    return q, k, v, dout
+
+
+def compare(rank: int, world: int) -> dict:
+    """Max errors of output and q/k/v gradients, for CP = world and CP = 2 (on a (2, 2) DP x CP mesh)."""
+    out = {}
+    for name, shape, names in (("cp4", (world,), ("CP",)), ("cp2", (2, 2), ("DP", "CP"))):
+        mesh = VeDeviceMesh()
+        mesh.init_device_mesh("cpu", shape, mesh_dim_names=names)
+        cp, r = mesh.get_strategy_size("CP"), mesh.lookup_rank("CP")
+        for balance in (False, True):
+            q, k, v, dout = _full(seed=7 + mesh.lookup_rank("DP"))
+            ref = [t.clone().requires_grad_() for t in (q, k, v)]
+            F.scaled_dot_product_attention(*ref, is_causal=True).backward(dout)
+            ref_out = F.scaled_dot_product_attention(*ref, is_causal=True).detach()
+            mine = [shard_sequence(t, r, cp, dim=2, load_balance=balance).clone().requires_grad_() for t in (q, k, v)]
+            y = ring_attention(*mine, mesh["CP"], load_balance=balance)
+            y.backward(shard_sequence(dout, r, cp, dim=2, load_balance=balance))
+            cut = lambda t: shard_sequence(t, r, cp, dim=2, load_balance=balance)  # noqa: E731
+            errors = [(y - cut(ref_out)).abs().max().item()]
+            errors += [(m.grad - cut(t.grad)).abs().max().item() for m, t in zip(mine, ref)]
+            out[f"{name}{'-balanced' if balance else ''}"] = max(errors)
+            out[f"{name}-positions{'-balanced' if balance else ''}"] = positions(T, r, cp, load_balance=balance).tolist()
+        mesh.reset()
+    return out

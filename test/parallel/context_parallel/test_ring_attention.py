@@ -1,0 +1,46 @@
+"""Ring attention over the mesh's CP group equals one process's causal SDPA, forward and backward (gloo),
+with and without torch's head-tail load balancing; and the private torch API it uses is where it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_scenarios import compare
+
+from launch import run_ranks
+from vemesh import context_parallel
+from vemesh.context_parallel import check_torch_api, positions, shard_sequence
+
+
+def test_torchs_private_ring_attention_api_is_where_vemesh_expects_it():
+    api = check_torch_api()  # raises naming what moved if torch renamed any of it
+    assert set(api) == set(context_parallel._NAMES)
+
+
+def test_a_moved_api_fails_loudly(monkeypatch):
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    monkeypatch.setattr(context_parallel, "_API", {})
+    monkeypatch.delattr(_attention, "_templated_ring_attention_backward")
+    with pytest.raises(RuntimeError, match=r"moved the private ring-attention API .*_templated_ring_attention_backward"):
+        check_torch_api()
+
+
+def test_sharding_and_positions():
+    x = torch.arange(16).view(1, 16)
+    assert shard_sequence(x, 1, 2).tolist() == [list(range(8, 16))]
+    assert shard_sequence(x, 0, 2, load_balance=True).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert positions(8, 1, 2, load_balance=True).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="a sequence of 6 tokens does not split into 4 equal chunks"):
+        shard_sequence(torch.zeros(1, 6), 0, 2, load_balance=True)
+
+
+def test_ring_attention_equals_one_process_on_4_gloo_ranks():
+    results = run_ranks(compare, 4)
+    for rank, res in enumerate(results):
+        for key, err in res.items():
+            if "positions" not in key:
+                assert err < 1e-5, (rank, key, err)
+        assert res["cp4-positions"] == list(range(8 * rank, 8 * rank + 8))
+        assert sorted(p for r in results for p in r["cp4-positions-balanced"]) == list(range(32))
