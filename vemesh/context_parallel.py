@@ -171,7 +171,7 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int = 1,
             f"(CP {cp_size}{', load balanced: 2 chunks per rank' if load_balance else ''})"
         )
     pieces = x.chunk(n, dim=dim)
-    return torch.cat([pieces[i] for i in mine], dim=dim) if len(mine) > 1 else pieces[mine[0]]
+    return torch.cat([pieces[i] for i in mine], dim=dim) if len(mine) > 1 else pieces[mine[0]].contiguous()
 
 
 def positions(seq_len: int, cp_rank: int, cp_size: int, *, load_balance: bool = False,

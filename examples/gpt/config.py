@@ -29,16 +29,31 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+#: The dims --mesh-dims may name, and the names a plain --mesh-shape gets by its length.
+MESH_DIMS = ("PP", "DP", "CP", "TP")
+DEFAULT_MESH_DIMS = {2: ("DP", "TP"), 3: ("PP", "DP", "TP")}
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     # --mesh-shape with its -1 filled in, for the checks here only: train.py asks the mesh, which resolves it itself
     _shape: tuple[int, ...] = PrivateAttr(default=())
 
     # ---- parallelism
-    mesh_shape: tuple[int, int] | tuple[int, int, int] | None = Field(
+    mesh_shape: tuple[int, ...] | None = Field(
         None,
         description="DP,TP sizes (e.g. 2,2 or -1,2; -1 takes the rest of the world), or PP,DP,TP for a 3-D "
-        "mesh with pipeline stages (e.g. 2,2,2). Default: TP=2 when the world size is even, else TP=1; DP takes the rest.",
+        "mesh with pipeline stages (e.g. 2,2,2), or one size per --mesh-dims name. Default: TP=2 when the world "
+        "size is even, else TP=1; DP takes the rest.",
+    )
+    mesh_dims: tuple[str, ...] | None = Field(
+        None,
+        description="the mesh's dim names in mesh order, from PP, DP, CP, TP (e.g. DP,CP,TP with --mesh-shape "
+        "2,2,2); default DP,TP for two sizes and PP,DP,TP for three",
+    )
+    cp_load_balance: bool = Field(
+        True, description="with CP: torch's head-tail sharding (rank r holds chunks r and 2CP-1-r of each sequence), "
+        "which evens out the causal work; off: one contiguous slice per rank"
     )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
         "1f1b", description="torch.distributed.pipelining schedule (interleaved: 2 stages per PP rank, round-robin)"
@@ -119,9 +134,24 @@ class TrainConfig(BaseModel):
     def _parse_mesh_shape(cls, v: Any) -> Any:
         if isinstance(v, str):
             parts = [p.strip() for p in v.split(",")]
-            if len(parts) not in (2, 3) or not all(p.lstrip("-").isdigit() for p in parts):
-                raise ValueError(f"expected DP,TP like 2,2 or -1,2, or PP,DP,TP like 2,2,1; got {v!r}")
+            if not 1 <= len(parts) <= 4 or not all(p.lstrip("-").isdigit() for p in parts):
+                raise ValueError(f"expected DP,TP like 2,2 or -1,2, PP,DP,TP like 2,2,1, or one size per --mesh-dims "
+                                 f"name; got {v!r}")
             return tuple(int(p) for p in parts)
+        return v
+
+    @field_validator("mesh_dims", mode="before")
+    @classmethod
+    def _parse_mesh_dims(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = tuple(p.strip() for p in v.split(","))
+        if v is not None:
+            unknown = [n for n in v if n not in MESH_DIMS]
+            if unknown:
+                raise ValueError(f"unknown dim name {unknown[0]!r} in {','.join(v)}; choose from {', '.join(MESH_DIMS)}")
+            repeated = sorted({n for n in v if list(v).count(n) > 1})
+            if repeated:
+                raise ValueError(f"{', '.join(repeated)} appears more than once in {','.join(v)}")
         return v
 
     @field_validator("data")
@@ -175,6 +205,15 @@ class TrainConfig(BaseModel):
         elif self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch build sees no CUDA device (use --device cpu or auto)")
         W = self.world_size
+        if self.mesh_dims is not None and self.mesh_shape is None:
+            raise ValueError(f"--mesh-dims {','.join(self.mesh_dims)} needs --mesh-shape with one size per name")
+        if self.mesh_shape is not None:
+            names = self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS.get(len(self.mesh_shape))
+            if names is None or len(names) != len(self.mesh_shape):
+                given = f"--mesh-dims {','.join(self.mesh_dims)} names {len(self.mesh_dims)} dims" if self.mesh_dims \
+                    else "without --mesh-dims, it takes 2 sizes (DP,TP) or 3 (PP,DP,TP)"
+                raise ValueError(f"--mesh-shape {','.join(map(str, self.mesh_shape))} has {len(self.mesh_shape)} "
+                                 f"sizes; {given}")
         if self.mesh_shape is None:
             tp = 2 if W % 2 == 0 else 1
             object.__setattr__(self, "mesh_shape", (W // tp, tp))
@@ -191,9 +230,28 @@ class TrainConfig(BaseModel):
             hint = "" if W > 1 else "; launch with torchrun --nproc_per_node=N to use N processes"
             raise ValueError(f"--mesh-shape: {'x'.join(map(str, shape))} needs {math.prod(shape)} processes but the world has {W}{hint}")
         self._shape = tuple(shape)
-        pp, dp, tp = self.pp_size, self.dp_size, self.tp_size
-        if len(shape) == 2 and (self.microbatches is not None or "pp_schedule" in self.model_fields_set):
-            raise ValueError("--microbatches and --pp-schedule need a 3-D --mesh-shape PP,DP,TP")
+        pp, dp, tp, cp = self.pp_size, self.dp_size, self.tp_size, self.cp_size
+        if "PP" not in self.mesh_dim_names and (self.microbatches is not None or "pp_schedule" in self.model_fields_set):
+            raise ValueError("--microbatches and --pp-schedule need a PP dim: a 3-D --mesh-shape PP,DP,TP, "
+                             "or PP in --mesh-dims")
+        if cp > 1:
+            chunks = 2 * cp if self.cp_load_balance else cp
+            if self.seq_len % chunks:
+                raise ValueError(
+                    f"--seq-len {self.seq_len} does not split over CP {cp}: each CP rank holds "
+                    + (f"2 of {chunks} equal chunks (head-tail load balancing)" if self.cp_load_balance
+                       else f"1 of {chunks} equal slices")
+                    + f"; use a multiple of {chunks}" + (" or --no-cp-load-balance" if self.cp_load_balance else "")
+                )
+            if self.dropout:
+                raise ValueError(f"--dropout {self.dropout}: CP's ring attention supports no attention dropout; "
+                                 "use --dropout 0 with a CP dim")
+            if self.sequence_parallel:
+                raise ValueError("--sequence-parallel shards the sequence over TP; with a CP dim the sequence is "
+                                 "already split over CP: drop one of them")
+            if pp > 1:
+                raise ValueError(f"--mesh-dims {','.join(self.mesh_dim_names)}: CP with PP > 1 is not supported by "
+                                 "this example yet; use CP without PP, or PP without CP")
         if pp > 1:
             stages = pp * (2 if self.pp_schedule == "interleaved-1f1b" else 1)
             if stages > self.n_layer:
@@ -297,7 +355,7 @@ class TrainConfig(BaseModel):
         ``b * T * C * 34 + 5 * b * H * T^2`` values of 4 bytes (Megatron's count) for this
         DP rank's ``b`` sequences. On CUDA the device's memory is the limit, else the host's RAM.
         """
-        b, T, C, H, L = self.global_batch_size // self.dp_size, self.seq_len, self.n_embd, self.n_head, self.n_layer
+        b, T, C, H, L = self.global_batch_size // self.dp_size, self.seq_len // self.cp_size, self.n_embd, self.n_head, self.n_layer
         need = 16 * self.n_params() + 4 * L * (34 * b * T * C + 5 * b * H * T * T)
         if self.device == "cuda":
             have = torch.cuda.get_device_properties(0).total_memory
@@ -305,21 +363,28 @@ class TrainConfig(BaseModel):
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, self.local_world_size)
         return need, have
 
+    def _size(self, name: str) -> int:
+        return dict(zip(self.mesh_dim_names, self._shape)).get(name, 1)
+
     @property
     def pp_size(self) -> int:
-        return self._shape[0] if len(self._shape) == 3 else 1
+        return self._size("PP")
 
     @property
     def dp_size(self) -> int:
-        return self._shape[-2]
+        return self._size("DP")
+
+    @property
+    def cp_size(self) -> int:
+        return self._size("CP")
 
     @property
     def tp_size(self) -> int:
-        return self._shape[-1]
+        return self._size("TP")
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return ("PP", "DP", "TP") if len(self.mesh_shape) == 3 else ("DP", "TP")
+        return self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS[len(self.mesh_shape)]
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> TrainConfig:

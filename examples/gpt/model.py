@@ -1,9 +1,11 @@
 """A small GPT-2 style decoder, written to be read (after nanoGPT's model.py).
 
 Nothing here knows about meshes or ranks: tensor parallelism is applied from the
-outside by ``tp_plan.py``. The one concession to it is that attention splits
-heads with ``view(B, T, -1, head_dim)``: under TP each rank holds
-``n_head // tp`` heads, so the head count is read from the tensor, not the config.
+outside by ``tp_plan.py``, context parallelism by ``cp.py``. The concessions to them:
+attention splits heads with ``view(B, T, -1, head_dim)`` (under TP each rank holds
+``n_head // tp`` heads, so the head count is read from the tensor, not the config), and
+each attention layer calls its ``attention`` attribute, plain causal SDPA unless CP
+swaps in ring attention.
 
 Shapes: B = batch, T = sequence length, C = n_embd, V = vocab_size, H = heads.
 """
@@ -28,6 +30,11 @@ class GPTConfig:
     bias: bool = True
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """(B, H, T, hd) queries, keys and values -> (B, H, T, hd): torch's causal SDPA."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -41,6 +48,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
+        self.attention = causal_attention  # a plain attribute, not a module: CP replaces it with ring attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
@@ -48,9 +56,7 @@ class CausalSelfAttention(nn.Module):
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, H, T, hd)
+        y = self.attention(q, k, v, self.dropout if self.training else 0.0)  # (B, H, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, H * hd)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 

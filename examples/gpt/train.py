@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from config import ConfigError, TrainConfig
+from cp import apply_cp, shard_batch, without_cp
 from data import VOCAB_SIZE, ByteDataset, decode, encode
 from model import GPT, GPTConfig
 from pipeline import Pipeline, cut_stage, generate, layout_line, split_layers, stage_indices, stages_per_rank, to_rank0
@@ -102,15 +103,16 @@ def dp_mean(value: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
 
 @torch.no_grad()
 def evaluate(forward, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, dp_size: int, dp_group,
-             device) -> float | None:
+             device, cut=lambda t: t) -> float | None:
     """Mean loss over ``cfg.eval_batches`` fixed global batches of the held-out split, on global rank 0.
 
-    ``forward(x)`` returns the logits, or None on a pipeline rank without the last stage.
+    ``forward(x)`` returns the logits, or None on a pipeline rank without the last stage; ``cut``
+    keeps this CP rank's tokens; ``dp_group`` holds the ranks whose means make the global one.
     """
     losses = []
     for i in range(cfg.eval_batches):
-        x, y = dataset.get_batch("val", step=i, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
-                                 seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=dp_size)
+        x, y = map(cut, dataset.get_batch("val", step=i, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
+                                          seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=dp_size))
         logits = forward(x.to(device))
         if logits is not None:
             losses.append(loss_fn(logits, y.to(device)))
@@ -154,10 +156,22 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     mesh_shape = list(VESCALE_DEVICE_MESH.shape)  # as launched, for the log and the metrics
     mesh_text = " x ".join(f"{n}={s}" for n, s in zip(VESCALE_DEVICE_MESH.mesh_dim_names, mesh_shape))
     dp_size = VESCALE_DEVICE_MESH.get_strategy_size("DP")  # each DP rank takes its rows of the global batch
+    cp_size = VESCALE_DEVICE_MESH.get_strategy_size("CP")  # each CP rank takes its tokens of every row
     if cfg.fsdp and cfg.dp_replicate > 1:  # HSDP: DP split in two; "DP" keeps answering as both
         VESCALE_DEVICE_MESH.split("DP", ("dp_replicate", "dp_shard"), (cfg.dp_replicate, dp_size // cfg.dp_replicate))
+    # Gradients and losses are averaged over every rank that holds a different part of the batch:
+    # DP alone, or DP x CP flattened into one dim (torchtitan's dp_cp) when the sequence is split too.
+    grad_dim = "DP"
+    if cp_size > 1:
+        grad_dim = "dp_cp"
+        VESCALE_DEVICE_MESH.flatten(tuple(n for n in VESCALE_DEVICE_MESH.mesh_dim_names if n in ("DP", "CP")
+                                          or n in ("dp_replicate", "dp_shard")), grad_dim)
     dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
-    dp_group = VESCALE_DEVICE_MESH.get_group("DP")
+    dp_group = VESCALE_DEVICE_MESH.get_group(grad_dim)
+    cp_mesh = VESCALE_DEVICE_MESH["CP"] if cp_size > 1 else None
+
+    def cut(t: torch.Tensor) -> torch.Tensor:  # this CP rank's tokens of a (B, T) batch
+        return t if cp_mesh is None else shard_batch(t, cp_mesh, cfg.cp_load_balance)
     tp_size = VESCALE_DEVICE_MESH.get_strategy_size("TP")
     pp_size = VESCALE_DEVICE_MESH.get_strategy_size("PP")
     grad_accum = cfg.grad_accum_for(dp_size, pp_size)
@@ -183,15 +197,32 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         del model
     if tp_size > 1:
         parts = [apply_tp(p, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel) for p in parts]
+    if cp_mesh is not None:  # ring attention over mesh["CP"], global positions
+        parts = [apply_cp(p, cp_mesh, cfg.seq_len, cfg.cp_load_balance) for p in parts]
+        mine = cut(torch.arange(cfg.seq_len).unsqueeze(0))[0].tolist()
+        runs = [(p, q) for p, q in zip([mine[0]] + [b for a, b in zip(mine, mine[1:]) if b != a + 1],
+                                       [a for a, b in zip(mine, mine[1:]) if b != a + 1] + [mine[-1]])]
+        print0(f"context parallel: CP={cp_size} over mesh[\"CP\"], ring attention; each rank holds "
+               f"{cfg.seq_len // cp_size} of {cfg.seq_len} tokens per sequence "
+               + ("(head-tail load balancing: 2 chunks)" if cfg.cp_load_balance else "(one contiguous slice)")
+               + f"; rank 0 (CP rank {VESCALE_DEVICE_MESH.lookup_rank('CP')}) holds positions "
+               + ", ".join(f"{p}..{q}" for p, q in runs)
+               + f"; gradients averaged over {grad_dim} = DP x CP ({dp_size * cp_size} ranks)")
     raw_model = parts[0]  # for eval and generation without PP, without the DDP wrapper
-    if cfg.fsdp:  # torch's FSDP2 on the DP view (2-D for HSDP): each block, then the rest
-        shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard"] if cfg.dp_replicate > 1 else VESCALE_DEVICE_MESH["DP"]
+    if cfg.fsdp:  # torch's FSDP2 on the DP (x CP) view, 2-D for HSDP: each block, then the rest
+        if cfg.dp_replicate > 1 and cp_size > 1:  # torchtitan's HSDP with CP: shards over dp_shard x CP
+            VESCALE_DEVICE_MESH.flatten(("dp_shard", "CP"), "dp_shard_cp")
+            shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard_cp"]
+        elif cfg.dp_replicate > 1:
+            shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard"]
+        else:
+            shard_mesh = VESCALE_DEVICE_MESH[grad_dim]
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in raw_model.h.values():
             fully_shard(block, mesh=shard_mesh, mp_policy=mp)
         chunks = [fully_shard(raw_model, mesh=shard_mesh, mp_policy=mp)]
     else:
-        chunks = [DDP(p, VESCALE_DEVICE_MESH["DP"], overlap_grad_reduce=cfg.overlap_grad_reduce) for p in parts]
+        chunks = [DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce) for p in parts]
     model = chunks[0] if pp_size == 1 else chunks
     print0(f"model: {n_params:,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
@@ -274,7 +305,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             group["lr"] = lr
         x, y = dataset.get_batch("train", step=step, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
                                  seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=dp_size)
-        x, y = x.to(device), y.to(device)
+        x, y = cut(x).to(device), cut(y).to(device)
 
         optimizer.zero_grad()
         if pipe is None:
@@ -329,7 +360,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             for c in chunks:
                 c.eval()
             record["eval_loss"] = evaluate(raw_model if pipe is None else pipe.forward, dataset, cfg,
-                                           dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group, device=device)
+                                           dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group, device=device, cut=cut)
             for c in chunks:
                 c.train()
             if rank0:
@@ -366,7 +397,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         for c in chunks:
             c.eval()
         if pipe is None:
-            out = raw_model.generate(prompt, cfg.sample_tokens, generator=gen)
+            with without_cp(raw_model):  # whole sequences: every CP rank holds every weight of its TP shard
+                out = raw_model.generate(prompt, cfg.sample_tokens, generator=gen)
         else:  # a token at a time through the stages, along get_neighbor_rank("PP")
             out = generate(pipe, prompt, cfg.sample_tokens, cfg.seq_len, generator=gen)
         print0(f"sample after {cfg.steps} steps:\n{'-' * 60}\n{decode(out[0].tolist())}\n{'-' * 60}")
