@@ -150,6 +150,26 @@ def example_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]]:
          "--dp-replicate 2 splits DP for HSDP; it needs --fsdp"),
         ("world-cannot-hold-tp", _config(["--mesh-shape", "-1,2"], 3), ConfigError, "-1,2 cannot fill a world of 3 processes"),
         ("mesh-3-numbers-wrong-world", _config(["--mesh-shape", "2,2,2"], 4), ConfigError, "2x2x2 needs 8 processes but the world has 4"),
+        ("mesh-dims-unknown", _config(["--mesh-dims", "DP,XP", "--mesh-shape", "1,1"]), ConfigError,
+         "--mesh-dims: unknown dim name 'XP' in DP,XP; choose from PP, DP, CP, TP"),
+        ("mesh-dims-repeated", _config(["--mesh-dims", "DP,CP,DP", "--mesh-shape", "1,1,1"]), ConfigError,
+         "--mesh-dims: DP appears more than once in DP,CP,DP"),
+        ("mesh-dims-count", _config(["--mesh-dims", "DP,CP,TP", "--mesh-shape", "2,2"], 4), ConfigError,
+         "--mesh-shape 2,2 has 2 sizes; --mesh-dims DP,CP,TP names 3 dims"),
+        ("mesh-dims-without-shape", _config(["--mesh-dims", "CP"]), ConfigError, "--mesh-dims CP needs --mesh-shape"),
+        ("four-sizes-without-dims", _config(["--mesh-shape", "1,1,1,1"]), ConfigError,
+         "--mesh-shape 1,1,1,1 has 4 sizes; without --mesh-dims, it takes 2 sizes (DP,TP) or 3 (PP,DP,TP)"),
+        ("cp-seq-len", _config(["--mesh-dims", "CP", "--mesh-shape", "4", "--seq-len", "100"], 4), ConfigError,
+         "--seq-len 100 does not split over CP 4: each CP rank holds 2 of 8 equal chunks (head-tail load balancing); "
+         "use a multiple of 8 or --no-cp-load-balance"),
+        ("cp-dropout", _config(["--mesh-dims", "CP", "--mesh-shape", "2", "--dropout", "0.1"], 2), ConfigError,
+         "--dropout 0.1: CP's ring attention supports no attention dropout"),
+        ("cp-sequence-parallel", _config(["--mesh-dims", "CP,TP", "--mesh-shape", "2,1", "--sequence-parallel"], 2),
+         ConfigError, "--sequence-parallel shards the sequence over TP; with a CP dim"),
+        ("cp-with-pp", _config(["--mesh-dims", "PP,CP", "--mesh-shape", "2,2", "--n-layer", "2"], 4), ConfigError,
+         "CP with PP > 1 is not supported by this example yet"),
+        ("microbatches-without-pp", _config(["--mesh-dims", "DP,CP", "--mesh-shape", "1,1", "--microbatches", "2"]),
+         ConfigError, "--microbatches and --pp-schedule need a PP dim"),
     ]
 
 
