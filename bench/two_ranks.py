@@ -1,7 +1,7 @@
-"""Run a benchmark function on 2 gloo ranks spawned from this script; return rank 0's result.
+"""Run a benchmark function on N gloo ranks spawned from this script (2 by default); return rank 0's result.
 
-Shared by ``bench/pipeline.py`` and ``bench/checkpoint_io.py``: each rank gets one thread, a
-file rendezvous (no port to pick) and a 5-minute process group timeout.
+Shared by ``bench/pipeline.py``, ``bench/checkpoint_io.py`` and ``bench/context_parallel.py``: each
+rank gets one thread, a file rendezvous (no port to pick) and a 5-minute process group timeout.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_on_two_ranks"]
+__all__ = ["run_on_ranks", "run_on_two_ranks"]
 
 
 def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple, out: Any) -> None:
@@ -31,10 +31,16 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args:
         dist.destroy_process_group()
 
 
-def run_on_two_ranks(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on ranks 0 and 1 (``fn`` lives at module level, so spawn can find it); rank 0's return value."""
+def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on ``world`` ranks (``fn`` lives at module level, so spawn can find it); rank 0's return value."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(2, os.path.join(tmp, "rdzv"), fn, args, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "rdzv"), fn, args, out), nprocs=world,
+                           start_method="spawn")
     return out.get(timeout=10)
+
+
+def run_on_two_ranks(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on ranks 0 and 1; rank 0's return value."""
+    return run_on_ranks(2, fn, *args)

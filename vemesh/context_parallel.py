@@ -37,6 +37,7 @@ __all__ = ["check_torch_api", "positions", "ring_attention", "shard_sequence"]
 
 _NAMES = (
     "_cp_options",
+    "_RotateMethod",
     "_templated_ring_attention",
     "_templated_ring_attention_backward",
     "_scaled_dot_product_ring_flash_attention",
@@ -59,7 +60,8 @@ def check_torch_api() -> dict[str, object]:
     missing = [n for n in _NAMES if not hasattr(module, n)]
     if not missing:
         options = module._cp_options
-        missing += [f"_cp_options.{a}" for a in ("enable_load_balance", "convert_to_f32") if not hasattr(options, a)]
+        missing += [f"_cp_options.{a}" for a in ("enable_load_balance", "rotate_method") if not hasattr(options, a)]
+        missing += [f"_RotateMethod.{m}" for m in ROTATE_METHODS.values() if not hasattr(module._RotateMethod, m)]
         wanted = {"group", "seq_dim", "op", "query", "key", "value", "is_causal"}
         params = set(inspect.signature(module._templated_ring_attention).parameters)
         if not wanted <= params:
@@ -73,23 +75,30 @@ def check_torch_api() -> dict[str, object]:
     return _API
 
 
+#: How keys and values travel: "alltoall" passes one block to the next rank per step (a true ring: one
+#: extra block in memory); "allgather" gathers every block at once (fewer, larger messages; torch's default).
+ROTATE_METHODS = {"alltoall": "ALL_TO_ALL", "allgather": "ALL_GATHER"}
+
+
 @contextlib.contextmanager
-def _load_balance(on: bool) -> Iterator[None]:
-    """torch keeps the load-balance switch in a module global: set it for one call, then put it back."""
-    options = check_torch_api()["_cp_options"]
-    before = options.enable_load_balance  # type: ignore[attr-defined]
-    options.enable_load_balance = on  # type: ignore[attr-defined]
+def _options(load_balance: bool, rotate: str) -> Iterator[None]:
+    """torch keeps its CP switches in a module global: set them for one call, then put them back."""
+    api = check_torch_api()
+    options = api["_cp_options"]
+    before = options.enable_load_balance, options.rotate_method  # type: ignore[attr-defined]
+    options.enable_load_balance = load_balance  # type: ignore[attr-defined]
+    options.rotate_method = getattr(api["_RotateMethod"], ROTATE_METHODS[rotate])  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        options.enable_load_balance = before  # type: ignore[attr-defined]
+        options.enable_load_balance, options.rotate_method = before  # type: ignore[attr-defined]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_mesh, load_balance, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, cp_mesh, load_balance, scale, rotate):  # type: ignore[override]
         api = check_torch_api()
-        with _load_balance(load_balance):
+        with _options(load_balance, rotate):
             if q.device.type == "cuda":
                 outs = api["_scaled_dot_product_ring_flash_attention"](cp_mesh, q, k, v, 0.0, True, scale=scale)
                 out, rest = outs[0], outs[1:]
@@ -101,7 +110,7 @@ class _RingAttention(torch.autograd.Function):
                 rest = (lse,)
         ctx.save_for_backward(q, k, v, out, *(r for r in rest if isinstance(r, torch.Tensor)))
         ctx.extra = [r for r in rest if not isinstance(r, torch.Tensor)]
-        ctx.cp_mesh, ctx.load_balance, ctx.scale = cp_mesh, load_balance, scale
+        ctx.cp_mesh, ctx.load_balance, ctx.scale, ctx.rotate = cp_mesh, load_balance, scale, rotate
         return out
 
     @staticmethod
@@ -109,7 +118,7 @@ class _RingAttention(torch.autograd.Function):
         api = check_torch_api()
         q, k, v, out, *saved = ctx.saved_tensors
         dout = dout.contiguous()
-        with _load_balance(ctx.load_balance):
+        with _options(ctx.load_balance, ctx.rotate):
             if q.device.type == "cuda":
                 lse, cum_q, cum_k, philox_seed, philox_offset = saved[0], saved[1], saved[2], saved[3], saved[4]
                 max_q, max_k = ctx.extra[0], ctx.extra[1]
@@ -123,12 +132,12 @@ class _RingAttention(torch.autograd.Function):
                     grad_out=dout, grad_out_name="grad_out", query=q, key=k, value=v, out=out, logsumexp=saved[0],
                     is_causal=True, dropout_p=0.0, scale=ctx.scale,
                 )
-        return grads[0], grads[1], grads[2], None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None
 
 
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh, *, load_balance: bool = False,
-    scale: float | None = None,
+    scale: float | None = None, rotate: str = "alltoall",
 ) -> torch.Tensor:
     """Causal attention over the sequence shared by ``cp_mesh``'s ranks: this rank's rows of it.
 
@@ -138,6 +147,8 @@ def ring_attention(
         cp_mesh: the 1-D CP mesh, e.g. ``VESCALE_DEVICE_MESH["CP"]``.
         load_balance: whether the sequence was cut head-tail.
         scale: softmax scale (default ``1 / sqrt(head_dim)``).
+        rotate: ``"alltoall"`` (a true ring: each rank holds one extra key/value block, so attention
+            memory is about ``1/cp``) or ``"allgather"`` (torch's default: every block gathered at once).
 
     Returns:
         ``(B, H, T_local, head_dim)``: what ``F.scaled_dot_product_attention(..., is_causal=True)``
@@ -146,9 +157,11 @@ def ring_attention(
     """
     if not isinstance(cp_mesh, DeviceMesh) or cp_mesh.ndim != 1:
         raise TypeError(f"cp_mesh must be a 1-D DeviceMesh such as VESCALE_DEVICE_MESH['CP']; got {cp_mesh!r}")
+    if rotate not in ROTATE_METHODS:
+        raise ValueError(f"unknown rotate method {rotate!r}; choose from {list(ROTATE_METHODS)}")
     if cp_mesh.size() == 1:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return _RingAttention.apply(q, k, v, cp_mesh, load_balance, scale)
+    return _RingAttention.apply(q, k, v, cp_mesh, load_balance, scale, rotate)
 
 
 def _chunks(cp_rank: int, cp_size: int, load_balance: bool) -> tuple[int, tuple[int, ...]]:

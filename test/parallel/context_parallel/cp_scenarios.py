@@ -24,18 +24,18 @@ def compare(rank: int, world: int) -> dict:
         mesh = VeDeviceMesh()
         mesh.init_device_mesh("cpu", shape, mesh_dim_names=names)
         cp, r = mesh.get_strategy_size("CP"), mesh.lookup_rank("CP")
-        for balance in (False, True):
+        for balance, rotate in ((False, "alltoall"), (True, "alltoall"), (True, "allgather")):
             q, k, v, dout = _full(seed=7 + mesh.lookup_rank("DP"))
             ref = [t.clone().requires_grad_() for t in (q, k, v)]
             F.scaled_dot_product_attention(*ref, is_causal=True).backward(dout)
             ref_out = F.scaled_dot_product_attention(*ref, is_causal=True).detach()
             mine = [shard_sequence(t, r, cp, dim=2, load_balance=balance).clone().requires_grad_() for t in (q, k, v)]
-            y = ring_attention(*mine, mesh["CP"], load_balance=balance)
+            y = ring_attention(*mine, mesh["CP"], load_balance=balance, rotate=rotate)
             y.backward(shard_sequence(dout, r, cp, dim=2, load_balance=balance))
             cut = lambda t: shard_sequence(t, r, cp, dim=2, load_balance=balance)  # noqa: E731
             errors = [(y - cut(ref_out)).abs().max().item()]
             errors += [(m.grad - cut(t.grad)).abs().max().item() for m, t in zip(mine, ref)]
-            out[f"{name}{'-balanced' if balance else ''}"] = max(errors)
+            out[f"{name}{'-balanced' if balance else ''}-{rotate}"] = max(errors)
             out[f"{name}-positions{'-balanced' if balance else ''}"] = positions(T, r, cp, load_balance=balance).tolist()
         mesh.reset()
     return out
