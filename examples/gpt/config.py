@@ -55,8 +55,9 @@ class TrainConfig(BaseModel):
         True, description="with CP: torch's head-tail sharding (rank r holds chunks r and 2CP-1-r of each sequence), "
         "which evens out the causal work; off: one contiguous slice per rank"
     )
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
-        "1f1b", description="torch.distributed.pipelining schedule (interleaved: 2 stages per PP rank, round-robin)"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"] = Field(
+        "1f1b", description="torch.distributed.pipelining schedule (interleaved-1f1b, interleaved-zb: 2 stages per PP "
+        "rank, round-robin; zbv, dualpipev: 2 stages per PP rank in a V, the last stage on PP rank 0)"
     )
     microbatches: int | None = Field(None, ge=1, description="micro-batches per step with PP > 1 (default: 2 x PP)")
     distributed_optimizer: bool = Field(True, description="ZeRO-1 vemesh.optim.DistributedOptimizer (else plain AdamW)")
@@ -253,10 +254,10 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"--mesh-dims {','.join(self.mesh_dim_names)}: CP with PP > 1 is not supported by "
                                  "this example yet; use CP without PP, or PP without CP")
         if pp > 1:
-            stages = pp * (2 if self.pp_schedule == "interleaved-1f1b" else 1)
+            stages = pp * (2 if self.pp_schedule in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev") else 1)
             if stages > self.n_layer:
                 raise ValueError(
-                    f"--mesh-shape: {stages} pipeline stages ({'2 per PP rank with interleaved-1f1b, ' if stages > pp else ''}"
+                    f"--mesh-shape: {stages} pipeline stages ({f'2 per PP rank with {self.pp_schedule}, ' if stages > pp else ''}"
                     f"PP={pp}) cannot split --n-layer {self.n_layer}; use at most {self.n_layer} stages"
                 )
             m = self.microbatches if self.microbatches is not None else 2 * pp
@@ -270,8 +271,11 @@ class TrainConfig(BaseModel):
             if self.pp_schedule == "1f1b" and m < pp:
                 raise ValueError(f"--microbatches {m}: the 1f1b schedule needs at least one per stage ({pp})")
             rounds = max(1, m // pp)
-            if self.pp_schedule == "interleaved-1f1b" and m % rounds:
-                raise ValueError(f"--microbatches {m}: interleaved-1f1b needs a multiple of its {rounds} rounds (m // PP)")
+            if self.pp_schedule in ("interleaved-1f1b", "interleaved-zb") and m % rounds:
+                raise ValueError(f"--microbatches {m}: {self.pp_schedule} needs a multiple of its {rounds} rounds (m // PP)")
+            if self.pp_schedule in ("zbv", "dualpipev") and m < stages:
+                raise ValueError(f"--microbatches {m}: {self.pp_schedule} needs at least one per stage ({stages}: 2 per "
+                                 f"PP rank)")
         if self.fsdp:
             if pp > 1:
                 raise ValueError("--fsdp shards over DP on a (DP, TP) mesh; with PP > 1 use the default DDP + ZeRO-1")

@@ -7,9 +7,12 @@ checkpoint saved with PP=2 loads with PP=1 or PP=4. The schedules are torch's
 (``torch.distributed.pipelining``) on the group of ``VESCALE_DEVICE_MESH["PP"]``; nothing here
 schedules micro-batches itself.
 
-Stages go to PP ranks round-robin: with ``interleaved-1f1b`` and PP=2, PP rank 0 holds stages 0
-and 2, PP rank 1 holds stages 1 and 3. Where a rank must find another (the next stage, the rank
-that holds the loss), it asks the mesh: ``get_neighbor_rank("PP")``, ``get_global_rank({...})``.
+Stages go to PP ranks as the schedule requires. The looped schedules (``interleaved-1f1b``,
+``interleaved-zb``) place them round-robin: with PP=2, PP rank 0 holds stages 0 and 2, PP rank 1
+stages 1 and 3. The V-shaped ones (``zbv``, ``dualpipev``) fold the pipeline back: PP rank 0 holds
+stages 0 and 3, PP rank 1 stages 1 and 2, so the last stage (and the loss) sits on PP rank 0.
+Where a rank must find another (the next stage, the rank that holds the loss), it asks the mesh:
+``get_global_rank({"PP": owner})``.
 """
 from __future__ import annotations
 
@@ -18,17 +21,42 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from model import GPT, sample_next
 from vemesh import VESCALE_DEVICE_MESH
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+#: Schedules that run two stages per PP rank, and those of them that place stages in a V.
+MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
 
 
 def stages_per_rank(schedule: str) -> int:
-    """Virtual stages per PP rank: 2 for the interleaved schedule, else 1."""
-    return 2 if schedule == "interleaved-1f1b" else 1
+    """Virtual stages per PP rank: 2 for the interleaved and V-shaped schedules, else 1."""
+    return 2 if schedule in MULTI_STAGE else 1
+
+
+def stage_owner(stage: int, pp_size: int, schedule: str) -> int:
+    """The PP rank that holds ``stage``: round-robin, or folded back for a V (stage 3 of 4 on PP rank 0)."""
+    if schedule in V_SHAPED:
+        return stage if stage < pp_size else 2 * pp_size - 1 - stage
+    return stage % pp_size
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
@@ -48,9 +76,10 @@ def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
     return out
 
 
-def stage_indices(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
-    """The stages PP rank ``pp_rank`` holds, round-robin: rank 1 of 2 with 2 per rank holds [1, 3]."""
-    return [pp_rank + k * pp_size for k in range(per_rank)]
+def stage_indices(pp_rank: int, pp_size: int, schedule: str) -> list[int]:
+    """The stages PP rank ``pp_rank`` holds: rank 1 of 2 holds [1, 3] looped, [1, 2] in a V, [1] with one each."""
+    n_stages = pp_size * stages_per_rank(schedule)
+    return [s for s in range(n_stages) if stage_owner(s, pp_size, schedule) == pp_rank]
 
 
 def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
@@ -82,13 +111,17 @@ class Pipeline:
 
     def __init__(self, chunks: list[nn.Module], indices: list[int], n_stages: int, schedule: str,
                  n_microbatches: int, loss_fn, device: torch.device) -> None:
-        self.chunks, self.indices, self.n_stages = chunks, indices, n_stages
+        self.chunks, self.indices, self.n_stages, self.schedule_name = chunks, indices, n_stages, schedule
         self.pp_group = VESCALE_DEVICE_MESH["PP"].get_group()
         self.stages = [PipelineStage(c, i, n_stages, device, group=self.pp_group) for c, i in zip(chunks, indices)]
-        cls = SCHEDULES[schedule]
-        stages = self.stages if cls is ScheduleInterleaved1F1B else self.stages[0]
-        self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn)
+        stages = self.stages if schedule in MULTI_STAGE else self.stages[0]
+        self.schedule = SCHEDULES[schedule](stages, n_microbatches, loss_fn=loss_fn)
         self.has_first, self.has_last = 0 in indices, n_stages - 1 in indices
+        self.last_pp = self.owner(n_stages - 1)  # the PP rank that computes the loss
+
+    def owner(self, stage: int) -> int:
+        """The PP rank holding ``stage``."""
+        return stage_owner(stage, VESCALE_DEVICE_MESH.get_strategy_size("PP"), self.schedule_name)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one batch through every stage; the mean micro-batch loss on the last stage."""
@@ -102,20 +135,24 @@ class Pipeline:
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Run ``x`` through every stage, in stage order, without the schedule (for eval and sampling).
 
-        Activations go to the rank of the next stage, ``get_neighbor_rank("PP", wrap=True)`` (the
-        wrap takes the last stage of one round to the first rank again with interleaving).
-        Returns the logits on the rank holding the last stage, None elsewhere.
+        Activations go to the rank of the next stage's owner, ``get_global_rank({"PP": owner})``;
+        where one rank holds two consecutive stages (the tip of a V) they stay on it. Returns the
+        logits on the rank holding the last stage, None elsewhere.
         """
-        nxt = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", 1, wrap=True)
-        prev = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", -1, wrap=True)
         mine = dict(zip(self.indices, self.chunks))
         out = None
         for s in range(self.n_stages):
-            if s in mine:
-                h = x if s == 0 else _recv(prev, x.device)
-                out = mine[s](h)
-                if s < self.n_stages - 1:
-                    _send(out, nxt)
+            if s not in mine:
+                continue
+            if s == 0:
+                h = x
+            elif s - 1 in mine:
+                h = out
+            else:
+                h = _recv(VESCALE_DEVICE_MESH.get_global_rank({"PP": self.owner(s - 1)}), x.device)
+            out = mine[s](h)
+            if s < self.n_stages - 1 and s + 1 not in mine:
+                _send(out, VESCALE_DEVICE_MESH.get_global_rank({"PP": self.owner(s + 1)}))
         return out if self.has_last else None
 
 
@@ -137,30 +174,32 @@ def _recv(src: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-def layout_line(stages: list[int]) -> str:
-    """This rank's place in the pipeline, from the mesh: its stages, the ranks of the stages
-    around it, and the TP submesh of the next stage."""
+def layout_line(stages: list[int], schedule: str) -> str:
+    """This rank's place in the pipeline, from the mesh: its stages, where each one's next stage
+    lives, and the TP submesh of the next PP rank."""
     pp, stage = VESCALE_DEVICE_MESH.get_strategy_size("PP"), VESCALE_DEVICE_MESH.lookup_rank("PP")
-    prev = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", -1)
-    nxt = VESCALE_DEVICE_MESH.get_neighbor_rank("PP", 1)
+    n_stages = pp * stages_per_rank(schedule)
     nxt_tp = VESCALE_DEVICE_MESH.get_neighbor_submesh("TP", along="PP")
-    held = f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(map(str, stages))
-    return (f"rank {dist.get_rank()}: PP rank {stage} of {pp} ({held}), previous stage on rank {'-' if prev is None else prev}, "
-            f"next stage on rank {'-' if nxt is None else nxt}, next stage's TP submesh "
+    held = []
+    for s in stages:
+        nxt = "-" if s == n_stages - 1 else VESCALE_DEVICE_MESH.get_global_rank({"PP": stage_owner(s + 1, pp, schedule)})
+        held.append(f"stage {s} (next stage on rank {nxt})")
+    return (f"rank {dist.get_rank()}: PP rank {stage} of {pp}: {', '.join(held)}; next PP rank's TP submesh "
             f"{'-' if nxt_tp is None else nxt_tp.mesh.tolist()}")
 
 
-def to_rank0(value: torch.Tensor | None) -> float | None:
+def to_rank0(value: torch.Tensor | None, last_pp: int | None = None) -> float | None:
     """A scalar known on the last stage, delivered to global rank 0 (the others get None).
 
-    The sender is rank 0's counterpart on the last stage, ``get_global_rank({"PP": PP - 1})``
-    asked on rank 0 (and the same rank asked anywhere with DP and TP coordinates 0).
+    ``last_pp`` is the PP rank of the last stage (default PP - 1; PP rank 0 in a V). The sender is
+    rank 0's counterpart there, ``get_global_rank({"PP": last_pp})`` with the other coordinates 0.
     """
     rank = dist.get_rank()
-    last = VESCALE_DEVICE_MESH.get_strategy_size("PP") - 1
-    if last == 0:  # no pipeline: rank 0 computed it
+    pp = VESCALE_DEVICE_MESH.get_strategy_size("PP")
+    last = pp - 1 if last_pp is None else last_pp
+    if pp == 1:  # no pipeline: rank 0 computed it
         return None if rank or value is None else float(value)
-    src = VESCALE_DEVICE_MESH.get_global_rank({"PP": last, "DP": 0, "TP": 0})
+    src = VESCALE_DEVICE_MESH.get_global_rank({n: (last if n == "PP" else 0) for n in VESCALE_DEVICE_MESH.mesh_dim_names})
     if rank == src == 0:
         return float(value)
     if rank == src:
@@ -184,6 +223,6 @@ def generate(pipe: Pipeline, idx: torch.Tensor, max_new_tokens: int, block_size:
         if logits is not None:
             nxt = sample_next(logits[:, t - 1, :], generator=generator)
         # every stage needs the token for the next round: the last stage's PP rank shares it
-        dist.broadcast(nxt, group=pipe.pp_group, group_src=(pipe.n_stages - 1) % VESCALE_DEVICE_MESH.get_strategy_size("PP"))
+        dist.broadcast(nxt, group=pipe.pp_group, group_src=pipe.last_pp)
         idx = torch.cat((idx, nxt), dim=1)
     return idx

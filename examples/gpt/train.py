@@ -103,7 +103,7 @@ def dp_mean(value: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
 
 @torch.no_grad()
 def evaluate(forward, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, dp_size: int, dp_group,
-             device, cut=lambda t: t) -> float | None:
+             device, cut=lambda t: t, last_pp: int | None = None) -> float | None:
     """Mean loss over ``cfg.eval_batches`` fixed global batches of the held-out split, on global rank 0.
 
     ``forward(x)`` returns the logits, or None on a pipeline rank without the last stage; ``cut``
@@ -117,7 +117,7 @@ def evaluate(forward, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, d
         if logits is not None:
             losses.append(loss_fn(logits, y.to(device)))
     loss = dp_mean(torch.stack(losses).mean(), dp_group) if losses else None
-    return to_rank0(loss if loss is None else torch.tensor(loss))
+    return to_rank0(loss if loss is None else torch.tensor(loss), last_pp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +192,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     parts, stages = [model], [0]
     if pp_size > 1:  # this rank's stages: the full model with the other stages' blocks removed
         n_stages = pp_size * stages_per_rank(cfg.pp_schedule)
-        stages = stage_indices(VESCALE_DEVICE_MESH.lookup_rank("PP"), pp_size, stages_per_rank(cfg.pp_schedule))
+        stages = stage_indices(VESCALE_DEVICE_MESH.lookup_rank("PP"), pp_size, cfg.pp_schedule)
         parts = [cut_stage(model, s, n_stages) for s in stages]
         del model
     if tp_size > 1:
@@ -227,13 +227,14 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     print0(f"model: {n_params:,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else ""))
-    pipe = None
+    pipe, last_pp = None, None  # last_pp: the PP rank holding the last stage (and the loss)
     if pp_size > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
         lines = [None] * dist.get_world_size()
-        dist.all_gather_object(lines, layout_line(stages))
+        dist.all_gather_object(lines, layout_line(stages, cfg.pp_schedule))
         print0("\n".join(lines))
         layers = split_layers(cfg.n_layer, n_stages)
         pipe = Pipeline(chunks, stages, n_stages, cfg.pp_schedule, cfg.microbatches, loss_fn, device)
+        last_pp = pipe.last_pp
         print0(f"pipeline: {cfg.pp_schedule}, {n_stages} stages over PP={pp_size} (blocks per stage "
                f"{[len(b) for b in layers]}), {cfg.microbatches} micro-batches of "
                f"{cfg.global_batch_size // dp_size // cfg.microbatches} sequences per DP rank")
@@ -347,7 +348,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             optimizer.step()
 
         # the mean over the global batch, sent from the last stage to rank 0
-        train_loss = to_rank0(None if loss is None else torch.tensor(dp_mean(loss, dp_group)))
+        train_loss = to_rank0(None if loss is None else torch.tensor(dp_mean(loss, dp_group)), last_pp)
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                   "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bad,
@@ -360,7 +361,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             for c in chunks:
                 c.eval()
             record["eval_loss"] = evaluate(raw_model if pipe is None else pipe.forward, dataset, cfg,
-                                           dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group, device=device, cut=cut)
+                                           dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group, device=device, cut=cut,
+                                           last_pp=last_pp)
             for c in chunks:
                 c.train()
             if rank0:
