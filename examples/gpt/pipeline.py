@@ -179,7 +179,7 @@ def layout_line(stages: list[int], schedule: str) -> str:
     lives, and the TP submesh of the next PP rank."""
     pp, stage = VESCALE_DEVICE_MESH.get_strategy_size("PP"), VESCALE_DEVICE_MESH.lookup_rank("PP")
     n_stages = pp * stages_per_rank(schedule)
-    nxt_tp = VESCALE_DEVICE_MESH.get_neighbor_submesh("TP", along="PP")
+    nxt_tp = VESCALE_DEVICE_MESH.get_neighbor_submesh("TP", along="PP") if VESCALE_DEVICE_MESH.layout.has("TP") else None
     held = []
     for s in stages:
         nxt = "-" if s == n_stages - 1 else VESCALE_DEVICE_MESH.get_global_rank({"PP": stage_owner(s + 1, pp, schedule)})

@@ -218,9 +218,11 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         else:
             shard_mesh = VESCALE_DEVICE_MESH[grad_dim]
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in raw_model.h.values():
-            fully_shard(block, mesh=shard_mesh, mp_policy=mp)
-        chunks = [fully_shard(raw_model, mesh=shard_mesh, mp_policy=mp)]
+        chunks = []
+        for part in parts:  # with PP, each stage of this rank is sharded on its own (torchtitan's way)
+            for block in part.h.values():
+                fully_shard(block, mesh=shard_mesh, mp_policy=mp)
+            chunks.append(fully_shard(part, mesh=shard_mesh, mp_policy=mp))
     else:
         chunks = [DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce) for p in parts]
     model = chunks[0] if pp_size == 1 else chunks
@@ -401,8 +403,11 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         if pipe is None:
             with without_cp(raw_model):  # whole sequences: every CP rank holds every weight of its TP shard
                 out = raw_model.generate(prompt, cfg.sample_tokens, generator=gen)
-        else:  # a token at a time through the stages, along get_neighbor_rank("PP")
-            out = generate(pipe, prompt, cfg.sample_tokens, cfg.seq_len, generator=gen)
+        else:  # a token at a time through the stages, to the rank of the next stage
+            with contextlib.ExitStack() as whole:
+                for part in parts:
+                    whole.enter_context(without_cp(part))
+                out = generate(pipe, prompt, cfg.sample_tokens, cfg.seq_len, generator=gen)
         print0(f"sample after {cfg.steps} steps:\n{'-' * 60}\n{decode(out[0].tolist())}\n{'-' * 60}")
 
     print0(f"done in {time.perf_counter() - t_start:.1f}s")

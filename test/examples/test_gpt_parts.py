@@ -46,7 +46,7 @@ def test_negative_mesh_size_needs_no_equals_sign():
         (1, ["--mesh-shape", "2,2"], "2x2 needs 4 processes but the world has 1; launch with torchrun"),
         (4, ["--mesh-shape", "-1,3"], "-1,3 cannot fill a world of 4 processes"),
         (4, ["--mesh-shape", "-1,-1"], "at most one -1"),
-        (4, ["--mesh-shape", "2x2"], "--mesh-shape: expected DP,TP like 2,2 or -1,2, or PP,DP,TP like 2,2,1; got '2x2'"),
+        (4, ["--mesh-shape", "2x2"], "--mesh-shape: expected DP,TP like 2,2 or -1,2, PP,DP,TP like 2,2,1, or one size per --mesh-dims name; got '2x2'"),
         (1, ["--n-head", "5"], "--n-embd 192 is not divisible by --n-head 5"),
         (1, ["--steps", "ten"], "--steps: Input should be a valid integer"),
         (1, ["--dtype", "fp16"], "--dtype: Input should be 'fp32' or 'bf16'"),

@@ -66,8 +66,8 @@ def test_3d_mesh_on_8_processes(single, tmp_path):
     assert "mesh PP=2 x DP=2 x TP=2" in out
     assert "pipeline: 1f1b, 2 stages over PP=2 (blocks per stage [2, 2]), 4 micro-batches of 2 sequences per DP rank" in out
     # every rank's place, found through the mesh: rank 1 is stage 0 with its next stage on rank 5
-    assert "rank 1: PP rank 0 of 2 (stage 0), previous stage on rank -, next stage on rank 5, next stage's TP submesh [4, 5]" in out
-    assert "rank 6: PP rank 1 of 2 (stage 1), previous stage on rank 2, next stage on rank -, next stage's TP submesh -" in out
+    assert "rank 1: PP rank 0 of 2: stage 0 (next stage on rank 5); next PP rank's TP submesh [4, 5]" in out
+    assert "rank 6: PP rank 1 of 2: stage 1 (next stage on rank -); next PP rank's TP submesh -" in out
 
 
 def test_resume_across_pipeline_shapes(single, tmp_path):

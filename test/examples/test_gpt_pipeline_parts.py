@@ -23,9 +23,16 @@ def test_too_many_stages():
 
 
 def test_stages_go_round_robin():
-    assert stages_per_rank("interleaved-1f1b") == 2 and stages_per_rank("1f1b") == 1
-    assert [stage_indices(r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
-    assert [stage_indices(r, 4, 1) for r in range(4)] == [[0], [1], [2], [3]]
+    assert stages_per_rank("interleaved-1f1b") == 2 and stages_per_rank("1f1b") == 1 and stages_per_rank("zbv") == 2
+    assert [stage_indices(r, 2, "interleaved-1f1b") for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_indices(r, 2, "interleaved-zb") for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_indices(r, 4, "1f1b") for r in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_v_shaped_schedules_fold_the_pipeline_back():
+    for schedule in ("zbv", "dualpipev"):
+        assert [stage_indices(r, 2, schedule) for r in range(2)] == [[0, 3], [1, 2]]
+        assert [stage_indices(r, 4, schedule) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
 
 
 def test_stages_keep_the_full_models_names_and_compute_the_same():
@@ -64,9 +71,9 @@ def test_three_numbers_make_a_3d_mesh():
         (4, ["--mesh-shape", "2,2,1", "--n-layer", "4", "--microbatches", "3"],
          "--microbatches 3 does not divide the 16 sequences per DP rank (--global-batch-size 32 / DP 2)"),
         (4, ["--mesh-shape", "4,1,1", "--n-layer", "4", "--microbatches", "2"], "--microbatches 2: the 1f1b schedule needs at least one per stage (4)"),
-        (4, ["--mesh-shape", "2,2", "--microbatches", "4"], "--microbatches and --pp-schedule need a 3-D --mesh-shape PP,DP,TP"),
+        (4, ["--mesh-shape", "2,2", "--microbatches", "4"], "--microbatches and --pp-schedule need a PP dim"),
         (4, ["--mesh-shape", "2,2,2"], "2x2x2 needs 8 processes but the world has 4"),
-        (4, ["--mesh-shape", "2,1,2", "--pp-schedule", "zb"], "--pp-schedule: Input should be 'gpipe', '1f1b' or 'interleaved-1f1b'"),
+        (4, ["--mesh-shape", "2,1,2", "--pp-schedule", "zb"], "--pp-schedule: Input should be 'gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb', 'zbv' or 'dualpipev'"),
     ],
 )
 def test_bad_pipeline_config_is_one_line(world, argv, message):
