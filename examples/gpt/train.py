@@ -23,6 +23,14 @@ Pipeline x data x tensor parallelism on a 3-D (PP, DP, TP) mesh, with torch's sc
     torchrun --nproc_per_node=8 examples/gpt/train.py --mesh-shape 2,2,2 --n-layer 4
     torchrun --nproc_per_node=4 examples/gpt/train.py --mesh-shape 2,1,2 --n-layer 4 --pp-schedule interleaved-1f1b
 
+Four dims by name (--mesh-dims, from PP, DP, CP, TP in mesh order): context parallelism splits
+every sequence over mesh["CP"] (ring attention), FSDP2 runs under the pipeline, and every torch
+schedule is there (--pp-schedule zbv | dualpipev | interleaved-zb too):
+
+    torchrun --nproc_per_node=8 examples/gpt/train.py --mesh-dims DP,CP,TP --mesh-shape 2,2,2
+    torchrun --nproc_per_node=8 examples/gpt/train.py --mesh-dims PP,DP,CP --mesh-shape 2,2,2 --n-layer 4 --fsdp
+    torchrun --nproc_per_node=2 examples/gpt/train.py --mesh-shape 2,1,1 --n-layer 4 --pp-schedule zbv
+
 Checkpoints and recovery: save every 25 steps, resume automatically from the latest good
 checkpoint (on any mesh shape), and let torchrun restart a crashed worker. --fail-at-step
 makes the last rank exit at step 60 on the first attempt, to watch the recovery:
