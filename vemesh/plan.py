@@ -168,9 +168,11 @@ def plan_mesh(
         if degrees["CP"] > 1 and degrees["DP"] > dp_replicate:
             step("flatten", ("dp_shard", "CP"), "dp_shard_cp")
             step("flatten", ("dp_replicate", "dp_shard_cp"), "dp_cp")
+    if degrees["CP"] > 1 and degrees["DP"] > 1 and not layout.has("dp_cp"):  # gradients average over DP x CP
+        step("flatten", ("DP", "CP"), "dp_cp")
     if ep > 1:
         if degrees["CP"] > 1 and not layout.has("dp_cp"):
-            step("flatten", tuple(n for n in ("DP", "CP") if degrees[n] > 1), "dp_cp")
+            step("flatten", ("CP",), "dp_cp")
         folded = "dp_cp" if degrees["CP"] > 1 else "DP"
         if layout.named(folded).is_atom:  # a mesh dim: flatten it under its own name for a second factorization
             step("flatten", (folded,), "dp_ep")
