@@ -3,7 +3,7 @@
 Run (ranks spawned by the script; BENCHMARKS.md's "Context parallelism" figures come from it):
 
     OMP_NUM_THREADS=1 python bench/context_parallel.py --json bench/results/context_parallel.json
-    python bench/context_parallel.py --quick      # smoke run (a test runs it)
+    python bench/context_parallel.py --quick      # smoke run on CP 1 and 2 only (a test runs it)
 
 **Memory.** On 4 gloo ranks, mesh ``(DP, CP) = (4 / CP, CP)``: each rank runs one causal
 attention (B=1, H=4, head_dim=64) forward and backward on its ``seq / CP`` tokens, with
@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, a few rounds (the smoke test)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-    seq_lens, rounds, step_seq = ([256], 3, 256) if args.quick else ([1024, 2048], 15, 1024)
-    memory = run_on_ranks(4, _memory_worker, seq_lens, [1, 2, 4])
+    seq_lens, rounds, step_seq, cps = ([256], 2, 256, [1, 2]) if args.quick else ([1024, 2048], 15, 1024, [1, 2, 4])
+    memory = run_on_ranks(max(cps), _memory_worker, seq_lens, cps)
     steps = run_on_ranks(2, _step_worker, step_seq, rounds, 2)
     print("attention forward + backward, peak MemTracker bytes per rank (largest rank), B=1 H=4 head_dim=64:")
     print(f"  {'seq':>6} {'CP':>3} {'sharding':>11} {'peak MiB':>9} {'/ CP=1':>7} {'1/CP':>6} {'/ CP=2':>7}")
     for seq in seq_lens:
         base = memory[f"seq{seq}_cp1"]
-        for cp, tag in ((1, ""), (2, ""), (2, "_balanced"), (4, ""), (4, "_balanced")):
+        for cp, tag in [(c, t) for c in cps for t in (("",) if c == 1 else ("", "_balanced"))]:
             peak = memory[f"seq{seq}_cp{cp}{tag}"]
             two = peak / memory[f"seq{seq}_cp2{tag}"] if cp > 1 else float("nan")
             kind = "whole" if cp == 1 else ("head-tail" if tag else "contiguous")

@@ -1,10 +1,12 @@
-"""The GPT example on a 3-D (PP, DP, TP) mesh, launched as a user launches it (torchrun, gloo).
+"""The GPT example on a pipelined mesh, launched as a user launches it (torchrun, gloo).
 
 Exactness: with dropout off, the same seed and global batch, every step's loss on a pipelined
 mesh equals the one-process loss (``--mesh-shape 1,1,1``) within 1e-4: torch's schedules
 split each DP rank's batch into equal micro-batches and scale the summed gradients by
-1/micro-batches, so the update is the one-process update. A checkpoint saved with PP=2 resumes
-with PP=1 on another DP x TP and continues the same curve.
+1/micro-batches, so the update is the one-process update. That holds for every torch 2.13
+schedule (the zero-bubble ones at DP=1), for FSDP2 under the pipeline, and for PP with CP. A
+checkpoint saved by FSDP2 with PP=2 resumes on DDP + ZeRO-1 with PP=1 on another DP x TP, and
+with PP=4, and continues the same curve.
 """
 
 from __future__ import annotations
@@ -49,18 +51,25 @@ def _same_curve(run, single, first_step=1):
         (4, "2,2,1", ["--pp-schedule", "gpipe"]),
         (4, "2,1,2", ["--pp-schedule", "interleaved-1f1b"]),
         (4, "4,1,1", ["--microbatches", "8"]),
+        (2, "2,1,1", ["--pp-schedule", "zbv"]),
+        (2, "2,1,1", ["--pp-schedule", "dualpipev"]),
+        (2, "2,1,1", ["--pp-schedule", "interleaved-zb"]),
+        (8, "2,2,2", ["--mesh-dims", "PP,DP,CP", "--fsdp"]),  # FSDP2 over DP x CP under the pipeline
     ],
-    ids=["pp2-dp2-gpipe", "pp2-tp2-interleaved-1f1b", "pp4-8-microbatches"],
+    ids=["pp2-dp2-gpipe", "pp2-tp2-interleaved-1f1b", "pp4-8-microbatches", "pp2-zbv", "pp2-dualpipev",
+         "pp2-interleaved-zb", "pp2-dp2-cp2-fsdp"],
 )
 def test_pipeline_matches_single_process(single, tmp_path, nproc, mesh, extra):
-    run = run_train(TINY + ["--mesh-shape", mesh, *extra], tmp_path, nproc=nproc)
+    run = run_train(TINY + ["--mesh-shape", mesh, *extra], tmp_path, nproc=nproc, timeout=400)
     _same_curve(run, single)
     assert "sample after 6 steps:" in run.stdout
+    if "zbv" in extra or "dualpipev" in extra:  # V-shaped: the last stage, and the loss, on PP rank 0
+        assert "rank 0: PP rank 0 of 2: stage 0 (next stage on rank 1), stage 3 (next stage on rank -)" in run.stdout
 
 
 def test_3d_mesh_on_8_processes(single, tmp_path):
-    """(PP, DP, TP) = (2, 2, 2), the default 1f1b schedule: the README's 8-process command."""
-    run = run_train(TINY + ["--mesh-shape", "2,2,2"], tmp_path, nproc=8, timeout=400)
+    """(PP, DP, TP) = (2, 2, 2), the default 1f1b schedule: the README's 8-process command, with FSDP2 on each stage."""
+    run = run_train(TINY + ["--mesh-shape", "2,2,2", "--fsdp"], tmp_path, nproc=8, timeout=400)
     _same_curve(run, single)
     out = run.stdout
     assert "mesh PP=2 x DP=2 x TP=2" in out
@@ -71,9 +80,10 @@ def test_3d_mesh_on_8_processes(single, tmp_path):
 
 
 def test_resume_across_pipeline_shapes(single, tmp_path):
-    """Save on (2,2,1) after 3 steps; resume on (1,2,2) and on (4,1,1); steps 4 onward match the uninterrupted run."""
+    """Save with FSDP2 on (2,2,1) after 3 steps; resume with DDP + ZeRO-1 on (1,2,2) and on (4,1,1); steps 4
+    onward match the uninterrupted run."""
     ckpt = tmp_path / "ckpt"
-    first = run_train(TINY + ["--mesh-shape", "2,2,1", "--steps", "6", "--fail-at-step", "4",
+    first = run_train(TINY + ["--mesh-shape", "2,2,1", "--fsdp", "--steps", "6", "--fail-at-step", "4",
                               "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"], tmp_path, nproc=4)
     assert first.returncode != 0 and (ckpt / "step_000003").is_dir(), first.describe()
     ckpt4 = tmp_path / "ckpt4"
