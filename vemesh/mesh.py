@@ -264,11 +264,10 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
 
         ``get_strategy_coordinate(5)`` is ``[1, 0, 1]`` whichever rank asks.
         """
-        layout = self.layout
         if rank is None:
             self._my_rank()
             return list(self._coordinate)
-        return list(layout.coordinate(rank))
+        return list(self.layout.coordinate(rank))
 
     def get_global_rank(self, coordinate: Sequence[int] | Mapping[Dims, int]) -> int:
         """Global rank at a coordinate: the inverse of :meth:`get_strategy_coordinate`.

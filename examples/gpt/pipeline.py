@@ -16,6 +16,7 @@ Where a rank must find another (the next stage, the rank that holds the loss), i
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -45,6 +46,10 @@ SCHEDULES = {
 #: Schedules that run two stages per PP rank, and those of them that place stages in a V.
 MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
+#: Schedules that split backward into an input pass and a later weight pass. torch adds the weight
+#: gradients by hand (``weight.grad += dw`` after ``torch.autograd.grad``), so no gradient hook sees
+#: them: a DDP wrapper must average once, after the whole schedule, not at the end of each backward.
+ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -128,7 +133,13 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
+        late = self.schedule_name in ZERO_BUBBLE  # weight gradients arrive outside backward's hooks
+        with contextlib.ExitStack() as local:
+            for chunk in self.chunks if late else ():
+                local.enter_context(chunk.no_sync())  # accumulate locally through every pass...
+            self.schedule.step(*args, **kwargs)
+        for chunk in self.chunks if late else ():
+            chunk.finish_grad_sync(force=True)  # ...then average what the input and weight passes left, once
         return torch.stack(losses).mean() if self.has_last else None
 
     @torch.no_grad()

@@ -336,16 +336,24 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return self._main_grad_like
 
     # --------------------------------------------------------------- public API
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force: bool = False) -> None:
         """Average gradients accumulated under :meth:`no_sync` now; otherwise do nothing.
 
         Backward already averages when it ends (outside ``no_sync()``), so this is only needed
         to average a ``no_sync()`` accumulation without another backward. Safe to call any
         number of times; every DP rank must make the same calls.
+
+        Args:
+            force: average every ``param.grad`` now, even if no backward pass left anything
+                unaveraged. For code that writes gradients where no gradient hook sees them:
+                torch's zero-bubble pipeline schedules compute weight gradients with
+                ``torch.autograd.grad`` and add them by hand (``weight.grad += dw``). Averaging
+                again is exact for what an earlier pass already averaged (it is the same on
+                every rank).
         """
         if self._in_backward:
             raise RuntimeError("finish_grad_sync() was called during a backward pass; call it after backward returns")
-        if self._unsynced:
+        if self._unsynced or force:
             self._sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
