@@ -44,3 +44,13 @@ def test_ring_attention_equals_one_process_on_4_gloo_ranks():
                 assert err < 1e-5, (rank, key, err)
         assert res["cp4-positions"] == list(range(8 * rank, 8 * rank + 8))
         assert sorted(p for r in results for p in r["cp4-positions-balanced"]) == list(range(32))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the ranks share it over gloo)")
+def test_ring_attention_on_cuda_equals_one_process():
+    """The CUDA branch: torch's ring flash attention in bf16, 4 gloo ranks sharing one GPU."""
+    for rank, res in enumerate(run_ranks(compare, 4, "cuda")):
+        for key, err in res.items():
+            if "positions" not in key:
+                assert err < 5e-2, (rank, key, err)
