@@ -132,10 +132,7 @@ class Group:
 
     def index(self, x: int) -> int:
         """Position ``x``'s index inside its group (row-major over the modes)."""
-        index = 0
-        for size, stride in self.modes:
-            index = index * size + (x // stride) % size
-        return index
+        return _digits(x, self.modes)
 
     def base(self, x: int) -> int:
         """The first member of ``x``'s group: ``x`` with its digits along the modes set to zero."""
@@ -145,10 +142,7 @@ class Group:
 
     def place(self, base: int, index: int) -> int:
         """The member at ``index`` of the group whose first member is ``base``."""
-        for size, stride in reversed(self.modes):
-            index, digit = divmod(index, size)
-            base += digit * stride
-        return base
+        return base + _offset(index, self.modes)
 
     def offsets(self) -> list[int]:
         """Each member's distance from the group's first member, in member order."""
@@ -163,24 +157,34 @@ class Group:
 
     def which(self, x: int) -> int:
         """Which group holds ``x``, counting groups row-major over the other modes."""
-        index = 0
-        for size, stride in self.others:
-            index = index * size + (x // stride) % size
-        return index
+        return _digits(x, self.others)
 
     def first_of(self, k: int) -> int:
         """The first member of group number ``k``."""
-        base = 0
-        for size, stride in reversed(self.others):
-            k, digit = divmod(k, size)
-            base += digit * stride
-        return base
+        return _offset(k, self.others)
 
     def firsts(self) -> list[int]:
         """The first member of every group, in group order."""
         if self._firsts is None:
             self._firsts = _span(self.others)
         return self._firsts
+
+
+def _digits(x: int, modes: Modes) -> int:
+    """``x``'s digits along ``modes``, read as one row-major number (outermost mode most significant)."""
+    index = 0
+    for size, stride in modes:
+        index = index * size + (x // stride) % size
+    return index
+
+
+def _offset(index: int, modes: Modes) -> int:
+    """The inverse of :func:`_digits` from position 0: the offset whose digits along ``modes`` spell ``index``."""
+    offset = 0
+    for size, stride in reversed(modes):
+        index, digit = divmod(index, size)
+        offset += digit * stride
+    return offset
 
 
 def _span(modes: Modes) -> list[int]:
