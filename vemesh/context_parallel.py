@@ -31,6 +31,7 @@ import inspect
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["check_torch_api", "positions", "ring_attention", "shard_sequence"]
@@ -108,8 +109,10 @@ class _RingAttention(torch.autograd.Function):
                     query=q, key=k, value=v, is_causal=True, dropout_p=0.0, scale=scale,
                 )[:2]
                 rest = (lse,)
-        ctx.save_for_backward(q, k, v, out, *(r for r in rest if isinstance(r, torch.Tensor)))
-        ctx.extra = [r for r in rest if not isinstance(r, torch.Tensor)]
+        # The flash op's outputs after ``out``, in order: tensors (None where the op leaves one undefined,
+        # as cum_seq_q/k for dense inputs) are saved in their order, the ints (max_q, max_k) kept aside.
+        ctx.save_for_backward(q, k, v, out, *(r for r in rest if r is None or isinstance(r, torch.Tensor)))
+        ctx.extra = [r for r in rest if not (r is None or isinstance(r, torch.Tensor))]
         ctx.cp_mesh, ctx.load_balance, ctx.scale, ctx.rotate = cp_mesh, load_balance, scale, rotate
         return out
 
@@ -161,6 +164,10 @@ def ring_attention(
         raise ValueError(f"unknown rotate method {rotate!r}; choose from {list(ROTATE_METHODS)}")
     if cp_mesh.size() == 1:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if rotate == "allgather" and q.device.type == "cuda" and "gloo" in str(dist.get_backend(cp_mesh.get_group())):
+        # Seen on an H100 with torch 2.11: the gathered rotation of CUDA tensors over gloo kills the process (SIGSEGV).
+        raise ValueError("rotate='allgather' with CUDA tensors needs an nccl CP group (over gloo it crashes the "
+                         "process); use rotate='alltoall', or build the mesh on 'cuda'")
     return _RingAttention.apply(q, k, v, cp_mesh, load_balance, scale, rotate)
 
 

@@ -52,5 +52,6 @@ def test_ring_attention_on_cuda_equals_one_process():
     """The CUDA branch: torch's ring flash attention in bf16, 4 gloo ranks sharing one GPU."""
     for rank, res in enumerate(run_ranks(compare, 4, "cuda")):
         for key, err in res.items():
-            if "positions" not in key:
+            if "positions" not in key and "refused" not in key:
                 assert err < 5e-2, (rank, key, err)
+        assert "needs an nccl CP group" in res["allgather-refused"]
