@@ -69,6 +69,11 @@ class TrainConfig(BaseModel):
         1, ge=1, description="with --fsdp: split DP into dp_replicate x dp_shard (HSDP: shards within a dp_shard "
         "group, replicas across dp_replicate)"
     )
+    ep: int = Field(
+        1, ge=1, description="expert parallelism with --moe-experts: each rank of an EP group holds 1/EP of the "
+        "experts, tokens travel to them by all-to-all. EP folds over the DP (x CP) ranks (it must divide DP x CP); "
+        "experts are averaged over the EDP = DP x CP / EP ranks that hold the same ones"
+    )
     overlap_grad_reduce: bool = Field(True, description="start each gradient bucket's all-reduce during backward")
     sequence_parallel: bool = Field(False, description="shard activations along the sequence between TP regions")
     timeout_s: float = Field(600.0, gt=0, description="seconds a rank waits for the others, at start-up and in every collective")
@@ -87,6 +92,13 @@ class TrainConfig(BaseModel):
     n_embd: int = Field(192, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     seq_len: int = Field(64, ge=2, description="tokens per sequence (also the model's block size)")
+    moe_experts: int = Field(0, ge=0, description="mixture of experts: replace the MLP with this many experts and a "
+                             "router (0: dense MLPs)")
+    moe_top_k: int = Field(2, ge=1, description="with --moe-experts: experts per token (top-k softmax router)")
+    moe_every: int = Field(1, ge=1, description="with --moe-experts: blocks 0, N, 2N, ... get the MoE, the others "
+                           "keep their MLP")
+    moe_aux_loss_coef: float = Field(0.0, ge=0.0, description="with --moe-experts: weight of the load-balancing "
+                                     "loss (Switch Transformer's), added to the training loss (0: off)")
 
     # ---- optimization
     steps: int = Field(200, ge=1)
@@ -290,6 +302,7 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"--dp-replicate {self.dp_replicate} does not divide the DP size {dp} (choose from {divisors})")
         elif "dp_replicate" in self.model_fields_set:
             raise ValueError(f"--dp-replicate {self.dp_replicate} splits DP for HSDP; it needs --fsdp")
+        self._check_moe()
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
         if self.n_head % tp:
@@ -333,6 +346,35 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--fail-at-step {self.fail_at_step} is after the last step (--steps {self.steps})")
         return self
 
+    def _check_moe(self) -> None:
+        E, k, ep = self.moe_experts, self.moe_top_k, self.ep
+        given = sorted(f for f in ("moe_top_k", "moe_every", "moe_aux_loss_coef", "ep") if f in self.model_fields_set)
+        if not E:
+            if given:
+                raise ValueError(f"{', '.join(_flag(f) for f in given)} applies to a mixture of experts; add "
+                                 "--moe-experts E")
+            return
+        if k > E:
+            raise ValueError(f"--moe-top-k {k} is more than the {E} experts of --moe-experts; choose 1..{E}")
+        folded = self.dp_size * self.cp_size
+        if folded % ep:
+            divisors = ", ".join(str(d) for d in range(1, folded + 1) if folded % d == 0)
+            raise ValueError(f"--ep {ep} does not divide DP x CP = {self.dp_size} x {self.cp_size} = {folded}: EP folds "
+                             f"over the data-parallel ranks (choose from {divisors})")
+        if E % ep:
+            divisors = ", ".join(str(d) for d in range(1, E + 1) if E % d == 0 and folded % d == 0)
+            raise ValueError(f"--ep {ep} does not divide the {E} experts of --moe-experts (each EP rank holds E / EP; "
+                             f"choose from {divisors})")
+        if self.pp_size > 1:
+            raise ValueError("--moe-experts with a PP dim is not supported yet (the load-balancing loss and the expert "
+                             "all-to-all under torch's schedules are untested); drop PP or the MoE")
+        if self.sequence_parallel:
+            raise ValueError("--moe-experts with --sequence-parallel is not supported: the router needs every token of "
+                             "the TP group; drop --sequence-parallel")
+        if self.fsdp and self.dp_replicate > 1 and ep > 1:
+            raise ValueError("--ep with --dp-replicate (HSDP) is not supported: the experts shard over EDP only; "
+                             "drop --dp-replicate")
+
     @property
     def grad_accum(self) -> int:
         """Passes per step on each DP rank (derived from the world: DP changes, the global batch does not)."""
@@ -351,7 +393,9 @@ class TrainConfig(BaseModel):
     def n_params(self) -> int:
         """Parameters of the full model (blocks, embeddings, head), before any sharding."""
         C, V, L = self.n_embd, 256, self.n_layer
-        return L * (12 * C * C + 13 * C) + 2 * V * C + self.seq_len * C + 2 * C
+        dense = L * (12 * C * C + 13 * C) + 2 * V * C + self.seq_len * C + 2 * C
+        moe_layers = len(range(0, L, self.moe_every)) if self.moe_experts else 0  # each: E - 1 more MLPs, a router
+        return dense + moe_layers * ((self.moe_experts - 1) * (8 * C * C + 5 * C) + self.moe_experts * C)
 
     def memory_estimate(self) -> tuple[int, int]:
         """(bytes one process needs at most, bytes of memory per process on this host), roughly.

@@ -7,7 +7,12 @@ attention splits heads with ``view(B, T, -1, head_dim)`` (under TP each rank hol
 each attention layer calls its ``attention`` attribute, plain causal SDPA unless CP
 swaps in ring attention.
 
-Shapes: B = batch, T = sequence length, C = n_embd, V = vocab_size, H = heads.
+With ``moe_experts`` > 0, the MLP of every ``moe_every``-th block is a mixture of experts
+(:class:`MoE`): a top-k softmax router and E expert MLPs, no token ever dropped. Expert
+parallelism is applied from the outside too (``ep.py``), through the MoE's ``dispatch``.
+
+Shapes: B = batch, T = sequence length, C = n_embd, V = vocab_size, H = heads, N = tokens
+(B x T), E = experts, k = experts per token.
 """
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ class GPTConfig:
     n_embd: int = 192
     dropout: float = 0.0
     bias: bool = True
+    moe_experts: int = 0  # 0: every block has a dense MLP; E: mixture-of-experts blocks with E experts each
+    moe_top_k: int = 2  # experts per token
+    moe_every: int = 1  # with moe_experts: blocks 0, N, 2N, ... get the MoE, the others keep the MLP
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -74,13 +82,81 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(x))  # (B, T, C)
 
 
-class Block(nn.Module):
+class Experts(nn.ModuleDict):
+    """Expert MLPs keyed by expert number; called on tokens grouped by expert, in key order.
+
+    ``experts(tokens, counts)``: ``tokens`` (n, C) hold ``counts[i]`` rows for the i-th expert held
+    here; the result (n, C) is in the same order. (A module with a forward, so that FSDP2 can shard
+    the experts on their own.)
+    """
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        runs = tokens.split(counts.tolist())
+        return torch.cat([expert(run) for expert, run in zip(self.values(), runs)]) if runs else tokens
+
+
+def local_dispatch(tokens: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Every expert is here: run them. Expert parallelism (``ep.py``) swaps in an all-to-all exchange."""
+    return experts(tokens, counts)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP: a top-k softmax router over E expert MLPs.
+
+    Each token goes to its k most likely experts, and its output is their outputs weighted by the
+    router's probabilities, renormalized over the k (Mixtral). There is no capacity limit, so no
+    token is ever dropped and the result does not depend on how tokens are grouped into batches.
+
+    After each forward the module keeps ``load`` (E,), the token slots each expert received (and
+    in training mode adds them to ``load_sum``, which the training loop reads and clears), and
+    ``aux_loss``, Switch Transformer's load-balancing loss ``E * sum_i f_i * P_i`` (f_i: the share of
+    token slots routed to expert i; P_i: the mean router probability of expert i). ``count`` (a
+    function, identity by default) may sum the slot counts over the ranks that share the batch, so
+    that f_i is the share over the whole batch.
+
+    ``dispatch(tokens, counts, experts)`` runs the experts on tokens grouped by expert number; it is
+    :func:`local_dispatch` unless expert parallelism replaces it, and ``experts`` then holds only this
+    rank's experts (still keyed by their global numbers).
+    """
+
     def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
+        self.router = nn.Linear(config.n_embd, config.moe_experts, bias=False)
+        self.experts = Experts({str(i): MLP(config) for i in range(config.moe_experts)})
+        self.dispatch = local_dispatch  # a plain attribute, not a module: EP replaces it
+        self.count = lambda counts: counts  # EP (or DP) replaces it with a sum over the batch's ranks
+        self.load: torch.Tensor | None = None
+        self.load_sum: torch.Tensor | None = None  # summed over training forwards until the loop reads and clears it
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        flat = x.reshape(-1, C)  # (N, C)
+        probs = F.softmax(self.router(flat).float(), dim=-1)  # (N, E), fp32
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)  # (N, k)
+        slots = chosen.reshape(-1)  # (N * k,): the expert of each (token, choice)
+        order = slots.argsort(stable=True)  # slots grouped by expert, tokens in order within each
+        counts = torch.bincount(slots, minlength=self.n_experts)  # (E,)
+        out = self.dispatch(flat[order // self.top_k], counts, self.experts)  # (N * k, C), grouped by expert
+        y = out[order.argsort()]  # (N * k, C), back in (token, choice) order
+        y = (y.view(-1, self.top_k, C) * weights.unsqueeze(-1)).sum(dim=1)  # (N, C)
+        self.load = counts.detach()
+        if self.training:
+            self.load_sum = counts.detach() if self.load_sum is None else self.load_sum + counts.detach()
+        share = self.count(counts.to(torch.float32))  # slots per expert over the batch's ranks: f_i up to a factor
+        self.aux_loss = self.n_experts * (share / share.sum() * probs.mean(dim=0)).sum()
+        return y.view(B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, moe: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if moe else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
@@ -97,7 +173,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         # Keyed by layer number, so that a pipeline stage that keeps only some blocks (and
         # drops wte/wpe or ln_f/lm_head, setting them to None) keeps the full model's names.
-        self.h = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.h = nn.ModuleDict({
+            str(i): Block(config, moe=config.moe_experts > 0 and i % config.moe_every == 0) for i in range(config.n_layer)
+        })
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # Not tied to wte (nanoGPT ties them): under TP the two would need the
         # same sharding, and at V=256 the saving is small.
@@ -117,6 +195,14 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def moe_layers(self) -> list[MoE]:
+        """The mixture-of-experts layers present (none for a dense model, or a stage without them)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """The sum of the MoE layers' load-balancing losses from the last forward (0.0 without MoE)."""
+        return sum((m.aux_loss for m in self.moe_layers() if m.aux_loss is not None), 0.0)
 
     def num_params(self) -> int:
         # DTensor parameters report their global numel, so this is the same

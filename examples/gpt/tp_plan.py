@@ -18,6 +18,9 @@ DDP and checkpointing see one kind of parameter:
     lm_head        Shard(0): vocab rows         Replicate (all-gather)
     =============  ==========================  ===========================
 
+A mixture-of-experts layer splits each expert as the MLP (expert TP equals TP) and keeps the
+router whole on every TP rank, so every TP rank routes the same tokens the same way.
+
 The loss is exact: the logits are all-gathered (V = 256 bytes, cheap) and every
 TP rank computes the same full cross-entropy on the same batch.
 
@@ -119,5 +122,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     q/k/v, the second half of every ``c_fc`` and byte ids 128-255 of ``wte``.
     """
     plan = gpt_tp_plan(model.h.keys(), sequence_parallel=sequence_parallel)
-    present = {name for name, _ in model.named_modules()}  # a pipeline stage lacks some of them
+    names = [name for name, _ in model.named_modules()]  # in module order: every rank shards in the same order
+    present = set(names)  # a pipeline stage lacks some of them
+    for name in names:  # mixture-of-experts layers: each expert as an MLP (expert TP = TP), the router whole
+        if name.endswith(".router"):
+            plan[name] = ReplicateParallel()
+        elif ".experts." in name and name.endswith((".c_fc", ".c_proj")):
+            plan[name] = ColwiseParallel() if name.endswith(".c_fc") else RowwiseParallel()
     return parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if k in present})

@@ -70,6 +70,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from config import ConfigError, TrainConfig
 from cp import apply_cp, shard_batch, without_cp
+from ep import apply_ep, expert_parameters, fold_experts, sum_counts, take_load
+from ep import layout_line as expert_layout_line
 from data import VOCAB_SIZE, ByteDataset, decode, encode
 from model import GPT, GPTConfig
 from pipeline import Pipeline, cut_stage, generate, layout_line, split_layers, stage_indices, stages_per_rank, to_rank0
@@ -174,6 +176,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         grad_dim = "dp_cp"
         VESCALE_DEVICE_MESH.flatten(tuple(n for n in VESCALE_DEVICE_MESH.mesh_dim_names if n in ("DP", "CP")
                                           or n in ("dp_replicate", "dp_shard")), grad_dim)
+    if cfg.ep > 1:  # MoE parallel folding: the DP (x CP) ranks split again, as (EDP, EP)
+        fold_experts(VESCALE_DEVICE_MESH, grad_dim, cfg.ep)
     dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
     dp_group = VESCALE_DEVICE_MESH.get_group(grad_dim)
     cp_mesh = VESCALE_DEVICE_MESH["CP"] if cp_size > 1 else None
@@ -193,7 +197,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     # ----------------------------------------------------------------- model
     torch.manual_seed(cfg.seed)  # every rank builds the same weights before they are sharded
     model_config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.seq_len, n_layer=cfg.n_layer,
-                             n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
+                             n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout,
+                             moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every)
     # FSDP2 keeps fp32 parameters and computes in bf16 (its MixedPrecisionPolicy), as ZeRO-1 keeps fp32 masters
     model = GPT(model_config).to(device=device, dtype=torch.float32 if cfg.fsdp else dtype)
     n_params = model.num_params()
@@ -203,6 +208,18 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         stages = stage_indices(VESCALE_DEVICE_MESH.lookup_rank("PP"), pp_size, cfg.pp_schedule)
         parts = [cut_stage(model, s, n_stages) for s in stages]
         del model
+    if cfg.ep > 1:  # each EP rank keeps E / EP experts; tokens reach them by all-to-all over mesh["EP"]
+        parts = [apply_ep(p, VESCALE_DEVICE_MESH["EP"]) for p in parts]
+        lines = [None] * dist.get_world_size()
+        dist.all_gather_object(lines, expert_layout_line(VESCALE_DEVICE_MESH, cfg.moe_experts))
+        print0(f"expert parallel: EP={cfg.ep} folded over {grad_dim} ({dp_size * cp_size} ranks), EDP="
+               f"{dp_size * cp_size // cfg.ep}; {cfg.moe_experts // cfg.ep} of {cfg.moe_experts} experts per rank, "
+               f"top-{cfg.moe_top_k}; dense gradients averaged over {grad_dim}, expert gradients over EDP")
+        print0("\n".join(lines))
+    if cfg.moe_aux_loss_coef and dist.get_world_size(dp_group) > 1:  # the balance loss sees the whole batch's routing
+        for p in parts:
+            for moe in p.moe_layers():
+                moe.count = sum_counts(dp_group)
     if tp_size > 1:
         parts = [apply_tp(p, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel) for p in parts]
     if cp_mesh is not None:  # ring attention over mesh["CP"], global positions
@@ -229,13 +246,24 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         chunks = []
         for part in parts:  # with PP, each stage of this rank is sharded on its own (torchtitan's way)
             for block in part.h.values():
+                if cfg.ep > 1 and hasattr(block.mlp, "experts"):  # experts shard over EDP, summed there, / DP x CP
+                    fully_shard(block.mlp.experts, mesh=VESCALE_DEVICE_MESH["EDP"], mp_policy=mp)
+                    block.mlp.experts.set_gradient_divide_factor(float(dp_size * cp_size))
+                    if dp_size * cp_size > cfg.ep:  # EDP > 1: sum, then divide (gloo has no PREMUL_SUM); on one
+                        block.mlp.experts.set_force_sum_reduction_for_comms(True)  # rank torch 2.13 would divide twice
                 fully_shard(block, mesh=shard_mesh, mp_policy=mp)
             chunks.append(fully_shard(part, mesh=shard_mesh, mp_policy=mp))
     else:
-        chunks = [DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce) for p in parts]
+        edp = dict(expert_data_parallel=VESCALE_DEVICE_MESH["EDP"]) if cfg.ep > 1 else {}
+        chunks = [DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce,
+                      **edp, **({"expert_parameters": expert_parameters(p)} if edp else {})) for p in parts]
     model = chunks[0] if pp_size == 1 else chunks
+    # the experts as they are now (TP and FSDP2 replace parameters), for the gradient norm
+    expert_norm = dict(expert_parameters=[q for p in parts for q in expert_parameters(p)],
+                       expert_groups=[VESCALE_DEVICE_MESH.get_group("EP")]) if cfg.ep > 1 else {}
     print0(f"model: {n_params:,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
+           + (f" moe_experts={cfg.moe_experts} top_k={cfg.moe_top_k}" if cfg.moe_experts else "")
            + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else ""))
     pipe, last_pp = None, None  # last_pp: the PP rank holding the last stage (and the loss)
     if pp_size > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
@@ -322,16 +350,21 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         if pipe is None:
             # grad_accum passes over equal slices; all but the last accumulate without DP communication
             passes = list(zip(x.chunk(grad_accum), y.chunk(grad_accum)))
-            loss = 0.0
+            loss, aux_total = 0.0, 0.0
             for i, (xs, ys) in enumerate(passes):
                 with gradient_sync(model, i == len(passes) - 1):
                     part = loss_fn(model(xs), ys) / len(passes)
                     if step == cfg.nan_at_step and restart == 0 and dist.get_rank() == 0:
                         part = part * float("nan")  # fault injection: one rank's loss goes bad
-                    part.backward()  # after the last, every .grad is averaged over DP
                     loss = loss + part.detach()
-            # the global norm, TP shards included (clipping only with --grad-clip)
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+                    if cfg.moe_aux_loss_coef:  # the load-balancing loss trains the router; the logged loss omits it
+                        aux = raw_model.aux_loss() / len(passes)
+                        aux_total = aux_total + aux.detach()
+                        part = part + cfg.moe_aux_loss_coef * aux
+                    part.backward()  # after the last, every .grad is averaged over DP
+            # the global norm, TP shards included (clipping only with --grad-clip); with EP each rank holds
+            # other experts, and vemesh's clip sums their part over the EP group (torch's would not)
+            norm = clip_grad_norm_(params, cfg.grad_clip or float("inf"), **expert_norm)
         else:
             loss = pipe.step(x, y)  # micro-batches through torch's schedule; the loss on the last stage only
             # the norm of the whole model: torch's per stage, summed over PP
@@ -362,7 +395,11 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                   "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bad,
-                  "world_size": dist.get_world_size(), "mesh": mesh_shape}
+                  "world_size": dist.get_world_size(), "mesh": mesh_shape, "grad_norm": float(norm)}
+        if cfg.moe_experts:  # the router's load: token slots per expert of each MoE layer, over the global batch
+            record["expert_load"] = take_load(raw_model, dp_group)
+            if cfg.moe_aux_loss_coef:
+                record["aux_loss"] = dp_mean(torch.as_tensor(aux_total), dp_group)
         rank0 = dist.get_rank() == 0  # the losses arrive on rank 0 only
         if rank0 and (step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps):
             print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "

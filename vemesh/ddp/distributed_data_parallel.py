@@ -17,7 +17,7 @@ way of clearing gradients (``opt.zero_grad()``, ``model.zero_grad()``, with or w
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,10 +28,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .grad_buffer import GradBuffer, local_tensor
-from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, install_step_guard, like,
-                      release_params, resolve_group, weak_method)
+from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, install_step_guard,
+                      like, release_params, resolve_group, weak_method)
 
 __all__ = ["DistributedDataParallel"]
+
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """Average gradients over a data-parallel group through a contiguous gradient buffer.
@@ -72,6 +73,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             :class:`vemesh.optim.DistributedOptimizer`, so it changes nothing.
         bucket_size: bucket size in elements (default 6,553,600: 25 MiB of fp32, torch DDP's default).
         broadcast_buffers: broadcast module buffers from DP rank 0 before each forward (torch's default).
+        expert_data_parallel: for mixture-of-experts models with expert parallelism: the
+            expert-data-parallel group (``mesh["EDP"]``), the ranks of the DP group that hold the
+            same experts. Must come with ``expert_parameters``.
+        expert_parameters: the parameters of this rank's experts (they differ across the EP group).
+            Their gradients are summed over ``expert_data_parallel`` and divided by the DP size:
+            each expert saw the tokens its EP peers sent it, so this is the gradient of the mean
+            loss over the DP group's batch. They are broadcast from the first rank of
+            ``expert_data_parallel``, the other parameters from the first rank of the DP group.
 
     Example::
 
@@ -82,6 +91,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         opt.zero_grad()
         loss_fn(model(x), y).backward()   # param.grad is now the DP mean on every rank
         opt.step()
+
+    Expert parallelism (MoE parallel folding: EP and EDP split the DP ranks)::
+
+        model = DistributedDataParallel(model, mesh["DP"], expert_data_parallel=mesh["EDP"],
+                                        expert_parameters=[p for m in moe_layers for p in m.experts.parameters()])
     """
 
     def __init__(
@@ -94,6 +108,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         use_distributed_optimizer: bool = False,
         bucket_size: int | None = None,
         broadcast_buffers: bool = True,
+        expert_data_parallel: DeviceMesh | dist.ProcessGroup | None = None,
+        expert_parameters: Iterable[nn.Parameter] | None = None,
     ) -> None:
         nn.Module.__init__(self)  # torch DDP's own __init__ builds its C++ reducer, which this replaces
         if not isinstance(module, nn.Module):
@@ -113,6 +129,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 )
             if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
                 raise ValueError(f"parameter {names[id(p)]!r} has Partial placements {p.placements}; use Shard or Replicate")
+        experts, expert_group = check_experts(group, expert_data_parallel, expert_parameters, params)
         owner = weakref.ref(self)
         for p in params:
             p._vemesh_ddp = owner  # type: ignore[attr-defined]
@@ -134,18 +151,28 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._sync_this_pass = True
         self._arrived: set[int] = set()
         self._unsynced = False
+        #: The expert-data-parallel group (None without expert parameters), and the experts' ids.
+        self.expert_data_parallel_group = expert_group
+        self._experts = experts
 
         if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
-            broadcast_from_first([local_tensor(p) for p in module.parameters()] + self._module_buffers(), group)
+            dense = [local_tensor(p) for p in module.parameters() if id(p) not in experts]
+            broadcast_from_first(dense + self._module_buffers(), group)
+            if expert_group is not None and dist.get_world_size(expert_group) > 1:  # experts: from their EDP peer
+                broadcast_from_first([local_tensor(p) for p in module.parameters() if id(p) in experts], expert_group)
 
         def grad_dtype(p: torch.Tensor) -> torch.dtype:
             return torch.float32 if accumulate_allreduce_grads_in_fp32 else p.dtype
 
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        by_dtype: dict[tuple[bool, torch.dtype, torch.dtype], list[nn.Parameter]] = {}
         for p in reversed(params):  # backward produces gradients roughly in reverse order
-            by_dtype.setdefault((p.dtype, grad_dtype(p)), []).append(p)
-        #: One contiguous gradient buffer per (parameter dtype, gradient dtype).
-        self.grad_buffers: list[GradBuffer] = [GradBuffer(ps, g, group, bucket_size) for (_, g), ps in by_dtype.items()]
+            by_dtype.setdefault((id(p) in experts, p.dtype, grad_dtype(p)), []).append(p)
+        #: One contiguous gradient buffer per (dense or expert, parameter dtype, gradient dtype); an expert
+        #: buffer reduces over the expert-data-parallel group, divided by the whole DP size.
+        self.grad_buffers: list[GradBuffer] = [
+            GradBuffer(ps, g, expert_group, bucket_size, divisor=self.dp_size) if expert else GradBuffer(ps, g, group, bucket_size)
+            for (expert, _, g), ps in by_dtype.items()
+        ]
         self._buffer_of = {id(p): b for b in self.grad_buffers for p in b.params}
         # What this wrapper puts in param.grad: the main_grad view itself, or for a parameter whose
         # dtype differs from the buffer's a "holder" copy in the parameter's dtype (versions tell
@@ -334,6 +361,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _main_grads(self) -> list[torch.Tensor]:
         """Every parameter's ``main_grad`` (fp32 when accumulating in fp32), as a DTensor for DTensor parameters."""
         return self._main_grad_like
+
+    def _norm_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The ``main_grad`` of the dense parameters, and of the expert ones (which differ across the EP group)."""
+        dense = [g for p, g in zip(self._params, self._main_grad_like) if id(p) not in self._experts]
+        return dense, [g for p, g in zip(self._params, self._main_grad_like) if id(p) in self._experts]
 
     # --------------------------------------------------------------- public API
     def finish_grad_sync(self, force: bool = False) -> None:

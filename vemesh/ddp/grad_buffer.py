@@ -38,14 +38,19 @@ class GradBuffer:
         grad_dtype: dtype of the buffer (fp32 when accumulating in fp32).
         group: the data-parallel process group.
         bucket_size: target bucket size in elements.
+        divisor: what each bucket is divided by before the sum over ``group`` (default: the group's
+            size, giving the mean). Expert parameters are summed over their expert-data-parallel
+            group and divided by the whole DP size: each expert saw the tokens of its EP peers too.
     """
 
     def __init__(
-        self, params: list[torch.nn.Parameter], grad_dtype: torch.dtype, group: dist.ProcessGroup, bucket_size: int
+        self, params: list[torch.nn.Parameter], grad_dtype: torch.dtype, group: dist.ProcessGroup, bucket_size: int,
+        divisor: int | None = None,
     ) -> None:
         self.params = params
         self.group = group
         self.dp_size = dist.get_world_size(group)
+        self.divisor = self.dp_size if divisor is None else divisor
         locals_ = [local_tensor(p) for p in params]
         self.layout: BufferLayout = plan_buckets([t.numel() for t in locals_], bucket_size)
         #: The gradient buffer; ``param.main_grad`` are views into it.
@@ -102,11 +107,13 @@ class GradBuffer:
 
     def _launch(self, index: int) -> None:
         self._next_bucket = index + 1
-        if self.dp_size == 1:
+        if self.dp_size == 1 and self.divisor == 1:
             return
         bucket = self.layout.buckets[index]
         chunk = self.data[bucket.start : bucket.end]
-        chunk.div_(self.dp_size)  # the sum over DP of x / DP is the mean (exact for power-of-two DP)
+        chunk.div_(self.divisor)  # the sum over DP of x / DP is the mean (exact for power-of-two DP)
+        if self.dp_size == 1:
+            return
         work = dist.all_reduce(chunk, group=self.group, async_op=True)
         assert work is not None
         self._works.append(work)

@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .bucketing import DEFAULT_BUCKET_SIZE
 
 __all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "resolve_group", "check_bucket_size", "broadcast_from_first",
-           "PipelineReducer", "like", "weak_method", "release_params"]
+           "PipelineReducer", "like", "weak_method", "release_params", "check_experts"]
 
 def weak_method(method: Any) -> Any:
     """``method`` as a plain function that holds its object weakly (a no-op once the object is gone).
@@ -141,3 +141,31 @@ def install_step_guard() -> None:
     global _step_hook
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(refuse_unsynced_step)
+
+
+def check_experts(
+    group: dist.ProcessGroup, expert_data_parallel: Any, expert_parameters: Any, params: list[torch.nn.Parameter],
+) -> tuple[frozenset[int], dist.ProcessGroup | None]:
+    """The expert parameters' ids and the expert-data-parallel group, checked against the DP group."""
+    if (expert_data_parallel is None) != (expert_parameters is None):
+        given, missing = ("expert_data_parallel", "expert_parameters") if expert_parameters is None else \
+            ("expert_parameters", "expert_data_parallel")
+        raise ValueError(f"{given} was given without {missing}; pass both (the EDP group, e.g. mesh['EDP'], "
+                         "and the experts' parameters) or neither")
+    if expert_data_parallel is None:
+        return frozenset(), None
+    expert_group = resolve_group(expert_data_parallel)
+    experts = list(expert_parameters)
+    trainable = {id(p) for p in params}
+    for p in experts:
+        if id(p) not in trainable:
+            raise ValueError(f"expert_parameters holds a tensor of shape {tuple(p.shape)} that is not a trainable parameter "
+                             "of the module")
+    dense_ranks = dist.get_process_group_ranks(group)
+    edp_ranks = dist.get_process_group_ranks(expert_group)
+    if not set(edp_ranks) <= set(dense_ranks) or len(dense_ranks) % len(edp_ranks):
+        raise ValueError(f"the expert-data-parallel group {edp_ranks} must be part of the data-parallel group "
+                         f"{dense_ranks}, with a size that divides it (EP x EDP = DP)")
+    if not experts:
+        raise ValueError("expert_parameters is empty; leave expert_data_parallel and expert_parameters out for a dense model")
+    return frozenset(map(id, experts)), expert_group

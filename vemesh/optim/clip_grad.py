@@ -33,28 +33,8 @@ def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def total_norm(
-    grads: Iterable[torch.Tensor],
-    norm_type: float = 2.0,
-    *,
-    groups: Sequence[dist.ProcessGroup] = (),
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """The norm of all ``grads`` taken together, the same on every rank.
-
-    Args:
-        grads: gradient tensors; plain tensors and DTensors (on any meshes) may be mixed.
-        norm_type: as in ``torch.nn.utils.get_total_norm`` (``inf`` for the max norm).
-        groups: process groups whose ranks hold *different* gradients to add in (e.g. the
-            pipeline group). Not the DP group: DP ranks hold the same averaged gradients.
-        error_if_nonfinite: raise if the norm is nan or inf, as torch does.
-        foreach: passed to torch.
-
-    Returns:
-        A 0-dim fp32 tensor.
-    """
-    norm_type = float(norm_type)
+def _power(grads: Iterable[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """The norm before its root: the sum of ``|g| ** norm_type`` (the max for ``inf``), fp32, 0 for no grads."""
     parts = []
     device = None
     for same in _by_mesh(grads):
@@ -64,14 +44,59 @@ def total_norm(
         parts.append(part.float())
         device = part.device
     if not parts:
-        total = torch.zeros((), dtype=torch.float32, device=device)
-    elif math.isinf(norm_type):
-        total = torch.stack(parts).max()
-    else:
-        total = torch.stack(parts).pow(norm_type).sum()
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if math.isinf(norm_type):
+        return torch.stack(parts).max()
+    return torch.stack(parts).pow(norm_type).sum()
+
+
+def _reduce(value: torch.Tensor, groups: Sequence[dist.ProcessGroup], norm_type: float) -> torch.Tensor:
     for group in groups:
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+    return value
+
+
+def total_norm(
+    grads: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    groups: Sequence[dist.ProcessGroup] = (),
+    expert_grads: Iterable[torch.Tensor] = (),
+    expert_groups: Sequence[dist.ProcessGroup] = (),
+    expert_copies: int = 1,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The norm of all ``grads`` (and ``expert_grads``) taken together, the same on every rank.
+
+    Args:
+        grads: gradient tensors; plain tensors and DTensors (on any meshes) may be mixed.
+        norm_type: as in ``torch.nn.utils.get_total_norm`` (``inf`` for the max norm).
+        groups: process groups whose ranks hold *different* gradients to add in (e.g. the
+            pipeline group). Not the DP group: DP ranks hold the same averaged gradients.
+        expert_grads: gradients of mixture-of-experts experts, which differ across ``expert_groups``
+            (each EP rank holds other experts); their part is summed over ``expert_groups`` (e.g.
+            ``[mesh["EP"].get_group()]``) and then over ``groups``. Every rank of ``expert_groups``
+            must call this, with or without expert gradients of its own.
+        expert_copies: how many ranks of ``expert_groups`` hold each expert's gradient (all equal):
+            their sum is divided by it. 1 for the EP group; the EDP size when ``expert_groups`` is
+            the whole DP group.
+        error_if_nonfinite: raise if the norm is nan or inf, as torch does.
+        foreach: passed to torch.
+
+    Returns:
+        A 0-dim fp32 tensor.
+    """
+    norm_type = float(norm_type)
+    total = _power(grads, norm_type, foreach)
+    experts = list(expert_grads)
+    if experts or expert_groups:
+        part = _reduce(_power(experts, norm_type, foreach).to(total.device), expert_groups, norm_type)
+        if not math.isinf(norm_type):
+            part = part / expert_copies
+        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
+    total = _reduce(total, groups, norm_type)
     if not math.isinf(norm_type):
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -88,23 +113,33 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     groups: Sequence[dist.ProcessGroup] = (),
+    expert_parameters: Iterable[torch.Tensor] = (),
+    expert_groups: Sequence[dist.ProcessGroup] = (),
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for models that mix DTensor and plain parameters or span pipeline stages.
+    """``torch.nn.utils.clip_grad_norm_`` for models that mix DTensor and plain parameters, span pipeline
+    stages, or hold different experts on different ranks.
 
     Args:
         parameters: the parameters whose ``.grad`` is clipped in place (those without one are skipped).
         max_norm: the largest total norm allowed.
         norm_type, error_if_nonfinite, foreach: as in torch.
         groups: see :func:`total_norm` (e.g. ``[VESCALE_DEVICE_MESH["PP"].get_group()]``).
+        expert_parameters: those of ``parameters`` that are experts held by this EP rank only; their
+            part of the norm is summed over ``expert_groups`` (e.g. ``[VESCALE_DEVICE_MESH["EP"].get_group()]``).
+            torch's own ``clip_grad_norm_`` would take each rank's experts for all of them, and every
+            rank would clip by a different, wrong norm.
 
     Returns:
         The total norm before clipping, a 0-dim tensor, the same on every rank.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in params if p.grad is not None]
-    norm = total_norm([p.grad for p in with_grad], norm_type, groups=groups, error_if_nonfinite=error_if_nonfinite, foreach=foreach)  # type: ignore[misc]
+    experts = {id(p) for p in expert_parameters}
+    norm = total_norm([p.grad for p in with_grad if id(p) not in experts], norm_type, groups=groups,  # type: ignore[misc]
+                      expert_grads=[p.grad for p in with_grad if id(p) in experts], expert_groups=expert_groups,  # type: ignore[misc]
+                      error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     for same in _by_mesh(with_grad):
         torch.nn.utils.clip_grads_with_norm_(same, max_norm, norm, foreach=foreach)
     return norm

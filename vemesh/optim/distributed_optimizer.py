@@ -14,6 +14,10 @@ schedulers, ``GradScaler``, ``clip_grad_norm_`` and DCP's ``get_state_dict`` use
 
 With DP = 2 and one buffer of 10 elements, rank 0 steps elements ``[0, 5)`` and holds Adam
 state for 5 elements; rank 1 steps ``[5, 10)``; after the gather both see all 10.
+
+Each gradient buffer is sharded over its own group: the DP group for dense parameters, the
+expert-data-parallel group for the experts of a model wrapped with ``expert_data_parallel``
+(only the EDP ranks hold the same experts). Clipping inside :meth:`step` counts every expert once.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ def _check_models(models: Any) -> list[DistributedDataParallel]:
     ranks = [dist.get_process_group_ranks(m.data_parallel_group) for m in models]
     if any(r != ranks[0] for r in ranks):
         raise ValueError(f"all models must share one data-parallel group, got groups with ranks {ranks}")
+    experts = {tuple(dist.get_process_group_ranks(m.expert_data_parallel_group))
+               for m in models if m.expert_data_parallel_group is not None}
+    if len(experts) > 1:
+        raise ValueError(f"all models must share one expert-data-parallel group, got groups with ranks {sorted(experts)}")
     return list(models)
 
 
@@ -244,7 +252,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 shard.reload()
             shard.grads_to_main()
         if self.clip_grad > 0:
-            self.grad_norm = total_norm([g for m in self.models for g in m._main_grads()])
+            dense = [g for m in self.models for g in m._norm_parts()[0]]
+            experts = [g for m in self.models for g in m._norm_parts()[1]]
+            edp = next((m.expert_data_parallel_group for m in self.models if m.expert_data_parallel_group is not None), None)
+            # each expert's (averaged) gradient sits on its EDP ranks: sum over the whole DP group, divide by EDP
+            self.grad_norm = total_norm(dense, expert_grads=experts, expert_groups=[self._dp_group] if edp else [],
+                                        expert_copies=dist.get_world_size(edp) if edp else 1)
             torch.nn.utils.clip_grads_with_norm_([p for p, _ in self._inner], self.clip_grad, self.grad_norm)
         for inner, group in zip(self.optimizer.param_groups, self.param_groups):
             inner.update({k: v for k, v in group.items() if k != "params"})

@@ -102,23 +102,23 @@ def gather_state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
     """See :meth:`DistributedOptimizer.state_dict`."""
     index = _group_index(opt)
     element_keys, scalar_keys = _state_keys(opt)
-    all_params = [p for s in opt._shards for p in s.params]
-    column = {id(p): c for c, p in enumerate(all_params)}
-    # scalars (Adam's step): [key, parameter], -inf where a rank has none; the max over DP wins
-    table = torch.full((len(scalar_keys), len(all_params)), -float("inf"), dtype=torch.float64)
-    for inner, si, pos in opt._inner_at:
-        state = opt.optimizer.state.get(inner, {})
-        shard = opt._shards[si]
-        for row, key in enumerate(scalar_keys):
-            if key in state:
-                for i in _overlapping(shard.grad_buffer.layout.param_ranges, pos, pos + inner.numel()):
-                    c = column[id(shard.params[i])]
-                    table[row, c] = max(table[row, c].item(), float(state[key]))
-    group = opt._dp_group
-    if scalar_keys and dist.get_world_size(group) > 1:
-        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for si, shard in enumerate(opt._shards):
+    for si, shard in enumerate(opt._shards):  # each over its own group (the DP group, or the EDP group for experts)
+        group = shard.group
+        column = {id(p): c for c, p in enumerate(shard.params)}
+        # scalars (Adam's step): [key, parameter], -inf where a rank has none; the max over the group wins
+        table = torch.full((len(scalar_keys), len(shard.params)), -float("inf"), dtype=torch.float64)
+        for inner, s, pos in opt._inner_at:
+            if s != si:
+                continue
+            inner_state = opt.optimizer.state.get(inner, {})
+            for row, key in enumerate(scalar_keys):
+                if key in inner_state:
+                    for i in _overlapping(shard.grad_buffer.layout.param_ranges, pos, pos + inner.numel()):
+                        c = column[id(shard.params[i])]
+                        table[row, c] = max(table[row, c].item(), float(inner_state[key]))
+        if scalar_keys and dist.get_world_size(group) > 1:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
         numel = shard.grad_buffer.layout.numel
         device = shard.param_data.device
         full = {key: torch.zeros(numel, dtype=dtype, device=device) for key, dtype in element_keys.items()}
