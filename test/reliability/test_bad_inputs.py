@@ -171,6 +171,16 @@ def example_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]]:
          ConfigError, "--microbatches 2: dualpipev needs at least one per stage (4: 2 per PP rank)"),
         ("microbatches-without-pp", _config(["--mesh-dims", "DP,CP", "--mesh-shape", "1,1", "--microbatches", "2"]),
          ConfigError, "--microbatches and --pp-schedule need a PP dim"),
+        ("ep-does-not-divide-dp-cp", _config(["--mesh-shape", "2,2", "--moe-experts", "4", "--ep", "4"], 4), ConfigError,
+         "--ep 4 does not divide DP x CP = 2 x 1 = 2: EP folds over the data-parallel ranks (choose from 1, 2)"),
+        ("ep-does-not-divide-experts", _config(["--mesh-shape", "4,1", "--moe-experts", "6", "--ep", "4"], 4), ConfigError,
+         "--ep 4 does not divide the 6 experts of --moe-experts (each EP rank holds E / EP; choose from 1, 2)"),
+        ("top-k-above-experts", _config(["--moe-experts", "4", "--moe-top-k", "5"]), ConfigError,
+         "--moe-top-k 5 is more than the 4 experts of --moe-experts; choose 1..4"),
+        ("ep-without-moe", _config(["--mesh-shape", "2,1", "--ep", "2"], 2), ConfigError,
+         "--ep applies to a mixture of experts; add --moe-experts E"),
+        ("moe-with-pp", _config(["--mesh-shape", "2,1,1", "--n-layer", "2", "--moe-experts", "2"], 2), ConfigError,
+         "--moe-experts with a PP dim is not supported yet"),
     ]
 
 
