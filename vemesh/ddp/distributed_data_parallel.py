@@ -27,9 +27,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .grad_buffer import GradBuffer, local_tensor
+from .grad_buffer import GradBuffer, local_tensor, make_buffers
 from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, install_step_guard,
-                      like, release_params, resolve_group, weak_method)
+                      like, release_params, resolve_group, weak_method, weak_param_hook)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -161,18 +161,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if expert_group is not None and dist.get_world_size(expert_group) > 1:  # experts: from their EDP peer
                 broadcast_from_first([local_tensor(p) for p in module.parameters() if id(p) in experts], expert_group)
 
-        def grad_dtype(p: torch.Tensor) -> torch.dtype:
-            return torch.float32 if accumulate_allreduce_grads_in_fp32 else p.dtype
-
-        by_dtype: dict[tuple[bool, torch.dtype, torch.dtype], list[nn.Parameter]] = {}
-        for p in reversed(params):  # backward produces gradients roughly in reverse order
-            by_dtype.setdefault((id(p) in experts, p.dtype, grad_dtype(p)), []).append(p)
-        #: One contiguous gradient buffer per (dense or expert, parameter dtype, gradient dtype); an expert
-        #: buffer reduces over the expert-data-parallel group, divided by the whole DP size.
-        self.grad_buffers: list[GradBuffer] = [
-            GradBuffer(ps, g, expert_group, bucket_size, divisor=self.dp_size) if expert else GradBuffer(ps, g, group, bucket_size)
-            for (expert, _, g), ps in by_dtype.items()
-        ]
+        #: One contiguous gradient buffer per (dense or expert, parameter dtype, gradient dtype).
+        self.grad_buffers: list[GradBuffer] = make_buffers(
+            params, experts, group, expert_group, bucket_size, fp32=accumulate_allreduce_grads_in_fp32
+        )
         self._buffer_of = {id(p): b for b in self.grad_buffers for p in b.params}
         # What this wrapper puts in param.grad: the main_grad view itself, or for a parameter whose
         # dtype differs from the buffer's a "holder" copy in the parameter's dtype (versions tell
@@ -190,7 +182,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             else:
                 self._holder[id(p)] = torch.zeros_like(main_grad, dtype=p.dtype)
                 self._exposed[id(p)] = like(p, self._holder[id(p)])
-                self._hooks.append(p.register_hook(self._make_pre_hook(p)))
+                self._hooks.append(p.register_hook(weak_param_hook(p, weak_method(self._fold_grad))))
             self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
         weakref.finalize(self, release_params, params, owner, self._hooks).atexit = False
         install_step_guard()
@@ -239,17 +231,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._sync_this_pass = self.require_backward_grad_sync or self.dp_size == 1
         self._arrived = set()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
-
-    def _make_pre_hook(self, p: nn.Parameter) -> Any:
-        # The hook lives on the parameter: it holds the parameter and this wrapper weakly (see weak_method).
-        param, fold = weakref.ref(p), weak_method(self._fold_grad)
-
-        def pre_hook(grad: torch.Tensor) -> None:
-            q = param()
-            if q is not None:
-                fold(q, grad)
-
-        return pre_hook
 
     def _fold_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Tensor pre-hook of a low-precision parameter: fold its new gradient into the fp32 main_grad.

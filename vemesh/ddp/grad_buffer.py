@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from .bucketing import BufferLayout, plan_buckets
 
-__all__ = ["GradBuffer", "local_tensor"]
+__all__ = ["GradBuffer", "local_tensor", "make_buffers"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -117,3 +117,23 @@ class GradBuffer:
         work = dist.all_reduce(chunk, group=self.group, async_op=True)
         assert work is not None
         self._works.append(work)
+
+
+def make_buffers(
+    params: list[torch.nn.Parameter], experts: frozenset[int], group: dist.ProcessGroup,
+    expert_group: dist.ProcessGroup | None, bucket_size: int, *, fp32: bool,
+) -> list[GradBuffer]:
+    """One buffer per (dense or expert, parameter dtype, gradient dtype), filled in reverse order.
+
+    Backward produces gradients roughly in reverse registration order, so the first ones land in
+    bucket 0. An expert buffer (``id(p) in experts``) reduces over ``expert_group``, divided by the
+    size of ``group`` (the whole DP group).
+    """
+    by_kind: dict[tuple[bool, torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
+    for p in reversed(params):
+        by_kind.setdefault((id(p) in experts, p.dtype, torch.float32 if fp32 else p.dtype), []).append(p)
+    dp_size = dist.get_world_size(group)
+    return [
+        GradBuffer(ps, g, expert_group, bucket_size, divisor=dp_size) if expert else GradBuffer(ps, g, group, bucket_size)
+        for (expert, _, g), ps in by_kind.items()
+    ]

@@ -16,7 +16,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .bucketing import DEFAULT_BUCKET_SIZE
 
 __all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "resolve_group", "check_bucket_size", "broadcast_from_first",
-           "PipelineReducer", "like", "weak_method", "release_params", "check_experts"]
+           "PipelineReducer", "like", "weak_method", "release_params", "check_experts",
+           "weak_param_hook"]
 
 def weak_method(method: Any) -> Any:
     """``method`` as a plain function that holds its object weakly (a no-op once the object is gone).
@@ -34,6 +35,19 @@ def weak_method(method: Any) -> Any:
         return None if bound is None else bound(*args, **kwargs)
 
     return call
+
+
+def weak_param_hook(p: torch.Tensor, fold: Any) -> Any:
+    """A tensor hook for ``p`` that calls ``fold(p, grad)``, holding ``p`` weakly (``fold`` comes from
+    :func:`weak_method`): the hook lives on the parameter, which must not keep itself or its wrapper alive."""
+    param = weakref.ref(p)
+
+    def pre_hook(grad: torch.Tensor) -> None:
+        q = param()
+        if q is not None:
+            fold(q, grad)
+
+    return pre_hook
 
 
 def release_params(params: Sequence[torch.Tensor], owner: Any, hooks: Sequence[Any]) -> None:
