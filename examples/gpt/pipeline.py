@@ -22,26 +22,19 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
 from model import GPT, sample_next
 from vemesh import VESCALE_DEVICE_MESH
 
+#: The ``torch.distributed.pipelining`` schedule class of each ``--pp-schedule`` name. That package is
+#: imported when a pipeline is built (it adds about a second to every process's start-up otherwise).
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "interleaved-zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 #: Schedules that run two stages per PP rank, and those of them that place stages in a V.
 MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
@@ -118,9 +111,11 @@ class Pipeline:
                  n_microbatches: int, loss_fn, device: torch.device) -> None:
         self.chunks, self.indices, self.n_stages, self.schedule_name = chunks, indices, n_stages, schedule
         self.pp_group = VESCALE_DEVICE_MESH["PP"].get_group()
-        self.stages = [PipelineStage(c, i, n_stages, device, group=self.pp_group) for c, i in zip(chunks, indices)]
+        from torch.distributed import pipelining  # here, not at the top: see SCHEDULES
+        self.stages = [pipelining.PipelineStage(c, i, n_stages, device, group=self.pp_group)
+                       for c, i in zip(chunks, indices)]
         stages = self.stages if schedule in MULTI_STAGE else self.stages[0]
-        self.schedule = SCHEDULES[schedule](stages, n_microbatches, loss_fn=loss_fn)
+        self.schedule = getattr(pipelining, SCHEDULES[schedule])(stages, n_microbatches, loss_fn=loss_fn)
         self.has_first, self.has_last = 0 in indices, n_stages - 1 in indices
         self.last_pp = self.owner(n_stages - 1)  # the PP rank that computes the loss
 

@@ -76,7 +76,6 @@ from data import VOCAB_SIZE, ByteDataset, decode, encode
 from model import GPT, GPTConfig
 from pipeline import Pipeline, cut_stage, generate, layout_line, split_layers, stage_indices, stages_per_rank, to_rank0
 from stopping import StopRequest
-from tp_plan import apply_tp
 from vemesh import VESCALE_DEVICE_MESH, checkpoint
 from vemesh.ddp import DistributedDataParallel as DDP
 from vemesh.optim import DistributedOptimizer, clip_grad_norm_
@@ -221,6 +220,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             for moe in p.moe_layers():
                 moe.count = sum_counts(dp_group)
     if tp_size > 1:
+        from tp_plan import apply_tp  # torch's tensor-parallel styles: imported only when there is a TP dim
         parts = [apply_tp(p, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel) for p in parts]
     if cp_mesh is not None:  # ring attention over mesh["CP"], global positions
         parts = [apply_cp(p, cp_mesh, cfg.seq_len, cfg.cp_load_balance) for p in parts]

@@ -51,6 +51,9 @@ def test_loss_curve_matches_single_process(single, tmp_path, mesh, extra):
     assert max(diffs) < TOL, f"per-step |loss - single-process loss|: {diffs}"
     evals = [(r["eval_loss"], s["eval_loss"]) for r, s in zip(run.records, single.records) if "eval_loss" in s]
     assert len(evals) == 2 and all(abs(a - b) < TOL for a, b in evals), evals
+    # the gradient norm too: AdamW hides a constant factor on a gradient, the norm does not
+    norms = [abs(r["grad_norm"] / s["grad_norm"] - 1) for r, s in zip(run.records, single.records)]
+    assert max(norms) < TOL, f"per-step relative |grad norm - single-process grad norm|: {norms}"
     assert single.losses[-1] < single.losses[0] - 1.0  # and it is learning, not matching at a standstill
 
 
