@@ -33,3 +33,26 @@ def compare(rank: int, world: int, device: str = "cpu") -> dict:
            "dx": (xs.grad - ref_dx[rows]).abs().max().item(), "expert_grads": expert_err}
     mesh.reset()
     return out
+
+
+def wrap_without_expert_groups(rank: int, world: int) -> str:
+    """DDP over an EP-split MoE with no word about its experts: every rank must refuse, none may hang."""
+    from ep import apply_ep
+    from vemesh.ddp import DistributedDataParallel as DDP
+
+    mesh = VeDeviceMesh()
+    mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("DP",))
+    mesh.flatten(("DP",), "dp_ep")
+    mesh.split("dp_ep", ("EDP", "EP"), (1, world))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("moe", MoE(GPTConfig(n_embd=16, moe_experts=world, moe_top_k=1)))
+    model.moe_layers = lambda: [model.moe]
+    apply_ep(model, mesh["EP"])
+    try:
+        DDP(model, mesh["DP"])
+    except ValueError as e:
+        return str(e)
+    finally:
+        mesh.reset()
+    return "no error"

@@ -9,7 +9,7 @@ import torch
 
 from ep import source_to_expert_order
 from launch import run_ranks
-from moe_scenarios import compare
+from moe_scenarios import compare, wrap_without_expert_groups
 
 
 def test_arrivals_regroup_by_expert():
@@ -31,3 +31,12 @@ def test_dispatch_equals_one_process_on_4_gloo_ranks():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the ranks share it over gloo)")
 def test_dispatch_on_cuda_equals_one_process():
     _check(run_ranks(compare, 2, "cuda"), 1e-5)
+
+
+def test_ddp_refuses_experts_it_was_not_told_about():
+    """Each EP rank's experts carry their own numbers: averaging them over DP (or broadcasting rank 0's) would
+    train silently wrong, so DDP compares the parameter names across its group and raises on every rank."""
+    for rank, message in enumerate(run_ranks(wrap_without_expert_groups, 2)):
+        assert "the data-parallel parameters differ across the ranks [0, 1]" in message, message
+        assert f"rank {rank} has moe.experts.{rank}.c_fc.weight (64, 16)" in message, message
+        assert "go in expert_parameters, with expert_data_parallel" in message

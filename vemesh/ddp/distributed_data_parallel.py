@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .grad_buffer import GradBuffer, local_tensor, make_buffers
-from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, install_step_guard,
-                      like, release_params, resolve_group, weak_method, weak_param_hook)
+from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, check_placement,
+                      install_step_guard, like, release_params, resolve_group, weak_method, weak_param_hook)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -155,6 +155,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.expert_data_parallel_group = expert_group
         self._experts = experts
 
+        check_placement(list(module.named_parameters()), experts, group, expert_group)  # names and shapes agree
         if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
             dense = [local_tensor(p) for p in module.parameters() if id(p) not in experts]
             broadcast_from_first(dense + self._module_buffers(), group)

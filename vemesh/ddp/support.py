@@ -14,10 +14,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .bucketing import DEFAULT_BUCKET_SIZE
+from .grad_buffer import local_tensor
 
 __all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "resolve_group", "check_bucket_size", "broadcast_from_first",
            "PipelineReducer", "like", "weak_method", "release_params", "check_experts",
-           "weak_param_hook"]
+           "weak_param_hook", "check_replicas", "check_placement"]
 
 def weak_method(method: Any) -> Any:
     """``method`` as a plain function that holds its object weakly (a no-op once the object is gone).
@@ -183,3 +184,37 @@ def check_experts(
     if not experts:
         raise ValueError("expert_parameters is empty; leave expert_data_parallel and expert_parameters out for a dense model")
     return frozenset(map(id, experts)), expert_group
+
+
+def check_replicas(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, what: str, hint: str) -> None:
+    """Raise on every rank unless every rank of ``group`` holds the same parameter names and local shapes.
+
+    torch DDP verifies shapes across its ranks the same way. Here it also catches parameters that are
+    not replicas at all (each EP rank's experts carry their own numbers): averaging them, or
+    broadcasting one rank's over the others, would train silently wrong.
+    """
+    if dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
+        return
+    mine = [(n, tuple(local_tensor(p).shape)) for n, p in named]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for rank, theirs in zip(ranks, everyone):
+        if theirs != mine:
+            ours, other = next(((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b))
+            raise ValueError(
+                f"the {what} parameters differ across the ranks {ranks}: rank {dist.get_rank()} has "
+                f"{ours[0] + ' ' + str(ours[1]) if ours else 'nothing more'} where rank {rank} has "
+                f"{other[0] + ' ' + str(other[1]) if other else 'nothing more'}; {hint}"
+            )
+
+
+def check_placement(named: list[tuple[str, torch.Tensor]], experts: frozenset[int], group: dist.ProcessGroup,
+                    expert_group: dist.ProcessGroup | None) -> None:
+    """The dense parameters are replicas over the DP group, the experts over the EDP group (see :func:`check_replicas`)."""
+    check_replicas([(n, p) for n, p in named if id(p) not in experts], group, "data-parallel",
+                   "parameters that differ by rank, such as the experts of expert parallelism, go in "
+                   "expert_parameters, with expert_data_parallel")
+    if expert_group is not None:
+        check_replicas([(n, p) for n, p in named if id(p) in experts], expert_group, "expert-data-parallel",
+                       "each rank of expert_data_parallel must hold the same experts")
