@@ -31,6 +31,11 @@ schedule is there (--pp-schedule zbv | dualpipev | interleaved-zb too):
     torchrun --nproc_per_node=8 examples/gpt/train.py --mesh-dims PP,DP,CP --mesh-shape 2,2,2 --n-layer 4 --fsdp
     torchrun --nproc_per_node=2 examples/gpt/train.py --mesh-shape 2,1,1 --n-layer 4 --pp-schedule zbv
 
+A mixture of experts (--moe-experts E, top-k router) with expert parallelism: each EP rank holds
+E / EP experts, EP folds over the DP (x CP) ranks, tokens travel by all-to-all over mesh["EP"]:
+
+    torchrun --nproc_per_node=4 examples/gpt/train.py --moe-experts 8 --ep 2 --mesh-shape 2,2
+
 Checkpoints and recovery: save every 25 steps, resume automatically from the latest good
 checkpoint (on any mesh shape), and let torchrun restart a crashed worker. --fail-at-step
 makes the last rank exit at step 60 on the first attempt, to watch the recovery:
