@@ -252,8 +252,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 shard.reload()
             shard.grads_to_main()
         if self.clip_grad > 0:
-            dense = [g for m in self.models for g in m._norm_parts()[0]]
-            experts = [g for m in self.models for g in m._norm_parts()[1]]
+            parts = [m._norm_parts() for m in self.models]
+            dense = [g for d, _ in parts for g in d]
+            experts = [g for _, e in parts for g in e]
             edp = next((m.expert_data_parallel_group for m in self.models if m.expert_data_parallel_group is not None), None)
             # each expert's (averaged) gradient sits on its EDP ranks: sum over the whole DP group, divide by EDP
             self.grad_norm = total_norm(dense, expert_grads=experts, expert_groups=[self._dp_group] if edp else [],
