@@ -259,9 +259,11 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
                 fully_shard(block, mesh=shard_mesh, mp_policy=mp)
             chunks.append(fully_shard(part, mesh=shard_mesh, mp_policy=mp))
     else:
-        edp = dict(expert_data_parallel=VESCALE_DEVICE_MESH["EDP"]) if cfg.ep > 1 else {}
-        chunks = [DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce,
-                      **edp, **({"expert_parameters": expert_parameters(p)} if edp else {})) for p in parts]
+        chunks = []
+        for p in parts:  # with EP, experts average over EDP (the ranks that hold the same ones)
+            experts = dict(expert_data_parallel=VESCALE_DEVICE_MESH["EDP"], expert_parameters=expert_parameters(p)) \
+                if cfg.ep > 1 else {}
+            chunks.append(DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce, **experts))
     model = chunks[0] if pp_size == 1 else chunks
     # the experts as they are now (TP and FSDP2 replace parameters), for the gradient norm
     expert_norm = dict(expert_parameters=[q for p in parts for q in expert_parameters(p)],
