@@ -108,8 +108,8 @@ class MoE(nn.Module):
     token is ever dropped and the result does not depend on how tokens are grouped into batches.
 
     After each forward the module keeps ``load`` (E,), the token slots each expert received (and
-    in training mode adds them to ``load_sum``, which the training loop reads and clears), and
-    ``aux_loss``, Switch Transformer's load-balancing loss ``E * sum_i f_i * P_i`` (f_i: the share of
+    in training mode adds them to ``load_sum``, which the training loop reads and clears), and in
+    training mode ``aux_loss``, Switch Transformer's load-balancing loss ``E * sum_i f_i * P_i`` (f_i: the share of
     token slots routed to expert i; P_i: the mean router probability of expert i). ``count`` (a
     function, identity by default) may sum the slot counts over the ranks that share the batch, so
     that f_i is the share over the whole batch.
@@ -143,10 +143,10 @@ class MoE(nn.Module):
         y = out[order.argsort()]  # (N * k, C), back in (token, choice) order
         y = (y.view(-1, self.top_k, C) * weights.unsqueeze(-1)).sum(dim=1)  # (N, C)
         self.load = counts.detach()
-        if self.training:
+        if self.training:  # eval and sampling need neither the load sum nor the balance loss (nor its collective)
             self.load_sum = counts.detach() if self.load_sum is None else self.load_sum + counts.detach()
-        share = self.count(counts.to(torch.float32))  # slots per expert over the batch's ranks: f_i up to a factor
-        self.aux_loss = self.n_experts * (share / share.sum() * probs.mean(dim=0)).sum()
+            share = self.count(counts.to(torch.float32))  # slots per expert over the batch's ranks: f_i up to a factor
+            self.aux_loss = self.n_experts * (share / share.sum() * probs.mean(dim=0)).sum()
         return y.view(B, T, C)
 
 
