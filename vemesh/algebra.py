@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from .modes import NamedDim, coalesce, divide
-from .names import as_index, check_dim_names, unknown_name_error
+from .names import as_index, check_dim_names
 
 # A vemesh.layout.MeshLayout and its Dims: that module imports this one, so they are not imported here.
 MeshLayout = Any
@@ -46,6 +46,8 @@ def flatten(layout: MeshLayout, dims: Dims, name: str | None = None) -> MeshLayo
         raise ValueError("flatten needs at least one dim; got none")
     atoms = tuple(a for n in names for a in layout.named(n).parts)
     name = flat_name(layout, dims, name)
+    if name in layout.managed:
+        raise ValueError(f"flattened name {name!r} is the mesh's fault-tolerant replica dim; pick another")
     if layout.has(name):
         existing = layout.named(name)
         if existing.is_atom:
@@ -60,14 +62,12 @@ def flatten(layout: MeshLayout, dims: Dims, name: str | None = None) -> MeshLayo
 
 def split(layout: MeshLayout, dim: str, names: Sequence[str], sizes: Sequence[int]) -> MeshLayout:
     """``layout`` with ``dim`` divided row-major into ``names`` of ``sizes`` (see :meth:`MeshLayout.split`)."""
-    if not layout.has(dim):
-        raise unknown_name_error("dim name", dim, layout.names)
     target = layout.named(dim)
     names = check_dim_names(names)
     sizes = tuple(as_index(s, "a split size") for s in sizes)
     if len(names) != len(sizes) or len(names) < 2:
         raise ValueError(f"split needs two or more names and one size per name; got names {names} and sizes {sizes}")
-    clash = [n for n in names if layout.has(n)]
+    clash = [n for n in names if layout.has(n) or n in layout.managed]
     if clash:
         raise ValueError(f"split names {clash} are already dims of this mesh {layout.names}; pick others")
     if any(s < 1 for s in sizes) or math.prod(sizes) != target.size:
@@ -114,7 +114,7 @@ def _refine(layout: MeshLayout, target: NamedDim, parts: tuple[NamedDim, ...]) -
         extra = (*extra, *parts)
     merged = NamedDim(target.name, target.size, target.modes, names, names)
     out = type(layout)(shape, dim_names, layout.first_rank, (*extra, merged),
-                       tuple(map(splice, layout.extra_factorizations)))
+                       tuple(map(splice, layout.extra_factorizations)), layout.managed)
     assert all(out.named(p.name).modes == p.modes for p in parts)
     return out
 

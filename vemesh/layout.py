@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 from . import algebra
@@ -62,6 +62,9 @@ class MeshLayout:
         extra_dims: flattened dims and the atoms of other factorizations, as :meth:`flatten` and
             :meth:`split` make them (build layouts with those, not by hand).
         extra_factorizations: the atoms of each factorization beside the mesh dims.
+        managed: names of dims outside this world whose membership changes per step (the fault-tolerant
+            replica dim of :mod:`vemesh.ft`). Every name-taking method raises ``ValueError`` for them, saying
+            which queries the mesh answers for such a dim: their rank arithmetic is not this layout's.
     """
 
     shape: tuple[int, ...]
@@ -69,6 +72,7 @@ class MeshLayout:
     first_rank: int = 0
     extra_dims: tuple[NamedDim, ...] = ()
     extra_factorizations: tuple[tuple[str, ...], ...] = ()
+    managed: tuple[str, ...] = ()
     strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
     world_size: int = field(init=False, repr=False, compare=False)
     _named: dict[str, NamedDim] = field(init=False, repr=False, compare=False)
@@ -98,6 +102,9 @@ class MeshLayout:
         for dim in self.extra_dims:
             assert dim.name not in named, f"{dim.name!r} named twice"
             named[dim.name] = dim
+        managed = check_dim_names(self.managed)
+        if set(managed) & set(named):
+            raise ValueError(f"managed dims {sorted(set(managed) & set(named))} are already dims of this mesh {tuple(named)}")
         for atoms in self.extra_factorizations:
             assert all(named[a].is_atom for a in atoms) and math.prod(named[a].size for a in atoms) == math.prod(shape)
         for attr, value in (("first_rank", first), ("shape", shape), ("dim_names", names), ("strides", tuple(strides)),
@@ -123,8 +130,25 @@ class MeshLayout:
         """The :class:`NamedDim` for ``name``; ``KeyError`` listing the valid names otherwise."""
         found = self._named.get(name) if isinstance(name, str) else None
         if found is None:
-            raise unknown_name_error("dim name", name, self.names)
+            self._check_managed(name)
+            raise unknown_name_error("dim name", name, (*self.names, *self.managed))
         return found
+
+    def with_managed(self, name: str) -> MeshLayout:
+        """This layout plus ``name`` as a managed dim (see ``managed``), checked to be a new plain name."""
+        (name,) = check_dim_names((name,))
+        if name in self._named or name in self.managed:
+            raise ValueError(f"{name!r} is already a dim of this mesh {(*self.names, *self.managed)}; pick another name")
+        return replace(self, managed=(*self.managed, name))
+
+    def _check_managed(self, name: object) -> None:
+        if isinstance(name, str) and name in self.managed:
+            raise ValueError(
+                f"{name!r} is the fault-tolerant replica dim: torchft decides each step which replicas take part, and "
+                f"they are other jobs, outside this world. The mesh answers get_strategy_size({name!r}), "
+                f"lookup_rank({name!r}), get_local_rank({name!r}), size({name!r}) and get_group({name!r}) for it; it "
+                "cannot be combined with other dims, viewed as a torch DeviceMesh, flattened, split or mapped to ranks"
+            )
 
     def has(self, name: object) -> bool:
         """Whether ``name`` is one of this layout's names."""
@@ -167,9 +191,10 @@ class MeshLayout:
         if isinstance(dim, str):
             if dim in self._named:
                 return (dim,)
+            self._check_managed(dim)
             if absent_ok and dim in STANDARD_STRATEGIES:
                 return ()
-            err = unknown_name_error("dim name", dim, self.names)
+            err = unknown_name_error("dim name", dim, (*self.names, *self.managed))
             if absent_ok:
                 err.args = (err.args[0] + f" (absent standard strategies {list(STANDARD_STRATEGIES)} have size 1)",)
             raise err

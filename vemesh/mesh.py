@@ -18,9 +18,8 @@ that the mesh never had as size 1, so ``get_strategy_size("CP") > 1`` works on a
 Questions about *structure* (``size``, ``mesh["CP"]``, ``get_group``) raise ``KeyError``
 for a name the mesh does not have.
 
-This class holds the queries and a cache of torch views; start-up lives in
-:func:`vemesh.process_group.build_mesh` and veScale's method names in
-:mod:`vemesh.devicemesh_api.aliases`.
+This class holds the queries and a cache of torch views; start-up lives in :func:`vemesh.process_group.build_mesh`,
+veScale's method names in :mod:`vemesh.devicemesh_api.aliases`, the fault-tolerant replica dim in :mod:`vemesh.ft`.
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         self._dim_meshes: dict[str, DeviceMesh] = {}  # name -> its 1-D torch mesh, with its process group
         self._views: dict[Any, DeviceMesh] = {}  # key as the user wrote it, or resolved names -> view
         self._submeshes: dict[tuple[tuple[str, ...], int], DeviceMesh] = {}
+        self._replicas: Any = None  # the fault-tolerant replica dim (vemesh.ft.Replicas), if any
 
     # ================================================================ set-up
     def init_device_mesh(
@@ -184,6 +184,15 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         self._set_layout(new)
         return self._torch_view(names)
 
+    def add_replicas(self, replicas: Any) -> None:
+        """Add the fault-tolerant replica dim of :func:`vemesh.ft.start_replicas` under ``replicas.name``.
+
+        It lies outside this world and changes per step: its size is the step's participant count, its
+        rank this replica's index among them, its group torchft's; any other use of the name raises.
+        """
+        self._set_layout(self.layout.with_managed(replicas.name))
+        self._replicas = replicas
+
     def get(self, **kwargs: Any) -> DeviceMesh:
         """Return the global torch mesh, initializing it from ``kwargs`` if needed.
 
@@ -207,7 +216,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         anyone still holding them.
         """
         self._mesh, self._layout, self._rank, self._coordinate, self._member = None, None, -1, (), False
-        self._timeout = None
+        self._timeout, self._replicas = None, None
         self._dim_meshes, self._views, self._submeshes = {}, {}, {}
 
     # ============================================================= the mesh
@@ -247,7 +256,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         """World size, or the size of a dim: ``size("TP")`` is 2 on every rank; an absent name raises ``KeyError``."""
         if dim is None:
             return self.layout.world_size
-        return self.layout.group_size(dim)
+        return self._managed(dim).size() if self._managed(dim) else self.layout.group_size(dim)
 
     def get_coordinate(self) -> tuple[int, ...]:
         """This rank's coordinate: ``(0, 1, 1)`` on rank 3, ``(1, 0, 1)`` on rank 5."""
@@ -257,7 +266,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
     # ======================================================== rank arithmetic
     def get_strategy_size(self, dim: Dims) -> int:
         """Size of a strategy: ``"TP"`` gives 2; ``"CP"``, absent, gives 1; ``"Tp"`` raises ``KeyError``."""
-        return self.layout.group_size(dim, absent_ok=True)
+        return self._managed(dim).size() if self._managed(dim) else self.layout.group_size(dim, absent_ok=True)
 
     def get_strategy_coordinate(self, rank: int | None = None) -> list[int]:
         """Coordinate of this rank (rank 6 gets ``[1, 1, 0]``) or of any global ``rank``.
@@ -294,7 +303,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
 
     def lookup_rank(self, dim: Dims) -> int:
         """This rank's index along ``dim``: ``lookup_rank("DP")`` is 1 on ranks 2, 3, 6, 7 and 0 elsewhere."""
-        return self.layout.index_in_group(self._my_rank(), dim, absent_ok=True)
+        return self._managed(dim).index() if self._managed(dim) else self.layout.index_in_group(self._my_rank(), dim, absent_ok=True)
 
     def get_local_rank(self, dim: Dims | None = None) -> int:
         """This rank's index along ``dim`` (torch's meaning), or without ``dim``, its index on its host.
@@ -309,7 +318,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         """
         rank = self._my_rank()
         if dim is not None:
-            return self.layout.index_in_group(rank, dim)
+            return self._managed(dim).index() if self._managed(dim) else self.layout.index_in_group(rank, dim)
         if "LOCAL_RANK" in os.environ:
             return int(os.environ["LOCAL_RANK"])
         if "LOCAL_WORLD_SIZE" in os.environ:

@@ -9,6 +9,8 @@ when they are all dims of torch's mesh, else their 1-D meshes side by side
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,6 +61,8 @@ class MeshViews:
             if self.ndim != 1:
                 raise ValueError(f"get_group() needs a dim on a {self.ndim}-D mesh; choose one of {self.layout.names}")
             return self.mesh.get_group()
+        if self._managed(dim):
+            return self._managed(dim).group
         if len(self.layout.resolve(dim)) != 1:
             raise ValueError(f"a process group runs along one dim; got {dim!r} (flatten() several dims first)")
         return self[dim].get_group()
@@ -89,6 +93,15 @@ class MeshViews:
         if neighbor is None:
             return None
         return self._submesh_at(view_dim, layout.group_index(neighbor, view_dim))
+
+    @property
+    def replicas(self) -> Any:
+        """The fault-tolerant replica dim (:class:`vemesh.ft.Replicas`) given by ``add_replicas``, or None."""
+        return self._replicas
+
+    def _managed(self, dim: object) -> Any:
+        """The fault-tolerant replica dim (:mod:`vemesh.ft`) if ``dim`` names it, else None."""
+        return self._replicas if self._replicas is not None and dim == self._replicas.name else None
 
     def _dim_mesh(self, name: str) -> DeviceMesh:
         """The 1-D torch mesh of one name; flattened and split names get theirs when they are made."""

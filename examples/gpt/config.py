@@ -10,6 +10,7 @@ here, before any process group exists, with a message that names the flag::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -141,6 +142,21 @@ class TrainConfig(BaseModel):
         None, ge=1, description="fault injection: the last rank exits at the start of step K, on torchrun's first attempt only"
     )
     nan_at_step: int | None = Field(None, ge=1, description="fault injection: the loss of step K is nan on one rank")
+
+    # ---- live fault tolerance (torchft)
+    ft_replica_id: int | None = Field(
+        None, ge=0, description="live fault tolerance: this job (one torchrun) is replica I of several; torchft's "
+        "lighthouse forms a quorum of the live replicas every step, gradients average across them, a lost replica "
+        "costs no restart and a returning one heals from a live peer (needs torchft: pip install -e '.[ft]')"
+    )
+    ft_lighthouse: str | None = Field(
+        None, description="with --ft-replica-id: the torchft lighthouse, http://HOST:29510 (default: $TORCHFT_LIGHTHOUSE)"
+    )
+    ft_min_replicas: int = Field(1, ge=1, description="with --ft-replica-id: the fewest replicas a step commits with")
+    ft_timeout_s: float = Field(
+        30.0, gt=0, description="with --ft-replica-id: seconds a quorum, a cross-replica reduce or a heal may take "
+        "before the step is dropped (a quorum that never forms stops the run)"
+    )
 
     @field_validator("mesh_shape", mode="before")
     @classmethod
@@ -303,6 +319,7 @@ class TrainConfig(BaseModel):
         elif "dp_replicate" in self.model_fields_set:
             raise ValueError(f"--dp-replicate {self.dp_replicate} splits DP for HSDP; it needs --fsdp")
         self._check_moe()
+        self._check_ft()
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
         if self.n_head % tp:
@@ -374,6 +391,29 @@ class TrainConfig(BaseModel):
         if self.fsdp and self.dp_replicate > 1 and ep > 1:
             raise ValueError("--ep with --dp-replicate (HSDP) is not supported: the experts shard over EDP only; "
                              "drop --dp-replicate")
+
+    def _check_ft(self) -> None:
+        given = sorted(f for f in ("ft_lighthouse", "ft_min_replicas", "ft_timeout_s") if f in self.model_fields_set)
+        if self.ft_replica_id is None:
+            if given:
+                raise ValueError(f"{', '.join(_flag(f) for f in given)} applies to live fault tolerance; add --ft-replica-id I")
+            return
+        if importlib.util.find_spec("torchft") is None:  # found, not imported: torchft's logging is set up later
+            raise ValueError("--ft-replica-id needs torchft, which is not installed here: pip install -e \".[ft]\" "
+                             "(torchft's CPU wheel, with its lighthouse torchft_lighthouse)")
+        lighthouse = self.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ValueError("--ft-replica-id needs a torchft lighthouse: --ft-lighthouse http://HOST:29510 or "
+                             "TORCHFT_LIGHTHOUSE (start one with: torchft_lighthouse --min_replicas 1)")
+        if not re.fullmatch(r"https?://[^\s/:]+(:\d+)?/?", lighthouse):
+            raise ValueError(f"--ft-lighthouse {lighthouse!r} is not an address like http://HOST:29510")
+        unsupported = [(self.fsdp, "--fsdp"), (self.pp_size > 1, "a PP dim"), (bool(self.moe_experts), "--moe-experts"),
+                       (not self.distributed_optimizer, "--no-distributed-optimizer")]
+        for bad, what in unsupported:
+            if bad:
+                raise ValueError(f"--ft-replica-id with {what} is not supported: live fault tolerance runs DDP with the "
+                                 "ZeRO-1 DistributedOptimizer (which steps only when the replicas vote to commit) over "
+                                 "DP, TP and CP inside each replica")
 
     @property
     def grad_accum(self) -> int:

@@ -83,6 +83,7 @@ from pipeline import Pipeline, cut_stage, generate, layout_line, split_layers, s
 from stopping import StopRequest
 from vemesh import VESCALE_DEVICE_MESH, checkpoint
 from vemesh.ddp import DistributedDataParallel as DDP
+from vemesh.ft import ReplicaError
 from vemesh.optim import DistributedOptimizer, clip_grad_norm_
 
 SAMPLE_PROMPT = "def "
@@ -144,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # bad flags or data: one clear message, no traceback, exit code 2
         print0(f"error: {e}".replace("\n", "\nerror: "), file=sys.stderr)
         return 2
-    code = run(cfg, dataset)
+    try:
+        code = run(cfg, dataset)
+    except ReplicaError as e:  # live fault tolerance cannot go on (no lighthouse, no quorum in time): one line
+        print0(f"error: {e}", file=sys.stderr)
+        code = 1
     close_mesh()
     return code
 
@@ -195,6 +200,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     print0(f"vemesh GPT example: {dist.get_world_size()} processes on {device_type} "
            f"(backend {dist.get_backend()}), mesh {mesh_text}")
     print0(VESCALE_DEVICE_MESH.describe())
+    replicas = join_replicas(cfg, device_type, grad_dim) if cfg.ft_replica_id is not None else None
 
     print0(f"data: {dataset.source}: {len(dataset.train):,} train / {len(dataset.val):,} held-out bytes")
 
@@ -263,7 +269,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         for p in parts:  # with EP, experts average over EDP (the ranks that hold the same ones)
             experts = dict(expert_data_parallel=VESCALE_DEVICE_MESH["EDP"], expert_parameters=expert_parameters(p)) \
                 if cfg.ep > 1 else {}
-            chunks.append(DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce, **experts))
+            chunks.append(DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce,
+                              replicas=replicas, **experts))
     model = chunks[0] if pp_size == 1 else chunks
     # the experts as they are now (TP and FSDP2 replace parameters), for the gradient norm
     expert_norm = dict(expert_parameters=[q for p in parts for q in expert_parameters(p)],
@@ -290,6 +297,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     if cfg.distributed_optimizer and not cfg.fsdp:  # a torch.optim.Optimizer whose AdamW state is split over DP
         optimizer = DistributedOptimizer(torch.optim.AdamW, models=chunks, **adamw)
         kind = "ZeRO-1 DistributedOptimizer"
+        if replicas is not None:  # what a returning replica takes from a live one (each rank its own shards)
+            replicas.track(model, optimizer)
     else:  # with FSDP2 the parameters are shards already, and so is AdamW's state
         optimizer = torch.optim.AdamW(params, **adamw)
         kind = "AdamW"
@@ -314,6 +323,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             print0(f"checkpoints: none in {cfg.checkpoint_dir} yet; starting at step 1")
         else:
             start_step = resumed[0]
+            if replicas is not None:  # torchft counts committed steps; a peer that is behind heals from this one
+                replicas.manager.load_state_dict({"step": start_step, "batches_committed": 0})
             print0(f"resumed from {checkpoint.checkpoint_path(cfg.checkpoint_dir, start_step)} (saved on mesh "
                    f"{resumed[1].get('mesh')}, restart {restart}): continuing at step {start_step + 1}")
     metrics = None
@@ -337,26 +348,35 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     t_start = time.perf_counter()
     skipped = 0  # steps skipped for a non-finite loss or gradient norm
     last_save = time.monotonic()
-    for step in range(start_step + 1, cfg.steps + 1):
+    step = start_step
+    while step < cfg.steps:
+        step += 1
         if step == cfg.fail_at_step and restart == 0 and dist.get_rank() == dist.get_world_size() - 1:
             print(f"rank {dist.get_rank()}: --fail-at-step {step}: exiting to simulate a crashed worker",
                   file=sys.stderr, flush=True)
             os._exit(13)
         t0 = time.perf_counter()
+        optimizer.zero_grad()  # with --ft-replica-id, first this step's quorum: a replica that is behind heals here
+        rows = (dp_rank, dp_size, grad_accum)  # which rows of the global batch this rank takes, in how many passes
+        if replicas is not None:  # the live replicas split the global batch: this one's rows, by its index now
+            step, rows = replicas.step + 1, replica_rows(cfg, dp_rank, dp_size)
+            if replicas.change is not None:
+                print0(f"fault tolerance: {replicas.change}")
+            if step > cfg.steps:  # healed from a peer that had finished
+                break
         # Dropout masks: the same within a TP group (its activations are replicated), different
         # across DP, and a function of the step, so that a resumed run draws the same ones.
-        torch.manual_seed(cfg.seed + 1 + dp_rank + 1_000_003 * step)
+        torch.manual_seed(cfg.seed + 1 + rows[0] + 1_000_003 * step)
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = dataset.get_batch("train", step=step, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
-                                 seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=dp_size)
+                                 seq_len=cfg.seq_len, dp_rank=rows[0], dp_size=rows[1])
         x, y = cut(x).to(device), cut(y).to(device)
 
-        optimizer.zero_grad()
         if pipe is None:
             # grad_accum passes over equal slices; all but the last accumulate without DP communication
-            passes = list(zip(x.chunk(grad_accum), y.chunk(grad_accum)))
+            passes = list(zip(x.chunk(rows[2]), y.chunk(rows[2])))
             loss, aux_total = 0.0, 0.0
             for i, (xs, ys) in enumerate(passes):
                 with gradient_sync(model, i == len(passes) - 1):
@@ -376,12 +396,16 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
             loss = pipe.step(x, y)  # micro-batches through torch's schedule; the loss on the last stage only
             # the norm of the whole model: torch's per stage, summed over PP
             norm = clip_grad_norm_(params, cfg.grad_clip or float("inf"), groups=[VESCALE_DEVICE_MESH["PP"].get_group()])
+        if replicas is not None:  # the mean over the global batch: over DP here, then across the replicas
+            loss = replicas.average_(torch.tensor(dp_mean(loss, dp_group)))
         # a nan or inf loss or gradient norm on any rank: every rank skips the step, or stops
         # (and whether torchrun asked any rank to stop: then all stop after this step, saved)
         flags = torch.tensor([float(not torch.isfinite(norm) or (loss is not None and not torch.isfinite(loss))),
                               float(stop.received.is_set())])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad, stopping = bool(flags[0].item()), bool(flags[1].item())
+        if replicas is not None and replicas.errored() is not None:
+            bad = False  # a failed cross-replica reduce: the replicas' vote drops the step (below), not a skip
         if stopping:
             stop.agreed()
         if bad:
@@ -392,17 +416,31 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
                        f"The checkpoints in {cfg.checkpoint_dir or '(none)'} are untouched.", file=sys.stderr)
                 return shutdown(cfg, 1, metrics=metrics)
             print0(f"step {step:5d}/{cfg.steps} | non-finite loss or gradient norm: step skipped "
-                   f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})")
-            optimizer.zero_grad()  # the weights stay as they were; the step still counts
+                   f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})" + (", to be retried" if replicas else ""))
+            if replicas is not None:  # every replica saw the same averaged values: all vote the step down
+                replicas.discard("non-finite loss or gradient norm")
+                optimizer.step()  # only the vote: the gradients are dropped and the step retried
+            else:
+                optimizer.zero_grad()  # the weights stay as they were; the step still counts
         else:
             optimizer.step()
+        if replicas is not None and not optimizer.committed:  # not every replica reduced: nothing was applied
+            if not bad:
+                reason = str(replicas.errored() or "too few replicas").splitlines()[0]
+                print0(f"step {step:5d}/{cfg.steps} | not committed, retried with the next quorum: {reason}")
+            step -= 1
+            continue
 
         # the mean over the global batch, sent from the last stage to rank 0
-        train_loss = to_rank0(None if loss is None else torch.tensor(dp_mean(loss, dp_group)), last_pp)
+        train_loss = to_rank0(None if loss is None else torch.tensor(loss.item() if replicas else dp_mean(loss, dp_group)),
+                              last_pp)
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                   "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bad,
-                  "world_size": dist.get_world_size(), "mesh": mesh_shape, "grad_norm": float(norm)}
+                  "world_size": dist.get_world_size(), "mesh": mesh_shape, "grad_norm": float(norm),
+                  "time": time.time(), "pid": os.getpid()}
+        if replicas is not None:  # replicas that took part in this step
+            record["participants"] = rows[1] // dp_size
         if cfg.moe_experts:  # the router's load: token slots per expert of each MoE layer, over the global batch
             record["expert_load"] = take_load(raw_model, dp_group)
             if cfg.moe_aux_loss_coef:
@@ -483,8 +521,41 @@ def shutdown(cfg: TrainConfig, code: int, *, metrics=None, release: bool = True)
     return code
 
 
+def join_replicas(cfg: TrainConfig, device_type: str, grad_dim: str):
+    """Join the live replicas through torchft (this job is one of them) as the mesh's ``dp_replicate`` dim."""
+    import logging
+
+    from vemesh.ft import start_replicas
+
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum and vote at INFO
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # and warn that gloo has no flight recorder
+    replicas = start_replicas(cfg.ft_replica_id, lighthouse=cfg.ft_lighthouse, min_replicas=cfg.ft_min_replicas,
+                              device_type=device_type, timeout=cfg.ft_timeout_s)
+    VESCALE_DEVICE_MESH.add_replicas(replicas)
+    print0(f"fault tolerance: replica {cfg.ft_replica_id} of a torchft quorum (lighthouse "
+           f"{cfg.ft_lighthouse or os.environ['TORCHFT_LIGHTHOUSE']}, at least {cfg.ft_min_replicas} per step); "
+           f"gradients average over {grad_dim}, then across the live replicas (dp_replicate); the replicas split "
+           f"each global batch of {cfg.global_batch_size} by their index")
+    return replicas
+
+
+def replica_rows(cfg: TrainConfig, dp_rank: int, dp_size: int) -> tuple[int, int, int]:
+    """``(row block, blocks, passes)``: this rank's share of the global batch among the replicas of this step."""
+    n = VESCALE_DEVICE_MESH.get_strategy_size("dp_replicate")  # replicas taking part now
+    index = VESCALE_DEVICE_MESH.lookup_rank("dp_replicate")
+    blocks = n * dp_size
+    rows = cfg.global_batch_size // blocks
+    if cfg.global_batch_size % blocks or (cfg.micro_batch_size and rows % cfg.micro_batch_size):
+        raise RuntimeError(f"--global-batch-size {cfg.global_batch_size} does not split over {n} replicas x DP {dp_size}"
+                           + (f" in micro-batches of {cfg.micro_batch_size}" if cfg.micro_batch_size else "")
+                           + "; choose a batch that every number of live replicas divides")
+    return index * dp_size + dp_rank, blocks, rows // cfg.micro_batch_size if cfg.micro_batch_size else 1
+
+
 def close_mesh() -> None:
     """Drop the mesh and its cached views, and destroy torch's process groups."""
+    if VESCALE_DEVICE_MESH.is_initialized() and VESCALE_DEVICE_MESH.replicas is not None:
+        VESCALE_DEVICE_MESH.replicas.shutdown()
     VESCALE_DEVICE_MESH.reset()
     if dist.is_initialized():
         dist.destroy_process_group()

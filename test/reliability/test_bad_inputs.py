@@ -181,6 +181,15 @@ def example_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]]:
          "--ep applies to a mixture of experts; add --moe-experts E"),
         ("moe-with-pp", _config(["--mesh-shape", "2,1,1", "--n-layer", "2", "--moe-experts", "2"], 2), ConfigError,
          "--moe-experts with a PP dim is not supported yet"),
+        ("ft-flag-without-replica-id", _config(["--ft-lighthouse", "http://host:29510"]), ConfigError,
+         "--ft-lighthouse applies to live fault tolerance; add --ft-replica-id I"),
+        ("ft-lighthouse-not-an-address", _config(["--ft-replica-id", "0", "--ft-lighthouse", "host:29510"]), ConfigError,
+         "--ft-lighthouse 'host:29510' is not an address like http://HOST:29510"),
+        ("ft-with-fsdp", _config(["--ft-replica-id", "0", "--ft-lighthouse", "http://host:29510", "--fsdp"]), ConfigError,
+         "--ft-replica-id with --fsdp is not supported: live fault tolerance runs DDP with the ZeRO-1"),
+        ("ft-with-pp", _config(["--ft-replica-id", "1", "--ft-lighthouse", "http://host:1", "--mesh-shape", "2,1,1",
+                                "--n-layer", "2"], 2), ConfigError, "--ft-replica-id with a PP dim is not supported"),
+        ("ft-replica-id-negative", _config(["--ft-replica-id", "-1"]), ConfigError, "--ft-replica-id"),
     ]
 
 

@@ -37,16 +37,13 @@ __all__ = ["DistributedDataParallel"]
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """Average gradients over a data-parallel group through a contiguous gradient buffer.
 
-    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (it is an instance of it, so
-    ``model.module``, ``isinstance`` checks and DCP's ``get_state_dict``, which strips the
-    ``module.`` prefix, all behave as with torch DDP), that also takes a DeviceMesh dim and
-    TP-sharded DTensor parameters:
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (an instance of it: ``model.module``, ``isinstance``
+    and DCP's ``get_state_dict`` behave as with torch DDP) that takes a mesh dim and TP-sharded DTensor parameters:
 
-    * each trainable parameter's gradient lives in ``param.main_grad``, a view into a flat
-      buffer (fp32 when ``accumulate_allreduce_grads_in_fp32``), and ``param.grad`` *is* that
-      view (a DTensor over it for DTensor parameters), like torch's ``gradient_as_bucket_view``.
-      For bf16/fp16 parameters with an fp32 buffer, ``.grad`` is a copy in the parameter's
-      dtype and the buffer keeps fp32 precision across accumulation;
+    * each trainable parameter's gradient lives in ``param.main_grad``, a view into a flat buffer (fp32 when
+      ``accumulate_allreduce_grads_in_fp32``), and ``param.grad`` *is* that view (a DTensor over it for DTensor
+      parameters), like torch's ``gradient_as_bucket_view``. For bf16/fp16 parameters with an fp32 buffer,
+      ``.grad`` is a copy in the parameter's dtype and the buffer keeps fp32 precision across accumulation;
     * buckets are divided by DP and all-reduced asynchronously as soon as they are complete
       (``overlap_grad_reduce=True``), always in bucket order; a post-backward callback starts
       the rest and waits, so when ``loss.backward()`` returns every ``.grad`` is the DP mean;
@@ -64,23 +61,21 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     Args:
         module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
-        data_pg_or_device_mesh: the data-parallel group: a 1-D DeviceMesh (``mesh["DP"]``), a
-            ProcessGroup, or None for the default group.
-        accumulate_allreduce_grads_in_fp32: accumulate and reduce gradients in fp32 even for
-            bf16/fp16 parameters.
+        data_pg_or_device_mesh: the data-parallel group: a 1-D DeviceMesh (``mesh["DP"]``), a ProcessGroup, or None.
+        accumulate_allreduce_grads_in_fp32: accumulate and reduce gradients in fp32 even for bf16/fp16 parameters.
         overlap_grad_reduce: start each bucket's all-reduce during backward.
-        use_distributed_optimizer: accepted for veScale compatibility; any wrapper works with
-            :class:`vemesh.optim.DistributedOptimizer`, so it changes nothing.
+        use_distributed_optimizer: accepted for veScale compatibility; it changes nothing.
         bucket_size: bucket size in elements (default 6,553,600: 25 MiB of fp32, torch DDP's default).
         broadcast_buffers: broadcast module buffers from DP rank 0 before each forward (torch's default).
-        expert_data_parallel: for mixture-of-experts models with expert parallelism: the
-            expert-data-parallel group (``mesh["EDP"]``), the ranks of the DP group that hold the
-            same experts. Must come with ``expert_parameters``.
+        expert_data_parallel: for MoE with expert parallelism: the expert-data-parallel group (``mesh["EDP"]``),
+            the ranks of the DP group that hold the same experts. Must come with ``expert_parameters``.
         expert_parameters: the parameters of this rank's experts (they differ across the EP group).
-            Their gradients are summed over ``expert_data_parallel`` and divided by the DP size:
-            each expert saw the tokens its EP peers sent it, so this is the gradient of the mean
-            loss over the DP group's batch. They are broadcast from the first rank of
-            ``expert_data_parallel``, the other parameters from the first rank of the DP group.
+            Their gradients are summed over ``expert_data_parallel`` and divided by the DP size: each expert saw
+            the tokens its EP peers sent it, so this is the gradient of the mean loss over the DP group's batch.
+            They are broadcast from the first rank of ``expert_data_parallel``, the others from DP's first rank.
+        replicas: the fault-tolerant replica dim (:func:`vemesh.ft.start_replicas`): after the DP mean, each
+            buffer is averaged across the replicas taking part, through torchft; if that fails, the step
+            does not commit (:class:`~vemesh.optim.DistributedOptimizer` asks the replicas before stepping).
 
     Example::
 
@@ -110,6 +105,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         broadcast_buffers: bool = True,
         expert_data_parallel: DeviceMesh | dist.ProcessGroup | None = None,
         expert_parameters: Iterable[nn.Parameter] | None = None,
+        replicas: Any = None,
     ) -> None:
         nn.Module.__init__(self)  # torch DDP's own __init__ builds its C++ reducer, which this replaces
         if not isinstance(module, nn.Module):
@@ -130,6 +126,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
                 raise ValueError(f"parameter {names[id(p)]!r} has Partial placements {p.placements}; use Shard or Replicate")
         experts, expert_group = check_experts(group, expert_data_parallel, expert_parameters, params)
+        if replicas is not None and experts:
+            raise ValueError("expert parameters with fault-tolerant replicas are not supported yet; wrap without replicas")
         owner = weakref.ref(self)
         for p in params:
             p._vemesh_ddp = owner  # type: ignore[attr-defined]
@@ -154,6 +152,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         #: The expert-data-parallel group (None without expert parameters), and the experts' ids.
         self.expert_data_parallel_group = expert_group
         self._experts = experts
+        #: The fault-tolerant replica dim gradients are averaged across after DP (None: no such dim).
+        self.replicas = replicas
 
         check_placement(list(module.named_parameters()), experts, group, expert_group)  # names and shapes agree
         if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
@@ -186,7 +186,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 self._hooks.append(p.register_hook(weak_param_hook(p, weak_method(self._fold_grad))))
             self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
         weakref.finalize(self, release_params, params, owner, self._hooks).atexit = False
-        install_step_guard()
+        install_step_guard(self)
 
     # ------------------------------------------------------------------ module
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -208,12 +208,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             "pickled or deep-copied; copy or save model.module (or its state_dict) instead"
         )
 
-    def register_comm_hook(self, state: object, hook: Any) -> None:
-        """Not supported: the buckets always average with a pre-divided all-reduce."""
+    def register_comm_hook(self, state: object, hook: Any) -> None:  # the buckets always average
         raise NotImplementedError("vemesh DistributedDataParallel has no communication hooks; its buckets always all-reduce")
 
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: every DP rank must run the same number of backward passes."""
+    def join(self, *args: Any, **kwargs: Any) -> Any:  # every DP rank must run the same number of passes
         raise NotImplementedError("vemesh DistributedDataParallel does not support uneven inputs (join); give every DP rank the same number of batches")
 
     # ------------------------------------------------------------------- hooks
@@ -229,7 +227,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._in_backward:
             return
         self._in_backward = True
-        self._sync_this_pass = self.require_backward_grad_sync or self.dp_size == 1
+        self._sync_this_pass = self.require_backward_grad_sync or (self.dp_size == 1 and self.replicas is None)
         self._arrived = set()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
@@ -312,6 +310,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             buffer.start_remaining()
         for buffer in self.grad_buffers:
             buffer.wait()
+            if self.replicas is not None:  # then across the replicas (a failure keeps the step from committing)
+                self.replicas.average_(buffer.data)
         for p in self._params:
             self._expose(p)
         self._arrived = set()

@@ -69,10 +69,19 @@ UNSYNCED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: no torch optimizer steps on gradients that skipped the DP average."""
-    if not UNSYNCED:
+    """Global optimizer step pre-hook: no torch optimizer steps on gradients that skipped the DP average, or
+    on gradients averaged across fault-tolerant replicas that did not vote to commit the step."""
+    if not UNSYNCED and not REPLICATED:
         return
     ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for ddp in list(REPLICATED) if not getattr(optimizer, "_asks_replicas", False) else []:  # ZeRO-1 asks them itself
+        if ddp.replicas.vote is not True and any(id(p) in ids for p in ddp._params):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would apply gradients averaged across fault-tolerant replicas "
+                f"without their vote to commit ({'voted down' if ddp.replicas.vote is False else 'no vote yet'}): a "
+                "failed cross-replica reduce leaves a partial sum. Use vemesh.optim.DistributedOptimizer, or step only "
+                "when replicas.should_commit() returns True"
+            )
     for ddp in list(UNSYNCED):
         names = [ddp._param_names[id(p)] for p in ddp._params if id(p) in ids and p.grad is not None]
         if names:
@@ -149,10 +158,15 @@ class PipelineReducer:
 
 
 _step_hook: Any = None
+#: Wrappers whose gradients are averaged across fault-tolerant replicas (held weakly).
+REPLICATED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def install_step_guard() -> None:
-    """Register :func:`refuse_unsynced_step` for every torch optimizer, once per process."""
+def install_step_guard(ddp: Any = None) -> None:
+    """Register :func:`refuse_unsynced_step` for every torch optimizer, once per process (and ``ddp``, if it
+    averages across fault-tolerant replicas, in :data:`REPLICATED`)."""
+    if ddp is not None and ddp.replicas is not None:
+        REPLICATED.add(ddp)
     global _step_hook
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(refuse_unsynced_step)

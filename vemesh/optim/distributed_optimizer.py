@@ -34,7 +34,7 @@ from ..ddp.distributed_data_parallel import DistributedDataParallel
 from ..ddp.support import weak_method
 from .clip_grad import total_norm
 from .param_buffer import ParamShard
-from .state import gather_state_dict, scatter_state_dict
+from .state import gather_state_dict, load_local_state, local_state, scatter_state_dict
 
 __all__ = ["DistributedOptimizer"]
 
@@ -126,6 +126,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     #: load_state_dict takes fp32 master weights from a ``master_param`` state entry.
     _loads_master_params = True
+    #: step() asks fault-tolerant replicas for their commit vote itself (see vemesh.ddp.support's step guard).
+    _asks_replicas = True
 
     def __init__(
         self,
@@ -183,6 +185,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             dict(self.optimizer.defaults),
         )
         self._building = False
+        self.committed = True
         self._dp_group = self.models[0].data_parallel_group
         self._pending: list[dist.Work] = []
         if self.overlap_param_gather:
@@ -212,7 +215,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the models' gradients (see :meth:`DistributedDataParallel.zero_grad`)."""
+        """Clear the models' gradients (see :meth:`DistributedDataParallel.zero_grad`).
+
+        With fault-tolerant replicas (:mod:`vemesh.ft`) it first starts the step's quorum, as torchft's
+        ``OptimizerWrapper`` does: a replica that is behind heals from a live peer here.
+        """
+        replicas = self.models[0].replicas
+        if replicas is not None and not replicas.in_step:
+            replicas.start_step()
         for m in self.models:
             m.zero_grad(set_to_none=set_to_none)
 
@@ -226,6 +236,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
 
+        With fault-tolerant replicas, the step happens only if torchft's ``should_commit`` says every
+        replica reduced without error; otherwise the gradients are dropped and :attr:`committed` is False.
+
         Raises:
             RuntimeError: gradients accumulated under ``no_sync()`` were never averaged.
             ValueError: some parameters have a gradient and others have none.
@@ -235,6 +248,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._wait_gather()
+        replicas = self.models[0].replicas
+        #: Whether the last :meth:`step` updated the parameters (False: the replicas voted it down).
+        self.committed = replicas is None or replicas.should_commit()
+        if not self.committed:
+            self.zero_grad()
+            return loss
         missing: list[str] = []
         for m in self.models:
             missing += m._grads_into_buffer()
@@ -311,6 +330,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         self._wait_gather()
         return gather_state_dict(self)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own shard state (no collective): what the same rank of another replica needs to take over."""
+        self._wait_gather()
+        return local_state(self)
+
+    def load_local_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`local_state_dict` of the same rank of a replica with this layout (after its model weights)."""
+        self._wait_gather()
+        load_local_state(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's per-parameter format (from :meth:`state_dict`, or any torch optimizer of this class).

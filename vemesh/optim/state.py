@@ -31,7 +31,7 @@ from ..ddp.distributed_data_parallel import DistributedDataParallel
 from ..ddp.grad_buffer import local_tensor
 from .param_buffer import ParamShard
 
-__all__ = ["gather_state_dict", "scatter_state_dict", "get_optimizer_state", "set_optimizer_state", "MASTER"]
+__all__ = ["gather_state_dict", "scatter_state_dict", "local_state", "load_local_state", "get_optimizer_state", "set_optimizer_state", "MASTER"]
 
 #: The state key holding fp32 master weights of bf16/fp16 parameters.
 MASTER = "master_param"
@@ -50,6 +50,26 @@ class DistributedOptimizer(Protocol):
     def _start_gather(self) -> None: ...
 
     def _wait_gather(self) -> None: ...
+
+
+def local_state(opt: DistributedOptimizer) -> dict[str, Any]:
+    """The inner optimizer's state over this rank's slices, and the fp32 masters of bf16/fp16 models."""
+    return {"inner": opt.optimizer.state_dict(),
+            "masters": [m for shard in opt._shards if shard.copy_params for m in shard.main]}
+
+
+@torch.no_grad()
+def load_local_state(opt: DistributedOptimizer, state: dict[str, Any]) -> None:
+    """Undo :func:`local_state` on the same rank of another replica, after the model weights were loaded."""
+    for shard in opt._shards:
+        shard.reload()
+    masters = [m for shard in opt._shards if shard.copy_params for m in shard.main]
+    if len(masters) != len(state["masters"]) or any(a.shape != b.shape for a, b in zip(masters, state["masters"])):
+        raise ValueError("the local optimizer state comes from a rank with another layout of its shards; "
+                         "every replica must run the same mesh, model and precision")
+    if masters:
+        torch._foreach_copy_(masters, list(state["masters"]))
+    opt.optimizer.load_state_dict(state["inner"])
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

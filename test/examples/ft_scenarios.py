@@ -1,0 +1,116 @@
+"""Live fault tolerance on real processes: a torchft lighthouse and replica groups of the GPT example.
+
+Shared by ``test_gpt_live_ft.py`` and ``bench/fault_recovery.py``. Every process is started in its own
+session, so a replica (torchrun and its workers) is killed as a whole, as a lost host would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "gpt" / "train.py"
+
+#: A small job: 2 layers, TP=2 inside each replica, 8 sequences per step split over the replicas.
+TINY = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--global-batch-size", "8", "--max-data-bytes", "400000",
+        "--sample-tokens", "0", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1", "--micro-batch-size", "4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHFT_LIGHTHOUSE"):
+        out.pop(key, None)
+    return out
+
+
+def spawn(cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own, stdout and stderr into ``log``."""
+    return subprocess.Popen(cmd, cwd=REPO, env={**env(), **(extra_env or {})}, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under ``pid`` (torchrun puts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every worker under it at once, as a lost host would go."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+@contextmanager
+def lighthouse(tmp: Path, heartbeat_ms: int = 1000, join_ms: int = 1000):
+    """A torchft lighthouse on a free port; yields its address."""
+    port = free_port()
+    proc = spawn(["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}", "--heartbeat_timeout_ms",
+                  str(heartbeat_ms), "--join_timeout_ms", str(join_ms)], tmp / "lighthouse.log")
+    try:
+        yield f"http://localhost:{port}"
+    finally:
+        kill(proc)
+
+
+def torchrun(args: list[str], log: Path, nproc: int = 2, torchrun_args: list[str] = ()) -> subprocess.Popen:
+    """``torchrun --nproc_per_node=nproc [torchrun_args] train.py args`` on its own rendezvous port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={free_port()}",
+           *torchrun_args, str(TRAIN), *args]
+    return spawn(cmd, log)
+
+
+def records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return out
+
+
+def wait_for(path: Path, step: int, timeout: float, procs: list[subprocess.Popen] = ()) -> list[dict]:
+    """Poll ``path`` until it records ``step``; fail if it does not within ``timeout`` or a process ends first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        rows = records(path)
+        if rows and rows[-1]["step"] >= step:
+            return rows
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"{p.args} exited with {p.returncode} before {path.name} reached step {step}")
+        time.sleep(0.05)
+    raise AssertionError(f"{path.name} did not reach step {step} within {timeout:.0f}s: {records(path)[-1:]}")

@@ -1,0 +1,108 @@
+"""Live fault tolerance with torchft: lose a replica and keep training in the same processes, bring it
+back and heal it from the live one, and every logged loss stays the uninterrupted run's.
+
+A torchft lighthouse and two replica groups, each ``torchrun --nproc_per_node=2`` with TP=2 inside (4
+workers). The uninterrupted run is the same global batch on ``(DP=2, TP=2)`` in one torchrun.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torchft")
+
+import ft_scenarios as S  # noqa: E402
+from conftest import run_train  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS, KILL_AT = 120, 8
+TOL = 1e-4
+
+
+def test_lose_a_replica_keep_going_then_heal_it_from_the_live_one(tmp_path) -> None:
+    args = [*S.TINY, "--steps", str(STEPS)]
+    reference = run_train([*args, "--mesh-shape", "2,2"], tmp_path, nproc=4)
+    assert reference.returncode == 0, reference.describe()
+    ref = {r["step"]: r for r in reference.records}
+
+    m0, m1, m1b = tmp_path / "r0.jsonl", tmp_path / "r1.jsonl", tmp_path / "r1b.jsonl"
+    replica = [*args, "--mesh-shape", "1,2"]
+    with S.lighthouse(tmp_path) as address:
+        ft = ["--ft-lighthouse", address]
+        r0 = S.torchrun([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0)], tmp_path / "r0.log")
+        r1 = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log")
+        try:
+            S.wait_for(m1, KILL_AT, 120, [r0, r1])
+            S.kill(r1)  # torchrun and both workers, at once
+            killed_after = S.records(m1)[-1]["step"]
+            # back at once: it starts while replica 0 trains alone, then heals from it
+            r1b = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1b)], tmp_path / "r1b.log")
+            assert r0.wait(timeout=240) == 0, (tmp_path / "r0.log").read_text()[-3000:]
+            assert r1b.wait(timeout=60) == 0, (tmp_path / "r1b.log").read_text()[-3000:]
+        finally:
+            for p in (r0, r1, locals().get("r1b")):
+                if p is not None and p.poll() is None:
+                    S.kill(p)
+    log0, log1b = (tmp_path / "r0.log").read_text(), (tmp_path / "r1b.log").read_text()
+    rows0, rows1b = S.records(m0), S.records(m1b)
+
+    # 1. lose one and keep going: replica 0's workers never restarted, no step is missing or logged twice
+    assert [r["step"] for r in rows0] == list(range(1, STEPS + 1))
+    assert {r["pid"] for r in rows0} == {rows0[0]["pid"]} and {r["restart"] for r in rows0} == {0}
+    alone = [r["step"] for r in rows0 if r["participants"] == 1]
+    assert alone and alone[0] == killed_after + 1 or alone[0] == killed_after + 2, (killed_after, alone[:3])
+    assert f"quorum change at step {alone[0]}: replicas [0, 1] -> [0] (1 taking part)" in log0
+    for r in rows0:  # before, during and after: the uninterrupted run's loss and gradient norm
+        assert abs(r["loss"] - ref[r["step"]]["loss"]) <= TOL, (r["step"], r["loss"], ref[r["step"]]["loss"])
+        assert abs(r["grad_norm"] - ref[r["step"]]["grad_norm"]) <= TOL * ref[r["step"]]["grad_norm"]
+
+    # 2. come back and heal: replica 1 took its state from replica 0 over torchft's transport, not from disk
+    first = rows1b[0]["step"]
+    assert first > alone[0], (first, alone[:3])
+    assert f"quorum change at step {first}: replicas [] -> [0, 1] (2 taking part); healed from replica 0" in log1b
+    assert f"quorum change at step {first}: replicas [0] -> [0, 1] (2 taking part)" in log0
+    assert [r["step"] for r in rows1b] == list(range(first, STEPS + 1))
+    assert all(r["participants"] == 2 for r in rows1b)
+    for r in rows1b:
+        assert abs(r["loss"] - ref[r["step"]]["loss"]) <= TOL, (r["step"], r["loss"], ref[r["step"]]["loss"])
+    assert rows0[-1]["loss"] == pytest.approx(rows1b[-1]["loss"], abs=TOL)
+
+
+def test_no_lighthouse_and_a_replica_that_never_comes_fail_within_the_timeout(tmp_path) -> None:
+    """Nothing hangs: no lighthouse at the address, and a quorum that never reaches --ft-min-replicas."""
+    args = [*S.TINY, "--steps", "3", "--mesh-shape", "1,1", "--ft-replica-id", "0", "--ft-timeout-s", "3"]
+    t0 = time.monotonic()
+    run = run_train([*args, "--ft-lighthouse", f"http://localhost:{S.free_port()}"], tmp_path, timeout=60)
+    assert run.returncode == 1 and "error: replica 0: cannot join the replicas through the torchft lighthouse" \
+        in run.stderr and "Traceback" not in run.stderr, run.describe()
+    assert time.monotonic() - t0 < 40
+    with S.lighthouse(tmp_path) as address:
+        t0 = time.monotonic()
+        run = run_train([*args, "--ft-lighthouse", address, "--ft-min-replicas", "2"], tmp_path, timeout=60)
+    assert run.returncode == 1 and "error: replica 0: step 1 failed to commit too many times in a row" in run.stderr \
+        and "1 replicas taking part, fewer than min_replicas=2" in run.stderr, run.describe()
+    assert time.monotonic() - t0 < 40
+
+
+def test_a_lighthouse_lost_mid_run_stops_the_replica_within_the_timeout(tmp_path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    args = [*S.TINY, "--steps", "100000", "--mesh-shape", "1,1", "--ft-replica-id", "0", "--ft-timeout-s", "3",
+            "--metrics-file", str(metrics)]
+    with S.lighthouse(tmp_path) as address:
+        proc = S.torchrun([*args, "--ft-lighthouse", address], tmp_path / "r0.log", nproc=1)
+        try:
+            S.wait_for(metrics, 3, 60, [proc])
+        except BaseException:
+            S.kill(proc)
+            raise
+    t0 = time.monotonic()  # the lighthouse is gone
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        S.kill(proc)
+    log = (tmp_path / "r0.log").read_text()
+    assert code != 0 and "error: replica 0: the quorum of step" in log and "failed" in log, log[-3000:]
+    assert time.monotonic() - t0 < 40
