@@ -65,6 +65,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -427,6 +428,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
         if replicas is not None and not optimizer.committed:  # not every replica reduced: nothing was applied
             if not bad:
                 reason = str(replicas.errored() or "too few replicas").splitlines()[0]
+                reason = re.sub(r"^\[[^\]]*\]\s*", "", reason).split(". ")[0]  # gloo's: drop the source path
                 print0(f"step {step:5d}/{cfg.steps} | not committed, retried with the next quorum: {reason}")
             step -= 1
             continue

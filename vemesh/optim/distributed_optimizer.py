@@ -251,8 +251,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         replicas = self.models[0].replicas
         #: Whether the last :meth:`step` updated the parameters (False: the replicas voted it down).
         self.committed = replicas is None or replicas.should_commit()
-        if not self.committed:
-            self.zero_grad()
+        if not self.committed:  # the gradients are dropped (not self.zero_grad(): that would start the next quorum)
+            for m in self.models:
+                m.zero_grad()
             return loss
         missing: list[str] = []
         for m in self.models:

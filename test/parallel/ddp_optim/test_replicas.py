@@ -139,6 +139,7 @@ def test_ddp_averages_across_replicas_and_zero1_steps_only_on_a_yes(world) -> No
     kept = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert not opt.committed and manager.votes == [True, False]
+    assert not replicas.in_step and manager.error is not None  # the next quorum waits for the next zero_grad
     assert all(torch.equal(a, p) for a, p in zip(kept, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     # no_sync accumulates without touching the replicas, even on a DP group of one
