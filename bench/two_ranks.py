@@ -32,12 +32,13 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args:
 
 
 def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on ``world`` ranks (``fn`` lives at module level, so spawn can find it); rank 0's return value."""
-    ctx = mp.get_context("spawn")
+    """``fn(*args)`` on ``world`` ranks (``fn`` lives at module level, so the worker can find it); rank 0's return value."""
+    ctx = mp.get_context("forkserver")  # spawn semantics, but torch is imported once, in the server
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(world, os.path.join(tmp, "rdzv"), fn, args, out), nprocs=world,
-                           start_method="spawn")
+                           start_method="forkserver")
     return out.get(timeout=10)
 
 

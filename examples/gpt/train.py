@@ -44,6 +44,14 @@ makes the last rank exit at step 60 on the first attempt, to watch the recovery:
         --checkpoint-dir ckpt --checkpoint-every 25 --fail-at-step 60
     torchrun --nproc_per_node=2 examples/gpt/train.py --checkpoint-dir ckpt --mesh-shape -1,2   # fewer workers
 
+Live fault tolerance with torchft (pip install -e ".[ft]"): each replica is its own torchrun, a lost
+one costs no restart, a returning one heals from a live peer (the replicas split each global batch):
+
+    torchft_lighthouse --min_replicas 1 --bind "[::]:29510" --heartbeat_timeout_ms 1000 &
+    export TORCHFT_LIGHTHOUSE=http://localhost:29510
+    torchrun --nproc_per_node=2 --master-port=29601 examples/gpt/train.py --mesh-shape 1,2 --ft-replica-id 0 &
+    torchrun --nproc_per_node=2 --master-port=29602 examples/gpt/train.py --mesh-shape 1,2 --ft-replica-id 1
+
 On GPUs (nccl) and across nodes the same script runs unchanged:
 
     torchrun --nproc_per_node=8 examples/gpt/train.py --mesh-shape -1,4

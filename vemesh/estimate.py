@@ -1,0 +1,273 @@
+"""Before launch: what each rank of a job will hold, from the real model on the meta device.
+
+This is the first part of ``vemesh plan --model`` (issue 21): the *static* memory per rank class,
+parameters, gradients, optimizer state and fp32 master weights, for vemesh's DDP, its ZeRO-1
+``DistributedOptimizer`` and torch's FSDP2, under TP, PP and EP. Activations and per-dim traffic
+are not predicted yet.
+
+How each figure is obtained:
+
+* **The parameters** come from the real model, built on the meta device (no memory, so a 70B model
+  costs nothing): ``gpt:...`` is the GPT example's ``GPT`` (``examples/gpt/model.py`` of a vemesh
+  checkout); ``module:pkg.mod:factory`` is any ``nn.Module`` factory.
+* **The TP shards** follow the example's tensor-parallel plan (``examples/gpt/tp_plan.py``), read
+  with torch's rules for its styles: ``ColwiseParallel`` shards a Linear's weight and bias on dim 0,
+  ``RowwiseParallel`` a Linear's weight on dim 1 (its bias is replicated) and an Embedding's on dim 0;
+  the rest is replicated. A dim that TP does not divide gives its first ranks one more row, as
+  ``torch.chunk`` does; the figure is that largest rank's.
+* **The PP stages** follow the example's ``split_layers`` and ``cut_stage``: consecutive blocks, the
+  embeddings on the first stage, the last norm and the head on the last.
+* **The bytes per element** are the wrappers' rules, which ``test/parallel/ddp_optim/test_estimate.py``
+  checks against what the real wrappers allocate:
+
+  ======== ============================== ============================ ============================== ===================
+  mode     parameters                     gradients                    AdamW state                    fp32 masters
+  ======== ============================== ============================ ============================== ===================
+  ddp      N x dtype                      N x 4 (fp32 buffer), + N x 2  2 N x dtype                    none
+                                          for bf16 (the ``.grad`` copy)
+  zero1    N x dtype, x 2 under TP        as ddp                       2 x 4 x ceil(N_buffer / DP)     bf16: 4 x ceil(N_buffer / DP)
+           (DTensors keep their storage)
+  fsdp     4 x (N / DP, per parameter     4 x (N / DP), as parameters  2 x 4 x (N / DP)               none (fp32 already)
+           padded on dim 0)
+  ======== ============================== ============================ ============================== ===================
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["GPT_FIELDS", "ParamShard", "RankMemory", "build_model", "parse_size", "param_shards", "static_memory"]
+
+#: The fields of ``--model gpt:...`` and the example's GPTConfig field each sets.
+GPT_FIELDS = {"n_layer": "n_layer", "n_embd": "n_embd", "n_head": "n_head", "vocab": "vocab_size",
+              "seq_len": "block_size", "moe_experts": "moe_experts", "moe_top_k": "moe_top_k", "moe_every": "moe_every"}
+_GPT_REQUIRED = ("n_layer", "n_embd", "n_head")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+
+
+def parse_size(text: str, what: str = "a memory size") -> int:
+    """``"80GiB"`` -> 85899345920 bytes; ``"80GB"`` -> 80e9. A size without a unit raises ``ValueError``."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match or not match.group(2):
+        raise ValueError(f"{what} {text!r} needs a unit: a number then one of {', '.join(u.replace('I', 'i') for u in _UNITS)} "
+                         "(e.g. 80GiB)")
+    unit = match.group(2).upper()
+    if unit not in _UNITS:
+        raise ValueError(f"{what} {text!r}: unknown unit {match.group(2)!r}; valid: "
+                         f"{', '.join(u.replace('I', 'i') for u in _UNITS)}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _example_module(name: str) -> Any:
+    """A module of the GPT example (``model``, ``tp_plan``, ``pipeline``), loaded from the checkout."""
+    if not (_EXAMPLE / f"{name}.py").exists():
+        raise ValueError(f"--model gpt:... describes the GPT example of a vemesh checkout, but {_EXAMPLE} has no "
+                         f"{name}.py; use --model module:package.module:factory")
+    if str(_EXAMPLE) not in sys.path:
+        sys.path.insert(0, str(_EXAMPLE))
+    return importlib.import_module(name)
+
+
+def _gpt_config(body: str) -> dict[str, int]:
+    fields: dict[str, int] = {}
+    for item in filter(None, body.split(",")):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if key not in GPT_FIELDS:
+            raise ValueError(f"--model gpt:{body}: unknown field {key!r}; valid fields: {', '.join(GPT_FIELDS)}")
+        if not eq or not value.strip().isdigit() or int(value) < (0 if key == "moe_experts" else 1):
+            raise ValueError(f"--model gpt:{body}: {key} needs a positive integer, as {key}=8; got {item!r}")
+        fields[key] = int(value)
+    missing = [k for k in _GPT_REQUIRED if k not in fields]
+    if missing:
+        raise ValueError(f"--model gpt:{body}: missing {', '.join(missing)} (vocab defaults to 256, seq_len to 1024)")
+    return fields
+
+
+def build_model(spec: str) -> tuple[nn.Module, str]:
+    """The model ``spec`` names, on the meta device, and its kind (``"gpt"`` or ``"module"``).
+
+    ``gpt:n_layer=48,n_embd=6144,n_head=48,vocab=50304,seq_len=4096`` (MoE fields too) builds the example's
+    GPT; ``module:package.module:factory`` calls ``factory()``. Errors name the bad value in one line.
+    """
+    kind, _, body = str(spec).partition(":")
+    if kind == "gpt":
+        fields = _gpt_config(body)
+        model_module = _example_module("model")
+        config = {"vocab_size": 256, "block_size": 1024, "dropout": 0.0}
+        config.update({GPT_FIELDS[k]: v for k, v in fields.items()})
+        try:
+            cfg = model_module.GPTConfig(**config)
+            with torch.device("meta"):
+                return model_module.GPT(cfg), "gpt"
+        except Exception as e:
+            raise ValueError(f"--model {spec}: the GPT example refuses this configuration: {e}") from e
+    if kind == "module":
+        path, colon, attr = body.rpartition(":")
+        if not colon or not path or not attr:
+            raise ValueError(f"--model {spec!r}: expected module:package.module:factory")
+        try:
+            factory: Callable[[], Any] = getattr(importlib.import_module(path), attr)
+            with torch.device("meta"):
+                model = factory()
+        except Exception as e:
+            raise ValueError(f"--model {spec}: {path}:{attr}() failed: {type(e).__name__}: {e}") from e
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"--model {spec}: {attr}() returned a {type(model).__name__}, not an nn.Module")
+        return model, "module"
+    raise ValueError(f"--model {spec!r}: expected gpt:FIELD=N,... or module:package.module:factory")
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """One parameter as the planner sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  #: the dim TP shards (None: replicated over TP)
+    stage_key: str  #: "first", "last", "block:<i>"
+    expert: int | None  #: the expert number of an MoE expert's parameter
+
+
+def _tp_rules(model: nn.Module, kind: str) -> dict[str, int | None]:
+    """Parameter name -> the dim TP shards, from the example's plan read with torch's rules."""
+    if kind != "gpt":
+        return {}
+    tp_plan = _example_module("tp_plan")
+    plan = tp_plan.gpt_tp_plan(model.h.keys())
+    modules = dict(model.named_modules())
+    for name in modules:  # as apply_tp adds them
+        if ".experts." in name and name.endswith((".c_fc", ".c_proj")):
+            plan[name] = tp_plan.ColwiseParallel() if name.endswith(".c_fc") else tp_plan.RowwiseParallel()
+    out: dict[str, int | None] = {}
+    for mod_name, style in plan.items():
+        module = modules.get(mod_name)
+        if module is None:
+            continue
+        style_name = type(style).__name__
+        for p_name, _ in module.named_parameters(recurse=False):
+            dim = None
+            if style_name == "ColwiseParallel":
+                dim = 0 if isinstance(module, nn.Linear) else 1
+            elif style_name == "RowwiseParallel":
+                dim = (1 if p_name == "weight" else None) if isinstance(module, nn.Linear) else 0
+            out[f"{mod_name}.{p_name}"] = dim
+    return out
+
+
+def param_shards(model: nn.Module, kind: str) -> list[ParamShard]:
+    """Every trainable parameter with its TP dim, its place in the pipeline and its expert number."""
+    rules = _tp_rules(model, kind)
+    out = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        m = re.match(r"h\.(\d+)\.", name)
+        stage = f"block:{m.group(1)}" if m and kind == "gpt" else ("first" if name.startswith(("wte", "wpe")) else "last")
+        e = re.search(r"\.experts\.(\d+)\.", name)
+        out.append(ParamShard(name, tuple(p.shape), rules.get(name), stage, int(e.group(1)) if e else None))
+    return out
+
+
+def _local(shape: tuple[int, ...], dim: int | None, n: int) -> int:
+    if dim is None or n == 1:
+        return math.prod(shape)
+    return math.prod(shape) // shape[dim] * -(-shape[dim] // n)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank of a class holds before its first forward (activations not included)."""
+
+    rank_class: str
+    params: int
+    grads: int
+    optimizer: int
+    masters: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.masters
+
+
+def _stages(kind: str, model: nn.Module, pp: int) -> list[set[str]]:
+    if pp == 1:
+        return [{"first", "last", *[f"block:{i}" for i in range(len(getattr(model, "h", [])))]}]
+    if kind != "gpt":
+        raise ValueError("PP > 1 needs the GPT example's stage cut (--model gpt:...); a module factory has no stages")
+    layers = _example_module("pipeline").split_layers(len(model.h), pp)
+    keys = [{f"block:{i}" for i in blocks} for blocks in layers]
+    keys[0].add("first")
+    keys[-1].add("last")
+    return keys
+
+
+def static_memory(spec: str, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "fp32",
+                  dp_mode: str = "zero1") -> list[RankMemory]:
+    """Parameters, gradients, AdamW state and fp32 masters per rank, one row per PP stage.
+
+    Args:
+        spec: ``--model``'s value (see :func:`build_model`).
+        dp: the data-parallel degree the optimizer shards over (DP x CP with context parallelism).
+        tp, pp, ep: the tensor, pipeline and expert degrees (EP folds over the DP ranks).
+        dtype: ``fp32`` or ``bf16`` (the parameters' dtype; FSDP2 keeps fp32 shards and computes in it).
+        dp_mode: ``ddp`` (vemesh DDP + torch AdamW), ``zero1`` (+ ``DistributedOptimizer``) or ``fsdp`` (FSDP2).
+    """
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype must be fp32 or bf16; got {dtype!r}")
+    if dp_mode not in ("ddp", "zero1", "fsdp"):
+        raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {dp_mode!r}")
+    for what, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be a positive integer; got {value!r}")
+    model, kind = build_model(spec)
+    if kind != "gpt" and tp > 1:
+        raise ValueError("TP > 1 needs a tensor-parallel plan; the planner knows the GPT example's (--model gpt:...)")
+    if dp % ep:
+        raise ValueError(f"EP {ep} must divide the DP degree {dp} (EP folds over the data-parallel ranks)")
+    shards = param_shards(model, kind)
+    experts = max((s.expert for s in shards if s.expert is not None), default=-1) + 1
+    if experts and experts % ep:
+        raise ValueError(f"EP {ep} does not divide the {experts} experts")
+    width = 2 if dtype == "bf16" else 4
+    rows = []
+    for s, keys in enumerate(_stages(kind, model, pp)):
+        mine = [p for p in shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
+        dense = [p for p in mine if p.expert is None]
+        expert = [p for p in mine if p.expert is not None]
+        n = sum(_local(p.shape, p.tp_dim, tp) for p in mine)
+        name = f"PP stage {s}" if pp > 1 else "every rank"
+        if dp_mode == "fsdp":
+            def sharded(ps: list[ParamShard], over: int) -> int:  # FSDP2 pads dim 0 of each local shard
+                total = 0
+                for p in ps:
+                    shape = list(p.shape)
+                    if p.tp_dim is not None and tp > 1:
+                        shape[p.tp_dim] = -(-shape[p.tp_dim] // tp)
+                    total += -(-shape[0] // over) * math.prod(shape[1:])
+                return total
+            local = sharded(dense, dp) + sharded(expert, dp // ep)
+            rows.append(RankMemory(name, 4 * local, 4 * local, 8 * local, 0))
+            continue
+        dt = n if tp > 1 else 0  # under TP every GPT parameter is a DTensor, which ZeRO-1 copies into its buffer
+        grads = 4 * n + (2 * n if width == 2 else 0)
+        if dp_mode == "ddp":
+            rows.append(RankMemory(name, width * n, grads, 2 * width * n, 0))
+            continue
+        owned = -(-sum(_local(p.shape, p.tp_dim, tp) for p in dense) // dp)
+        owned += -(-sum(_local(p.shape, p.tp_dim, tp) for p in expert) // (dp // ep)) if expert else 0
+        rows.append(RankMemory(name, width * (n + dt), grads, 8 * owned, 4 * owned if width == 2 else 0))
+    return rows
