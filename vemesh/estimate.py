@@ -78,7 +78,12 @@ def _example_module(name: str) -> Any:
                          f"{name}.py; use --model module:package.module:factory")
     if str(_EXAMPLE) not in sys.path:
         sys.path.insert(0, str(_EXAMPLE))
-    return importlib.import_module(name)
+    module = importlib.import_module(name)  # the example's modules import each other by plain name
+    where = Path(getattr(module, "__file__", "") or "").resolve().parent
+    if where != _EXAMPLE:
+        raise ValueError(f"--model gpt:... needs the GPT example's {name}.py, but a module named {name!r} from {where} "
+                         "was imported first; use --model module:package.module:factory")
+    return module
 
 
 def _gpt_config(body: str) -> dict[str, int]:
