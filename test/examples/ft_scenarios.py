@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,7 +76,8 @@ def kill(proc: subprocess.Popen) -> None:
 def lighthouse(tmp: Path, heartbeat_ms: int = 1000, join_ms: int = 1000):
     """A torchft lighthouse on a free port; yields its address."""
     port = free_port()
-    proc = spawn(["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}", "--heartbeat_timeout_ms",
+    binary = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or "torchft_lighthouse"
+    proc = spawn([binary, "--min_replicas", "1", "--bind", f"[::]:{port}", "--heartbeat_timeout_ms",
                   str(heartbeat_ms), "--join_timeout_ms", str(join_ms)], tmp / "lighthouse.log")
     try:
         yield f"http://localhost:{port}"
