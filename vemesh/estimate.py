@@ -193,6 +193,17 @@ def _local(shape: tuple[int, ...], dim: int | None, n: int) -> int:
     return math.prod(shape) // shape[dim] * -(-shape[dim] // n)
 
 
+def _fsdp_local(params: list[ParamShard], over: int, tp: int) -> int:
+    """Elements of FSDP2's local shards over ``over`` ranks: the TP shard, dim 0 padded to a multiple of ``over``."""
+    total = 0
+    for p in params:
+        shape = list(p.shape)
+        if p.tp_dim is not None and tp > 1:
+            shape[p.tp_dim] = -(-shape[p.tp_dim] // tp)
+        total += -(-shape[0] // over) * math.prod(shape[1:])
+    return total
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes one rank of a class holds before its first forward (activations not included)."""
@@ -256,15 +267,7 @@ def static_memory(spec: str, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int =
         n = sum(_local(p.shape, p.tp_dim, tp) for p in mine)
         name = f"PP stage {s}" if pp > 1 else "every rank"
         if dp_mode == "fsdp":
-            def sharded(ps: list[ParamShard], over: int) -> int:  # FSDP2 pads dim 0 of each local shard
-                total = 0
-                for p in ps:
-                    shape = list(p.shape)
-                    if p.tp_dim is not None and tp > 1:
-                        shape[p.tp_dim] = -(-shape[p.tp_dim] // tp)
-                    total += -(-shape[0] // over) * math.prod(shape[1:])
-                return total
-            local = sharded(dense, dp) + sharded(expert, dp // ep)
+            local = _fsdp_local(dense, dp, tp) + _fsdp_local(expert, dp // ep, tp)
             rows.append(RankMemory(name, 4 * local, 4 * local, 8 * local, 0))
             continue
         dt = n if tp > 1 else 0  # under TP every GPT parameter is a DTensor, which ZeRO-1 copies into its buffer
