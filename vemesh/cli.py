@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from .describe import WIDTH, LayoutWarning, check_layout, describe_layout, layout_document
+from .fit_report import add_job_arguments, job_from_args, refuse_job_flags
 from .layout import MeshLayout
 from .plan import AUTO, MeshPlan, plan_mesh
 from .spec import DEFAULT_DIM_NAMES, VALID_DEVICE_TYPES, MeshSpec
@@ -160,6 +161,14 @@ def _show(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     _check_world(args.world_size, "argument --world-size")
+    if args.model is None:
+        try:
+            refuse_job_flags(args)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    elif args.device_memory is not None and args.pp is None and args.tp is None and args.dp is None:
+        return _search(args)
+    args.pp, args.tp = args.pp or 1, args.tp or 1
     try:
         plan = plan_mesh(
             args.world_size, pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,
@@ -168,6 +177,8 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_rank(plan.layout, args.rank)
+    if args.model is not None:
+        return _plan_model(args, plan)
     if args.json:
         doc: dict[str, Any] = {
             "world_size": plan.world_size,
@@ -193,6 +204,68 @@ def _plan(args: argparse.Namespace) -> int:
         for line in plan.flatten_calls():
             print(f"    {line}")
     _print_warnings(plan.warnings)
+    return 0
+
+
+def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
+    """``vemesh plan --model ...`` on one mesh: memory per rank class and bytes per dim."""
+    from .fit import predict
+    from .fit_report import fit_document, render_fit
+
+    try:
+        job = job_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    d = plan.degrees
+    try:
+        fit = predict(job, dp=d["DP"], tp=d["TP"], pp=d["PP"], cp=d["CP"], ep=plan.ep)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    verdict = None
+    if args.device_memory is not None:
+        verdict = ("fits" if fit.peak <= args.device_memory else "does not fit") if fit.traced else \
+            ("the static memory alone fits" if fit.peak <= args.device_memory else "does not fit")
+    if args.json:
+        doc = fit_document(job, fit)
+        doc.update({"world_size": plan.world_size, "init_device_mesh": plan.init_call(), "flatten": plan.flatten_calls()})
+        if verdict:
+            doc.update({"device_memory": args.device_memory, "fits": verdict == "fits"})
+        _print_json(doc)
+    else:
+        print(_plan_header(plan))
+        print(render_fit(job, fit))
+        if verdict:
+            print(f"{verdict}: {'peak' if fit.traced else 'static'} {fit.peak / 2**30:.2f} GiB against "
+                  f"{args.device_memory / 2**30:.2f} GiB per device")
+        print(f"paste into the training script:\n    from vemesh import VESCALE_DEVICE_MESH\n    {plan.init_call()}")
+        for line in plan.flatten_calls():
+            print(f"    {line}")
+    _print_warnings(plan.warnings)
+    return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    """``vemesh plan --model ... --device-memory ...`` without a shape: every mesh that fits, ranked."""
+    from .fit import search
+    from .fit_report import render_search, search_document
+
+    if args.micro_batch_size is None:
+        args.micro_batch_size = 1
+    try:
+        job = job_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rank_by = args.rank_by or ("inter-host" if args.devices_per_host else "peak")
+    try:
+        fits, rejected = search(job, args.world_size, device_memory=args.device_memory,
+                                devices_per_host=args.devices_per_host, cp=args.cp, ep=args.ep, rank_by=rank_by)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        _print_json(search_document(job, args.world_size, args.device_memory, args.devices_per_host, rank_by, fits,
+                                    rejected))
+    else:
+        print(render_search(job, args.world_size, args.device_memory, args.devices_per_host, rank_by, fits, rejected))
     return 0
 
 
@@ -245,7 +318,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--world-size", type=_positive, required=True, metavar="N", help="total number of ranks")
     for name, default in (("pp", 1), ("dp", None), ("cp", 1), ("tp", 1)):
-        plan.add_argument(f"--{name}", type=_degree, default=default, metavar="N",
+        plan.add_argument(f"--{name}", type=_degree, default=1 if name == "cp" else None, metavar="N",
                           help=f"{name.upper()} degree or 'auto' (default: "
                           + ("auto, or 1 when another degree is auto)" if default is None else f"{default})"))
     plan.add_argument("--ep", type=_positive, default=1, metavar="N",
@@ -255,6 +328,7 @@ def _parser() -> argparse.ArgumentParser:
                       "flattens to make (default: 1, no split)")
     plan.add_argument("--device-type", choices=VALID_DEVICE_TYPES, default="cuda",
                       help="device type written into the call (default: cuda)")
+    add_job_arguments(plan, _positive)
     plan.set_defaults(run=_plan)
 
     for sub in (show, plan):

@@ -34,6 +34,7 @@ How each figure is obtained:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -47,7 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GPT_FIELDS", "ParamShard", "RankMemory", "build_model", "parse_size", "param_shards", "static_memory"]
+__all__ = ["GPT_FIELDS", "Model", "ParamShard", "RankMemory", "build_model", "load_model", "parse_size", "param_shards",
+           "rank_static", "stage_keys", "static_memory"]
 
 #: The fields of ``--model gpt:...`` and the example's GPTConfig field each sets.
 GPT_FIELDS = {"n_layer": "n_layer", "n_embd": "n_embd", "n_head": "n_head", "vocab": "vocab_size",
@@ -213,22 +215,89 @@ class RankMemory:
     grads: int
     optimizer: int
     masters: int
+    elements: int = 0  #: the parameter elements this rank holds (its TP shards, before DP sharding)
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.masters
 
 
-def _stages(kind: str, model: nn.Module, pp: int) -> list[set[str]]:
-    if pp == 1:
-        return [{"first", "last", *[f"block:{i}" for i in range(len(getattr(model, "h", [])))]}]
-    if kind != "gpt":
+@dataclass(frozen=True)
+class Model:
+    """What the planner keeps of a model: its parameters as :class:`ParamShard` rows and its shape."""
+
+    spec: str
+    kind: str
+    shards: tuple[ParamShard, ...]
+    n_layer: int
+    config: tuple[tuple[str, int], ...]  #: the GPTConfig fields (empty for a module factory)
+
+    @property
+    def experts(self) -> int:
+        return max((s.expert for s in self.shards if s.expert is not None), default=-1) + 1
+
+
+@functools.lru_cache(maxsize=8)
+def load_model(spec: str) -> Model:
+    """:func:`build_model` once per spec, kept as :class:`Model` (a 70B GPT takes a few seconds on meta)."""
+    model, kind = build_model(spec)
+    config: tuple[tuple[str, int], ...] = ()
+    if kind == "gpt":
+        c = model.config
+        config = tuple(sorted((k, getattr(c, k)) for k in ("vocab_size", "block_size", "n_head", "n_embd", "bias",
+                                                             "moe_experts", "moe_top_k", "moe_every")))
+    return Model(spec, kind, tuple(param_shards(model, kind)), len(getattr(model, "h", [])), config)
+
+
+def stage_keys(model: Model, n_stages: int) -> list[set[str]]:
+    """The :attr:`ParamShard.stage_key` values of each of ``n_stages`` pipeline stages (the example's cut)."""
+    if n_stages == 1:
+        return [{"first", "last", *[f"block:{i}" for i in range(model.n_layer)]}]
+    if model.kind != "gpt":
         raise ValueError("PP > 1 needs the GPT example's stage cut (--model gpt:...); a module factory has no stages")
-    layers = _example_module("pipeline").split_layers(len(model.h), pp)
+    layers = _example_module("pipeline").split_layers(model.n_layer, n_stages)
     keys = [{f"block:{i}" for i in blocks} for blocks in layers]
     keys[0].add("first")
     keys[-1].add("last")
     return keys
+
+
+def rank_static(model: Model, keys: set[str], name: str, *, dp: int, tp: int, ep: int, dtype: str,
+                dp_mode: str) -> RankMemory:
+    """The static bytes of a rank holding the parameters of ``keys`` (see the module docstring's table)."""
+    width = 2 if dtype == "bf16" else 4
+    experts = model.experts
+    mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
+    dense = [p for p in mine if p.expert is None]
+    expert = [p for p in mine if p.expert is not None]
+    n = sum(_local(p.shape, p.tp_dim, tp) for p in mine)
+    if dp_mode == "fsdp":
+        local = _fsdp_local(dense, dp, tp) + _fsdp_local(expert, dp // ep, tp)
+        return RankMemory(name, 4 * local, 4 * local, 8 * local, 0, n)
+    dt = n if tp > 1 and model.kind == "gpt" else 0  # under TP every GPT parameter is a DTensor, copied by ZeRO-1
+    grads = 4 * n + (2 * n if width == 2 else 0)
+    if dp_mode == "ddp":
+        return RankMemory(name, width * n, grads, 2 * width * n, 0, n)
+    owned = -(-sum(_local(p.shape, p.tp_dim, tp) for p in dense) // dp)
+    owned += -(-sum(_local(p.shape, p.tp_dim, tp) for p in expert) // (dp // ep)) if expert else 0
+    return RankMemory(name, width * (n + dt), grads, 8 * owned, 4 * owned if width == 2 else 0, n)
+
+
+def check_degrees(model: Model, *, dp: int, tp: int, pp: int, ep: int, dtype: str, dp_mode: str) -> None:
+    """One-line ``ValueError`` for a dtype, a mode or degrees that the planner cannot take for ``model``."""
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype must be fp32 or bf16; got {dtype!r}")
+    if dp_mode not in ("ddp", "zero1", "fsdp"):
+        raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {dp_mode!r}")
+    for what, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be a positive integer; got {value!r}")
+    if model.kind != "gpt" and tp > 1:
+        raise ValueError("TP > 1 needs a tensor-parallel plan; the planner knows the GPT example's (--model gpt:...)")
+    if dp % ep:
+        raise ValueError(f"EP {ep} must divide the DP degree {dp} (EP folds over the data-parallel ranks)")
+    if model.experts and model.experts % ep:
+        raise ValueError(f"EP {ep} does not divide the {model.experts} experts")
 
 
 def static_memory(spec: str, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "fp32",
@@ -242,40 +311,8 @@ def static_memory(spec: str, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int =
         dtype: ``fp32`` or ``bf16`` (the parameters' dtype; FSDP2 keeps fp32 shards and computes in it).
         dp_mode: ``ddp`` (vemesh DDP + torch AdamW), ``zero1`` (+ ``DistributedOptimizer``) or ``fsdp`` (FSDP2).
     """
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype must be fp32 or bf16; got {dtype!r}")
-    if dp_mode not in ("ddp", "zero1", "fsdp"):
-        raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {dp_mode!r}")
-    for what, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what} must be a positive integer; got {value!r}")
-    model, kind = build_model(spec)
-    if kind != "gpt" and tp > 1:
-        raise ValueError("TP > 1 needs a tensor-parallel plan; the planner knows the GPT example's (--model gpt:...)")
-    if dp % ep:
-        raise ValueError(f"EP {ep} must divide the DP degree {dp} (EP folds over the data-parallel ranks)")
-    shards = param_shards(model, kind)
-    experts = max((s.expert for s in shards if s.expert is not None), default=-1) + 1
-    if experts and experts % ep:
-        raise ValueError(f"EP {ep} does not divide the {experts} experts")
-    width = 2 if dtype == "bf16" else 4
-    rows = []
-    for s, keys in enumerate(_stages(kind, model, pp)):
-        mine = [p for p in shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
-        dense = [p for p in mine if p.expert is None]
-        expert = [p for p in mine if p.expert is not None]
-        n = sum(_local(p.shape, p.tp_dim, tp) for p in mine)
-        name = f"PP stage {s}" if pp > 1 else "every rank"
-        if dp_mode == "fsdp":
-            local = _fsdp_local(dense, dp, tp) + _fsdp_local(expert, dp // ep, tp)
-            rows.append(RankMemory(name, 4 * local, 4 * local, 8 * local, 0))
-            continue
-        dt = n if tp > 1 else 0  # under TP every GPT parameter is a DTensor, which ZeRO-1 copies into its buffer
-        grads = 4 * n + (2 * n if width == 2 else 0)
-        if dp_mode == "ddp":
-            rows.append(RankMemory(name, width * n, grads, 2 * width * n, 0))
-            continue
-        owned = -(-sum(_local(p.shape, p.tp_dim, tp) for p in dense) // dp)
-        owned += -(-sum(_local(p.shape, p.tp_dim, tp) for p in expert) // (dp // ep)) if expert else 0
-        rows.append(RankMemory(name, width * (n + dt), grads, 8 * owned, 4 * owned if width == 2 else 0))
-    return rows
+    model = load_model(spec)
+    check_degrees(model, dp=dp, tp=tp, pp=pp, ep=ep, dtype=dtype, dp_mode=dp_mode)
+    return [rank_static(model, keys, f"PP stage {s}" if pp > 1 else "every rank", dp=dp, tp=tp, ep=ep, dtype=dtype,
+                        dp_mode=dp_mode)
+            for s, keys in enumerate(stage_keys(model, pp))]

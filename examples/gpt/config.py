@@ -77,6 +77,8 @@ class TrainConfig(BaseModel):
     )
     overlap_grad_reduce: bool = Field(True, description="start each gradient bucket's all-reduce during backward")
     sequence_parallel: bool = Field(False, description="shard activations along the sequence between TP regions")
+    activation_checkpointing: bool = Field(False, description="keep only each block's input for backward and "
+                                           "recompute the block there (torch.utils.checkpoint)")
     timeout_s: float = Field(600.0, gt=0, description="seconds a rank waits for the others, at start-up and in every collective")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available, else cpu (resolved here)")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="parameter and activation dtype")
@@ -124,6 +126,10 @@ class TrainConfig(BaseModel):
     eval_batches: int = Field(4, ge=1, description="global batches per evaluation")
     sample_tokens: int = Field(160, ge=0, description="length of the text sample generated at the end (0: none)")
     metrics_file: str | None = Field(None, description="write JSON lines (step, loss, tokens_per_s, ...) here")
+    memory_report: str | None = Field(
+        None, description="measure each rank's peak memory (torch's MemTracker) and the bytes of its collectives per "
+        "mesh dim over the run, print them per rank class and write them to this JSON file (slow: for short runs)"
+    )
 
     # ---- checkpoints and fault tolerance
     checkpoint_dir: str | None = Field(
@@ -196,7 +202,7 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{v!r} is empty; give a text file to train on")
         return v
 
-    @field_validator("metrics_file")
+    @field_validator("metrics_file", "memory_report")
     @classmethod
     def _metrics_writable(cls, v: str | None) -> str | None:
         if v is not None:

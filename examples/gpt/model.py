@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -176,6 +177,9 @@ class GPT(nn.Module):
         self.h = nn.ModuleDict({
             str(i): Block(config, moe=config.moe_experts > 0 and i % config.moe_every == 0) for i in range(config.n_layer)
         })
+        #: Activation checkpointing: keep only each block's input for backward and recompute the rest there
+        #: (torch.utils.checkpoint, non-reentrant). A plain attribute, so parameter names do not change.
+        self.checkpoint_blocks = False
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # Not tied to wte (nanoGPT ties them): under TP the two would need the
         # same sharding, and at V=256 the saving is small.
@@ -222,7 +226,10 @@ class GPT(nn.Module):
             pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
             x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h.values():
-            x = block(x)  # (B, T, C)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)  # (B, T, C), recomputed in backward
+            else:
+                x = block(x)  # (B, T, C)
         if self.lm_head is None:
             return x  # (B, T, C)
         x = self.ln_f(x)  # (B, T, C)

@@ -132,7 +132,7 @@ class Pipeline:
         with contextlib.ExitStack() as local:
             for chunk in self.chunks if late else ():
                 local.enter_context(chunk.no_sync())  # accumulate locally through every pass...
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, **kwargs, return_outputs=False)  # the losses are enough: no logits kept
         for chunk in self.chunks if late else ():
             chunk.finish_grad_sync(force=True)  # ...then average what the input and weight passes left, once
         return torch.stack(losses).mean() if self.has_last else None

@@ -154,8 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # bad flags or data: one clear message, no traceback, exit code 2
         print0(f"error: {e}".replace("\n", "\nerror: "), file=sys.stderr)
         return 2
+    meter = None
+    if cfg.memory_report:  # measured from the first allocation: the mesh, the model, the wrappers, the steps
+        from vemesh.measure import RunMeter
+        meter = RunMeter()
     try:
-        code = run(cfg, dataset)
+        with meter or contextlib.nullcontext():
+            code = run(cfg, dataset, meter)
     except ReplicaError as e:  # live fault tolerance cannot go on (no lighthouse, no quorum in time): one line
         print0(f"error: {e}", file=sys.stderr)
         code = 1
@@ -163,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
+def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
     """Build the mesh, the model and the optimizer, train, and return the exit code."""
+    if meter is not None:  # the corpus is host data that batches are cut from, not this rank's device memory
+        meter.exclude(dataset.train, dataset.val)
     # ------------------------------------------------------- device and mesh
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -220,6 +227,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
                              moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every)
     # FSDP2 keeps fp32 parameters and computes in bf16 (its MixedPrecisionPolicy), as ZeRO-1 keeps fp32 masters
     model = GPT(model_config).to(device=device, dtype=torch.float32 if cfg.fsdp else dtype)
+    model.checkpoint_blocks = cfg.activation_checkpointing
     n_params = model.num_params()
     parts, stages = [model], [0]
     if pp_size > 1:  # this rank's stages: the full model with the other stages' blocks removed
@@ -287,7 +295,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
     print0(f"model: {n_params:,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (f" moe_experts={cfg.moe_experts} top_k={cfg.moe_top_k}" if cfg.moe_experts else "")
-           + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else ""))
+           + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else "")
+           + (" activation-checkpointing" if cfg.activation_checkpointing else ""))
     pipe, last_pp = None, None  # last_pp: the PP rank holding the last stage (and the loss)
     if pp_size > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
         lines = [None] * dist.get_world_size()
@@ -365,6 +374,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
                   file=sys.stderr, flush=True)
             os._exit(13)
         t0 = time.perf_counter()
+        if meter is not None:  # --memory-report: count the collectives of the step, from zero_grad to step
+            meter.begin_step()
         optimizer.zero_grad()  # with --ft-replica-id, first this step's quorum: a replica that is behind heals here
         rows = (dp_rank, dp_size, grad_accum)  # which rows of the global batch this rank takes, in how many passes
         if replicas is not None:  # the live replicas split the global batch: this one's rows, by its index now
@@ -433,6 +444,8 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
                 optimizer.zero_grad()  # the weights stay as they were; the step still counts
         else:
             optimizer.step()
+        if meter is not None:
+            meter.end_step()
         if replicas is not None and not optimizer.committed:  # not every replica reduced: nothing was applied
             if not bad:
                 reason = str(replicas.errored() or "too few replicas").splitlines()[0]
@@ -492,6 +505,12 @@ def run(cfg: TrainConfig, dataset: ByteDataset) -> int:
                       f"within --timeout-s {cfg.timeout_s:g}; exiting", file=sys.stderr, flush=True)
                 return shutdown(cfg, 1, metrics=metrics)
             return shutdown(cfg, 0, metrics=metrics)
+
+    if meter is not None:  # each rank's peak and bytes, by PP rank (the planner's rank classes)
+        from vemesh.measure import report
+        text = report(meter, VESCALE_DEVICE_MESH, f"PP rank {VESCALE_DEVICE_MESH.lookup_rank('PP')}" if pp_size > 1
+                      else "every rank", cfg.memory_report)
+        print0(f"{text}\nwritten to {cfg.memory_report}")
 
     # --------------------------------------------------------------- sample
     if cfg.sample_tokens:

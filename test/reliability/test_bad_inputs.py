@@ -103,6 +103,16 @@ CLI = [
     ("plan-zero-world", ["plan", "--world-size", "0"], "invalid value '0': expected a positive integer"),
     ("plan-tp-does-not-divide", ["plan", "--world-size", "8", "--tp", "3"], "TP 3 = 3 does not divide the world size 8"),
     ("plan-ep-does-not-divide", ["plan", "--world-size", "8", "--tp", "2", "--ep", "3"], "EP 3 must divide DP x CP = 4 x 1 = 4"),
+    ("plan-model-unknown-field", ["plan", "--world-size", "2", "--model", "gpt:n_layers=2,n_embd=8,n_head=2"],
+     "unknown field 'n_layers'; valid fields: n_layer, n_embd, n_head"),
+    ("plan-model-factory-fails", ["plan", "--world-size", "2", "--model", "module:json:loads"],
+     "module:json:loads: json:loads() failed: TypeError"),
+    ("plan-memory-without-unit", ["plan", "--world-size", "2", "--model", "gpt:n_layer=1,n_embd=8,n_head=2",
+                                  "--device-memory", "80"], "--device-memory '80' needs a unit"),
+    ("plan-schedule-not-modeled", ["plan", "--world-size", "2", "--pp", "2", "--model", "gpt:n_layer=2,n_embd=8,n_head=2",
+                                   "--pp-schedule", "zbv"], "'zbv' is not modeled; choose gpipe, 1f1b, interleaved-1f1b"),
+    ("plan-job-without-model", ["plan", "--world-size", "2", "--device-memory", "80GiB"],
+     "argument --device-memory: describes a job; give the model too"),
 ]
 
 

@@ -1,0 +1,286 @@
+"""Measure what each rank of a run holds and sends: the other side of ``vemesh plan --model``.
+
+:class:`RunMeter` wraps a stretch of training in two of torch's dispatch-level tools and reports
+per rank:
+
+* **peak memory**: torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which sees
+  every tensor storage that an op creates inside its context, with its category (parameter,
+  gradient, optimizer state, activation, temporary). Enter the meter before the model is built
+  and everything the run allocates is counted, on CPU as on CUDA;
+* **bytes per mesh dim**: every collective on the dispatcher (``c10d`` ops of ``torch.distributed``
+  calls, the functional collectives of DTensor, FSDP2 and pipelining), attributed to the mesh name
+  whose process group it ran on, through torch's own ``CollectiveOp.get_process_group``.
+
+The bytes of one collective are the size of its tensor, as nccl-tests counts it: an all-reduce
+its buffer, an all-gather the gathered output, a reduce-scatter its full input, an all-to-all its
+input, a broadcast its tensor, a point-to-point transfer the bytes this rank sends (receives are
+not counted, so a PP send is counted once, by its sender). Collectives on meta tensors (a pipeline
+stage's shape inference) move nothing and are not counted; the bytes per step are counted from the
+second step on, since the first also runs one-time work (a pipeline's shape inference on real tensors). :mod:`vemesh.fit` predicts the same
+figures by the same rules.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CollectiveBytes", "RunMeter", "payload_bytes"]
+
+_c10d = torch.ops.c10d
+_func = torch.ops._c10d_functional
+_NOT_COUNTED = {_c10d.recv_.default, _c10d.recv_any_source_.default, _c10d.barrier.default,
+                _c10d.monitored_barrier_.default, _func.wait_tensor.default}
+_OUTPUT_SIZED = {_c10d._allgather_base_.default, _c10d.allgather_.default, _c10d.allgather_into_tensor_coalesced_.default}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def payload_bytes(func: Any, args: tuple, result: Any) -> int:
+    """The size of one collective's tensor (see the module docstring for which tensor)."""
+    if func in _OUTPUT_SIZED:
+        return _nbytes(args[0])
+    if func in (_c10d._reduce_scatter_base_.default, _c10d.reduce_scatter_.default):
+        return _nbytes(args[1])
+    if func in (_func.all_gather_into_tensor.default, _func.all_gather_into_tensor_coalesced.default) \
+            or "all_gather" in str(func):
+        return _nbytes(result)
+    return _nbytes(args[0])
+
+
+def _on_meta(args: tuple) -> bool:
+    """A collective on meta tensors (a pipeline stage's shape inference) moves no bytes."""
+    first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
+    return isinstance(first, torch.Tensor) and first.is_meta
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the bytes of every collective by its process group's ``group_name``.
+
+    Counting happens only while :attr:`counting` is true; :func:`by_mesh_name` names the groups.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.counting = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(t is DTensor for t in types):  # let DTensor turn itself into local ops and collectives first
+            return NotImplemented
+        result = func(*args, **(kwargs or {}))
+        if self.counting and func in collective_ops and func not in _NOT_COUNTED and not _on_meta(args):
+            group = CollectiveOp.get_process_group(func, args)
+            name = group.group_name
+            self.bytes[name] += payload_bytes(func, args, result)
+            self.calls[name] += 1
+        return result
+
+
+def by_mesh_name(counts: dict[str, int], mesh: Any) -> dict[str, int]:
+    """``counts`` by ``group_name`` re-keyed by the mesh name whose group it is (``"other"`` for the rest).
+
+    A group that serves several names (a dim and a flattening of it alone) goes to the first: dims
+    first, then flattened and split names, in the order they were made.
+    """
+    names: dict[str, str] = {}
+    for name in mesh.layout.names:
+        try:
+            group = mesh.get_group(name)
+        except (ValueError, RuntimeError, KeyError):
+            continue
+        names.setdefault(group.group_name, name)
+    out: dict[str, int] = defaultdict(int)
+    for group_name, n in counts.items():
+        out[names.get(group_name, "other")] += n
+    return dict(sorted(out.items()))
+
+
+class _NoModules:
+    """Stands in for MemTracker's ModTracker when module hooks must stay off: a pipeline stage's backward
+    metadata inference runs ``autograd.grad`` on leaf inputs, which ModTracker's multi-grad hooks refuse."""
+
+    is_bw = False
+    parents = {"Global"}
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class _Tracker(MemTracker):
+    """torch's MemTracker, over a whole run or one traced step.
+
+    * A root module called again (the next step, a micro-batch, an eval) starts a new iteration of
+      its per-module statistics instead of raising; the peak is kept.
+    * :attr:`peak_besides_weights`: the highest bytes held besides parameters and gradients.
+    * :attr:`step_peak`: the highest bytes held while :attr:`in_step` (the training steps of a run).
+    * ``module_hooks=False`` tracks storages only (every category is then "Activation"; the totals
+      are the same).
+    """
+
+    def __init__(self, module_hooks: bool = True) -> None:
+        super().__init__()
+        if not module_hooks:
+            self._mod_tracker = _NoModules()  # type: ignore[assignment]
+        self.peak_besides_weights = 0
+        self.step_peak = 0
+        self.in_step = False
+
+    def track_weights(self, module: torch.nn.Module) -> None:
+        """Count ``module``'s parameters as parameters and their gradients as gradients (no module hooks needed)."""
+        self._track_module_params_and_buffers(module, install_grad_hooks=True)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        for snap in self._curr_mem_snap.values():
+            total = snap["Total"]
+            self.peak_besides_weights = max(self.peak_besides_weights,
+                                            total - snap.get(_MemRefType.PARAM, 0) - snap.get(_MemRefType.GRAD, 0))
+            if self.in_step:  # what RunMeter.exclude registered ("Other") is not device memory
+                self.step_peak = max(self.step_peak, total - snap.get(_MemRefType.OTH, 0))
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:  # "does not support ... multiple iterative calls": the root again
+            self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+
+class RunMeter:
+    """Peak memory (MemTracker) and collective bytes per mesh name over a stretch of a run.
+
+    >>> meter = RunMeter()                             # doctest: +SKIP
+    >>> with meter:                                    # doctest: +SKIP
+    ...     model, optimizer = build()                 # counted from the first allocation
+    ...     for step in range(3):
+    ...         with meter.step():                     # only the steps' collectives are counted
+    ...             train_step()
+    >>> meter.result(VESCALE_DEVICE_MESH)["peak"]      # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.tracker = _Tracker(module_hooks=False)
+        self.counter = CollectiveBytes()
+        self.steps = 0
+
+    def __enter__(self) -> RunMeter:
+        self.tracker.__enter__()
+        self.counter.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.counter.__exit__(*exc)
+        self.tracker.__exit__(*exc)
+
+    def exclude(self, *tensors: torch.Tensor) -> None:
+        """Leave these tensors' storages out of the peak: host data that batches are cut from, not device memory."""
+        self.tracker.track_external(*tensors)  # category "Other", which the step peak leaves out
+
+    def begin_step(self) -> None:
+        """Count the collectives from here to :meth:`end_step` as one training step's."""
+        self.counter.counting = self.tracker.in_step = True
+
+    def end_step(self) -> None:
+        self.counter.counting = self.tracker.in_step = False
+        self.steps += 1
+        if self.steps == 1:  # the first step also runs one-time work (a pipeline's shape inference): kept apart
+            self._first = (dict(self.counter.bytes), dict(self.counter.calls))
+            self.counter.bytes.clear()
+            self.counter.calls.clear()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """``with meter.step():`` is :meth:`begin_step` ... :meth:`end_step`."""
+        self.begin_step()
+        try:
+            yield
+        finally:
+            self.end_step()
+
+    def result(self, mesh: Any) -> dict[str, Any]:
+        """``{"peak": bytes, "run_peak": bytes, "bytes_per_step": {name: bytes}, "steps": n}``.
+
+        ``peak`` is the highest bytes held during the training steps (what the planner predicts);
+        ``run_peak`` the highest of the whole metered stretch (evaluation and sampling included).
+        """
+        snapshot = self.tracker.get_tracker_snapshot("peak")
+        steady = self.steps > 1  # bytes per step from the second step on; from the first if it is the only one
+        counted, calls = (self.counter.bytes, self.counter.calls) if steady else getattr(self, "_first", ({}, {}))
+        n = self.steps - 1 if steady else 1
+        return {
+            "peak": self.tracker.step_peak,
+            "run_peak": max((s["Total"] for s in snapshot.values()), default=0),
+            "bytes_per_step": {k: v / n for k, v in by_mesh_name(counted, mesh).items()},
+            "calls_per_step": {k: v / n for k, v in by_mesh_name(calls, mesh).items()},
+            "steps": self.steps,
+        }
+
+
+def report(meter: RunMeter, mesh: Any, rank_class: str, path: str | None = None) -> str | None:
+    """Gather every rank's measurement; on global rank 0 write them to ``path`` (JSON) and return a table.
+
+    Per rank class the table shows the largest peak of its ranks and the mean bytes per step of each
+    mesh name (the ranks of an EP group send different shares of an all-to-all; their mean is what
+    the planner predicts).
+    """
+    import json
+
+    mine = dict(meter.result(mesh), rank=dist.get_rank(), rank_class=rank_class)
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    if dist.get_rank() != 0:
+        return None
+    classes: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        classes[row["rank_class"]].append(row)
+    summary = {}
+    for name, members in classes.items():
+        dims = sorted({d for r in members for d in r["bytes_per_step"]})
+        summary[name] = {
+            "ranks": [r["rank"] for r in members],
+            "peak": max(r["peak"] for r in members),
+            "bytes_per_step": {d: sum(r["bytes_per_step"].get(d, 0) for r in members) / len(members) for d in dims},
+        }
+    if path:
+        with open(path, "w") as f:
+            json.dump({"classes": summary, "ranks": rows}, f, indent=1)
+    lines = ["memory report (measured during the training steps: torch's MemTracker peak; the bytes of the "
+             "collectives per step by mesh dim):"]
+    for name, s in summary.items():
+        sent = ", ".join(f"{d} {_mib(b)}" for d, b in s["bytes_per_step"].items()) or "none"
+        lines.append(f"  {name} (ranks {_ranks(s['ranks'])}): peak {_mib(s['peak'])}; collectives per step: {sent}")
+    return "\n".join(lines)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
