@@ -102,7 +102,8 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
     hosts = f", {devices_per_host} devices per host" if devices_per_host else ""
     lines = [f"plan: {job.model}", f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
              f"{job.dtype}, {job.dp_mode}; ranked by {cost}",
-             f"{len(fits)} meshes fit" + (f"; the best {min(top, len(fits))}:" if fits else "")]
+             f"{len(fits) + len(rejected)} meshes considered (PP x DP x CP x TP = {world_size}, TP up to the heads, PP "
+             f"up to the blocks); {len(fits)} fit" + (f"; the best {min(top, len(fits))}:" if fits else "")]
     if fits:
         lines.append(f"  {'#':>3}  {'mesh':28} {'peak':>10}  {'between hosts':>15}  dims between hosts")
     for i, f in enumerate(fits[:top], 1):

@@ -1,7 +1,7 @@
 """``vemesh plan --model``: the planner's traces, schedules, search and CLI; and against real runs of the example.
 
 The fast tests check the arithmetic and the traces in-process (fake tensors, torch's fake backend). The
-slow ones run the GPT example with ``--memory-report`` (torch's MemTracker and the counted collectives)
+slow one runs the GPT example with ``--memory-report`` (torch's MemTracker and the counted collectives)
 and hold the prediction to the issue's targets: the peak within 10%, every dim's bytes within 1%.
 """
 
@@ -104,25 +104,14 @@ def test_a_module_factory_gets_its_static_memory_labeled_as_such(capsys) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["pp2-1f1b", "tp2-sp-bf16"])
-def test_prediction_against_the_examples_memory_report(config) -> None:
+def test_prediction_against_the_examples_memory_report() -> None:
+    # one configuration here (a pipeline: two rank classes, PP bytes, the schedule's micro-batches in
+    # flight); bench/plan_accuracy.py runs all 13 and the 70B plan over 1024 ranks
     sys.path.insert(0, str(ROOT / "bench"))
     from plan_accuracy import compare
 
-    for row in compare(config):
+    for row in compare("pp2-1f1b"):
         assert abs(row["peak_ratio"] - 1) <= 0.10, row
         for dim, b in row["bytes"].items():
             if b["predicted"] > 64:
                 assert b["predicted"] == pytest.approx(b["measured"], rel=0.01), (dim, row)
-
-
-@pytest.mark.slow
-def test_a_70b_plan_over_1024_ranks_keeps_tp_within_a_host(capsys) -> None:
-    argv = ["plan", "--model", "gpt:n_layer=80,n_embd=8192,n_head=64,vocab=128256,seq_len=4096", "--world-size", "1024",
-            "--device-memory", "80GiB", "--devices-per-host", "8", "--global-batch-size", "1024", "--dtype", "bf16",
-            "--json"]
-    assert main(argv) == 0
-    doc = json.loads(capsys.readouterr().out)
-    best = doc["fits"][0]
-    assert best["degrees"]["TP"] <= 8 and "TP" not in best["inter_host_dims"] and best["peak"] <= 80 * 2**30
-    assert any("> device memory" in r["reason"] for r in doc["rejected"])
