@@ -37,11 +37,10 @@ def single(tmp_path_factory):
         ("2,2", []),  # DP x TP with the ZeRO-1 optimizer, the default
         ("4,1", ["--no-distributed-optimizer"]),  # pure DP, plain AdamW after DDP's averaging
         ("1,4", ["--sequence-parallel"]),  # pure TP, activations split along the sequence
-        ("4,1", ["--fsdp"]),  # torch's FSDP2 over DP=4 instead of DDP + ZeRO-1
-        ("4,1", ["--fsdp", "--dp-replicate", "2"]),  # HSDP: DP split into 2 replicas x 2 shards
+        ("4,1", ["--fsdp", "--dp-replicate", "2"]),  # torch's FSDP2 as HSDP: DP split into 2 replicas x 2 shards
         ("2,2", ["--fsdp", "--activation-checkpointing"]),  # FSDP2 over DP with TP, blocks recomputed in backward
     ],
-    ids=["dp2-tp2", "dp4-tp1-plain-adamw", "dp1-tp4-sequence-parallel", "dp4-fsdp", "dp4-hsdp-2x2", "dp2-tp2-fsdp-ac"],
+    ids=["dp2-tp2", "dp4-tp1-plain-adamw", "dp1-tp4-sequence-parallel", "dp4-hsdp-2x2", "dp2-tp2-fsdp-ac"],
 )
 def test_loss_curve_matches_single_process(single, tmp_path, mesh, extra):
     run = run_train(TINY + ["--mesh-shape", mesh, *extra], tmp_path, nproc=4)
