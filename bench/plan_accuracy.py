@@ -52,20 +52,24 @@ CONFIGS: dict[str, tuple[int, list[str], list[str]]] = {
     "fsdp2-bf16-ckpt": (2, ["--mesh-shape", "2,1", "--fsdp", "--dtype", "bf16", "--activation-checkpointing"],
                         ["--dp-mode", "fsdp", "--dtype", "bf16", "--activation-checkpointing"]),
     "zero1-ckpt": (2, ["--mesh-shape", "2,1", "--activation-checkpointing"], ["--activation-checkpointing"]),
+    "moe-ep2-tp2": (4, ["--mesh-shape", "2,2", "--moe-experts", "8", "--ep", "2"], ["--tp", "2", "--ep", "2"]),
+    "moe-ep2-ddp": (2, ["--mesh-shape", "2,1", "--moe-experts", "4", "--ep", "2", "--no-distributed-optimizer"],
+                    ["--ep", "2", "--dp-mode", "ddp"]),
     "cp2": (2, ["--mesh-dims", "DP,CP", "--mesh-shape", "1,2"], ["--cp", "2"]),
     "ddp-accumulate": (2, ["--mesh-shape", "2,1", "--no-distributed-optimizer", "--micro-batch-size", "4"],
                        ["--dp-mode", "ddp", "--micro-batch-size", "4"]),
 }
 
 
-def _model(flags: list[str]) -> str:
-    n_layer = flags[flags.index("--n-layer") + 1] if "--n-layer" in flags else "2"
-    return f"gpt:n_layer={n_layer},n_embd=192,n_head=4,vocab=256,seq_len=64"
+def _model(example_flags: list[str], plan_flags: list[str]) -> str:
+    n_layer = plan_flags[plan_flags.index("--n-layer") + 1] if "--n-layer" in plan_flags else "2"
+    experts = example_flags[example_flags.index("--moe-experts") + 1] if "--moe-experts" in example_flags else None
+    return f"gpt:n_layer={n_layer},n_embd=192,n_head=4,vocab=256,seq_len=64" + (f",moe_experts={experts}" if experts else "")
 
 
-def predicted(procs: int, plan_flags: list[str]) -> dict[str, Any]:
+def predicted(procs: int, example_flags: list[str], plan_flags: list[str]) -> dict[str, Any]:
     flags = [f for i, f in enumerate(plan_flags) if f != "--n-layer" and (i == 0 or plan_flags[i - 1] != "--n-layer")]
-    cmd = [sys.executable, "-m", "vemesh", "plan", "--model", _model(plan_flags), "--world-size", str(procs),
+    cmd = [sys.executable, "-m", "vemesh", "plan", "--model", _model(example_flags, plan_flags), "--world-size", str(procs),
            "--global-batch-size", "32", *flags, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
@@ -87,7 +91,7 @@ def measured(procs: int, flags: list[str], workdir: str) -> dict[str, Any]:
 
 def compare(name: str) -> list[dict[str, Any]]:
     procs, flags, plan_flags = CONFIGS[name]
-    plan = predicted(procs, plan_flags)
+    plan = predicted(procs, flags, plan_flags)
     with tempfile.TemporaryDirectory() as workdir:
         run = measured(procs, flags, workdir)
     rows = []

@@ -49,9 +49,12 @@ class Trace:
 
 
 @contextmanager
-def _fake_world(tp: int, cp: int) -> Iterator[object | None]:
-    """A fake world of CP x TP ranks (rank 0) with its vemesh mesh, or None when both are 1."""
-    if tp == 1 and cp == 1:
+def _fake_world(tp: int, cp: int, ep: int = 1) -> Iterator[object | None]:
+    """A fake world of EP x CP x TP ranks (rank 0) with its vemesh mesh, or None when all are 1.
+
+    (In a run EP folds over the DP x CP ranks; a trace needs only a group of its size.)
+    """
+    if tp == 1 and cp == 1 and ep == 1:
         yield None
         return
     if dist.is_initialized():
@@ -61,18 +64,19 @@ def _fake_world(tp: int, cp: int) -> Iterator[object | None]:
 
     from .mesh import VeDeviceMesh
 
-    dist.init_process_group("fake", rank=0, world_size=tp * cp, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=ep * tp * cp, store=FakeStore())
     try:
         mesh = VeDeviceMesh()
-        names = tuple(n for n, s in (("CP", cp), ("TP", tp)) if s > 1)
-        mesh.init_device_mesh("cpu", tuple(s for s in (cp, tp) if s > 1), mesh_dim_names=names)
+        dims = [(n, s) for n, s in (("EP", ep), ("CP", cp), ("TP", tp)) if s > 1]
+        mesh.init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
         yield mesh
     finally:
         dist.destroy_process_group()
 
 
 def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, micro_batch: int, tp: int = 1,
-                cp: int = 1, sequence_parallel: bool = False, dtype: str = "fp32", checkpointing: bool = False) -> Trace:
+                cp: int = 1, sequence_parallel: bool = False, dtype: str = "fp32", checkpointing: bool = False,
+                ep: int = 1) -> Trace:
     """One micro-batch of ``micro_batch`` sequences through a stage of ``blocks`` blocks.
 
     ``config`` is the GPTConfig fields as sorted pairs (hashable, for the cache); ``role`` one of
@@ -82,7 +86,7 @@ def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, 
     2- and a 1-block middle stage: the blocks are identical, and each extra block's saved activations
     are held through the backward of the last two, where the peak of the 2-block stage is.
     """
-    args = (micro_batch, tp, cp, sequence_parallel, dtype, checkpointing)
+    args = (micro_batch, tp, cp, sequence_parallel, dtype, checkpointing, ep)
     if blocks <= 2:
         return _trace(config, blocks, role, *args)
     two = _trace(config, 2, role, *args)
@@ -95,7 +99,7 @@ def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, 
 
 @functools.lru_cache(maxsize=256)
 def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_batch: int, tp: int, cp: int,
-           sequence_parallel: bool, dtype: str, checkpointing: bool) -> Trace:
+           sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1) -> Trace:
     from .estimate import _example_module
     from .measure import CollectiveBytes, _Tracker, by_mesh_name
 
@@ -105,13 +109,17 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
     cfg = model_module.GPTConfig(**dict(config, n_layer=blocks, dropout=0.0))
     width = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     tokens = cfg.block_size // cp
-    with _fake_world(tp, cp) as mesh, FakeTensorMode():
+    with _fake_world(tp, cp, ep) as mesh, FakeTensorMode(), _balanced_routing():
         model = _build(model_module, cfg, width)
         model.checkpoint_blocks = checkpointing  # the example's --activation-checkpointing
         if role in ("middle", "last"):
             model.wte = model.wpe = None
         if role in ("first", "middle"):
             model.ln_f = model.lm_head = None
+        if ep > 1:
+            model = _example_module("ep").apply_ep(model, mesh["EP"])
+        for moe in model.moe_layers():  # the routing of fake tokens is unknown: every expert gets an equal share
+            moe.dispatch = functools.partial(_balanced_dispatch, group=mesh.get_group("EP") if ep > 1 else None)
         if tp > 1:
             model = _example_module("tp_plan").apply_tp(model, mesh["TP"], sequence_parallel=sequence_parallel)
         if cp > 1:
@@ -137,6 +145,47 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
             peak = tracker.peak_besides_weights
         sent = by_mesh_name(counter.bytes, mesh) if mesh is not None else {}
     return Trace(retained, peak, tuple(sorted(sent.items())))
+
+
+@contextmanager
+def _balanced_routing() -> Iterator[None]:
+    """``torch.bincount`` as a MoE calls it (slots per expert), answered for fake tokens: an equal share each.
+
+    A fake tensor has no values, so the router's choices are unknown; the planner assumes the balance
+    that the load-balancing loss aims at. Only ``bincount`` with ``minlength`` (the MoE's call) is answered.
+    """
+    real = torch.bincount
+
+    def balanced(slots: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+        if not minlength or weights is not None:
+            return real(slots, weights, minlength)
+        return torch.full((minlength,), slots.numel() // minlength, dtype=torch.long, device=slots.device)
+
+    torch.bincount = balanced  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.bincount = real  # type: ignore[assignment]
+
+
+def _balanced_dispatch(tokens: torch.Tensor, counts: torch.Tensor, experts: torch.nn.Module,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The MoE's dispatch with every expert given an equal share of the slots (``tokens`` grouped by expert).
+
+    With an EP group, each rank's share goes to it and comes back through torch's autograd-aware
+    all-to-all, with the sizes the example's ``ExpertParallelDispatch`` sends when the routing is balanced.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    if group is not None:
+        n = dist.get_world_size(group)
+        split = [tokens.size(0) // n] * n
+        tokens = funcol.wait_tensor(funcol.all_to_all_single_autograd(tokens.contiguous(), split, split, group))
+    runs = tokens.chunk(len(experts))
+    out = torch.cat([expert(run) for expert, run in zip(experts.values(), runs)])  # type: ignore[operator]
+    if group is not None:
+        out = funcol.wait_tensor(funcol.all_to_all_single_autograd(out.contiguous(), split, split, group))
+    return out
 
 
 def _build(model_module: object, cfg: object, dtype: torch.dtype) -> torch.nn.Module:

@@ -76,6 +76,7 @@ class MeshFit:
     slow_bytes: int = 0  #: bytes per step over links between hosts, the worst rank's
     slow_dims: tuple[str, ...] = field(default=())
     traced: bool = True  #: False for a module factory: static memory only, no activations
+    notes: tuple[str, ...] = ()  #: assumptions the figures rest on, printed with them
 
     @property
     def peak(self) -> int:
@@ -115,9 +116,12 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     cfg = dict(model.config)
     if model.kind != "gpt":
         return _static_only(model, job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-    if cfg.get("moe_experts"):
-        raise ValueError("MoE: the activations of a routed layer depend on the routing, which fake tensors do not have; "
-                         "the planner predicts dense models (vemesh.estimate.static_memory covers MoE's static memory)")
+    if cfg.get("moe_experts"):  # as the example: MoE on DP/TP/CP meshes, DDP or ZeRO-1; every block a MoE
+        for bad, why in ((pp > 1, "a PP dim"), (job.dp_mode == "fsdp", "--dp-mode fsdp"),
+                         (cfg.get("moe_every", 1) > 1, "moe_every > 1 (blocks of two kinds)")):
+            if bad:
+                raise ValueError(f"MoE with {why} is not modeled yet; plan it with dp-mode ddp or zero1, no PP, "
+                                 "moe_every=1")
     if job.pp_schedule not in MODELED_SCHEDULES:
         raise ValueError(f"--pp-schedule {job.pp_schedule!r} is not modeled; choose {', '.join(MODELED_SCHEDULES)}")
     pipeline = _example_module("pipeline")
@@ -147,7 +151,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         mine = set().union(*(keys[s] for s in stages))
         name = f"PP rank {rank}" if pp > 1 else "every rank"
         static = rank_static(model, mine, name, dp=dp * cp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
-        traces = [_stage_trace(model, len(layers[s]), _role(s, n_stages), mbs, tp, cp, job) for s in stages]
+        traces = [_stage_trace(model, len(layers[s]), _role(s, n_stages), mbs, tp, cp, job, ep) for s in stages]
         flight = _in_flight(job.pp_schedule, pp, rank, passes, len(stages))
         retained = sum(t.retained for t in traces) / len(traces)
         activations = int((flight - 1) * retained) + max(t.peak for t in traces)
@@ -159,12 +163,31 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         transfers = sum((s < n_stages - 1) + (s > 0) for s in stages) if pp > 1 else 0
         if transfers:  # each micro-batch's activations forward and its input gradient back
             sent["PP"] = hidden * passes * transfers
-        dp_bytes, extra = _dp_traffic(model, mine, job, dp * cp, tp, static, passes)
+        dp_bytes, extra = _dp_traffic(model, mine, job, dp * cp, tp, static, passes, ep)
         extra += hidden * passes * transfers  # torch's stages keep a receive buffer per micro-batch and direction
-        if dp * cp > 1 and dp_bytes:
-            sent[grad_dim] = sent.get(grad_dim, 0) + dp_bytes
-        classes.append(RankClass(name, static, activations, extra, dict(sorted(sent.items()))))
-    return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs)
+        for dim, b in (("EDP", dp_bytes[1]), (grad_dim, dp_bytes[0])):
+            if b:
+                sent[dim] = sent.get(dim, 0) + b
+        classes.append(RankClass(name, static, activations, extra, _by_group(sent, pp, dp, cp, tp, ep)))
+    notes = ("MoE: balanced routing assumed (each expert gets top_k x tokens / experts slots); a skewed router "
+             "holds more on its busiest rank (the example's took up to 1.5x its share in its first steps)",) \
+        if cfg.get("moe_experts") else ()
+    return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs, notes=notes)
+
+
+def _by_group(sent: dict[str, int], pp: int, dp: int, cp: int, tp: int, ep: int) -> dict[str, int]:
+    """Bytes per dim, a dim whose group is the whole world named as the first such dim (mesh dims first).
+
+    torch gives a group of every rank the default group, so a run counts it under the first name that has it.
+    """
+    sizes = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "dp_cp": dp * cp, "EDP": dp * cp // ep, "EP": ep}
+    world = pp * dp * cp * tp
+    first = next((d for d, n in sizes.items() if n == world), None)
+    out: dict[str, int] = {}
+    for dim, b in sent.items():
+        key = first if first is not None and sizes.get(dim) == world else dim
+        out[key] = out.get(key, 0) + b
+    return dict(sorted(out.items()))
 
 
 def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshFit:
@@ -174,41 +197,48 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
                          "is planned on DP only")
     keys = stage_keys(model, 1)[0]
     static = rank_static(model, keys, "every rank", dp=dp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
-    dp_bytes, extra = _dp_traffic(model, keys, job, dp, tp, static, 1)
+    (dp_bytes, _), extra = _dp_traffic(model, keys, job, dp, tp, static, 1)
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
                    [RankClass("every rank", static, 0, extra, {"DP": dp_bytes} if dp_bytes else {})],
                    1, job.global_batch_size // dp, traced=False)
 
 
-def _stage_trace(model: Model, blocks: int, role: str, mbs: int, tp: int, cp: int, job: Job) -> Any:
+def _stage_trace(model: Model, blocks: int, role: str, mbs: int, tp: int, cp: int, job: Job, ep: int = 1) -> Any:
     from .activations import trace_stage
 
-    config = tuple((k, v) for k, v in model.config if k not in ("moe_top_k", "moe_every"))
-    return trace_stage(config, blocks=blocks, role=role, micro_batch=mbs, tp=tp, cp=cp,
+    return trace_stage(model.config, blocks=blocks, role=role, micro_batch=mbs, tp=tp, cp=cp,
                        sequence_parallel=job.sequence_parallel and tp > 1, dtype=job.dtype,
-                       checkpointing=job.activation_checkpointing)
+                       checkpointing=job.activation_checkpointing, ep=ep)
 
 
-def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, static: RankMemory,
-                passes: int) -> tuple[int, int]:
-    """(bytes per step over the gradient dim, FSDP2's unsharded bytes in use) of a rank holding ``keys``."""
+def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, static: RankMemory, passes: int,
+                ep: int = 1) -> tuple[tuple[int, int], int]:
+    """((bytes per step over the gradient dim, over EDP), FSDP2's unsharded bytes in use) of a rank holding ``keys``.
+
+    With EP the experts' gradients average over EDP (the ranks holding the same experts), the rest over DP.
+    """
     width = 2 if job.dtype == "bf16" else 4
+    experts = model.experts
+    mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
     if job.dp_mode != "fsdp":
-        n = static.elements
-        gather = width * -(-n // dp) * dp if job.dp_mode == "zero1" else 0
-        return (4 * n + gather) if dp > 1 else 0, 0
+        def per_step(params: list[Any], over: int) -> int:
+            n = sum(_local(p.shape, p.tp_dim, tp) for p in params)
+            gather = width * -(-n // over) * over if job.dp_mode == "zero1" else 0
+            return 4 * n + gather if over > 1 and n else 0
+        dense = [p for p in mine if p.expert is None or ep == 1]
+        expert = [p for p in mine if p.expert is not None and ep > 1]
+        return (per_step(dense, dp), per_step(expert, dp // ep)), 0
     units: dict[str, int] = {}  # FSDP2 unit (each block, and the root) -> elements of its padded full TP shards
-    for p in model.shards:
-        if p.stage_key in keys:
-            units[p.stage_key if p.stage_key.startswith("block:") else "root"] = \
-                units.get(p.stage_key if p.stage_key.startswith("block:") else "root", 0) + _fsdp_local([p], dp, tp) * dp
+    for p in mine:
+        unit = p.stage_key if p.stage_key.startswith("block:") else "root"
+        units[unit] = units.get(unit, 0) + _fsdp_local([p], dp, tp) * dp
     blocks = [v for k, v in units.items() if k != "root"]
     root = units.get("root", 0)
     gathered = width * (root + 2 * sum(blocks))  # forward: every unit; backward: the blocks again (the root stays)
     reduced = 4 * (root + sum(blocks))
     biggest = max(blocks, default=0)
     extra = width * (root + 2 * biggest)  # the root stays gathered; a block and the next one (prefetch)
-    return (gathered * passes + reduced) if dp > 1 else 0, extra if dp > 1 else 0
+    return ((gathered * passes + reduced) if dp > 1 else 0, 0), extra if dp > 1 else 0
 
 
 def _crosses_hosts(stride: int, size: int, devices_per_host: int) -> bool:

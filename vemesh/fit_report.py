@@ -42,7 +42,7 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
     return {"model": job.model, "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
             "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
             "dp_mode": job.dp_mode, "activation_checkpointing": job.activation_checkpointing, "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
-            "peak": fit.peak, "activations_traced": fit.traced, "classes": [_class_row(c) for c in fit.classes],
+            "peak": fit.peak, "activations_traced": fit.traced, "notes": list(fit.notes), "classes": [_class_row(c) for c in fit.classes],
             "how": HOW}
 
 
@@ -90,6 +90,7 @@ def render_fit(job: Job, fit: MeshFit) -> str:
             lines.append(f"  {c.name:{width}}" + "".join(f"{c.sent.get(k, 0) / sdiv:12.2f}" for k in dims))
     else:
         lines.append("no collectives: a single rank")
+    lines.extend(f"note: {n}" for n in fit.notes)
     return "\n".join(lines)
 
 

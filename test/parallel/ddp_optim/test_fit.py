@@ -115,3 +115,16 @@ def test_prediction_against_the_examples_memory_report() -> None:
         for dim, b in row["bytes"].items():
             if b["predicted"] > 64:
                 assert b["predicted"] == pytest.approx(b["measured"], rel=0.01), (dim, row)
+
+
+def test_moe_is_traced_with_balanced_routing_and_its_all_to_all_counted() -> None:
+    moe = "gpt:n_layer=2,n_embd=64,n_head=4,vocab=256,seq_len=32,moe_experts=4"
+    fit = predict(Job(moe, 16, dp_mode="ddp"), dp=2, tp=2, ep=2)
+    cls, = fit.classes
+    tokens = 8 * 32 * 2 * 64 * 4  # (b x T x top-k) slots of C fp32 values, per MoE layer
+    # each layer: to the experts and back, forward and backward (autograd's reverse all-to-all)
+    assert cls.sent["EP"] == 2 * 4 * tokens
+    assert any("balanced routing" in n for n in fit.notes)
+    for kw, piece in ((dict(pp=2), "a PP dim"), (dict(), "--dp-mode fsdp")):
+        with pytest.raises(ValueError, match=piece):
+            predict(Job(moe, 16, dp_mode="fsdp" if not kw else "zero1"), dp=2, ep=2, **kw)
