@@ -215,7 +215,6 @@ class RankMemory:
     grads: int
     optimizer: int
     masters: int
-    elements: int = 0  #: the parameter elements this rank holds (its TP shards, before DP sharding)
 
     @property
     def total(self) -> int:
@@ -273,14 +272,14 @@ def rank_static(model: Model, keys: set[str], name: str, *, dp: int, tp: int, ep
     n = sum(_local(p.shape, p.tp_dim, tp) for p in mine)
     if dp_mode == "fsdp":
         local = _fsdp_local(dense, dp, tp) + _fsdp_local(expert, dp // ep, tp)
-        return RankMemory(name, 4 * local, 4 * local, 8 * local, 0, n)
+        return RankMemory(name, 4 * local, 4 * local, 8 * local, 0)
     dt = n if tp > 1 and model.kind == "gpt" else 0  # under TP every GPT parameter is a DTensor, copied by ZeRO-1
     grads = 4 * n + (2 * n if width == 2 else 0)
     if dp_mode == "ddp":
-        return RankMemory(name, width * n, grads, 2 * width * n, 0, n)
+        return RankMemory(name, width * n, grads, 2 * width * n, 0)
     owned = -(-sum(_local(p.shape, p.tp_dim, tp) for p in dense) // dp)
     owned += -(-sum(_local(p.shape, p.tp_dim, tp) for p in expert) // (dp // ep)) if expert else 0
-    return RankMemory(name, width * (n + dt), grads, 8 * owned, 4 * owned if width == 2 else 0, n)
+    return RankMemory(name, width * (n + dt), grads, 8 * owned, 4 * owned if width == 2 else 0)
 
 
 def check_degrees(model: Model, *, dp: int, tp: int, pp: int, ep: int, dtype: str, dp_mode: str) -> None:

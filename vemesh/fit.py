@@ -163,7 +163,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         transfers = sum((s < n_stages - 1) + (s > 0) for s in stages) if pp > 1 else 0
         if transfers:  # each micro-batch's activations forward and its input gradient back
             sent["PP"] = hidden * passes * transfers
-        dp_bytes, extra = _dp_traffic(model, mine, job, dp * cp, tp, static, passes, ep)
+        dp_bytes, extra = _dp_traffic(model, mine, job, dp * cp, tp, passes, ep)
         extra += hidden * passes * transfers  # torch's stages keep a receive buffer per micro-batch and direction
         for dim, b in (("EDP", dp_bytes[1]), (grad_dim, dp_bytes[0])):
             if b:
@@ -197,7 +197,7 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
                          "is planned on DP only")
     keys = stage_keys(model, 1)[0]
     static = rank_static(model, keys, "every rank", dp=dp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
-    (dp_bytes, _), extra = _dp_traffic(model, keys, job, dp, tp, static, 1)
+    (dp_bytes, _), extra = _dp_traffic(model, keys, job, dp, tp, 1)
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
                    [RankClass("every rank", static, 0, extra, {"DP": dp_bytes} if dp_bytes else {})],
                    1, job.global_batch_size // dp, traced=False)
@@ -211,7 +211,7 @@ def _stage_trace(model: Model, blocks: int, role: str, mbs: int, tp: int, cp: in
                        checkpointing=job.activation_checkpointing, ep=ep)
 
 
-def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, static: RankMemory, passes: int,
+def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes: int,
                 ep: int = 1) -> tuple[tuple[int, int], int]:
     """((bytes per step over the gradient dim, over EDP), FSDP2's unsharded bytes in use) of a rank holding ``keys``.
 
