@@ -39,3 +39,14 @@ def test_a_hand_edit_is_caught(tmp_path) -> None:
     block = next(b for b in BLOCKS if not _slow(b))
     edited = block.output.replace("\n", " (edited)\n", 1)
     assert regenerate.output_of(block.argv) != edited
+
+
+TOPICS = ["mesh", "views", "data-parallel", "pipeline", "context-parallel", "moe", "checkpoints", "fault-tolerance",
+          "planning", "vescale", "troubleshooting"]
+
+
+def test_the_front_page_is_short_and_links_every_topic_page() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count("\n") <= 200
+    for topic in TOPICS:
+        assert (ROOT / "docs" / f"{topic}.md").exists() and f"(docs/{topic}.md)" in readme, topic

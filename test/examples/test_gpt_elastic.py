@@ -12,7 +12,7 @@ rendezvous, that host must survive, so the test kills the other one.
 publishes the bootstrap ``MASTER_ADDR``/``MASTER_PORT`` only in its first round when it shares
 its TCPStore with the workers, so an agent joining a later round waits for keys that never come
 (``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``, ``next_rendezvous``). The
-README's elastic commands set it too.
+elastic commands of docs/fault-tolerance.md set it too.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def test_pipeline_matches_single_process(single, tmp_path, nproc, mesh, extra):
 
 
 def test_3d_mesh_on_8_processes(single, tmp_path):
-    """(PP, DP, TP) = (2, 2, 2), the default 1f1b schedule: the README's 8-process command, with FSDP2 on each stage."""
+    """(PP, DP, TP) = (2, 2, 2), the default 1f1b schedule: docs/pipeline.md's 8-process command, with FSDP2 on each stage."""
     run = run_train(TINY + ["--mesh-shape", "2,2,2", "--fsdp"], tmp_path, nproc=8, timeout=400)
     _same_curve(run, single)
     out = run.stdout

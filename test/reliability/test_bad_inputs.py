@@ -2,7 +2,7 @@
 
 Each case names the exception type and a piece of the message: the bad value, and what would
 be valid. Nothing here hangs or needs more than one process (mesh queries run on torch's fake
-backend). ``CASES`` is counted in the README's fault-tolerance section.
+backend). ``CASES`` is counted in docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def test_numpy_and_torch_integers_are_accepted_everywhere(rank5):
 
 
 def count_cases(tmp: Path) -> int:
-    """How many bad inputs this file tries (the README quotes it)."""
+    """How many bad inputs this file tries (docs/checkpoints.md quotes it)."""
     return len(API) + len(MESH) + len(CLI) + len(example_cases(tmp)) + len(checkpoint_cases(tmp))
 
 

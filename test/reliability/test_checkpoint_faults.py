@@ -3,7 +3,7 @@ files, edited manifests, non-finite state, a full disk, pruning, and two jobs on
 
 Each damaged checkpoint must be found before use: ``load_latest`` falls back to the previous good
 one with a warning naming the file, and nothing good is ever deleted. ``FAULTS`` is counted in
-the README's fault-tolerance section.
+docs/checkpoints.md.
 """
 
 from __future__ import annotations
