@@ -1,8 +1,9 @@
-"""Regenerate every shown output of the ``vemesh`` command in the README and docs/, or check them.
+"""Regenerate every shown output of the ``vemesh`` command in the README and docs/, and docs/api.md; or check them.
 
 A fenced ``console`` block whose first line is ``$ vemesh ...`` (continued with ``\\`` over several
 lines if long) is generated: the rest of the block is what that command prints now, stdout then
 stderr, run in this process through :func:`vemesh.cli.main`. Nothing of it is typed by hand.
+``docs/api.md`` is the public names of vemesh with the first paragraph of each docstring.
 
     python docs/regenerate.py            # rewrite the blocks that differ
     python docs/regenerate.py --check    # exit 1 and name the blocks that differ (the tests do this)
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import inspect
 import io
 import re
 import shlex
@@ -77,11 +80,59 @@ def regenerate(path: Path, check: bool) -> list[str]:
     return stale
 
 
+#: The public modules whose names docs/api.md lists, in this order.
+API_MODULES = ["vemesh", "vemesh.mesh", "vemesh.layout", "vemesh.plan", "vemesh.ddp", "vemesh.optim",
+               "vemesh.checkpoint", "vemesh.context_parallel", "vemesh.ft", "vemesh.estimate", "vemesh.fit",
+               "vemesh.measure"]
+
+
+def _summary(obj: object) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return doc.strip().split("\n\n")[0].replace("\n", " ") if doc else "(no docstring)"
+
+
+def api_markdown() -> str:
+    """docs/api.md: every public name of vemesh with the first paragraph of its docstring; classes with their methods."""
+    lines = ["# API reference", "", "Generated from the docstrings by `python docs/regenerate.py`; a test fails when it "
+             "drifts. The first paragraph of each docstring; the source has the rest.", ""]
+    for name in API_MODULES:
+        module = importlib.import_module(name)
+        names = [n for n in getattr(module, "__all__", []) if n != "VESCALE_DEVICE_MESH" or name == "vemesh"]
+        if name == "vemesh.mesh":
+            names = ["VeDeviceMesh"]
+        lines += [f"## `{name}`", "", _summary(module), ""]
+        for n in names:
+            obj = getattr(module, n)
+            if inspect.ismodule(obj) or (name == "vemesh" and n in ("VeDeviceMesh",)):
+                continue
+            lines.append(f"- **`{n}`**: {_summary(obj) if callable(obj) or inspect.isclass(obj) else repr(obj)}")
+            if inspect.isclass(obj):
+                for m, member in inspect.getmembers(obj):
+                    if m.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
+                        continue
+                    if m in getattr(obj, "__dict__", {}) or any(m in vars(b) for b in obj.__mro__[1:] if
+                                                                 b.__module__.startswith("vemesh")):
+                        lines.append(f"  - `{m}`: {_summary(member)}")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def regenerate_api(check: bool) -> list[str]:
+    path = ROOT / "docs" / "api.md"
+    now = api_markdown()
+    if path.exists() and path.read_text() == now:
+        return []
+    if not check:
+        path.write_text(now)
+    return ["docs/api.md"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a shown output is stale")
     args = parser.parse_args(argv)
-    stale = [s for path in documents() for s in regenerate(path, args.check)]
+    stale = [s for path in documents() if path.name != "api.md" for s in regenerate(path, args.check)]
+    stale += regenerate_api(args.check)
     for s in stale:
         print(("stale: " if args.check else "regenerated: ") + s)
     return 1 if stale and args.check else 0

@@ -50,3 +50,8 @@ def test_the_front_page_is_short_and_links_every_topic_page() -> None:
     assert readme.count("\n") <= 200
     for topic in TOPICS:
         assert (ROOT / "docs" / f"{topic}.md").exists() and f"(docs/{topic}.md)" in readme, topic
+
+
+def test_the_api_reference_is_the_docstrings_of_today() -> None:
+    assert (ROOT / "docs" / "api.md").read_text() == regenerate.api_markdown(), (
+        "docs/api.md differs from the docstrings; run python docs/regenerate.py")
