@@ -41,6 +41,9 @@ _func = torch.ops._c10d_functional
 _NOT_COUNTED = {_c10d.recv_.default, _c10d.recv_any_source_.default, _c10d.barrier.default,
                 _c10d.monitored_barrier_.default, _func.wait_tensor.default}
 _OUTPUT_SIZED = {_c10d._allgather_base_.default, _c10d.allgather_.default, _c10d.allgather_into_tensor_coalesced_.default}
+#: functional all-gathers: the gathered result is their size
+_GATHERED = {_func.all_gather_into_tensor.default, _func.all_gather_into_tensor_coalesced.default,
+             _func.all_gather_into_tensor_out.default, torch.ops._c10d_functional_autograd.all_gather_into_tensor.default}
 
 
 def _nbytes(value: Any) -> int:
@@ -57,8 +60,7 @@ def payload_bytes(func: Any, args: tuple, result: Any) -> int:
         return _nbytes(args[0])
     if func in (_c10d._reduce_scatter_base_.default, _c10d.reduce_scatter_.default):
         return _nbytes(args[1])
-    if func in (_func.all_gather_into_tensor.default, _func.all_gather_into_tensor_coalesced.default) \
-            or "all_gather" in str(func):
+    if func in _GATHERED:
         return _nbytes(result)
     return _nbytes(args[0])
 
