@@ -1,12 +1,20 @@
-"""Regenerate every shown output of the ``vemesh`` command in the README and docs/, and docs/api.md; or check them.
+"""Regenerate every shown output of the README and docs/, and docs/api.md; or check them.
 
-A fenced ``console`` block whose first line is ``$ vemesh ...`` (continued with ``\\`` over several
-lines if long) is generated: the rest of the block is what that command prints now, stdout then
-stderr, run in this process through :func:`vemesh.cli.main`. Nothing of it is typed by hand.
-``docs/api.md`` is the public names of vemesh with the first paragraph of each docstring.
+What is generated (the kinds of block are in ``docs/snippets.py``):
 
-    python docs/regenerate.py            # rewrite the blocks that differ
-    python docs/regenerate.py --check    # exit 1 and name the blocks that differ (the tests do this)
+* the output of each ``$ vemesh ...`` console block, run in this process through :func:`vemesh.cli.main`;
+* the start-up of each ``$ torchrun ...`` / ``$ python ...`` console block: what the command prints
+  up to its first ``step`` line (a run that differs only in timings or throughput is left as it is);
+* the ``text`` block after each ``python fake:N`` / ``python gloo:N`` snippet: what the snippet
+  printed, on every rank in rank order;
+* ``docs/api.md``: the public names of vemesh with the first paragraph of each docstring.
+
+Nothing of it is typed by hand.
+
+    python docs/regenerate.py                 # rewrite the blocks that differ
+    python docs/regenerate.py --check         # exit 1 and name the blocks that differ (the tests do this)
+    python docs/regenerate.py --only vemesh   # one kind: vemesh, run, python, api
+    python docs/regenerate.py docs/mesh.md    # one document
 """
 
 from __future__ import annotations
@@ -16,40 +24,14 @@ import contextlib
 import importlib
 import inspect
 import io
-import re
 import shlex
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-#: a console block that starts with a vemesh command
-BLOCK = re.compile(r"```console\n(\$ vemesh (?:[^\n]*\\\n)*[^\n]*)\n(.*?)```", re.S)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from snippets import ROOT, Block, blocks, documents, masked, run_snippet, startup  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Shown:
-    """One generated block: where it is, its command and the output shown."""
-
-    path: Path
-    line: int
-    command: str  #: as written, continuation lines included
-    output: str
-
-    @property
-    def argv(self) -> list[str]:
-        return shlex.split(self.command[2:].replace("\\\n", " "))[1:]  # after "$ vemesh"
-
-
-def documents() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
-def shown(path: Path) -> Iterator[Shown]:
-    text = path.read_text()
-    for m in BLOCK.finditer(text):
-        yield Shown(path, text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2))
+KINDS = ("vemesh", "run", "python", "api")
 
 
 def output_of(argv: list[str]) -> str:
@@ -62,21 +44,57 @@ def output_of(argv: list[str]) -> str:
     return out.getvalue() + err.getvalue()
 
 
-def regenerate(path: Path, check: bool) -> list[str]:
+def vemesh_argv(block: Block) -> list[str]:
+    return shlex.split(block.command)[1:]
+
+
+def kind_of(block: Block) -> str | None:
+    """Which generator owns ``block``: vemesh, run or python; None for a block nothing generates."""
+    if block.lang == "console" and block.text.startswith("$ "):
+        return "vemesh" if block.command.startswith("vemesh ") else "run"
+    if block.lang == "python" and block.mode[0] != "not-run":
+        return "python"
+    return None
+
+
+def generated(block: Block) -> tuple[Block, str, str]:
+    """``(the block that holds the output, what it shows now, what it should show)``."""
+    kind = kind_of(block)
+    if kind == "vemesh":
+        return block, block.shown, output_of(vemesh_argv(block))
+    if kind == "run":
+        return block, block.shown, startup(block.command)
+    assert kind == "python", block.where
+    printed = run_snippet(block)
+    return (block.output or block), (block.output.text if block.output else ""), printed
+
+
+def same(shown: str, now: str) -> bool:
+    return masked(shown) == masked(now)
+
+
+def regenerate(path: Path, check: bool, kinds: tuple[str, ...] = KINDS) -> list[str]:
     """Rewrite (or only compare) the generated blocks of ``path``; return the ones that differed."""
     text = path.read_text()
-    stale = []
-
-    def replace(m: re.Match[str]) -> str:
-        block = Shown(path, text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2))
-        now = output_of(block.argv)
-        if now != block.output:
-            stale.append(f"{path.relative_to(ROOT)}:{block.line}: {block.command.splitlines()[0]}")
-        return f"```console\n{block.command}\n{now}```"
-
-    new = BLOCK.sub(replace, text)
-    if not check and new != text:
-        path.write_text(new)
+    stale, edits = [], []
+    for block in blocks(path):
+        if kind_of(block) not in kinds:
+            continue
+        holder, shown, now = generated(block)
+        if same(shown, now):
+            continue
+        stale.append(f"{block.where}: {block.text.splitlines()[0]}")
+        if holder is not block:  # a snippet's text block
+            edits.append((holder.start, holder.end, f"```text\n{now}```"))
+        elif block.lang == "python":  # a snippet that printed, with no text block yet
+            edits.append((block.end, block.end, f"\n\n```text\n{now}```"))
+        else:
+            head = block.text[: len(block.text) - len(block.shown)]
+            edits.append((block.start, block.end, f"```{' '.join(block.info)}\n{head}{now}```"))
+    if not check and edits:
+        for start, end, new in sorted(edits, reverse=True):
+            text = text[:start] + new + text[end:]
+        path.write_text(text)
     return stale
 
 
@@ -130,9 +148,14 @@ def regenerate_api(check: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a shown output is stale")
+    parser.add_argument("--only", choices=KINDS, action="append", help="regenerate one kind of block (repeatable)")
+    parser.add_argument("documents", nargs="*", type=Path, help="only these (default: README.md and docs/*.md)")
     args = parser.parse_args(argv)
-    stale = [s for path in documents() if path.name != "api.md" for s in regenerate(path, args.check)]
-    stale += regenerate_api(args.check)
+    kinds = tuple(args.only or KINDS)
+    paths = [p.resolve() for p in args.documents] or documents()
+    stale = [s for path in paths for s in regenerate(path, args.check, kinds)]
+    if "api" in kinds and not args.documents:
+        stale += regenerate_api(args.check)
     for s in stale:
         print(("stale: " if args.check else "regenerated: ") + s)
     return 1 if stale and args.check else 0

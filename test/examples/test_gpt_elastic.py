@@ -28,6 +28,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TRAIN, run_train
 
+sys.path.insert(0, str(REPO / "docs"))
+import snippets  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY, TOL = 40, 5, 1e-4  # longer runs amplify the rounding of the DP=1 steps past 1e-4 (2.8e-4 by step 59)
@@ -122,6 +125,8 @@ def test_an_agent_dies_and_the_survivor_finishes_on_dp1(tmp_path, reference):
     line = next(line for line in log.splitlines() if line.startswith("reconfigured:"))
     assert "mesh [2, 2] (4 processes) -> [1, 2] (2 processes)" in line
     assert int(line.rsplit("steps redone: ", 1)[1]) <= EVERY
+    (shown,) = snippets.excerpts("test_gpt_elastic")  # what docs/fault-tolerance.md shows of this run
+    assert not snippets.missing_from(shown, log), (snippets.missing_from(shown, log), log[-3000:])
 
 
 def test_a_second_agent_joins_and_the_job_grows_to_dp2(tmp_path, reference):

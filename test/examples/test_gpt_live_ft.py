@@ -7,6 +7,7 @@ workers). The uninterrupted run is the same global batch on ``(DP=2, TP=2)`` in 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -14,7 +15,10 @@ import pytest
 pytest.importorskip("torchft")
 
 import ft_scenarios as S  # noqa: E402
-from conftest import run_train  # noqa: E402
+from conftest import REPO, run_train  # noqa: E402
+
+sys.path.insert(0, str(REPO / "docs"))
+import snippets  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +73,10 @@ def test_lose_a_replica_keep_going_then_heal_it_from_the_live_one(tmp_path) -> N
     for r in rows1b:
         assert abs(r["loss"] - ref[r["step"]]["loss"]) <= TOL, (r["step"], r["loss"], ref[r["step"]]["loss"])
     assert rows0[-1]["loss"] == pytest.approx(rows1b[-1]["loss"], abs=TOL)
+
+    # 3. what docs/fault-tolerance.md shows of replica 0's output is what it printed (steps and times aside)
+    (shown,) = snippets.excerpts("test_gpt_live_ft")
+    assert not snippets.missing_from(shown, log0), (snippets.missing_from(shown, log0), log0[-3000:])
 
 
 def test_no_lighthouse_and_a_replica_that_never_comes_fail_within_the_timeout(tmp_path) -> None:
