@@ -260,8 +260,8 @@ def startup(command: str, timeout: float = 240.0) -> str:
 
 
 _MASKS = [
-    (re.compile(r"[\d,]+ tok/s"), "N tok/s"),
-    (re.compile(r"\b\d+\.\d+s\b"), "T s"),
+    (re.compile(r" *[\d,]+ tok/s"), " N tok/s"),  # the padding too: the columns are right-aligned
+    (re.compile(r" *\b\d+\.\d+s\b"), " T s"),
     (re.compile(r"\([^()\s]*/lib/python3\.\d+/\*\.py\)"), "(STDLIB/*.py)"),
 ]
 
@@ -288,14 +288,14 @@ def _numbers_masked(line: str) -> str:
 def missing_from(excerpt: Block, log: str) -> list[str]:
     """The lines of ``excerpt`` that ``log`` has no line like (numbers aside: steps, times and ports vary).
 
-    A shown line that ends in `` …`` stands for every line that starts like it (an error text that varies).
+    A log line may run on past the shown one (a process that shares the terminal can write onto the
+    same line), and a shown line that ends in `` …`` stands for every line that starts like it (an
+    error text that varies).
     """
     seen = [_numbers_masked(line) for line in log.splitlines()]
 
     def found(line: str) -> bool:
-        want = _numbers_masked(line)
-        if want.endswith(" …"):
-            return any(s.startswith(want[:-2]) for s in seen)
-        return want in seen
+        want = _numbers_masked(line).removesuffix(" …")
+        return any(s.startswith(want) for s in seen)
 
     return [line for line in excerpt.text.splitlines() if not found(line)]

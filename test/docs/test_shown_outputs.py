@@ -167,6 +167,7 @@ def test_masking_hides_timings_and_throughput_only() -> None:
     a = "step     1/200 | loss 5.5504 | lr 2.00e-04 |     2016 tok/s |    1.0s\n"
     b = "step     1/200 | loss 5.5504 | lr 2.00e-04 |     1658 tok/s |    1.2s\n"
     assert snippets.masked(a) == snippets.masked(b)
+    assert snippets.masked(a) == snippets.masked(a.replace("   2016 tok/s |    1.0s", "  20160 tok/s |   10.0s"))
     assert snippets.masked(a) != snippets.masked(a.replace("5.5504", "5.5505"))
 
 
