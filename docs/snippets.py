@@ -228,34 +228,38 @@ def startup(command: str, timeout: float = 240.0) -> str:
     It runs from a scratch directory that sees the repository's ``examples/``, so files it writes
     (metrics, checkpoints) land there; a training run is stopped once its first step is printed.
     """
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "stderr", "w+") as errors:  # a file: never full
         os.symlink(ROOT / "examples", Path(tmp) / "examples")
-        proc = subprocess.Popen(_argv(command), cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(_argv(command), cwd=tmp, stdout=subprocess.PIPE, stderr=errors, text=True,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         lines: list[str] = []
         deadline = time.monotonic() + timeout
+        trained = False
         try:
             assert proc.stdout is not None
-            for line in proc.stdout:
+            for line in proc.stdout:  # ends when the command closes its output: it is exiting
                 lines.append(line)
-                if line.startswith("step ") or time.monotonic() > deadline:
+                trained = line.startswith("step ")
+                if trained or time.monotonic() > deadline:
                     break
         finally:
-            if proc.poll() is None:
+            if trained or proc.poll() is None and time.monotonic() > deadline:
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                stopped = True
             else:
-                stopped = False
-            err = proc.stderr.read() if proc.stderr else ""
-        if not stopped and proc.returncode != 0:
-            raise RuntimeError(f"`{command}` exited with {proc.returncode}:\n{err[-3000:]}")
-        if stopped and not (lines and lines[-1].startswith("step ")):
-            raise RuntimeError(f"`{command}` printed no step line within {timeout:.0f}s:\n{''.join(lines)}{err[-3000:]}")
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    raise
+            errors.seek(0)
+            err = errors.read()
+        if not trained and proc.returncode != 0:
+            raise RuntimeError(f"`{command}` exited with {proc.returncode} before a step:\n{''.join(lines)}{err[-3000:]}")
         return "".join(lines)
 
 

@@ -1,6 +1,6 @@
 """Suite-wide: the slow end-to-end runs start first.
 
-With two pytest-xdist workers (setup.cfg), a long run collected last leaves one worker busy while
+With the pytest-xdist workers of setup.cfg, a long run collected last leaves one worker busy while
 the other has finished; started first, the short tests fill the gaps at the end.
 """
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -70,3 +73,21 @@ def run_train(
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout:.0f}s\n{stdout[-3000:]}\n{stderr[-3000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     return Run(proc.returncode, stdout, stderr, records)
+
+
+def shared_run(args: list[str], tmp_path_factory: pytest.TempPathFactory, nproc: int | None = None) -> Run:
+    """``run_train(args, nproc=nproc)`` run once per test session: the pytest-xdist workers that need the
+    same reference run share it (a file lock in the session's temporary root) instead of each running it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's root, above every worker's own
+    key = hashlib.sha256(json.dumps([args, nproc]).encode()).hexdigest()[:16]
+    saved = root / f"reference-{key}.json"
+    with open(root / f"reference-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits for the first one's run
+        if saved.exists():
+            return Run(**json.loads(saved.read_text()))
+        run = run_train(args, tmp_path_factory.mktemp("reference"), nproc=nproc)
+        if run.returncode == 0:
+            saved.write_text(json.dumps(dataclasses.asdict(run)))
+        return run

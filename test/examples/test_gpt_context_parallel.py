@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import run_train
+from conftest import run_train, shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def single(tmp_path_factory):
     """One process on the same flags, for sequences of 32 and of 256 tokens."""
     runs = {}
     for seq_len in (32, 256):
-        run = run_train(tiny(seq_len), tmp_path_factory.mktemp(f"single{seq_len}"))
+        run = shared_run(tiny(seq_len), tmp_path_factory)
         assert run.returncode == 0, run.describe()
         runs[seq_len] = run
     return runs

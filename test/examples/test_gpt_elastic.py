@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAIN, run_train
+from conftest import REPO, TRAIN, shared_run
 
 sys.path.insert(0, str(REPO / "docs"))
 import snippets  # noqa: E402
@@ -94,7 +94,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    run = run_train(ARGS, tmp_path_factory.mktemp("ref"), nproc=4)
+    run = shared_run(ARGS, tmp_path_factory, nproc=4)
     assert run.returncode == 0, run.describe()
     return {r["step"]: r["loss"] for r in run.records}
 

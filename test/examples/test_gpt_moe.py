@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import run_train
+from conftest import run_train, shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def single(tmp_path_factory):
     """One process with every expert: 4 experts top-2, and 8 experts top-2."""
     runs = {}
     for experts in (4, 8):
-        run = run_train(tiny(experts), tmp_path_factory.mktemp(f"single{experts}"))
+        run = shared_run(tiny(experts), tmp_path_factory)
         assert run.returncode == 0, run.describe()
         runs[experts] = run
     return runs

@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import run_train
+from conftest import run_train, shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The reference: one process, ``--mesh-shape 1,1,1``, same flags."""
-    run = run_train(TINY + ["--mesh-shape", "1,1,1"], tmp_path_factory.mktemp("single"))
+    run = shared_run(TINY + ["--mesh-shape", "1,1,1"], tmp_path_factory)
     assert run.returncode == 0, run.describe()
     assert len(run.records) == STEPS
     return run

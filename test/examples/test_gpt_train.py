@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import run_train
+from conftest import run_train, shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The reference: one process, 1x1 mesh, same flags."""
-    run = run_train(TINY, tmp_path_factory.mktemp("single"))
+    run = shared_run(TINY, tmp_path_factory)
     assert run.returncode == 0, run.describe()
     assert len(run.records) == STEPS
     return run
