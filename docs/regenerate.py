@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kinds = tuple(args.only or KINDS)
     paths = [p.resolve() for p in args.documents] or documents()
+    for path in set(paths) - set(documents()):
+        parser.error(f"{path} is not one of the documents: choose from {[str(d.relative_to(ROOT)) for d in documents()]}")
     stale = [s for path in paths for s in regenerate(path, args.check, kinds)]
     if "api" in kinds and not args.documents:
         stale += regenerate_api(args.check)
