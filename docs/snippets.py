@@ -139,10 +139,10 @@ def commands() -> list[tuple[Block, str]]:
 
 
 def _exec(source: str, name: str) -> str:
-    """Run ``source`` as a fresh ``__main__``-like module; what it printed."""
+    """Run ``source`` as a script runs (a fresh ``__main__`` namespace); what it printed."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(source, name, "exec"), {"__name__": "__snippet__"})
+        exec(compile(source, name, "exec"), {"__name__": "__main__"})
     return out.getvalue()
 
 
@@ -191,7 +191,8 @@ def _run_fake(source: str, world: int, name: str) -> str:
 
 
 def _run_gloo(source: str, world: int, name: str, lighthouse: bool) -> str:
-    sys.path.insert(0, str(ROOT / "test"))
+    if str(ROOT / "test") not in sys.path:
+        sys.path.insert(0, str(ROOT / "test"))
     from launch import run_ranks
 
     env = {}
