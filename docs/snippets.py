@@ -51,13 +51,10 @@ class Block:
     path: Path
     start: int  #: offset of the opening fence
     end: int  #: offset just past the closing fence
+    line: int  #: the opening fence's line, from 1
     info: list[str]
     text: str
     output: Block | None = field(default=None, repr=False)  #: for a snippet, the text block after it
-
-    @property
-    def line(self) -> int:
-        return self.path.read_text().count("\n", 0, self.start) + 1
 
     @property
     def lang(self) -> str:
@@ -103,7 +100,8 @@ def documents() -> list[Path]:
 def blocks(path: Path) -> list[Block]:
     """Every fenced block of ``path``; a text block right after a python one (blank lines between) is its output."""
     text = path.read_text()
-    found = [Block(path, m.start(), m.end(), m.group(1).split(), m.group(2)) for m in FENCE.finditer(text)]
+    found = [Block(path, m.start(), m.end(), text.count("\n", 0, m.start()) + 1, m.group(1).split(), m.group(2))
+             for m in FENCE.finditer(text)]
     for before, after in zip(found, found[1:]):
         if before.lang == "python" and after.lang == "text" and not text[before.end:after.start].strip():
             before.output = after
