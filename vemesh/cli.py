@@ -29,13 +29,11 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from pydantic import ValidationError
-
 from .describe import WIDTH, LayoutWarning, check_layout, describe_layout, layout_document
 from .fit_report import add_job_arguments, job_from_args, refuse_job_flags
 from .layout import MeshLayout
 from .plan import AUTO, MeshPlan, plan_mesh
-from .spec import DEFAULT_DIM_NAMES, VALID_DEVICE_TYPES, MeshSpec
+from .spec import DEFAULT_DIM_NAMES, VALID_DEVICE_TYPES, MeshSpec, MeshSpecError
 
 __all__ = ["main", "MAX_WORLD"]
 
@@ -136,7 +134,7 @@ def _check_world(world_size: int, where: str) -> None:
 def _show(args: argparse.Namespace) -> int:
     try:
         spec = MeshSpec(device_type="cpu", mesh_shape=args.shape, mesh_dim_names=args.names)
-    except ValidationError as e:
+    except MeshSpecError as e:
         raise UsageError(_spec_message(e)) from None
     if -1 in spec.mesh_shape and args.world_size is None:
         raise UsageError(f"argument --shape: {_csv(args.shape)} has a -1 to infer; pass --world-size N to fill it in")
@@ -383,15 +381,10 @@ def _check_rank(layout: MeshLayout, rank: int | None) -> None:
             raise UsageError(f"argument --rank: {e}") from None
 
 
-def _spec_message(error: ValidationError) -> str:
-    """The library's own message (without pydantic's decoration), tagged with the argument it came from."""
+def _spec_message(error: MeshSpecError) -> str:
+    """The library's own message, tagged with the argument it came from."""
     options = {"mesh_shape": "argument --shape: ", "mesh_dim_names": "argument --names: ", "": "argument --names: "}
-    parts = []
-    for err in error.errors():
-        cause = (err.get("ctx") or {}).get("error")
-        text = str(cause) if cause is not None else err["msg"]
-        parts.append(options.get(str(err["loc"][0]) if err["loc"] else "", "") + text)
-    return "; ".join(parts)
+    return options.get(error.field, "") + str(error)
 
 
 def _print_json(doc: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ import functools
 import importlib
 import importlib.util
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -88,6 +89,47 @@ def _example_module(name: str) -> Any:
     return module
 
 
+def load_object(module: str, name: str, flag: str) -> Any:
+    """``name`` from ``module``: a dotted module importable from the current directory (which goes first on
+    ``sys.path``, as ``python -m`` puts it) or a file path (``./mymodel.py``, ``models/llama.py``).
+
+    Raises:
+        ValueError: one line naming the module, the directory searched, and the fix.
+    """
+    here = os.getcwd()
+    try:
+        if module.endswith(".py") or os.sep in module or "/" in module:
+            file = Path(module).expanduser().resolve()
+            if not file.is_file():
+                raise ValueError(f"{flag}: no file {file} (the path is taken from the current directory {here})")
+            spec = importlib.util.spec_from_file_location(file.stem, file)
+            assert spec is not None and spec.loader is not None
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault(file.stem, loaded)
+            spec.loader.exec_module(loaded)
+        else:
+            if here not in sys.path and "" not in sys.path:
+                sys.path.insert(0, here)
+            try:
+                loaded = importlib.import_module(module)
+            except ModuleNotFoundError as e:
+                if e.name is None or not module.startswith(e.name):
+                    raise  # the module was found, but something it imports was not
+                raise ValueError(
+                    f"{flag}: no module named {e.name!r} in the current directory {here} or on sys.path; run vemesh "
+                    f"from the folder that holds {module.split('.')[0]}.py, or give its file path (./{module.replace('.', '/')}.py) "
+                    "in place of the module"
+                ) from None
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{flag}: importing {module} failed: {type(e).__name__}: {e}") from e
+    if not hasattr(loaded, name):
+        public = sorted(n for n in vars(loaded) if not n.startswith("_") and callable(getattr(loaded, n)))
+        raise ValueError(f"{flag}: {module} has no {name!r}; its callables are {public}")
+    return getattr(loaded, name)
+
+
 def _gpt_config(body: str) -> dict[str, int]:
     fields: dict[str, int] = {}
     for item in filter(None, body.split(",")):
@@ -126,8 +168,8 @@ def build_model(spec: str) -> tuple[nn.Module, str]:
         path, colon, attr = body.rpartition(":")
         if not colon or not path or not attr:
             raise ValueError(f"--model {spec!r}: expected module:package.module:factory")
+        factory: Callable[[], Any] = load_object(path, attr, f"--model {spec}")
         try:
-            factory: Callable[[], Any] = getattr(importlib.import_module(path), attr)
             with torch.device("meta"):
                 model = factory()
         except Exception as e:

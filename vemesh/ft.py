@@ -34,6 +34,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,10 +44,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .ddp.grad_buffer import local_tensor
+from .ft_join import join_refusal
 
 __all__ = ["INSTALL_HINT", "QuorumChange", "ReplicaError", "Replicas", "import_torchft", "start_replicas"]
 
-INSTALL_HINT = "pip install -e \".[ft]\" (torchft's CPU wheel, with its lighthouse: torchft_lighthouse)"
+INSTALL_HINT = "pip install \"vemesh[ft]\" (torchft, with its lighthouse binary torchft_lighthouse; from a checkout: pip install -e \".[ft]\")"
 
 
 def import_torchft() -> Any:
@@ -105,7 +107,8 @@ class Replicas:
         name: the mesh name of the dim.
     """
 
-    def __init__(self, manager: Any, replica_id: int, name: str = "dp_replicate") -> None:
+    def __init__(self, manager: Any, replica_id: int, name: str = "dp_replicate",
+                 admits: Callable[[int], str | None] | None = None) -> None:
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError("the torchft Manager must be built with use_async_quorum=False: the quorum decides "
                              "which rows of the global batch this replica takes, so it must be known before the data")
@@ -121,6 +124,10 @@ class Replicas:
         self._group: Any = None
         #: The change the last :meth:`start_step` brought, else None (rank 0 prints it).
         self.change: QuorumChange | None = None
+        self._admits = admits
+        #: Why this step's quorum cannot run (a replica id twice, a count ``admits`` refuses), else None: the step
+        #: is voted down, and the training loop skips its compute and retries with the next quorum.
+        self.refused: str | None = None
 
     # ------------------------------------------------------------- the step
     @property
@@ -148,11 +155,27 @@ class Replicas:
             ) from e
         self._fresh = True
         members = getattr(self.manager._pg, "vemesh_quorum", (None, ()))[1] or self._seen
+        self.refused = self._refusal(members)
+        if self.refused is not None:
+            if not self._seen:  # the newcomer: it leaves, and the live replicas go on without it
+                raise ReplicaError(f"replica {self.replica_id}: leaving the quorum of step {self.step + 1}: {self.refused}")
+            self.discard(self.refused)  # a live replica: nothing of this step commits; the next quorum is retried
+            self.change = None
+            return
         self.change = None
         if members != self._seen or self._healed_from is not None:
             lost = None if self._last_commit is None else time.monotonic() - self._last_commit
             self.change = QuorumChange(self.step + 1, self._seen, members, self._healed_from, lost)
             self._seen = members
+
+    def _refusal(self, members: tuple[int, ...]) -> str | None:
+        """Why a step cannot run with this quorum, or None."""
+        twice = sorted({m for m in members if members.count(m) > 1})
+        if twice:
+            return (f"replica id{'s' if len(twice) > 1 else ''} {twice} joined twice (two processes were started with "
+                    "the same replica id)")
+        reason = self._admits(self.manager.num_participants()) if self._admits is not None else None
+        return f"{self.manager.num_participants()} replicas take part and {reason}" if reason else None
 
     def _check_fresh(self) -> None:
         if not self._fresh:
@@ -263,6 +286,7 @@ def start_replicas(
     quorum_timeout: float | None = None,
     connect_timeout: float | None = None,
     max_retries: int = 3,
+    admits: Callable[[int], str | None] | None = None,
 ) -> Replicas:
     """Join the live replicas through torchft: build its process group and ``Manager`` for this replica.
 
@@ -279,6 +303,14 @@ def start_replicas(
             or a lighthouse that is gone, ends in ``RuntimeError`` after this long.
         connect_timeout: seconds to reach the lighthouse and the peers (default ``timeout``).
         max_retries: consecutive steps that may fail to commit before ``RuntimeError``.
+        admits: given a number of replicas taking part, None if a step can run with that many, else why not
+            (the example's: the global batch must split over them). Checked before joining, and on every quorum.
+
+    A replica that cannot take part is turned away at its join, before the live replicas see it: one whose id
+    is already heartbeating at the lighthouse (another process started with the same ``replica_id``), or one
+    that would make a count ``admits`` refuses. It gets :class:`ReplicaError`; the live replicas go on. If two
+    start at the same moment and a quorum forms anyway, the newcomer raises at its first quorum and the live
+    replicas vote that step down and retry it (see :meth:`Replicas.start_step`).
     """
     torchft = import_torchft()
     from torchft.manager import Manager
@@ -300,6 +332,13 @@ def start_replicas(
     if not dist.is_initialized():
         raise RuntimeError("start_replicas() needs this replica's process group: call "
                            "VESCALE_DEVICE_MESH.init_device_mesh(...) first")
+    if admits is not None and not callable(admits):
+        raise TypeError(f"admits must be a function of the number of replicas taking part; got {admits!r}")
+    refusal = [join_refusal(lighthouse, replica_id, admits, connect_timeout or timeout) if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:  # rank 0 asked the lighthouse; every rank of this replica gets its answer
+        dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise ReplicaError(refusal[0])
     store_addr, store_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if store_addr is None or store_port is None:  # a plain `python train.py`: a store of our own
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -320,7 +359,7 @@ def start_replicas(
             f"{seconds(connect_timeout).total_seconds():g}s; is it running (torchft_lighthouse --min_replicas 1 --bind "
             f"[::]:PORT) and reachable from this host? torchft says: {str(e).splitlines()[0]}"
         ) from e
-    return Replicas(manager, replica_id, name)
+    return Replicas(manager, replica_id, name, admits)
 
 
 _STORES: list[Any] = []  # stores started for one-process replicas, alive as long as the process

@@ -40,7 +40,7 @@ from typing import Any, Union
 
 from . import algebra
 from .modes import Group, NamedDim, coalesce, complement
-from .names import STANDARD_STRATEGIES, as_index, check_dim_names, unknown_name_error
+from .names import STANDARD_STRATEGIES, as_index, check_dim_names, other_spellings, standard_absent_error, unknown_name_error
 
 __all__ = ["Dims", "MeshLayout", "NamedDim", "as_index", "check_dim_names", "unknown_name_error"]
 
@@ -179,6 +179,18 @@ class MeshLayout:
         """
         return self._group(dims, absent_ok)[0]
 
+    def standard_name(self, standard: str) -> str:
+        """The name this layout gives the standard strategy ``standard``: itself, or its one spelling in another case.
+
+        On ``("dp", "tp")``, ``standard_name("DP")`` is ``"dp"``; on ``("DP", "TP")`` it is ``"DP"``, and so it
+        is wherever the mesh has no such dim (queries then answer as absent, or raise where it is spelled
+        another way). veScale's method names (``get_data_parallel_rank``) ask through it.
+        """
+        if standard in self._named:
+            return standard
+        same = [n for n in self._named if n.lower() == standard.lower()]
+        return same[0] if len(same) == 1 else standard
+
     def spell(self, dims: Dims) -> str:
         """``dims`` with each merged name spelled out: ``dp_replicate, dp_shard_cp=(dp_shard, cp)``."""
         out = []
@@ -193,6 +205,9 @@ class MeshLayout:
                 return (dim,)
             self._check_managed(dim)
             if absent_ok and dim in STANDARD_STRATEGIES:
+                spellings = other_spellings(dim, self.names)
+                if spellings:  # "absent, size 1" would be silently wrong: the mesh has it under another name
+                    raise standard_absent_error(dim, spellings, (*self.names, *self.managed))
                 return ()
             err = unknown_name_error("dim name", dim, (*self.names, *self.managed))
             if absent_ok:

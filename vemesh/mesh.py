@@ -13,10 +13,11 @@ Every question is answered by the mesh's :class:`~vemesh.layout.MeshLayout`, whi
 every name: mesh dims, flattened dims (:meth:`VeDeviceMesh.flatten`) and split parts
 (:meth:`VeDeviceMesh.split`). A name, once the mesh has it, always answers as itself.
 Questions about *strategies* (``get_strategy_size``, ``lookup_rank``, ``to_global_rank``,
-``to_local_rank``, ``get_neighbor_rank``) treat the standard names ``PP, DP, TP, CP, EP``
-that the mesh never had as size 1, so ``get_strategy_size("CP") > 1`` works on any mesh.
-Questions about *structure* (``size``, ``mesh["CP"]``, ``get_group``) raise ``KeyError``
-for a name the mesh does not have.
+``to_local_rank``, ``get_neighbor_rank``, ``get_optional_mesh``) treat the standard names
+``PP, DP, TP, CP, EP`` that the mesh never had as size 1, so ``get_strategy_size("CP") > 1``
+works on any mesh, unless the mesh spells the name another way (``dp``, ``dp_shard``:
+:func:`vemesh.names.other_spellings`); then they raise ``KeyError`` naming it. Questions about
+*structure* (``size``, ``mesh["CP"]``, ``get_group``) raise ``KeyError`` for a name the mesh lacks.
 
 This class holds the queries and a cache of torch views; start-up lives in :func:`vemesh.process_group.build_mesh`,
 veScale's method names in :mod:`vemesh.devicemesh_api.aliases`, the fault-tolerant replica dim in :mod:`vemesh.ft`.
@@ -67,6 +68,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         self._views: dict[Any, DeviceMesh] = {}  # key as the user wrote it, or resolved names -> view
         self._submeshes: dict[tuple[tuple[str, ...], int], DeviceMesh] = {}
         self._replicas: Any = None  # the fault-tolerant replica dim (vemesh.ft.Replicas), if any
+        self._epoch = 0  # one more at every reset(): views of an older epoch are refused by the wrappers
 
     # ================================================================ set-up
     def init_device_mesh(
@@ -124,6 +126,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         self.reset()
         self._mesh, self._timeout, self._rank = mesh, group_timeout, dist.get_rank()
         self._set_layout(layout)
+        self._stamp(mesh)
         if log_layout is None:
             log_layout = os.environ.get("VEMESH_LOG_LAYOUT", "0") not in ("", "0")
         if log_layout and self._rank == 0:
@@ -146,7 +149,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         if flat is not layout:
             mesh = self._torch_view(layout.resolve((dims,) if isinstance(dims, (str, int)) else dims))._flatten(name)
             self._track([mesh.get_group()])
-            self._dim_meshes[name] = mesh
+            self._dim_meshes[name] = self._stamp(mesh)
             self._set_layout(flat)
         return self._dim_mesh(name)
 
@@ -178,7 +181,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
             self._mesh = unflat
         else:
             unflat = self._dim_mesh(dim)._unflatten(0, sizes, names)
-        parts = {n: unflat[n] for n in names}
+        parts = {n: self._stamp(unflat[n]) for n in names}
         self._track([m.get_group() for m in parts.values()])
         self._dim_meshes.update(parts)
         self._set_layout(new)
@@ -210,14 +213,14 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         return self._mesh is not None
 
     def reset(self) -> None:
-        """Drop the global mesh and every cached view, flattened dim and submesh.
+        """Drop the global mesh and every cached view, flattened dim and submesh (torch keeps the process groups).
 
-        The process groups themselves belong to torch and stay alive for
-        anyone still holding them.
+        Views handed out before are stale from now on: vemesh's wrappers refuse them (take them again after init).
         """
         self._mesh, self._layout, self._rank, self._coordinate, self._member = None, None, -1, (), False
         self._timeout, self._replicas = None, None
         self._dim_meshes, self._views, self._submeshes = {}, {}, {}
+        self._epoch += 1
 
     # ============================================================= the mesh
     @property
@@ -265,7 +268,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
 
     # ======================================================== rank arithmetic
     def get_strategy_size(self, dim: Dims) -> int:
-        """Size of a strategy: ``"TP"`` gives 2; ``"CP"``, absent, gives 1; ``"Tp"`` raises ``KeyError``."""
+        """Size of a strategy: ``"TP"`` gives 2; ``"CP"``, absent, gives 1; ``"Tp"``, and ``"DP"`` on ``("dp", "tp")``, raise."""
         return self._managed(dim).size() if self._managed(dim) else self.layout.group_size(dim, absent_ok=True)
 
     def get_strategy_coordinate(self, rank: int | None = None) -> list[int]:
@@ -311,10 +314,8 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         ``get_local_rank("TP")`` is what torch's ``mesh.get_local_rank("TP")`` gives: 1 on
         rank 5; a name the mesh does not have raises ``KeyError``, as in torch.
 
-        ``get_local_rank()`` is torchrun's ``LOCAL_RANK``. Without torchrun's variables vemesh
-        assumes one host, so it is the global rank (``LOCAL_WORLD_SIZE`` alone gives
-        ``rank % LOCAL_WORLD_SIZE``). With 4 devices per host, rank 5 gets 1 and rank 2
-        gets 2. Unlike veScale, vemesh never uses this number to find a mesh coordinate.
+        ``get_local_rank()`` is torchrun's ``LOCAL_RANK`` (else ``rank % LOCAL_WORLD_SIZE``, else the global
+        rank): with 4 devices per host rank 5 gets 1. Unlike veScale, no coordinate is found from it.
         """
         rank = self._my_rank()
         if dim is not None:

@@ -9,10 +9,51 @@ import difflib
 import operator
 from collections.abc import Sequence
 
-__all__ = ["STANDARD_STRATEGIES", "as_index", "check_dim_names", "unknown_name_error"]
+__all__ = ["STANDARD_STRATEGIES", "as_index", "check_dim_names", "other_spellings", "standard_absent_error",
+           "unknown_name_error"]
 
 #: Strategy names that every mesh answers for: a standard name the mesh never had has size 1.
 STANDARD_STRATEGIES: tuple[str, ...] = ("PP", "DP", "TP", "CP", "EP")
+
+#: Words that stand for data parallelism besides ``dp`` (torchtitan's and torch's names for its flavours).
+_DATA_WORDS = ("fsdp", "hsdp", "ddp")
+
+
+def other_spellings(standard: str, names: Sequence[str]) -> list[str]:
+    """The names among ``names`` that spell the standard strategy ``standard`` another way.
+
+    A name spells it if, split at ``_`` and compared without case, one of its words is the standard
+    name (``dp``, ``dp_shard``, ``dp_replicate``, ``dp_cp`` for DP; ``cp``, ``dp_cp``, ``dp_shard_cp``
+    for CP), or for DP one of ``fsdp``, ``hsdp``, ``ddp``. ``EDP`` spells none of them (its one word is
+    ``edp``); ``dp_ep`` spells both DP and EP. The exact spelling itself is not returned.
+
+    >>> other_spellings("DP", ("dp_replicate", "dp_shard", "cp", "tp"))
+    ['dp_replicate', 'dp_shard']
+    >>> other_spellings("CP", ("DP", "TP"))
+    []
+    """
+    word = standard.lower()
+    words = (word, *_DATA_WORDS) if standard == "DP" else (word,)
+    return [n for n in names if n != standard and any(w in words for w in n.lower().split("_"))]
+
+
+def standard_absent_error(standard: str, spellings: Sequence[str], valid: Sequence[str]) -> KeyError:
+    """The ``KeyError`` for a standard strategy the mesh spells another way (see :func:`other_spellings`).
+
+    Answering "absent, size 1" there would be silently wrong: ``lookup_rank("DP")`` would be 0 on
+    every rank of a ``("dp", "tp")`` mesh.
+    """
+    same = [n for n in spellings if n.lower() == standard.lower()]
+    if same:
+        fix = (f"{standard!r} is not a dim of this mesh, but {same[0]!r} is (the names differ only in case): ask "
+               f"for {same[0]!r}, or name the dim {standard!r} in init_device_mesh")
+    else:
+        shown = ", ".join(repr(n) for n in spellings)
+        fix = (f"{standard!r} is not a dim of this mesh, but {shown} {'is' if len(spellings) == 1 else 'are'} "
+               f"{standard} under another name: ask for the one you mean, or flatten them into {standard!r} "
+               f"(VESCALE_DEVICE_MESH.flatten({tuple(spellings)!r}, {standard!r}))")
+    return KeyError(f"{fix}. A standard strategy ({', '.join(STANDARD_STRATEGIES)}) answers as absent (size 1) only "
+                    f"when no name of the mesh spells it; valid dim names are {list(valid)}")
 
 
 def _as_int(value: object) -> int | None:
@@ -70,6 +111,10 @@ def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyErro
     if isinstance(name, str):
         lowered = {v.lower(): v for v in valid}
         close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.5)
-        if close:
+        standard = {s.lower() for s in STANDARD_STRATEGIES}
+        if close and name.lower() in standard and close[0] in standard and close[0] != name.lower():
+            # 'CP' on a mesh with 'TP' is another parallelism, not a typo: say it is absent
+            message += f"; the mesh has no {name.upper()} dim"
+        elif close:
             message += f"; did you mean {lowered[close[0]]!r}?"
     return KeyError(message)

@@ -1,8 +1,8 @@
 """The mesh spec: ``init_device_mesh`` arguments, parsed and validated once.
 
 Everything a user can get wrong in ``init_device_mesh(device_type, mesh_shape,
-mesh_dim_names=...)`` is caught here with a ``ValueError`` (pydantic's
-``ValidationError`` is one) that names the bad value and the valid choices.
+mesh_dim_names=...)`` is caught here with a one-line :class:`MeshSpecError` (a ``ValueError``)
+that names the bad value and the valid choices, without pydantic's dump of the input.
 The one check that needs the process group, the world size, is
 :meth:`MeshSpec.resolve`.
 """
@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from .layout import MeshLayout
 from .names import STANDARD_STRATEGIES, as_index, check_dim_names
 
-__all__ = ["DEFAULT_DIM_NAMES", "STANDARD_STRATEGIES", "VALID_DEVICE_TYPES", "MeshSpec"]
+__all__ = ["DEFAULT_DIM_NAMES", "STANDARD_STRATEGIES", "VALID_DEVICE_TYPES", "MeshSpec", "MeshSpecError"]
 
 #: Dim names used when ``mesh_dim_names`` is not given, by number of dims.
 DEFAULT_DIM_NAMES: dict[int, tuple[str, ...]] = {
@@ -30,6 +32,24 @@ DEFAULT_DIM_NAMES: dict[int, tuple[str, ...]] = {
 VALID_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "xpu", "hpu", "npu", "mtia", "mps")
 
 
+class MeshSpecError(ValueError):
+    """A bad ``init_device_mesh`` argument, in one line; ``field`` names the argument (empty for the combination)."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def one_line(error: ValidationError) -> list[tuple[str, str]]:
+    """Each of pydantic's errors as ``(field, message)``: the validator's own text, not pydantic's decoration."""
+    out = []
+    for err in error.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        text = str(cause) if cause is not None else str(err["msg"]).removeprefix("Value error, ")
+        out.append((str(err["loc"][0]) if err["loc"] else "", text))
+    return out
+
+
 class MeshSpec(BaseModel):
     """A validated ``init_device_mesh`` request; ``-1`` is kept until :meth:`resolve`.
 
@@ -38,6 +58,13 @@ class MeshSpec(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:  # one line naming the value, not pydantic's multi-line dump
+            errors = one_line(e)
+            raise MeshSpecError("; ".join(text for _, text in errors), errors[0][0]) from None
 
     device_type: str
     mesh_shape: tuple[int, ...]

@@ -9,6 +9,7 @@ when they are all dims of torch's mesh, else their 1-D meshes side by side
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -107,19 +108,24 @@ class MeshViews:
         """The 1-D torch mesh of one name; flattened and split names get theirs when they are made."""
         found = self._dim_meshes.get(name)
         if found is None:
-            found = self._dim_meshes[name] = self.mesh[name]  # a dim of torch's mesh: torch's own slice
+            found = self._dim_meshes[name] = self._stamp(self.mesh[name])  # a dim of torch's mesh: torch's own slice
         return found
+
+    def _stamp(self, mesh: DeviceMesh) -> DeviceMesh:
+        """Mark ``mesh`` as this manager's, of this epoch, so that the wrappers refuse it after a reset or re-init."""
+        mesh._vemesh_epoch = (weakref.ref(self), self._epoch)  # type: ignore[attr-defined]
+        return mesh
 
     def _torch_view(self, names: tuple[str, ...]) -> DeviceMesh:
         """torch's mesh over ``names`` (already resolved): torch's slice, or the names' 1-D meshes side by side."""
         mesh = self.mesh
         if names == mesh.mesh_dim_names:
-            return mesh
+            return self._stamp(mesh)
         if len(names) == 1:
             return self._dim_mesh(names[0])
         if all(n in mesh.mesh_dim_names for n in names):
-            return mesh[names]
-        return DeviceMesh._concatenate([self._dim_mesh(n) for n in names])
+            return self._stamp(mesh[names])
+        return self._stamp(DeviceMesh._concatenate([self._dim_mesh(n) for n in names]))
 
     def _submesh_at(self, dims: Dims, index: int) -> DeviceMesh:
         """Submesh number ``index`` along ``dims`` (see :meth:`MeshLayout.all_groups`), cached."""
@@ -134,6 +140,6 @@ class MeshViews:
         else:
             ranks = torch.tensor(layout.group_at(names, index), dtype=torch.int)
             shape = [layout.group_size(name) for name in names]
-            submesh = DeviceMesh(self.device_type, ranks.view(shape), mesh_dim_names=names, _init_backend=False)
+            submesh = self._stamp(DeviceMesh(self.device_type, ranks.view(shape), mesh_dim_names=names, _init_backend=False))
         self._submeshes[key] = submesh
         return submesh

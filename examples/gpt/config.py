@@ -153,7 +153,7 @@ class TrainConfig(BaseModel):
     ft_replica_id: int | None = Field(
         None, ge=0, description="live fault tolerance: this job (one torchrun) is replica I of several; torchft's "
         "lighthouse forms a quorum of the live replicas every step, gradients average across them, a lost replica "
-        "costs no restart and a returning one heals from a live peer (needs torchft: pip install -e '.[ft]')"
+        "costs no restart and a returning one heals from a live peer (needs torchft: pip install 'vemesh[ft]')"
     )
     ft_lighthouse: str | None = Field(
         None, description="with --ft-replica-id: the torchft lighthouse, http://HOST:29510 (default: $TORCHFT_LIGHTHOUSE)"
@@ -405,8 +405,8 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{', '.join(_flag(f) for f in given)} applies to live fault tolerance; add --ft-replica-id I")
             return
         if importlib.util.find_spec("torchft") is None:  # found, not imported: torchft's logging is set up later
-            raise ValueError("--ft-replica-id needs torchft, which is not installed here: pip install -e \".[ft]\" "
-                             "(torchft's CPU wheel, with its lighthouse torchft_lighthouse)")
+            raise ValueError("--ft-replica-id needs torchft, which is not installed here: pip install \"vemesh[ft]\" "
+                             "(torchft, with its lighthouse torchft_lighthouse)")
         lighthouse = self.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ValueError("--ft-replica-id needs a torchft lighthouse: --ft-lighthouse http://HOST:29510 or "

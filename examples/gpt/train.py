@@ -44,7 +44,7 @@ makes the last rank exit at step 60 on the first attempt, to watch the recovery:
         --checkpoint-dir ckpt --checkpoint-every 25 --fail-at-step 60
     torchrun --nproc_per_node=2 examples/gpt/train.py --checkpoint-dir ckpt --mesh-shape -1,2   # fewer workers
 
-Live fault tolerance with torchft (pip install -e ".[ft]"): each replica is its own torchrun, a lost
+Live fault tolerance with torchft (pip install "vemesh[ft]"): each replica is its own torchrun, a lost
 one costs no restart, a returning one heals from a live peer (the replicas split each global batch):
 
     torchft_lighthouse --min_replicas 1 --bind "[::]:29510" --heartbeat_timeout_ms 1000 &
@@ -378,6 +378,11 @@ def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
             meter.begin_step()
         optimizer.zero_grad()  # with --ft-replica-id, first this step's quorum: a replica that is behind heals here
         rows = (dp_rank, dp_size, grad_accum)  # which rows of the global batch this rank takes, in how many passes
+        if replicas is not None and replicas.refused is not None:  # a replica that must not take part joined:
+            print0(f"step {replicas.step + 1:5d}/{cfg.steps} | not run, retried with the next quorum: {replicas.refused}")
+            optimizer.step()  # the vote only, down: nothing commits, and the newcomer has left
+            step -= 1
+            continue
         if replicas is not None:  # the live replicas split the global batch: this one's rows, by its index now
             step, rows = replicas.step + 1, replica_rows(cfg, dp_rank, dp_size)
             if replicas.change is not None:
@@ -559,7 +564,8 @@ def join_replicas(cfg: TrainConfig, device_type: str, grad_dim: str):
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum and vote at INFO
     logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # and warn that gloo has no flight recorder
     replicas = start_replicas(cfg.ft_replica_id, lighthouse=cfg.ft_lighthouse, min_replicas=cfg.ft_min_replicas,
-                              device_type=device_type, timeout=cfg.ft_timeout_s)
+                              device_type=device_type, timeout=cfg.ft_timeout_s,
+                              admits=batch_split(cfg, VESCALE_DEVICE_MESH.get_strategy_size("DP")))
     VESCALE_DEVICE_MESH.add_replicas(replicas)
     print0(f"fault tolerance: replica {cfg.ft_replica_id} of a torchft quorum (lighthouse "
            f"{cfg.ft_lighthouse or os.environ['TORCHFT_LIGHTHOUSE']}, at least {cfg.ft_min_replicas} per step); "
@@ -568,16 +574,23 @@ def join_replicas(cfg: TrainConfig, device_type: str, grad_dim: str):
     return replicas
 
 
+def batch_split(cfg: TrainConfig, dp_size: int):
+    """Given a number of live replicas: None if the global batch splits over them, else why not."""
+    def admits(n: int) -> str | None:
+        blocks, rows = n * dp_size, cfg.global_batch_size // (n * dp_size)
+        if cfg.global_batch_size % blocks or (cfg.micro_batch_size and rows % cfg.micro_batch_size):
+            return (f"--global-batch-size {cfg.global_batch_size} does not split over {n} replicas x DP {dp_size}"
+                    + (f" in micro-batches of {cfg.micro_batch_size}" if cfg.micro_batch_size else ""))
+        return None
+    return admits
+
+
 def replica_rows(cfg: TrainConfig, dp_rank: int, dp_size: int) -> tuple[int, int, int]:
     """``(row block, blocks, passes)``: this rank's share of the global batch among the replicas of this step."""
-    n = VESCALE_DEVICE_MESH.get_strategy_size("dp_replicate")  # replicas taking part now
-    index = VESCALE_DEVICE_MESH.lookup_rank("dp_replicate")
+    n = VESCALE_DEVICE_MESH.get_strategy_size("dp_replicate")  # replicas taking part now (a count the batch
+    index = VESCALE_DEVICE_MESH.lookup_rank("dp_replicate")  # splits over: others are refused at their join)
     blocks = n * dp_size
     rows = cfg.global_batch_size // blocks
-    if cfg.global_batch_size % blocks or (cfg.micro_batch_size and rows % cfg.micro_batch_size):
-        raise RuntimeError(f"--global-batch-size {cfg.global_batch_size} does not split over {n} replicas x DP {dp_size}"
-                           + (f" in micro-batches of {cfg.micro_batch_size}" if cfg.micro_batch_size else "")
-                           + "; choose a batch that every number of live replicas divides")
     return index * dp_size + dp_rank, blocks, rows // cfg.micro_batch_size if cfg.micro_batch_size else 1
 
 

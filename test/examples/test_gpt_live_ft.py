@@ -114,3 +114,36 @@ def test_a_lighthouse_lost_mid_run_stops_the_replica_within_the_timeout(tmp_path
     log = (tmp_path / "r0.log").read_text()
     assert code != 0 and "error: replica 0: the quorum of step" in log and "failed" in log, log[-3000:]
     assert time.monotonic() - t0 < 40
+
+
+def test_a_replica_that_cannot_take_part_is_turned_away_and_the_live_ones_go_on(tmp_path) -> None:
+    """A second process started as live replica 1, and a third replica that the batch (8 rows, micro-batches of 4)
+    cannot split over: each gets one line at its join and exits; replicas 0 and 1 never see them."""
+    m0, m1 = tmp_path / "r0.jsonl", tmp_path / "r1.jsonl"
+    replica = [*S.TINY, "--steps", "100000", "--log-every", "1000", "--mesh-shape", "1,1"]
+    with S.lighthouse(tmp_path) as address:
+        ft = ["--ft-lighthouse", address]
+        r0 = S.torchrun([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0)], tmp_path / "r0.log", nproc=1)
+        r1 = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log", nproc=1)
+        try:
+            S.wait_for(m1, 3, 120, [r0, r1])
+            twin = S.torchrun([*replica, *ft, "--ft-replica-id", "1"], tmp_path / "twin.log", nproc=1)
+            third = S.torchrun([*replica, *ft, "--ft-replica-id", "2"], tmp_path / "third.log", nproc=1)
+            assert twin.wait(timeout=120) != 0 and third.wait(timeout=120) != 0
+            before = S.records(m0)[-1]["step"]
+            S.wait_for(m0, before + 20, 60, [r0, r1])  # the live replicas go on, both of them
+        finally:
+            for p in (r0, r1, locals().get("twin"), locals().get("third")):
+                if p is not None and p.poll() is None:
+                    S.kill(p)
+    twin_log, third_log = (tmp_path / "twin.log").read_text(), (tmp_path / "third.log").read_text()
+    assert "error: replica 1: another process is already live as replica 1 at the lighthouse" in twin_log, twin_log[-3000:]
+    assert "live replica ids: [0, 1]. Start this one with a replica id no live replica has (such as 2)" in twin_log
+    assert ("error: replica 2: not joining, since 3 replicas would take part ([0, 1, 2]) and --global-batch-size 8 does "
+            "not split over 3 replicas x DP 1 in micro-batches of 4; the live replicas go on without it") in third_log
+    for log in (twin_log, third_log):
+        assert "quorum change" not in log and "step     1/" not in log  # never trained
+    rows0, rows1 = S.records(m0), S.records(m1)
+    assert {r["participants"] for r in rows0} == {2} and [r["step"] for r in rows0] == list(range(1, len(rows0) + 1))
+    assert {r["participants"] for r in rows1} == {2}
+    assert "not run, retried" not in (tmp_path / "r0.log").read_text()  # turned away before any quorum saw them

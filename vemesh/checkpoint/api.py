@@ -244,7 +244,7 @@ def load_latest(
     '__1_0.distcp' has 1200 bytes, 3154 expected (truncated or overwritten) (trying the previous one)".
     """
     candidates = _decide_on_rank0(lambda: _check_root(Path(checkpoint_dir), "resume from") or
-                                  [(i.path, i.problem) for i in list_checkpoints(checkpoint_dir)])
+                                  [(i.path, i.problem) for i in list_checkpoints(checkpoint_dir, verify="sizes")])
     if not candidates:
         return None
     reasons = []
@@ -265,7 +265,7 @@ def _kind(path: Path) -> str:
         raise CheckpointNotFoundError(f"no checkpoint at '{path}': no such directory")
     if is_step_dir(path) or (path / MANIFEST).exists() or (path / ".metadata").exists():
         return "checkpoint"
-    if list_checkpoints(path):
+    if list_checkpoints(path, verify="sizes"):
         return "root"
     raise CheckpointNotFoundError(f"no checkpoint at '{path}': neither a checkpoint nor a directory of step_N checkpoints")
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointNotFoundError, DamagedCheckpointError
-from .integrity import manifest_checksum
+from .integrity import file_checksum, manifest_checksum
 from .safe_read import is_plain_name, read_metadata
 
 if TYPE_CHECKING:
@@ -66,26 +66,44 @@ def tmp_path(root: str | os.PathLike, step: int) -> Path:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One published checkpoint directory: its step, path, and what is wrong with it (None: good)."""
+    """One published checkpoint directory: its step, path, and what is wrong with it (None: good).
+
+    ``checked`` says what "good" was checked against: ``"checksums"`` (every byte of every file read and
+    matched to the checksum recorded at save, as :func:`~vemesh.checkpoint.load` does) or ``"sizes"`` (the
+    manifest, the file sizes and the metadata only: fast, but blind to a flipped bit).
+    """
 
     step: int
     path: Path
     problem: str | None
+    checked: str = "checksums"
 
     @property
     def ok(self) -> bool:
         return self.problem is None
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
+#: What :func:`list_checkpoints` can verify, cheapest last.
+VERIFY = ("checksums", "sizes")
+
+
+def list_checkpoints(root: str | os.PathLike, *, verify: str = "checksums") -> list[CheckpointInfo]:
     """Every ``step_N`` directory under ``root``, newest first, each checked (see :func:`check`).
 
-    A missing ``root`` gives an empty list. In-progress ``.step_N.tmp`` directories are not listed.
+    Args:
+        root: the directory of checkpoints. A missing ``root`` gives an empty list; in-progress
+            ``.step_N.tmp`` directories are not listed.
+        verify: ``"checksums"`` (the default) reads every file and compares it with the checksum recorded at
+            save, so ``ok`` means what :func:`~vemesh.checkpoint.load` will find; ``"sizes"`` checks only the
+            manifest, the file sizes and the metadata (fast for large checkpoints, blind to a flipped bit).
+            :attr:`CheckpointInfo.checked` records which.
     """
-    return list(_iter_checkpoints(root, check_all=True))
+    if verify not in VERIFY:
+        raise ValueError(f"verify must be one of {list(VERIFY)}; got {verify!r}")
+    return list(_iter_checkpoints(root, check_all=True, checksums=verify == "checksums"))
 
 
-def _iter_checkpoints(root: str | os.PathLike, check_all: bool) -> Iterator[CheckpointInfo]:
+def _iter_checkpoints(root: str | os.PathLike, check_all: bool, checksums: bool = False) -> Iterator[CheckpointInfo]:
     root = Path(root)
     if not root.is_dir():
         return
@@ -93,18 +111,28 @@ def _iter_checkpoints(root: str | os.PathLike, check_all: bool) -> Iterator[Chec
         ((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()),
         reverse=True,
     )
+    checked = "checksums" if checksums else "sizes"
     for step, path in found:
         if path.is_symlink():  # e.g. an older checkpoint linked in under a newer name
-            yield CheckpointInfo(step, path, f"checkpoint '{path}' is a symbolic link to '{os.readlink(path)}'; refused")
+            yield CheckpointInfo(step, path, f"checkpoint '{path}' is a symbolic link to '{os.readlink(path)}'; refused",
+                                 checked)
             continue
-        yield CheckpointInfo(step, path, check(path) if check_all else None)
+        yield CheckpointInfo(step, path, check(path, checksums=checksums) if check_all else None, checked)
 
 
-def check(path: str | os.PathLike) -> str | None:
-    """What is wrong with the checkpoint at ``path``, or None if it is complete and readable."""
+def check(path: str | os.PathLike, *, checksums: bool = False) -> str | None:
+    """What is wrong with the checkpoint at ``path``, or None if it is complete and readable (and, with
+    ``checksums``, every file matches the checksum recorded at save)."""
     try:
         manifest = read_manifest(path)
         check_files(path, manifest, read_metadata(path))
+        if checksums:
+            for name, recorded in sorted((manifest.get("checksums") or {}).items()):
+                if file_checksum(Path(path) / name) != recorded:
+                    raise DamagedCheckpointError(
+                        f"checkpoint '{path}': file '{name}' does not match its checksum (damaged, or replaced by "
+                        "another file)"
+                    )
     except DamagedCheckpointError as e:
         return str(e)
     return None

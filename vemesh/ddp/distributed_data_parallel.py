@@ -1,17 +1,9 @@
 """Data parallelism over one mesh dim, with a contiguous gradient buffer, behaving like torch DDP.
 
-:class:`DistributedDataParallel` wraps a module (possibly tensor-parallel, with DTensor
-parameters from torch's ``parallelize_module``) and averages its gradients over a data-parallel
-group. On a ``(DP, TP) = (2, 2)`` mesh over ranks ``[[0, 1], [2, 3]]``, rank 0 and rank 2 hold
-the same TP shard of each weight and average their shard gradients with each other; rank 1 and
-rank 3 do the same for the other shard.
-
-The contract is torch DDP's: when ``loss.backward()`` returns, every trainable parameter's
-``.grad`` holds the gradient averaged over DP, so any torch optimizer, ``clip_grad_norm_``,
-``GradScaler`` and hand-written loops work unchanged. ``no_sync()`` accumulates locally, and every
-way of clearing gradients (``opt.zero_grad()``, ``model.zero_grad()``, with or without
-``set_to_none``) works. An optimizer step over gradients that were accumulated under
-``no_sync()`` and never averaged raises instead of training on them.
+On a ``(DP, TP) = (2, 2)`` mesh over ranks ``[[0, 1], [2, 3]]``, rank 0 and rank 2 hold the same TP
+shard of each weight and average their shard gradients with each other; rank 1 and rank 3 do the same
+for the other shard. The contract is torch DDP's (see :class:`DistributedDataParallel`); what is
+stricter: a group that would mix shards or leave out data ranks raises (:mod:`vemesh.ddp.groups`).
 """
 
 from __future__ import annotations
@@ -28,8 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .grad_buffer import GradBuffer, local_tensor, make_buffers
-from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, check_placement,
-                      install_step_guard, like, release_params, resolve_group, weak_method, weak_param_hook)
+from .groups import check_covers_data, check_not_sharded_over, resolve_group
+from .support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, check_params_kept,
+                      check_placement, install_step_guard, like, release_params, weak_method, weak_param_hook)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -48,9 +41,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
       (``overlap_grad_reduce=True``), always in bucket order; a post-backward callback starts
       the rest and waits, so when ``loss.backward()`` returns every ``.grad`` is the DP mean;
     * ``no_sync()`` accumulates locally; the first backward outside it averages the sum;
-    * gradients accumulate across backward passes until cleared, as in torch. Any way of
-      clearing works: ``optimizer.zero_grad()``, ``model.zero_grad()`` (``set_to_none`` or not),
-      :meth:`zero_grad_buffer`;
+    * gradients accumulate until cleared, as in torch, by any of ``optimizer.zero_grad()``,
+      ``model.zero_grad()`` (``set_to_none`` or not) and :meth:`zero_grad_buffer`;
     * a torch optimizer's ``step()`` over gradients accumulated under ``no_sync()`` that were
       never averaged raises ``RuntimeError`` (a global optimizer step pre-hook).
 
@@ -62,6 +54,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     Args:
         module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
         data_pg_or_device_mesh: the data-parallel group: a 1-D DeviceMesh (``mesh["DP"]``), a ProcessGroup, or None.
+            None is the live ``VESCALE_DEVICE_MESH``'s data dims (``DP``, or ``dp_cp`` with CP: never the TP or PP
+            peers), and torch's default group only when there is no live mesh (torch's DDP always takes the world).
+            A group holding two ranks of one parameter's shards (a DTensor's TP peers) raises ``ValueError``.
         accumulate_allreduce_grads_in_fp32: accumulate and reduce gradients in fp32 even for bf16/fp16 parameters.
         overlap_grad_reduce: start each bucket's all-reduce during backward.
         use_distributed_optimizer: accepted for veScale compatibility; it changes nothing.
@@ -86,11 +81,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         opt.zero_grad()
         loss_fn(model(x), y).backward()   # param.grad is now the DP mean on every rank
         opt.step()
-
-    Expert parallelism (MoE parallel folding: EP and EDP split the DP ranks)::
-
-        model = DistributedDataParallel(model, mesh["DP"], expert_data_parallel=mesh["EDP"],
-                                        expert_parameters=[p for m in moe_layers for p in m.experts.parameters()])
     """
 
     def __init__(
@@ -112,7 +102,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise ValueError(f"module is already wrapped in {type(module).__name__}; wrap the inner module once")
-        group = resolve_group(data_pg_or_device_mesh)
+        group, described = resolve_group(data_pg_or_device_mesh)
         bucket_size = check_bucket_size(bucket_size)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -126,6 +116,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
                 raise ValueError(f"parameter {names[id(p)]!r} has Partial placements {p.placements}; use Shard or Replicate")
         experts, expert_group = check_experts(group, expert_data_parallel, expert_parameters, params)
+        # a group holding two ranks of one parameter's shards (its TP peers, its EP peers) would average
+        # different shards: refused before anything is broadcast
+        check_not_sharded_over([(names[id(p)], p) for p in params if id(p) not in experts], group, described)
+        check_covers_data(group, described)  # the live mesh's data dims (DP, CP) hold other rows: all must average
+        if expert_group is not None:
+            check_not_sharded_over([(names[id(p)], p) for p in params if id(p) in experts], expert_group,
+                                   "expert_data_parallel", "expert-data-parallel")
         if replicas is not None and experts:
             raise ValueError("expert parameters with fault-tolerant replicas are not supported yet; wrap without replicas")
         owner = weakref.ref(self)
@@ -145,6 +142,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.reducer = PipelineReducer()
         self._params = params
         self._param_names = names
+        self._module_params = list(module.parameters())  # to notice parameters replaced after wrapping
         self._in_backward = False
         self._sync_this_pass = True
         self._arrived: set[int] = set()
@@ -193,6 +191,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """Run the wrapped module (after broadcasting its buffers, see ``broadcast_buffers``)."""
         if self._in_backward:  # a backward pass raised before its end-of-backward callback ran
             self._abandon_pass()
+        if torch.is_grad_enabled():
+            check_params_kept(self.module, self._module_params)
         if self.broadcast_buffers and self.dp_size > 1 and torch.is_grad_enabled():
             buffers = self._module_buffers()
             if buffers:

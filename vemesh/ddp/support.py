@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .bucketing import DEFAULT_BUCKET_SIZE
 from .grad_buffer import local_tensor
+from .groups import resolve_group
 
-__all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "resolve_group", "check_bucket_size", "broadcast_from_first",
-           "PipelineReducer", "like", "weak_method", "release_params", "check_experts",
+__all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "check_bucket_size", "broadcast_from_first",
+           "PipelineReducer", "like", "weak_method", "release_params", "check_experts", "check_params_kept",
            "weak_param_hook", "check_replicas", "check_placement"]
 
 def weak_method(method: Any) -> Any:
@@ -93,22 +93,18 @@ def refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
             )
 
 
-def resolve_group(data_pg_or_device_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if data_pg_or_device_mesh is None:
-        return dist.group.WORLD  # type: ignore[return-value]
-    if isinstance(data_pg_or_device_mesh, DeviceMesh):
-        mesh = data_pg_or_device_mesh
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"data_pg_or_device_mesh must be a 1-D DeviceMesh (e.g. mesh['DP']), got a {mesh.ndim}-D mesh "
-                f"with shape {tuple(mesh.shape)} and dim names {mesh.mesh_dim_names}"
-            )
-        return mesh.get_group()
-    if isinstance(data_pg_or_device_mesh, dist.ProcessGroup):
-        return data_pg_or_device_mesh
-    raise TypeError(
-        "data_pg_or_device_mesh must be a 1-D DeviceMesh, a ProcessGroup or None, "
-        f"got {type(data_pg_or_device_mesh).__name__}"
+def check_params_kept(module: torch.nn.Module, wrapped: list[torch.Tensor]) -> None:
+    """``RuntimeError`` if ``module``'s parameters are no longer ``wrapped``: their gradients would never be averaged
+    (``parallelize_module`` or ``fully_shard`` applied after wrapping, for instance)."""
+    now = list(module.parameters())
+    if len(now) == len(wrapped) and all(a is b for a, b in zip(now, wrapped)):
+        return
+    kept = {id(p) for p in wrapped}
+    name = next((n for n, p in module.named_parameters() if id(p) not in kept), "?")
+    raise RuntimeError(
+        f"the wrapped module's parameters changed after DistributedDataParallel wrapped it (e.g. {name!r} is a new "
+        "tensor: parallelize_module, fully_shard or load_state_dict(assign=True) ran on the module since): their "
+        "gradients would never be averaged. Apply tensor parallelism and sharding first, then wrap with DDP"
     )
 
 
@@ -183,7 +179,7 @@ def check_experts(
                          "and the experts' parameters) or neither")
     if expert_data_parallel is None:
         return frozenset(), None
-    expert_group = resolve_group(expert_data_parallel)
+    expert_group, _ = resolve_group(expert_data_parallel, "expert_data_parallel")
     experts = list(expert_parameters)
     trainable = {id(p) for p in params}
     for p in experts:

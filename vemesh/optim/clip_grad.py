@@ -21,7 +21,64 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..ddp.groups import check_view
+
 __all__ = ["total_norm", "clip_grad_norm_"]
+
+
+def pipeline_groups(groups: Sequence[dist.ProcessGroup] | None, argument: str = "groups") -> list[dist.ProcessGroup]:
+    """``groups`` as a list; None is ``[]``, but raises ``ValueError`` on a live mesh with PP > 1.
+
+    A pipeline stage holds part of the model: clipping it by its own norm clips every stage by a different,
+    wrong norm, silently. ``groups=[VESCALE_DEVICE_MESH.get_group("PP")]`` sums the stages' parts.
+    """
+    if groups is not None:
+        out = []
+        for g in groups:
+            if hasattr(g, "get_group"):  # a 1-D DeviceMesh given for its group
+                check_view(g, argument)
+                g = g.get_group()
+            if not isinstance(g, dist.ProcessGroup):
+                raise TypeError(f"{argument} must hold process groups (or 1-D DeviceMeshes); got {type(g).__name__}")
+            out.append(g)
+        return out
+    from ..mesh import VESCALE_DEVICE_MESH as mesh
+
+    if mesh.is_initialized():
+        pp = mesh.layout.standard_name("PP")
+        if mesh.get_strategy_size(pp) > 1:
+            raise ValueError(
+                f"{argument} was not given, and VESCALE_DEVICE_MESH has {pp}={mesh.get_strategy_size(pp)}: each pipeline "
+                f"stage would clip by the norm of its own part. Pass {argument}=[VESCALE_DEVICE_MESH.get_group({pp!r})] "
+                f"to take the whole model's norm, or {argument}=[] if these parameters are the whole model"
+            )
+    return []
+
+
+def _check_groups(grads: list[torch.Tensor], groups: Sequence[dist.ProcessGroup], argument: str) -> None:
+    """A group to sum over must not hold two ranks of one DTensor's mesh: torch's norm already covers those."""
+    from ..ddp.groups import _along
+
+    if not groups:
+        return
+    ranks = [set(dist.get_process_group_ranks(g)) for g in groups]
+    seen = set()
+    for g in grads:
+        if not isinstance(g, DTensor) or id(g.device_mesh) in seen:
+            continue
+        seen.add(id(g.device_mesh))
+        mesh = g.device_mesh
+        for i in range(mesh.ndim):
+            along = set(_along(mesh, i))
+            for k, members in enumerate(ranks):
+                if len(members & along) > 1:
+                    name = mesh.mesh_dim_names[i] if mesh.mesh_dim_names else f"dim {i}"
+                    raise ValueError(
+                        f"{argument}[{k}] (ranks {sorted(members)}) holds ranks {sorted(members & along)} of a gradient's "
+                        f"DTensor mesh dim {name!r} ({sorted(along)}); torch's norm of a DTensor already covers its "
+                        f"mesh, so that part would count {len(members & along)} times. Pass only groups whose ranks hold "
+                        "different parameters (the pipeline stages: VESCALE_DEVICE_MESH.get_group('PP'))"
+                    )
 
 
 def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -61,7 +118,7 @@ def total_norm(
     grads: Iterable[torch.Tensor],
     norm_type: float = 2.0,
     *,
-    groups: Sequence[dist.ProcessGroup] = (),
+    groups: Sequence[dist.ProcessGroup] | None = None,
     expert_grads: Iterable[torch.Tensor] = (),
     expert_groups: Sequence[dist.ProcessGroup] = (),
     expert_copies: int = 1,
@@ -74,7 +131,9 @@ def total_norm(
         grads: gradient tensors; plain tensors and DTensors (on any meshes) may be mixed.
         norm_type: as in ``torch.nn.utils.get_total_norm`` (``inf`` for the max norm).
         groups: process groups whose ranks hold *different* gradients to add in (e.g. the
-            pipeline group). Not the DP group: DP ranks hold the same averaged gradients.
+            pipeline group). Not the DP group: DP ranks hold the same averaged gradients; not a
+            DTensor's TP group: torch's norm covers it (both raise ``ValueError``). None (the default)
+            is none, but raises on a live mesh with PP > 1: pass the PP group, or ``[]``.
         expert_grads: gradients of mixture-of-experts experts, which differ across ``expert_groups``
             (each EP rank holds other experts); their part is summed over ``expert_groups`` (e.g.
             ``[mesh["EP"].get_group()]``) and then over ``groups``. Every rank of ``expert_groups``
@@ -89,8 +148,12 @@ def total_norm(
         A 0-dim fp32 tensor.
     """
     norm_type = float(norm_type)
-    total = _power(grads, norm_type, foreach)
+    grads = list(grads)
     experts = list(expert_grads)
+    groups = pipeline_groups(groups)
+    _check_groups(grads, groups, "groups")
+    _check_groups(experts, pipeline_groups(expert_groups, "expert_groups"), "expert_groups")
+    total = _power(grads, norm_type, foreach)
     if experts or expert_groups:
         part = _reduce(_power(experts, norm_type, foreach).to(total.device), expert_groups, norm_type)
         if not math.isinf(norm_type):
@@ -112,7 +175,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     *,
-    groups: Sequence[dist.ProcessGroup] = (),
+    groups: Sequence[dist.ProcessGroup] | None = None,
     expert_parameters: Iterable[torch.Tensor] = (),
     expert_groups: Sequence[dist.ProcessGroup] = (),
     error_if_nonfinite: bool = False,
@@ -137,9 +200,37 @@ def clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in params if p.grad is not None]
     experts = {id(p) for p in expert_parameters}
+    groups = pipeline_groups(groups)
+    check_sum_groups(params, experts, groups)
     norm = total_norm([p.grad for p in with_grad if id(p) not in experts], norm_type, groups=groups,  # type: ignore[misc]
                       expert_grads=[p.grad for p in with_grad if id(p) in experts], expert_groups=expert_groups,  # type: ignore[misc]
                       error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     for same in _by_mesh(with_grad):
         torch.nn.utils.clip_grads_with_norm_(same, max_norm, norm, foreach=foreach)
     return norm
+
+
+def check_sum_groups(params: list[torch.Tensor], experts: set[int], groups: Sequence[dist.ProcessGroup]) -> None:
+    """The parameters of a vemesh DDP: no group to sum over may hold two of its DP ranks (they hold the same
+    averaged gradient), and every expert it averages apart must be given as one (each rank holds other experts)."""
+    wrappers = {}
+    for p in params:
+        owner = getattr(p, "_vemesh_ddp", lambda: None)()
+        if owner is not None:
+            wrappers[id(owner)] = owner
+            if id(p) in owner._experts and id(p) not in experts:
+                raise ValueError(
+                    f"parameter {owner._param_names[id(p)]!r} is an expert of this EP rank only (its DDP averages it over "
+                    "expert_data_parallel), but is not in expert_parameters: every rank would clip by a different norm. "
+                    "Pass expert_parameters=[...its experts...] and expert_groups=[VESCALE_DEVICE_MESH.get_group('EP')]"
+                )
+    for ddp in wrappers.values():
+        dp = set(dist.get_process_group_ranks(ddp.data_parallel_group))
+        for k, g in enumerate(groups):
+            both = dp & set(dist.get_process_group_ranks(g))
+            if len(both) > 1:
+                raise ValueError(
+                    f"groups[{k}] holds ranks {sorted(both)} of the data-parallel group {sorted(dp)}, which hold the same "
+                    f"averaged gradients: the norm would count them {len(both)} times. Pass only groups whose ranks hold "
+                    "different parameters (the pipeline stages: VESCALE_DEVICE_MESH.get_group('PP'))"
+                )

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..ddp.distributed_data_parallel import DistributedDataParallel
 from ..ddp.support import weak_method
-from .clip_grad import total_norm
+from .clip_grad import check_sum_groups, pipeline_groups, total_norm
 from .param_buffer import ParamShard
 from .state import gather_state_dict, load_local_state, local_state, scatter_state_dict
 
@@ -108,6 +108,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_to_fp32: step with fp32 gradients (veScale's flag; only True is possible, because
             the fp32 main params need fp32 gradients).
         optimizer_kwargs: options for ``optimizer`` when it is a class (veScale's form).
+        clip_groups: with ``clip_grad``, the groups whose ranks hold other parts of the model (the pipeline
+            group), as :func:`~vemesh.optim.clip_grad_norm_`'s ``groups``; required on a mesh with PP > 1.
         **kwargs: more options for ``optimizer`` when it is a class.
 
     :attr:`param_groups` hold the models' parameters and drive the shards: change ``lr`` there
@@ -137,6 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap_param_gather: bool = False,
         grad_to_fp32: bool = True,
         optimizer_kwargs: Mapping[str, Any] | None = None,
+        clip_groups: Sequence[dist.ProcessGroup] | None = None,
         **kwargs: Any,
     ) -> None:
         self.models = _check_models(models)
@@ -151,6 +154,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"options {clashing} were given both in optimizer_kwargs and as keyword arguments")
         options = {**(optimizer_kwargs or {}), **kwargs}
         self.clip_grad = float(clip_grad)
+        self._clip_groups = pipeline_groups(clip_groups, "clip_groups") if self.clip_grad > 0 else []
+        check_sum_groups([p for m in self.models for p in m._params], {e for m in self.models for e in m._experts},
+                         self._clip_groups)
         self.overlap_param_gather = bool(overlap_param_gather)
         #: The global gradient norm before clipping at the last :meth:`step` (when ``clip_grad`` is set).
         self.grad_norm: torch.Tensor | None = None
@@ -277,7 +283,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             experts = [g for _, e in parts for g in e]
             edp = next((m.expert_data_parallel_group for m in self.models if m.expert_data_parallel_group is not None), None)
             # each expert's (averaged) gradient sits on its EDP ranks: sum over the whole DP group, divide by EDP
-            self.grad_norm = total_norm(dense, expert_grads=experts, expert_groups=[self._dp_group] if edp else [],
+            self.grad_norm = total_norm(dense, groups=self._clip_groups, expert_grads=experts,
+                                        expert_groups=[self._dp_group] if edp else [],
                                         expert_copies=dist.get_world_size(edp) if edp else 1)
             torch.nn.utils.clip_grads_with_norm_([p for p, _ in self._inner], self.clip_grad, self.grad_norm)
         for inner, group in zip(self.optimizer.param_groups, self.param_groups):
