@@ -205,7 +205,7 @@ class MeshLayout:
                 return (dim,)
             self._check_managed(dim)
             if absent_ok and dim in STANDARD_STRATEGIES:
-                spellings = other_spellings(dim, self.names)
+                spellings = other_spellings(dim, self.names, [n for n in self.names if self._named[n].is_atom])
                 if spellings:  # "absent, size 1" would be silently wrong: the mesh has it under another name
                     raise standard_absent_error(dim, spellings, (*self.names, *self.managed))
                 return ()

@@ -19,13 +19,15 @@ STANDARD_STRATEGIES: tuple[str, ...] = ("PP", "DP", "TP", "CP", "EP")
 _DATA_WORDS = ("fsdp", "hsdp", "ddp")
 
 
-def other_spellings(standard: str, names: Sequence[str]) -> list[str]:
+def other_spellings(standard: str, names: Sequence[str], atoms: Sequence[str] | None = None) -> list[str]:
     """The names among ``names`` that spell the standard strategy ``standard`` another way.
 
-    A name spells it if, split at ``_`` and compared without case, one of its words is the standard
-    name (``dp``, ``dp_shard``, ``dp_replicate``, ``dp_cp`` for DP; ``cp``, ``dp_cp``, ``dp_shard_cp``
-    for CP), or for DP one of ``fsdp``, ``hsdp``, ``ddp``. ``EDP`` spells none of them (its one word is
-    ``edp``); ``dp_ep`` spells both DP and EP. The exact spelling itself is not returned.
+    Any name that equals it but for case (``dp``, ``Dp``) spells it. So does an *atom* (a mesh dim or a
+    split part, ``atoms``; all of ``names`` when not given) that, split at ``_`` and compared without
+    case, has it as a word (``dp_shard``, ``dp_replicate`` spell DP; ``cp`` spells CP), or for DP one of
+    ``fsdp``, ``hsdp``, ``ddp``. A flattened name spells what its atoms spell: ``dp_cp`` made of ``CP``
+    alone does not spell DP. ``EDP`` spells none of them (its one word is ``edp``). The exact spelling
+    itself is not returned.
 
     >>> other_spellings("DP", ("dp_replicate", "dp_shard", "cp", "tp"))
     ['dp_replicate', 'dp_shard']
@@ -34,7 +36,9 @@ def other_spellings(standard: str, names: Sequence[str]) -> list[str]:
     """
     word = standard.lower()
     words = (word, *_DATA_WORDS) if standard == "DP" else (word,)
-    return [n for n in names if n != standard and any(w in words for w in n.lower().split("_"))]
+    atoms = names if atoms is None else atoms
+    return [n for n in names if n != standard and (n.lower() == word or (
+        n in atoms and any(w in words for w in n.lower().split("_"))))]
 
 
 def standard_absent_error(standard: str, spellings: Sequence[str], valid: Sequence[str]) -> KeyError:

@@ -34,7 +34,9 @@ def test_lose_a_replica_keep_going_then_heal_it_from_the_live_one(tmp_path) -> N
 
     m0, m1, m1b = tmp_path / "r0.jsonl", tmp_path / "r1.jsonl", tmp_path / "r1b.jsonl"
     replica = [*args, "--mesh-shape", "1,2"]
-    with S.lighthouse(tmp_path) as address:
+    # a quorum waits up to 3 s for a heartbeating replica to join: on busy cores the returning replica must not
+    # be given a quorum of its own while replica 0 is between steps
+    with S.lighthouse(tmp_path, join_ms=3000) as address:
         ft = ["--ft-lighthouse", address]
         r0 = S.torchrun([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0)], tmp_path / "r0.log")
         r1 = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log")
@@ -127,6 +129,7 @@ def test_a_replica_that_cannot_take_part_is_turned_away_and_the_live_ones_go_on(
         r1 = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log", nproc=1)
         try:
             S.wait_for(m1, 3, 120, [r0, r1])
+            joined = S.records(m0)[-1]["step"]  # from here on both train together
             twin = S.torchrun([*replica, *ft, "--ft-replica-id", "1"], tmp_path / "twin.log", nproc=1)
             third = S.torchrun([*replica, *ft, "--ft-replica-id", "2"], tmp_path / "third.log", nproc=1)
             assert twin.wait(timeout=120) != 0 and third.wait(timeout=120) != 0
@@ -144,6 +147,7 @@ def test_a_replica_that_cannot_take_part_is_turned_away_and_the_live_ones_go_on(
     for log in (twin_log, third_log):
         assert "quorum change" not in log and "step     1/" not in log  # never trained
     rows0, rows1 = S.records(m0), S.records(m1)
-    assert {r["participants"] for r in rows0} == {2} and [r["step"] for r in rows0] == list(range(1, len(rows0) + 1))
-    assert {r["participants"] for r in rows1} == {2}
+    assert [r["step"] for r in rows0] == list(range(1, len(rows0) + 1))
+    assert {r["participants"] for r in rows0 if r["step"] > joined} == {2}
+    assert {r["participants"] for r in rows1 if r["step"] > joined} == {2}
     assert "not run, retried" not in (tmp_path / "r0.log").read_text()  # turned away before any quorum saw them
