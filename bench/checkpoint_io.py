@@ -36,7 +36,7 @@ from model import GPT, GPTConfig  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from two_ranks import run_on_two_ranks  # noqa: E402
 
-import vemesh.checkpoint.api as api  # noqa: E402
+import vemesh.resilience.checkpoint.api as api  # noqa: E402
 from vemesh import VESCALE_DEVICE_MESH, checkpoint  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
 from vemesh.optim import DistributedOptimizer  # noqa: E402

@@ -7,7 +7,7 @@ Run (ranks spawned by the script; BENCHMARKS.md's "Context parallelism" figures 
 
 **Memory.** On 4 gloo ranks, mesh ``(DP, CP) = (4 / CP, CP)``: each rank runs one causal
 attention (B=1, H=4, head_dim=64) forward and backward on its ``seq / CP`` tokens, with
-``vemesh.context_parallel.ring_attention`` (torch's ring attention, keys and values passed
+``vemesh.parallel.context.ring_attention`` (torch's ring attention, keys and values passed
 round the ring) for CP > 1 and torch's SDPA for CP = 1. The figure is the peak of torch's
 ``MemTracker`` (``torch.distributed._tools.mem_tracker``: every tensor the ops allocate,
 activations and temporaries, the inputs counted too), the largest over the ranks. The target is
@@ -41,7 +41,7 @@ from train import loss_fn  # noqa: E402
 from two_ranks import run_on_ranks  # noqa: E402
 
 from vemesh import VeDeviceMesh  # noqa: E402
-from vemesh.context_parallel import ring_attention, shard_sequence  # noqa: E402
+from vemesh.parallel.context import ring_attention, shard_sequence  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 64

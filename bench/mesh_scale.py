@@ -83,7 +83,7 @@ CORE_TARGET = 10.0  # vs bare (grid == r).nonzero() on 16x64x8
 def vemesh_version() -> str:
     """The commit measured, plus ``+dirty`` if the timed modules differ from it (read-only git calls)."""
     root = Path(__file__).resolve().parents[1]
-    timed = ["vemesh/mesh.py", "vemesh/layout.py", "vemesh/spec.py"]
+    timed = ["vemesh/mesh", "vemesh/layout"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10).stdout.strip()

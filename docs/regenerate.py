@@ -99,9 +99,9 @@ def regenerate(path: Path, check: bool, kinds: tuple[str, ...] = KINDS) -> list[
 
 
 #: The public modules whose names docs/api.md lists, in this order.
-API_MODULES = ["vemesh", "vemesh.mesh", "vemesh.layout", "vemesh.plan", "vemesh.ddp", "vemesh.optim",
-               "vemesh.checkpoint", "vemesh.context_parallel", "vemesh.ft", "vemesh.estimate", "vemesh.fit",
-               "vemesh.measure"]
+API_MODULES = ["vemesh", "vemesh.mesh", "vemesh.layout", "vemesh.planning.mesh_plan", "vemesh.ddp", "vemesh.optim",
+               "vemesh.checkpoint", "vemesh.parallel.context", "vemesh.ft", "vemesh.planning.estimate", "vemesh.planning.fit",
+               "vemesh.planning.measure"]
 
 
 def _summary(obj: object) -> str:

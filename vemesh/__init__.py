@@ -7,10 +7,10 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .layout import MeshLayout
+from vemesh.layout.mesh_layout import MeshLayout
 
 if TYPE_CHECKING:
-    from .mesh import VESCALE_DEVICE_MESH, VeDeviceMesh
+    from vemesh.mesh.manager import VESCALE_DEVICE_MESH, VeDeviceMesh
 
 __all__ = ["VESCALE_DEVICE_MESH", "VeDeviceMesh", "MeshLayout"]
 __version__ = "0.1.0"
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # torch is imported on first use of the mesh, so `vemesh show` / `vemesh plan` start fast
     if name in ("VESCALE_DEVICE_MESH", "VeDeviceMesh"):
-        from . import mesh
+        from vemesh.mesh import manager as mesh
 
         return getattr(mesh, name)
     raise AttributeError(f"module 'vemesh' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """``python -m vemesh``: the ``vemesh`` command line (see :mod:`vemesh.cli`)."""
 
-from .cli import main
+from vemesh.cli import main
 
 raise SystemExit(main())

@@ -29,11 +29,11 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from .describe import WIDTH, LayoutWarning, check_layout, describe_layout, layout_document
-from .fit_report import add_job_arguments, job_from_args, refuse_job_flags
-from .layout import MeshLayout
-from .plan import AUTO, MeshPlan, plan_mesh
-from .spec import DEFAULT_DIM_NAMES, VALID_DEVICE_TYPES, MeshSpec, MeshSpecError
+from vemesh.layout.describe import WIDTH, LayoutWarning, check_layout, describe_layout, layout_document
+from vemesh.planning.fit_report import add_job_arguments, job_from_args, refuse_job_flags
+from vemesh.layout.mesh_layout import MeshLayout
+from vemesh.planning.mesh_plan import AUTO, MeshPlan, plan_mesh
+from vemesh.layout.spec import DEFAULT_DIM_NAMES, VALID_DEVICE_TYPES, MeshSpec, MeshSpecError
 
 __all__ = ["main", "MAX_WORLD"]
 
@@ -207,8 +207,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
     """``vemesh plan --model ...`` on one mesh: memory per rank class and bytes per dim."""
-    from .fit import predict
-    from .fit_report import fit_document, render_fit
+    from vemesh.planning.fit import predict
+    from vemesh.planning.fit_report import fit_document, render_fit
 
     try:
         job = job_from_args(args)
@@ -244,8 +244,8 @@ def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
 
 def _search(args: argparse.Namespace) -> int:
     """``vemesh plan --model ... --device-memory ...`` without a shape: every mesh that fits, ranked."""
-    from .fit import search
-    from .fit_report import render_search, search_document
+    from vemesh.planning.fit import search
+    from vemesh.planning.fit_report import render_search, search_document
 
     if args.micro_batch_size is None:
         args.micro_batch_size = 1

@@ -4,7 +4,7 @@ Each rank of ``mesh["CP"]`` holds ``1/CP`` of every sequence: one contiguous sli
 head-tail load balancing two chunks, ``r`` and ``2 * CP - 1 - r`` of ``2 * CP``. Two things
 change in the model, and nothing in ``model.py``:
 
-* every attention layer calls ``vemesh.context_parallel.ring_attention`` over the CP group
+* every attention layer calls ``vemesh.parallel.context.ring_attention`` over the CP group
   (torch's ring attention), so each query still sees every earlier key of the whole sequence;
 * the position embedding looks up this rank's *global* positions.
 
@@ -23,7 +23,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from model import GPT, causal_attention
-from vemesh.context_parallel import positions, ring_attention, shard_sequence
+from vemesh.parallel.context import positions, ring_attention, shard_sequence
 
 
 class _ContextParallel:

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     meter = None
     if cfg.memory_report:  # measured from the first allocation: the mesh, the model, the wrappers, the steps
-        from vemesh.measure import RunMeter
+        from vemesh.planning.measure import RunMeter
         meter = RunMeter()
     try:
         with meter or contextlib.nullcontext():
@@ -512,7 +512,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
             return shutdown(cfg, 0, metrics=metrics)
 
     if meter is not None:  # each rank's peak and bytes, by PP rank (the planner's rank classes)
-        from vemesh.measure import report
+        from vemesh.planning.measure import report
         text = report(meter, VESCALE_DEVICE_MESH, f"PP rank {VESCALE_DEVICE_MESH.lookup_rank('PP')}" if pp_size > 1
                       else "every rank", cfg.memory_report)
         print0(f"{text}\nwritten to {cfg.memory_report}")

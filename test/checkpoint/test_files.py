@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-import vemesh.checkpoint.api as api
+import vemesh.resilience.checkpoint.api as api
+from vemesh.resilience.checkpoint import files, integrity, safe_read
 from vemesh import checkpoint
 from vemesh.checkpoint import (
     CheckpointNotFoundError,
@@ -254,17 +255,17 @@ def test_metadata_is_never_unpickled_with_arbitrary_classes(two_saved, tmp_path:
 
 
 def _rewrite_metadata(path: Path, edit) -> None:
-    metadata = checkpoint.safe_read.read_metadata(path)
+    metadata = safe_read.read_metadata(path)
     edit(metadata)
     buf = io.BytesIO()
     pickle.dump(metadata, buf)
     (path / ".metadata").write_bytes(buf.getvalue())
-    manifest = checkpoint.files.read_manifest(path)
+    manifest = files.read_manifest(path)
     manifest["files"][".metadata"] = len(buf.getvalue())
     # a forger who knows the format also fixes the checksums (CRC-32 is no defence against that):
     # the restricted unpickler must still refuse what the metadata points at
-    manifest["checksums"][".metadata"] = checkpoint.integrity.file_checksum(path / ".metadata")
-    manifest["manifest_checksum"] = checkpoint.integrity.manifest_checksum(manifest)
+    manifest["checksums"][".metadata"] = integrity.file_checksum(path / ".metadata")
+    manifest["manifest_checksum"] = integrity.manifest_checksum(manifest)
     (path / "vemesh.json").write_text(__import__("json").dumps(manifest))
 
 

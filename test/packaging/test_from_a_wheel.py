@@ -8,6 +8,7 @@ Builds the wheel (``pip wheel``), installs it into a new virtual environment wit
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,12 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complete
 def venv(tmp_path_factory) -> Path:
     """A fresh venv holding the wheel of this checkout and its dependencies, pinned as the README pins them."""
     root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"  # built from a copy: setuptools writes build/ and *.egg-info into the tree it builds
+    source.mkdir()
+    for name in ("vemesh", "setup.cfg", "setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, source / name)
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root / "dist"),
-          str(REPO)], root)
+          str(source)], root)
     (wheel,) = (root / "dist").glob("vemesh-*.whl")
     _run([sys.executable, "-m", "venv", str(root / "venv")], root)
     python = root / "venv" / "bin" / "python"

@@ -23,7 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from vemesh import VeDeviceMesh, checkpoint
 from vemesh.cli import main as cli
 from vemesh.layout import MeshLayout
-from vemesh.spec import MeshSpec
+from vemesh.layout.spec import MeshSpec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 if str(EXAMPLE) not in sys.path:

@@ -24,7 +24,7 @@ from torch import nn
 
 from vemesh import checkpoint
 from vemesh.checkpoint import CheckpointError, CheckpointLockedError, list_checkpoints
-from vemesh.checkpoint.lock import LOCK
+from vemesh.resilience.checkpoint.lock import LOCK
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

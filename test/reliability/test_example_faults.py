@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 from vemesh.checkpoint import list_checkpoints
-from vemesh.checkpoint.lock import LOCK
+from vemesh.resilience.checkpoint.lock import LOCK
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "gpt"

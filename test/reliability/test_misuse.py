@@ -380,7 +380,7 @@ def test_plan_finds_a_factory_in_the_current_directory_and_names_the_folder_when
 
 
 def test_mesh_validation_errors_are_one_line_without_pydantic_dumps() -> None:
-    from vemesh.spec import MeshSpec
+    from vemesh.layout.spec import MeshSpec
 
     with pytest.raises(ValueError) as e:
         MeshSpec(device_type="cpu", mesh_shape=(2, 0))

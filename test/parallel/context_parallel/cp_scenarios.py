@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vemesh import VeDeviceMesh
-from vemesh.context_parallel import positions, ring_attention, shard_sequence
+from vemesh.parallel.context import positions, ring_attention, shard_sequence
 
 B, H, T, D = 2, 3, 32, 8
 

@@ -9,19 +9,19 @@ import torch
 from cp_scenarios import compare
 
 from launch import run_ranks
-from vemesh import context_parallel
-from vemesh.context_parallel import check_torch_api, positions, shard_sequence
+from vemesh.parallel.context import ring
+from vemesh.parallel.context import check_torch_api, positions, shard_sequence
 
 
 def test_torchs_private_ring_attention_api_is_where_vemesh_expects_it():
     api = check_torch_api()  # raises naming what moved if torch renamed any of it
-    assert set(api) == set(context_parallel._NAMES)
+    assert set(api) == set(ring._NAMES)
 
 
 def test_a_moved_api_fails_loudly(monkeypatch):
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
-    monkeypatch.setattr(context_parallel, "_API", {})
+    monkeypatch.setattr(ring, "_API", {})
     monkeypatch.delattr(_attention, "_templated_ring_attention_backward")
     with pytest.raises(RuntimeError, match=r"moved the private ring-attention API .*_templated_ring_attention_backward"):
         check_torch_api()

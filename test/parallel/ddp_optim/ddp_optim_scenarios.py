@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 import vemesh.optim
 from vemesh.ddp import DistributedDataParallel as DDP
-from vemesh.ddp.grad_buffer import local_tensor
+from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.optim import DistributedOptimizer
 
 LR, WD, STEPS = 1e-3, WEIGHT_DECAY, 5

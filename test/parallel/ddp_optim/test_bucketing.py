@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vemesh.ddp.bucketing import plan_buckets
-from vemesh.optim.shards import Piece, contiguous_runs, shard_pieces, shard_range, shard_size
+from vemesh.parallel.ddp.bucketing import plan_buckets
+from vemesh.parallel.optim.shards import Piece, contiguous_runs, shard_pieces, shard_range, shard_size
 
 numels_st = st.lists(st.integers(0, 50), min_size=1, max_size=20)
 

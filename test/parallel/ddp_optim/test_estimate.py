@@ -1,4 +1,4 @@
-"""The planner's static memory (vemesh.estimate) against hand arithmetic and against what the real wrappers
+"""The planner's static memory (vemesh.planning.estimate) against hand arithmetic and against what the real wrappers
 allocate: vemesh DDP with torch AdamW, DDP with the ZeRO-1 DistributedOptimizer (fp32 and bf16, with and
 without TP on the fake backend), and torch's FSDP2 on the fake backend."""
 
@@ -15,7 +15,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from vemesh import VeDeviceMesh
 from vemesh.ddp import DistributedDataParallel as DDP
-from vemesh.estimate import build_model, parse_size, static_memory
+from vemesh.planning.estimate import build_model, parse_size, static_memory
 from vemesh.optim import DistributedOptimizer
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from vemesh.activations import _trace, trace_stage
+from vemesh.planning.activations import _trace, trace_stage
 from vemesh.cli import main
-from vemesh.estimate import load_model, rank_static, stage_keys
-from vemesh.fit import Job, _crosses_hosts, _in_flight, predict, search
+from vemesh.planning.estimate import load_model, rank_static, stage_keys
+from vemesh.planning.fit import Job, _crosses_hosts, _in_flight, predict, search
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = "gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=32"

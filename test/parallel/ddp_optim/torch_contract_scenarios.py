@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from vemesh.ddp import DistributedDataParallel as DDP
-from vemesh.ddp.grad_buffer import local_tensor
+from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.optim import DistributedOptimizer
 
 LR, WD, STEPS, ATOL = 1e-3, 0.1, 5, 1e-5

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vemesh import cli
-from vemesh.describe import check_layout, describe_layout, layout_document
+from vemesh.layout.describe import check_layout, describe_layout, layout_document
 from vemesh.layout import MeshLayout
-from vemesh.plan import plan_mesh
+from vemesh.planning.mesh_plan import plan_mesh
 
 REPO = Path(__file__).resolve().parents[3]
 NAMES = ("PP", "DP", "CP", "TP", "EP")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vemesh import VeDeviceMesh
-from vemesh.spec import MeshSpec
+from vemesh.layout.spec import MeshSpec
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from vemesh.spec import DEFAULT_DIM_NAMES, STANDARD_STRATEGIES
+from vemesh.layout.spec import DEFAULT_DIM_NAMES, STANDARD_STRATEGIES
 
 MESHES = [
     ((8,), None),

@@ -1,0 +1,242 @@
+"""Start-up: bring up the default process group, check every rank asks for the same mesh, build torch's mesh.
+
+Kept apart from :mod:`vemesh.mesh` so the mesh manager reads as queries and a view cache.
+Everything here runs once per ``init_device_mesh``; :func:`build_mesh` is the one entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from collections.abc import Iterable
+from datetime import timedelta
+
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from vemesh.layout.mesh_layout import MeshLayout
+from vemesh.layout.spec import MeshSpec
+
+__all__ = [
+    "DEFAULT_TIMEOUT", "as_timeout", "apply_timeout", "build_mesh", "check_same_on_all_ranks", "ensure_process_group",
+]
+
+#: How long a collective, or the start-up rendezvous, waits for the other ranks (NCCL's default;
+#: torch's gloo default is 30 minutes).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def as_timeout(value: object) -> timedelta:
+    """A ``timedelta`` from a ``timedelta`` or a number of seconds; ``None`` gives :data:`DEFAULT_TIMEOUT`."""
+    if value is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds; got {value!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive; got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def build_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    mesh_dim_names: Sequence[str] | None,
+    timeout: timedelta | float | None,
+    backend_override: Mapping[str | int, Any] | None,
+    rank_offset: int | None,
+) -> tuple[DeviceMesh, MeshLayout, timedelta | None]:
+    """Everything ``VeDeviceMesh.init_device_mesh`` does before it answers queries.
+
+    Validates the request, checks the device, creates the default process group if there is
+    none, resolves ``-1``, checks that every rank asked for the same mesh, and builds torch's
+    mesh (over part of the world when ``rank_offset`` is given).
+
+    Returns:
+        ``(mesh, layout, group_timeout)``: torch's ``DeviceMesh``, its :class:`MeshLayout`, and
+        the timeout to give every group the mesh creates later (None: keep torch's own).
+    """
+    spec = MeshSpec(
+        device_type=device_type,
+        mesh_shape=mesh_shape,  # type: ignore[arg-type]
+        mesh_dim_names=mesh_dim_names,  # type: ignore[arg-type]
+    )
+    if str(device_type) != spec.device_type:  # "cuda:0" or torch.device("cuda", 0)
+        warnings.warn(
+            f"device_type {str(device_type)!r} names one device, but a mesh spans all of them: "
+            f"using {spec.device_type!r} (select this rank's device before init instead)",
+            UserWarning,
+            stacklevel=3,
+        )
+    wait = as_timeout(timeout)
+    fake = dist.is_initialized() and dist.get_backend() == "fake"  # torch's fake backend takes any device
+    if spec.device_type != "cpu" and not fake:
+        module = getattr(torch, spec.device_type, None)
+        if module is None or not module.is_available():
+            raise RuntimeError(
+                f"device_type {spec.device_type!r}: this machine has no {spec.device_type} device (torch "
+                f"{torch.__version__}); use 'cpu' to run on the CPU with gloo"
+            )
+    created = ensure_process_group(spec.device_type, wait)
+    layout = spec.resolve(dist.get_world_size(), rank_offset)
+    check_same_on_all_ranks(spec.device_type, layout)
+    override = _check_backend_override(backend_override, layout)
+    if layout.first_rank == 0 and layout.world_size == dist.get_world_size():
+        mesh = _torch_init_device_mesh(
+            spec.device_type, layout.shape, mesh_dim_names=layout.dim_names, backend_override=override
+        )
+    else:  # part of the world: every rank builds it (group creation is collective), members use it
+        ranks = torch.arange(layout.first_rank, layout.first_rank + layout.world_size).view(layout.shape)
+        mesh = DeviceMesh(spec.device_type, ranks, mesh_dim_names=layout.dim_names,
+                          backend_override=tuple(_override_tuple(override, layout)))
+    group_timeout = wait if (created or timeout is not None) else None
+    if group_timeout is not None and dist.get_backend() != "fake":
+        keep = {layout.dim_index(k) for k, v in (override or {}).items() if not isinstance(v, str)}
+        apply_timeout([mesh.get_group(d) for d in range(mesh.ndim) if d not in keep], group_timeout)
+    return mesh, layout, group_timeout
+
+
+def _check_backend_override(override: Mapping[str | int, Any] | None, layout: MeshLayout) -> dict | None:
+    """``backend_override`` checked against the mesh's dims (KeyError names the valid ones)."""
+    if override is None:
+        return None
+    if not isinstance(override, Mapping):
+        raise TypeError(f"backend_override must be a dict from dim name (or index) to a backend; got {override!r}")
+    out = {}
+    options_type = getattr(dist.ProcessGroup, "Options", None) or getattr(dist.Backend, "Options", ())
+    for key, value in override.items():
+        layout.dim_index(key)  # KeyError naming the valid dims, or TypeError/ValueError for an index
+        ok = isinstance(value, str) or (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str))
+        if not ok and not (options_type and isinstance(value, options_type)):
+            raise TypeError(
+                f"backend_override[{key!r}] must be a backend name such as 'gloo', process-group options, "
+                f"or (backend, options); got {value!r}"
+            )
+        out[key] = value
+    return out
+
+
+def _override_tuple(override: dict | None, layout: MeshLayout) -> Iterator[tuple[Any, Any]]:
+    """``backend_override`` as the per-dim ``(backend, options)`` tuple that DeviceMesh takes."""
+    for d in range(layout.ndim):
+        value = next((v for k, v in (override or {}).items() if layout.dim_index(k) == d), None)
+        yield (value, None) if isinstance(value, str) else (value if isinstance(value, tuple) else (None, value))
+
+
+def ensure_process_group(device_type: str, timeout: timedelta) -> bool:
+    """Create the default process group if there is none (torchrun's env, or one local rank).
+
+    Every rank first checks in at the job's store and waits (at most ``timeout``) for all the
+    others, so a rank that crashed or exited before ``init_device_mesh`` is named instead of
+    leaving the rest blocked. Returns whether it created the group.
+    """
+    if dist.is_initialized():
+        return False
+    accel = dist.Backend.default_device_backend_map.get(device_type)
+    backend = "gloo" if device_type == "cpu" or accel is None else f"cpu:gloo,{device_type}:{accel}"
+    if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _job_store(rank, world_size, timeout)
+        _wait_for_everyone(store, rank, world_size, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:  # a plain `python script.py`: one rank, no rendezvous needed
+        dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore(), timeout=timeout)
+    return True
+
+
+def _job_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The job's key-value store, with this restart attempt's keys kept apart.
+
+    Under torchrun it is the agent's store. torch 2.13's torchrun hands it to the workers it
+    restarts (``--max-restarts``) without prefixing keys per attempt, so a restarted worker would
+    read the previous attempt's keys and fail with "Gloo connectFullMesh failed ... Connection
+    refused"; the ``TORCHELASTIC_RESTART_COUNT`` prefix keeps each attempt apart. Without the
+    agent (``MASTER_ADDR``/``MASTER_PORT`` set by another launcher), rank 0 hosts it, as env:// does.
+    """
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        if agent:
+            store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        else:
+            store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        host = "torchrun's agent" if agent else "rank 0"
+        raise RuntimeError(
+            f"init_device_mesh on rank {rank}: could not reach the job's store at {addr}:{port} ({host}) within "
+            f"{timeout.total_seconds():.0f} s: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+        ) from None
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return dist.PrefixStore(f"/vemesh/attempt_{restart}", store)
+
+
+def _wait_for_everyone(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    keys = [f"arrived/{r}" for r in range(world_size)]
+    store.set(keys[rank], socket.gethostname())
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError:  # DistStoreError: the wait timed out
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"init_device_mesh on rank {rank}: rank{'s' if len(missing) > 1 else ''} {missing} of {world_size} never "
+            f"arrived within {timeout.total_seconds():.0f} s (crashed, exited early, or never started); "
+            f"the other {world_size - len(missing)} did"
+        ) from None
+
+
+def apply_timeout(groups: Iterable[dist.ProcessGroup], timeout: timedelta) -> None:
+    """Give ``groups`` the same timeout as the default group (torch's subgroups get 30 minutes on gloo)."""
+    for group in groups:
+        _set_pg_timeout(timeout, group)
+
+
+def check_same_on_all_ranks(device_type: str, layout: MeshLayout) -> None:
+    """Fail loudly on every rank when ranks disagree on the mesh, before any group is built.
+
+    Two small all_gathers: every rank's number of dims, then ``[ndim, sizes..., digest(device,
+    names)]`` padded to the largest ndim, so meshes of any dimension are compared whole. Without
+    it, mismatched shapes make torch's group creation hang or pair wrong ranks.
+    """
+    world = dist.get_world_size()
+    if world == 1 or dist.get_backend() == "fake":
+        return
+    device = torch.device("cpu")
+    if "cpu:" not in str(dist.get_backend_config()) and device_type != "cpu":
+        device = torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+    def all_gather(row: list[int]) -> list[tuple[int, ...]]:
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        return [tuple(r.tolist()) for r in rows]
+
+    width = max(n for (n,) in all_gather([layout.ndim]))
+    digest = int.from_bytes(
+        hashlib.blake2b(repr((device_type, layout.dim_names)).encode(), digest_size=7).digest(), "little"
+    )
+    gathered = all_gather([layout.ndim, *layout.shape, *[0] * (width - layout.ndim), digest])
+    if all(g == gathered[0] for g in gathered):
+        return
+    by_config: dict[tuple[int, ...], list[int]] = {}
+    for r, g in enumerate(gathered):
+        by_config.setdefault(g, []).append(r)
+    summary = "; ".join(
+        f"ranks {ranks} have shape {tuple(cfg[1 : 1 + cfg[0]])}" + (" (other dim names/device)" if cfg[-1] != digest else "")
+        for cfg, ranks in by_config.items()
+    )
+    raise ValueError(
+        f"ranks disagree on the mesh: rank {dist.get_rank()} asked for shape {layout.shape} with dim names "
+        f"{layout.dim_names} on {device_type!r}, but {summary}. Every rank must call init_device_mesh "
+        f"with the same arguments."
+    )

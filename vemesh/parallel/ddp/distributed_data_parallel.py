@@ -1,0 +1,410 @@
+"""Data parallelism over one mesh dim, with a contiguous gradient buffer, behaving like torch DDP.
+
+On a ``(DP, TP) = (2, 2)`` mesh over ranks ``[[0, 1], [2, 3]]``, rank 0 and rank 2 hold the same TP
+shard of each weight and average their shard gradients with each other; rank 1 and rank 3 do the same
+for the other shard. The contract is torch DDP's (see :class:`DistributedDataParallel`); what is
+stricter: a group that would mix shards or leave out data ranks raises (:mod:`vemesh.ddp.groups`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_tensor, make_buffers
+from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over, resolve_group
+from vemesh.parallel.ddp.support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, check_params_kept,
+                      check_placement, install_step_guard, like, release_params, weak_method, weak_param_hook)
+
+__all__ = ["DistributedDataParallel"]
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """Average gradients over a data-parallel group through a contiguous gradient buffer.
+
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (an instance of it: ``model.module``, ``isinstance``
+    and DCP's ``get_state_dict`` behave as with torch DDP) that takes a mesh dim and TP-sharded DTensor parameters:
+
+    * each trainable parameter's gradient lives in ``param.main_grad``, a view into a flat buffer (fp32 when
+      ``accumulate_allreduce_grads_in_fp32``), and ``param.grad`` *is* that view (a DTensor over it for DTensor
+      parameters), like torch's ``gradient_as_bucket_view``. For bf16/fp16 parameters with an fp32 buffer,
+      ``.grad`` is a copy in the parameter's dtype and the buffer keeps fp32 precision across accumulation;
+    * buckets are divided by DP and all-reduced asynchronously as soon as they are complete
+      (``overlap_grad_reduce=True``), always in bucket order; a post-backward callback starts
+      the rest and waits, so when ``loss.backward()`` returns every ``.grad`` is the DP mean;
+    * ``no_sync()`` accumulates locally; the first backward outside it averages the sum;
+    * gradients accumulate until cleared, as in torch, by any of ``optimizer.zero_grad()``,
+      ``model.zero_grad()`` (``set_to_none`` or not) and :meth:`zero_grad_buffer`;
+    * a torch optimizer's ``step()`` over gradients accumulated under ``no_sync()`` that were
+      never averaged raises ``RuntimeError`` (a global optimizer step pre-hook).
+
+    Parameters and buffers are broadcast from the first rank of the DP group at construction,
+    and buffers again before each forward with grad enabled (``broadcast_buffers``, as torch).
+    A parameter that got no gradient on any rank in a step gets a zero gradient (torch DDP keeps
+    ``None`` for parameters unused on every rank; here every DP rank's optimizer sees zeros).
+
+    Args:
+        module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
+        data_pg_or_device_mesh: the data-parallel group: a 1-D DeviceMesh (``mesh["DP"]``), a ProcessGroup, or None.
+            None is the live ``VESCALE_DEVICE_MESH``'s data dims (``DP``, or ``dp_cp`` with CP: never the TP or PP
+            peers), and torch's default group only when there is no live mesh (torch's DDP always takes the world).
+            A group holding two ranks of one parameter's shards (a DTensor's TP peers) raises ``ValueError``.
+        accumulate_allreduce_grads_in_fp32: accumulate and reduce gradients in fp32 even for bf16/fp16 parameters.
+        overlap_grad_reduce: start each bucket's all-reduce during backward.
+        use_distributed_optimizer: accepted for veScale compatibility; it changes nothing.
+        bucket_size: bucket size in elements (default 6,553,600: 25 MiB of fp32, torch DDP's default).
+        broadcast_buffers: broadcast module buffers from DP rank 0 before each forward (torch's default).
+        expert_data_parallel: for MoE with expert parallelism: the expert-data-parallel group (``mesh["EDP"]``),
+            the ranks of the DP group that hold the same experts. Must come with ``expert_parameters``.
+        expert_parameters: the parameters of this rank's experts (they differ across the EP group).
+            Their gradients are summed over ``expert_data_parallel`` and divided by the DP size: each expert saw
+            the tokens its EP peers sent it, so this is the gradient of the mean loss over the DP group's batch.
+            They are broadcast from the first rank of ``expert_data_parallel``, the others from DP's first rank.
+        replicas: the fault-tolerant replica dim (:func:`vemesh.ft.start_replicas`): after the DP mean, each
+            buffer is averaged across the replicas taking part, through torchft; if that fails, the step
+            does not commit (:class:`~vemesh.optim.DistributedOptimizer` asks the replicas before stepping).
+
+    Example::
+
+        # (DP, TP) = (2, 2) on 4 ranks: rank 0 averages with rank 2, rank 1 with rank 3.
+        model = parallelize_module(model, mesh["TP"], tp_plan)
+        model = DistributedDataParallel(model, mesh["DP"])
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # param.grad is now the DP mean on every rank
+        opt.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        data_pg_or_device_mesh: DeviceMesh | dist.ProcessGroup | None = None,
+        *,
+        accumulate_allreduce_grads_in_fp32: bool = True,
+        overlap_grad_reduce: bool = True,
+        use_distributed_optimizer: bool = False,
+        bucket_size: int | None = None,
+        broadcast_buffers: bool = True,
+        expert_data_parallel: DeviceMesh | dist.ProcessGroup | None = None,
+        expert_parameters: Iterable[nn.Parameter] | None = None,
+        replicas: Any = None,
+    ) -> None:
+        nn.Module.__init__(self)  # torch DDP's own __init__ builds its C++ reducer, which this replaces
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise ValueError(f"module is already wrapped in {type(module).__name__}; wrap the inner module once")
+        group, described = resolve_group(data_pg_or_device_mesh)
+        bucket_size = check_bucket_size(bucket_size)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"{type(module).__name__} has no trainable parameters (none with requires_grad=True)")
+        names = {id(p): n for n, p in module.named_parameters()}
+        for p in params:
+            if getattr(p, "_vemesh_ddp", lambda: None)() is not None:  # a live wrapper; a freed one is gone
+                raise ValueError(
+                    f"parameter {names[id(p)]!r} already belongs to a vemesh DistributedDataParallel; wrap the module once"
+                )
+            if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
+                raise ValueError(f"parameter {names[id(p)]!r} has Partial placements {p.placements}; use Shard or Replicate")
+        experts, expert_group = check_experts(group, expert_data_parallel, expert_parameters, params)
+        # a group holding two ranks of one parameter's shards (its TP peers, its EP peers) would average
+        # different shards: refused before anything is broadcast
+        check_not_sharded_over([(names[id(p)], p) for p in params if id(p) not in experts], group, described)
+        check_covers_data(group, described)  # the live mesh's data dims (DP, CP) hold other rows: all must average
+        if expert_group is not None:
+            check_not_sharded_over([(names[id(p)], p) for p in params if id(p) in experts], expert_group,
+                                   "expert_data_parallel", "expert-data-parallel")
+        if replicas is not None and experts:
+            raise ValueError("expert parameters with fault-tolerant replicas are not supported yet; wrap without replicas")
+        owner = weakref.ref(self)
+        for p in params:
+            p._vemesh_ddp = owner  # type: ignore[attr-defined]
+        self.module = module
+        self.data_parallel_group = group
+        self.process_group = group  # torch DDP's name for it
+        self.dp_size = dist.get_world_size(group)
+        self.dp_rank = dist.get_rank(group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.bucket_size = bucket_size
+        self.broadcast_buffers = broadcast_buffers
+        #: torch DDP's flag, toggled by :meth:`no_sync` (and by libraries that set it directly).
+        self.require_backward_grad_sync = True
+        self.reducer = PipelineReducer()
+        self._params = params
+        self._param_names = names
+        self._module_params = list(module.parameters())  # to notice parameters replaced after wrapping
+        self._in_backward = False
+        self._sync_this_pass = True
+        self._arrived: set[int] = set()
+        self._unsynced = False
+        #: The expert-data-parallel group (None without expert parameters), and the experts' ids.
+        self.expert_data_parallel_group = expert_group
+        self._experts = experts
+        #: The fault-tolerant replica dim gradients are averaged across after DP (None: no such dim).
+        self.replicas = replicas
+
+        check_placement(list(module.named_parameters()), experts, group, expert_group)  # names and shapes agree
+        if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
+            dense = [local_tensor(p) for p in module.parameters() if id(p) not in experts]
+            broadcast_from_first(dense + self._module_buffers(), group)
+            if expert_group is not None and dist.get_world_size(expert_group) > 1:  # experts: from their EDP peer
+                broadcast_from_first([local_tensor(p) for p in module.parameters() if id(p) in experts], expert_group)
+
+        #: One contiguous gradient buffer per (dense or expert, parameter dtype, gradient dtype).
+        self.grad_buffers: list[GradBuffer] = make_buffers(
+            params, experts, group, expert_group, bucket_size, fp32=accumulate_allreduce_grads_in_fp32
+        )
+        self._buffer_of = {id(p): b for b in self.grad_buffers for p in b.params}
+        # What this wrapper puts in param.grad: the main_grad view itself, or for a parameter whose
+        # dtype differs from the buffer's a "holder" copy in the parameter's dtype (versions tell
+        # whether anyone wrote to it since); wrapped as a DTensor like the parameter where needed.
+        self._holder: dict[int, torch.Tensor] = {}
+        self._holder_version: dict[int, int] = {}
+        self._exposed: dict[int, torch.Tensor] = {}
+        self._main_grad_like: list[torch.Tensor] = []  # main_grad shaped like each parameter (for norms)
+        self._hooks: list[Any] = []
+        for p in params:
+            main_grad: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
+            self._main_grad_like.append(like(p, main_grad))
+            if main_grad.dtype == p.dtype:
+                self._exposed[id(p)] = self._main_grad_like[-1]
+            else:
+                self._holder[id(p)] = torch.zeros_like(main_grad, dtype=p.dtype)
+                self._exposed[id(p)] = like(p, self._holder[id(p)])
+                self._hooks.append(p.register_hook(weak_param_hook(p, weak_method(self._fold_grad))))
+            self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
+        weakref.finalize(self, release_params, params, owner, self._hooks).atexit = False
+        install_step_guard(self)
+
+    # ------------------------------------------------------------------ module
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (after broadcasting its buffers, see ``broadcast_buffers``)."""
+        if self._in_backward:  # a backward pass raised before its end-of-backward callback ran
+            self._abandon_pass()
+        if torch.is_grad_enabled():
+            check_params_kept(self.module, self._module_params)
+        if self.broadcast_buffers and self.dp_size > 1 and torch.is_grad_enabled():
+            buffers = self._module_buffers()
+            if buffers:
+                broadcast_from_first(buffers, self.data_parallel_group)
+        return self.module(*args, **kwargs)
+
+    def _module_buffers(self) -> list[torch.Tensor]:
+        return [local_tensor(b) for b in self.module.buffers()]
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "a vemesh DistributedDataParallel holds process groups and gradient-buffer views and cannot be "
+            "pickled or deep-copied; copy or save model.module (or its state_dict) instead"
+        )
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:  # the buckets always average
+        raise NotImplementedError("vemesh DistributedDataParallel has no communication hooks; its buckets always all-reduce")
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:  # every DP rank must run the same number of passes
+        raise NotImplementedError("vemesh DistributedDataParallel does not support uneven inputs (join); give every DP rank the same number of batches")
+
+    # ------------------------------------------------------------------- hooks
+    def _local_grad(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor):
+            if grad.placements != p.placements:  # type: ignore[attr-defined]
+                grad = grad.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+            return grad._local_tensor
+        return grad
+
+    def _begin_pass(self) -> None:
+        """At the first gradient of a backward pass: decide whether it averages, and queue the end."""
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self._sync_this_pass = self.require_backward_grad_sync or (self.dp_size == 1 and self.replicas is None)
+        self._arrived = set()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _fold_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Tensor pre-hook of a low-precision parameter: fold its new gradient into the fp32 main_grad.
+
+        It runs before autograd adds ``grad`` into p.grad, so accumulation keeps fp32 precision
+        whatever happens to the low-precision .grad.
+        """
+        key = id(p)
+        holder = self._holder[key]
+        self._begin_pass()
+        main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
+        current = p.grad
+        new = self._local_grad(p, grad)
+        with torch.no_grad():
+            if current is None:  # cleared with set_to_none: the gradient so far is zero
+                main.copy_(new)
+            elif current is self._exposed[key] and holder._version == self._holder_version.get(key):
+                main.add_(new)  # main_grad is the exact value behind .grad
+            else:  # .grad was replaced or written to (zero_(), unscale_, clipping): it is the truth
+                main.copy_(self._local_grad(p, current))
+                main.add_(new)
+
+    @torch.no_grad()
+    def _post_accumulate(self, p: torch.Tensor) -> None:
+        self._begin_pass()
+        key = id(p)
+        exposed = self._exposed[key]
+        if key in self._holder:
+            self._expose(p)
+        elif p.grad is not exposed:  # autograd made a new tensor (.grad was None or replaced)
+            p.main_grad.copy_(self._local_grad(p, p.grad))  # type: ignore[attr-defined]
+            p.grad = exposed
+        # else: autograd accumulated in place into the buffer view
+        self._arrived.add(key)
+        if self._sync_this_pass and self.overlap_grad_reduce:
+            self._buffer_of[key].mark_ready(p)  # type: ignore[arg-type]
+
+    def _expose(self, p: torch.Tensor) -> None:
+        """Point ``p.grad`` at the buffer view, refreshing the low-precision copy if there is one."""
+        key = id(p)
+        holder = self._holder.get(key)
+        if holder is not None:
+            holder.copy_(p.main_grad)  # type: ignore[attr-defined]
+            self._holder_version[key] = holder._version
+        if p.grad is not self._exposed[key]:
+            p.grad = self._exposed[key]
+
+    def _end_pass(self) -> None:
+        """End-of-backward callback: average now, or remember that the gradients are local only."""
+        self._in_backward = False
+        if self._sync_this_pass:
+            self._sync()
+        else:
+            self._unsynced = True
+            UNSYNCED.add(self)
+            for buffer in self.grad_buffers:
+                buffer.reset()
+
+    @torch.no_grad()
+    def _refresh_main_grad(self, p: nn.Parameter) -> None:
+        """Make ``main_grad`` equal ``p.grad`` for a parameter that got no gradient in this pass."""
+        key = id(p)
+        current = p.grad
+        main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
+        if current is None:
+            main.zero_()
+        elif current is not self._exposed[key] or (
+            key in self._holder and self._holder[key]._version != self._holder_version.get(key)
+        ):
+            main.copy_(self._local_grad(p, current))
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        for buffer in self.grad_buffers:
+            for p in buffer.params:
+                if id(p) not in self._arrived:
+                    self._refresh_main_grad(p)
+            buffer.start_remaining()
+        for buffer in self.grad_buffers:
+            buffer.wait()
+            if self.replicas is not None:  # then across the replicas (a failure keeps the step from committing)
+                self.replicas.average_(buffer.data)
+        for p in self._params:
+            self._expose(p)
+        self._arrived = set()
+        self._unsynced = False
+        UNSYNCED.discard(self)
+
+    def _abandon_pass(self) -> None:
+        for buffer in self.grad_buffers:
+            buffer.wait()
+        self._in_backward = False
+        self._arrived = set()
+
+    # ------------------------------------------- for vemesh.optim (reads the buffer)
+    @torch.no_grad()
+    def _grads_into_buffer(self) -> list[str]:
+        """Make every ``main_grad`` equal its ``param.grad`` (after outside writes); names of parameters without one."""
+        if self._in_backward:
+            raise RuntimeError("the optimizer stepped during a backward pass; step after backward returns")
+        missing = []
+        for p in self._params:
+            if p.grad is None:
+                missing.append(self._param_names[id(p)])
+                continue
+            self._refresh_main_grad(p)
+            if p.grad is not self._exposed[id(p)]:
+                self._expose(p)
+        return missing
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        """Every parameter's ``main_grad`` (fp32 when accumulating in fp32), as a DTensor for DTensor parameters."""
+        return self._main_grad_like
+
+    def _norm_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The ``main_grad`` of the dense parameters, and of the expert ones (which differ across the EP group)."""
+        dense = [g for p, g in zip(self._params, self._main_grad_like) if id(p) not in self._experts]
+        return dense, [g for p, g in zip(self._params, self._main_grad_like) if id(p) in self._experts]
+
+    # --------------------------------------------------------------- public API
+    def finish_grad_sync(self, force: bool = False) -> None:
+        """Average gradients accumulated under :meth:`no_sync` now; otherwise do nothing.
+
+        Backward already averages when it ends (outside ``no_sync()``), so this is only needed
+        to average a ``no_sync()`` accumulation without another backward. Safe to call any
+        number of times; every DP rank must make the same calls.
+
+        Args:
+            force: average every ``param.grad`` now, even if no backward pass left anything
+                unaveraged. For code that writes gradients where no gradient hook sees them:
+                torch's zero-bubble pipeline schedules compute weight gradients with
+                ``torch.autograd.grad`` and add them by hand (``weight.grad += dw``). Averaging
+                again is exact for what an earlier pass already averaged (it is the same on
+                every rank).
+        """
+        if self._in_backward:
+            raise RuntimeError("finish_grad_sync() was called during a backward pass; call it after backward returns")
+        if self._unsynced or force:
+            self._sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every gradient, as ``nn.Module.zero_grad``.
+
+        Args:
+            set_to_none: set ``param.grad`` to None (the next backward overwrites the buffer);
+                otherwise zero the buffer and keep ``param.grad`` as zeroed views.
+        """
+        with torch.no_grad():
+            for p in self._params:
+                p.grad = None
+            if not set_to_none:
+                for buffer in self.grad_buffers:
+                    buffer.data.zero_()
+                for p in self._params:
+                    self._expose(p)
+        self._unsynced = False
+        UNSYNCED.discard(self)
+
+    def zero_grad_buffer(self) -> None:
+        """veScale's name for ``zero_grad(set_to_none=False)``: zero the buffer in place."""
+        self.zero_grad(set_to_none=False)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes started inside the block accumulate locally, without collectives.
+
+        Example::
+
+            with model.no_sync():
+                loss_fn(model(x0), y0).backward()   # accumulates only
+            loss_fn(model(x1), y1).backward()       # averages the sum of both over DP
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous

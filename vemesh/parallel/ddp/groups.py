@@ -1,0 +1,164 @@
+"""The group a data-parallel wrapper reduces over: resolved, defaulted from the live mesh, and checked.
+
+* :func:`resolve_group` turns what the user passed (a 1-D ``DeviceMesh``, a ``ProcessGroup`` or None)
+  into a process group. None means the live mesh's data dims (:func:`vemesh.dims.data_dim`), not the
+  world: on ``(DP, TP) = (2, 2)`` the world holds each rank's TP peer, and averaging with it would mix
+  different shards. Without a live mesh, None is torch's default group, as in torch's DDP.
+* :func:`sharded_over` says over which ranks a parameter is already sharded: a DTensor's non-replicated
+  mesh dims, or a plain slice vemesh tagged (experts held by one EP rank).
+* :func:`check_not_sharded_over` refuses a group that holds two ranks of one parameter's shards, naming
+  the parameter, both groups and the fix. A view of an earlier mesh (before ``reset()`` or another
+  ``init_device_mesh``) is refused by :func:`check_view`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = ["SHARDED_OVER", "check_covers_data", "check_not_sharded_over", "check_view", "default_group", "resolve_group",
+           "sharded_over"]
+
+#: The attribute vemesh puts on a plain tensor that is one rank's slice of a whole (an EP rank's experts):
+#: ``(dim name, global ranks holding the other slices, this one included)``.
+SHARDED_OVER = "_vemesh_sharded_over"
+
+
+def check_view(mesh: DeviceMesh, what: str) -> None:
+    """Refuse a torch view that ``VESCALE_DEVICE_MESH`` (or another ``VeDeviceMesh``) handed out before its last
+    ``reset()`` or ``init_device_mesh``: its groups may be another mesh's now."""
+    stamp = getattr(mesh, "_vemesh_epoch", None)
+    if stamp is None:
+        return
+    owner, epoch = stamp[0](), stamp[1]
+    if owner is not None and owner._epoch != epoch:
+        now = repr(owner) if owner.is_initialized() else "reset and not initialized again"
+        raise RuntimeError(
+            f"{what} is a view of an earlier mesh (taken before the last init_device_mesh or reset(); the mesh is now "
+            f"{now}): its groups may not be this mesh's. Take the view again, e.g. VESCALE_DEVICE_MESH['DP']"
+        )
+
+
+def default_group() -> tuple[dist.ProcessGroup, str]:
+    """The data-parallel group when none is given, and how it was chosen (for error messages).
+
+    With a live ``VESCALE_DEVICE_MESH``: its data dims (:func:`vemesh.dims.data_dim`); a ``ValueError``
+    when there are none or they are ambiguous. Without one: torch's default group, as torch's DDP.
+    """
+    from vemesh.layout.data_dims import data_dim
+    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+
+    if not mesh.is_initialized():
+        return dist.group.WORLD, "torch's default group (no VESCALE_DEVICE_MESH)"  # type: ignore[return-value]
+    name = data_dim(mesh.layout)
+    if name is None:
+        raise ValueError(
+            f"no data-parallel group was given, and VESCALE_DEVICE_MESH {mesh.mesh_dim_names} has no data dim (a name "
+            "with the word dp or cp): pass the group to average over, e.g. VESCALE_DEVICE_MESH['DP']"
+        )
+    return mesh.get_group(name), f"VESCALE_DEVICE_MESH[{name!r}], the mesh's data dims"
+
+
+def resolve_group(given: DeviceMesh | dist.ProcessGroup | None, what: str = "data_pg_or_device_mesh") -> tuple[dist.ProcessGroup, str]:
+    """``given`` as a process group, and a description of it; None gives :func:`default_group`."""
+    if given is None:
+        return default_group()
+    if isinstance(given, DeviceMesh):
+        check_view(given, what)
+        if given.ndim != 1:
+            raise ValueError(
+                f"{what} must be a 1-D DeviceMesh (e.g. mesh['DP']), got a {given.ndim}-D mesh "
+                f"with shape {tuple(given.shape)} and dim names {given.mesh_dim_names}"
+            )
+        name = (given.mesh_dim_names or ("?",))[0]
+        return given.get_group(), f"mesh[{name!r}]"
+    if isinstance(given, dist.ProcessGroup):
+        return given, "the ProcessGroup given"
+    raise TypeError(f"{what} must be a 1-D DeviceMesh, a ProcessGroup or None, got {type(given).__name__}")
+
+
+def check_covers_data(group: dist.ProcessGroup, described: str) -> None:
+    """On a live mesh, ``ValueError`` unless ``group`` holds every rank of this rank's data dims (DP and CP).
+
+    Each of those ranks holds a different part of the batch (CP ranks: other tokens of the same sequences), so a
+    gradient averaged without some of them differs between them, and their replicas drift apart, silently:
+    ``mesh["DP"]`` on a ``(DP, CP, TP)`` mesh, or ``mesh["dp_shard"]`` on an HSDP mesh, are refused.
+    """
+    from vemesh.layout.data_dims import data_atoms
+    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+
+    if not mesh.is_initialized() or not mesh._member:
+        return
+    layout = mesh.layout
+    atoms = data_atoms(layout)
+    if not atoms:
+        return
+    needed = layout.group_ranks(dist.get_rank(), atoms)
+    missing = sorted(set(needed) - set(dist.get_process_group_ranks(group)))
+    if missing:
+        raise ValueError(
+            f"the data-parallel group {sorted(dist.get_process_group_ranks(group))} ({described}) leaves out ranks "
+            f"{missing} of this rank's data dims {', '.join(atoms)} ({needed}), which hold other parts of the batch: "
+            f"their gradients would never meet. Average over all of them: VESCALE_DEVICE_MESH['DP'] when DP is the only "
+            f"data dim, else flatten them (VESCALE_DEVICE_MESH.flatten({atoms!r}, 'dp_cp')) and pass that view"
+        )
+
+
+def _along(mesh: DeviceMesh, dim: int) -> list[int]:
+    """The global ranks of this rank's group along mesh dim ``dim`` of ``mesh``."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return []
+    ranks = mesh.mesh.movedim(dim, -1)
+    for c in [c for i, c in enumerate(coordinate) if i != dim]:
+        ranks = ranks[c]
+    return ranks.tolist()
+
+
+def sharded_over(p: torch.Tensor) -> Iterator[tuple[str, list[int], str]]:
+    """``(dim name, ranks, how)`` for every way ``p`` is split over ranks: each non-replicated dim of a
+    DTensor's mesh, and the :data:`SHARDED_OVER` tag of a plain slice."""
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        for i, placement in enumerate(p.placements):
+            if not placement.is_replicate():
+                name = mesh.mesh_dim_names[i] if mesh.mesh_dim_names else f"dim {i}"
+                yield name, _along(mesh, i), str(placement)
+    tag = getattr(p, SHARDED_OVER, None)
+    if tag is not None:
+        yield tag[0], list(tag[1]), "one slice per rank"
+
+
+def check_not_sharded_over(named: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup, described: str,
+                           kind: str = "data-parallel", fix: str = "") -> None:
+    """``ValueError`` if ``group`` holds two ranks over which one of the tensors is split (see :func:`sharded_over`).
+
+    On ``(DP, TP) = (2, 2)``, a ``ColwiseParallel`` weight is sharded over ``[0, 1]`` on rank 0; the world
+    ``[0, 1, 2, 3]`` holds both, so averaging over it would average two different shards: refused.
+    ``mesh["DP"]`` (``[0, 2]``) holds one: accepted.
+    """
+    ranks = set(dist.get_process_group_ranks(group))
+    if len(ranks) == 1:
+        return
+    seen: dict[tuple[str, tuple[int, ...]], bool] = {}
+    for name, p in named:
+        for dim, shard, how in sharded_over(p):
+            key = (dim, tuple(shard))
+            if seen.setdefault(key, len(ranks & set(shard)) > 1):
+                both = sorted(ranks & set(shard))
+                raise ValueError(
+                    f"parameter {name!r} is split over ranks {shard} ({how} along {dim!r}), and the {kind} group "
+                    f"{sorted(ranks)} ({described}) holds {len(both)} of them, {both}: averaging there mixes different "
+                    f"shards. {fix or _fix(dim)}"
+                )
+
+
+def _fix(dim: str) -> str:
+    if "ep" in dim.lower().split("_"):
+        return ("It is one EP rank's slice of the experts: pass it in expert_parameters, with "
+                "expert_data_parallel=VESCALE_DEVICE_MESH['EDP']")
+    return (f"Reduce over the data dims only: pass VESCALE_DEVICE_MESH['DP'] (or the flattened data dims, e.g. "
+            f"VESCALE_DEVICE_MESH['dp_cp']), a group without {dim!r} peers")

@@ -1,0 +1,230 @@
+"""Helpers of :class:`~vemesh.ddp.DistributedDataParallel`: argument checks, broadcasts, and the
+global optimizer-step guard against gradients that skipped the DP average."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
+from vemesh.parallel.ddp.grad_buffer import local_tensor
+from vemesh.parallel.ddp.groups import resolve_group
+
+__all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "check_bucket_size", "broadcast_from_first",
+           "PipelineReducer", "like", "weak_method", "release_params", "check_experts", "check_params_kept",
+           "weak_param_hook", "check_replicas", "check_placement"]
+
+def weak_method(method: Any) -> Any:
+    """``method`` as a plain function that holds its object weakly (a no-op once the object is gone).
+
+    Hooks that a parameter keeps (tensor hooks, post-accumulate-grad hooks) live on the C++ side of
+    the tensor, where Python's garbage collector cannot see them. A hook holding its wrapper strongly
+    closes an uncollectable cycle (parameter -> hook -> wrapper -> parameter), and the wrapper, its
+    buffers and its process groups then live until the interpreter is torn down, when gloo's worker
+    threads can no longer take the GIL and the process aborts at exit.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+
+    return call
+
+
+def weak_param_hook(p: torch.Tensor, fold: Any) -> Any:
+    """A tensor hook for ``p`` that calls ``fold(p, grad)``, holding ``p`` weakly (``fold`` comes from
+    :func:`weak_method`): the hook lives on the parameter, which must not keep itself or its wrapper alive."""
+    param = weakref.ref(p)
+
+    def pre_hook(grad: torch.Tensor) -> None:
+        q = param()
+        if q is not None:
+            fold(q, grad)
+
+    return pre_hook
+
+
+def release_params(params: Sequence[torch.Tensor], owner: Any, hooks: Sequence[Any]) -> None:
+    """Once the wrapper ``owner`` (a weak reference) is freed: its hooks come off its parameters, and
+    the parameters drop their views into its gradient buffer (``main_grad``), so the buffer's memory
+    goes too, and are free to be wrapped again."""
+    for handle in hooks:
+        handle.remove()
+    for p in params:
+        if getattr(p, "_vemesh_ddp", None) is owner:
+            for attr in ("main_grad", "_vemesh_ddp"):
+                if hasattr(p, attr):
+                    delattr(p, attr)
+
+
+#: Wrappers holding gradients accumulated under ``no_sync()`` that were never averaged.
+UNSYNCED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: no torch optimizer steps on gradients that skipped the DP average, or
+    on gradients averaged across fault-tolerant replicas that did not vote to commit the step."""
+    if not UNSYNCED and not REPLICATED:
+        return
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for ddp in list(REPLICATED) if not getattr(optimizer, "_asks_replicas", False) else []:  # ZeRO-1 asks them itself
+        if ddp.replicas.vote is not True and any(id(p) in ids for p in ddp._params):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would apply gradients averaged across fault-tolerant replicas "
+                f"without their vote to commit ({'voted down' if ddp.replicas.vote is False else 'no vote yet'}): a "
+                "failed cross-replica reduce leaves a partial sum. Use vemesh.optim.DistributedOptimizer, or step only "
+                "when replicas.should_commit() returns True"
+            )
+    for ddp in list(UNSYNCED):
+        names = [ddp._param_names[id(p)] for p in ddp._params if id(p) in ids and p.grad is not None]
+        if names:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would use gradients of {len(names)} parameters (e.g. "
+                f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
+                "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
+                "model.finish_grad_sync() before stepping"
+            )
+
+
+def check_params_kept(module: torch.nn.Module, wrapped: list[torch.Tensor]) -> None:
+    """``RuntimeError`` if ``module``'s parameters are no longer ``wrapped``: their gradients would never be averaged
+    (``parallelize_module`` or ``fully_shard`` applied after wrapping, for instance)."""
+    now = list(module.parameters())
+    if len(now) == len(wrapped) and all(a is b for a, b in zip(now, wrapped)):
+        return
+    kept = {id(p) for p in wrapped}
+    name = next((n for n, p in module.named_parameters() if id(p) not in kept), "?")
+    raise RuntimeError(
+        f"the wrapped module's parameters changed after DistributedDataParallel wrapped it (e.g. {name!r} is a new "
+        "tensor: parallelize_module, fully_shard or load_state_dict(assign=True) ran on the module since): their "
+        "gradients would never be averaged. Apply tensor parallelism and sharding first, then wrap with DDP"
+    )
+
+
+def check_bucket_size(bucket_size: int | None) -> int:
+    if bucket_size is None:
+        return DEFAULT_BUCKET_SIZE
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
+        raise TypeError(f"bucket_size must be an int number of elements or None, got {bucket_size!r}")
+    if bucket_size <= 0:
+        raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size}")
+    return bucket_size
+
+
+@torch.no_grad()
+def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensors`` with the values of the group's first rank, one flat broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, group=group, group_src=0)
+        torch._foreach_copy_(same, [c.view(t.shape) for t, c in zip(same, flat.split([t.numel() for t in same]))])
+
+
+def like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor like ``p``: a DTensor with ``p``'s mesh and placements if ``p`` is one."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return local
+
+
+class PipelineReducer:
+    """The one piece of torch DDP's reducer that ``torch.distributed.pipelining`` calls on a DDP stage.
+
+    A pipeline stage calls ``submod.reducer.prepare_for_backward(outputs)`` before the last
+    micro-batch's backward (and runs the others inside ``no_sync()``). vemesh decides whether to
+    average when each backward pass starts, from ``require_backward_grad_sync``, so there is
+    nothing to prepare.
+    """
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Nothing to do (see the class docstring)."""
+
+
+
+
+
+_step_hook: Any = None
+#: Wrappers whose gradients are averaged across fault-tolerant replicas (held weakly).
+REPLICATED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def install_step_guard(ddp: Any = None) -> None:
+    """Register :func:`refuse_unsynced_step` for every torch optimizer, once per process (and ``ddp``, if it
+    averages across fault-tolerant replicas, in :data:`REPLICATED`)."""
+    if ddp is not None and ddp.replicas is not None:
+        REPLICATED.add(ddp)
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(refuse_unsynced_step)
+
+
+def check_experts(
+    group: dist.ProcessGroup, expert_data_parallel: Any, expert_parameters: Any, params: list[torch.nn.Parameter],
+) -> tuple[frozenset[int], dist.ProcessGroup | None]:
+    """The expert parameters' ids and the expert-data-parallel group, checked against the DP group."""
+    if (expert_data_parallel is None) != (expert_parameters is None):
+        given, missing = ("expert_data_parallel", "expert_parameters") if expert_parameters is None else \
+            ("expert_parameters", "expert_data_parallel")
+        raise ValueError(f"{given} was given without {missing}; pass both (the EDP group, e.g. mesh['EDP'], "
+                         "and the experts' parameters) or neither")
+    if expert_data_parallel is None:
+        return frozenset(), None
+    expert_group, _ = resolve_group(expert_data_parallel, "expert_data_parallel")
+    experts = list(expert_parameters)
+    trainable = {id(p) for p in params}
+    for p in experts:
+        if id(p) not in trainable:
+            raise ValueError(f"expert_parameters holds a tensor of shape {tuple(p.shape)} that is not a trainable parameter "
+                             "of the module")
+    dense_ranks = dist.get_process_group_ranks(group)
+    edp_ranks = dist.get_process_group_ranks(expert_group)
+    if not set(edp_ranks) <= set(dense_ranks) or len(dense_ranks) % len(edp_ranks):
+        raise ValueError(f"the expert-data-parallel group {edp_ranks} must be part of the data-parallel group "
+                         f"{dense_ranks}, with a size that divides it (EP x EDP = DP)")
+    if not experts:
+        raise ValueError("expert_parameters is empty; leave expert_data_parallel and expert_parameters out for a dense model")
+    return frozenset(map(id, experts)), expert_group
+
+
+def check_replicas(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, what: str, hint: str) -> None:
+    """Raise on every rank unless every rank of ``group`` holds the same parameter names and local shapes.
+
+    torch DDP verifies shapes across its ranks the same way. Here it also catches parameters that are
+    not replicas at all (each EP rank's experts carry their own numbers): averaging them, or
+    broadcasting one rank's over the others, would train silently wrong.
+    """
+    if dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
+        return
+    mine = [(n, tuple(local_tensor(p).shape)) for n, p in named]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for rank, theirs in zip(ranks, everyone):
+        if theirs != mine:
+            ours, other = next(((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b))
+            raise ValueError(
+                f"the {what} parameters differ across the ranks {ranks}: rank {dist.get_rank()} has "
+                f"{ours[0] + ' ' + str(ours[1]) if ours else 'nothing more'} where rank {rank} has "
+                f"{other[0] + ' ' + str(other[1]) if other else 'nothing more'}; {hint}"
+            )
+
+
+def check_placement(named: list[tuple[str, torch.Tensor]], experts: frozenset[int], group: dist.ProcessGroup,
+                    expert_group: dist.ProcessGroup | None) -> None:
+    """The dense parameters are replicas over the DP group, the experts over the EDP group (see :func:`check_replicas`)."""
+    check_replicas([(n, p) for n, p in named if id(p) not in experts], group, "data-parallel",
+                   "parameters that differ by rank, such as the experts of expert parallelism, go in "
+                   "expert_parameters, with expert_data_parallel")
+    if expert_group is not None:
+        check_replicas([(n, p) for n, p in named if id(p) in experts], expert_group, "expert-data-parallel",
+                       "each rank of expert_data_parallel must hold the same experts")

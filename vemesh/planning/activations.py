@@ -1,0 +1,206 @@
+"""Activations and in-model traffic of one micro-batch, traced on fake tensors: the planner's dynamic half.
+
+:func:`trace_stage` builds the GPT example's model with a few blocks under torch's ``FakeTensorMode``
+(no memory, no compute, so the 70B width costs what 2 blocks of it cost), applies the example's own
+tensor parallelism (``tp_plan.apply_tp``) and context parallelism (``cp.apply_cp``) on torch's
+fake backend, and runs one micro-batch forward and backward inside torch's ``MemTracker`` and
+:class:`~vemesh.measure.CollectiveBytes`. It reports what the planner scales by the number of
+blocks and the schedule's micro-batches in flight:
+
+* ``retained``: the bytes held when the forward has ended (what backward needs, the output, the loss);
+* ``peak``: the highest bytes of the forward and backward, parameters and gradients left out (the
+  planner counts those once, as the wrappers hold them);
+* ``sent``: the bytes of the TP and CP collectives, by mesh name.
+
+A trace of 1 and of 2 blocks gives the per-block figures by difference (blocks are identical). The
+trace needs no process group of the caller's: it makes a fake world of TP x CP ranks and destroys it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+__all__ = ["ROLES", "Trace", "trace_stage"]
+
+#: What a pipeline stage holds besides its blocks: ``whole`` (no PP), ``first``, ``middle``, ``last``.
+ROLES = ("whole", "first", "middle", "last")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One micro-batch through a stage (see the module docstring)."""
+
+    retained: int
+    peak: int
+    sent: tuple[tuple[str, int], ...]
+
+    def __sub__(self, other: Trace) -> Trace:
+        mine, theirs = dict(self.sent), dict(other.sent)
+        return Trace(self.retained - other.retained, self.peak - other.peak,
+                     tuple((k, mine.get(k, 0) - theirs.get(k, 0)) for k in sorted(set(mine) | set(theirs))))
+
+
+@contextmanager
+def _fake_world(tp: int, cp: int, ep: int = 1) -> Iterator[object | None]:
+    """A fake world of EP x CP x TP ranks (rank 0) with its vemesh mesh, or None when all are 1.
+
+    (In a run EP folds over the DP x CP ranks; a trace needs only a group of its size.)
+    """
+    if tp == 1 and cp == 1 and ep == 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise RuntimeError("the planner traces TP and CP on torch's fake backend, in a world of its own; "
+                           "call it before init_process_group (or in another process)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.mesh.manager import VeDeviceMesh
+
+    dist.init_process_group("fake", rank=0, world_size=ep * tp * cp, store=FakeStore())
+    try:
+        mesh = VeDeviceMesh()
+        dims = [(n, s) for n, s in (("EP", ep), ("CP", cp), ("TP", tp)) if s > 1]
+        mesh.init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        yield mesh
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, micro_batch: int, tp: int = 1,
+                cp: int = 1, sequence_parallel: bool = False, dtype: str = "fp32", checkpointing: bool = False,
+                ep: int = 1) -> Trace:
+    """One micro-batch of ``micro_batch`` sequences through a stage of ``blocks`` blocks.
+
+    ``config`` is the GPTConfig fields as sorted pairs (hashable, for the cache); ``role`` one of
+    :data:`ROLES`; the sequence is ``block_size // cp`` tokens on this rank; ``checkpointing`` recomputes
+    each block in backward, as the example's ``--activation-checkpointing``. Up to 2 blocks are traced
+    as they are. More are the role's 2-block trace plus, per extra block, the difference between a
+    2- and a 1-block middle stage: the blocks are identical, and each extra block's saved activations
+    are held through the backward of the last two, where the peak of the 2-block stage is.
+    """
+    args = (micro_batch, tp, cp, sequence_parallel, dtype, checkpointing, ep)
+    if blocks <= 2:
+        return _trace(config, blocks, role, *args)
+    two = _trace(config, 2, role, *args)
+    per_block = _trace(config, 2, "middle", *args) - _trace(config, 1, "middle", *args)
+    extra = blocks - 2
+    sent = dict(two.sent)
+    return Trace(two.retained + extra * per_block.retained, two.peak + extra * per_block.retained,
+                 tuple((k, sent.get(k, 0) + extra * v) for k, v in per_block.sent))
+
+
+@functools.lru_cache(maxsize=256)
+def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_batch: int, tp: int, cp: int,
+           sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1) -> Trace:
+    from vemesh.planning.estimate import _example_module
+    from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
+
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
+    model_module = _example_module("model")
+    cfg = model_module.GPTConfig(**dict(config, n_layer=blocks, dropout=0.0))
+    width = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    tokens = cfg.block_size // cp
+    with _fake_world(tp, cp, ep) as mesh, FakeTensorMode(), _balanced_routing():
+        model = _build(model_module, cfg, width)
+        model.checkpoint_blocks = checkpointing  # the example's --activation-checkpointing
+        if role in ("middle", "last"):
+            model.wte = model.wpe = None
+        if role in ("first", "middle"):
+            model.ln_f = model.lm_head = None
+        if ep > 1:
+            model = _example_module("ep").apply_ep(model, mesh["EP"])
+        for moe in model.moe_layers():  # the routing of fake tokens is unknown: every expert gets an equal share
+            moe.dispatch = functools.partial(_balanced_dispatch, group=mesh.get_group("EP") if ep > 1 else None)
+        if tp > 1:
+            model = _example_module("tp_plan").apply_tp(model, mesh["TP"], sequence_parallel=sequence_parallel)
+        if cp > 1:
+            model = _example_module("cp").apply_cp(model, mesh["CP"], cfg.block_size, False)
+        tracker, counter = _Tracker(module_hooks=False), CollectiveBytes()  # no per-module statistics: faster
+        tracker.track_weights(model)
+        with tracker, counter:
+            counter.counting = True
+            if role in ("whole", "first"):
+                x = torch.randint(0, cfg.vocab_size, (micro_batch, tokens))
+            else:
+                x = torch.zeros(micro_batch, tokens // (tp if sequence_parallel else 1), cfg.n_embd, dtype=width,
+                                requires_grad=True)  # what the stage before sends (sequence-sharded under SP)
+            out = model(x)
+            if role in ("whole", "last"):
+                targets = torch.randint(0, cfg.vocab_size, (micro_batch, tokens))
+                out = F.cross_entropy(out.float().view(-1, out.size(-1)), targets.view(-1))  # as the example's loss_fn
+                grad = None
+            else:
+                grad = torch.zeros_like(out)  # the gradient a later stage sends back
+            retained = _total(tracker.get_tracker_snapshot("current"), "Parameter")
+            out.backward(grad)
+            peak = tracker.peak_besides_weights
+        sent = by_mesh_name(counter.bytes, mesh) if mesh is not None else {}
+    return Trace(retained, peak, tuple(sorted(sent.items())))
+
+
+@contextmanager
+def _balanced_routing() -> Iterator[None]:
+    """``torch.bincount`` as a MoE calls it (slots per expert), answered for fake tokens: an equal share each.
+
+    A fake tensor has no values, so the router's choices are unknown; the planner assumes the balance
+    that the load-balancing loss aims at. Only ``bincount`` with ``minlength`` (the MoE's call) is answered.
+    """
+    real = torch.bincount
+
+    def balanced(slots: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+        if not minlength or weights is not None:
+            return real(slots, weights, minlength)
+        return torch.full((minlength,), slots.numel() // minlength, dtype=torch.long, device=slots.device)
+
+    torch.bincount = balanced  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.bincount = real  # type: ignore[assignment]
+
+
+def _balanced_dispatch(tokens: torch.Tensor, counts: torch.Tensor, experts: torch.nn.Module,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The MoE's dispatch with every expert given an equal share of the slots (``tokens`` grouped by expert).
+
+    With an EP group, each rank's share goes to it and comes back through torch's autograd-aware
+    all-to-all, with the sizes the example's ``ExpertParallelDispatch`` sends when the routing is balanced.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    if group is not None:
+        n = dist.get_world_size(group)
+        split = [tokens.size(0) // n] * n
+        tokens = funcol.wait_tensor(funcol.all_to_all_single_autograd(tokens.contiguous(), split, split, group))
+    runs = tokens.chunk(len(experts))
+    out = torch.cat([expert(run) for expert, run in zip(experts.values(), runs)])  # type: ignore[operator]
+    if group is not None:
+        out = funcol.wait_tensor(funcol.all_to_all_single_autograd(out.contiguous(), split, split, group))
+    return out
+
+
+def _build(model_module: object, cfg: object, dtype: torch.dtype) -> torch.nn.Module:
+    """The model made in ``dtype`` (fake parameters cannot be converted in place afterwards)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return model_module.GPT(cfg)  # type: ignore[attr-defined]
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _total(snapshot: dict, *minus: str) -> int:
+    total = 0
+    for categories in snapshot.values():
+        named = {str(getattr(k, "value", k)): v for k, v in categories.items()}
+        total += named["Total"] - sum(named.get(m, 0) for m in minus)
+    return total

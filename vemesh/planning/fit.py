@@ -1,0 +1,304 @@
+"""Will it fit? Each rank class's peak memory and each dim's bytes per step, for a mesh or for every mesh.
+
+:func:`predict` answers for one mesh (degrees PP, DP, CP, TP, EP), :func:`search` for every mesh of a
+world size, ranked. The figures come from three places, each checked against a real run of the GPT
+example (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim/test_fit.py``):
+
+* **parameters, gradients, optimizer state, fp32 masters**: :func:`vemesh.estimate.rank_static`, the
+  real model on the meta device read with the wrappers' rules (equal to the byte to what vemesh DDP,
+  ZeRO-1 and FSDP2 allocate);
+* **activations and the TP/CP bytes**: :func:`vemesh.activations.trace_stage`, one micro-batch through
+  the rank's stage on fake tensors under MemTracker, times the micro-batches the schedule keeps in
+  flight: 1 without PP, all of them for GPipe, ``PP - rank`` for 1F1B, and torch's own warmup count
+  plus one (chunks of a stage) for interleaved 1F1B;
+* **buffers**: FSDP2's gathered root and two blocks; torch's pipeline stages' receive buffers, one per
+  micro-batch and direction (activations in, gradients back);
+* **the DP and PP bytes**: counted from the wrappers' collectives: DDP all-reduces its fp32 gradient
+  buffer once a step; ZeRO-1 also gathers the parameter buffer (dtype, padded to DP); FSDP2
+  all-gathers each unit in the compute dtype for forward (and again for backward, but the root),
+  and reduce-scatters fp32 gradients at the last pass; a PP stage sends each micro-batch's
+  activations forward and its input gradient back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from vemesh.planning.estimate import Model, RankMemory, _example_module, _fsdp_local, _local, check_degrees, load_model, rank_static, \
+    stage_keys
+
+__all__ = ["MODELED_SCHEDULES", "Job", "MeshFit", "RankClass", "predict", "search"]
+
+#: The pipeline schedules whose in-flight micro-batches the planner models.
+MODELED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained, and how, apart from the mesh."""
+
+    model: str  #: ``--model``: ``gpt:...`` or ``module:pkg.mod:factory``
+    global_batch_size: int
+    dtype: str = "fp32"
+    dp_mode: str = "zero1"  #: ddp (vemesh DDP + AdamW), zero1 (+ DistributedOptimizer) or fsdp (FSDP2)
+    micro_batch_size: int | None = None  #: sequences per forward on a DP rank (default: PP's 2 x PP micro-batches)
+    pp_schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False  #: each block recomputed in backward (the example's flag)
+
+
+@dataclass(frozen=True)
+class RankClass:
+    """The prediction for the ranks of one class (one PP rank; every rank without PP)."""
+
+    name: str
+    static: RankMemory
+    activations: int  #: in-flight activations and the largest temporaries of a step
+    extra: int  #: buffers: FSDP2's unsharded units in use; a pipeline stage's receive buffers
+    sent: dict[str, int]  #: bytes per step by mesh name
+
+    @property
+    def peak(self) -> int:
+        return self.static.total + self.activations + self.extra
+
+
+@dataclass(frozen=True)
+class MeshFit:
+    """One mesh's prediction and, for a search, whether it fits and what it costs."""
+
+    degrees: dict[str, int]
+    classes: list[RankClass]
+    micro_batches: int
+    micro_batch_size: int
+    reason: str | None = None  #: why it does not fit (None: it fits, or no device memory was given)
+    slow_bytes: int = 0  #: bytes per step over links between hosts, the worst rank's
+    slow_dims: tuple[str, ...] = field(default=())
+    traced: bool = True  #: False for a module factory: static memory only, no activations
+    notes: tuple[str, ...] = ()  #: assumptions the figures rest on, printed with them
+
+    @property
+    def peak(self) -> int:
+        return max(c.peak for c in self.classes)
+
+    def shape(self) -> str:
+        return " x ".join(f"{n}={d}" for n, d in self.degrees.items() if d > 1 or n == "DP")
+
+
+def _role(stage: int, n_stages: int) -> str:
+    if n_stages == 1:
+        return "whole"
+    return "first" if stage == 0 else "last" if stage == n_stages - 1 else "middle"
+
+
+def _in_flight(schedule: str, pp: int, rank: int, m: int, local_stages: int) -> int:
+    """Micro-batch chunks whose activations a PP rank holds at once (torch's schedules)."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, pp - rank)
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    rounds = max(1, m // pp)
+    return min(m * local_stages, _get_warmup_ops(rank, local_stages, m // rounds, pp, m) + 1)
+
+
+def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> MeshFit:
+    """The prediction per rank class for the mesh ``(PP, DP, CP, TP)`` (EP folded over DP x CP).
+
+    Raises ``ValueError`` (one line, naming the value) for what the job or the mesh cannot be.
+    """
+    model = load_model(job.model)
+    check_degrees(model, dp=dp * cp, tp=tp, pp=pp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
+    cfg = dict(model.config)
+    if model.kind != "gpt":
+        return _static_only(model, job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    if cfg.get("moe_experts"):  # as the example: MoE on DP/TP/CP meshes, DDP or ZeRO-1; every block a MoE
+        for bad, why in ((pp > 1, "a PP dim"), (job.dp_mode == "fsdp", "--dp-mode fsdp"),
+                         (cfg.get("moe_every", 1) > 1, "moe_every > 1 (blocks of two kinds)")):
+            if bad:
+                raise ValueError(f"MoE with {why} is not modeled yet; plan it with dp-mode ddp or zero1, no PP, "
+                                 "moe_every=1")
+    if job.pp_schedule not in MODELED_SCHEDULES:
+        raise ValueError(f"--pp-schedule {job.pp_schedule!r} is not modeled; choose {', '.join(MODELED_SCHEDULES)}")
+    pipeline = _example_module("pipeline")
+    local_stages = pipeline.stages_per_rank(job.pp_schedule) if pp > 1 else 1
+    n_stages = pp * local_stages
+    if n_stages > model.n_layer:
+        raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; the model has {model.n_layer}")
+    if cfg["n_head"] % tp:
+        raise ValueError(f"TP {tp} does not divide the {cfg['n_head']} heads")
+    if cfg["block_size"] % cp or (job.sequence_parallel and (cfg["block_size"] // cp) % tp):
+        raise ValueError(f"CP {cp}{' x TP ' + str(tp) if job.sequence_parallel else ''} does not divide seq_len "
+                         f"{cfg['block_size']}")
+    if job.global_batch_size % dp:
+        raise ValueError(f"DP {dp} does not divide the global batch of {job.global_batch_size} sequences")
+    per_dp = job.global_batch_size // dp
+    mbs = job.micro_batch_size or (per_dp // (2 * pp) if pp > 1 and per_dp % (2 * pp) == 0 else per_dp)
+    if per_dp % mbs:
+        raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
+    passes = per_dp // mbs
+    grad_dim = "dp_cp" if cp > 1 and dp > 1 else "CP" if cp > 1 else "DP"  # DP 1: dp_cp's group is CP's
+    width = 2 if job.dtype == "bf16" else 4
+    layers = pipeline.split_layers(model.n_layer, n_stages)
+    keys = stage_keys(model, n_stages)
+    classes = []
+    for rank in range(pp):
+        stages = pipeline.stage_indices(rank, pp, job.pp_schedule) if pp > 1 else [0]
+        mine = set().union(*(keys[s] for s in stages))
+        name = f"PP rank {rank}" if pp > 1 else "every rank"
+        static = rank_static(model, mine, name, dp=dp * cp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
+        traces = [_stage_trace(model, len(layers[s]), _role(s, n_stages), mbs, tp, cp, job, ep) for s in stages]
+        flight = _in_flight(job.pp_schedule, pp, rank, passes, len(stages))
+        retained = sum(t.retained for t in traces) / len(traces)
+        activations = int((flight - 1) * retained) + max(t.peak for t in traces)
+        sent: dict[str, int] = {}
+        for t in traces:
+            for dim, b in t.sent:
+                sent[dim] = sent.get(dim, 0) + b * passes
+        hidden = mbs * (cfg["block_size"] // cp) // (tp if job.sequence_parallel else 1) * cfg["n_embd"] * width
+        transfers = sum((s < n_stages - 1) + (s > 0) for s in stages) if pp > 1 else 0
+        if transfers:  # each micro-batch's activations forward and its input gradient back
+            sent["PP"] = hidden * passes * transfers
+        dp_bytes, extra = _dp_traffic(model, mine, job, dp * cp, tp, passes, ep)
+        extra += hidden * passes * transfers  # torch's stages keep a receive buffer per micro-batch and direction
+        for dim, b in (("EDP", dp_bytes[1]), (grad_dim, dp_bytes[0])):
+            if b:
+                sent[dim] = sent.get(dim, 0) + b
+        classes.append(RankClass(name, static, activations, extra, _by_group(sent, pp, dp, cp, tp, ep)))
+    notes = ("MoE: balanced routing assumed (each expert gets top_k x tokens / experts slots); a skewed router "
+             "holds more on its busiest rank (the example's took up to 1.5x its share in its first steps)",) \
+        if cfg.get("moe_experts") else ()
+    return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs, notes=notes)
+
+
+def _by_group(sent: dict[str, int], pp: int, dp: int, cp: int, tp: int, ep: int) -> dict[str, int]:
+    """Bytes per dim, a dim whose group is the whole world named as the first such dim (mesh dims first).
+
+    torch gives a group of every rank the default group, so a run counts it under the first name that has it.
+    """
+    sizes = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "dp_cp": dp * cp, "EDP": dp * cp // ep, "EP": ep}
+    world = pp * dp * cp * tp
+    first = next((d for d, n in sizes.items() if n == world), None)
+    out: dict[str, int] = {}
+    for dim, b in sent.items():
+        key = first if first is not None and sizes.get(dim) == world else dim
+        out[key] = out.get(key, 0) + b
+    return dict(sorted(out.items()))
+
+
+def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshFit:
+    """A module factory: its static memory and DP bytes; no forward to trace, so no activations."""
+    if pp > 1 or cp > 1:
+        raise ValueError("PP and CP need the GPT example's stage cut and attention (--model gpt:...); a module factory "
+                         "is planned on DP only")
+    keys = stage_keys(model, 1)[0]
+    static = rank_static(model, keys, "every rank", dp=dp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
+    (dp_bytes, _), extra = _dp_traffic(model, keys, job, dp, tp, 1)
+    return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
+                   [RankClass("every rank", static, 0, extra, {"DP": dp_bytes} if dp_bytes else {})],
+                   1, job.global_batch_size // dp, traced=False)
+
+
+def _stage_trace(model: Model, blocks: int, role: str, mbs: int, tp: int, cp: int, job: Job, ep: int = 1) -> Any:
+    from vemesh.planning.activations import trace_stage
+
+    return trace_stage(model.config, blocks=blocks, role=role, micro_batch=mbs, tp=tp, cp=cp,
+                       sequence_parallel=job.sequence_parallel and tp > 1, dtype=job.dtype,
+                       checkpointing=job.activation_checkpointing, ep=ep)
+
+
+def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes: int,
+                ep: int = 1) -> tuple[tuple[int, int], int]:
+    """((bytes per step over the gradient dim, over EDP), FSDP2's unsharded bytes in use) of a rank holding ``keys``.
+
+    With EP the experts' gradients average over EDP (the ranks holding the same experts), the rest over DP.
+    """
+    width = 2 if job.dtype == "bf16" else 4
+    experts = model.experts
+    mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
+    if job.dp_mode != "fsdp":
+        def per_step(params: list[Any], over: int) -> int:
+            n = sum(_local(p.shape, p.tp_dim, tp) for p in params)
+            gather = width * -(-n // over) * over if job.dp_mode == "zero1" else 0
+            return 4 * n + gather if over > 1 and n else 0
+        dense = [p for p in mine if p.expert is None or ep == 1]
+        expert = [p for p in mine if p.expert is not None and ep > 1]
+        return (per_step(dense, dp), per_step(expert, dp // ep)), 0
+    units: dict[str, int] = {}  # FSDP2 unit (each block, and the root) -> elements of its padded full TP shards
+    for p in mine:
+        unit = p.stage_key if p.stage_key.startswith("block:") else "root"
+        units[unit] = units.get(unit, 0) + _fsdp_local([p], dp, tp) * dp
+    blocks = [v for k, v in units.items() if k != "root"]
+    root = units.get("root", 0)
+    gathered = width * (root + 2 * sum(blocks))  # forward: every unit; backward: the blocks again (the root stays)
+    reduced = 4 * (root + sum(blocks))
+    biggest = max(blocks, default=0)
+    extra = width * (root + 2 * biggest)  # the root stays gathered; a block and the next one (prefetch)
+    return ((gathered * passes + reduced) if dp > 1 else 0, 0), extra if dp > 1 else 0
+
+
+def _crosses_hosts(stride: int, size: int, devices_per_host: int) -> bool:
+    """Whether a group of ``size`` ranks ``stride`` apart (mesh order PP, DP, CP, TP) spans hosts."""
+    return size > 1 and (stride * size > devices_per_host or devices_per_host % (stride * size) != 0)
+
+
+def search(job: Job, world_size: int, *, device_memory: int | None = None, devices_per_host: int | None = None,
+           cp: int = 1, ep: int = 1, rank_by: str | None = None) -> tuple[list[MeshFit], list[MeshFit]]:
+    """Every ``(PP, DP, CP, TP)`` mesh of ``world_size`` ranks (CP and EP as given): ``(fitting, rejected)``.
+
+    The fitting ones are ranked by ``rank_by``: ``"inter-host"`` (the default with ``devices_per_host``:
+    the fewest bytes a rank sends per step over links between hosts, then the lowest peak) or
+    ``"peak"`` (the lowest peak). A mesh is rejected, with its reason, when its peak is over
+    ``device_memory`` or when the job cannot run on it (TP that does not divide the heads, ...).
+    """
+    rank_by = rank_by or ("inter-host" if devices_per_host else "peak")
+    if rank_by not in ("inter-host", "peak"):
+        raise ValueError(f"rank_by must be inter-host or peak; got {rank_by!r}")
+    if rank_by == "inter-host" and not devices_per_host:
+        raise ValueError("ranking by inter-host bytes needs --devices-per-host")
+    model = load_model(job.model)
+    if model.kind != "gpt":
+        raise ValueError("searching needs the activations, which the planner traces through the GPT example's model "
+                         "(--model gpt:...); for a module factory give a shape (--dp N) to see its static memory")
+    fits, rejected = [], []
+    for pp in _divisors(world_size):
+        for tp in _divisors(world_size // pp):
+            if (world_size // pp // tp) % cp:
+                continue
+            dp = world_size // pp // tp // cp
+            degrees = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}
+            if tp > dict(model.config).get("n_head", 1) or pp > model.n_layer:
+                continue  # not even a candidate: more TP ranks than heads, more stages than blocks
+            try:
+                fit = predict(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+            except ValueError as e:
+                rejected.append(MeshFit(degrees, [], 0, 0, reason=str(e)))
+                continue
+            if devices_per_host:
+                strides = {"TP": 1, "CP": tp, "DP": tp * cp, "dp_cp": tp, "PP": tp * cp * dp}
+                sizes = {"TP": tp, "CP": cp, "DP": dp, "dp_cp": dp * cp, "PP": pp}
+                used = {d for c in fit.classes for d in c.sent}
+                slow = tuple(d for d in sizes if d in used and _crosses_hosts(strides[d], sizes[d], devices_per_host))
+                fit = replace(fit, slow_dims=slow,
+                              slow_bytes=max(sum(b for d, b in c.sent.items() if d in slow) for c in fit.classes))
+            if device_memory is not None and fit.peak > device_memory:
+                fit = replace(fit, reason=f"peak {_gib(fit.peak)} > device memory {_gib(device_memory)}")
+                rejected.append(fit)
+            else:
+                fits.append(fit)
+    key = (lambda f: (f.slow_bytes, f.peak)) if rank_by == "inter-host" else (lambda f: (f.peak, f.slow_bytes))
+    fits.sort(key=key)
+    rejected.sort(key=lambda f: (f.peak if f.classes else math.inf))
+    return fits, rejected
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

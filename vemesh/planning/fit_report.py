@@ -1,0 +1,162 @@
+"""What ``vemesh plan --model`` prints: the tables of :mod:`vemesh.fit` as text, and as JSON."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported only when a model is planned: `vemesh show` starts fast
+    from vemesh.planning.fit import Job, MeshFit
+
+__all__ = ["HOW", "add_job_arguments", "fit_document", "job_from_args", "refuse_job_flags", "render_fit",
+           "render_search", "search_document"]
+
+#: How each figure is obtained, printed under the tables and put in the JSON.
+HOW = {
+    "params, grads, optimizer, masters": "the real model on the meta device, sharded by the example's TP plan and "
+    "PP cut, with the wrappers' rules (equal to the byte to what vemesh DDP, ZeRO-1 and FSDP2 allocate)",
+    "activations": "one micro-batch through the rank's stage on fake tensors under torch's MemTracker "
+    "(3 blocks traced, the rest by difference), times the micro-batches the schedule keeps in flight",
+    "buffers": "FSDP2's all-gathered root, and a block and the next one; a pipeline stage's receive buffers, "
+    "one per micro-batch and direction (as torch.distributed.pipelining allocates them)",
+    "bytes": "TP and CP: the collectives of the traced micro-batch, per micro-batch; DP: the wrappers' "
+    "collectives (all-reduce of the fp32 gradient buffer, ZeRO-1's parameter gather, FSDP2's all-gathers "
+    "and reduce-scatters); PP: each micro-batch's activations forward and gradients back. The size of "
+    "each collective's tensor, as nccl-tests counts it",
+}
+
+
+def _unit(n: float) -> tuple[float, str]:
+    return (2**30, "GiB") if n >= 2**30 else (2**20, "MiB")
+
+
+def _class_row(c: Any) -> dict[str, Any]:
+    s = c.static
+    return {"name": c.name, "params": s.params, "grads": s.grads, "optimizer": s.optimizer, "masters": s.masters,
+            "activations": c.activations, "buffers": c.extra, "peak": c.peak, "bytes_per_step": c.sent}
+
+
+def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
+    """The JSON of one mesh's prediction."""
+    return {"model": job.model, "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
+            "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
+            "dp_mode": job.dp_mode, "activation_checkpointing": job.activation_checkpointing, "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
+            "peak": fit.peak, "activations_traced": fit.traced, "notes": list(fit.notes), "classes": [_class_row(c) for c in fit.classes],
+            "how": HOW}
+
+
+def search_document(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,
+                    rank_by: str, fits: list[MeshFit], rejected: list[MeshFit]) -> dict[str, Any]:
+    """The JSON of a search: the meshes that fit, best first, and the rejected ones with their reasons."""
+    return {"model": job.model, "world_size": world_size, "device_memory": device_memory,
+            "devices_per_host": devices_per_host, "ranked_by": rank_by,
+            "fits": [{"degrees": f.degrees, "peak": f.peak, "inter_host_bytes_per_step": f.slow_bytes,
+                      "inter_host_dims": list(f.slow_dims), "micro_batch_size": f.micro_batch_size,
+                      "classes": [_class_row(c) for c in f.classes]} for f in fits],
+            "rejected": [{"degrees": f.degrees, "reason": f.reason} for f in rejected], "how": HOW}
+
+
+def render_fit(job: Job, fit: MeshFit) -> str:
+    """One mesh's tables: memory per rank class, bytes per dim per step."""
+    div, unit = _unit(fit.peak)
+    d = fit.degrees
+    per_dp = job.global_batch_size // d["DP"]
+    batch = f"; global batch {job.global_batch_size}, {per_dp} sequences per DP rank in {fit.micro_batches} " \
+        f"micro-batch{'es' if fit.micro_batches > 1 else ''} of {fit.micro_batch_size}" if fit.traced else ""
+    lines = [f"job: {job.model}, {job.dtype}, {job.dp_mode}" + (", activation checkpointing"
+             if job.activation_checkpointing else "") + batch + (f", {job.pp_schedule}" if d["PP"] > 1 else ""),
+             f"memory per rank ({unit}):" if fit.traced else f"static memory per rank ({unit}); a module factory has "
+             "no forward the planner can trace, so activations are NOT included (use --model gpt:... for them):"]
+    buffers = any(c.extra for c in fit.classes)
+    head = ["params", "grads", "optimizer", "masters", "activations"] + (["buffers"] if buffers else []) \
+        + ["peak" if fit.traced else "static"]
+    width = max(12, *(len(c.name) + 2 for c in fit.classes))
+    lines.append(f"  {'':{width}}" + "".join(f"{h:>12}" for h in head))
+    for c in fit.classes:
+        s = c.static
+        values = [s.params, s.grads, s.optimizer, s.masters, c.activations] \
+            + ([c.extra] if buffers else []) + [c.peak]
+        cells = [f"{v / div:12.2f}" for v in values]
+        if not fit.traced:
+            cells[4] = f"{'-':>12}"
+        lines.append(f"  {c.name:{width}}" + "".join(cells))
+    dims = sorted({k for c in fit.classes for k in c.sent})
+    if dims:
+        sdiv, sunit = _unit(max(max(c.sent.values(), default=0) for c in fit.classes))
+        lines.append(f"bytes each rank's collectives move per step, by mesh dim ({sunit}):")
+        lines.append(f"  {'':{width}}" + "".join(f"{k:>12}" for k in dims))
+        for c in fit.classes:
+            lines.append(f"  {c.name:{width}}" + "".join(f"{c.sent.get(k, 0) / sdiv:12.2f}" for k in dims))
+    else:
+        lines.append("no collectives: a single rank")
+    lines.extend(f"note: {n}" for n in fit.notes)
+    return "\n".join(lines)
+
+
+def render_search(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,
+                  rank_by: str, fits: list[MeshFit], rejected: list[MeshFit], top: int = 10) -> str:
+    """The meshes that fit, ranked, and why the others do not."""
+    cost = "the fewest bytes a rank sends per step between hosts, then the lowest peak" if rank_by == "inter-host" \
+        else "the lowest peak per rank"
+    memory = f", {device_memory / 2**30:.1f} GiB per device" if device_memory else ""
+    hosts = f", {devices_per_host} devices per host" if devices_per_host else ""
+    lines = [f"plan: {job.model}", f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
+             f"{job.dtype}, {job.dp_mode}; ranked by {cost}",
+             f"{len(fits) + len(rejected)} meshes considered (PP x DP x CP x TP = {world_size}, TP up to the heads, PP "
+             f"up to the blocks); {len(fits)} fit" + (f"; the best {min(top, len(fits))}:" if fits else "")]
+    if fits:
+        lines.append(f"  {'#':>3}  {'mesh':28} {'peak':>10}  {'between hosts':>15}  dims between hosts")
+    for i, f in enumerate(fits[:top], 1):
+        lines.append(f"  {i:>3}  {f.shape():28} {f.peak / 2**30:7.1f}GiB  {f.slow_bytes / 2**30:11.2f}GiB  "
+                     f"{', '.join(f.slow_dims) or '-'}")
+    if rejected:
+        lines.append(f"{len(rejected)} meshes rejected:")
+        lines.extend(f"  {f.shape():28} {f.reason}" for f in rejected)
+    return "\n".join(lines)
+
+
+def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], int]) -> None:
+    """The ``vemesh plan`` flags that describe a job (``--model`` and what goes with it)."""
+    job = plan.add_argument_group(
+        "will it fit? (with --model: memory per rank and bytes per dim; with --device-memory and no --pp/--tp/--dp: "
+        "every mesh of the world size that fits, ranked)")
+    job.add_argument("--model", metavar="SPEC", help="gpt:n_layer=N,n_embd=N,n_head=N[,vocab=N,seq_len=N] (the GPT "
+                     "example) or module:package.module:factory (static memory only)")
+    job.add_argument("--global-batch-size", type=positive, metavar="N", help="sequences per step (default: 32)")
+    job.add_argument("--dtype", choices=("fp32", "bf16"), help="parameter and compute dtype (default: fp32)")
+    job.add_argument("--optimizer", choices=("adamw",), default="adamw", help="the optimizer (AdamW's two moments)")
+    job.add_argument("--dp-mode", choices=("ddp", "zero1", "fsdp"),
+                     help="vemesh DDP + AdamW, + the ZeRO-1 DistributedOptimizer, or torch's FSDP2 (default: zero1)")
+    job.add_argument("--micro-batch-size", type=positive, metavar="N",
+                     help="sequences per forward on a DP rank (default: the whole share, or 2 x PP micro-batches with "
+                     "PP; 1 when searching)")
+    job.add_argument("--pp-schedule", metavar="NAME", help="gpipe, 1f1b or interleaved-1f1b (default: 1f1b)")
+    job.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
+    job.add_argument("--activation-checkpointing", action="store_true",
+                     help="recompute each block in backward, keeping only its input")
+    job.add_argument("--device-memory", metavar="SIZE", help="memory per device, with a unit: 80GiB, 24GB")
+    job.add_argument("--rank-by", choices=("inter-host", "peak"),
+                     help="search order (default: inter-host with --devices-per-host, else peak)")
+
+
+def job_from_args(args: argparse.Namespace) -> Job:
+    """The :class:`~vemesh.fit.Job` of the flags; ``args.device_memory`` becomes bytes. ``ValueError`` names a bad value."""
+    from vemesh.planning.estimate import parse_size
+    from vemesh.planning.fit import Job
+
+    if args.device_memory is not None and not isinstance(args.device_memory, int):
+        args.device_memory = parse_size(args.device_memory, "--device-memory")
+    return Job(args.model, args.global_batch_size or 32, dtype=args.dtype or "fp32", dp_mode=args.dp_mode or "zero1",
+               micro_batch_size=args.micro_batch_size, pp_schedule=args.pp_schedule or "1f1b",
+               sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing)
+
+
+def refuse_job_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` for a job flag given without ``--model`` (it would be ignored)."""
+    given = [f for f in ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size", "pp_schedule",
+                         "rank_by") if getattr(args, f) is not None]
+    given += [f for f in ("sequence_parallel", "activation_checkpointing") if getattr(args, f)]
+    if given:
+        raise ValueError(f"argument --{given[0].replace('_', '-')}: describes a job; give the model too (--model "
+                         "gpt:n_layer=...,... or --model module:package.module:factory)")
