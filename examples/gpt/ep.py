@@ -96,21 +96,6 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
             for p in m.experts.parameters()]
 
 
-def fold_experts(mesh, grad_dim: str, ep: int) -> None:
-    """Split the data-parallel ranks ``grad_dim`` (DP, or DP x CP) into ``(EDP, EP)``: a second factorization.
-
-    A mesh dim is first flattened under its own name (``dp_ep``), so that the dense dims keep their
-    factorization and the experts get another one of the same ranks (Megatron's MoE parallel folding;
-    the calls ``vemesh plan --ep`` prints). EP is the inner part: ranks next to each other in DP share
-    an EP group, as in Megatron's expert groups.
-    """
-    if mesh.layout.named(grad_dim).is_atom:
-        mesh.flatten((grad_dim,), "dp_ep")
-        grad_dim = "dp_ep"
-    size = mesh.get_strategy_size(grad_dim)
-    mesh.split(grad_dim, ("EDP", "EP"), (size // ep, ep))
-
-
 def layout_line(mesh, n_experts: int) -> str:
     """This rank's place in the expert layout, for the start-up log."""
     ep = mesh.get_strategy_size("EP")

@@ -84,13 +84,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from config import ConfigError, TrainConfig
 from cp import apply_cp, shard_batch, without_cp
-from ep import apply_ep, expert_parameters, fold_experts, sum_counts, take_load
+from ep import apply_ep, expert_parameters, sum_counts, take_load
 from ep import layout_line as expert_layout_line
 from data import VOCAB_SIZE, ByteDataset, decode, encode
 from model import GPT, GPTConfig
 from pipeline import Pipeline, cut_stage, generate, layout_line, split_layers, stage_indices, stages_per_rank, to_rank0
 from stopping import StopRequest
 from vemesh import VESCALE_DEVICE_MESH, checkpoint
+from vemesh.parallel import ParallelDims
 from vemesh.ddp import DistributedDataParallel as DDP
 from vemesh.ft import ReplicaError
 from vemesh.optim import DistributedOptimizer, clip_grad_norm_
@@ -185,24 +186,20 @@ def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
 
-    # Every size and rank below comes from the mesh (which also resolves a -1 in --mesh-shape).
-    VESCALE_DEVICE_MESH.init_device_mesh(device_type, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names,
-                                         timeout=cfg.timeout_s)
-    mesh_shape = list(VESCALE_DEVICE_MESH.shape)  # as launched, for the log and the metrics
+    # The mesh and every dim derived from it (the HSDP split, dp_cp, the EDP x EP fold), by the library's one rule.
+    # Every size and rank below comes from the mesh.
+    dims = ParallelDims(cfg.world_size, pp=cfg.pp_size,
+                        dp_replicate=cfg.dp_replicate if cfg.fsdp else 1,
+                        dp_shard=cfg.dp_size // (cfg.dp_replicate if cfg.fsdp else 1), cp=cfg.cp_size, tp=cfg.tp_size,
+                        ep=cfg.ep, mesh_dims=cfg.mesh_dim_names)
+    dims.build(device_type, VESCALE_DEVICE_MESH, timeout=cfg.timeout_s)
+    mesh_shape = list(dims.mesh_shape)  # as launched, for the log and the metrics
     mesh_text = " x ".join(f"{n}={s}" for n, s in zip(VESCALE_DEVICE_MESH.mesh_dim_names, mesh_shape))
     dp_size = VESCALE_DEVICE_MESH.get_strategy_size("DP")  # each DP rank takes its rows of the global batch
     cp_size = VESCALE_DEVICE_MESH.get_strategy_size("CP")  # each CP rank takes its tokens of every row
-    if cfg.fsdp and cfg.dp_replicate > 1:  # HSDP: DP split in two; "DP" keeps answering as both
-        VESCALE_DEVICE_MESH.split("DP", ("dp_replicate", "dp_shard"), (cfg.dp_replicate, dp_size // cfg.dp_replicate))
     # Gradients and losses are averaged over every rank that holds a different part of the batch:
     # DP alone, or DP x CP flattened into one dim (torchtitan's dp_cp) when the sequence is split too.
-    grad_dim = "DP"
-    if cp_size > 1:
-        grad_dim = "dp_cp"
-        VESCALE_DEVICE_MESH.flatten(tuple(n for n in VESCALE_DEVICE_MESH.mesh_dim_names if n in ("DP", "CP")
-                                          or n in ("dp_replicate", "dp_shard")), grad_dim)
-    if cfg.ep > 1:  # MoE parallel folding: the DP (x CP) ranks split again, as (EDP, EP)
-        fold_experts(VESCALE_DEVICE_MESH, grad_dim, cfg.ep)
+    grad_dim = dims.grad_dim
     dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
     dp_group = VESCALE_DEVICE_MESH.get_group(grad_dim)
     cp_mesh = VESCALE_DEVICE_MESH["CP"] if cp_size > 1 else None
@@ -263,13 +260,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
                + f"; gradients averaged over {grad_dim} = DP x CP ({dp_size * cp_size} ranks)")
     raw_model = parts[0]  # for eval and generation without PP, without the DDP wrapper
     if cfg.fsdp:  # torch's FSDP2 on the DP (x CP) view, 2-D for HSDP: each block, then the rest
-        if cfg.dp_replicate > 1 and cp_size > 1:  # torchtitan's HSDP with CP: shards over dp_shard x CP
-            VESCALE_DEVICE_MESH.flatten(("dp_shard", "CP"), "dp_shard_cp")
-            shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard_cp"]
-        elif cfg.dp_replicate > 1:
-            shard_mesh = VESCALE_DEVICE_MESH["dp_replicate", "dp_shard"]
-        else:
-            shard_mesh = VESCALE_DEVICE_MESH[grad_dim]
+        shard_mesh = VESCALE_DEVICE_MESH[dims.fsdp_dims]  # HSDP: (dp_replicate, dp_shard[_cp]); else grad_dim
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         chunks = []
         for part in parts:  # with PP, each stage of this rank is sharded on its own (torchtitan's way)

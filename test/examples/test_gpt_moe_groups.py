@@ -12,9 +12,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from conftest import REPO
-from ep import experts_of, fold_experts
+from ep import experts_of
 
-from vemesh import VeDeviceMesh
+from vemesh import MeshLayout, VeDeviceMesh
+from vemesh.parallel import ParallelDims
 
 sys.path.insert(0, str(Path(REPO, "test", "parallel", "devicemesh_api")))
 from test_factorizations import megatron_groups  # noqa: E402  (the oracle, written out once)
@@ -51,13 +52,9 @@ def test_the_examples_expert_groups_are_megatrons_on_every_rank(fake_world, name
     n_experts = 2 * ep
     for rank in range(16):
         fake_world(rank, 16)
-        mesh = VeDeviceMesh()
-        mesh.init_device_mesh("cpu", shape, mesh_dim_names=names)
-        grad_dim = "DP"
-        if sizes.get("CP", 1) > 1:  # as train.py: gradients over DP x CP
-            grad_dim = "dp_cp"
-            mesh.flatten(tuple(n for n in names if n in ("DP", "CP")), grad_dim)
-        fold_experts(mesh, grad_dim, ep)
+        dims = ParallelDims.of(MeshLayout(shape, names), ep=ep)  # as train.py: the library's one rule
+        mesh = dims.build("cpu", VeDeviceMesh())
+        grad_dim = dims.grad_dim
         for name, groups in expected.items():
             mine = next(g for g in groups if rank in g)
             assert dist.get_process_group_ranks(mesh.get_group(name)) == mine, (rank, name)

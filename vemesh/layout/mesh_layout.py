@@ -174,10 +174,10 @@ class MeshLayout:
         ``absent_ok`` lets a standard strategy (``PP, DP, TP, CP, EP``) that this layout never had
         stand for the group of one. A name the layout has, flattened or split, always answers as
         itself. On ``(DP, CP, TP)`` with ``EP`` split out of ``DP x CP``: ``resolve(("EP", "TP"))`` is
-        ``("EP", "TP")``; ``("TP", "EP")`` raises ``ValueError`` (not in mesh order), and so does
-        ``("DP", "EP")`` (two factorizations).
+        ``("EP", "TP")``; ``("TP", "EP")`` raises ``ValueError`` (a view, like torch's, takes its dims in mesh
+        order), and so does ``("DP", "EP")`` (two factorizations). The group queries take any order.
         """
-        return self._group(dims, absent_ok)[0]
+        return self._group(dims, absent_ok, ordered=True)[0]
 
     def standard_name(self, standard: str) -> str:
         """The name this layout gives the standard strategy ``standard``: itself, or its one spelling in another case.
@@ -217,8 +217,10 @@ class MeshLayout:
             return (self.dim_names[self.dim_index(dim)],)
         raise TypeError(f"a dim is a name (str), an index (int) or a sequence of them; got {dim!r}")
 
-    def _group(self, dims: Dims, absent_ok: bool = False) -> tuple[tuple[str, ...], Group]:
-        key = (dims, absent_ok)
+    def _group(self, dims: Dims, absent_ok: bool = False, ordered: bool = False) -> tuple[tuple[str, ...], Group]:
+        """The names of ``dims`` and their :class:`Group`, members row-major over ``dims`` as given (Megatron's
+        ``_gen_rank_enum``: ``("TP", "CP")`` lists TP fastest); ``ordered`` also requires mesh order (views)."""
+        key = (dims, absent_ok, ordered)
         try:
             return self._groups[key]
         except TypeError:  # a list: resolved every time
@@ -230,7 +232,7 @@ class MeshLayout:
         elif isinstance(dims, Sequence):
             names = tuple(n for d in dims for n in self._one(d, absent_ok))
             if len(names) > 1:
-                self._check_sub_mesh(names, dims)
+                self._check_sub_mesh(names, dims, ordered)
         else:
             raise TypeError(f"a dim is a name (str), an index (int) or a sequence of them; got {dims!r}")
         axes = tuple(m for n in names for m in self._named[n].axes)
@@ -241,7 +243,7 @@ class MeshLayout:
             self._groups[key] = found
         return found
 
-    def _check_sub_mesh(self, names: tuple[str, ...], dims: Dims) -> None:
+    def _check_sub_mesh(self, names: tuple[str, ...], dims: Dims, ordered: bool) -> None:
         atoms = [a for n in names for a in self._named[n].parts]
         if len(set(atoms)) != len(atoms):
             raise ValueError(f"dims {tuple(dims)} name the same dim twice: {self.spell(dims)}")
@@ -252,10 +254,10 @@ class MeshLayout:
                 f"dims ({self.spell(dims)}) mix two factorizations of the ranks: {homes}. "
                 "A view takes all its dims from one factorization"
             )
-        if not any([f.index(a) for a in atoms] == sorted(f.index(a) for a in atoms) for f in holding):
+        if ordered and not any([f.index(a) for a in atoms] == sorted(f.index(a) for a in atoms) for f in holding):
             raise ValueError(
-                f"dims ({self.spell(dims)}) do not form a sub-mesh: their dims must run in mesh order "
-                f"{holding[0]}"
+                f"dims ({self.spell(dims)}) do not form a sub-mesh in mesh order {holding[0]}: a view, like torch's "
+                "DeviceMesh, takes its dims in mesh order (MeshLayout's group queries take any order)"
             )
 
     def _home(self, name: str) -> tuple[str, ...]:

@@ -6,10 +6,11 @@ Pure Python; shared by the layout, the spec and the mesh so each error is writte
 from __future__ import annotations
 
 import difflib
+import math
 import operator
 from collections.abc import Sequence
 
-__all__ = ["STANDARD_STRATEGIES", "as_index", "check_dim_names", "other_spellings", "standard_absent_error",
+__all__ = ["STANDARD_STRATEGIES", "as_index", "check_dim_names", "fill_in", "other_spellings", "standard_absent_error",
            "unknown_name_error"]
 
 #: Strategy names that every mesh answers for: a standard name the mesh never had has size 1.
@@ -79,6 +80,24 @@ def as_index(value: object, what: str) -> int:
             f"got {value!r} of type {type(value).__name__}"
         )
     return index
+
+
+def fill_in(sizes: Sequence[int], total: int) -> tuple[int, ...] | None:
+    """``sizes`` with its one ``-1`` (if any) replaced by ``total`` over the product of the others; None when
+    that product does not divide ``total``. The one place a ``-1`` size or degree is filled in (the mesh spec,
+    :class:`~vemesh.layout.parallel_dims.ParallelDims`, the example's config); callers word the error.
+
+    >>> fill_in((2, -1, 2), 16)
+    (2, 4, 2)
+    >>> fill_in((3, -1), 8) is None
+    True
+    """
+    if -1 not in sizes:
+        return tuple(sizes)
+    known = math.prod(s for s in sizes if s != -1)
+    if total % known:
+        return None
+    return tuple(total // known if s == -1 else s for s in sizes)
 
 
 def check_dim_names(names: object) -> tuple[str, ...]:

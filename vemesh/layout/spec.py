@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from vemesh.layout.mesh_layout import MeshLayout
-from vemesh.layout.names import STANDARD_STRATEGIES, as_index, check_dim_names
+from vemesh.layout.names import STANDARD_STRATEGIES, as_index, check_dim_names, fill_in
 
 __all__ = ["DEFAULT_DIM_NAMES", "STANDARD_STRATEGIES", "VALID_DEVICE_TYPES", "MeshSpec", "MeshSpecError"]
 
@@ -143,12 +143,13 @@ class MeshSpec(BaseModel):
         available = world_size - first
         where = f"the {available} ranks from rank_offset {first} on" if rank_offset is not None else f"world size {world_size}"
         if -1 in shape:
-            if available % known:
+            filled = fill_in(shape, available)
+            if filled is None:
                 raise ValueError(
                     f"cannot infer the -1 in mesh_shape {shape}: {where} is not divisible by the product of "
                     f"the other sizes ({known})"
                 )
-            shape = tuple(available // known if s == -1 else s for s in shape)
+            shape = filled
         elif rank_offset is None and known != world_size:
             raise ValueError(
                 f"mesh_shape {shape} holds {known} ranks but the world size is {world_size}; "

@@ -69,6 +69,8 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         self._submeshes: dict[tuple[tuple[str, ...], int], DeviceMesh] = {}
         self._replicas: Any = None  # the fault-tolerant replica dim (vemesh.ft.Replicas), if any
         self._epoch = 0  # one more at every reset(): views of an older epoch are refused by the wrappers
+        #: The ParallelDims that built this mesh (its derived dims), or None for a mesh built by hand.
+        self.parallel_dims: Any = None
 
     # ================================================================ set-up
     def init_device_mesh(
@@ -197,11 +199,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         self._replicas = replicas
 
     def get(self, **kwargs: Any) -> DeviceMesh:
-        """Return the global torch mesh, initializing it from ``kwargs`` if needed.
-
-        ``get()`` before any init raises ``RuntimeError``; ``get(device_type="cpu",
-        mesh_shape=(2, 2))`` initializes on first call and returns the same mesh afterwards.
-        """
+        """The global torch mesh, initialized from ``kwargs`` on the first call (``get()`` before init raises)."""
         if self._mesh is None:
             if not kwargs:
                 raise RuntimeError(_NOT_INITIALIZED)
@@ -218,7 +216,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         Views handed out before are stale from now on: vemesh's wrappers refuse them (take them again after init).
         """
         self._mesh, self._layout, self._rank, self._coordinate, self._member = None, None, -1, (), False
-        self._timeout, self._replicas = None, None
+        self._timeout, self._replicas, self.parallel_dims = None, None, None
         self._dim_meshes, self._views, self._submeshes = {}, {}, {}
         self._epoch += 1
 

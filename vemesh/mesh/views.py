@@ -18,7 +18,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from vemesh.layout.mesh_layout import Dims
 
-__all__ = ["MeshViews"]
+__all__ = ["MeshViews", "check_view"]
+
+
+def check_view(mesh: DeviceMesh, what: str) -> None:
+    """Refuse a torch view that ``VESCALE_DEVICE_MESH`` (or another ``VeDeviceMesh``) handed out before its last
+    ``reset()`` or ``init_device_mesh``: its groups may be another mesh's now."""
+    stamp = getattr(mesh, "_vemesh_epoch", None)
+    if stamp is None:
+        return
+    owner, epoch = stamp[0](), stamp[1]
+    if owner is not None and owner._epoch != epoch:
+        now = repr(owner) if owner.is_initialized() else "reset and not initialized again"
+        raise RuntimeError(
+            f"{what} is a view of an earlier mesh (taken before the last init_device_mesh or reset(); the mesh is now "
+            f"{now}): its groups may not be this mesh's. Take the view again, e.g. VESCALE_DEVICE_MESH['DP']"
+        )
 
 
 class MeshViews:

@@ -1,6 +1,17 @@
 """Every parallelism, as library functions and torch styles that apply to any model.
 
+* :class:`ParallelDims`: a job's degrees and every dim derived from them (the one rule; built on the live mesh);
+
 * :mod:`~vemesh.parallel.ddp` (also ``vemesh.ddp``): data parallelism, torch DDP's contract on a mesh dim;
 * :mod:`~vemesh.parallel.optim` (also ``vemesh.optim``): the ZeRO-1 optimizer and clipping across meshes;
-* :mod:`~vemesh.parallel.context`: context parallelism, ring attention over the CP group.
+* :func:`context_parallel` (:mod:`~vemesh.parallel.context`): torch's context manager, ring attention over the CP group;
+* :class:`ExpertParallel` (:mod:`~vemesh.parallel.experts`): a torch ``ParallelStyle`` for grouped experts over EP;
+* :func:`fully_shard` (:mod:`~vemesh.parallel.fsdp`): torch's FSDP2 on the mesh's FSDP dims, experts on EDP.
 """
+
+from vemesh.layout.parallel_dims import ParallelDims
+from vemesh.parallel.context import context_parallel
+from vemesh.parallel.experts import ExpertParallel
+from vemesh.parallel.fsdp import fully_shard
+
+__all__ = ["ExpertParallel", "ParallelDims", "context_parallel", "fully_shard"]

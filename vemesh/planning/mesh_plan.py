@@ -23,18 +23,17 @@ The plan's :attr:`MeshPlan.layout` is built by the same ``split`` and ``flatten`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from vemesh.layout.describe import LayoutWarning, check_layout
 from vemesh.layout.mesh_layout import MeshLayout
+from vemesh.layout.parallel_dims import DEGREES, ParallelDims
 from vemesh.layout.spec import MeshSpec
 
 __all__ = ["AUTO", "PLAN_ORDER", "MeshPlan", "plan_mesh"]
 
 #: The dims a plan can hold, outermost first.
-PLAN_ORDER: tuple[str, ...] = ("PP", "DP", "CP", "TP")
+PLAN_ORDER: tuple[str, ...] = DEGREES
 
 #: A degree to fill in from the world size (``-1`` means the same).
 AUTO = "auto"
@@ -54,6 +53,7 @@ class MeshPlan:
     warnings: list[LayoutWarning] = field(default_factory=list)
     ep: int = 1  # expert-parallel degree, carved out of the DP x CP ranks
     calls: tuple[str, ...] = ()  # the split and flatten lines to paste after init_call, in order
+    dims: ParallelDims | None = None  # the degrees and the rule that derived every dim
 
     @property
     def flattens(self) -> dict[str, tuple[str, ...]]:
@@ -97,10 +97,12 @@ def plan_mesh(
         ep: expert-parallel degree; it reuses the DP x CP ranks, so it must divide DP x CP.
         dp_replicate: split DP into ``(dp_replicate, dp_shard)`` for HSDP (torchtitan's layout): FSDP2
             shards over ``dp_shard`` (times CP) and replicates over ``dp_replicate``; ``DP`` keeps
-            answering as the two. The plan then also lists the flattens to make: ``dp_shard_cp``
-            and ``dp_cp`` with CP.
+            answering as the two.
         devices_per_host: ranks per host, for the host checks of :func:`check_layout`.
         device_type: written into :meth:`MeshPlan.init_call`.
+
+    The mesh and every derived dim (``dp_cp``, the HSDP split, ``(EDP, EP)``) come from
+    :class:`~vemesh.layout.parallel_dims.ParallelDims`, as in a training script that builds them.
 
     Raises:
         ValueError: a degree or size that is not a positive integer, two degrees to
@@ -122,78 +124,28 @@ def plan_mesh(
     for name, degree in given.items():
         if name not in auto and (not isinstance(degree, int) or isinstance(degree, bool) or degree < 1):
             raise ValueError(f"the {name} degree must be a positive integer or 'auto'; got {degree!r}")
-    filled = auto[0] if auto else None
-    known = {n: int(d) for n, d in given.items() if n != filled}  # type: ignore[call-overload]
-    product = math.prod(known.values())
-    expr = " x ".join(f"{n} {d}" for n, d in known.items())
-    if filled is not None:
-        if world_size % product:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            shown = ", ".join(map(str, divisors)) if len(divisors) <= 16 else f"{len(divisors)} of them"
-            raise ValueError(
-                f"cannot fill in {filled}: {expr} = {product} does not divide the world size {world_size} "
-                f"(the product of the other degrees must be one of its divisors: {shown})"
-            )
-        degrees = {n: (world_size // product if n == filled else known[n]) for n in PLAN_ORDER}
-    elif product != world_size:
-        raise ValueError(
-            f"{expr} = {product} but the world size is {world_size}; the product of the degrees "
-            f"must equal the world size (set one degree to 'auto' to fill it in)"
-        )
-    else:
-        degrees = dict(known)
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-        raise ValueError(f"the EP degree must be a positive integer; got {ep!r}")
-    if (degrees["DP"] * degrees["CP"]) % ep:
-        raise ValueError(
-            f"EP {ep} must divide DP x CP = {degrees['DP']} x {degrees['CP']} = {degrees['DP'] * degrees['CP']}: "
-            "expert parallelism reuses the data- and context-parallel ranks"
-        )
     if not isinstance(dp_replicate, int) or isinstance(dp_replicate, bool) or dp_replicate < 1:
         raise ValueError(f"the dp_replicate degree must be a positive integer; got {dp_replicate!r}")
-    if degrees["DP"] % dp_replicate:
+    degrees = {n: -1 if n in auto else int(d) for n, d in given.items()}  # type: ignore[call-overload]
+    if degrees["DP"] == -1 and dp_replicate > 1:  # DP first, so that a dp_replicate it cannot take is named as such
+        degrees["DP"] = ParallelDims(world_size, pp=degrees["PP"], cp=degrees["CP"], tp=degrees["TP"]).dp
+    if degrees["DP"] != -1 and degrees["DP"] % dp_replicate:
         raise ValueError(f"dp_replicate {dp_replicate} must divide DP {degrees['DP']} (DP splits into dp_replicate x dp_shard)")
-    names = tuple(n for n in PLAN_ORDER if degrees[n] > 1) or ("DP",)
-    spec = MeshSpec(device_type=device_type, mesh_shape=tuple(degrees[n] for n in names), mesh_dim_names=names)
-    base = spec.resolve(world_size)
-    layout, calls = base, []
-
-    def step(method: str, *args: Any) -> None:
-        nonlocal layout
-        layout = getattr(layout, method)(*args)
-        calls.append(f"VESCALE_DEVICE_MESH.{method}({', '.join(_literal(a) for a in args)})")
-
-    if dp_replicate > 1:
-        step("split", "DP", ("dp_replicate", "dp_shard"), (dp_replicate, degrees["DP"] // dp_replicate))
-        if degrees["CP"] > 1 and degrees["DP"] > dp_replicate:
-            step("flatten", ("dp_shard", "CP"), "dp_shard_cp")
-            step("flatten", ("dp_replicate", "dp_shard_cp"), "dp_cp")
-    if degrees["CP"] > 1 and degrees["DP"] > 1 and not layout.has("dp_cp"):  # gradients average over DP x CP
-        step("flatten", ("DP", "CP"), "dp_cp")
-    if ep > 1:
-        if degrees["CP"] > 1 and not layout.has("dp_cp"):
-            step("flatten", ("CP",), "dp_cp")
-        folded = "dp_cp" if degrees["CP"] > 1 else "DP"
-        if layout.named(folded).is_atom:  # a mesh dim: flatten it under its own name for a second factorization
-            step("flatten", (folded,), "dp_ep")
-            folded = "dp_ep"
-        step("split", folded, ("EDP", "EP"), (degrees["DP"] * degrees["CP"] // ep, ep))
+    dims = ParallelDims(world_size, pp=degrees["PP"], dp_replicate=dp_replicate,
+                        dp_shard=-1 if degrees["DP"] == -1 else degrees["DP"] // dp_replicate,
+                        cp=degrees["CP"], tp=degrees["TP"], ep=ep)
+    base = MeshSpec(device_type=device_type, mesh_shape=dims.mesh_shape, mesh_dim_names=dims.mesh_dims).resolve(world_size)
+    layout = dims.layout()
     return MeshPlan(
         world_size=world_size,
-        degrees=degrees,
-        filled=filled,
-        device_type=spec.device_type,
+        degrees=dims.degrees,
+        filled=auto[0] if auto else None,
+        device_type=MeshSpec(device_type=device_type, mesh_shape=(1,)).device_type,
         devices_per_host=devices_per_host,
         layout=layout,
         base=base,
         warnings=check_layout(layout, devices_per_host),
-        ep=ep,
-        calls=tuple(calls),
+        ep=dims.ep,
+        calls=tuple(dims.calls()),
+        dims=dims,
     )
-
-
-def _literal(value: Any) -> str:
-    """A call argument as Python source with double quotes: ``("dp_shard", "CP")``, ``"DP"``, ``(2, 4)``."""
-    if isinstance(value, tuple):
-        return "(" + ", ".join(map(_literal, value)) + ("," if len(value) == 1 else "") + ")"
-    return f'"{value}"' if isinstance(value, str) else repr(value)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from vemesh.parallel.context.api import sharded_buffers
 from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_tensor, make_buffers
 from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over, resolve_group
 from vemesh.parallel.ddp.support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, check_params_kept,
@@ -33,23 +34,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (an instance of it: ``model.module``, ``isinstance``
     and DCP's ``get_state_dict`` behave as with torch DDP) that takes a mesh dim and TP-sharded DTensor parameters:
 
-    * each trainable parameter's gradient lives in ``param.main_grad``, a view into a flat buffer (fp32 when
-      ``accumulate_allreduce_grads_in_fp32``), and ``param.grad`` *is* that view (a DTensor over it for DTensor
-      parameters), like torch's ``gradient_as_bucket_view``. For bf16/fp16 parameters with an fp32 buffer,
-      ``.grad`` is a copy in the parameter's dtype and the buffer keeps fp32 precision across accumulation;
-    * buckets are divided by DP and all-reduced asynchronously as soon as they are complete
-      (``overlap_grad_reduce=True``), always in bucket order; a post-backward callback starts
-      the rest and waits, so when ``loss.backward()`` returns every ``.grad`` is the DP mean;
-    * ``no_sync()`` accumulates locally; the first backward outside it averages the sum;
-    * gradients accumulate until cleared, as in torch, by any of ``optimizer.zero_grad()``,
-      ``model.zero_grad()`` (``set_to_none`` or not) and :meth:`zero_grad_buffer`;
-    * a torch optimizer's ``step()`` over gradients accumulated under ``no_sync()`` that were
-      never averaged raises ``RuntimeError`` (a global optimizer step pre-hook).
+    * ``param.grad`` *is* ``param.main_grad``, a view into a flat buffer (fp32 when
+      ``accumulate_allreduce_grads_in_fp32``; a copy in the parameter's dtype for bf16/fp16), like torch's
+      ``gradient_as_bucket_view``; buckets all-reduce during backward, in order, so when ``loss.backward()``
+      returns every ``.grad`` is the DP mean;
+    * ``no_sync()`` accumulates locally; gradients accumulate until cleared by any of ``optimizer.zero_grad()``,
+      ``model.zero_grad()`` and :meth:`zero_grad_buffer`; a step over ``no_sync()`` gradients never averaged raises.
 
-    Parameters and buffers are broadcast from the first rank of the DP group at construction,
-    and buffers again before each forward with grad enabled (``broadcast_buffers``, as torch).
-    A parameter that got no gradient on any rank in a step gets a zero gradient (torch DDP keeps
-    ``None`` for parameters unused on every rank; here every DP rank's optimizer sees zeros).
+    Parameters and buffers are broadcast from the first rank of the DP group at construction, and buffers
+    again before each forward with grad enabled (``broadcast_buffers``), except those a ``context_parallel``
+    holds sharded. A parameter that got no gradient on any rank in a step gets a zero gradient.
 
     Args:
         module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
@@ -68,6 +62,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             Their gradients are summed over ``expert_data_parallel`` and divided by the DP size: each expert saw
             the tokens its EP peers sent it, so this is the gradient of the mean loss over the DP group's batch.
             They are broadcast from the first rank of ``expert_data_parallel``, the others from DP's first rank.
+            Left out (both), the experts that :class:`~vemesh.parallel.ExpertParallel` sharded are found by
+            themselves, with the live mesh's ``EDP``.
         replicas: the fault-tolerant replica dim (:func:`vemesh.ft.start_replicas`): after the DP mean, each
             buffer is averaged across the replicas taking part, through torchft; if that fails, the step
             does not commit (:class:`~vemesh.optim.DistributedOptimizer` asks the replicas before stepping).
@@ -194,7 +190,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if torch.is_grad_enabled():
             check_params_kept(self.module, self._module_params)
         if self.broadcast_buffers and self.dp_size > 1 and torch.is_grad_enabled():
-            buffers = self._module_buffers()
+            held = sharded_buffers()  # a context_parallel's shards differ by CP rank: never broadcast over them
+            buffers = [b for b in self._module_buffers() if id(b) not in held]
             if buffers:
                 broadcast_from_first(buffers, self.data_parallel_group)
         return self.module(*args, **kwargs)
@@ -345,9 +342,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return self._main_grad_like
 
     def _norm_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The ``main_grad`` of the dense parameters, and of the expert ones (which differ across the EP group)."""
-        dense = [g for p, g in zip(self._params, self._main_grad_like) if id(p) not in self._experts]
-        return dense, [g for p, g in zip(self._params, self._main_grad_like) if id(p) in self._experts]
+        """The ``main_grad`` of the dense parameters, and of the plain-tensor experts (which differ across the EP
+        group); DTensor experts (ExpertParallel's) go with the dense ones: torch's norm sums them over EP."""
+        plain = {id(p) for p in self._params if id(p) in self._experts and not isinstance(p, DTensor)}
+        dense = [g for p, g in zip(self._params, self._main_grad_like) if id(p) not in plain]
+        return dense, [g for p, g in zip(self._params, self._main_grad_like) if id(p) in plain]
 
     # --------------------------------------------------------------- public API
     def finish_grad_sync(self, force: bool = False) -> None:

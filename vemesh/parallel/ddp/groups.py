@@ -8,7 +8,7 @@
   mesh dims, or a plain slice vemesh tagged (experts held by one EP rank).
 * :func:`check_not_sharded_over` refuses a group that holds two ranks of one parameter's shards, naming
   the parameter, both groups and the fix. A view of an earlier mesh (before ``reset()`` or another
-  ``init_device_mesh``) is refused by :func:`check_view`.
+  ``init_device_mesh``) is refused (:func:`vemesh.mesh.views.check_view`).
 """
 
 from __future__ import annotations
@@ -19,27 +19,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["SHARDED_OVER", "check_covers_data", "check_not_sharded_over", "check_view", "default_group", "resolve_group",
-           "sharded_over"]
+from vemesh.mesh.views import check_view
+
+__all__ = ["SHARDED_OVER", "check_covers_data", "check_not_sharded_over", "default_group", "resolve_group", "sharded_over"]
 
 #: The attribute vemesh puts on a plain tensor that is one rank's slice of a whole (an EP rank's experts):
 #: ``(dim name, global ranks holding the other slices, this one included)``.
 SHARDED_OVER = "_vemesh_sharded_over"
-
-
-def check_view(mesh: DeviceMesh, what: str) -> None:
-    """Refuse a torch view that ``VESCALE_DEVICE_MESH`` (or another ``VeDeviceMesh``) handed out before its last
-    ``reset()`` or ``init_device_mesh``: its groups may be another mesh's now."""
-    stamp = getattr(mesh, "_vemesh_epoch", None)
-    if stamp is None:
-        return
-    owner, epoch = stamp[0](), stamp[1]
-    if owner is not None and owner._epoch != epoch:
-        now = repr(owner) if owner.is_initialized() else "reset and not initialized again"
-        raise RuntimeError(
-            f"{what} is a view of an earlier mesh (taken before the last init_device_mesh or reset(); the mesh is now "
-            f"{now}): its groups may not be this mesh's. Take the view again, e.g. VESCALE_DEVICE_MESH['DP']"
-        )
 
 
 def default_group() -> tuple[dist.ProcessGroup, str]:

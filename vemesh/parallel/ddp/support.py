@@ -15,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
 from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.parallel.ddp.groups import resolve_group
+from vemesh.parallel.experts.style import is_expert
 
 __all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "check_bucket_size", "broadcast_from_first",
            "PipelineReducer", "like", "weak_method", "release_params", "check_experts", "check_params_kept",
@@ -178,7 +179,10 @@ def check_experts(
         raise ValueError(f"{given} was given without {missing}; pass both (the EDP group, e.g. mesh['EDP'], "
                          "and the experts' parameters) or neither")
     if expert_data_parallel is None:
-        return frozenset(), None
+        tagged = [p for p in params if is_expert(p)]
+        if not tagged:
+            return frozenset(), None
+        expert_data_parallel, expert_parameters = _mesh_edp(), tagged  # ExpertParallel's experts: average over EDP
     expert_group, _ = resolve_group(expert_data_parallel, "expert_data_parallel")
     experts = list(expert_parameters)
     trainable = {id(p) for p in params}
@@ -194,6 +198,19 @@ def check_experts(
     if not experts:
         raise ValueError("expert_parameters is empty; leave expert_data_parallel and expert_parameters out for a dense model")
     return frozenset(map(id, experts)), expert_group
+
+
+def _mesh_edp() -> dist.ProcessGroup:
+    """The live mesh's EDP group, for experts that ExpertParallel sharded; ``ValueError`` without one."""
+    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+
+    if mesh.is_initialized() and mesh.layout.has("EDP"):
+        return mesh.get_group("EDP")
+    raise ValueError(
+        "the module holds experts sharded by ExpertParallel, whose gradients average over EDP (the data ranks that "
+        "hold the same experts), and VESCALE_DEVICE_MESH has no EDP dim: build the mesh with ParallelDims(..., ep=N), "
+        "or pass expert_data_parallel= and expert_parameters="
+    )
 
 
 def check_replicas(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, what: str, hint: str) -> None:

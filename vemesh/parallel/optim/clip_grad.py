@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from vemesh.parallel.ddp.groups import check_view
+from vemesh.mesh.views import check_view
 
 __all__ = ["total_norm", "clip_grad_norm_"]
 
@@ -218,7 +218,7 @@ def check_sum_groups(params: list[torch.Tensor], experts: set[int], groups: Sequ
         owner = getattr(p, "_vemesh_ddp", lambda: None)()
         if owner is not None:
             wrappers[id(owner)] = owner
-            if id(p) in owner._experts and id(p) not in experts:
+            if id(p) in owner._experts and id(p) not in experts and not isinstance(p, DTensor):
                 raise ValueError(
                     f"parameter {owner._param_names[id(p)]!r} is an expert of this EP rank only (its DDP averages it over "
                     "expert_data_parallel), but is not in expert_parameters: every rank would clip by a different norm. "

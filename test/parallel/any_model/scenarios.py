@@ -1,0 +1,165 @@
+"""What each rank runs in test_any_model.py: a Llama-style model that is not the example's GPT, parallelized with
+vemesh's library APIs only, trained 3 steps, and compared with one process training on the global batch.
+
+Each case returns its loss per step (the mean over the global batch) and the largest difference of any final
+parameter from the one-process run; every rank also computes that run itself (the model is small).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
+import llama  # noqa: E402
+
+from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
+from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
+from vemesh.optim import DistributedOptimizer  # noqa: E402
+from vemesh.parallel import ExpertParallel, ParallelDims, context_parallel, fully_shard  # noqa: E402
+
+STEPS, BATCH, SEQ, LR = 3, 4, 32, 1e-3
+EPS = 1e-6  # AdamW turns a rounding difference in a near-zero gradient into a step of lr: bound it
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference(moe: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch, torch's AdamW."""
+    model = llama.make(moe_experts=moe)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step)
+        loss = llama.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(dims: ParallelDims, moe: int, wrap: str, optimizer: str = "adamw", ac: bool = False) -> dict[str, Any]:
+    dims.build("cpu", mesh)
+    model = llama.make(moe_experts=moe)
+    if ac:  # activation checkpointing of every block (non-reentrant): backward recomputes SDPA, inside the context
+        for block in model.layers.values():
+            block.forward = functools.partial(checkpoint, type(block).forward, block, use_reentrant=False)
+    if dims.ep > 1:  # each EP rank keeps E / EP experts of every block; tokens travel over mesh["EP"]
+        for block in model.layers.values():
+            parallelize_module(block.feed_forward.experts, mesh["EP"], ExpertParallel())
+    rope = [model.rope_cos, model.rope_sin]
+    if wrap == "ddp":  # no group given: the mesh's data dims (dp_cp with CP), experts over EDP
+        model = DDP(model)
+    else:
+        for block in model.layers.values():
+            fully_shard(block)
+        model = fully_shard(model)
+    if optimizer == "zero1":
+        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=LR, eps=EPS)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    rows = mesh.lookup_rank("DP")
+    data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
+    cp = mesh["CP"] if dims.cp > 1 else None
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = (t.chunk(dims.dp)[rows].clone() for t in batch(step))
+        with context_parallel(cp, buffers=[x, y, *rope], buffer_seq_dims=[1, 1, 0, 0]) if cp else _nothing():
+            loss = llama.loss_fn(model(x), y)
+            loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        if data is not None:
+            dist.all_reduce(total, group=data)
+            total /= dist.get_world_size(data)
+        losses.append(total.item())
+    params = {n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+              for n, p in model.named_parameters()}
+    mesh.reset()
+    return {"losses": losses, "params": params}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def compare(got: dict[str, Any], ref: tuple[list[float], dict[str, torch.Tensor]]) -> dict[str, Any]:
+    losses, params = ref
+    assert set(got["params"]) == set(params), sorted(set(got["params"]) ^ set(params))
+    return {"loss_diff": max(abs(a - b) for a, b in zip(got["losses"], losses)),
+            "param_diff": max((got["params"][n] - p).abs().max().item() for n, p in params.items()),
+            "losses": got["losses"], "ref": losses}
+
+
+CASES_4 = {  # name: (degrees, MoE experts, wrapper, optimizer[, activation checkpointing])
+    "dp2-cp2-ddp": (dict(cp=2), 0, "ddp", "adamw"),
+    "dp2-cp2-ddp-checkpointed": (dict(cp=2), 0, "ddp", "adamw", True),
+    "dp2-cp2-fsdp2": (dict(cp=2), 0, "fsdp", "adamw"),
+    "ep2-over-dp4-ddp": (dict(ep=2), 4, "ddp", "adamw"),
+    "ep2-over-dp4-zero1": (dict(ep=2), 4, "ddp", "zero1"),
+    "ep2-over-dp4-fsdp2": (dict(ep=2), 4, "fsdp", "adamw"),
+    "cp2-ep2-ddp": (dict(cp=2, ep=2), 4, "ddp", "adamw"),
+    "cp2-ep2-fsdp2": (dict(cp=2, ep=2), 4, "fsdp", "adamw"),
+}
+CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw")}
+
+
+def worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
+    refs = {moe: reference(moe) for moe in {c[1] for c in cases.values()}}
+    out: dict[str, Any] = {}
+    for name, (degrees, moe, wrap, optimizer, *ac) in cases.items():
+        try:
+            got = train(ParallelDims(world_size, **degrees), moe, wrap, optimizer, *ac)
+            out[name] = compare(got, refs[moe])
+        except Exception:  # noqa: BLE001 - reported back to pytest
+            out[name] = {"error": traceback.format_exc()}
+            mesh.reset()
+    return out
+
+
+def broadcast_trap(rank: int, world_size: int) -> dict[str, Any]:
+    """DP=2 x CP=2 with DDP's buffer broadcast also over the sharded RoPE tables (what torch's DDP would do):
+    the control that shows the exactness test would see the trap."""
+    import vemesh.parallel.ddp.distributed_data_parallel as ddp_module
+
+    ddp_module.sharded_buffers = lambda: set()
+    return compare(train(ParallelDims(world_size, cp=2), 0, "ddp"), reference(0))
+
+
+def checkpointed_backward_outside(rank: int, world_size: int) -> dict[str, Any]:
+    """SDPA under activation checkpointing inside the context, backward after it: refused at the exit."""
+    ParallelDims(world_size, cp=2).build("cpu", mesh)
+    attention = llama.Attention(llama.LlamaConfig())
+    cos, sin = llama.rope_tables(16, 32, 1e4)
+    x = torch.randn(1, 32, 64, requires_grad=True)
+    out: dict[str, Any] = {}
+    try:
+        with context_parallel(mesh["CP"], buffers=[cos, sin], buffer_seq_dims=[0, 0]):
+            part = x[:, :16] if mesh.lookup_rank("CP") == 0 else x[:, 16:]
+            y = torch.utils.checkpoint.checkpoint(attention, part, cos, sin, use_reentrant=False)
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    with context_parallel(mesh["CP"], buffers=[cos, sin], buffer_seq_dims=[0, 0]):  # the fix: backward inside
+        y = torch.utils.checkpoint.checkpoint(attention, part, cos, sin, use_reentrant=False)
+        y.sum().backward()
+    out["inside"] = x.grad is not None
+    mesh.reset()
+    return out

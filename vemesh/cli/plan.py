@@ -1,0 +1,159 @@
+"""``vemesh plan``: fill in the missing degree and print the mesh; with ``--model``, will it fit."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vemesh.cli.common import UsageError, check_rank, check_world, degree, positive, print_json, print_warnings
+from vemesh.layout.describe import WIDTH, describe_layout, layout_document
+from vemesh.layout.spec import VALID_DEVICE_TYPES
+from vemesh.planning.fit_report import add_job_arguments, job_from_args, refuse_job_flags
+from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
+
+
+def add_plan(commands: Any) -> argparse.ArgumentParser:
+    plan = commands.add_parser(
+        "plan", help="fill in the missing degree and print the init_device_mesh call",
+        description="Fill in the one missing degree (DP unless another is 'auto'), check the layout, "
+        "and print the init_device_mesh(...) call. Dims run PP, DP, CP, TP (outermost first); "
+        "dims of size 1 are left out.",
+    )
+    plan.add_argument("--world-size", type=positive, required=True, metavar="N", help="total number of ranks")
+    for name, default in (("pp", 1), ("dp", None), ("cp", 1), ("tp", 1)):
+        plan.add_argument(f"--{name}", type=degree, default=1 if name == "cp" else None, metavar="N",
+                          help=f"{name.upper()} degree or 'auto' (default: "
+                          + ("auto, or 1 when another degree is auto)" if default is None else f"{default})"))
+    plan.add_argument("--ep", type=positive, default=1, metavar="N",
+                      help="expert-parallel degree; reuses the DP x CP ranks, so it must divide DP x CP (default: 1)")
+    plan.add_argument("--dp-replicate", type=positive, default=1, metavar="N",
+                      help="split DP into dp_replicate x dp_shard for HSDP (torchtitan's layout) and list the "
+                      "flattens to make (default: 1, no split)")
+    plan.add_argument("--device-type", choices=VALID_DEVICE_TYPES, default="cuda",
+                      help="device type written into the call (default: cuda)")
+    add_job_arguments(plan, positive)
+    plan.set_defaults(run=run_plan)
+    return plan
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    check_world(args.world_size, "argument --world-size")
+    if args.model is None:
+        try:
+            refuse_job_flags(args)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    elif args.device_memory is not None and args.pp is None and args.tp is None and args.dp is None:
+        return _search(args)
+    args.pp, args.tp = args.pp or 1, args.tp or 1
+    try:
+        plan = plan_mesh(
+            args.world_size, pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,
+            dp_replicate=args.dp_replicate, devices_per_host=args.devices_per_host, device_type=args.device_type,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    check_rank(plan.layout, args.rank)
+    if args.model is not None:
+        return _plan_model(args, plan)
+    if args.json:
+        doc: dict[str, Any] = {
+            "world_size": plan.world_size,
+            "degrees": plan.degrees,
+            "ep": plan.ep,
+            "filled_in": plan.filled,
+            "init_device_mesh": plan.init_call(),
+            "flatten": plan.flatten_calls(),
+        }
+        doc.update(layout_document(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host))
+        print_json(doc)
+    else:
+        print(_plan_header(plan))
+        print(describe_layout(plan.layout, rank=args.rank, devices_per_host=plan.devices_per_host))
+        print("paste into the training script:")
+        print("    from vemesh import VESCALE_DEVICE_MESH")
+        call = plan.init_call()
+        if len(call) + 4 <= WIDTH:
+            print(f"    {call}")
+        else:
+            head, _, rest = call.partition("(")
+            print(f"    {head}(\n        {rest[:-1]}\n    )")
+        for line in plan.flatten_calls():
+            print(f"    {line}")
+    print_warnings(plan.warnings)
+    return 0
+
+
+def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
+    """``vemesh plan --model ...`` on one mesh: memory per rank class and bytes per dim."""
+    from vemesh.planning.fit import predict
+    from vemesh.planning.fit_report import fit_document, render_fit
+
+    try:
+        job = job_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    d = plan.degrees
+    try:
+        fit = predict(job, dp=d["DP"], tp=d["TP"], pp=d["PP"], cp=d["CP"], ep=plan.ep)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    verdict = None
+    if args.device_memory is not None:
+        verdict = ("fits" if fit.peak <= args.device_memory else "does not fit") if fit.traced else \
+            ("the static memory alone fits" if fit.peak <= args.device_memory else "does not fit")
+    if args.json:
+        doc = fit_document(job, fit)
+        doc.update({"world_size": plan.world_size, "init_device_mesh": plan.init_call(), "flatten": plan.flatten_calls()})
+        if verdict:
+            doc.update({"device_memory": args.device_memory, "fits": verdict == "fits"})
+        print_json(doc)
+    else:
+        print(_plan_header(plan))
+        print(render_fit(job, fit))
+        if verdict:
+            print(f"{verdict}: {'peak' if fit.traced else 'static'} {fit.peak / 2**30:.2f} GiB against "
+                  f"{args.device_memory / 2**30:.2f} GiB per device")
+        print(f"paste into the training script:\n    from vemesh import VESCALE_DEVICE_MESH\n    {plan.init_call()}")
+        for line in plan.flatten_calls():
+            print(f"    {line}")
+    print_warnings(plan.warnings)
+    return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    """``vemesh plan --model ... --device-memory ...`` without a shape: every mesh that fits, ranked."""
+    from vemesh.planning.fit import search
+    from vemesh.planning.fit_report import render_search, search_document
+
+    if args.micro_batch_size is None:
+        args.micro_batch_size = 1
+    try:
+        job = job_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rank_by = args.rank_by or ("inter-host" if args.devices_per_host else "peak")
+    try:
+        fits, rejected = search(job, args.world_size, device_memory=args.device_memory,
+                                devices_per_host=args.devices_per_host, cp=args.cp, ep=args.ep, rank_by=rank_by)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print_json(search_document(job, args.world_size, args.device_memory, args.devices_per_host, rank_by, fits,
+                                    rejected))
+    else:
+        print(render_search(job, args.world_size, args.device_memory, args.devices_per_host, rank_by, fits, rejected))
+    return 0
+
+
+def _plan_header(plan: MeshPlan) -> str:
+    filled = f" ({plan.filled} filled in)" if plan.filled else ""
+    header = f"plan: {plan.world_size} ranks = {plan.product()}{filled}"
+    left_out = [n for n in plan.degrees if not plan.layout.has(n)]
+    if left_out:
+        header += f"\n  left out of the mesh (size 1): {', '.join(left_out)}"
+    if plan.ep > 1:
+        dpcp = plan.degrees["DP"] * plan.degrees["CP"]
+        header += (f"\n  EP {plan.ep}: experts spread over groups of {plan.ep} of the {dpcp} DP x CP ranks "
+                   "(EP reuses them; the mesh does not change)")
+    return header

@@ -1,0 +1,236 @@
+"""``context_parallel``: torch's context manager, for any model that calls SDPA, on vemesh's ring.
+
+Inside ``with context_parallel(cp_mesh, buffers=[x, y, rope_cos], buffer_seq_dims=[1, 1, 0]):``
+
+* every buffer is cut in place along its sequence dim to this CP rank's part, the same way for all of them
+  (head-tail with ``load_balance``: CP rank ``r`` of ``cp`` keeps chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``),
+  so a ``[B, T]`` token batch and a ``[T, d]`` RoPE table stay aligned; they are put back on exit, except
+  ``no_restore_buffers``;
+* the model's own ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` computes this rank's rows of
+  causal attention over the whole sequence: a ring over the CP group (:func:`~vemesh.parallel.context.ring_attention`,
+  torch's kernels), forward and backward, with no change to the model. ``F``'s attribute is swapped for the
+  context (so a checkpoint's recompute in backward finds it too), and a torch function mode catches SDPA
+  called under a name bound before the context.
+
+What cannot be exact is refused, naming the value: an ``attn_mask`` or ``is_causal=False`` (only causal
+attention is computed by the ring), attention dropout, keys of another length than the queries, buffers
+of different lengths, a length CP does not divide, a query whose length is not the buffers' share. Load
+balancing is exact wherever it is allowed (the ring knows which chunks each rank holds); it is on by default.
+
+Run the backward inside the context too (torch asks the same): activation checkpointing recomputes SDPA
+there, and outside the context that recompute would be local attention. A context left with such a
+recompute still to come raises ``RuntimeError`` at its exit instead.
+
+A vemesh ``DistributedDataParallel`` never broadcasts a buffer while a context holds it sharded: each CP rank's
+shard is its own (torch's ``broadcast_buffers`` would copy CP rank 0's shard over the others').
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+
+from vemesh.parallel.context.ring import ROTATE_METHODS, ring_attention, shard_sequence
+from vemesh.mesh.views import check_view
+
+__all__ = ["context_parallel", "sharded_buffers"]
+
+_SDPA = (torch._C._nn.scaled_dot_product_attention,)
+_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_STATE = threading.local()
+
+
+def sharded_buffers() -> set[int]:
+    """The ``id`` of every tensor an active :func:`context_parallel` holds sharded (DDP leaves them alone)."""
+    return {i for ctx in getattr(_STATE, "active", []) for i in ctx.buffer_ids}
+
+
+class _Context:
+    """One active ``context_parallel``: its mesh, options, sharded buffers and ring calls still owed a backward."""
+
+    def __init__(self, cp_mesh: DeviceMesh, load_balance: bool, rotate: str, seq_len: int | None,
+                 buffer_ids: set[int]) -> None:
+        self.cp_mesh, self.load_balance, self.rotate = cp_mesh, load_balance, rotate
+        self.seq_len, self.buffer_ids = seq_len, buffer_ids
+        self.pending = 0  # ring calls whose backward has not run
+        self.checkpointed = 0  # of those, called where saved tensors are hooked (activation checkpointing)
+
+
+def _ring_sdpa(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
+    """One SDPA call of the model, as this rank's rows of causal attention over the CP ring."""
+    q, k, v = given["query"], given["key"], given["value"]
+    _refuse(given, q, k, ctx)
+    if given.get("enable_gqa") and k.size(-3) != q.size(-3):  # grouped-query attention: each KV head serves a group
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+    out = ring_attention(q, k, v, ctx.cp_mesh, load_balance=ctx.load_balance, scale=given.get("scale"),
+                         rotate=ctx.rotate)
+    if out.requires_grad and torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute in backward:
+        # count the backward still owed, and whether a checkpoint will recompute this call
+        hooked = int(_checkpointing())
+        ctx.pending += 1
+        ctx.checkpointed += hooked
+        out.register_hook(functools.partial(_owed, ctx, hooked))
+    return out
+
+
+def _checkpointing() -> bool:
+    """Whether saved tensors are hooked here: activation checkpointing will recompute this forward in backward."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _patched_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` while a context is active: forward, and a checkpoint's recompute in backward."""
+    given = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                 scale=scale, enable_gqa=enable_gqa)
+    return _ring_sdpa(_STATE.active[-1], given)
+
+
+class _RingSDPA(TorchFunctionMode):
+    """Catches SDPA called under a name bound before the context (``from torch.nn.functional import ...``)."""
+
+    def __init__(self, context: _Context) -> None:
+        super().__init__()
+        self.context = context
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func not in _SDPA:
+            return func(*args, **(kwargs or {}))
+        if _checkpointing():  # its recompute in backward would not pass through here, nor through F's attribute
+            raise ValueError(
+                "scaled_dot_product_attention was called under activation checkpointing through a name bound before "
+                "context_parallel (from torch.nn.functional import ...): its recompute in backward would be local "
+                "attention. Call it as torch.nn.functional.scaled_dot_product_attention"
+            )
+        return _ring_sdpa(self.context, dict(zip(_PARAMS, args)) | (kwargs or {}))
+
+
+def _owed(ctx: _Context, hooked: int, grad: torch.Tensor) -> torch.Tensor:
+    """A ring call's backward has come: it is no longer owed."""
+    ctx.pending -= 1
+    ctx.checkpointed -= hooked
+    return grad
+
+
+def _refuse(given: dict[str, Any], q: torch.Tensor, k: torch.Tensor, ctx: _Context) -> None:
+    """``ValueError`` for an SDPA call the ring would not compute exactly."""
+    where = "F.scaled_dot_product_attention inside context_parallel"
+    if given.get("attn_mask") is not None:
+        raise ValueError(f"{where}: an attn_mask is refused (the ring computes causal attention only); "
+                         "pass is_causal=True and no mask")
+    if not given.get("is_causal", False):
+        raise ValueError(f"{where}: is_causal=False is refused (the ring computes causal attention only); "
+                         "pass is_causal=True")
+    if given.get("dropout_p", 0.0):
+        raise ValueError(f"{where}: dropout_p={given['dropout_p']} is refused (the ring has no attention dropout); "
+                         "pass dropout_p=0.0")
+    if k.size(-2) != q.size(-2):
+        raise ValueError(f"{where}: keys of {k.size(-2)} positions for queries of {q.size(-2)} (a KV cache, or cross "
+                         "attention) are refused: the ring needs self-attention over the sharded sequence")
+    cp = ctx.cp_mesh.size()
+    if ctx.seq_len is not None and q.size(-2) * cp != ctx.seq_len:
+        raise ValueError(
+            f"{where}: the queries hold {q.size(-2)} positions, but this CP rank's share of the buffers' "
+            f"{ctx.seq_len} is {ctx.seq_len // cp}: pass every tensor that carries the sequence (tokens, positions, "
+            "RoPE tables) in buffers="
+        )
+
+
+def _check_arguments(cp_mesh: Any, buffers: Sequence[torch.Tensor], dims: Sequence[int],
+                     no_restore: Any, load_balance: bool, rotate: str) -> int | None:
+    """Validate everything before anything is changed; the buffers' common sequence length (None without any)."""
+    if not isinstance(cp_mesh, DeviceMesh) or cp_mesh.ndim != 1:
+        raise TypeError(f"cp_mesh must be a 1-D DeviceMesh such as VESCALE_DEVICE_MESH['CP']; got {cp_mesh!r:.100}")
+    check_view(cp_mesh, "cp_mesh")
+    if not isinstance(load_balance, bool):
+        raise TypeError(f"load_balance must be True or False; got {load_balance!r}")
+    if rotate not in ROTATE_METHODS:
+        raise ValueError(f"unknown rotate method {rotate!r}; choose from {list(ROTATE_METHODS)}")
+    if len(buffers) != len(dims):
+        raise ValueError(f"buffer_seq_dims must give one sequence dim per buffer: {len(buffers)} buffers, "
+                         f"{len(dims)} dims")
+    for i, b in enumerate(buffers):
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"buffers[{i}] must be a tensor; got {type(b).__name__}")
+        if isinstance(b, torch.nn.Parameter):
+            raise ValueError(f"buffers[{i}] is a Parameter; shard inputs and buffers, never weights")
+    for n in no_restore:
+        if not any(n is b for b in buffers):
+            raise ValueError("no_restore_buffers must be a subset of buffers (the same tensor objects)")
+    lengths = [b.size(d) for b, d in zip(buffers, dims)]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"the buffers' sequence lengths differ ({lengths} along buffer_seq_dims {list(dims)}): every "
+                         "buffer is cut the same way, so a longer table (RoPE for the longest sequence) must be sliced "
+                         "to this batch's length first")
+    chunks = cp_mesh.size() * (2 if load_balance else 1)
+    if lengths and lengths[0] % chunks:
+        raise ValueError(f"a sequence of {lengths[0]} positions does not split into {chunks} equal chunks (CP "
+                         f"{cp_mesh.size()}{', head-tail load balancing: 2 per rank' if load_balance else ''})")
+    return lengths[0] if lengths else None
+
+
+@contextlib.contextmanager
+def context_parallel(
+    cp_mesh: DeviceMesh,
+    *,
+    buffers: Sequence[torch.Tensor] | None = None,
+    buffer_seq_dims: Sequence[int] | None = None,
+    no_restore_buffers: set[torch.Tensor] | None = None,
+    load_balance: bool = True,
+    rotate: str = "alltoall",
+) -> Iterator[None]:
+    """Context parallelism over ``cp_mesh`` for the SDPA calls and ``buffers`` inside the block (see the module).
+
+    Args:
+        cp_mesh: the 1-D CP mesh, ``VESCALE_DEVICE_MESH["CP"]``.
+        buffers: tensors that carry the sequence (tokens, labels, positions, RoPE tables), cut in place.
+        buffer_seq_dims: the sequence dim of each buffer.
+        no_restore_buffers: buffers left as their shard on exit.
+        load_balance: head-tail sharding (exact; evens out causal attention's work over the ring).
+        rotate: how keys and values travel, ``"alltoall"`` (a ring) or ``"allgather"``.
+
+    On CP = 2 with ``buffers=[x]`` of ``x.shape == (B, 8)`` and load balancing, rank 0 holds positions
+    ``0, 1, 6, 7`` and rank 1 ``2, 3, 4, 5`` inside the block; the model's causal SDPA on rank 1 returns rows
+    2..5 of attention over all 8 positions.
+    """
+    buffers = list(buffers or [])
+    dims = list(buffer_seq_dims or [])
+    no_restore = set(no_restore_buffers or ())
+    seq_len = _check_arguments(cp_mesh, buffers, dims, no_restore, load_balance, rotate)
+    rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+    kept = [None if any(b is n for n in no_restore) else b.clone() for b in buffers]
+    with torch.no_grad():
+        for b, d in zip(buffers, dims):
+            shard = shard_sequence(b, rank, size, dim=d, load_balance=load_balance).clone()
+            b.resize_(shard.shape)
+            b.copy_(shard)
+    context = _Context(cp_mesh, load_balance, rotate, seq_len, {id(b) for b in buffers})
+    _STATE.active = [*getattr(_STATE, "active", []), context]
+    original, F.scaled_dot_product_attention = F.scaled_dot_product_attention, _patched_sdpa
+    try:
+        with _RingSDPA(context):
+            yield
+    finally:
+        F.scaled_dot_product_attention = original
+        _STATE.active = [c for c in _STATE.active if c is not context]
+        with torch.no_grad():
+            for b, old in zip(buffers, kept):
+                if old is not None:
+                    b.resize_(old.shape)
+                    b.copy_(old)
+    if context.checkpointed > 0:
+        raise RuntimeError(
+            f"context_parallel exited with {context.checkpointed} ring attention call(s) under activation checkpointing "
+            "still to go backward: the recompute would run SDPA outside the ring. Call loss.backward() inside the "
+            "context"
+        )
