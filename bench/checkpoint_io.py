@@ -29,9 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
-sys.path.insert(0, str(GPT_EXAMPLE))
-from model import GPT, GPTConfig  # noqa: E402
+from vemesh.models.gpt import GPT, GPTConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from two_ranks import run_on_two_ranks  # noqa: E402

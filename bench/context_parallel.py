@@ -13,9 +13,10 @@ round the ring) for CP > 1 and torch's SDPA for CP = 1. The figure is the peak o
 activations and temporaries, the inputs counted too), the largest over the ranks. The target is
 about ``1/CP`` of the CP=1 peak.
 
-**Step time.** On 2 ranks, the GPT example's model and loss on the same global batch: CP=1 is
-``(DP=2)`` (each rank a whole sequence of half the rows), CP=2 is ``(CP=2)`` (each rank half of
-every sequence, ring attention). Both average gradients with vemesh's DDP and step AdamW. Steps
+**Step time.** On 2 ranks, the GPT preset (``vemesh.models.gpt``) on the same global batch: CP=1 is
+``(DP=2)`` (each rank a whole sequence of half the rows), CP=2 is ``(CP=2)`` (each rank half of every
+sequence inside ``vemesh.parallel.context_parallel``, ring attention). Both average gradients with
+vemesh's DDP at its defaults and step AdamW. Steps
 of the two are interleaved (the order rotates every round, a step's time is the slower rank's),
 and the ratio is the median over rounds of CP=2 / CP=1.
 """
@@ -23,6 +24,7 @@ and the ratio is the median over rounds of CP=2 / CP=1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -33,16 +35,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
-sys.path.insert(0, str(GPT_EXAMPLE))  # the example's modules import each other by plain name
-from cp import apply_cp, shard_batch  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from train import loss_fn  # noqa: E402
 from two_ranks import run_on_ranks  # noqa: E402
 
 from vemesh import VeDeviceMesh  # noqa: E402
-from vemesh.parallel.context import ring_attention, shard_sequence  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
+from vemesh.models.gpt import GPT, GPTConfig  # noqa: E402
+from vemesh.parallel import ParallelDims, context_parallel  # noqa: E402
+from vemesh.parallel.context import ring_attention, shard_sequence  # noqa: E402
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
 
 HEADS, HEAD_DIM = 4, 64
 
@@ -79,17 +83,12 @@ def step_times(seq: int, rounds: int, warmup: int) -> dict[str, float]:
     """Median CP=2 / CP=1 GPT step time on 2 ranks, interleaved."""
     contenders = {}
     for cp in (1, 2):
-        mesh = VeDeviceMesh()
-        mesh.init_device_mesh("cpu", (2 // cp, cp), mesh_dim_names=("DP", "CP"))
-        if cp > 1:
-            mesh.flatten(("DP", "CP"), "dp_cp")
+        dims = ParallelDims(2, cp=cp, mesh_dims=("DP", "CP"))
+        mesh = dims.build("cpu", VeDeviceMesh())
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=seq, n_layer=2, n_head=HEADS, n_embd=HEADS * HEAD_DIM))
-        if cp > 1:
-            apply_cp(model, mesh["CP"], seq, load_balance=True)
-        ddp = DDP(model, mesh["dp_cp" if cp > 1 else "DP"])
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        contenders[cp] = (mesh, ddp, opt)
+        ddp = DDP(model, mesh[dims.grad_dim])  # DP, or dp_cp
+        contenders[cp] = (mesh, ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (2, seq + 1), generator=g)
     times: dict[int, list[float]] = {1: [], 2: []}
@@ -97,14 +96,15 @@ def step_times(seq: int, rounds: int, warmup: int) -> dict[str, float]:
         for cp in ((1, 2) if r % 2 == 0 else (2, 1)):
             mesh, ddp, opt = contenders[cp]
             rows = x[mesh.lookup_rank("DP")::mesh.get_strategy_size("DP")]
-            inp, tgt = rows[:, :-1], rows[:, 1:]
-            if cp > 1:
-                inp, tgt = shard_batch(inp, mesh["CP"], True), shard_batch(tgt, mesh["CP"], True)
+            inp, tgt = rows[:, :-1].clone(), rows[:, 1:].clone()
+            context = context_parallel(mesh["CP"], buffers=[inp, tgt, ddp.module.pos],
+                                       buffer_seq_dims=[1, 1, 0]) if cp > 1 else contextlib.nullcontext()
             dist.barrier()
             t0 = time.perf_counter()
-            opt.zero_grad()
-            loss_fn(ddp(inp), tgt).backward()
-            opt.step()
+            with context:
+                opt.zero_grad()
+                loss_fn(ddp(inp), tgt).backward()
+                opt.step()
             spent = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(spent, op=dist.ReduceOp.MAX)
             if r >= warmup:

@@ -6,11 +6,11 @@ Run (ranks spawned by the script; BENCHMARKS.md's "Mixture of experts" figures c
     OMP_NUM_THREADS=1 python bench/moe.py --json bench/results/moe.json
     python bench/moe.py --quick      # smoke run (a test runs it)
 
-Each contender is the GPT example's model with every MLP a MoE (E experts, top-k), on a mesh
-``(DP=4)`` whose DP ranks fold into ``(EDP, EP)`` as ``train.py`` folds them, wrapped in vemesh's DDP
-(``expert_data_parallel`` for EP > 1) and stepping AdamW on the same global batch.
+Each contender is the GPT preset (``vemesh.models.gpt``) with every MLP a MoE (E experts, top-k), on a mesh
+``(DP=4)`` whose DP ranks fold into ``(EDP, EP)`` by ``ParallelDims``, its experts spread by
+``vemesh.parallel.ExpertParallel``, wrapped in vemesh's DDP and stepping AdamW on the same global batch.
 
-**All-to-all bytes.** The example's token exchange is wrapped to count what each rank puts into its
+**All-to-all bytes.** The library's token exchange is wrapped to count what each rank puts into its
 all-to-alls, forward (slots out, outputs back) and backward (the gradients of both, counted where they
 enter the exchange). The analytic count per rank and step is ``4 x MoE layers x N x k x C x 4`` bytes
 (N tokens of the rank, k slots each, C features in fp32, four exchanges); every slot is sent, to its
@@ -36,16 +36,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
-sys.path.insert(0, str(GPT_EXAMPLE))  # the example's modules import each other by plain name
-import ep as ep_module  # noqa: E402
-from ep import apply_ep, expert_parameters, fold_experts  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from train import loss_fn  # noqa: E402
+from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 from two_ranks import run_on_ranks  # noqa: E402
 
+import vemesh.parallel.experts.exchange as exchange_module  # noqa: E402
 from vemesh import VeDeviceMesh  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
+from vemesh.models.gpt import GPT, GPTConfig  # noqa: E402
+from vemesh.parallel import ExpertParallel, ParallelDims  # noqa: E402
+from vemesh.parallel.experts import is_expert  # noqa: E402
+from vemesh.parallel.ddp.grad_buffer import local_tensor  # noqa: E402
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
 
 WORLD = 4
 
@@ -55,7 +60,7 @@ class ExchangeCounter:
 
     def __init__(self) -> None:
         self.total = self.off_rank = 0
-        self.inner = ep_module._exchange
+        self.inner = exchange_module._exchange
 
     def __call__(self, x, recv, send, group):
         me = dist.get_rank(group)
@@ -73,20 +78,18 @@ class ExchangeCounter:
 
 def contenders_step(cfg: dict, rounds: int, warmup: int) -> dict:
     counter = ExchangeCounter()
-    ep_module._exchange = counter
+    exchange_module._exchange = counter
     runs = {}
     for ep in cfg["eps"]:
-        mesh = VeDeviceMesh()
-        mesh.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("DP",))
-        if ep > 1:
-            fold_experts(mesh, "DP", ep)
+        mesh = ParallelDims(WORLD, ep=ep).build("cpu", VeDeviceMesh())
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=cfg["seq"], n_layer=cfg["layers"], n_head=4, n_embd=cfg["embd"],
                               moe_experts=cfg["experts"], moe_top_k=cfg["top_k"]))
         extra = {}
         if ep > 1:
-            apply_ep(model, mesh["EP"])
-            extra = dict(expert_data_parallel=mesh["EDP"], expert_parameters=expert_parameters(model))
+            for moe in model.moe_layers():
+                parallelize_module(moe.experts, mesh["EP"], ExpertParallel())
+            extra = dict(expert_data_parallel=mesh["EDP"], expert_parameters=[p for p in model.parameters() if is_expert(p)])
         ddp = DDP(model, mesh["DP"], **extra)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         runs[ep] = (mesh, ddp, opt)
@@ -113,10 +116,11 @@ def contenders_step(cfg: dict, rounds: int, warmup: int) -> dict:
     out = {"config": cfg, "ep": {}}
     for ep in cfg["eps"]:
         mesh, ddp, opt = runs[ep]
-        experts = {id(p) for p in expert_parameters(ddp.module)}
-        params = [p for p in ddp.module.parameters() if id(p) in experts]
-        state = sum(t.numel() * t.element_size() for p in params for t in opt.state[p].values() if torch.is_tensor(t) and t.ndim)
-        memory = sum(p.numel() * p.element_size() + p.main_grad.numel() * p.main_grad.element_size() for p in params) + state
+        params = [p for m in ddp.module.moe_layers() for p in m.experts.parameters()]
+        state = sum(local_tensor(t).numel() * t.element_size() for p in params for t in opt.state[p].values()
+                    if torch.is_tensor(t) and t.ndim)
+        memory = sum(local_tensor(p).numel() * p.element_size() + p.main_grad.numel() * p.main_grad.element_size()
+                     for p in params) + state
         total = torch.tensor([float(traffic[ep][0]), float(traffic[ep][1])], dtype=torch.float64)
         dist.all_reduce(total)  # summed over the ranks, reported per rank
         out["ep"][ep] = {
@@ -127,7 +131,7 @@ def contenders_step(cfg: dict, rounds: int, warmup: int) -> dict:
             "expert_bytes_per_rank": memory,
         }
         mesh.reset()
-    ep_module._exchange = counter.inner
+    exchange_module._exchange = counter.inner
     return out
 
 

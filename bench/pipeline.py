@@ -7,7 +7,7 @@ Run (2 ranks, spawned by the script; BENCHMARKS.md's "Pipeline" figures come fro
 
 Both sides train the GPT example's model on the same global batch with the example's code:
 PP=1 is ``DDP`` on a 2-rank DP mesh with the ZeRO-1 optimizer, each rank running half the
-batch; PP=2 cuts the model into 2 stages (``examples/gpt/pipeline.py``) and runs torch's
+batch; PP=2 cuts the model into 2 stages (``vemesh.models.gpt.cut_stage``) and runs torch's
 ``ScheduleGPipe`` / ``Schedule1F1B`` with ``m`` micro-batches. Steps of all contenders are
 interleaved (the order rotates every round, each step starts after a barrier, a step's time is
 the slower rank's), and a ratio is the median over rounds of PP=2 / PP=1 in the same round.
@@ -35,8 +35,9 @@ from torch.distributed.device_mesh import init_device_mesh
 GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 sys.path.insert(0, str(GPT_EXAMPLE))  # the example's modules import each other by plain name
 from data import VOCAB_SIZE, ByteDataset  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from pipeline import Pipeline, cut_stage  # noqa: E402
+from pipeline import Pipeline  # noqa: E402  (the example's runner of torch's schedules)
+
+from vemesh.models.gpt import GPT, GPTConfig, cut_stage  # noqa: E402
 from train import loss_fn  # noqa: E402
 from two_ranks import run_on_two_ranks  # noqa: E402
 

@@ -11,7 +11,7 @@ Run (2 ranks, spawned by the script; BENCHMARKS.md's "Training step" figures com
 Under ``torchrun --nproc-per-node 2 bench/train_step.py`` it uses torchrun's ranks instead, and skips
 the memory table (that needs a fresh process per contender).
 
-The default model is the GPT example's (``examples/gpt/model.py``), trained with its step
+The default model is the GPT preset (``vemesh.models.gpt``, what the example trains), trained with its step
 (``train.py``: ``opt.zero_grad()``, ``loss_fn(model(x), y).backward()``, ``clip_grad_norm_`` to
 ``--grad-clip``, ``opt.step()``: torch's loop, the same calls for every contender) on its byte-level data, every
 rank taking its own DP slice of each global batch. ``--model mlp`` is issue 3's MLP on random
@@ -86,7 +86,7 @@ from vemesh.optim import DistributedOptimizer
 GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 sys.path.insert(0, str(GPT_EXAMPLE))  # the example's modules import each other by plain name
 from data import VOCAB_SIZE, ByteDataset  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from vemesh.models.gpt import GPT, GPTConfig  # noqa: E402
 from train import loss_fn as gpt_loss_fn  # noqa: E402
 
 

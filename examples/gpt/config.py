@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from vemesh.layout import fill_in
+
 
 class ConfigError(ValueError):
     """A bad configuration; ``str()`` is a user-facing message, one problem per line."""
@@ -235,10 +237,27 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        """Every combination of flags, one concern after another (each method names the flags it checks)."""
+        self._check_device()
+        self._check_mesh()
+        self._check_cp()
+        self._check_pp()
+        self._check_fsdp()
+        self._check_moe()
+        self._check_ft()
+        self._check_model_and_batch()
+        self._check_memory()
+        self._check_checkpoints_and_faults()
+        return self
+
+    def _check_device(self) -> None:
         if self.device == "auto":
             object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         elif self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch build sees no CUDA device (use --device cpu or auto)")
+
+    def _check_mesh(self) -> None:
+        """--mesh-shape and --mesh-dims: one size per name, the -1 filled in from the world size."""
         W = self.world_size
         if self.mesh_dims is not None and self.mesh_shape is None:
             raise ValueError(f"--mesh-dims {','.join(self.mesh_dims)} needs --mesh-shape with one size per name")
@@ -252,80 +271,94 @@ class TrainConfig(BaseModel):
         if self.mesh_shape is None:
             tp = 2 if W % 2 == 0 else 1
             object.__setattr__(self, "mesh_shape", (W // tp, tp))
-        shape = list(self.mesh_shape)
-        text = ",".join(map(str, shape))
-        if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+        text = ",".join(map(str, self.mesh_shape))
+        if self.mesh_shape.count(-1) > 1 or any(s == 0 or s < -1 for s in self.mesh_shape):
             raise ValueError(f"--mesh-shape: sizes must be positive, with at most one -1; got {text}")
-        if -1 in shape:
-            known = math.prod(s for s in shape if s != -1)
-            if W % known:
-                raise ValueError(f"--mesh-shape: {text} cannot fill a world of {W} processes ({known} does not divide {W})")
-            shape[shape.index(-1)] = W // known
+        shape = fill_in(self.mesh_shape, W)  # the library's one place for a -1
+        if shape is None:
+            known = math.prod(s for s in self.mesh_shape if s != -1)
+            raise ValueError(f"--mesh-shape: {text} cannot fill a world of {W} processes ({known} does not divide {W})")
         if math.prod(shape) != W:
             hint = "" if W > 1 else "; launch with torchrun --nproc_per_node=N to use N processes"
             raise ValueError(f"--mesh-shape: {'x'.join(map(str, shape))} needs {math.prod(shape)} processes but the world has {W}{hint}")
         self._shape = tuple(shape)
-        pp, dp, tp, cp = self.pp_size, self.dp_size, self.tp_size, self.cp_size
+
+    def _check_cp(self) -> None:
+        """A CP dim: the sequence splits evenly; no attention dropout; not with sequence parallelism."""
+        cp = self.cp_size
+        if cp == 1:
+            return
+        chunks = 2 * cp if self.cp_load_balance else cp
+        if self.seq_len % chunks:
+            raise ValueError(
+                f"--seq-len {self.seq_len} does not split over CP {cp}: each CP rank holds "
+                + (f"2 of {chunks} equal chunks (head-tail load balancing)" if self.cp_load_balance
+                   else f"1 of {chunks} equal slices")
+                + f"; use a multiple of {chunks}" + (" or --no-cp-load-balance" if self.cp_load_balance else "")
+            )
+        if self.dropout:
+            raise ValueError(f"--dropout {self.dropout}: CP's ring attention supports no attention dropout; "
+                             "use --dropout 0 with a CP dim")
+        if self.sequence_parallel:
+            raise ValueError("--sequence-parallel shards the sequence over TP; with a CP dim the sequence is "
+                             "already split over CP: drop one of them")
+
+    def _check_pp(self) -> None:
+        """A PP dim: enough blocks for the stages, micro-batches the schedule can take."""
+        pp, dp, cp = self.pp_size, self.dp_size, self.cp_size
         if "PP" not in self.mesh_dim_names and (self.microbatches is not None or "pp_schedule" in self.model_fields_set):
             raise ValueError("--microbatches and --pp-schedule need a PP dim: a 3-D --mesh-shape PP,DP,TP, "
                              "or PP in --mesh-dims")
-        if cp > 1:
-            chunks = 2 * cp if self.cp_load_balance else cp
-            if self.seq_len % chunks:
-                raise ValueError(
-                    f"--seq-len {self.seq_len} does not split over CP {cp}: each CP rank holds "
-                    + (f"2 of {chunks} equal chunks (head-tail load balancing)" if self.cp_load_balance
-                       else f"1 of {chunks} equal slices")
-                    + f"; use a multiple of {chunks}" + (" or --no-cp-load-balance" if self.cp_load_balance else "")
-                )
-            if self.dropout:
-                raise ValueError(f"--dropout {self.dropout}: CP's ring attention supports no attention dropout; "
-                                 "use --dropout 0 with a CP dim")
-            if self.sequence_parallel:
-                raise ValueError("--sequence-parallel shards the sequence over TP; with a CP dim the sequence is "
-                                 "already split over CP: drop one of them")
-        if pp > 1:
-            stages = pp * (2 if self.pp_schedule in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev") else 1)
-            if stages > self.n_layer:
-                raise ValueError(
-                    f"--mesh-shape: {stages} pipeline stages ({f'2 per PP rank with {self.pp_schedule}, ' if stages > pp else ''}"
-                    f"PP={pp}) cannot split --n-layer {self.n_layer}; use at most {self.n_layer} stages"
-                )
-            m = self.microbatches if self.microbatches is not None else 2 * pp
-            object.__setattr__(self, "microbatches", m)
-            per_rank = self.global_batch_size // dp if self.global_batch_size % dp == 0 else None
-            if per_rank is not None and per_rank % m:
-                raise ValueError(
-                    f"--microbatches {m} does not divide the {per_rank} sequences per DP rank "
-                    f"(--global-batch-size {self.global_batch_size} / DP {dp})"
-                )
-            if self.pp_schedule == "1f1b" and m < pp:
-                raise ValueError(f"--microbatches {m}: the 1f1b schedule needs at least one per stage ({pp})")
-            rounds = max(1, m // pp)
-            if self.pp_schedule in ("interleaved-1f1b", "interleaved-zb") and m % rounds:
-                raise ValueError(f"--microbatches {m}: {self.pp_schedule} needs a multiple of its {rounds} rounds (m // PP)")
-            if self.pp_schedule in ("interleaved-zb", "zbv", "dualpipev") and dp * cp > 1 and self.fsdp:
-                raise ValueError(
-                    f"--pp-schedule {self.pp_schedule} with --fsdp and DP {dp * cp}: torch's zero-bubble schedules add "
-                    "the weight gradients outside autograd's hooks, so FSDP2's reduce-scatter misses them (measured: "
-                    "the loss drifts 1e-2 from one process). Use DDP + ZeRO-1 (drop --fsdp), or gpipe, 1f1b or "
-                    "interleaved-1f1b with --fsdp"
-                )
-            if self.pp_schedule in ("zbv", "dualpipev") and m < stages:
-                raise ValueError(f"--microbatches {m}: {self.pp_schedule} needs at least one per stage ({stages}: 2 per "
-                                 f"PP rank)")
-        if self.fsdp:
-            given = sorted(f for f in ("distributed_optimizer", "overlap_grad_reduce") if f in self.model_fields_set)
-            if given:
-                raise ValueError(f"--fsdp shards the optimizer state and reduces gradients itself; "
-                                 f"{', '.join(_flag(f) for f in given)} does not apply to it")
-            if dp % self.dp_replicate:
-                divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
-                raise ValueError(f"--dp-replicate {self.dp_replicate} does not divide the DP size {dp} (choose from {divisors})")
-        elif "dp_replicate" in self.model_fields_set:
-            raise ValueError(f"--dp-replicate {self.dp_replicate} splits DP for HSDP; it needs --fsdp")
-        self._check_moe()
-        self._check_ft()
+        if pp == 1:
+            return
+        stages = pp * (2 if self.pp_schedule in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev") else 1)
+        if stages > self.n_layer:
+            raise ValueError(
+                f"--mesh-shape: {stages} pipeline stages ({f'2 per PP rank with {self.pp_schedule}, ' if stages > pp else ''}"
+                f"PP={pp}) cannot split --n-layer {self.n_layer}; use at most {self.n_layer} stages"
+            )
+        m = self.microbatches if self.microbatches is not None else 2 * pp
+        object.__setattr__(self, "microbatches", m)
+        per_rank = self.global_batch_size // dp if self.global_batch_size % dp == 0 else None
+        if per_rank is not None and per_rank % m:
+            raise ValueError(
+                f"--microbatches {m} does not divide the {per_rank} sequences per DP rank "
+                f"(--global-batch-size {self.global_batch_size} / DP {dp})"
+            )
+        if self.pp_schedule == "1f1b" and m < pp:
+            raise ValueError(f"--microbatches {m}: the 1f1b schedule needs at least one per stage ({pp})")
+        rounds = max(1, m // pp)
+        if self.pp_schedule in ("interleaved-1f1b", "interleaved-zb") and m % rounds:
+            raise ValueError(f"--microbatches {m}: {self.pp_schedule} needs a multiple of its {rounds} rounds (m // PP)")
+        if self.pp_schedule in ("interleaved-zb", "zbv", "dualpipev") and dp * cp > 1 and self.fsdp:
+            raise ValueError(
+                f"--pp-schedule {self.pp_schedule} with --fsdp and DP {dp * cp}: torch's zero-bubble schedules add "
+                "the weight gradients outside autograd's hooks, so FSDP2's reduce-scatter misses them (measured: "
+                "the loss drifts 1e-2 from one process). Use DDP + ZeRO-1 (drop --fsdp), or gpipe, 1f1b or "
+                "interleaved-1f1b with --fsdp"
+            )
+        if self.pp_schedule in ("zbv", "dualpipev") and m < stages:
+            raise ValueError(f"--microbatches {m}: {self.pp_schedule} needs at least one per stage ({stages}: 2 per "
+                             f"PP rank)")
+
+    def _check_fsdp(self) -> None:
+        """--fsdp and --dp-replicate (HSDP)."""
+        dp = self.dp_size
+        if not self.fsdp:
+            if "dp_replicate" in self.model_fields_set:
+                raise ValueError(f"--dp-replicate {self.dp_replicate} splits DP for HSDP; it needs --fsdp")
+            return
+        given = sorted(f for f in ("distributed_optimizer", "overlap_grad_reduce") if f in self.model_fields_set)
+        if given:
+            raise ValueError(f"--fsdp shards the optimizer state and reduces gradients itself; "
+                             f"{', '.join(_flag(f) for f in given)} does not apply to it")
+        if dp % self.dp_replicate:
+            divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+            raise ValueError(f"--dp-replicate {self.dp_replicate} does not divide the DP size {dp} (choose from {divisors})")
+
+    def _check_model_and_batch(self) -> None:
+        """The model's heads split over TP; the global batch over DP, in whole micro-batches."""
+        pp, dp, tp = self.pp_size, self.dp_size, self.tp_size
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
         if self.n_head % tp:
@@ -340,14 +373,6 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--sequence-parallel: --seq-len {self.seq_len} must be divisible by the TP size {tp}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
-        need, have = self.memory_estimate()
-        if need > have:
-            raise ValueError(
-                f"this run needs about {need / 2**30:.1f} GiB per process (parameters, gradients and AdamW state of "
-                f"{self.n_params() / 1e6:.1f}M parameters, and the activations of {self.global_batch_size // dp} sequences "
-                f"of --seq-len {self.seq_len}), but each of this host's {self.local_world_size} processes has "
-                f"{have / 2**30:.1f} GiB; lower --global-batch-size, --seq-len or the model size"
-            )
         if self.micro_batch_size is not None:
             if pp > 1:
                 raise ValueError("--micro-batch-size splits the batch of the DDP path; with PP > 1 use --microbatches")
@@ -357,6 +382,22 @@ class TrainConfig(BaseModel):
                     f"--micro-batch-size {self.micro_batch_size} does not divide the {per_rank} sequences per DP rank "
                     f"(--global-batch-size {self.global_batch_size} / DP {dp})"
                 )
+
+    def _check_memory(self) -> None:
+        """The run fits in each process's share of this host's memory (roughly: see memory_estimate)."""
+        dp = self.dp_size
+        need, have = self.memory_estimate()
+        if need > have:
+            raise ValueError(
+                f"this run needs about {need / 2**30:.1f} GiB per process (parameters, gradients and AdamW state of "
+                f"{self.n_params() / 1e6:.1f}M parameters, and the activations of {self.global_batch_size // dp} sequences "
+                f"of --seq-len {self.seq_len}), but each of this host's {self.local_world_size} processes has "
+                f"{have / 2**30:.1f} GiB; lower --global-batch-size, --seq-len or the model size"
+            )
+
+    def _check_checkpoints_and_faults(self) -> None:
+        """Checkpoint flags need --checkpoint-dir; fault injections land on a step that runs."""
+        pp = self.pp_size
         if self.checkpoint_interval_s and not self.checkpoint_dir:
             raise ValueError(f"--checkpoint-interval-s {self.checkpoint_interval_s} needs --checkpoint-dir")
         if self.checkpoint_every and not self.checkpoint_dir:
@@ -367,7 +408,6 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--nan-at-step {self.nan_at_step} is after the last step (--steps {self.steps})")
         if self.fail_at_step is not None and self.fail_at_step > self.steps:
             raise ValueError(f"--fail-at-step {self.fail_at_step} is after the last step (--steps {self.steps})")
-        return self
 
     def _check_moe(self) -> None:
         E, k, ep = self.moe_experts, self.moe_top_k, self.ep

@@ -58,11 +58,11 @@ On GPUs (nccl) and across nodes the same script runs unchanged:
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         examples/gpt/train.py --mesh-shape -1,8
 
-What each rank does: every rank builds the same model from the same seed; TP
-shards it over ``VESCALE_DEVICE_MESH["TP"]``; DDP averages gradients over
-``VESCALE_DEVICE_MESH["DP"]`` during backward; the ZeRO-1 optimizer (a
-``torch.optim.Optimizer``) steps 1/DP of the state on each DP rank (or, with
-``--fsdp``, torch's FSDP2 shards parameters, gradients and AdamW state over DP). The loop is
+What each rank does: ``ParallelDims`` builds the mesh and every dim derived from it; every rank builds the
+same model (``vemesh.models.gpt``) from the same seed, and its ``parallelize`` applies TP over
+``VESCALE_DEVICE_MESH["TP"]``, EP over ``["EP"]``, activation checkpointing, and DDP over the data dims (or, with
+``--fsdp``, torch's FSDP2); each step runs inside ``context_parallel`` when there is a CP dim. The ZeRO-1
+optimizer (a ``torch.optim.Optimizer``) steps 1/DP of the state on each DP rank. The loop is
 torch's own: ``optimizer.zero_grad(); loss.backward(); clip_grad_norm_; optimizer.step()``. Each step, every rank draws the same global batch and keeps the
 rows of its DP rank, so the loss (the mean over the global batch) matches a
 single-process run of the same config.
@@ -76,25 +76,25 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from config import ConfigError, TrainConfig
-from cp import apply_cp, shard_batch, without_cp
-from ep import apply_ep, expert_parameters, sum_counts, take_load
-from ep import layout_line as expert_layout_line
 from data import VOCAB_SIZE, ByteDataset, decode, encode
-from model import GPT, GPTConfig
-from pipeline import Pipeline, cut_stage, generate, layout_line, split_layers, stage_indices, stages_per_rank, to_rank0
+from moe import experts_line, sum_counts, take_load
+from pipeline import Pipeline, generate, layout_line, to_rank0
 from stopping import StopRequest
 from vemesh import VESCALE_DEVICE_MESH, checkpoint
-from vemesh.parallel import ParallelDims
-from vemesh.ddp import DistributedDataParallel as DDP
 from vemesh.ft import ReplicaError
+from vemesh.models.gpt import GPT, GPTConfig, cut_stage, parallelize, split_layers, stage_indices, stages_per_rank
 from vemesh.optim import DistributedOptimizer, clip_grad_norm_
+from vemesh.parallel import ParallelDims, context_parallel
+from vemesh.parallel.context import positions
 
 SAMPLE_PROMPT = "def "
 
@@ -126,39 +126,59 @@ def dp_mean(value: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
     return value.item() / dist.get_world_size(dp_group)
 
 
-@torch.no_grad()
-def evaluate(forward, dataset: ByteDataset, cfg: TrainConfig, *, dp_rank: int, dp_size: int, dp_group,
-             device, cut=lambda t: t, last_pp: int | None = None) -> float | None:
-    """Mean loss over ``cfg.eval_batches`` fixed global batches of the held-out split, on global rank 0.
+@dataclass
+class Job:
+    """Everything a step needs, set up once: the mesh's sizes and groups, the model and the optimizer."""
 
-    ``forward(x)`` returns the logits, or None on a pipeline rank without the last stage; ``cut``
-    keeps this CP rank's tokens; ``dp_group`` holds the ranks whose means make the global one.
-    """
-    losses = []
-    for i in range(cfg.eval_batches):
-        x, y = map(cut, dataset.get_batch("val", step=i, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
-                                          seq_len=cfg.seq_len, dp_rank=dp_rank, dp_size=dp_size))
-        logits = forward(x.to(device))
-        if logits is not None:
-            losses.append(loss_fn(logits, y.to(device)))
-    loss = dp_mean(torch.stack(losses).mean(), dp_group) if losses else None
-    return to_rank0(loss if loss is None else torch.tensor(loss), last_pp)
+    cfg: TrainConfig
+    dataset: ByteDataset
+    dims: ParallelDims
+    device: torch.device
+    dtype: torch.dtype
+    meter: Any = None
+    replicas: Any = None
+    parts: list[torch.nn.Module] = field(default_factory=list)  # this rank's model, or its pipeline stages, unwrapped
+    chunks: list[torch.nn.Module] = field(default_factory=list)  # the same, wrapped in DDP or sharded by FSDP2
+    model: Any = None  # what the optimizer and checkpoints take: the wrapped model, or the list of stages
+    optimizer: Any = None
+    pipe: Pipeline | None = None
+    last_pp: int | None = None  # the PP rank holding the last stage (and the loss)
+
+    @property
+    def dp_size(self) -> int:  # each DP rank takes its rows of the global batch
+        return VESCALE_DEVICE_MESH.get_strategy_size("DP")
+
+    @property
+    def dp_rank(self) -> int:
+        return VESCALE_DEVICE_MESH.lookup_rank("DP")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:  # the ranks whose means make the global batch's: DP, or dp_cp
+        return VESCALE_DEVICE_MESH.get_group(self.dims.grad_dim)
+
+    def cp(self, *tensors: torch.Tensor) -> contextlib.AbstractContextManager:
+        """The context a step runs in: with CP, each rank keeps its part of the sequence of ``tensors`` (and of the
+        stages' position buffers), and attention is ring attention over mesh["CP"]."""
+        if self.dims.cp == 1:
+            return contextlib.nullcontext()
+        buffers = [*tensors, *(p.pos for p in self.parts)]
+        return context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=buffers, load_balance=self.cfg.cp_load_balance,
+                                buffer_seq_dims=[1] * len(tensors) + [0] * len(self.parts))
 
 
 def main(argv: list[str] | None = None) -> int:
-    # --------------------------------------------------------------- config
-    try:
+    try:  # bad flags or data: one clear message, no traceback, exit code 2
         cfg = TrainConfig.from_args(argv)
-        # ------------------------------------------------------------- data
         dataset = ByteDataset(cfg.data, max_bytes=cfg.max_data_bytes, val_fraction=cfg.val_fraction)
         dataset.check(cfg.seq_len)
-    except ConfigError as e:  # bad flags or data: one clear message, no traceback, exit code 2
+    except ConfigError as e:
         print0(f"error: {e}".replace("\n", "\nerror: "), file=sys.stderr)
         return 2
     meter = None
     if cfg.memory_report:  # measured from the first allocation: the mesh, the model, the wrappers, the steps
         from vemesh.planning.measure import RunMeter
         meter = RunMeter()
+        meter.exclude(dataset.train, dataset.val)  # the corpus is host data that batches are cut from
     try:
         with meter or contextlib.nullcontext():
             code = run(cfg, dataset, meter)
@@ -170,363 +190,409 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
-    """Build the mesh, the model and the optimizer, train, and return the exit code."""
-    if meter is not None:  # the corpus is host data that batches are cut from, not this rank's device memory
-        meter.exclude(dataset.train, dataset.val)
-    # ------------------------------------------------------- device and mesh
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device_type = cfg.device  # "auto" was resolved to "cuda" or "cpu" by the config
-    if device_type == "cuda":
+    """Build the mesh, the model and the optimizer, resume, train, and return the exit code."""
+    job = setup(cfg, dataset, meter)
+    build_model(job)
+    build_optimizer(job)
+    try:
+        start_step = resume(job)
+    except checkpoint.CheckpointError as e:
+        print0(f"error: cannot resume: {e}".replace("\n", "\nerror: "), file=sys.stderr)
+        return shutdown(cfg, 1, release=not isinstance(e, checkpoint.CheckpointLockedError))
+    return train(job, start_step)
+
+
+def setup(cfg: TrainConfig, dataset: ByteDataset, meter) -> Job:
+    """This rank's device, and the mesh with every derived dim (the library's one rule: ParallelDims)."""
+    local_rank, local_world_size = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cfg.device == "cuda":  # "auto" was resolved to "cuda" or "cpu" by the config
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this host's ranks
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    replicate = cfg.dp_replicate if cfg.fsdp else 1
+    dims = ParallelDims(cfg.world_size, pp=cfg.pp_size, dp_replicate=replicate, dp_shard=cfg.dp_size // replicate,
+                        cp=cfg.cp_size, tp=cfg.tp_size, ep=cfg.ep, mesh_dims=cfg.mesh_dim_names)
+    dims.build(cfg.device, VESCALE_DEVICE_MESH, timeout=cfg.timeout_s)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
-
-    # The mesh and every dim derived from it (the HSDP split, dp_cp, the EDP x EP fold), by the library's one rule.
-    # Every size and rank below comes from the mesh.
-    dims = ParallelDims(cfg.world_size, pp=cfg.pp_size,
-                        dp_replicate=cfg.dp_replicate if cfg.fsdp else 1,
-                        dp_shard=cfg.dp_size // (cfg.dp_replicate if cfg.fsdp else 1), cp=cfg.cp_size, tp=cfg.tp_size,
-                        ep=cfg.ep, mesh_dims=cfg.mesh_dim_names)
-    dims.build(device_type, VESCALE_DEVICE_MESH, timeout=cfg.timeout_s)
-    mesh_shape = list(dims.mesh_shape)  # as launched, for the log and the metrics
-    mesh_text = " x ".join(f"{n}={s}" for n, s in zip(VESCALE_DEVICE_MESH.mesh_dim_names, mesh_shape))
-    dp_size = VESCALE_DEVICE_MESH.get_strategy_size("DP")  # each DP rank takes its rows of the global batch
-    cp_size = VESCALE_DEVICE_MESH.get_strategy_size("CP")  # each CP rank takes its tokens of every row
-    # Gradients and losses are averaged over every rank that holds a different part of the batch:
-    # DP alone, or DP x CP flattened into one dim (torchtitan's dp_cp) when the sequence is split too.
-    grad_dim = dims.grad_dim
-    dp_rank = VESCALE_DEVICE_MESH.lookup_rank("DP")
-    dp_group = VESCALE_DEVICE_MESH.get_group(grad_dim)
-    cp_mesh = VESCALE_DEVICE_MESH["CP"] if cp_size > 1 else None
-
-    def cut(t: torch.Tensor) -> torch.Tensor:  # this CP rank's tokens of a (B, T) batch
-        return t if cp_mesh is None else shard_batch(t, cp_mesh, cfg.cp_load_balance)
-    tp_size = VESCALE_DEVICE_MESH.get_strategy_size("TP")
-    pp_size = VESCALE_DEVICE_MESH.get_strategy_size("PP")
-    grad_accum = cfg.grad_accum_for(dp_size, pp_size)
-
-    print0(f"vemesh GPT example: {dist.get_world_size()} processes on {device_type} "
+    job = Job(cfg, dataset, dims, device, dtype, meter)
+    mesh_text = " x ".join(f"{n}={s}" for n, s in zip(dims.mesh_dims, dims.mesh_shape))
+    print0(f"vemesh GPT example: {dist.get_world_size()} processes on {cfg.device} "
            f"(backend {dist.get_backend()}), mesh {mesh_text}")
     print0(VESCALE_DEVICE_MESH.describe())
-    replicas = join_replicas(cfg, device_type, grad_dim) if cfg.ft_replica_id is not None else None
-
+    if cfg.ft_replica_id is not None:
+        job.replicas = join_replicas(cfg, dims.grad_dim, job.dp_size)
     print0(f"data: {dataset.source}: {len(dataset.train):,} train / {len(dataset.val):,} held-out bytes")
+    return job
 
-    # ----------------------------------------------------------------- model
+
+def build_model(job: Job) -> None:
+    """Every rank builds the same GPT, keeps its pipeline stages, and parallelizes them (TP, EP, checkpointing,
+    then FSDP2 or DDP: vemesh.models.gpt.parallelize)."""
+    cfg, dims = job.cfg, job.dims
     torch.manual_seed(cfg.seed)  # every rank builds the same weights before they are sharded
-    model_config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.seq_len, n_layer=cfg.n_layer,
-                             n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout,
-                             moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every)
+    config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                       n_embd=cfg.n_embd, dropout=cfg.dropout, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
+                       moe_every=cfg.moe_every)
     # FSDP2 keeps fp32 parameters and computes in bf16 (its MixedPrecisionPolicy), as ZeRO-1 keeps fp32 masters
-    model = GPT(model_config).to(device=device, dtype=torch.float32 if cfg.fsdp else dtype)
-    model.checkpoint_blocks = cfg.activation_checkpointing
+    model = GPT(config).to(device=job.device, dtype=torch.float32 if cfg.fsdp else job.dtype)
     n_params = model.num_params()
-    parts, stages = [model], [0]
-    if pp_size > 1:  # this rank's stages: the full model with the other stages' blocks removed
-        n_stages = pp_size * stages_per_rank(cfg.pp_schedule)
-        stages = stage_indices(VESCALE_DEVICE_MESH.lookup_rank("PP"), pp_size, cfg.pp_schedule)
-        parts = [cut_stage(model, s, n_stages) for s in stages]
+    stages, n_stages = [0], 1
+    job.parts = [model]
+    if dims.pp > 1:  # this rank's stages: the full model with the other stages' blocks removed
+        n_stages = dims.pp * stages_per_rank(cfg.pp_schedule)
+        stages = stage_indices(VESCALE_DEVICE_MESH.lookup_rank("PP"), dims.pp, cfg.pp_schedule)
+        job.parts = [cut_stage(model, s, n_stages) for s in stages]
         del model
-    if cfg.ep > 1:  # each EP rank keeps E / EP experts; tokens reach them by all-to-all over mesh["EP"]
-        parts = [apply_ep(p, VESCALE_DEVICE_MESH["EP"]) for p in parts]
-        lines = [None] * dist.get_world_size()
-        dist.all_gather_object(lines, expert_layout_line(VESCALE_DEVICE_MESH, cfg.moe_experts))
-        print0(f"expert parallel: EP={cfg.ep} folded over {grad_dim} ({dp_size * cp_size} ranks), EDP="
-               f"{dp_size * cp_size // cfg.ep}; {cfg.moe_experts // cfg.ep} of {cfg.moe_experts} experts per rank, "
-               f"top-{cfg.moe_top_k}; dense gradients averaged over {grad_dim}, expert gradients over EDP")
-        print0("\n".join(lines))
-    if cfg.moe_aux_loss_coef and dist.get_world_size(dp_group) > 1:  # the balance loss sees the whole batch's routing
-        for p in parts:
-            for moe in p.moe_layers():
-                moe.count = sum_counts(dp_group)
-    if tp_size > 1:
-        from tp_plan import apply_tp  # torch's tensor-parallel styles: imported only when there is a TP dim
-        parts = [apply_tp(p, VESCALE_DEVICE_MESH["TP"], sequence_parallel=cfg.sequence_parallel) for p in parts]
-    if cp_mesh is not None:  # ring attention over mesh["CP"], global positions
-        parts = [apply_cp(p, cp_mesh, cfg.seq_len, cfg.cp_load_balance) for p in parts]
-        mine = cut(torch.arange(cfg.seq_len).unsqueeze(0))[0].tolist()
-        runs = [(p, q) for p, q in zip([mine[0]] + [b for a, b in zip(mine, mine[1:]) if b != a + 1],
-                                       [a for a, b in zip(mine, mine[1:]) if b != a + 1] + [mine[-1]])]
-        print0(f"context parallel: CP={cp_size} over mesh[\"CP\"], ring attention; each rank holds "
-               f"{cfg.seq_len // cp_size} of {cfg.seq_len} tokens per sequence "
-               + ("(head-tail load balancing: 2 chunks)" if cfg.cp_load_balance else "(one contiguous slice)")
-               + f"; rank 0 (CP rank {VESCALE_DEVICE_MESH.lookup_rank('CP')}) holds positions "
-               + ", ".join(f"{p}..{q}" for p, q in runs)
-               + f"; gradients averaged over {grad_dim} = DP x CP ({dp_size * cp_size} ranks)")
-    raw_model = parts[0]  # for eval and generation without PP, without the DDP wrapper
-    if cfg.fsdp:  # torch's FSDP2 on the DP (x CP) view, 2-D for HSDP: each block, then the rest
-        shard_mesh = VESCALE_DEVICE_MESH[dims.fsdp_dims]  # HSDP: (dp_replicate, dp_shard[_cp]); else grad_dim
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        chunks = []
-        for part in parts:  # with PP, each stage of this rank is sharded on its own (torchtitan's way)
-            for block in part.h.values():
-                if cfg.ep > 1 and hasattr(block.mlp, "experts"):  # experts shard over EDP, summed there, / DP x CP
-                    fully_shard(block.mlp.experts, mesh=VESCALE_DEVICE_MESH["EDP"], mp_policy=mp)
-                    block.mlp.experts.set_gradient_divide_factor(float(dp_size * cp_size))
-                    if dp_size * cp_size > cfg.ep:  # EDP > 1: sum, then divide (gloo has no PREMUL_SUM); on one
-                        block.mlp.experts.set_force_sum_reduction_for_comms(True)  # rank torch 2.13 would divide twice
-                fully_shard(block, mesh=shard_mesh, mp_policy=mp)
-            chunks.append(fully_shard(part, mesh=shard_mesh, mp_policy=mp))
-    else:
-        chunks = []
-        for p in parts:  # with EP, experts average over EDP (the ranks that hold the same ones)
-            experts = dict(expert_data_parallel=VESCALE_DEVICE_MESH["EDP"], expert_parameters=expert_parameters(p)) \
-                if cfg.ep > 1 else {}
-            chunks.append(DDP(p, VESCALE_DEVICE_MESH[grad_dim], overlap_grad_reduce=cfg.overlap_grad_reduce,
-                              replicas=replicas, **experts))
-    model = chunks[0] if pp_size == 1 else chunks
-    # the experts as they are now (TP and FSDP2 replace parameters), for the gradient norm
-    expert_norm = dict(expert_parameters=[q for p in parts for q in expert_parameters(p)],
-                       expert_groups=[VESCALE_DEVICE_MESH.get_group("EP")]) if cfg.ep > 1 else {}
+    print_parallel_lines(job)
+    if cfg.moe_aux_loss_coef and dist.get_world_size(job.dp_group) > 1:  # the balance loss sees the whole batch's routing
+        for part in job.parts:
+            for moe in part.moe_layers():
+                moe.count = sum_counts(job.dp_group)
+    wrap = dict(data_parallel="fsdp", mp_policy=MixedPrecisionPolicy(param_dtype=job.dtype, reduce_dtype=torch.float32)) \
+        if cfg.fsdp else dict(data_parallel="ddp", overlap_grad_reduce=cfg.overlap_grad_reduce, replicas=job.replicas)
+    job.chunks = [parallelize(p, VESCALE_DEVICE_MESH, sequence_parallel=cfg.sequence_parallel,
+                              activation_checkpointing=cfg.activation_checkpointing, **wrap) for p in job.parts]
+    job.model = job.chunks[0] if dims.pp == 1 else job.chunks
     print0(f"model: {n_params:,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (f" moe_experts={cfg.moe_experts} top_k={cfg.moe_top_k}" if cfg.moe_experts else "")
-           + (" sequence-parallel" if cfg.sequence_parallel and tp_size > 1 else "")
+           + (" sequence-parallel" if cfg.sequence_parallel and dims.tp > 1 else "")
            + (" activation-checkpointing" if cfg.activation_checkpointing else ""))
-    pipe, last_pp = None, None  # last_pp: the PP rank holding the last stage (and the loss)
-    if pp_size > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
+    if dims.pp > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
         lines = [None] * dist.get_world_size()
         dist.all_gather_object(lines, layout_line(stages, cfg.pp_schedule))
         print0("\n".join(lines))
-        layers = split_layers(cfg.n_layer, n_stages)
-        pipe = Pipeline(chunks, stages, n_stages, cfg.pp_schedule, cfg.microbatches, loss_fn, device)
-        last_pp = pipe.last_pp
-        print0(f"pipeline: {cfg.pp_schedule}, {n_stages} stages over PP={pp_size} (blocks per stage "
-               f"{[len(b) for b in layers]}), {cfg.microbatches} micro-batches of "
-               f"{cfg.global_batch_size // dp_size // cfg.microbatches} sequences per DP rank")
+        job.pipe = Pipeline(job.chunks, stages, n_stages, cfg.pp_schedule, cfg.microbatches, loss_fn, job.device)
+        job.last_pp = job.pipe.last_pp
+        print0(f"pipeline: {cfg.pp_schedule}, {n_stages} stages over PP={dims.pp} (blocks per stage "
+               f"{[len(b) for b in split_layers(cfg.n_layer, n_stages)]}), {cfg.microbatches} micro-batches of "
+               f"{cfg.global_batch_size // job.dp_size // cfg.microbatches} sequences per DP rank")
 
-    # ------------------------------------------------------------- optimizer
+
+def print_parallel_lines(job: Job) -> None:
+    """The start-up lines of expert and context parallelism: who holds which experts, which positions."""
+    cfg, dims = job.cfg, job.dims
+    if dims.ep > 1:  # each EP rank keeps E / EP experts; tokens reach them by all-to-all over mesh["EP"]
+        lines = [None] * dist.get_world_size()
+        dist.all_gather_object(lines, experts_line(VESCALE_DEVICE_MESH, cfg.moe_experts))
+        print0(f"expert parallel: EP={dims.ep} folded over {dims.grad_dim} ({dims.dp * dims.cp} ranks), EDP="
+               f"{dims.dp * dims.cp // dims.ep}; {cfg.moe_experts // dims.ep} of {cfg.moe_experts} experts per rank, "
+               f"top-{cfg.moe_top_k}; dense gradients averaged over {dims.grad_dim}, expert gradients over EDP")
+        print0("\n".join(lines))
+    if dims.cp > 1:  # ring attention over mesh["CP"], global positions
+        mine = positions(cfg.seq_len, VESCALE_DEVICE_MESH.lookup_rank("CP"), dims.cp,
+                         load_balance=cfg.cp_load_balance).tolist()
+        starts = [mine[0]] + [b for a, b in zip(mine, mine[1:]) if b != a + 1]
+        ends = [a for a, b in zip(mine, mine[1:]) if b != a + 1] + [mine[-1]]
+        print0(f"context parallel: CP={dims.cp} over mesh[\"CP\"], ring attention; each rank holds "
+               f"{cfg.seq_len // dims.cp} of {cfg.seq_len} tokens per sequence "
+               + ("(head-tail load balancing: 2 chunks)" if cfg.cp_load_balance else "(one contiguous slice)")
+               + f"; rank 0 (CP rank {VESCALE_DEVICE_MESH.lookup_rank('CP')}) holds positions "
+               + ", ".join(f"{p}..{q}" for p, q in zip(starts, ends))
+               + f"; gradients averaged over {dims.grad_dim} = DP x CP ({dims.dp * dims.cp} ranks)")
+
+
+def build_optimizer(job: Job) -> None:
+    """ZeRO-1 (a torch.optim.Optimizer whose AdamW state is split over DP), or AdamW on FSDP2's shards."""
+    cfg = job.cfg
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    params = [p for c in chunks for p in c.parameters()]
-    if cfg.distributed_optimizer and not cfg.fsdp:  # a torch.optim.Optimizer whose AdamW state is split over DP
-        optimizer = DistributedOptimizer(torch.optim.AdamW, models=chunks, **adamw)
+    if cfg.distributed_optimizer and not cfg.fsdp:
+        job.optimizer = DistributedOptimizer(torch.optim.AdamW, models=job.chunks, **adamw)
         kind = "ZeRO-1 DistributedOptimizer"
-        if replicas is not None:  # what a returning replica takes from a live one (each rank its own shards)
-            replicas.track(model, optimizer)
+        if job.replicas is not None:  # what a returning replica takes from a live one (each rank its own shards)
+            job.replicas.track(job.model, job.optimizer)
     else:  # with FSDP2 the parameters are shards already, and so is AdamW's state
-        optimizer = torch.optim.AdamW(params, **adamw)
+        job.optimizer = torch.optim.AdamW([p for c in job.chunks for p in c.parameters()], **adamw)
         kind = "AdamW"
         if cfg.fsdp:
             kind += " on FSDP2 shards" + (f" (HSDP, {cfg.dp_replicate} replicas)" if cfg.dp_replicate > 1 else "")
+    passes = cfg.grad_accum_for(job.dp_size, job.dims.pp)
     print0(f"optimizer: {kind}, "
            f"global batch {cfg.global_batch_size} x {cfg.seq_len} tokens, "
-           f"{cfg.global_batch_size // dp_size} sequences per DP rank"
-           + (f" in {grad_accum} passes" if grad_accum > 1 else "") + f", {cfg.steps} steps")
+           f"{cfg.global_batch_size // job.dp_size} sequences per DP rank"
+           + (f" in {passes} passes" if passes > 1 else "") + f", {cfg.steps} steps")
 
-    # ---------------------------------------------------------------- resume
-    start_step = 0  # optimizer steps already done (0: a fresh run)
+
+def resume(job: Job) -> int:
+    """The optimizer steps already done: 0 for a fresh run, else the newest good checkpoint's (loaded)."""
+    cfg = job.cfg
+    if not cfg.checkpoint_dir:
+        return 0
+    checkpoint.acquire_lock(cfg.checkpoint_dir)  # one job per directory (a restart of this job takes its lock back)
+    resumed = checkpoint.load_latest(cfg.checkpoint_dir, model=job.model, optimizer=job.optimizer)
+    if resumed is None:
+        print0(f"checkpoints: none in {cfg.checkpoint_dir} yet; starting at step 1")
+        return 0
+    if job.replicas is not None:  # torchft counts committed steps; a peer that is behind heals from this one
+        job.replicas.manager.load_state_dict({"step": resumed[0], "batches_committed": 0})
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's attempt, from 0
-    if cfg.checkpoint_dir:
-        try:  # one job per directory (a restart of this job takes its lock back); every rank gets the same answer
-            checkpoint.acquire_lock(cfg.checkpoint_dir)
-            resumed = checkpoint.load_latest(cfg.checkpoint_dir, model=model, optimizer=optimizer)
-        except checkpoint.CheckpointError as e:
-            print0(f"error: cannot resume: {e}".replace("\n", "\nerror: "), file=sys.stderr)
-            return shutdown(cfg, 1, release=not isinstance(e, checkpoint.CheckpointLockedError))
-        if resumed is None:
-            print0(f"checkpoints: none in {cfg.checkpoint_dir} yet; starting at step 1")
-        else:
-            start_step = resumed[0]
-            if replicas is not None:  # torchft counts committed steps; a peer that is behind heals from this one
-                replicas.manager.load_state_dict({"step": start_step, "batches_committed": 0})
-            print0(f"resumed from {checkpoint.checkpoint_path(cfg.checkpoint_dir, start_step)} (saved on mesh "
-                   f"{resumed[1].get('mesh')}, restart {restart}): continuing at step {start_step + 1}")
-    metrics = None
-    if cfg.metrics_file and dist.get_rank() == 0:  # keep the rows of the steps before the checkpoint, drop the rest
-        rows = []
-        if start_step > 0 and os.path.exists(cfg.metrics_file):
-            with open(cfg.metrics_file) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-        kept = [r for r in rows if r.get("step", 0) <= start_step]
-        if start_step > 0 and rows:  # a restart (torchrun's, or an elastic change of world): say what changed
-            before = rows[-1]
-            print0(f"reconfigured: mesh {before.get('mesh')} ({before.get('world_size')} processes) -> "
-                   f"{mesh_shape} ({dist.get_world_size()} processes); resumed step {start_step}; "
-                   f"steps redone: {len(rows) - len(kept)}")
-        metrics = open(cfg.metrics_file, "w")
-        metrics.writelines(json.dumps(r) + "\n" for r in kept)
+    print0(f"resumed from {checkpoint.checkpoint_path(cfg.checkpoint_dir, resumed[0])} (saved on mesh "
+           f"{resumed[1].get('mesh')}, restart {restart}): continuing at step {resumed[0] + 1}")
+    return resumed[0]
 
-    # ------------------------------------------------------------- training
-    stop = StopRequest(cfg.stop_grace_s, enabled=bool(cfg.checkpoint_dir))  # SIGTERM: save, then stop
-    tokens_per_step = cfg.global_batch_size * cfg.seq_len
-    t_start = time.perf_counter()
-    skipped = 0  # steps skipped for a non-finite loss or gradient norm
-    last_save = time.monotonic()
-    step = start_step
-    while step < cfg.steps:
-        step += 1
-        if step == cfg.fail_at_step and restart == 0 and dist.get_rank() == dist.get_world_size() - 1:
-            print(f"rank {dist.get_rank()}: --fail-at-step {step}: exiting to simulate a crashed worker",
+
+def open_metrics(job: Job, start_step: int):
+    """Rank 0's metrics file: the rows of the steps before the checkpoint kept, the rest dropped."""
+    cfg = job.cfg
+    if not cfg.metrics_file or dist.get_rank() != 0:
+        return None
+    rows = []
+    if start_step > 0 and os.path.exists(cfg.metrics_file):
+        with open(cfg.metrics_file) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    kept = [r for r in rows if r.get("step", 0) <= start_step]
+    if start_step > 0 and rows:  # a restart (torchrun's, or an elastic change of world): say what changed
+        before = rows[-1]
+        print0(f"reconfigured: mesh {before.get('mesh')} ({before.get('world_size')} processes) -> "
+               f"{list(job.dims.mesh_shape)} ({dist.get_world_size()} processes); resumed step {start_step}; "
+               f"steps redone: {len(rows) - len(kept)}")
+    metrics = open(cfg.metrics_file, "w")
+    metrics.writelines(json.dumps(r) + "\n" for r in kept)
+    return metrics
+
+
+@dataclass
+class Loop:
+    """The training loop's running state."""
+
+    start: int  # optimizer steps already done when the loop began (0: a fresh run)
+    metrics: Any
+    stop: StopRequest
+    step: int = 0
+    t_start: float = field(default_factory=time.perf_counter)
+    last_save: float = field(default_factory=time.monotonic)
+    skipped: int = 0  # steps skipped for a non-finite loss or gradient norm
+    restart: int = field(default_factory=lambda: int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+    def __post_init__(self) -> None:
+        self.step = self.start
+
+
+def train(job: Job, start_step: int) -> int:
+    """The loop: torch's own zero_grad, backward, clip, step; checkpoints, evaluation and the metrics."""
+    cfg = job.cfg
+    loop = Loop(start_step, open_metrics(job, start_step), StopRequest(cfg.stop_grace_s, enabled=bool(cfg.checkpoint_dir)))
+    while loop.step < cfg.steps:
+        loop.step += 1
+        if loop.step == cfg.fail_at_step and loop.restart == 0 and dist.get_rank() == dist.get_world_size() - 1:
+            print(f"rank {dist.get_rank()}: --fail-at-step {loop.step}: exiting to simulate a crashed worker",
                   file=sys.stderr, flush=True)
             os._exit(13)
         t0 = time.perf_counter()
-        if meter is not None:  # --memory-report: count the collectives of the step, from zero_grad to step
-            meter.begin_step()
-        optimizer.zero_grad()  # with --ft-replica-id, first this step's quorum: a replica that is behind heals here
-        rows = (dp_rank, dp_size, grad_accum)  # which rows of the global batch this rank takes, in how many passes
-        if replicas is not None and replicas.refused is not None:  # a replica that must not take part joined:
-            print0(f"step {replicas.step + 1:5d}/{cfg.steps} | not run, retried with the next quorum: {replicas.refused}")
-            optimizer.step()  # the vote only, down: nothing commits, and the newcomer has left
-            step -= 1
+        if job.meter is not None:  # --memory-report: count the collectives of the step, from zero_grad to step
+            job.meter.begin_step()
+        job.optimizer.zero_grad()  # with --ft-replica-id, first this step's quorum: a replica that is behind heals here
+        outcome = train_step(job, loop)
+        if job.meter is not None:
+            job.meter.end_step()
+        if outcome == "retry":  # not every replica reduced, or one that must not take part joined: nothing applied
+            loop.step -= 1
             continue
-        if replicas is not None:  # the live replicas split the global batch: this one's rows, by its index now
-            step, rows = replicas.step + 1, replica_rows(cfg, dp_rank, dp_size)
-            if replicas.change is not None:
-                print0(f"fault tolerance: {replicas.change}")
-            if step > cfg.steps:  # healed from a peer that had finished
-                break
-        # Dropout masks: the same within a TP group (its activations are replicated), different
-        # across DP, and a function of the step, so that a resumed run draws the same ones.
-        torch.manual_seed(cfg.seed + 1 + rows[0] + 1_000_003 * step)
-        lr = get_lr(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = dataset.get_batch("train", step=step, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
+        if outcome == "done":  # healed from a peer that had finished
+            break
+        if isinstance(outcome, int):  # stop with this exit code
+            return shutdown(cfg, outcome, metrics=loop.metrics)
+        code = after_step(job, loop, outcome, t0)
+        if code is not None:
+            return code
+    finish(job, loop)
+    return shutdown(cfg, 0, metrics=loop.metrics)
+
+
+def train_step(job: Job, loop: Loop):
+    """One optimizer step: what it did (a dict), "retry" to redo it with the next quorum, "done", or an exit code."""
+    cfg, replicas = job.cfg, job.replicas
+    rows = (job.dp_rank, job.dp_size, cfg.grad_accum_for(job.dp_size, job.dims.pp))  # which rows, in how many passes
+    if replicas is not None and replicas.refused is not None:  # a replica that must not take part joined:
+        print0(f"step {replicas.step + 1:5d}/{cfg.steps} | not run, retried with the next quorum: {replicas.refused}")
+        job.optimizer.step()  # the vote only, down: nothing commits, and the newcomer has left
+        return "retry"
+    if replicas is not None:  # the live replicas split the global batch: this one's rows, by its index now
+        loop.step, rows = replicas.step + 1, replica_rows(cfg, job.dp_rank, job.dp_size)
+        if replicas.change is not None:
+            print0(f"fault tolerance: {replicas.change}")
+        if loop.step > cfg.steps:  # healed from a peer that had finished
+            return "done"
+    # Dropout masks: the same within a TP group (its activations are replicated), different
+    # across DP, and a function of the step, so that a resumed run draws the same ones.
+    torch.manual_seed(cfg.seed + 1 + rows[0] + 1_000_003 * loop.step)
+    lr = get_lr(loop.step, cfg)
+    for group in job.optimizer.param_groups:
+        group["lr"] = lr
+    x, y = job.dataset.get_batch("train", step=loop.step, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
                                  seq_len=cfg.seq_len, dp_rank=rows[0], dp_size=rows[1])
-        x, y = cut(x).to(device), cut(y).to(device)
+    x, y = x.to(job.device), y.to(job.device)
+    with job.cp(x, y):  # with CP: this rank's tokens of every row, ring attention
+        loss, aux = forward_backward(job, loop, x, y, rows[2])
+    params = [p for c in job.chunks for p in c.parameters()]
+    pp = [VESCALE_DEVICE_MESH.get_group("PP")] if job.pipe is not None else []  # the whole model's norm: sum the stages
+    norm = clip_grad_norm_(params, cfg.grad_clip or float("inf"), groups=pp)
+    if replicas is not None:  # the mean over the global batch: over DP here, then across the replicas
+        loss = replicas.average_(torch.tensor(dp_mean(loss, job.dp_group)))
+    return apply_step(job, loop, loss, aux, norm, lr, rows)
 
-        if pipe is None:
-            # grad_accum passes over equal slices; all but the last accumulate without DP communication
-            passes = list(zip(x.chunk(rows[2]), y.chunk(rows[2])))
-            loss, aux_total = 0.0, 0.0
-            for i, (xs, ys) in enumerate(passes):
-                with gradient_sync(model, i == len(passes) - 1):
-                    part = loss_fn(model(xs), ys) / len(passes)
-                    if step == cfg.nan_at_step and restart == 0 and dist.get_rank() == 0:
-                        part = part * float("nan")  # fault injection: one rank's loss goes bad
-                    loss = loss + part.detach()
-                    if cfg.moe_aux_loss_coef:  # the load-balancing loss trains the router; the logged loss omits it
-                        aux = raw_model.aux_loss() / len(passes)
-                        aux_total = aux_total + aux.detach()
-                        part = part + cfg.moe_aux_loss_coef * aux
-                    part.backward()  # after the last, every .grad is averaged over DP
-            # the global norm, TP shards included (clipping only with --grad-clip); with EP each rank holds
-            # other experts, and vemesh's clip sums their part over the EP group (torch's would not)
-            norm = clip_grad_norm_(params, cfg.grad_clip or float("inf"), **expert_norm)
+
+def forward_backward(job: Job, loop: Loop, x: torch.Tensor, y: torch.Tensor, passes: int):
+    """The loss of this rank's batch and its gradients: ``passes`` slices without PP (all but the last
+    accumulate without DP communication), or micro-batches through torch's schedule (loss on the last stage)."""
+    cfg = job.cfg
+    if job.pipe is not None:
+        return job.pipe.step(x, y), 0.0
+    loss, aux_total = 0.0, 0.0
+    for i, (xs, ys) in enumerate(zip(x.chunk(passes), y.chunk(passes))):
+        with gradient_sync(job.model, i == passes - 1):
+            part = loss_fn(job.model(xs), ys) / passes
+            if loop.step == cfg.nan_at_step and loop.restart == 0 and dist.get_rank() == 0:
+                part = part * float("nan")  # fault injection: one rank's loss goes bad
+            loss = loss + part.detach()
+            if cfg.moe_aux_loss_coef:  # the load-balancing loss trains the router; the logged loss omits it
+                aux = job.parts[0].aux_loss() / passes
+                aux_total = aux_total + aux.detach()
+                part = part + cfg.moe_aux_loss_coef * aux
+            part.backward()  # after the last, every .grad is averaged over DP
+    return loss, aux_total
+
+
+def apply_step(job: Job, loop: Loop, loss, aux, norm, lr: float, rows):
+    """Skip or stop on a non-finite loss or norm (every rank agrees), else step; the step's record."""
+    cfg, replicas = job.cfg, job.replicas
+    # a nan or inf loss or gradient norm on any rank: every rank skips the step, or stops
+    # (and whether torchrun asked any rank to stop: then all stop after this step, saved)
+    flags = torch.tensor([float(not torch.isfinite(norm) or (loss is not None and not torch.isfinite(loss))),
+                          float(loop.stop.received.is_set())])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad, stopping = bool(flags[0].item()), bool(flags[1].item())
+    if replicas is not None and replicas.errored() is not None:
+        bad = False  # a failed cross-replica reduce: the replicas' vote drops the step (below), not a skip
+    if stopping:
+        loop.stop.agreed()
+    if bad:
+        loop.skipped += 1
+        if loop.skipped > cfg.skip_nonfinite:
+            print0(f"error: step {loop.step}: the loss or the gradient norm is nan or inf; stopping before the "
+                   f"optimizer steps (--skip-nonfinite {cfg.skip_nonfinite} allows skipping that many such steps). "
+                   f"The checkpoints in {cfg.checkpoint_dir or '(none)'} are untouched.", file=sys.stderr)
+            return 1
+        print0(f"step {loop.step:5d}/{cfg.steps} | non-finite loss or gradient norm: step skipped "
+               f"({loop.skipped} of --skip-nonfinite {cfg.skip_nonfinite})" + (", to be retried" if replicas else ""))
+        if replicas is not None:  # every replica saw the same averaged values: all vote the step down
+            replicas.discard("non-finite loss or gradient norm")
+            job.optimizer.step()  # only the vote: the gradients are dropped and the step retried
         else:
-            loss = pipe.step(x, y)  # micro-batches through torch's schedule; the loss on the last stage only
-            # the norm of the whole model: torch's per stage, summed over PP
-            norm = clip_grad_norm_(params, cfg.grad_clip or float("inf"), groups=[VESCALE_DEVICE_MESH["PP"].get_group()])
-        if replicas is not None:  # the mean over the global batch: over DP here, then across the replicas
-            loss = replicas.average_(torch.tensor(dp_mean(loss, dp_group)))
-        # a nan or inf loss or gradient norm on any rank: every rank skips the step, or stops
-        # (and whether torchrun asked any rank to stop: then all stop after this step, saved)
-        flags = torch.tensor([float(not torch.isfinite(norm) or (loss is not None and not torch.isfinite(loss))),
-                              float(stop.received.is_set())])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad, stopping = bool(flags[0].item()), bool(flags[1].item())
-        if replicas is not None and replicas.errored() is not None:
-            bad = False  # a failed cross-replica reduce: the replicas' vote drops the step (below), not a skip
-        if stopping:
-            stop.agreed()
-        if bad:
-            skipped += 1
-            if skipped > cfg.skip_nonfinite:
-                print0(f"error: step {step}: the loss or the gradient norm is nan or inf; stopping before the "
-                       f"optimizer steps (--skip-nonfinite {cfg.skip_nonfinite} allows skipping that many such steps). "
-                       f"The checkpoints in {cfg.checkpoint_dir or '(none)'} are untouched.", file=sys.stderr)
-                return shutdown(cfg, 1, metrics=metrics)
-            print0(f"step {step:5d}/{cfg.steps} | non-finite loss or gradient norm: step skipped "
-                   f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})" + (", to be retried" if replicas else ""))
-            if replicas is not None:  # every replica saw the same averaged values: all vote the step down
-                replicas.discard("non-finite loss or gradient norm")
-                optimizer.step()  # only the vote: the gradients are dropped and the step retried
-            else:
-                optimizer.zero_grad()  # the weights stay as they were; the step still counts
-        else:
-            optimizer.step()
-        if meter is not None:
-            meter.end_step()
-        if replicas is not None and not optimizer.committed:  # not every replica reduced: nothing was applied
-            if not bad:
-                reason = str(replicas.errored() or "too few replicas").splitlines()[0]
-                reason = re.sub(r"^\[[^\]]*\]\s*", "", reason).split(". ")[0]  # gloo's: drop the source path
-                print0(f"step {step:5d}/{cfg.steps} | not committed, retried with the next quorum: {reason}")
-            step -= 1
-            continue
+            job.optimizer.zero_grad()  # the weights stay as they were; the step still counts
+    else:
+        job.optimizer.step()
+    if replicas is not None and not job.optimizer.committed:  # not every replica reduced: nothing was applied
+        if not bad:
+            reason = str(replicas.errored() or "too few replicas").splitlines()[0]
+            reason = re.sub(r"^\[[^\]]*\]\s*", "", reason).split(". ")[0]  # gloo's: drop the source path
+            print0(f"step {loop.step:5d}/{cfg.steps} | not committed, retried with the next quorum: {reason}")
+        return "retry"
+    return {"loss": loss, "aux": aux, "norm": norm, "lr": lr, "rows": rows, "bad": bad, "stopping": stopping}
 
-        # the mean over the global batch, sent from the last stage to rank 0
-        train_loss = to_rank0(None if loss is None else torch.tensor(loss.item() if replicas else dp_mean(loss, dp_group)),
-                              last_pp)
-        dt = time.perf_counter() - t0
-        record = {"step": step, "loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                  "elapsed_s": time.perf_counter() - t_start, "restart": restart, "skipped": bad,
-                  "world_size": dist.get_world_size(), "mesh": mesh_shape, "grad_norm": float(norm),
-                  "time": time.time(), "pid": os.getpid()}
-        if replicas is not None:  # replicas that took part in this step
-            record["participants"] = rows[1] // dp_size
-        if cfg.moe_experts:  # the router's load: token slots per expert of each MoE layer, over the global batch
-            record["expert_load"] = take_load(raw_model, dp_group)
-            if cfg.moe_aux_loss_coef:
-                record["aux_loss"] = dp_mean(torch.as_tensor(aux_total), dp_group)
-        rank0 = dist.get_rank() == 0  # the losses arrive on rank 0 only
-        if rank0 and (step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.steps):
-            print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
-                   f"{record['tokens_per_s']:8.0f} tok/s | {record['elapsed_s']:6.1f}s")
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            for c in chunks:
-                c.eval()
-            record["eval_loss"] = evaluate(raw_model if pipe is None else pipe.forward, dataset, cfg,
-                                           dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group, device=device, cut=cut,
-                                           last_pp=last_pp)
-            for c in chunks:
-                c.train()
-            if rank0:
-                print0(f"step {step:5d}/{cfg.steps} | eval loss {record['eval_loss']:.4f} (held-out)")
-        if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-        due = cfg.checkpoint_dir and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0))
-        if cfg.checkpoint_interval_s and not due and not stopping:  # rank 0's clock decides for everyone
-            late = torch.tensor(float(time.monotonic() - last_save >= cfg.checkpoint_interval_s))
-            dist.broadcast(late, src=0)
-            due = bool(late.item())
-        if due or (stopping and cfg.checkpoint_dir):
-            last_save = time.monotonic()
-            t_save = time.perf_counter()
-            path = checkpoint.save(cfg.checkpoint_dir, model=model, optimizer=optimizer, step=step,
-                                   extra={"loss": train_loss, "mesh": mesh_shape},
-                                   keep_last=cfg.keep_checkpoints)
-            print0(f"step {step:5d}/{cfg.steps} | saved {path} ({time.perf_counter() - t_save:.2f}s)")
-        if stopping and step < cfg.steps:
-            print0(f"step {step:5d}/{cfg.steps} | stopping: torchrun sent SIGTERM (a node joined, or the job is "
-                   f"being stopped); step {step} is saved, so a restart redoes nothing")
-            if not stop.received.is_set() and not stop.wait(cfg.timeout_s):  # its agent had not asked it yet
-                print(f"rank {dist.get_rank()}: other ranks were stopped by torchrun, but this one got no SIGTERM "
-                      f"within --timeout-s {cfg.timeout_s:g}; exiting", file=sys.stderr, flush=True)
-                return shutdown(cfg, 1, metrics=metrics)
-            return shutdown(cfg, 0, metrics=metrics)
 
-    if meter is not None:  # each rank's peak and bytes, by PP rank (the planner's rank classes)
+def after_step(job: Job, loop: Loop, done: dict, t0: float) -> int | None:
+    """Log, evaluate, write the metrics, save when due; an exit code when the job stops here."""
+    cfg, dp_group = job.cfg, job.dp_group
+    loss = done["loss"]
+    # the mean over the global batch, sent from the last stage to rank 0
+    train_loss = to_rank0(None if loss is None else torch.tensor(loss.item() if job.replicas else dp_mean(loss, dp_group)),
+                          job.last_pp)
+    dt = time.perf_counter() - t0
+    record = {"step": loop.step, "loss": train_loss, "lr": done["lr"], "tokens_per_s": cfg.global_batch_size * cfg.seq_len / dt,
+              "elapsed_s": time.perf_counter() - loop.t_start, "restart": loop.restart, "skipped": done["bad"],
+              "world_size": dist.get_world_size(), "mesh": list(job.dims.mesh_shape), "grad_norm": float(done["norm"]),
+              "time": time.time(), "pid": os.getpid()}
+    if job.replicas is not None:  # replicas that took part in this step
+        record["participants"] = done["rows"][1] // job.dp_size
+    if cfg.moe_experts:  # the router's load: token slots per expert of each MoE layer, over the global batch
+        record["expert_load"] = take_load(job.parts[0], dp_group)
+        if cfg.moe_aux_loss_coef:
+            record["aux_loss"] = dp_mean(torch.as_tensor(done["aux"]), dp_group)
+    step = loop.step
+    if dist.get_rank() == 0 and (step % cfg.log_every == 0 or step == loop.start + 1 or step == cfg.steps):
+        print0(f"step {step:5d}/{cfg.steps} | loss {train_loss:.4f} | lr {done['lr']:.2e} | "
+               f"{record['tokens_per_s']:8.0f} tok/s | {record['elapsed_s']:6.1f}s")
+    if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+        record["eval_loss"] = evaluate(job)
+        if dist.get_rank() == 0:
+            print0(f"step {step:5d}/{cfg.steps} | eval loss {record['eval_loss']:.4f} (held-out)")
+    if loop.metrics:
+        loop.metrics.write(json.dumps(record) + "\n")
+        loop.metrics.flush()
+    return save_when_due(job, loop, train_loss, done["stopping"])
+
+
+def save_when_due(job: Job, loop: Loop, train_loss, stopping: bool) -> int | None:
+    """Save every --checkpoint-every steps, after --checkpoint-interval-s, at the end, and when stopping."""
+    cfg, step = job.cfg, loop.step
+    due = cfg.checkpoint_dir and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0))
+    if cfg.checkpoint_interval_s and not due and not stopping:  # rank 0's clock decides for everyone
+        late = torch.tensor(float(time.monotonic() - loop.last_save >= cfg.checkpoint_interval_s))
+        dist.broadcast(late, src=0)
+        due = bool(late.item())
+    if due or (stopping and cfg.checkpoint_dir):
+        loop.last_save = time.monotonic()
+        t_save = time.perf_counter()
+        path = checkpoint.save(cfg.checkpoint_dir, model=job.model, optimizer=job.optimizer, step=step,
+                               extra={"loss": train_loss, "mesh": list(job.dims.mesh_shape)},
+                               keep_last=cfg.keep_checkpoints)
+        print0(f"step {step:5d}/{cfg.steps} | saved {path} ({time.perf_counter() - t_save:.2f}s)")
+    if stopping and step < cfg.steps:
+        print0(f"step {step:5d}/{cfg.steps} | stopping: torchrun sent SIGTERM (a node joined, or the job is "
+               f"being stopped); step {step} is saved, so a restart redoes nothing")
+        if not loop.stop.received.is_set() and not loop.stop.wait(cfg.timeout_s):  # its agent had not asked it yet
+            print(f"rank {dist.get_rank()}: other ranks were stopped by torchrun, but this one got no SIGTERM "
+                  f"within --timeout-s {cfg.timeout_s:g}; exiting", file=sys.stderr, flush=True)
+            return shutdown(cfg, 1, metrics=loop.metrics)
+        return shutdown(cfg, 0, metrics=loop.metrics)
+    return None
+
+
+@torch.no_grad()
+def evaluate(job: Job) -> float | None:
+    """Mean loss over ``cfg.eval_batches`` fixed global batches of the held-out split, on global rank 0."""
+    cfg = job.cfg
+    forward = job.parts[0] if job.pipe is None else job.pipe.forward  # without the DDP wrapper
+    for c in job.chunks:
+        c.eval()
+    losses = []
+    for i in range(cfg.eval_batches):
+        x, y = job.dataset.get_batch("val", step=i, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
+                                     seq_len=cfg.seq_len, dp_rank=job.dp_rank, dp_size=job.dp_size)
+        x, y = x.to(job.device), y.to(job.device)
+        with job.cp(x, y):
+            logits = forward(x)  # None on a pipeline rank without the last stage
+            if logits is not None:
+                losses.append(loss_fn(logits, y))
+    for c in job.chunks:
+        c.train()
+    loss = dp_mean(torch.stack(losses).mean(), job.dp_group) if losses else None
+    return to_rank0(loss if loss is None else torch.tensor(loss), job.last_pp)
+
+
+def finish(job: Job, loop: Loop) -> None:
+    """After the last step: the memory report, a text sample (whole sequences, outside CP), the time."""
+    cfg = job.cfg
+    if job.meter is not None:  # each rank's peak and bytes, by PP rank (the planner's rank classes)
         from vemesh.planning.measure import report
-        text = report(meter, VESCALE_DEVICE_MESH, f"PP rank {VESCALE_DEVICE_MESH.lookup_rank('PP')}" if pp_size > 1
-                      else "every rank", cfg.memory_report)
+        text = report(job.meter, VESCALE_DEVICE_MESH, f"PP rank {VESCALE_DEVICE_MESH.lookup_rank('PP')}"
+                      if job.dims.pp > 1 else "every rank", cfg.memory_report)
         print0(f"{text}\nwritten to {cfg.memory_report}")
-
-    # --------------------------------------------------------------- sample
-    if cfg.sample_tokens:
-        # Every rank runs the (sharded) model in lockstep and draws the same tokens; rank 0 prints.
-        prompt = encode(SAMPLE_PROMPT).unsqueeze(0).to(device)  # (1, T)
-        gen = torch.Generator(device=device).manual_seed(cfg.seed)
-        for c in chunks:
+    if cfg.sample_tokens:  # every rank runs the (sharded) model in lockstep and draws the same tokens
+        prompt = encode(SAMPLE_PROMPT).unsqueeze(0).to(job.device)  # (1, T)
+        gen = torch.Generator(device=job.device).manual_seed(cfg.seed)
+        for c in job.chunks:
             c.eval()
-        if pipe is None:
-            with without_cp(raw_model):  # whole sequences: every CP rank holds every weight of its TP shard
-                out = raw_model.generate(prompt, cfg.sample_tokens, generator=gen)
+        if job.pipe is None:
+            out = job.parts[0].generate(prompt, cfg.sample_tokens, generator=gen)
         else:  # a token at a time through the stages, to the rank of the next stage
-            with contextlib.ExitStack() as whole:
-                for part in parts:
-                    whole.enter_context(without_cp(part))
-                out = generate(pipe, prompt, cfg.sample_tokens, cfg.seq_len, generator=gen)
+            out = generate(job.pipe, prompt, cfg.sample_tokens, cfg.seq_len, generator=gen)
         print0(f"sample after {cfg.steps} steps:\n{'-' * 60}\n{decode(out[0].tolist())}\n{'-' * 60}")
-
-    print0(f"done in {time.perf_counter() - t_start:.1f}s")
-    return shutdown(cfg, 0, metrics=metrics)
+    print0(f"done in {time.perf_counter() - loop.t_start:.1f}s")
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
@@ -546,7 +612,7 @@ def shutdown(cfg: TrainConfig, code: int, *, metrics=None, release: bool = True)
     return code
 
 
-def join_replicas(cfg: TrainConfig, device_type: str, grad_dim: str):
+def join_replicas(cfg: TrainConfig, grad_dim: str, dp_size: int):
     """Join the live replicas through torchft (this job is one of them) as the mesh's ``dp_replicate`` dim."""
     import logging
 
@@ -555,8 +621,7 @@ def join_replicas(cfg: TrainConfig, device_type: str, grad_dim: str):
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum and vote at INFO
     logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # and warn that gloo has no flight recorder
     replicas = start_replicas(cfg.ft_replica_id, lighthouse=cfg.ft_lighthouse, min_replicas=cfg.ft_min_replicas,
-                              device_type=device_type, timeout=cfg.ft_timeout_s,
-                              admits=batch_split(cfg, VESCALE_DEVICE_MESH.get_strategy_size("DP")))
+                              device_type=cfg.device, timeout=cfg.ft_timeout_s, admits=batch_split(cfg, dp_size))
     VESCALE_DEVICE_MESH.add_replicas(replicas)
     print0(f"fault tolerance: replica {cfg.ft_replica_id} of a torchft quorum (lighthouse "
            f"{cfg.ft_lighthouse or os.environ['TORCHFT_LIGHTHOUSE']}, at least {cfg.ft_min_replicas} per step); "

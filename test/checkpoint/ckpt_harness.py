@@ -5,8 +5,6 @@ whose loss is the mean over the global batch (so it is the same number on every 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,10 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
-from model import GPT, GPTConfig  # noqa: E402  (the example's model: no vemesh import)
-from tp_plan import apply_tp  # noqa: E402
+from vemesh.models.gpt import GPT, GPTConfig, apply_tp  # noqa: E402  (the GPT preset: its model imports no vemesh)
 
 from vemesh import VESCALE_DEVICE_MESH  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402

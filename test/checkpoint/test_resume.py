@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ckpt_harness import ADAMW, VOCAB, build, global_batch, tiny_config, train_step
 from ckpt_scenarios import M, N, four_ranks, two_ranks
 from launch import run_ranks
-from model import GPT
+from vemesh.models.gpt import GPT
 
 from vemesh import VESCALE_DEVICE_MESH, checkpoint
 

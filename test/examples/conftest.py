@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -91,3 +92,15 @@ def shared_run(args: list[str], tmp_path_factory: pytest.TempPathFactory, nproc:
         if run.returncode == 0:
             saved.write_text(json.dumps(dataclasses.asdict(run)))
         return run
+
+
+@contextlib.contextmanager
+def exclusive(tmp_path_factory: pytest.TempPathFactory, name: str):
+    """Hold a lock of the whole test session named ``name``: the pytest-xdist workers run such blocks one at a time
+    (live replicas that time quorums must not share two cores with another set of live replicas)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

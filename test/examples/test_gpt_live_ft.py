@@ -15,14 +15,22 @@ import pytest
 pytest.importorskip("torchft")
 
 import ft_scenarios as S  # noqa: E402
-from conftest import REPO, run_train  # noqa: E402
+from conftest import REPO, exclusive, run_train  # noqa: E402
 
 sys.path.insert(0, str(REPO / "docs"))
 import snippets  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-STEPS, KILL_AT = 120, 8
+
+@pytest.fixture(autouse=True)
+def _one_set_of_replicas_at_a_time(tmp_path_factory):
+    """Replicas time their quorums (a lighthouse waits 1 to 3 s for a replica to join): two sets of them on two
+    cores at once can starve one into a quorum of its own. The tests here run one after another."""
+    with exclusive(tmp_path_factory, "live-replicas"):
+        yield
+
+STEPS, KILL_AT = 300, 8  # enough steps that replica 0 is still training when the returning one has started
 TOL = 1e-4
 
 

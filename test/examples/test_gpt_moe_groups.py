@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from conftest import REPO
-from ep import experts_of
+from moe import experts_of
 
 from vemesh import MeshLayout, VeDeviceMesh
 from vemesh.parallel import ParallelDims

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from config import ConfigError
-from model import GPT, GPTConfig
-from pipeline import cut_stage, split_layers, stage_indices, stages_per_rank
+from vemesh.models.gpt import GPT, GPTConfig
+from vemesh.models.gpt import cut_stage, split_layers, stage_indices, stages_per_rank
 from test_gpt_parts import config
 
 

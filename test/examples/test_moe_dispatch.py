@@ -1,15 +1,15 @@
-"""The example's expert-parallel dispatch (``examples/gpt/ep.py``): tokens reach the rank of their experts by
-an uneven all-to-all and come back, forward and backward, equal to one process's MoE layer (4 gloo ranks;
-a CUDA variant where the ranks share one GPU)."""
+"""The library's expert-parallel exchange (``vemesh.parallel.ExpertParallel`` on the GPT preset's grouped experts):
+tokens reach the rank of their experts by an uneven all-to-all and come back, forward and backward, equal to one
+process's MoE layer (4 gloo ranks; a CUDA variant where the ranks share one GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ep import source_to_expert_order
 from launch import run_ranks
-from moe_scenarios import compare, wrap_without_expert_groups
+from moe_scenarios import compare, wrap_without_an_edp
+from vemesh.parallel.experts import source_to_expert_order
 
 
 def test_arrivals_regroup_by_expert():
@@ -19,7 +19,7 @@ def test_arrivals_regroup_by_expert():
 
 def _check(results, tol):
     for rank, res in enumerate(results):
-        assert res["experts"] == [str(2 * rank), str(2 * rank + 1)]
+        assert res["experts"] == ["experts.w1", "experts.w2", "experts.b1", "experts.b2"] and res["local_rows"] == 2
         assert res["out"] < tol and res["dx"] < tol and res["expert_grads"] < tol, (rank, res)
 
 
@@ -33,10 +33,9 @@ def test_dispatch_on_cuda_equals_one_process():
     _check(run_ranks(compare, 2, "cuda"), 1e-5)
 
 
-def test_ddp_refuses_experts_it_was_not_told_about():
-    """Each EP rank's experts carry their own numbers: averaging them over DP (or broadcasting rank 0's) would
-    train silently wrong, so DDP compares the parameter names across its group and raises on every rank."""
-    for rank, message in enumerate(run_ranks(wrap_without_expert_groups, 2)):
-        assert "the data-parallel parameters differ across the ranks [0, 1]" in message, message
-        assert f"rank {rank} has moe.experts.{rank}.c_fc.weight (64, 16)" in message, message
-        assert "go in expert_parameters, with expert_data_parallel" in message
+def test_ddp_refuses_experts_whose_gradients_have_nowhere_to_average():
+    """ExpertParallel's experts average over EDP; on a mesh without one DDP raises on every rank instead of
+    averaging them over the EP ranks (which hold other experts)."""
+    for message in run_ranks(wrap_without_an_edp, 2):
+        assert "the module holds experts sharded by ExpertParallel" in message, message
+        assert "VESCALE_DEVICE_MESH has no EDP dim: build the mesh with ParallelDims(..., ep=N)" in message

@@ -24,9 +24,12 @@ def data_atoms(layout: MeshLayout) -> tuple[str, ...]:
     compared without case, has the word ``dp``, ``cp``, ``fsdp``, ``hsdp`` or ``ddp``.
 
     ``(PP, DP, CP, TP)`` gives ``("DP", "CP")``; torchtitan's ``(dp_replicate, dp_shard, cp, tp)`` gives
-    the first three; ``(PP, TP)`` gives ``()``.
+    the first three; ``(PP, TP)`` gives ``()``. Dims of size 1 are left out (``(DP=2, CP=1)`` gives ``("DP",)``),
+    unless all are (then the first).
     """
-    return tuple(n for n in layout.dim_names if any(w in _DATA_WORDS for w in n.lower().split("_")))
+    atoms = tuple(n for n in layout.dim_names if any(w in _DATA_WORDS for w in n.lower().split("_")))
+    wide = tuple(n for n in atoms if layout.group_size(n) > 1)  # a dim of size 1 adds no rank to the group
+    return wide or atoms[:1]
 
 
 def data_dim(layout: MeshLayout) -> str | None:
@@ -43,8 +46,9 @@ def data_dim(layout: MeshLayout) -> str | None:
         return None
     if len(atoms) == 1:
         return atoms[0]
-    for name in layout.names:
-        if layout.named(name).parts == atoms:
+    for name in layout.names:  # a name over exactly these dims, give or take dims of size 1
+        parts = layout.named(name).parts
+        if {a for a in parts if layout.group_size(a) > 1} == set(atoms) and set(parts) <= set(layout.dim_names):
             return name
     raise ValueError(
         f"the mesh's data dims are {', '.join(atoms)} (each holds a different part of the batch), and no dim of "

@@ -2,7 +2,7 @@
 
 :func:`trace_stage` builds the GPT example's model with a few blocks under torch's ``FakeTensorMode``
 (no memory, no compute, so the 70B width costs what 2 blocks of it cost), applies the example's own
-tensor parallelism (``tp_plan.apply_tp``) and context parallelism (``cp.apply_cp``) on torch's
+tensor parallelism (``vemesh.models.gpt.apply_tp``), ``ExpertParallel`` and ``context_parallel`` on torch's
 fake backend, and runs one micro-batch forward and backward inside torch's ``MemTracker`` and
 :class:`~vemesh.measure.CollectiveBytes`. It reports what the planner scales by the number of
 blocks and the schedule's micro-batches in flight:
@@ -18,6 +18,7 @@ trace needs no process group of the caller's: it makes a fake world of TP x CP r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -100,16 +101,19 @@ def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, 
 @functools.lru_cache(maxsize=256)
 def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_batch: int, tp: int, cp: int,
            sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1) -> Trace:
-    from vemesh.planning.estimate import _example_module
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from vemesh.models.gpt import model as model_module
+    from vemesh.models.gpt.parallelize import apply_tp
+    from vemesh.parallel import ExpertParallel, context_parallel
     from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
-    model_module = _example_module("model")
     cfg = model_module.GPTConfig(**dict(config, n_layer=blocks, dropout=0.0))
     width = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     tokens = cfg.block_size // cp
-    with _fake_world(tp, cp, ep) as mesh, FakeTensorMode(), _balanced_routing():
+    with _fake_world(tp, cp, ep) as mesh, FakeTensorMode(allow_non_fake_inputs=True), _balanced_routing():
         model = _build(model_module, cfg, width)
         model.checkpoint_blocks = checkpointing  # the example's --activation-checkpointing
         if role in ("middle", "last"):
@@ -117,16 +121,18 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
         if role in ("first", "middle"):
             model.ln_f = model.lm_head = None
         if ep > 1:
-            model = _example_module("ep").apply_ep(model, mesh["EP"])
-        for moe in model.moe_layers():  # the routing of fake tokens is unknown: every expert gets an equal share
-            moe.dispatch = functools.partial(_balanced_dispatch, group=mesh.get_group("EP") if ep > 1 else None)
+            for moe in model.moe_layers():
+                parallelize_module(moe.experts, mesh["EP"], ExpertParallel())
         if tp > 1:
-            model = _example_module("tp_plan").apply_tp(model, mesh["TP"], sequence_parallel=sequence_parallel)
-        if cp > 1:
-            model = _example_module("cp").apply_cp(model, mesh["CP"], cfg.block_size, False)
+            model = apply_tp(model, mesh["TP"], sequence_parallel=sequence_parallel)
         tracker, counter = _Tracker(module_hooks=False), CollectiveBytes()  # no per-module statistics: faster
         tracker.track_weights(model)
-        with tracker, counter:
+        # with CP the step runs as the example's does, inside context_parallel (ring attention; this rank's
+        # positions); the tokens are made at this rank's length, so only the position table is cut
+        buffers = [model.pos] if cp > 1 and model.wte is not None else []
+        cut = context_parallel(mesh["CP"], buffers=buffers, buffer_seq_dims=[0] * len(buffers),
+                               load_balance=False) if cp > 1 else contextlib.nullcontext()
+        with tracker, counter, cut:
             counter.counting = True
             if role in ("whole", "first"):
                 x = torch.randint(0, cfg.vocab_size, (micro_batch, tokens))
@@ -149,43 +155,44 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
 
 @contextmanager
 def _balanced_routing() -> Iterator[None]:
-    """``torch.bincount`` as a MoE calls it (slots per expert), answered for fake tokens: an equal share each.
+    """The routing of fake tokens, which has no values: every expert gets an equal share of the slots.
 
-    A fake tensor has no values, so the router's choices are unknown; the planner assumes the balance
-    that the load-balancing loss aims at. Only ``bincount`` with ``minlength`` (the MoE's call) is answered.
+    ``torch.bincount`` as a MoE calls it (slots per expert, ``minlength=E``) answers equal counts, as a real
+    tensor the experts can split by; ``ExpertParallel``'s exchange sends equal splits through torch's
+    autograd-aware all-to-all, the sizes a balanced routing sends. The planner assumes the balance that the
+    load-balancing loss aims at, and says so.
     """
-    real = torch.bincount
+    import torch.distributed._functional_collectives as funcol
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    import vemesh.parallel.experts.style as style
+    from vemesh.parallel.experts.exchange import Dispatched
+
+    real = torch.bincount, style.dispatch, style.combine
 
     def balanced(slots: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
         if not minlength or weights is not None:
-            return real(slots, weights, minlength)
-        return torch.full((minlength,), slots.numel() // minlength, dtype=torch.long, device=slots.device)
+            return real[0](slots, weights, minlength)
+        with unset_fake_temporarily():
+            return torch.full((minlength,), slots.numel() // minlength, dtype=torch.long)
+
+    def exchange(x: torch.Tensor, split: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), split, split, group))
+
+    def dispatch(tokens: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup):
+        n = dist.get_world_size(group)
+        split = [tokens.size(0) // n] * n
+        arrived, per = exchange(tokens, split, group), counts.numel() // n
+        with unset_fake_temporarily():
+            local = torch.full((per,), arrived.size(0) // per, dtype=torch.long)
+        return arrived, local, Dispatched(split, split, torch.empty(0))
 
     torch.bincount = balanced  # type: ignore[assignment]
+    style.dispatch, style.combine = dispatch, lambda out, plan, group: exchange(out, plan.send, group)
     try:
         yield
     finally:
-        torch.bincount = real  # type: ignore[assignment]
-
-
-def _balanced_dispatch(tokens: torch.Tensor, counts: torch.Tensor, experts: torch.nn.Module,
-                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The MoE's dispatch with every expert given an equal share of the slots (``tokens`` grouped by expert).
-
-    With an EP group, each rank's share goes to it and comes back through torch's autograd-aware
-    all-to-all, with the sizes the example's ``ExpertParallelDispatch`` sends when the routing is balanced.
-    """
-    import torch.distributed._functional_collectives as funcol
-
-    if group is not None:
-        n = dist.get_world_size(group)
-        split = [tokens.size(0) // n] * n
-        tokens = funcol.wait_tensor(funcol.all_to_all_single_autograd(tokens.contiguous(), split, split, group))
-    runs = tokens.chunk(len(experts))
-    out = torch.cat([expert(run) for expert, run in zip(experts.values(), runs)])  # type: ignore[operator]
-    if group is not None:
-        out = funcol.wait_tensor(funcol.all_to_all_single_autograd(out.contiguous(), split, split, group))
-    return out
+        torch.bincount, style.dispatch, style.combine = real  # type: ignore[assignment]
 
 
 def _build(model_module: object, cfg: object, dtype: torch.dtype) -> torch.nn.Module:

@@ -8,9 +8,9 @@ are not predicted yet.
 How each figure is obtained:
 
 * **The parameters** come from the real model, built on the meta device (no memory, so a 70B model
-  costs nothing): ``gpt:...`` is the GPT example's ``GPT`` (``examples/gpt/model.py`` of a vemesh
-  checkout); ``module:pkg.mod:factory`` is any ``nn.Module`` factory.
-* **The TP shards** follow the example's tensor-parallel plan (``examples/gpt/tp_plan.py``), read
+  costs nothing): ``gpt:...`` is the GPT preset (:mod:`vemesh.models.gpt`, what the GPT example trains);
+  ``module:pkg.mod:factory`` is any ``nn.Module`` factory.
+* **The TP shards** follow the GPT preset's tensor-parallel plan (``vemesh.models.gpt.parallelize``), read
   with torch's rules for its styles: ``ColwiseParallel`` shards a Linear's weight and bias on dim 0,
   ``RowwiseParallel`` a Linear's weight on dim 1 (its bias is replicated) and an Embedding's on dim 0;
   the rest is replicated. A dim that TP does not divide gives its first ranks one more row, as
@@ -58,7 +58,6 @@ GPT_FIELDS = {"n_layer": "n_layer", "n_embd": "n_embd", "n_head": "n_head", "voc
 _GPT_REQUIRED = ("n_layer", "n_embd", "n_head")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 
 
 def parse_size(text: str, what: str = "a memory size") -> int:
@@ -72,21 +71,6 @@ def parse_size(text: str, what: str = "a memory size") -> int:
         raise ValueError(f"{what} {text!r}: unknown unit {match.group(2)!r}; valid: "
                          f"{', '.join(u.replace('I', 'i') for u in _UNITS)}")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def _example_module(name: str) -> Any:
-    """A module of the GPT example (``model``, ``tp_plan``, ``pipeline``), loaded from the checkout."""
-    if not (_EXAMPLE / f"{name}.py").exists():
-        raise ValueError(f"--model gpt:... describes the GPT example of a vemesh checkout, but {_EXAMPLE} has no "
-                         f"{name}.py; use --model module:package.module:factory")
-    if str(_EXAMPLE) not in sys.path:
-        sys.path.insert(0, str(_EXAMPLE))
-    module = importlib.import_module(name)  # the example's modules import each other by plain name
-    where = Path(getattr(module, "__file__", "") or "").resolve().parent
-    if where != _EXAMPLE:
-        raise ValueError(f"--model gpt:... needs the GPT example's {name}.py, but a module named {name!r} from {where} "
-                         "was imported first; use --model module:package.module:factory")
-    return module
 
 
 def load_object(module: str, name: str, flag: str) -> Any:
@@ -155,7 +139,7 @@ def build_model(spec: str) -> tuple[nn.Module, str]:
     kind, _, body = str(spec).partition(":")
     if kind == "gpt":
         fields = _gpt_config(body)
-        model_module = _example_module("model")
+        from vemesh.models.gpt import model as model_module
         config = {"vocab_size": 256, "block_size": 1024, "dropout": 0.0}
         config.update({GPT_FIELDS[k]: v for k, v in fields.items()})
         try:
@@ -195,12 +179,10 @@ def _tp_rules(model: nn.Module, kind: str) -> dict[str, int | None]:
     """Parameter name -> the dim TP shards, from the example's plan read with torch's rules."""
     if kind != "gpt":
         return {}
-    tp_plan = _example_module("tp_plan")
-    plan = tp_plan.gpt_tp_plan(model.h.keys())
+    from vemesh.models.gpt.parallelize import gpt_tp_plan
+
+    plan = gpt_tp_plan(model.h.keys())  # the experts stay whole under TP (EP spreads them)
     modules = dict(model.named_modules())
-    for name in modules:  # as apply_tp adds them
-        if ".experts." in name and name.endswith((".c_fc", ".c_proj")):
-            plan[name] = tp_plan.ColwiseParallel() if name.endswith(".c_fc") else tp_plan.RowwiseParallel()
     out: dict[str, int | None] = {}
     for mod_name, style in plan.items():
         module = modules.get(mod_name)
@@ -226,8 +208,10 @@ def param_shards(model: nn.Module, kind: str) -> list[ParamShard]:
             continue
         m = re.match(r"h\.(\d+)\.", name)
         stage = f"block:{m.group(1)}" if m and kind == "gpt" else ("first" if name.startswith(("wte", "wpe")) else "last")
-        e = re.search(r"\.experts\.(\d+)\.", name)
-        out.append(ParamShard(name, tuple(p.shape), rules.get(name), stage, int(e.group(1)) if e else None))
+        if re.search(r"\.experts\.(w1|w2|b1|b2)$", name):  # grouped experts: one row per expert, stacked on dim 0
+            out += [ParamShard(f"{name}[{e}]", tuple(p.shape[1:]), None, stage, e) for e in range(p.shape[0])]
+        else:
+            out.append(ParamShard(name, tuple(p.shape), rules.get(name), stage, None))
     return out
 
 
@@ -296,7 +280,9 @@ def stage_keys(model: Model, n_stages: int) -> list[set[str]]:
         return [{"first", "last", *[f"block:{i}" for i in range(model.n_layer)]}]
     if model.kind != "gpt":
         raise ValueError("PP > 1 needs the GPT example's stage cut (--model gpt:...); a module factory has no stages")
-    layers = _example_module("pipeline").split_layers(model.n_layer, n_stages)
+    from vemesh.models.gpt.stages import split_layers
+
+    layers = split_layers(model.n_layer, n_stages)
     keys = [{f"block:{i}" for i in blocks} for blocks in layers]
     keys[0].add("first")
     keys[-1].add("last")

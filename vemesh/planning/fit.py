@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vemesh.planning.estimate import Model, RankMemory, _example_module, _fsdp_local, _local, check_degrees, load_model, rank_static, \
+from vemesh.planning.estimate import Model, RankMemory, _fsdp_local, _local, check_degrees, load_model, rank_static, \
     stage_keys
 
 __all__ = ["MODELED_SCHEDULES", "Job", "MeshFit", "RankClass", "predict", "search"]
@@ -124,7 +124,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                                  "moe_every=1")
     if job.pp_schedule not in MODELED_SCHEDULES:
         raise ValueError(f"--pp-schedule {job.pp_schedule!r} is not modeled; choose {', '.join(MODELED_SCHEDULES)}")
-    pipeline = _example_module("pipeline")
+    from vemesh.models.gpt import stages as pipeline
     local_stages = pipeline.stages_per_rank(job.pp_schedule) if pp > 1 else 1
     n_stages = pp * local_stages
     if n_stages > model.n_layer:

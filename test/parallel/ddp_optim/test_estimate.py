@@ -4,8 +4,6 @@ without TP on the fake backend), and torch's FSDP2 on the fake backend."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +16,7 @@ from vemesh.ddp import DistributedDataParallel as DDP
 from vemesh.planning.estimate import build_model, parse_size, static_memory
 from vemesh.optim import DistributedOptimizer
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt"
-if str(EXAMPLE) not in sys.path:
-    sys.path.insert(0, str(EXAMPLE))
-from model import GPT, GPTConfig  # noqa: E402
+from vemesh.models.gpt import GPT, GPTConfig  # noqa: E402
 
 L, C, H, V, T = 2, 32, 4, 256, 32
 SPEC = f"gpt:n_layer={L},n_embd={C},n_head={H},vocab={V},seq_len={T}"
@@ -96,7 +91,7 @@ def fake():
 
 
 def test_zero1_under_tp_on_the_fake_backend(fake) -> None:
-    from tp_plan import apply_tp
+    from vemesh.models.gpt import apply_tp
 
     fake(0, 4)
     mesh = VeDeviceMesh()

@@ -159,3 +159,15 @@ def test_numpy_and_torch_integers_are_ranks_but_bools_are_not():
         layout.rank((1, 2.0))
     with pytest.raises(ValueError, match=r"global rank 8 is out of range; valid: 0..7"):
         layout.coordinate(np.int64(8))
+
+
+def test_groups_take_dims_in_any_order_as_megatron_lists_them():
+    """Megatron's ``HyperCommGrid._gen_rank_enum(["tp", "cp"])`` on a (DP, CP, TP) = (2, 2, 2) grid lists
+    ``[[0, 2, 1, 3], [4, 6, 5, 7]]``: members in the order the dims are given. The pure layout answers the same;
+    a view keeps torch's rule (mesh order) and says so."""
+    layout = MeshLayout((2, 2, 2), ("DP", "CP", "TP"))
+    assert layout.all_groups(("TP", "CP")) == [[0, 2, 1, 3], [4, 6, 5, 7]]
+    assert layout.all_groups(("CP", "TP")) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.group_ranks(6, ("TP", "CP")) == [4, 6, 5, 7] and layout.index_in_group(6, ("TP", "CP")) == 1
+    with pytest.raises(ValueError, match=r"a view, like torch's DeviceMesh, takes its dims in mesh order"):
+        layout.resolve(("TP", "CP"))

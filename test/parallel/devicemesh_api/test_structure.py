@@ -50,3 +50,22 @@ def test_no_import_circles_and_short_modules():
             visit(m, [])
     long = {m: n for m, p in files.items() if (n := len(p.read_text().splitlines())) > 410}
     assert not long, f"modules over ~400 lines: {long}"
+
+
+def test_the_library_never_reads_the_example():
+    """Nothing in vemesh/ names examples/: the GPT preset and every parallelism live in the package (a wheel has no
+    examples/)."""
+    found = [f"{p.relative_to(PACKAGE.parent)}:{n}" for p in PACKAGE.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if "examples/" in line or "examples." in line]
+    assert not found, found
+
+
+def test_the_examples_functions_are_short():
+    """The example reads top to bottom: no function of examples/gpt is over about 80 lines."""
+    example = PACKAGE.parent / "examples" / "gpt"
+    long = {}
+    for path in example.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long[f"{path.name}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, long

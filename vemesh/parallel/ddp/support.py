@@ -121,14 +121,21 @@ def check_bucket_size(bucket_size: int | None) -> int:
 
 @torch.no_grad()
 def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensors`` with the values of the group's first rank, one flat broadcast per dtype."""
+    """Give ``tensors`` the values of the group's first rank, one flat broadcast per dtype.
+
+    Only tensors whose value differs are written: a buffer that autograd saved (an embedding's position indices)
+    keeps its version, so a pipeline's later micro-batches do not invalidate the backward of the earlier ones.
+    """
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
         dist.broadcast(flat, group=group, group_src=0)
-        torch._foreach_copy_(same, [c.view(t.shape) for t, c in zip(same, flat.split([t.numel() for t in same]))])
+        pairs = [(t, c.view(t.shape)) for t, c in zip(same, flat.split([t.numel() for t in same]))]
+        changed = [(t, c) for t, c in pairs if not torch.equal(t, c)]
+        if changed:
+            torch._foreach_copy_([t for t, _ in changed], [c for _, c in changed])
 
 
 def like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

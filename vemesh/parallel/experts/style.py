@@ -9,7 +9,7 @@ expert ``[E]``, and returns ``[T, D]`` in the same order.
 
 * every parameter becomes a DTensor ``Shard(0)`` on the EP mesh: EP rank ``r`` keeps experts ``r * E/EP`` to
   ``(r + 1) * E/EP - 1`` (so checkpoints and ``clip_grad_norm_`` see the whole expert tensors);
-* ``forward`` is wrapped with the token exchange (:mod:`~vemesh.parallel.experts.dispatch`): the module's own
+* ``forward`` is wrapped with the token exchange (:mod:`~vemesh.parallel.experts.exchange`): the module's own
   forward runs on this rank's experts, with their local weights, on the tokens all EP ranks routed to them.
 
 What the MoE block around it must do (as ``test/models/llama.py``'s ``MoE`` does): route each token to its top-k
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from vemesh.mesh.views import check_view
-from vemesh.parallel.experts.dispatch import combine, dispatch
+from vemesh.parallel.experts.exchange import combine, dispatch
 
 __all__ = ["EXPERT", "ExpertParallel", "is_expert", "expert_modules"]
 

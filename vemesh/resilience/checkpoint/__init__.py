@@ -26,7 +26,7 @@ checkpoint onto it. Set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun so
 node can rendezvous (a torch 2.13 bug; see the README's elastic section for the commands).
 torchrun stops running workers with SIGTERM (SIGKILL 30 s later) before a grow. A training
 loop that saves at its next step boundary on SIGTERM, agreed over the ranks, redoes nothing;
-``examples/gpt/stopping.py`` shows how.
+the GPT example's ``stopping.py`` shows how.
 
 Safety: one job per directory (:func:`acquire_lock`); every file is checksummed at save and
 verified at load, so a flipped bit, a swapped-in stale shard, a symlink or an edited manifest

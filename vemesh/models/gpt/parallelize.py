@@ -1,4 +1,7 @@
-"""Tensor parallelism for ``model.GPT``, with torch's own ``parallelize_module``.
+"""``parallelize``: TP, CP, EP, activation checkpointing and FSDP2 or DDP on the GPT, in that order,
+through vemesh's public API and torch's (torchtitan's ``parallelize_llama`` is the shape followed).
+
+Tensor parallelism for the GPT (:mod:`vemesh.models.gpt.model`), with torch's own ``parallelize_module``.
 
 Megatron-style: in each block, q/k/v and the MLP's up projection are split
 column-wise (each TP rank owns ``n_head // tp`` whole heads and ``4C // tp``
@@ -32,6 +35,7 @@ summation order of the LayerNorm weight gradients changes (fp32 rounding).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,6 +48,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from vemesh import VESCALE_DEVICE_MESH
+from vemesh.ddp import DistributedDataParallel
+from vemesh.parallel import ExpertParallel, fully_shard
 
 
 class ReplicateParallel(ParallelStyle):
@@ -112,21 +120,59 @@ def gpt_tp_plan(layers: Iterable[str], *, sequence_parallel: bool = False) -> di
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` (a ``GPT``) over the 1-D ``tp_mesh`` in place and return it.
+    """Shard ``model`` (a ``GPT``, or a pipeline stage of one) over the 1-D ``tp_mesh`` in place and return it.
 
-    Every rank must have built the model with the same weights (same seed): TP
-    rank 0's copy is what gets sharded or broadcast (``SequenceParallel``'s
-    LayerNorms keep each rank's own copy).
-
-    On a (DP=2, TP=2) mesh, rank 1 (TP rank 1) ends up with heads 2-3 of every
-    q/k/v, the second half of every ``c_fc`` and byte ids 128-255 of ``wte``.
+    Every rank must have built the model with the same weights (same seed): TP rank 0's copy is what gets
+    sharded or broadcast (``SequenceParallel``'s LayerNorms keep each rank's own copy). On a (DP=2, TP=2)
+    mesh, rank 1 (TP rank 1) ends up with heads 2-3 of every q/k/v, the second half of every ``c_fc`` and
+    byte ids 128-255 of ``wte``.
     """
     plan = gpt_tp_plan(model.h.keys(), sequence_parallel=sequence_parallel)
     names = [name for name, _ in model.named_modules()]  # in module order: every rank shards in the same order
     present = set(names)  # a pipeline stage lacks some of them
-    for name in names:  # mixture-of-experts layers: each expert as an MLP (expert TP = TP), the router whole
+    for name in names:  # mixture-of-experts layers: the router whole, as ReplicateParallel keeps it
         if name.endswith(".router"):
             plan[name] = ReplicateParallel()
-        elif ".experts." in name and name.endswith((".c_fc", ".c_proj")):
-            plan[name] = ColwiseParallel() if name.endswith(".c_fc") else RowwiseParallel()
     return parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if k in present})
+
+
+def parallelize(model: nn.Module, mesh: Any = None, *, data_parallel: str = "ddp", sequence_parallel: bool = False,
+                activation_checkpointing: bool = False, mp_policy: Any = None, **ddp_options: Any) -> nn.Module:
+    """Apply every parallelism of the mesh's :class:`~vemesh.parallel.ParallelDims` to ``model``, in order.
+
+    1. **TP** over ``mesh["TP"]`` (:func:`apply_tp`), with sequence parallelism if asked;
+    2. **CP**: nothing to change in the model (its positions are a buffer, its attention torch's SDPA):
+       the training step runs inside ``vemesh.parallel.context_parallel(mesh["CP"], buffers=[x, y, model.pos])``;
+    3. **EP**: each MoE's grouped experts over ``mesh["EP"]`` (``ExpertParallel``);
+    4. **activation checkpointing** of every block;
+    5. **FSDP2** (``data_parallel="fsdp"``: ``vemesh.parallel.fully_shard`` per block, then the root; experts on
+       EDP) or **DDP** (``"ddp"``: vemesh's DDP with no group, so over the mesh's data dims, experts over EDP;
+       ``ddp_options`` go to it, e.g. ``replicas=``), or nothing (``"none"``).
+
+    Args:
+        model: a ``GPT`` or a pipeline stage of one, the same weights on every rank.
+        mesh: the mesh manager a ``ParallelDims`` built (default ``VESCALE_DEVICE_MESH``).
+
+    Returns:
+        The module to train: the model, wrapped in DDP or sharded by FSDP2.
+    """
+    mesh = VESCALE_DEVICE_MESH if mesh is None else mesh
+    dims = mesh.parallel_dims
+    if dims is None:
+        raise ValueError("parallelize needs a mesh built by ParallelDims(...).build(): it reads the degrees from it")
+    if data_parallel not in ("ddp", "fsdp", "none"):
+        raise ValueError(f"data_parallel must be 'ddp', 'fsdp' or 'none'; got {data_parallel!r}")
+    if dims.tp > 1:
+        model = apply_tp(model, mesh["TP"], sequence_parallel=sequence_parallel)
+    if dims.ep > 1:
+        for moe in [m for m in model.modules() if hasattr(m, "router") and hasattr(m, "experts")]:
+            parallelize_module(moe.experts, mesh["EP"], ExpertParallel())
+    model.checkpoint_blocks = activation_checkpointing
+    if data_parallel == "fsdp":
+        options = {} if mp_policy is None else {"mp_policy": mp_policy}
+        for block in model.h.values():
+            fully_shard(block, mesh=mesh, **options)
+        return fully_shard(model, mesh=mesh, **options)
+    if data_parallel == "ddp":
+        return DistributedDataParallel(model, **ddp_options)
+    return model

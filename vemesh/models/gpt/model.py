@@ -1,15 +1,18 @@
-"""A small GPT-2 style decoder, written to be read (after nanoGPT's model.py).
+"""A small GPT-2 style decoder, written to be read (after nanoGPT's model.py): vemesh's GPT preset.
 
-Nothing here knows about meshes or ranks: tensor parallelism is applied from the
-outside by ``tp_plan.py``, context parallelism by ``cp.py``. The concessions to them:
-attention splits heads with ``view(B, T, -1, head_dim)`` (under TP each rank holds
-``n_head // tp`` heads, so the head count is read from the tensor, not the config), and
-each attention layer calls its ``attention`` attribute, plain causal SDPA unless CP
-swaps in ring attention.
+Nothing here knows about meshes or ranks (no vemesh import): tensor parallelism, context and expert
+parallelism are applied from the outside by :mod:`vemesh.models.gpt.parallelize`. The concessions to them:
+
+* attention splits heads with ``view(B, T, -1, head_dim)`` (under TP each rank holds ``n_head // tp``
+  heads, so the head count is read from the tensor, not the config) and calls torch's causal SDPA, which
+  ``vemesh.parallel.context_parallel`` turns into ring attention over the CP group;
+* positions come from the ``pos`` buffer (``0 .. block_size - 1``), which ``context_parallel`` cuts
+  the way it cuts the tokens, so each CP rank embeds its tokens' global positions;
+* the experts of a mixture-of-experts layer are one :class:`GroupedExperts` module, parameters stacked
+  over experts on dim 0, the contract ``vemesh.parallel.ExpertParallel`` shards over EP.
 
 With ``moe_experts`` > 0, the MLP of every ``moe_every``-th block is a mixture of experts
-(:class:`MoE`): a top-k softmax router and E expert MLPs, no token ever dropped. Expert
-parallelism is applied from the outside too (``ep.py``), through the MoE's ``dispatch``.
+(:class:`MoE`): a top-k softmax router and E expert MLPs, no token ever dropped.
 
 Shapes: B = batch, T = sequence length, C = n_embd, V = vocab_size, H = heads, N = tokens
 (B x T), E = experts, k = experts per token.
@@ -39,11 +42,6 @@ class GPTConfig:
     moe_every: int = 1  # with moe_experts: blocks 0, N, 2N, ... get the MoE, the others keep the MLP
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """(B, H, T, hd) queries, keys and values -> (B, H, T, hd): torch's causal SDPA."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -57,7 +55,6 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
-        self.attention = causal_attention  # a plain attribute, not a module: CP replaces it with ring attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
@@ -65,7 +62,8 @@ class CausalSelfAttention(nn.Module):
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        y = self.attention(q, k, v, self.dropout if self.training else 0.0)  # (B, H, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)  # (B, H, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, H * hd)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
@@ -83,22 +81,31 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(x))  # (B, T, C)
 
 
-class Experts(nn.ModuleDict):
-    """Expert MLPs keyed by expert number; called on tokens grouped by expert, in key order.
+class GroupedExperts(nn.Module):
+    """E expert MLPs with their parameters stacked on dim 0: ``w1 [E, 4C, C]``, ``b1 [E, 4C]``, ``w2 [E, C, 4C]``,
+    ``b2 [E, C]`` (torchtitan's grouped-experts contract, the one ``vemesh.parallel.ExpertParallel`` shards).
 
-    ``experts(tokens, counts)``: ``tokens`` (n, C) hold ``counts[i]`` rows for the i-th expert held
-    here; the result (n, C) is in the same order. (A module with a forward, so that FSDP2 can shard
-    the experts on their own.)
+    ``experts(tokens, counts)``: ``tokens`` (n, C) hold ``counts[i]`` rows for the i-th expert held here, in
+    expert order; the result (n, C) is in the same order. Each expert is built as an :class:`MLP` (same
+    random draws) and stacked, so a model with grouped experts starts from the weights E MLPs would have.
     """
 
+    def __init__(self, config: GPTConfig, n_experts: int):
+        super().__init__()
+        mlps = [MLP(config) for _ in range(n_experts)]
+        self.w1 = nn.Parameter(torch.stack([m.c_fc.weight.detach() for m in mlps]))  # (E, 4C, C)
+        self.w2 = nn.Parameter(torch.stack([m.c_proj.weight.detach() for m in mlps]))  # (E, C, 4C)
+        self.b1 = nn.Parameter(torch.stack([m.c_fc.bias.detach() for m in mlps])) if config.bias else None  # (E, 4C)
+        self.b2 = nn.Parameter(torch.stack([m.c_proj.bias.detach() for m in mlps])) if config.bias else None  # (E, C)
+        self.dropout = config.dropout
+
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        runs = tokens.split(counts.tolist())
-        return torch.cat([expert(run) for expert, run in zip(self.values(), runs)]) if runs else tokens
-
-
-def local_dispatch(tokens: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """Every expert is here: run them. Expert parallelism (``ep.py``) swaps in an all-to-all exchange."""
-    return experts(tokens, counts)
+        outs = []
+        for e, run in enumerate(tokens.split(counts.tolist())):
+            h = F.gelu(F.linear(run, self.w1[e], None if self.b1 is None else self.b1[e]))  # (n_e, 4C)
+            out = F.linear(h, self.w2[e], None if self.b2 is None else self.b2[e])  # (n_e, C)
+            outs.append(F.dropout(out, self.dropout, self.training))
+        return torch.cat(outs) if outs else tokens
 
 
 class MoE(nn.Module):
@@ -115,17 +122,14 @@ class MoE(nn.Module):
     function, identity by default) may sum the slot counts over the ranks that share the batch, so
     that f_i is the share over the whole batch.
 
-    ``dispatch(tokens, counts, experts)`` runs the experts on tokens grouped by expert number; it is
-    :func:`local_dispatch` unless expert parallelism replaces it, and ``experts`` then holds only this
-    rank's experts (still keyed by their global numbers).
+    Under expert parallelism ``experts`` holds this rank's experts and exchanges tokens with its EP peers.
     """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
         self.router = nn.Linear(config.n_embd, config.moe_experts, bias=False)
-        self.experts = Experts({str(i): MLP(config) for i in range(config.moe_experts)})
-        self.dispatch = local_dispatch  # a plain attribute, not a module: EP replaces it
+        self.experts = GroupedExperts(config, config.moe_experts)
         self.count = lambda counts: counts  # EP (or DP) replaces it with a sum over the batch's ranks
         self.load: torch.Tensor | None = None
         self.load_sum: torch.Tensor | None = None  # summed over training forwards until the loop reads and clears it
@@ -140,7 +144,7 @@ class MoE(nn.Module):
         slots = chosen.reshape(-1)  # (N * k,): the expert of each (token, choice)
         order = slots.argsort(stable=True)  # slots grouped by expert, tokens in order within each
         counts = torch.bincount(slots, minlength=self.n_experts)  # (E,)
-        out = self.dispatch(flat[order // self.top_k], counts, self.experts)  # (N * k, C), grouped by expert
+        out = self.experts(flat[order // self.top_k], counts)  # (N * k, C), grouped by expert
         y = out[order.argsort()]  # (N * k, C), back in (token, choice) order
         y = (y.view(-1, self.top_k, C) * weights.unsqueeze(-1)).sum(dim=1)  # (N, C)
         self.load = counts.detach()
@@ -171,6 +175,8 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
         self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embeddings
+        # the positions embedded: context parallelism cuts this buffer as it cuts the tokens
+        self.register_buffer("pos", torch.arange(config.block_size), persistent=False)
         self.drop = nn.Dropout(config.dropout)
         # Keyed by layer number, so that a pipeline stage that keeps only some blocks (and
         # drops wte/wpe or ln_f/lm_head, setting them to None) keeps the full model's names.
@@ -190,6 +196,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            elif name.endswith("experts.w2"):  # each expert's c_proj
+                with torch.no_grad():
+                    for e in range(p.size(0)):
+                        nn.init.normal_(p[e], mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -199,6 +209,14 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, GroupedExperts):  # as E MLPs would be, one expert after another
+            with torch.no_grad():
+                for e in range(module.w1.size(0)):
+                    nn.init.normal_(module.w1[e], mean=0.0, std=0.02)
+                    nn.init.normal_(module.w2[e], mean=0.0, std=0.02)
+            for b in (module.b1, module.b2):
+                if b is not None:
+                    nn.init.zeros_(b)
 
     def moe_layers(self) -> list[MoE]:
         """The mixture-of-experts layers present (none for a dense model, or a stage without them)."""
@@ -223,7 +241,7 @@ class GPT(nn.Module):
         if self.wte is not None:
             B, T = idx.size()
             assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
-            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            pos = self.pos[:T]  # (T,): 0..T-1, or this CP rank's global positions inside context_parallel
             x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h.values():
             if self.checkpoint_blocks and torch.is_grad_enabled():

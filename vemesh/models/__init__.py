@@ -1,0 +1,5 @@
+"""Models that ship with vemesh, as torchtitan ships its own: presets for the planner and the GPT example.
+
+* :mod:`~vemesh.models.gpt`: a small GPT-2 style decoder (nanoGPT's shape), its ``parallelize`` function and its
+  pipeline stages; ``vemesh plan --model gpt:...`` and the GPT example of the repository use it.
+"""
