@@ -12,8 +12,14 @@ a few steps, and prints per rank class the predicted and the measured peak (torc
 largest rank of the class) and per mesh dim the predicted and the counted bytes per step (the mean
 over the class's ranks). The issue's targets: every peak within 10%, every dim's bytes within 1%.
 
+The user's own model (``USER_CONFIGS``): the Llama-style model of the any-model tests and its MoE, each with a
+user's parallelize function and step (``test/models/llama_jobs.py``), planned with ``--parallelize``/``--step``
+and run by ``bench/plan_user_run.py`` with the same functions. A MoE configuration is planned again with the
+run's own load factor (``--moe-load-factor``: the busiest EP rank's slots over its share, measured in the run).
+
 Then it times ``vemesh plan`` for a 70B-class model over 1024 ranks with 80 GiB per device and 8
-devices per host (target: under 60 s, and the top choice keeps TP within a host).
+devices per host, the GPT preset and a user's Llama-3-70B with its FSDP2 + TP function (target: under 60 s,
+and the top choice keeps TP within a host).
 """
 
 from __future__ import annotations
@@ -61,6 +67,23 @@ CONFIGS: dict[str, tuple[int, list[str], list[str]]] = {
 }
 
 
+#: The user's own model (``test/models/llama_jobs.py``: the Llama-style model of the any-model tests and its MoE, with
+#: a user's parallelize functions and step), planned with ``--parallelize``/``--step`` and measured by
+#: ``bench/plan_user_run.py`` running the same functions: name -> (processes, factory, parallelize, flags for both).
+JOBS = "test/models/llama_jobs.py"
+USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
+    "llama-fsdp2-tp2-sp": (4, "make_dense", "parallelize_fsdp", ["--tp", "2"]),
+    "llama-zero1-tp2": (4, "make_dense", "parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
+    "llama-cp2": (2, "make_dense", "parallelize_ddp", ["--cp", "2", "--dp", "1", "--dp-mode", "ddp"]),
+    "llama-moe-ep2": (2, "make_moe", "parallelize_ddp", ["--ep", "2", "--dp-mode", "ddp"]),
+    "llama-moe-ep2-fsdp2": (2, "make_moe", "parallelize_fsdp", ["--ep", "2"]),
+    "llama-fsdp2-checkpointed": (2, "make_dense", "parallelize_checkpointed", []),
+    "llama-ddp-accumulate": (2, "make_dense", "parallelize_ddp", ["--dp-mode", "ddp", "--micro-batch-size", "2"]),
+}
+#: The configurations whose router is skewed in a real run: re-planned with the run's measured load factor.
+LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2")
+
+
 def _model(example_flags: list[str], plan_flags: list[str]) -> str:
     n_layer = plan_flags[plan_flags.index("--n-layer") + 1] if "--n-layer" in plan_flags else "2"
     experts = example_flags[example_flags.index("--moe-experts") + 1] if "--moe-experts" in example_flags else None
@@ -77,23 +100,51 @@ def predicted(procs: int, example_flags: list[str], plan_flags: list[str]) -> di
     return json.loads(out.stdout)
 
 
-def measured(procs: int, flags: list[str], workdir: str) -> dict[str, Any]:
+def _plan(args: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "vemesh", "plan", *args, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)}\n{out.stderr}")
+    return json.loads(out.stdout)
+
+
+def measured(procs: int, flags: list[str], workdir: str, script: Path = TRAIN) -> tuple[dict[str, Any], float | None]:
+    """The run's report by rank class, and its expert load (the busiest EP rank's slots over its share) if MoE."""
     report = os.path.join(workdir, "report.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master-port=29731", str(TRAIN),
-           *flags, "--steps", "3", "--sample-tokens", "0", "--memory-report", report]
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    extra = ["--steps", "3", "--sample-tokens", "0", "--memory-report", report, "--metrics-file", metrics] \
+        if script == TRAIN else ["--report", report, "--expert-load", os.path.join(workdir, "load.json")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", str(script),
+           *flags, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir if script == TRAIN else ROOT, env=env)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     with open(report) as f:
-        return json.load(f)["classes"]
+        classes = json.load(f)["classes"]
+    return classes, _load_of(workdir, metrics, flags)
 
 
-def compare(name: str) -> list[dict[str, Any]]:
-    procs, flags, plan_flags = CONFIGS[name]
-    plan = predicted(procs, flags, plan_flags)
-    with tempfile.TemporaryDirectory() as workdir:
-        run = measured(procs, flags, workdir)
+def _load_of(workdir: str, metrics: str, flags: list[str]) -> float | None:
+    """The run's expert load factor: the largest, over layers and steps, of the busiest EP rank's slots over the
+    mean (from the example's ``expert_load`` per expert, or the user run's own count)."""
+    load = os.path.join(workdir, "load.json")
+    if os.path.exists(load):
+        value = json.loads(Path(load).read_text())["expert_load"]
+        return value or None
+    if "--ep" not in flags or not os.path.exists(metrics):
+        return None
+    ep = int(flags[flags.index("--ep") + 1])
+    worst = 1.0
+    for line in Path(metrics).read_text().splitlines():
+        for layer in json.loads(line).get("expert_load", []):
+            per = len(layer) // ep
+            ranks = [sum(layer[r * per:(r + 1) * per]) for r in range(ep)]
+            worst = max(worst, max(ranks) / (sum(ranks) / ep))
+    return worst
+
+
+def _rows(name: str, plan: dict[str, Any], run: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for cls in plan["classes"]:
         got = run[cls["name"]]
@@ -107,37 +158,69 @@ def compare(name: str) -> list[dict[str, Any]]:
     return rows
 
 
+def compare(name: str) -> list[dict[str, Any]]:
+    """Plan, run, and (for a skewed router) plan again with the run's load factor."""
+    if name in USER_CONFIGS:
+        procs, factory, parallelize, flags = USER_CONFIGS[name]
+        functions = ["--model", f"module:{JOBS}:{factory}", "--parallelize", f"{JOBS}:{parallelize}",
+                     "--step", f"{JOBS}:step", "--global-batch-size", "8"]
+        plan_args = [*functions, "--world-size", str(procs), *flags]
+        with tempfile.TemporaryDirectory() as workdir:
+            run, load = measured(procs, [*functions, *flags], workdir, ROOT / "bench" / "plan_user_run.py")
+        plan = _plan(plan_args)
+    else:
+        procs, flags, plan_flags = CONFIGS[name]
+        plan = predicted(procs, flags, plan_flags)
+        with tempfile.TemporaryDirectory() as workdir:
+            run, load = measured(procs, flags, workdir)
+        plan_args = None
+    rows = _rows(name, plan, run)
+    if name in LOADED and load:
+        if plan_args is None:
+            again = predicted(procs, flags, [*plan_flags, "--moe-load-factor", f"{load:.4f}"])
+        else:
+            again = _plan([*plan_args, "--moe-load-factor", f"{load:.4f}"])
+        rows += [dict(r, config=f"{name} F={load:.2f}", load_factor=load) for r in _rows(name, again, run)]
+    return rows
+
+
 SCALE = ["plan", "--model", "gpt:n_layer=80,n_embd=8192,n_head=64,vocab=128256,seq_len=4096", "--world-size", "1024",
          "--device-memory", "80GiB", "--devices-per-host", "8", "--global-batch-size", "1024", "--dtype", "bf16"]
 
 
-def at_scale() -> dict[str, Any]:
-    """``vemesh plan`` for the 70B-class model over 1024 ranks: its wall time and its top choice."""
+SCALE_USER = ["plan", "--model", f"module:{JOBS}:make_70b", "--parallelize", f"{JOBS}:parallelize_fsdp", "--step",
+              f"{JOBS}:step", "--world-size", "1024", "--device-memory", "80GiB", "--devices-per-host", "8",
+              "--global-batch-size", "1024", "--dtype", "bf16"]
+
+
+def at_scale(command: list[str] = SCALE) -> dict[str, Any]:
+    """``vemesh plan`` for a 70B-class model over 1024 ranks: its wall time and its top choice."""
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "vemesh", *SCALE, "--json"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "vemesh", *command, "--json"], capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - start
     if out.returncode:
         raise SystemExit(out.stderr)
     doc = json.loads(out.stdout)
     best = doc["fits"][0]
-    return {"command": "vemesh " + " ".join(SCALE), "seconds": seconds, "fits": len(doc["fits"]),
+    return {"command": "vemesh " + " ".join(command), "seconds": seconds, "fits": len(doc["fits"]),
             "rejected": len(doc["rejected"]), "best": best["degrees"], "best_peak": best["peak"],
             "best_inter_host_dims": best["inter_host_dims"], "tp_within_a_host": "TP" not in best["inter_host_dims"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    parser.add_argument("--only", help=f"comma-separated, from: {', '.join([*CONFIGS, *USER_CONFIGS])}")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--scale-only", action="store_true", help="only the 70B plan over 1024 ranks")
     args = parser.parse_args()
-    names = [] if args.scale_only else args.only.split(",") if args.only else list(CONFIGS)
-    unknown = [n for n in names if n not in CONFIGS]
+    known = [*CONFIGS, *USER_CONFIGS]
+    names = [] if args.scale_only else args.only.split(",") if args.only else known
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"unknown configuration {unknown[0]!r}; valid: {', '.join(CONFIGS)}")
+        parser.error(f"unknown configuration {unknown[0]!r}; valid: {', '.join(known)}")
     rows = []
     if names:
-        print(f"{'configuration':16} {'rank class':11} {'predicted':>10} {'measured':>10} {'ratio':>6}   bytes per step "
+        print(f"{'configuration':26} {'rank class':11} {'predicted':>10} {'measured':>10} {'ratio':>6}   bytes per step "
               "by dim: predicted / counted (ratio)")
     for name in names:
         for row in compare(name):
@@ -145,22 +228,28 @@ def main() -> None:
             dims = "; ".join(f"{d} {b['predicted'] / 2**20:.3f}/{b['measured'] / 2**20:.3f} MiB"
                              + (f" ({b['predicted'] / b['measured']:.4f})" if b["measured"] else "")
                              for d, b in row["bytes"].items()) or "-"
-            print(f"{name:16} {row['rank_class']:11} {row['predicted_peak'] / 2**20:8.2f}MiB "
+            print(f"{row['config']:26} {row['rank_class']:11} {row['predicted_peak'] / 2**20:8.2f}MiB "
                   f"{row['measured_peak'] / 2**20:8.2f}MiB {row['peak_ratio']:6.3f}   {dims}", flush=True)
     if rows:
-        worst_peak = max(abs(r["peak_ratio"] - 1) for r in rows)
-        worst_bytes = max((abs(b["predicted"] / b["measured"] - 1) for r in rows for b in r["bytes"].values()
+        loaded = {r["config"].split(" F=")[0] for r in rows if "load_factor" in r}
+        judged = [r for r in rows if r["config"] not in loaded]  # a skewed router's plan: with the run's F
+        worst_peak = max(abs(r["peak_ratio"] - 1) for r in judged)
+        balanced = [r for r in rows if "load_factor" not in r]  # bytes: the mean over ranks is the balanced share
+        worst_bytes = max((abs(b["predicted"] / b["measured"] - 1) for r in balanced for b in r["bytes"].values()
                            if b["measured"] and b["predicted"] > 64), default=0.0)
-        print(f"worst peak error {100 * worst_peak:.1f}% (target 10%); worst bytes error {100 * worst_bytes:.2f}% "
-              "(target 1%; dims under 64 bytes per step, the norm's and the loss's scalars, left out)")
-    scale = None
+        print(f"worst peak error {100 * worst_peak:.1f}% (target 10%; a skewed router's configuration with the run's "
+              f"load factor F); worst bytes error {100 * worst_bytes:.2f}% (target 1%; dims under 64 bytes per step, "
+              "the norm's and the loss's scalars, left out; with F = 1, whose bytes are the mean over the ranks)")
+    scale = scale_user = None
     if not args.only:
-        scale = at_scale()
-        print(f"at scale: {scale['command']}\n  {scale['seconds']:.1f} s (target 60 s); {scale['fits']} meshes fit, "
-              f"{scale['rejected']} rejected; top choice {scale['best']}, peak {scale['best_peak'] / 2**30:.1f} GiB, "
-              f"TP within a host: {scale['tp_within_a_host']}")
+        scale, scale_user = at_scale(), at_scale(SCALE_USER)  # the GPT preset; a user's Llama-3-70B and its function
+        for s in (scale, scale_user):
+            print(f"at scale: {s['command']}\n  {s['seconds']:.1f} s (target 60 s); {s['fits']} meshes fit, "
+                  f"{s['rejected']} rejected; top choice {s['best']}, peak {s['best_peak'] / 2**30:.1f} GiB, "
+                  f"TP within a host: {s['tp_within_a_host']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"configurations": rows, "at_scale": scale}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"configurations": rows, "at_scale": scale, "at_scale_user": scale_user},
+                                              indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -41,15 +41,16 @@ def _one_timed_job_at_a_time(tmp_path_factory):
     with exclusive(tmp_path_factory, "live-replicas"):
         yield
 
+HELD = Path(__file__).with_name("held_train.py")
 STEPS, EVERY, TOL = 40, 5, 1e-4  # longer runs amplify the rounding of the DP=1 steps past 1e-4 (2.8e-4 by step 59)
 ARGS = ["--n-layer", "2", "--n-embd", "128", "--seq-len", "32", "--global-batch-size", "8", "--steps", str(STEPS),
         "--eval-every", "0", "--sample-tokens", "0", "--log-every", "5", "--mesh-shape", "-1,2", "--timeout-s", "30"]
 
 
-def _agent(tmp: Path, tag: str, port: int, ckpt: Path, last_call: int = 2) -> subprocess.Popen:
+def _agent(tmp: Path, tag: str, port: int, ckpt: Path, last_call: int = 2, script: Path = TRAIN) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=elastic-{port}", "--max-restarts=3", "--monitor-interval=1",
-           f"--rdzv-conf=last_call_timeout={last_call}", str(TRAIN), *ARGS, "--checkpoint-dir", str(ckpt),
+           f"--rdzv-conf=last_call_timeout={last_call}", str(script), *ARGS, "--checkpoint-dir", str(ckpt),
            "--checkpoint-every", str(EVERY), "--metrics-file", str(tmp / f"m_{tag}.jsonl")]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -139,9 +140,10 @@ def test_an_agent_dies_and_the_survivor_finishes_on_dp1(tmp_path, reference):
 
 def test_a_second_agent_joins_and_the_job_grows_to_dp2(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
-    a = _agent(tmp_path, "a", 29762, ckpt)
-    # B joins early: its start-up and the new rendezvous round take seconds on busy cores, and the
-    # join must land before A runs out of steps (a late B finds the job done, and the world never grows)
+    # A's steps are held 1 s each while its world is 2 processes (held_train.py): B's start-up and
+    # the new rendezvous round take many seconds on busy cores, and a B that comes after A's last
+    # step finds the rendezvous closed and the world never grows
+    a = _agent(tmp_path, "a", 29762, ckpt, script=HELD)
     _wait_for_step(tmp_path / "m_a.jsonl", 3)
     b = _agent(tmp_path, "b", 29762, ckpt)
     assert _finish(a) == 0, (tmp_path / "a.log").read_text()[-3000:]

@@ -2,7 +2,9 @@
 
 Builds the wheel (``pip wheel``), installs it into a new virtual environment with the constraints file
 (what a user of the wheel types), and runs there, from a scratch directory, every snippet of
-``docs/data-parallel.md`` and ``docs/checkpoints.md`` under torchrun, each printing what the page shows.
+``docs/data-parallel.md`` and ``docs/checkpoints.md`` under torchrun, each printing what the page shows; and
+``vemesh plan`` for the GPT preset and for a user's own ``mymodel.py`` in that directory, with the figures the
+checkout prints.
 """
 
 from __future__ import annotations
@@ -72,3 +74,24 @@ def test_each_snippet_runs_from_a_wheel_outside_the_checkout(venv, page) -> None
         printed = _run([str(venv), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={block.mode[1]}",
                         script.name], user).stdout
         assert printed.strip() == shown.strip(), f"{block.where}: printed\n{printed}\nshown\n{shown}"
+
+
+PLANS = {  # the GPT preset, and a user's own model with its parallelize function and step, in the user's folder
+    "gpt": ["--model", "gpt:n_layer=2,n_embd=192,n_head=4", "--world-size", "4", "--tp", "2", "--json"],
+    "mymodel": ["--model", "module:mymodel:make", "--parallelize", "mymodel:parallelize", "--step", "mymodel:step",
+                "--world-size", "4", "--tp", "2", "--global-batch-size", "8", "--json"],
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_vemesh_plan_runs_from_a_wheel_with_the_figures_of_the_checkout(venv, name) -> None:
+    import json
+
+    user = venv.parents[2] / f"user-plan-{name}"
+    user.mkdir(exist_ok=True)
+    shutil.copy(REPO / "examples" / "my_model" / "mymodel.py", user / "mymodel.py")
+    vemesh = venv.parent / "vemesh"
+    from_wheel = json.loads(_run([str(vemesh), "plan", *PLANS[name]], user).stdout)
+    here = json.loads(_run([sys.executable, "-m", "vemesh", "plan", *PLANS[name]], REPO / "examples" / "my_model").stdout)
+    assert from_wheel == here
+    assert from_wheel["peak"] > 0 and from_wheel["classes"][0]["bytes_per_step"]["TP"] > 0

@@ -86,8 +86,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
     """``vemesh plan --model ...`` on one mesh: memory per rank class and bytes per dim."""
+    from vemesh.planning.api import model_document, verdict
     from vemesh.planning.fit import predict
-    from vemesh.planning.fit_report import fit_document, render_fit
+    from vemesh.planning.fit_report import render_fit
 
     try:
         job = job_from_args(args)
@@ -95,24 +96,17 @@ def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
         raise UsageError(str(e)) from None
     d = plan.degrees
     try:
-        fit = predict(job, dp=d["DP"], tp=d["TP"], pp=d["PP"], cp=d["CP"], ep=plan.ep)
+        fit = predict(job, dp=d["DP"], tp=d["TP"], pp=d["PP"], cp=d["CP"], ep=plan.ep, dp_replicate=args.dp_replicate)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    verdict = None
-    if args.device_memory is not None:
-        verdict = ("fits" if fit.peak <= args.device_memory else "does not fit") if fit.traced else \
-            ("the static memory alone fits" if fit.peak <= args.device_memory else "does not fit")
+    said = verdict(fit, args.device_memory)
     if args.json:
-        doc = fit_document(job, fit)
-        doc.update({"world_size": plan.world_size, "init_device_mesh": plan.init_call(), "flatten": plan.flatten_calls()})
-        if verdict:
-            doc.update({"device_memory": args.device_memory, "fits": verdict == "fits"})
-        print_json(doc)
+        print_json(model_document(job, plan, fit, args.device_memory))
     else:
         print(_plan_header(plan))
         print(render_fit(job, fit))
-        if verdict:
-            print(f"{verdict}: {'peak' if fit.traced else 'static'} {fit.peak / 2**30:.2f} GiB against "
+        if said:
+            print(f"{said}: {'peak' if fit.traced else 'static'} {fit.peak / 2**30:.2f} GiB against "
                   f"{args.device_memory / 2**30:.2f} GiB per device")
         print(f"paste into the training script:\n    from vemesh import VESCALE_DEVICE_MESH\n    {plan.init_call()}")
         for line in plan.flatten_calls():

@@ -35,7 +35,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
     if mesh is None:
         from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
     dims = mesh.parallel_dims
-    if dims is None or not dims.fsdp_dims:
+    if dims is not None and not dims.fsdp_dims:
+        raise ValueError(f"vemesh.parallel.fully_shard: the mesh has no data-parallel ranks to shard over (DP x CP = 1 "
+                         f"in {dims}); leave FSDP out at DP 1, or give the mesh a DP or CP dim")
+    if dims is None:
         raise ValueError("vemesh.parallel.fully_shard shards over the dims a ParallelDims built on the mesh "
                          "(ParallelDims(...).build()); for a mesh built by hand, call torch's fully_shard with a view")
     for experts in expert_modules(module):

@@ -77,17 +77,18 @@ def _fake_world(tp: int, cp: int, ep: int = 1) -> Iterator[object | None]:
 
 def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, micro_batch: int, tp: int = 1,
                 cp: int = 1, sequence_parallel: bool = False, dtype: str = "fp32", checkpointing: bool = False,
-                ep: int = 1) -> Trace:
+                ep: int = 1, load_factor: float = 1.0) -> Trace:
     """One micro-batch of ``micro_batch`` sequences through a stage of ``blocks`` blocks.
 
     ``config`` is the GPTConfig fields as sorted pairs (hashable, for the cache); ``role`` one of
     :data:`ROLES`; the sequence is ``block_size // cp`` tokens on this rank; ``checkpointing`` recomputes
-    each block in backward, as the example's ``--activation-checkpointing``. Up to 2 blocks are traced
+    each block in backward, as the example's ``--activation-checkpointing``; ``load_factor``
+    is the busiest EP rank's share of the slots over the balanced one (:mod:`vemesh.planning.routing`). Up to 2 blocks are traced
     as they are. More are the role's 2-block trace plus, per extra block, the difference between a
     2- and a 1-block middle stage: the blocks are identical, and each extra block's saved activations
     are held through the backward of the last two, where the peak of the 2-block stage is.
     """
-    args = (micro_batch, tp, cp, sequence_parallel, dtype, checkpointing, ep)
+    args = (micro_batch, tp, cp, sequence_parallel, dtype, checkpointing, ep, load_factor)
     if blocks <= 2:
         return _trace(config, blocks, role, *args)
     two = _trace(config, 2, role, *args)
@@ -100,20 +101,22 @@ def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, 
 
 @functools.lru_cache(maxsize=256)
 def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_batch: int, tp: int, cp: int,
-           sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1) -> Trace:
+           sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1, load_factor: float = 1.0) -> Trace:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from vemesh.models.gpt import model as model_module
     from vemesh.models.gpt.parallelize import apply_tp
     from vemesh.parallel import ExpertParallel, context_parallel
     from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
+    from vemesh.planning.routing import routing
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
     cfg = model_module.GPTConfig(**dict(config, n_layer=blocks, dropout=0.0))
     width = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     tokens = cfg.block_size // cp
-    with _fake_world(tp, cp, ep) as mesh, FakeTensorMode(allow_non_fake_inputs=True), _balanced_routing():
+    with _fake_world(tp, cp, ep) as mesh, FakeTensorMode(allow_non_fake_inputs=True), \
+            routing(load_factor):
         model = _build(model_module, cfg, width)
         model.checkpoint_blocks = checkpointing  # the example's --activation-checkpointing
         if role in ("middle", "last"):
@@ -151,48 +154,6 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
             peak = tracker.peak_besides_weights
         sent = by_mesh_name(counter.bytes, mesh) if mesh is not None else {}
     return Trace(retained, peak, tuple(sorted(sent.items())))
-
-
-@contextmanager
-def _balanced_routing() -> Iterator[None]:
-    """The routing of fake tokens, which has no values: every expert gets an equal share of the slots.
-
-    ``torch.bincount`` as a MoE calls it (slots per expert, ``minlength=E``) answers equal counts, as a real
-    tensor the experts can split by; ``ExpertParallel``'s exchange sends equal splits through torch's
-    autograd-aware all-to-all, the sizes a balanced routing sends. The planner assumes the balance that the
-    load-balancing loss aims at, and says so.
-    """
-    import torch.distributed._functional_collectives as funcol
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    import vemesh.parallel.experts.style as style
-    from vemesh.parallel.experts.exchange import Dispatched
-
-    real = torch.bincount, style.dispatch, style.combine
-
-    def balanced(slots: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
-        if not minlength or weights is not None:
-            return real[0](slots, weights, minlength)
-        with unset_fake_temporarily():
-            return torch.full((minlength,), slots.numel() // minlength, dtype=torch.long)
-
-    def exchange(x: torch.Tensor, split: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), split, split, group))
-
-    def dispatch(tokens: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup):
-        n = dist.get_world_size(group)
-        split = [tokens.size(0) // n] * n
-        arrived, per = exchange(tokens, split, group), counts.numel() // n
-        with unset_fake_temporarily():
-            local = torch.full((per,), arrived.size(0) // per, dtype=torch.long)
-        return arrived, local, Dispatched(split, split, torch.empty(0))
-
-    torch.bincount = balanced  # type: ignore[assignment]
-    style.dispatch, style.combine = dispatch, lambda out, plan, group: exchange(out, plan.send, group)
-    try:
-        yield
-    finally:
-        torch.bincount, style.dispatch, style.combine = real  # type: ignore[assignment]
 
 
 def _build(model_module: object, cfg: object, dtype: torch.dtype) -> torch.nn.Module:

@@ -39,14 +39,35 @@ MODELED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 class Job:
     """What is trained, and how, apart from the mesh."""
 
-    model: str  #: ``--model``: ``gpt:...`` or ``module:pkg.mod:factory``
+    model: Any  #: ``--model``: ``gpt:...``, ``module:pkg.mod:factory``, or (Python API) the factory itself
     global_batch_size: int
     dtype: str = "fp32"
-    dp_mode: str = "zero1"  #: ddp (vemesh DDP + AdamW), zero1 (+ DistributedOptimizer) or fsdp (FSDP2)
+    dp_mode: str | None = None  #: ddp (vemesh DDP + AdamW), zero1 (+ DistributedOptimizer) or fsdp (FSDP2); None: zero1,
+    #: or for the user's parallelize function what it applied
     micro_batch_size: int | None = None  #: sequences per forward on a DP rank (default: PP's 2 x PP micro-batches)
     pp_schedule: str = "1f1b"
     sequence_parallel: bool = False
     activation_checkpointing: bool = False  #: each block recomputed in backward (the example's flag)
+    parallelize: Any = None  #: ``--parallelize MODULE:FUNCTION`` (or the function): the user's own, run on the mesh
+    step: Any = None  #: ``--step MODULE:FUNCTION`` (or the function): one forward and backward of a micro-batch
+    moe_load_factor: float = 1.0  #: the busiest EP rank's share of the slots over the balanced share
+
+    @property
+    def mode(self) -> str:
+        """``dp_mode``, zero1 when not given."""
+        return self.dp_mode or "zero1"
+
+    @property
+    def user(self) -> bool:
+        """Whether the user's own functions are traced (``--step`` given)."""
+        return self.step is not None or self.parallelize is not None
+
+    @property
+    def name(self) -> str:
+        """The model as the output names it."""
+        if isinstance(self.model, str):
+            return self.model
+        return f"{getattr(self.model, '__module__', '?')}:{getattr(self.model, '__qualname__', repr(self.model))}"
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,7 @@ class MeshFit:
     slow_dims: tuple[str, ...] = field(default=())
     traced: bool = True  #: False for a module factory: static memory only, no activations
     notes: tuple[str, ...] = ()  #: assumptions the figures rest on, printed with them
+    dp_mode: str = ""  #: the data parallelism planned (for the user's functions: what they applied)
 
     @property
     def peak(self) -> int:
@@ -106,18 +128,31 @@ def _in_flight(schedule: str, pp: int, rank: int, m: int, local_stages: int) -> 
     return min(m * local_stages, _get_warmup_ops(rank, local_stages, m // rounds, pp, m) + 1)
 
 
-def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> MeshFit:
+def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+            dp_replicate: int = 1) -> MeshFit:
     """The prediction per rank class for the mesh ``(PP, DP, CP, TP)`` (EP folded over DP x CP).
 
     Raises ``ValueError`` (one line, naming the value) for what the job or the mesh cannot be.
     """
+    if job.user:
+        from vemesh.planning.user_model import UserFunctions, predict_user
+
+        if job.dp_mode is not None and job.dp_mode not in ("ddp", "zero1", "fsdp"):
+            raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {job.dp_mode!r}")
+        return predict_user(UserFunctions.of(job.model, job.parallelize, job.step), world_size=pp * dp * cp * tp,
+                            degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, dp_replicate=dp_replicate,
+                            global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
+                            dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor)
+    if not isinstance(job.model, str):
+        raise ValueError(f"a model given as {type(job.model).__name__} needs its step (step=...) to be traced; "
+                         "without one, give --model as gpt:... or module:package.module:factory")
     model = load_model(job.model)
-    check_degrees(model, dp=dp * cp, tp=tp, pp=pp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
+    check_degrees(model, dp=dp * cp, tp=tp, pp=pp, ep=ep, dtype=job.dtype, dp_mode=job.mode)
     cfg = dict(model.config)
     if model.kind != "gpt":
         return _static_only(model, job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     if cfg.get("moe_experts"):  # as the example: MoE on DP/TP/CP meshes, DDP or ZeRO-1; every block a MoE
-        for bad, why in ((pp > 1, "a PP dim"), (job.dp_mode == "fsdp", "--dp-mode fsdp"),
+        for bad, why in ((pp > 1, "a PP dim"), (job.mode == "fsdp", "--dp-mode fsdp"),
                          (cfg.get("moe_every", 1) > 1, "moe_every > 1 (blocks of two kinds)")):
             if bad:
                 raise ValueError(f"MoE with {why} is not modeled yet; plan it with dp-mode ddp or zero1, no PP, "
@@ -150,7 +185,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         stages = pipeline.stage_indices(rank, pp, job.pp_schedule) if pp > 1 else [0]
         mine = set().union(*(keys[s] for s in stages))
         name = f"PP rank {rank}" if pp > 1 else "every rank"
-        static = rank_static(model, mine, name, dp=dp * cp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
+        static = rank_static(model, mine, name, dp=dp * cp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.mode)
         traces = [_stage_trace(model, len(layers[s]), _role(s, n_stages), mbs, tp, cp, job, ep) for s in stages]
         flight = _in_flight(job.pp_schedule, pp, rank, passes, len(stages))
         retained = sum(t.retained for t in traces) / len(traces)
@@ -169,10 +204,11 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
             if b:
                 sent[dim] = sent.get(dim, 0) + b
         classes.append(RankClass(name, static, activations, extra, _by_group(sent, pp, dp, cp, tp, ep)))
-    notes = ("MoE: balanced routing assumed (each expert gets top_k x tokens / experts slots); a skewed router "
-             "holds more on its busiest rank (the example's took up to 1.5x its share in its first steps)",) \
-        if cfg.get("moe_experts") else ()
-    return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs, notes=notes)
+    notes = (f"MoE routing: each expert gets an equal share of the slots, and the busiest EP rank receives "
+             f"{job.moe_load_factor:g} x the balanced share (--moe-load-factor; 1 is balanced, a run's measured "
+             "expert_load is its own factor)",) if cfg.get("moe_experts") else ()
+    return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs, notes=notes,
+                   dp_mode=job.mode)
 
 
 def _by_group(sent: dict[str, int], pp: int, dp: int, cp: int, tp: int, ep: int) -> dict[str, int]:
@@ -196,11 +232,11 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
         raise ValueError("PP and CP need the GPT example's stage cut and attention (--model gpt:...); a module factory "
                          "is planned on DP only")
     keys = stage_keys(model, 1)[0]
-    static = rank_static(model, keys, "every rank", dp=dp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.dp_mode)
+    static = rank_static(model, keys, "every rank", dp=dp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.mode)
     (dp_bytes, _), extra = _dp_traffic(model, keys, job, dp, tp, 1)
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
                    [RankClass("every rank", static, 0, extra, {"DP": dp_bytes} if dp_bytes else {})],
-                   1, job.global_batch_size // dp, traced=False)
+                   1, job.global_batch_size // dp, traced=False, dp_mode=job.mode)
 
 
 def _stage_trace(model: Model, blocks: int, role: str, mbs: int, tp: int, cp: int, job: Job, ep: int = 1) -> Any:
@@ -208,7 +244,7 @@ def _stage_trace(model: Model, blocks: int, role: str, mbs: int, tp: int, cp: in
 
     return trace_stage(model.config, blocks=blocks, role=role, micro_batch=mbs, tp=tp, cp=cp,
                        sequence_parallel=job.sequence_parallel and tp > 1, dtype=job.dtype,
-                       checkpointing=job.activation_checkpointing, ep=ep)
+                       checkpointing=job.activation_checkpointing, ep=ep, load_factor=job.moe_load_factor)
 
 
 def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes: int,
@@ -220,10 +256,10 @@ def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes
     width = 2 if job.dtype == "bf16" else 4
     experts = model.experts
     mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
-    if job.dp_mode != "fsdp":
+    if job.mode != "fsdp":
         def per_step(params: list[Any], over: int) -> int:
             n = sum(_local(p.shape, p.tp_dim, tp) for p in params)
-            gather = width * -(-n // over) * over if job.dp_mode == "zero1" else 0
+            gather = width * -(-n // over) * over if job.mode == "zero1" else 0
             return 4 * n + gather if over > 1 and n else 0
         dense = [p for p in mine if p.expert is None or ep == 1]
         expert = [p for p in mine if p.expert is not None and ep > 1]
@@ -260,18 +296,23 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
         raise ValueError(f"rank_by must be inter-host or peak; got {rank_by!r}")
     if rank_by == "inter-host" and not devices_per_host:
         raise ValueError("ranking by inter-host bytes needs --devices-per-host")
-    model = load_model(job.model)
-    if model.kind != "gpt":
-        raise ValueError("searching needs the activations, which the planner traces through the GPT example's model "
-                         "(--model gpt:...); for a module factory give a shape (--dp N) to see its static memory")
+    if job.user:  # the user's functions: no PP; every TP their parallelize function takes
+        limit = {"n_head": world_size}
+        n_layer = 1
+    else:
+        if not isinstance(job.model, str) or load_model(job.model).kind != "gpt":
+            raise ValueError("searching needs the activations: give the GPT preset (--model gpt:...), or your model's "
+                             "step (--step MODULE:FUNCTION, with --parallelize for TP, CP or EP)")
+        model = load_model(job.model)
+        limit, n_layer = dict(model.config), model.n_layer
     fits, rejected = [], []
-    for pp in _divisors(world_size):
+    for pp in _divisors(world_size) if not job.user else [1]:
         for tp in _divisors(world_size // pp):
             if (world_size // pp // tp) % cp:
                 continue
             dp = world_size // pp // tp // cp
             degrees = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}
-            if tp > dict(model.config).get("n_head", 1) or pp > model.n_layer:
+            if tp > limit.get("n_head", 1) or pp > n_layer:
                 continue  # not even a candidate: more TP ranks than heads, more stages than blocks
             try:
                 fit = predict(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)

@@ -27,6 +27,22 @@ HOW = {
 }
 
 
+#: How each figure is obtained for the user's own functions (``--parallelize``, ``--step``).
+HOW_USER = {
+    "params, grads, optimizer": "held at the step peak by the model your parallelize function returned, on rank 0 of "
+    "a fake world of the planned mesh: each parameter's local shard (a DTensor's, FSDP2's, an EP slice), the "
+    "gradients the wrappers keep, the --optimizer state (ZeRO-1's shard and fp32 masters with --dp-mode zero1)",
+    "activations": "everything else your step holds at the peak, traced on fake tensors under torch's MemTracker "
+    "through warm-up and training steps (optimizer.step included); identical blocks: 2 and 3 traced, the rest by "
+    "difference",
+    "bytes": "every collective of a training step on the dispatcher (your TP, CP and EP ones; DDP's, ZeRO-1's, FSDP2's), "
+    "by the mesh dim of its group; several micro-batches: 1 and 2 traced, the rest by difference. The size of each "
+    "collective's tensor, as nccl-tests counts it",
+    "not seen": "anything outside the step (data loading, evaluation, checkpoints); memory the allocator keeps besides "
+    "tensors (fragmentation, CUDA context, nccl buffers); values (MoE routing is assumed, see the notes)",
+}
+
+
 def _unit(n: float) -> tuple[float, str]:
     return (2**30, "GiB") if n >= 2**30 else (2**20, "MiB")
 
@@ -37,24 +53,31 @@ def _class_row(c: Any) -> dict[str, Any]:
             "activations": c.activations, "buffers": c.extra, "peak": c.peak, "bytes_per_step": c.sent}
 
 
+def _name(ref: Any) -> str | None:
+    if ref is None or isinstance(ref, str):
+        return ref
+    return f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
+
+
 def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
     """The JSON of one mesh's prediction."""
-    return {"model": job.model, "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
+    return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
             "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
-            "dp_mode": job.dp_mode, "activation_checkpointing": job.activation_checkpointing, "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
+            "dp_mode": fit.dp_mode or job.mode, "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing, "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
             "peak": fit.peak, "activations_traced": fit.traced, "notes": list(fit.notes), "classes": [_class_row(c) for c in fit.classes],
-            "how": HOW}
+            "how": HOW_USER if job.user else HOW}
 
 
 def search_document(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,
                     rank_by: str, fits: list[MeshFit], rejected: list[MeshFit]) -> dict[str, Any]:
     """The JSON of a search: the meshes that fit, best first, and the rejected ones with their reasons."""
-    return {"model": job.model, "world_size": world_size, "device_memory": device_memory,
+    return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "world_size": world_size, "device_memory": device_memory,
             "devices_per_host": devices_per_host, "ranked_by": rank_by,
             "fits": [{"degrees": f.degrees, "peak": f.peak, "inter_host_bytes_per_step": f.slow_bytes,
                       "inter_host_dims": list(f.slow_dims), "micro_batch_size": f.micro_batch_size,
                       "classes": [_class_row(c) for c in f.classes]} for f in fits],
-            "rejected": [{"degrees": f.degrees, "reason": f.reason} for f in rejected], "how": HOW}
+            "rejected": [{"degrees": f.degrees, "reason": f.reason} for f in rejected],
+            "how": HOW_USER if job.user else HOW}
 
 
 def render_fit(job: Job, fit: MeshFit) -> str:
@@ -64,10 +87,10 @@ def render_fit(job: Job, fit: MeshFit) -> str:
     per_dp = job.global_batch_size // d["DP"]
     batch = f"; global batch {job.global_batch_size}, {per_dp} sequences per DP rank in {fit.micro_batches} " \
         f"micro-batch{'es' if fit.micro_batches > 1 else ''} of {fit.micro_batch_size}" if fit.traced else ""
-    lines = [f"job: {job.model}, {job.dtype}, {job.dp_mode}" + (", activation checkpointing"
+    lines = [f"job: {job.name}, {job.dtype}, {fit.dp_mode or job.mode}" + (", activation checkpointing"
              if job.activation_checkpointing else "") + batch + (f", {job.pp_schedule}" if d["PP"] > 1 else ""),
-             f"memory per rank ({unit}):" if fit.traced else f"static memory per rank ({unit}); a module factory has "
-             "no forward the planner can trace, so activations are NOT included (use --model gpt:... for them):"]
+             f"memory per rank ({unit}):" if fit.traced else f"static memory per rank ({unit}); ACTIVATIONS ARE NOT "
+             "INCLUDED: give your step (--step MODULE:FUNCTION) and the planner traces them:"]
     buffers = any(c.extra for c in fit.classes)
     head = ["params", "grads", "optimizer", "masters", "activations"] + (["buffers"] if buffers else []) \
         + ["peak" if fit.traced else "static"]
@@ -101,10 +124,12 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
         else "the lowest peak per rank"
     memory = f", {device_memory / 2**30:.1f} GiB per device" if device_memory else ""
     hosts = f", {devices_per_host} devices per host" if devices_per_host else ""
-    lines = [f"plan: {job.model}", f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
-             f"{job.dtype}, {job.dp_mode}; ranked by {cost}",
-             f"{len(fits) + len(rejected)} meshes considered (PP x DP x CP x TP = {world_size}, TP up to the heads, PP "
-             f"up to the blocks); {len(fits)} fit" + (f"; the best {min(top, len(fits))}:" if fits else "")]
+    lines = [f"plan: {job.name}" + (f" through {_name(job.parallelize)}" if job.parallelize else ""),
+             f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
+             f"{job.dtype}, {job.dp_mode or ('as the function applies' if job.user else 'zero1')}; ranked by {cost}",
+             f"{len(fits) + len(rejected)} meshes considered (" + (f"DP x CP x TP = {world_size}, every TP; your "
+             "functions refuse what they cannot run" if job.user else f"PP x DP x CP x TP = {world_size}, TP up to the "
+             "heads, PP up to the blocks") + f"); {len(fits)} fit" + (f"; the best {min(top, len(fits))}:" if fits else "")]
     if fits:
         lines.append(f"  {'#':>3}  {'mesh':28} {'peak':>10}  {'between hosts':>15}  dims between hosts")
     for i, f in enumerate(fits[:top], 1):
@@ -122,7 +147,15 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
         "will it fit? (with --model: memory per rank and bytes per dim; with --device-memory and no --pp/--tp/--dp: "
         "every mesh of the world size that fits, ranked)")
     job.add_argument("--model", metavar="SPEC", help="gpt:n_layer=N,n_embd=N,n_head=N[,vocab=N,seq_len=N] (the GPT "
-                     "example) or module:package.module:factory (static memory only)")
+                     "preset) or module:MODULE:FACTORY, your own model (MODULE: a dotted module importable from the "
+                     "current directory, or a file path such as ./mymodel.py); without --step, static memory only")
+    job.add_argument("--parallelize", metavar="MODULE:FUNCTION", help="your parallelize function, FUNCTION(model, "
+                     "mesh) -> model, run on VESCALE_DEVICE_MESH built for the planned mesh on torch's fake backend "
+                     "(default: the data parallelism --dp-mode names, and nothing else)")
+    job.add_argument("--step", metavar="MODULE:FUNCTION", help="your step, FUNCTION(model, micro_batch_size): one "
+                     "forward and backward of a micro-batch on tensors it makes, run on fake tensors")
+    job.add_argument("--moe-load-factor", metavar="F", help="MoE: the busiest EP rank receives F x the balanced "
+                     "share of the slots (default: 1, balanced; a run's measured expert_load is its own F)")
     job.add_argument("--global-batch-size", type=positive, metavar="N", help="sequences per step (default: 32)")
     job.add_argument("--dtype", choices=("fp32", "bf16"), help="parameter and compute dtype (default: fp32)")
     job.add_argument("--optimizer", choices=("adamw",), default="adamw", help="the optimizer (AdamW's two moments)")
@@ -147,15 +180,26 @@ def job_from_args(args: argparse.Namespace) -> Job:
 
     if args.device_memory is not None and not isinstance(args.device_memory, int):
         args.device_memory = parse_size(args.device_memory, "--device-memory")
-    return Job(args.model, args.global_batch_size or 32, dtype=args.dtype or "fp32", dp_mode=args.dp_mode or "zero1",
+    from vemesh.planning.routing import check_load_factor
+
+    if (args.parallelize or args.step) and not str(args.model).startswith("module:"):
+        raise ValueError(f"--parallelize and --step trace your own model, given as --model module:MODULE:FACTORY; "
+                         f"got --model {args.model} (the GPT preset is parallelized by vemesh.models.gpt)")
+    for flag, value in (("--sequence-parallel", args.sequence_parallel),
+                        ("--activation-checkpointing", args.activation_checkpointing), ("--pp-schedule", args.pp_schedule)):
+        if value and (args.parallelize or args.step):
+            raise ValueError(f"{flag} is the GPT preset's; with --parallelize your function decides it")
+    factor = check_load_factor(args.moe_load_factor) if args.moe_load_factor is not None else 1.0
+    return Job(args.model, args.global_batch_size or 32, dtype=args.dtype or "fp32", dp_mode=args.dp_mode,
                micro_batch_size=args.micro_batch_size, pp_schedule=args.pp_schedule or "1f1b",
-               sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing)
+               sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
+               parallelize=args.parallelize, step=args.step, moe_load_factor=factor)
 
 
 def refuse_job_flags(args: argparse.Namespace) -> None:
     """``ValueError`` for a job flag given without ``--model`` (it would be ignored)."""
     given = [f for f in ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size", "pp_schedule",
-                         "rank_by") if getattr(args, f) is not None]
+                         "rank_by", "parallelize", "step", "moe_load_factor") if getattr(args, f) is not None]
     given += [f for f in ("sequence_parallel", "activation_checkpointing") if getattr(args, f)]
     if given:
         raise ValueError(f"argument --{given[0].replace('_', '-')}: describes a job; give the model too (--model "

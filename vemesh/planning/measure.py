@@ -81,6 +81,8 @@ class CollectiveBytes(TorchDispatchMode):
         super().__init__()
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.ops: dict[str, set[str]] = defaultdict(set)  #: the ops run on each group (by ``group_name``)
+        self.groups: dict[str, dist.ProcessGroup] = {}
         self.counting = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -92,6 +94,8 @@ class CollectiveBytes(TorchDispatchMode):
             name = group.group_name
             self.bytes[name] += payload_bytes(func, args, result)
             self.calls[name] += 1
+            self.ops[name].add(func.__name__.split(".")[0])
+            self.groups[name] = group
         return result
 
 
@@ -151,6 +155,9 @@ class _Tracker(MemTracker):
             self._mod_tracker = _NoModules()  # type: ignore[assignment]
         self.peak_besides_weights = 0
         self.step_peak = 0
+        self.step_peak_by_kind: dict[str, int] = {}  #: the categories held at :attr:`step_peak` (MemTracker's names)
+        self.on_step_peak: Any = None  #: called at each new step peak; what it returns is kept in step_peak_parts
+        self.step_peak_parts: dict[str, int] = {}
         self.in_step = False
 
     def track_weights(self, module: torch.nn.Module) -> None:
@@ -164,7 +171,12 @@ class _Tracker(MemTracker):
             self.peak_besides_weights = max(self.peak_besides_weights,
                                             total - snap.get(_MemRefType.PARAM, 0) - snap.get(_MemRefType.GRAD, 0))
             if self.in_step:  # what RunMeter.exclude registered ("Other") is not device memory
-                self.step_peak = max(self.step_peak, total - snap.get(_MemRefType.OTH, 0))
+                held = total - snap.get(_MemRefType.OTH, 0)
+                if held > self.step_peak:
+                    self.step_peak, self.step_peak_by_kind = held, {str(k.value if hasattr(k, "value") else k): v
+                                                                    for k, v in snap.items()}
+                    if self.on_step_peak is not None:
+                        self.step_peak_parts = self.on_step_peak()
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         try:

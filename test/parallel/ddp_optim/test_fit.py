@@ -100,7 +100,7 @@ def test_cli_prints_the_tables_and_the_json(capsys) -> None:
 def test_a_module_factory_gets_its_static_memory_labeled_as_such(capsys) -> None:
     assert main(["plan", "--model", "module:torch.nn:Identity", "--world-size", "2", "--dp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "activations are NOT included" in out and "static" in out
+    assert "ACTIVATIONS ARE NOT INCLUDED" in out and "static" in out
 
 
 @pytest.mark.slow
@@ -123,8 +123,9 @@ def test_moe_is_traced_with_balanced_routing_and_its_all_to_all_counted() -> Non
     cls, = fit.classes
     tokens = 8 * 32 * 2 * 64 * 4  # (b x T x top-k) slots of C fp32 values, per MoE layer
     # each layer: to the experts and back, forward and backward (autograd's reverse all-to-all)
-    assert cls.sent["EP"] == 2 * 4 * tokens
-    assert any("balanced routing" in n for n in fit.notes)
+    counts = 2 * 4 * 8  # and each layer's slot counts first: E int64, forward only
+    assert cls.sent["EP"] == 2 * 4 * tokens + counts
+    assert any("MoE routing: each expert gets an equal share" in n and "1 x the balanced share" in n for n in fit.notes)
     for kw, piece in ((dict(pp=2), "a PP dim"), (dict(), "--dp-mode fsdp")):
         with pytest.raises(ValueError, match=piece):
             predict(Job(moe, 16, dp_mode="fsdp" if not kw else "zero1"), dp=2, ep=2, **kw)

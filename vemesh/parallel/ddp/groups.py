@@ -95,13 +95,9 @@ def check_covers_data(group: dist.ProcessGroup, described: str) -> None:
 
 def _along(mesh: DeviceMesh, dim: int) -> list[int]:
     """The global ranks of this rank's group along mesh dim ``dim`` of ``mesh``."""
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
+    if mesh.get_coordinate() is None:
         return []
-    ranks = mesh.mesh.movedim(dim, -1)
-    for c in [c for i, c in enumerate(coordinate) if i != dim]:
-        ranks = ranks[c]
-    return ranks.tolist()
+    return dist.get_process_group_ranks(mesh.get_group(dim))
 
 
 def sharded_over(p: torch.Tensor) -> Iterator[tuple[str, list[int], str]]:

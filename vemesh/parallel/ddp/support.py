@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -133,7 +134,7 @@ def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
         flat = torch.cat([t.reshape(-1) for t in same])
         dist.broadcast(flat, group=group, group_src=0)
         pairs = [(t, c.view(t.shape)) for t, c in zip(same, flat.split([t.numel() for t in same]))]
-        changed = [(t, c) for t, c in pairs if not torch.equal(t, c)]
+        changed = [(t, c) for t, c in pairs if is_fake(c) or not torch.equal(t, c)]  # a planner's fake: no values
         if changed:
             torch._foreach_copy_([t for t, _ in changed], [c for _, c in changed])
 

@@ -146,7 +146,7 @@ class ParamShard:
                 works.append(dist.broadcast(chunk, group=self.group, group_src=r, async_op=True))
         else:
             own = self.param_data[self.dp_rank * size : (self.dp_rank + 1) * size]
-            works.append(dist.all_gather_into_tensor(self.param_data, own, group=self.group, async_op=True))
+            works.append(dist.all_gather_single(self.param_data, own, group=self.group, async_op=True))
         return [w for w in works if w is not None]
 
     @torch.no_grad()

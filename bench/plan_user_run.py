@@ -1,0 +1,105 @@
+"""A real run of the user's own functions, measured: the other side of ``vemesh plan --parallelize ... --step ...``.
+
+Launched by ``bench/plan_accuracy.py`` under torchrun, with the planner's flags. It does what a training script
+of the user's would: build the mesh with ``ParallelDims``, call the factory and the parallelize function, make
+the optimizer ``--dp-mode`` names, and train 3 steps (``zero_grad``, the step per micro-batch with ``no_sync``
+but on the last, ``optimizer.step``), inside vemesh's ``RunMeter`` (torch's MemTracker, and the collectives
+by mesh dim). Rank 0 writes the report; with MoE it also writes the run's expert load: the busiest EP rank's
+arriving slots over the slots it sent (the balanced share), the largest of any layer and step.
+
+    torchrun --nproc_per_node 4 bench/plan_user_run.py --model module:test/models/llama_jobs.py:make_dense \\
+        --parallelize test/models/llama_jobs.py:parallelize_fsdp --step test/models/llama_jobs.py:step --tp 2 \\
+        --global-batch-size 8 --report /tmp/report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
+from vemesh.parallel import ParallelDims  # noqa: E402
+from vemesh.planning.measure import RunMeter, report  # noqa: E402
+from vemesh.planning.user_model import resolve  # noqa: E402
+
+STEPS = 3
+
+
+def _expert_load() -> dict[str, float]:
+    """Wrap ExpertParallel's dispatch to keep the largest arrivals / sent of this rank."""
+    import vemesh.parallel.experts.style as style
+
+    real, seen = style.dispatch, {"load": 0.0}
+
+    def dispatch(tokens, counts, group):  # type: ignore[no-untyped-def]
+        out = real(tokens, counts, group)
+        seen["load"] = max(seen["load"], sum(out[2].recv) / max(1, sum(out[2].send)))
+        return out
+
+    style.dispatch = dispatch
+    return seen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag in ("--model", "--parallelize", "--step", "--report"):
+        parser.add_argument(flag, required=True)
+    for flag, default in (("--cp", 1), ("--tp", 1), ("--ep", 1), ("--dp", None), ("--global-batch-size", 32),
+                          ("--micro-batch-size", None), ("--world-size", None)):
+        parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--dp-mode", choices=("ddp", "zero1", "fsdp"))
+    parser.add_argument("--expert-load", help="write the run's expert load factor here")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    dims = ParallelDims(dist.get_world_size(), cp=args.cp, tp=args.tp, ep=args.ep)
+    dims.build("cpu", mesh)
+    factory, _ = resolve(args.model, "--model")
+    parallelize, _ = resolve(args.parallelize, "--parallelize")
+    step, _ = resolve(args.step, "--step")
+    per_dp = args.global_batch_size // dims.dp
+    mbs = args.micro_batch_size or per_dp
+    load = _expert_load()
+    meter = RunMeter()
+    with meter:
+        model = parallelize(factory(), mesh)
+        fsdp = isinstance(model, torch.distributed.fsdp.FSDPModule)
+        mode = args.dp_mode or ("fsdp" if fsdp else "zero1")
+        if mode == "zero1":
+            from vemesh.optim import DistributedOptimizer
+
+            optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model])
+        else:
+            optimizer = torch.optim.AdamW(model.parameters())
+        for _ in range(STEPS):
+            with meter.step():
+                optimizer.zero_grad()
+                for i in range(per_dp // mbs):
+                    last = i == per_dp // mbs - 1
+                    if fsdp:
+                        model.set_requires_gradient_sync(last)
+                    with model.no_sync() if not last and not fsdp else contextlib.nullcontext():
+                        step(model, mbs)
+                optimizer.step()
+    report(meter, mesh, "every rank", args.report)
+    loads = [None] * dist.get_world_size()
+    dist.all_gather_object(loads, load["load"])
+    if args.expert_load and dist.get_rank() == 0:
+        Path(args.expert_load).write_text(json.dumps({"expert_load": max(loads)}))
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's threads can abort an interpreter's exit ("terminate called without an active exception")
+
+
+if __name__ == "__main__":
+    main()

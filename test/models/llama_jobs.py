@@ -1,0 +1,119 @@
+"""What a user of vemesh writes for ``llama.py``: factories, parallelize functions and a step, the three things
+``vemesh plan --model module:... --parallelize ... --step ...`` runs, and that a training script runs too.
+
+Nothing here is vemesh's own code path for this model: it is the kind of code a user writes, with torch's
+``parallelize_module`` for TP (torchtitan's Llama plan, with or without sequence parallelism), vemesh's
+``ExpertParallel``, ``context_parallel`` and ``fully_shard``, vemesh's DDP, and torch's activation checkpointing.
+``bench/plan_accuracy.py`` plans each job and measures it in a real gloo run with the same functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama  # noqa: E402
+
+from vemesh.ddp import DistributedDataParallel  # noqa: E402
+from vemesh.parallel import ExpertParallel, context_parallel, fully_shard  # noqa: E402
+
+SMALL = dict(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=512, max_seq_len=128)
+
+
+def make_dense() -> nn.Module:
+    return llama.make(**SMALL)
+
+
+def make_moe() -> nn.Module:
+    return llama.make(**SMALL, moe_experts=4)
+
+
+def make_70b() -> nn.Module:
+    """Llama-3-70B's shape: 80 blocks of width 8192, 64 query and 8 KV heads, SwiGLU 28672, vocab 128256."""
+    return llama.Llama(llama.LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                                         hidden_dim=28672, max_seq_len=8192, rope_theta=500000.0))
+
+
+def _tp(model: llama.Llama, mesh, sequence_parallel: bool) -> None:
+    """torchtitan's Llama plan: attention and SwiGLU column- then row-wise; with SP, norms and the residual stream
+    sharded on the sequence."""
+    tp = mesh["TP"]
+    seq = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(model, tp, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        **({"norm": SequenceParallel()} if sequence_parallel else {}),
+    })
+    for block in model.layers.values():
+        plan = {
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        parallelize_module(block, tp, plan)
+
+
+def _model_parallel(model: llama.Llama, mesh, sequence_parallel: bool, checkpointed: bool) -> None:
+    if mesh.get_strategy_size("TP") > 1:
+        _tp(model, mesh, sequence_parallel)
+    for block in model.layers.values():
+        if mesh.get_strategy_size("EP") > 1 and isinstance(block.feed_forward, llama.MoE):
+            parallelize_module(block.feed_forward.experts, mesh["EP"], ExpertParallel())
+        if checkpointed:  # each block recomputed in backward (non-reentrant, as torchtitan's "full" AC)
+            block.forward = functools.partial(checkpoint, type(block).forward, block, use_reentrant=False)
+
+
+def parallelize_fsdp(model: llama.Llama, mesh) -> nn.Module:
+    """TP with sequence parallelism (when the mesh has TP), EP (when it has EP), FSDP2 on each block and the root."""
+    _model_parallel(model, mesh, sequence_parallel=True, checkpointed=False)
+    for block in model.layers.values():
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def parallelize_ddp(model: llama.Llama, mesh) -> nn.Module:
+    """TP without sequence parallelism, EP, and vemesh DDP over the mesh's data dims (ZeRO-1 is the optimizer's)."""
+    _model_parallel(model, mesh, sequence_parallel=False, checkpointed=False)
+    return DistributedDataParallel(model)
+
+
+def parallelize_checkpointed(model: llama.Llama, mesh) -> nn.Module:
+    """Every block under activation checkpointing, then FSDP2."""
+    _model_parallel(model, mesh, sequence_parallel=False, checkpointed=True)
+    for block in model.layers.values():
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _core(model: nn.Module) -> llama.Llama:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """One forward and backward of ``micro_batch_size`` sequences; under CP, inside ``context_parallel``."""
+    from vemesh import VESCALE_DEVICE_MESH as mesh
+
+    core = _core(model)
+    tokens = torch.randint(0, core.cfg.vocab_size, (micro_batch_size, core.cfg.max_seq_len + 1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    cp = mesh.get_strategy_size("CP") > 1
+    rope = [core.rope_cos, core.rope_sin]
+    with context_parallel(mesh["CP"], buffers=[x, y, *rope], buffer_seq_dims=[1, 1, 0, 0]) if cp else nullcontext():
+        loss = llama.loss_fn(model(x), y)
+        loss.backward()
+    return loss.detach()

@@ -1,0 +1,62 @@
+"""Users' functions that go wrong, each in one plausible way, for test_plan_user_model.py (planned by file path)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+import llama  # noqa: E402
+import llama_jobs  # noqa: E402
+
+from vemesh.ddp import DistributedDataParallel  # noqa: E402
+
+
+def make_six() -> torch.nn.Module:
+    return llama.make(**dict(llama_jobs.SMALL, n_layers=6))
+
+
+def make_fails() -> torch.nn.Module:
+    raise RuntimeError("no checkpoint at /models/base")
+
+
+def make_not_a_module() -> dict:
+    return {}
+
+
+def parallelize_fails(model, mesh):
+    raise KeyError("layers.9")
+
+
+def parallelize_nothing(model, mesh):
+    return model
+
+
+def parallelize_returns_none(model, mesh):
+    DistributedDataParallel(model)
+
+
+def parallelize_counts_blocks(model, mesh):
+    """Reaches for block 5 by number: a model cut to 2 blocks has none, so the planner traces all 6."""
+    model.layers["5"].ffn_norm.eps = 1e-5
+    return DistributedDataParallel(model)
+
+
+def step_reads_loss(model, micro_batch_size):
+    loss = llama.loss_fn(model(torch.zeros(micro_batch_size, 16, dtype=torch.long)),
+                         torch.zeros(micro_batch_size, 16, dtype=torch.long))
+    loss.backward()
+    print(f"loss {loss.item():.3f}")
+
+
+def step_with_own_group(model, micro_batch_size):
+    llama_jobs.step(model, micro_batch_size)
+    pair = dist.new_group([0, 1])
+    dist.all_reduce(torch.zeros(4), group=pair)
+
+
+def step(model, micro_batch_size):
+    llama_jobs.step(model, micro_batch_size)

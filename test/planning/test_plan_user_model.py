@@ -1,0 +1,200 @@
+"""``vemesh plan`` on the user's own model: the user's factory, parallelize function and step, traced on a fake world.
+
+In process (torch's fake backend, fake tensors): the figures are what the user's code did (each wrapper's own
+storage and collectives), the shortcut over identical blocks equals tracing them all, the Python API answers what
+the CLI prints, and every bad input is one line naming it. Against real runs: ``bench/plan_accuracy.py`` (and the
+slow test at the end); from a wheel: ``test/packaging/test_from_a_wheel.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from vemesh.cli import main
+from vemesh.planning import plan
+from vemesh.planning.user_model import UserFunctions, predict_user, trace_user
+
+REPO = Path(__file__).resolve().parents[2]
+JOBS = str(REPO / "test" / "models" / "llama_jobs.py")
+CASES = str(REPO / "test" / "planning" / "plan_user_cases.py")
+MINE = REPO / "examples" / "my_model"
+MESH = {"PP": 1, "DP": 2, "CP": 1, "TP": 2, "EP": 1}
+
+
+def _line(text: str) -> int:
+    """The line of ``plan_user_cases.py`` that holds ``text``: where the user's code failed."""
+    return next(i for i, line in enumerate(Path(CASES).read_text().splitlines(), 1) if text in line)
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _fns(factory: str, parallelize: str | None, step: str = f"{JOBS}:step") -> UserFunctions:
+    return UserFunctions.of(factory, parallelize, step)
+
+
+def test_identical_blocks_traced_by_difference_equal_tracing_every_block() -> None:
+    fns = _fns(f"module:{CASES}:make_six", f"{JOBS}:parallelize_fsdp")
+    kwargs = dict(world_size=4, degrees=MESH, micro_batch_size=2, passes=1)
+    whole = trace_user(fns, **kwargs)  # all six blocks
+    short = predict_user(fns, world_size=4, degrees=MESH, global_batch_size=4, micro_batch_size=None, dtype="fp32",
+                         dp_mode=None, load_factor=1.0)
+    (cls,) = short.classes
+    assert any("2 and 3 of them traced, the other 3 added by difference" in n for n in short.notes)
+    assert abs(cls.peak - whole.peak) <= 1e-3 * whole.peak, (cls.peak, whole.peak)
+    assert cls.sent == whole.sent
+    assert short.dp_mode == "fsdp"
+
+
+def test_what_the_function_did_is_counted(capsys) -> None:
+    """FSDP2 + TP: each rank holds a quarter of the weights (DP 2 x TP 2); DDP + TP holds half, and ZeRO-1 a copy."""
+    docs = {}
+    for name, parallelize in (("fsdp", "parallelize_fsdp"), ("ddp", "parallelize_ddp")):
+        code, out, err = _cli(capsys, "--model", f"module:{JOBS}:make_dense", "--parallelize", f"{JOBS}:{parallelize}",
+                              "--step", f"{JOBS}:step", "--world-size", "4", "--tp", "2", "--global-batch-size", "4",
+                              "--json")
+        assert code == 0, err
+        docs[name] = json.loads(out)
+    from llama_jobs import make_dense
+
+    full = 4 * sum(p.numel() for p in make_dense().parameters())
+    fsdp, ddp = docs["fsdp"]["classes"][0], docs["ddp"]["classes"][0]
+    assert docs["fsdp"]["dp_mode"] == "fsdp" and docs["ddp"]["dp_mode"] == "zero1"
+    assert abs(fsdp["params"] - full / 4) < 0.01 * full and abs(fsdp["optimizer"] - 2 * full / 4) < 0.01 * full
+    # under TP the DDP parameters are DTensor halves (the embeddings and the head replicated), and ZeRO-1 keeps a copy
+    assert full / 2 < ddp["params"] < 2 * full
+    assert set(fsdp["bytes_per_step"]) == {"DP", "TP"} and set(docs["fsdp"]["how"]) >= {"activations", "not seen"}
+
+
+def test_the_python_api_answers_what_the_cli_prints(capsys, monkeypatch) -> None:
+    monkeypatch.chdir(MINE)
+    monkeypatch.syspath_prepend(str(MINE))
+    import mymodel
+
+    code, out, err = _cli(capsys, "--model", "module:mymodel:make", "--parallelize", "mymodel:parallelize",
+                          "--step", "mymodel:step", "--world-size", "4", "--tp", "2", "--global-batch-size", "8", "--json")
+    assert code == 0, err
+    cli = json.loads(out)
+    api = plan(mymodel.make, parallelize=mymodel.parallelize, step=mymodel.step, world_size=4, tp=2,
+               global_batch_size=8)
+    assert api["peak"] == cli["peak"] and api["classes"] == cli["classes"]
+    assert api["model"] == "mymodel:make" and cli["model"] == "module:mymodel:make"
+    search = plan("module:mymodel:make", parallelize="mymodel:parallelize", step="mymodel:step", world_size=4,
+                  global_batch_size=8, device_memory="1GiB")
+    tried = {f["degrees"]["TP"] for f in search["fits"]} | {r["degrees"]["TP"] for r in search["rejected"]}
+    assert tried == {1, 2, 4} and search["fits"], search  # every TP of 4 ranks; the model runs at each
+    assert all(f["peak"] <= 2**30 for f in search["fits"]) and all(r["reason"] for r in search["rejected"])
+
+
+def test_moe_load_factor_raises_the_busiest_ranks_peak_and_is_said(capsys) -> None:
+    peaks = {}
+    for factor in ("1", "1.5"):
+        code, out, err = _cli(capsys, "--model", f"module:{JOBS}:make_moe", "--parallelize", f"{JOBS}:parallelize_ddp",
+                              "--step", f"{JOBS}:step", "--world-size", "2", "--ep", "2", "--global-batch-size", "4",
+                              "--moe-load-factor", factor)
+        assert code == 0, err
+        assert f"the busiest EP rank receives {factor} x the balanced share (--moe-load-factor" in out
+        peaks[factor] = float(next(line for line in out.splitlines() if line.startswith("  every rank")).split()[-1])
+    assert peaks["1.5"] > peaks["1"]
+
+
+@pytest.mark.parametrize("args, says", [
+    ((f"module:{CASES}:make_fails", f"{JOBS}:parallelize_ddp", f"{JOBS}:step"),
+     "make_fails failed at {cases}:{make} in make_fails: RuntimeError: no checkpoint at /models/base"),
+    ((f"module:{CASES}:make_not_a_module", f"{JOBS}:parallelize_ddp", f"{JOBS}:step"),
+     "make_not_a_module returned a dict, not an nn.Module"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fails", f"{JOBS}:step"),
+     "parallelize_fails failed at {cases}:{parallelize} in parallelize_fails: KeyError: 'layers.9'"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
+     "parallelize_returns_none returned NoneType, not the model"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),
+     "parallelize_nothing wrapped no data parallelism, but the mesh has 4 data-parallel ranks (DP)"),
+    ((f"module:{CASES}:make_six", f"{JOBS}:parallelize_ddp", f"{CASES}:step_reads_loss"),
+     "step_reads_loss needs a tensor's values at {cases}:{step} in step_reads_loss"),
+    ((f"module:{CASES}:make_six", f"{JOBS}:parallelize_ddp", f"{CASES}:step_with_own_group"),
+     "the step ran allreduce_ on a group of ranks [0, 1] that is none of the mesh's dims (DP)"),
+    (("module:nosuchmodule:make", f"{JOBS}:parallelize_ddp", f"{JOBS}:step"),
+     "no module named 'nosuchmodule' in the current directory {cwd}"),
+    ((f"module:{CASES}:make_six", f"{CASES}:no_such_function", f"{JOBS}:step"),
+     "has no 'no_such_function'; its callables are"),
+])
+def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
+    model, parallelize, step = args
+    code, out, err = _cli(capsys, "--model", model, "--parallelize", parallelize, "--step", step, "--world-size", "4",
+                          "--global-batch-size", "4")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("vemesh: error: "), err
+    lines = dict(make=_line("raise RuntimeError"), parallelize=_line("raise KeyError"), step=_line("loss.item()"))
+    assert says.format(cases=os.path.relpath(CASES), cwd=os.getcwd(), **lines) in err, err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--dp-mode", "fsdp"), "--dp-mode fsdp, but --parallelize"),
+    (("--tp", "2", "--parallelize", ""), None),
+    (("--pp", "2"), "PP > 1 is planned for the GPT preset"),
+    (("--moe-load-factor", "0.5"), "the MoE load factor must be a number >= 1"),
+    (("--sequence-parallel",), "--sequence-parallel is the GPT preset's; with --parallelize your function decides it"),
+])
+def test_flags_that_contradict_the_users_functions_are_refused(capsys, extra, says) -> None:
+    base = ["--model", f"module:{CASES}:make_six", "--parallelize", f"{JOBS}:parallelize_ddp", "--step", f"{JOBS}:step",
+            "--world-size", "4", "--global-batch-size", "4"]
+    if says is None:  # TP without a parallelize function: the planner does not invent a TP plan
+        base = ["--model", f"module:{CASES}:make_six", "--step", f"{JOBS}:step", "--world-size", "4", "--tp", "2",
+                "--global-batch-size", "4"]
+        extra, says = (), "TP > 1 need your parallelize function (--parallelize MODULE:FUNCTION)"
+    code, out, err = _cli(capsys, *base, *extra)
+    assert code == 2 and says in err, err
+
+
+def test_a_step_alone_gets_the_data_parallelism_dp_mode_names(capsys) -> None:
+    for mode in ("ddp", "fsdp"):
+        code, out, err = _cli(capsys, "--model", f"module:{CASES}:make_six", "--step", f"{JOBS}:step", "--world-size",
+                              "2", "--global-batch-size", "4", "--dp-mode", mode, "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["dp_mode"] == mode and doc["classes"][0]["bytes_per_step"]["DP"] > 0
+
+
+def test_a_forward_that_counts_its_blocks_is_traced_whole(capsys) -> None:
+    code, out, err = _cli(capsys, "--model", f"module:{CASES}:make_six", "--parallelize",
+                          f"{CASES}:parallelize_counts_blocks", "--step", f"{JOBS}:step", "--world-size", "2",
+                          "--global-batch-size", "4")
+    assert code == 0, err
+    assert "did not run with 2 of them (KeyError); all 6 traced" in out
+
+
+@pytest.mark.slow
+def test_the_plan_is_within_ten_percent_of_a_real_run(tmp_path) -> None:
+    """DDP + ZeRO-1 + TP on 4 gloo ranks, and CP 2 on 2: the same functions planned and run (3 steps, MemTracker)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import plan_accuracy
+
+    for name in ("llama-zero1-tp2", "llama-cp2"):
+        for row in plan_accuracy.compare(name):
+            assert abs(row["peak_ratio"] - 1) <= 0.10, row
+            for dim, b in row["bytes"].items():
+                assert b["measured"] and abs(b["predicted"] / b["measured"] - 1) <= 0.01, (name, dim, b)
+
+
+@pytest.mark.slow
+def test_a_70b_user_model_is_ranked_over_1024_ranks(capsys) -> None:
+    """Llama-3-70B's shape with the user's FSDP2 + TP function: every TP of 1024 ranks tried, the model's own limits
+    (8 KV heads) and the 80 GiB refusing the rest; TP stays within a host. (Its time: bench/plan_accuracy.py.)"""
+    code, out, err = _cli(capsys, "--model", f"module:{JOBS}:make_70b", "--parallelize", f"{JOBS}:parallelize_fsdp",
+                          "--step", f"{JOBS}:step", "--world-size", "1024", "--device-memory", "80GiB",
+                          "--devices-per-host", "8", "--global-batch-size", "1024", "--dtype", "bf16", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert len(doc["fits"]) + len(doc["rejected"]) == 11  # TP = 1, 2, ..., 1024
+    assert doc["fits"] and all(f["degrees"]["TP"] <= 8 and "TP" not in f["inter_host_dims"] for f in doc["fits"])
+    reasons = {r["degrees"]["TP"]: r["reason"] for r in doc["rejected"]}
+    assert "is invalid for input of size" in reasons[16]  # 8 KV heads do not split 16 ways: the user's model says so
+    assert "no data-parallel ranks to shard over" in reasons[1024]

@@ -1,0 +1,116 @@
+"""The world a plan of the user's functions runs in: rank 0 of a fake world of the planned mesh, fake tensors.
+
+* :func:`fake_world`: torch's fake backend for the world size, ``VESCALE_DEVICE_MESH`` built by ParallelDims;
+* :func:`real_mesh_tensors`: torch's DeviceMesh computing with real tensors inside ``FakeTensorMode``;
+* :func:`to_bf16`: ``model.to(torch.bfloat16)`` for a model of fake tensors;
+* :class:`Held`: the bytes of a model's own weights and gradients at a moment (the peak), each storage once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Held", "fake_world", "real_mesh_tensors", "to_bf16"]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int) -> Iterator[Any]:
+    """Rank 0 of a fake world, ``VESCALE_DEVICE_MESH`` built for the degrees by ParallelDims; undone after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+    from vemesh.parallel import ParallelDims
+
+    if dist.is_initialized():
+        raise RuntimeError("the planner runs your functions on torch's fake backend, in a world of its own; call it "
+                           "before init_process_group (or in another process)")
+    dims = ParallelDims(world_size, dp_replicate=dp_replicate, cp=degrees["CP"], tp=degrees["TP"], ep=degrees["EP"])
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        dims.build("cpu", mesh)
+        yield mesh
+    finally:
+        mesh.reset()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def real_mesh_tensors() -> Iterator[None]:
+    """torch's DeviceMesh computes with its rank tensor (``nonzero``, ``tolist``); under FakeTensorMode that tensor
+    would be fake. DeviceMesh never touches the model's tensors, so every method of it runs with real tensors here
+    (FSDP2 builds a mesh while sharding a TP model; vemesh DDP reads a DTensor's mesh)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def real(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return run
+
+    saved = {}
+    for name, attr in list(vars(DeviceMesh).items()):
+        if name in ("__new__", "__init_subclass__", "__class_getitem__"):
+            continue
+        if isinstance(attr, staticmethod):
+            saved[name], new = attr, staticmethod(real(attr.__func__))
+        elif isinstance(attr, classmethod):
+            saved[name], new = attr, classmethod(real(attr.__func__))
+        elif isinstance(attr, property) and attr.fget is not None:
+            saved[name], new = attr, property(real(attr.fget), attr.fset, attr.fdel, attr.__doc__)
+        elif inspect.isfunction(attr):
+            saved[name], new = attr, real(attr)
+        else:
+            continue
+        setattr(DeviceMesh, name, new)
+    try:
+        yield
+    finally:
+        for name, attr in saved.items():
+            setattr(DeviceMesh, name, attr)
+
+
+def to_bf16(model: nn.Module) -> None:
+    """``model.to(torch.bfloat16)`` for fake tensors (which ``Module._apply`` cannot swap): floating parameters and
+    buffers replaced by bf16 copies."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_floating_point():
+                module._parameters[name] = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.to(torch.bfloat16)
+
+
+class Held:
+    """At a new peak: the bytes of the model's own parameters and buffers (their local shards, as the function left
+    them) and of their gradients (and DDP's gradient buffers), each storage once."""
+
+    def __init__(self, model: nn.Module, ddp: Any) -> None:
+        self.weights = [*model.parameters(), *model.buffers()]
+        self.buffers = [b.data for b in getattr(ddp, "grad_buffers", ())]
+
+    def __call__(self) -> dict[str, int]:
+        grads = [p.grad for p in self.weights if isinstance(p, nn.Parameter) and p.grad is not None]
+        return {"params": _storage_bytes(self.weights), "grads": _storage_bytes(grads + self.buffers)}
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen: dict[StorageWeakRef, int] = {}
+    for t in tensors:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        seen[StorageWeakRef(storage)] = storage.nbytes()
+    return sum(seen.values())
