@@ -5,6 +5,7 @@
 >>> tp_mesh = VESCALE_DEVICE_MESH["TP"]                                                # doctest: +SKIP
 """
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from vemesh.layout.mesh_layout import MeshLayout
@@ -14,6 +15,11 @@ if TYPE_CHECKING:
 
 __all__ = ["VESCALE_DEVICE_MESH", "VeDeviceMesh", "MeshLayout"]
 __version__ = "0.1.0"
+
+if os.environ.get("VEMESH_HANG_DIR"):  # torch's Flight Recorder must be on before the first collective
+    from vemesh.hangs.record import prepare
+
+    prepare()
 
 
 def __getattr__(name: str) -> Any:

@@ -150,6 +150,15 @@ class TrainConfig(BaseModel):
         None, ge=1, description="fault injection: the last rank exits at the start of step K, on torchrun's first attempt only"
     )
     nan_at_step: int | None = Field(None, ge=1, description="fault injection: the loss of step K is nan on one rank")
+    inject: str | None = Field(
+        None, description="fault injection, to see the hang report of VEMESH_HANG_DIR once: sleep:R:S (rank R sleeps in "
+        "compute at step S), skip-dp:R:S (skips its DP gradient average), wrong-size-tp:R:S (enters a TP all-reduce with "
+        "the wrong size), slow:R:S:MS (sleeps MS ms every step from S: a straggler)"
+    )
+    straggler_every: int = Field(
+        0, ge=0, description="every N steps, print per mesh dim which rank was last into its collectives, and by how "
+        "much (torch's Flight Recorder; 0: never)"
+    )
 
     # ---- live fault tolerance (torchft)
     ft_replica_id: int | None = Field(
@@ -408,6 +417,10 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--nan-at-step {self.nan_at_step} is after the last step (--steps {self.steps})")
         if self.fail_at_step is not None and self.fail_at_step > self.steps:
             raise ValueError(f"--fail-at-step {self.fail_at_step} is after the last step (--steps {self.steps})")
+        if self.inject is not None:
+            from faults import Fault
+
+            Fault.parse(self.inject, self.world_size, self.steps)
 
     def _check_moe(self) -> None:
         E, k, ep = self.moe_experts, self.moe_top_k, self.ep

@@ -86,10 +86,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from config import ConfigError, TrainConfig
 from data import VOCAB_SIZE, ByteDataset, decode, encode
+from faults import Fault, no_dp_sync
 from moe import experts_line, sum_counts, take_load
 from pipeline import Pipeline, generate, layout_line, to_rank0
 from stopping import StopRequest
-from vemesh import VESCALE_DEVICE_MESH, checkpoint
+from vemesh import VESCALE_DEVICE_MESH, checkpoint, hangs
 from vemesh.ft import ReplicaError
 from vemesh.models.gpt import GPT, GPTConfig, cut_stage, parallelize, split_layers, stage_indices, stages_per_rank
 from vemesh.optim import DistributedOptimizer, clip_grad_norm_
@@ -143,6 +144,7 @@ class Job:
     optimizer: Any = None
     pipe: Pipeline | None = None
     last_pp: int | None = None  # the PP rank holding the last stage (and the loss)
+    fault: Fault | None = None  # --inject
 
     @property
     def dp_size(self) -> int:  # each DP rank takes its rows of the global batch
@@ -215,9 +217,13 @@ def setup(cfg: TrainConfig, dataset: ByteDataset, meter) -> Job:
     replicate = cfg.dp_replicate if cfg.fsdp else 1
     dims = ParallelDims(cfg.world_size, pp=cfg.pp_size, dp_replicate=replicate, dp_shard=cfg.dp_size // replicate,
                         cp=cfg.cp_size, tp=cfg.tp_size, ep=cfg.ep, mesh_dims=cfg.mesh_dim_names)
+    if cfg.straggler_every:  # the summaries read torch's Flight Recorder: on before the first collective
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
     dims.build(cfg.device, VESCALE_DEVICE_MESH, timeout=cfg.timeout_s)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
     job = Job(cfg, dataset, dims, device, dtype, meter)
+    if cfg.inject is not None:
+        job.fault = Fault.parse(cfg.inject, cfg.world_size, cfg.steps)
     mesh_text = " x ".join(f"{n}={s}" for n, s in zip(dims.mesh_dims, dims.mesh_shape))
     print0(f"vemesh GPT example: {dist.get_world_size()} processes on {cfg.device} "
            f"(backend {dist.get_backend()}), mesh {mesh_text}")
@@ -365,6 +371,7 @@ class Loop:
     t_start: float = field(default_factory=time.perf_counter)
     last_save: float = field(default_factory=time.monotonic)
     skipped: int = 0  # steps skipped for a non-finite loss or gradient norm
+    stragglers_since: int = 0  # --straggler-every: the collectives entered after this time (ns)
     restart: int = field(default_factory=lambda: int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def __post_init__(self) -> None:
@@ -382,6 +389,7 @@ def train(job: Job, start_step: int) -> int:
                   file=sys.stderr, flush=True)
             os._exit(13)
         t0 = time.perf_counter()
+        VESCALE_DEVICE_MESH.mark_step(loop.step)  # the step of each collective, in a hang report
         if job.meter is not None:  # --memory-report: count the collectives of the step, from zero_grad to step
             job.meter.begin_step()
         job.optimizer.zero_grad()  # with --ft-replica-id, first this step's quorum: a replica that is behind heals here
@@ -425,6 +433,8 @@ def train_step(job: Job, loop: Loop):
     x, y = job.dataset.get_batch("train", step=loop.step, seed=cfg.seed, global_batch_size=cfg.global_batch_size,
                                  seq_len=cfg.seq_len, dp_rank=rows[0], dp_size=rows[1])
     x, y = x.to(job.device), y.to(job.device)
+    if job.fault is not None:
+        job.fault.before_compute(loop.step)
     with job.cp(x, y):  # with CP: this rank's tokens of every row, ring attention
         loss, aux = forward_backward(job, loop, x, y, rows[2])
     params = [p for c in job.chunks for p in c.parameters()]
@@ -439,11 +449,13 @@ def forward_backward(job: Job, loop: Loop, x: torch.Tensor, y: torch.Tensor, pas
     """The loss of this rank's batch and its gradients: ``passes`` slices without PP (all but the last
     accumulate without DP communication), or micro-batches through torch's schedule (loss on the last stage)."""
     cfg = job.cfg
+    skip = job.fault is not None and job.fault.skips_dp(loop.step)  # --inject skip-dp
     if job.pipe is not None:
-        return job.pipe.step(x, y), 0.0
+        with no_dp_sync(job.chunks) if skip else contextlib.nullcontext():
+            return job.pipe.step(x, y), 0.0
     loss, aux_total = 0.0, 0.0
     for i, (xs, ys) in enumerate(zip(x.chunk(passes), y.chunk(passes))):
-        with gradient_sync(job.model, i == passes - 1):
+        with gradient_sync(job.model, i == passes - 1 and not skip):
             part = loss_fn(job.model(xs), ys) / passes
             if loop.step == cfg.nan_at_step and loop.restart == 0 and dist.get_rank() == 0:
                 part = part * float("nan")  # fault injection: one rank's loss goes bad
@@ -520,6 +532,10 @@ def after_step(job: Job, loop: Loop, done: dict, t0: float) -> int | None:
         record["eval_loss"] = evaluate(job)
         if dist.get_rank() == 0:
             print0(f"step {step:5d}/{cfg.steps} | eval loss {record['eval_loss']:.4f} (held-out)")
+    if cfg.straggler_every and step % cfg.straggler_every == 0:  # every rank gathers; rank 0 prints one line
+        line = hangs.straggler_summary(since_ns=loop.stragglers_since)
+        loop.stragglers_since = time.time_ns()
+        print0(f"step {step:5d}/{cfg.steps} | {line}") if line else None
     if loop.metrics:
         loop.metrics.write(json.dumps(record) + "\n")
         loop.metrics.flush()

@@ -4,7 +4,7 @@ Builds the wheel (``pip wheel``), installs it into a new virtual environment wit
 (what a user of the wheel types), and runs there, from a scratch directory, every snippet of
 ``docs/data-parallel.md`` and ``docs/checkpoints.md`` under torchrun, each printing what the page shows; and
 ``vemesh plan`` for the GPT preset and for a user's own ``mymodel.py`` in that directory, with the figures the
-checkout prints.
+checkout prints; and a hang named by ``VEMESH_HANG_DIR`` and ``vemesh diagnose``.
 """
 
 from __future__ import annotations
@@ -95,3 +95,17 @@ def test_vemesh_plan_runs_from_a_wheel_with_the_figures_of_the_checkout(venv, na
     here = json.loads(_run([sys.executable, "-m", "vemesh", "plan", *PLANS[name]], REPO / "examples" / "my_model").stdout)
     assert from_wheel == here
     assert from_wheel["peak"] > 0 and from_wheel["classes"][0]["bytes_per_step"]["TP"] > 0
+
+
+def test_a_hang_is_named_from_a_wheel(venv) -> None:
+    """VEMESH_HANG_DIR on a job run by the wheel's torchrun outside the checkout, then the wheel's ``vemesh diagnose``."""
+    user = venv.parents[2] / "user-hang"
+    user.mkdir(exist_ok=True)
+    shutil.copy(REPO / "test" / "hangs" / "hang_job.py", user / "hang_job.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "WORLD_SIZE", "RANK")}
+    env.update(OMP_NUM_THREADS="1", VEMESH_HANG_DIR=str(user / "dumps"), VEMESH_HANG_AFTER="6")
+    job = subprocess.run([str(venv), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "hang_job.py",
+                          "sleep"], cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert job.returncode != 0 and "never entered: rank 3 (DP=1, TP=1)" in job.stderr, job.stderr[-3000:]
+    shown = _run([str(venv.parent / "vemesh"), "diagnose", "dumps"], user).stdout
+    assert "stuck in the DP group [1, 3] (TP=1)" in shown and "hang_job.py:23 in compute: time.sleep(600)" in shown, shown

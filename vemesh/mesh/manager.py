@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from vemesh.mesh.vescale_names import VeScaleAliases
 from vemesh.layout.mesh_layout import Dims, MeshLayout, as_index
 from vemesh.mesh.startup import apply_timeout, build_mesh
+from vemesh.mesh.debug import MeshDebug
 from vemesh.mesh.views import MeshViews
 
 __all__ = ["VeDeviceMesh", "VESCALE_DEVICE_MESH"]
@@ -49,7 +50,7 @@ _NOT_INITIALIZED = (
 )
 
 
-class VeDeviceMesh(MeshViews, VeScaleAliases):
+class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
     """A manager for one global torch ``DeviceMesh`` plus rank arithmetic for any rank.
 
     ``VESCALE_DEVICE_MESH`` is the process-wide instance; ``VeDeviceMesh()``
@@ -84,6 +85,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         timeout: timedelta | float | None = None,
         backend_override: Mapping[str | int, Any] | None = None,
         rank_offset: int | None = None,
+        hang_dir: str | os.PathLike | None = None,
     ) -> DeviceMesh:
         """Build the global mesh (and the default process group if there is none).
 
@@ -107,6 +109,9 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
             backend_override: per dim (name or index), a backend name, process-group options,
                 or ``(backend, options)``, passed to torch's ``init_device_mesh``. A dim given
                 options keeps their timeout.
+            hang_dir: watch for hangs (default: ``VEMESH_HANG_DIR``): torch's Flight Recorder on, and a
+                collective waiting ``VEMESH_HANG_AFTER`` s (default half of ``timeout``) makes every rank dump
+                to this directory and the job end with the diagnosis (:mod:`vemesh.hangs`; ``vemesh diagnose``).
 
         Returns:
             The torch ``DeviceMesh``; on 8 ranks with shape ``(2, -1, 2)`` every rank gets
@@ -122,6 +127,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
                 f"the device mesh is already initialized as {self!r}; call reset() first "
                 "or pass check_uniqueness=False to replace it"
             )
+        hang_dir = self._hang_dir(hang_dir)
         mesh, layout, group_timeout = build_mesh(
             device_type, mesh_shape, mesh_dim_names, timeout, backend_override, rank_offset
         )
@@ -133,6 +139,7 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
             log_layout = os.environ.get("VEMESH_LOG_LAYOUT", "0") not in ("", "0")
         if log_layout and self._rank == 0:
             self._log_layout()
+        self._watch_hangs(hang_dir)  # after the layout: the dumps describe the mesh
         return mesh
 
     def flatten(self, dims: Dims, name: str | None = None) -> DeviceMesh:
@@ -349,27 +356,6 @@ class VeDeviceMesh(MeshViews, VeScaleAliases):
         if not isinstance(wrap, bool):
             raise TypeError(f"wrap must be True or False; got {wrap!r}")
         return self.layout.neighbor(self._my_rank(), dim, offset, wrap, absent_ok=True)
-
-    # ============================================================== display
-    def describe(self, rank: int | None = None, devices_per_host: int | None = None) -> str:
-        """The layout as text: the rank grid, the groups along every name, and ``rank``'s view.
-
-        ``rank`` defaults to this rank. ``devices_per_host`` defaults to torchrun's
-        ``LOCAL_WORLD_SIZE`` when set.
-        """
-        from vemesh.layout.describe import describe_layout
-
-        if devices_per_host is None and "LOCAL_WORLD_SIZE" in os.environ:
-            devices_per_host = int(os.environ["LOCAL_WORLD_SIZE"])
-        return describe_layout(self.layout, rank=self._my_rank() if rank is None else rank, devices_per_host=devices_per_host)
-
-    def _log_layout(self) -> None:
-        from vemesh.layout.describe import check_layout
-
-        per_host = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
-        _logger.info("%s", self.describe(devices_per_host=per_host))
-        for warning in check_layout(self.layout, per_host):
-            _logger.warning("%s", warning)
 
     def __repr__(self) -> str:
         if self._layout is None:

@@ -115,6 +115,21 @@ class MeshViews:
         """The fault-tolerant replica dim (:class:`vemesh.ft.Replicas`) given by ``add_replicas``, or None."""
         return self._replicas
 
+    def hang_description(self) -> dict[str, Any]:
+        """What a hang dump needs of the mesh (:mod:`vemesh.hangs`): the layout, and each group already made that
+        holds this rank, by process-group name (its dim name and global ranks). No collective, no new group."""
+        layout, mesh = self.layout, self.mesh
+        made = {n: mesh for n in mesh.mesh_dim_names} | dict(self._dim_meshes)
+        groups: dict[str, dict[str, Any]] = {}
+        if self._member:
+            for name, m in made.items():
+                group = m.get_group(name) if m is mesh else m.get_group()
+                groups[group.group_name] = {"dim": name, "ranks": dist.get_process_group_ranks(group)}
+        world = dist.group.WORLD
+        groups.setdefault(world.group_name, {"dim": "world", "ranks": list(range(dist.get_world_size()))})
+        return {"shape": list(layout.shape), "dim_names": list(layout.dim_names), "strides": list(layout.strides),
+                "first_rank": layout.first_rank, "coordinate": list(self._coordinate), "groups": groups}
+
     def _managed(self, dim: object) -> Any:
         """The fault-tolerant replica dim (:mod:`vemesh.ft`) if ``dim`` names it, else None."""
         return self._replicas if self._replicas is not None and dim == self._replicas.name else None

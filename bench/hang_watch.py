@@ -1,0 +1,125 @@
+"""The cost of the hang watch: the GPT example's step time with ``VEMESH_HANG_DIR`` on (torch's Flight
+Recorder on every group, the watchdog thread polling it) against off, side by side in one run.
+
+Run (BENCHMARKS.md's "Hang watch" figure comes from it):
+
+    python bench/hang_watch.py --json bench/results/hang_watch.json
+    python bench/hang_watch.py --rounds 1 --steps 8      # a smoke run
+
+Each round runs the example twice on 2 gloo ranks, (DP=1, TP=2): a core each, so that the machine adds the least noise; watch off and on, in an order that
+alternates between rounds; a run's step time is the median over its steps after the first 5 (start-up
+and warm-up left out), from the example's metrics file. The figure is the median over rounds of
+on / off; the target is at most 1.02. Runs of the example differ from each other by more than the watch
+costs on these shared machines, so the script also times what the watch adds to each collective:
+5000 all-reduces of 1 KiB over the mesh's TP group of 2 ranks, off and on, the same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = ["--n-layer", "2", "--n-embd", "128", "--seq-len", "64", "--global-batch-size", "16", "--eval-every", "0",
+        "--sample-tokens", "0", "--log-every", "1000", "--mesh-shape", "1,2"]
+
+
+def run(watch: bool, steps: int, tmp: Path) -> float:
+    """One run of the example; the median seconds per step after the first 5."""
+    metrics = tmp / f"m_{watch}_{len(list(tmp.iterdir()))}.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("VEMESH_HANG_DIR", None)
+    if watch:
+        env["VEMESH_HANG_DIR"] = str(tmp / "dumps")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "examples" / "gpt" / "train.py"), *ARGS, "--steps", str(steps),
+                          "--metrics-file", str(metrics)], cwd=REPO, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"the example failed (watch {'on' if watch else 'off'}):\n{out.stderr[-3000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    tokens = 16 * 64
+    return statistics.median(tokens / r["tokens_per_s"] for r in rows if r["step"] > 5)
+
+
+def collectives_worker(n: int) -> None:
+    """Under torchrun: ``n`` all-reduces of 1 KiB over the mesh's TP group; rank 0 prints microseconds per call."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from vemesh import VESCALE_DEVICE_MESH as mesh
+
+    mesh.init_device_mesh("cpu", (1, 2), mesh_dim_names=("DP", "TP"))
+    group, x = mesh.get_group("TP"), torch.ones(256)
+    for _ in range(200):
+        dist.all_reduce(x, group=group)
+    start = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(x, group=group)
+    took = (time.perf_counter() - start) / n * 1e6
+    if dist.get_rank() == 0:
+        print(f"us_per_all_reduce {took:.2f}", flush=True)
+    dist.barrier()
+    os._exit(0)
+
+
+def collectives(watch: bool, tmp: Path, n: int = 5000) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("VEMESH_HANG_DIR", None)
+    if watch:
+        env["VEMESH_HANG_DIR"] = str(tmp / "dumps")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+                          "--worker", str(n)], cwd=REPO, env=env, capture_output=True, text=True)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("us_per_all_reduce")), None)
+    if line is None:
+        raise SystemExit(f"the collectives worker failed:\n{out.stderr[-3000:]}")
+    return float(line.split()[1])
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        return collectives_worker(int(sys.argv[2]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    if args.steps <= 5:
+        parser.error(f"--steps {args.steps}: the first 5 steps are left out; give at least 6")
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            times = {watch: run(watch, args.steps, Path(tmp)) for watch in order}
+            rounds.append({"off_s": times[False], "on_s": times[True], "ratio": times[True] / times[False]})
+            print(f"round {i + 1}: off {times[False] * 1e3:.1f} ms/step, on {times[True] * 1e3:.1f} ms/step, "
+                  f"on/off {rounds[-1]['ratio']:.3f}", flush=True)
+        calls = []
+        for i in range(args.rounds):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            us = {watch: collectives(watch, Path(tmp)) for watch in order}
+            calls.append({"off_us": us[False], "on_us": us[True]})
+            print(f"collectives round {i + 1}: 1 KiB all-reduce over TP, off {us[False]:.1f} us, on {us[True]:.1f} us",
+                  flush=True)
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    off_us, on_us = statistics.median(c["off_us"] for c in calls), statistics.median(c["on_us"] for c in calls)
+    print(f"hang watch on / off, step time of the GPT example on 2 gloo ranks (TP=2): {ratio:.3f} "
+          f"(median of {len(rounds)} rounds, from {min(r['ratio'] for r in rounds):.3f} to "
+          f"{max(r['ratio'] for r in rounds):.3f}; target <= 1.02)")
+    print(f"one 1 KiB all-reduce over 2 gloo ranks: {off_us:.1f} us off, {on_us:.1f} us on "
+          f"({on_us - off_us:+.1f} us a collective: torch's recorder; medians of {len(calls)} rounds)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ratio": ratio, "rounds": rounds, "args": ARGS, "steps": args.steps,
+                                               "all_reduce_us": {"off": off_us, "on": on_us, "rounds": calls}}, indent=2)
+                                   + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""A 4-rank job on a (DP=2, TP=2) mesh that uses only the mesh and plain torch collectives, with
+one fault injected (argv[1]):
+
+* ``sleep``: rank 3 sleeps in compute at step 3 (a hang: its DP group waits for it);
+* ``skip``: rank 3 skips its DP all-reduce at step 3;
+* ``size``: rank 1 enters the TP all-reduce at step 3 with the wrong size;
+* ``slow``: rank 2 sleeps 50 ms before every DP all-reduce, 30 steps (a straggler, no hang);
+* ``torch``: no vemesh at all: torch's own mesh, rank 3 withheld from a DP all-reduce, every rank
+  writes torch's Flight Recorder dump (``TORCH_FR_DUMP_TEMP_FILE<rank>``) once every rank waits.
+"""
+
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def compute(x: torch.Tensor, rank: int, step: int, fault: str) -> torch.Tensor:
+    if fault == "sleep" and rank == 3 and step == 3:
+        time.sleep(600)  # stuck in compute: the line the diagnosis must name
+    if fault == "slow" and rank == 2:
+        time.sleep(0.05)
+    return x * 0.5 + 1
+
+
+def vemesh_job(fault: str) -> None:
+    from vemesh import VESCALE_DEVICE_MESH as mesh
+
+    mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"), timeout=60)
+    rank = dist.get_rank()
+    x = torch.ones(1024)
+    for step in range(1, 31 if fault == "slow" else 6):
+        mesh.mark_step(step)
+        y = torch.ones(1000 if (fault == "size" and rank == 1 and step == 3) else 256)
+        dist.all_reduce(y, group=mesh.get_group("TP"))
+        x = compute(x, rank, step, fault)
+        if not (fault == "skip" and rank == 3 and step == 3):
+            dist.all_reduce(x, group=mesh.get_group("DP"))
+    dist.barrier()
+    from vemesh import hangs
+
+    hangs.dump()  # a healthy run's dump, for vemesh diagnose --stragglers (this script ends with os._exit)
+
+
+def torch_job() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rank = dist.get_rank()
+
+    store = dist.distributed_c10d._get_default_store()
+
+    def until(keys: list[str]) -> None:  # check, not wait: a store client is one connection, and wait would hold it
+        while not store.check(keys):
+            time.sleep(0.1)
+
+    def dump() -> None:  # once every rank is where it waits: each writes torch's dump, then all exit together
+        until([f"ready/{r}" for r in range(4)])
+        time.sleep(1)
+        data = torch._C._distributed_c10d._dump_fr_trace(True, True, False)
+        with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as f:
+            f.write(data)
+        store.set(f"dumped/{rank}", "1")
+        until([f"dumped/{r}" for r in range(4)])
+        os._exit(0)
+
+    threading.Thread(target=dump, daemon=True).start()
+    x = torch.ones(64)
+    dist.all_reduce(x, group=mesh.get_group("tp"))
+    dist.all_reduce(x, group=mesh.get_group("dp"))
+    store.set(f"ready/{rank}", "1")
+    if rank != 3:
+        dist.all_reduce(x, group=mesh.get_group("dp"))  # rank 1 waits here for rank 3
+    time.sleep(30)
+
+
+if __name__ == "__main__":
+    fault = sys.argv[1]
+    torch_job() if fault == "torch" else vemesh_job(fault)
+    sys.stdout.flush()
+    os._exit(0)

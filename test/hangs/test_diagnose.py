@@ -1,0 +1,175 @@
+"""The diagnosis over dumps written here by hand (layer 1: no process group): which dim, which group,
+which rank never came, mismatches, dead ranks, torch's own dumps, stragglers, and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from vemesh.cli import main
+from vemesh.hangs.diagnose import diagnose, load, user_frames
+from vemesh.hangs.dumps import Layout
+from vemesh.hangs.record import hang_after
+from vemesh.hangs.stragglers import stragglers
+
+MS = 1_000_000
+LAYOUT = Layout.row_major((2, 2), ("DP", "TP"))
+PG = {"DP": "2", "TP": "3", "world": "0"}
+
+
+def entry(dim: str, seq: int, t: int, *, op: str = "all_reduce", size=(1024,), done: bool = True) -> dict:
+    return {"process_group": [PG[dim], f"mesh_{dim}"], "collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
+            "profiling_name": f"gloo:{op}", "input_sizes": [list(size)] if size else [], "input_dtypes": ["Float"],
+            "time_created_ns": t, "retired": done, "state": "scheduled"}
+
+
+def write(tmp: Path, rank: int, entries: list[dict], *, frames=None, steps=(), world: int = 4) -> None:
+    groups = {PG[d]: {"dim": d, "ranks": LAYOUT.group(rank, (d,))} for d in ("DP", "TP")}
+    groups["0"] = {"dim": "world", "ranks": list(range(world))}
+    doc = {"rank": rank, "world_size": world, "host": "h", "flight_recorder": {"entries": entries},
+           "mesh": {"shape": [2, 2], "dim_names": ["DP", "TP"], "strides": [2, 1], "first_rank": 0, "groups": groups},
+           "steps": list(steps), "fired_by": 1, "reason": "",
+           "stacks": [{"thread": "MainThread", "main": True, "frames": frames or [["/x/train.py", 10, "main", "step()"]]}]}
+    (tmp / f"rank-{rank}.json").write_text(json.dumps(doc))
+
+
+def test_a_rank_in_compute_is_named_with_its_dim_group_coordinates_and_line(tmp_path):
+    for r in range(4):
+        own = [entry("TP", 1, 100 * MS + r), entry("DP", 1, 200 * MS + r)]
+        if r != 3:
+            own.append(entry("DP", 2, 300 * MS + r, done=False))
+        frames = [["/x/train.py", 40, "main", "loop()"], ["/x/train.py", 233, "loss_fn", "time.sleep(600)"]]
+        write(tmp_path, r, own, frames=frames if r == 3 else None, steps=[(0, 1), (250 * MS, 2)])
+    found = diagnose(load(tmp_path))
+    text = found.text()
+    first = found.stuck[0]
+    assert (first.group.dim, first.group.ranks, first.seq, first.missing) == ("DP", [1, 3], 2, [3])
+    assert "HANG: DP all-reduce #2 (4.0 KiB, [1024] float) at step 2 is stuck in the DP group [1, 3] (TP=1)" in text
+    assert "never entered: rank 3 (DP=1, TP=1)" in text
+    assert "rank 3's last finished collective: DP all-reduce #1" in text
+    assert "not in any collective (in compute), at /x/train.py:233 in loss_fn: time.sleep(600)" in text
+    doc = found.as_dict()
+    assert doc["stuck"][0]["missing"] == [3] and doc["stuck"][0]["coordinates"][3] == {"DP": 1, "TP": 1}
+
+
+def test_a_skipped_collective_is_a_mismatch_of_steps(tmp_path):
+    steps = [(0, 1), (100 * MS, 2), (200 * MS, 3)]
+    for r in range(4):
+        own = [entry("DP", 1, 10 * MS), entry("DP", 2, 110 * MS if r != 3 else 210 * MS)]
+        if r == 1:
+            own.append(entry("DP", 3, 210 * MS, done=False))
+        write(tmp_path, r, own, steps=steps)
+    found = diagnose(load(tmp_path))
+    (m,) = found.mismatches
+    assert m.group.ranks == [1, 3] and m.seq == 2
+    assert "rank(s) [3] reached #2 a step later: they skipped a DP collective of step 2" in found.text()
+
+
+def test_different_sizes_at_one_number_are_a_mismatch_but_a_scatter_is_not(tmp_path):
+    for r in range(4):
+        size = (2048,) if r == 1 else (1024,)
+        scatter = entry("TP", 2, 20 * MS, op="scatter", size=(4, 8) if r % 2 == 0 else ())
+        write(tmp_path, r, [entry("TP", 1, 10 * MS, size=size), scatter])
+    found = diagnose(load(tmp_path))
+    assert [(m.group.ranks, m.seq) for m in found.mismatches] == [([0, 1], 1)]
+    text = found.text()
+    assert "MISMATCH in the TP group [0, 1] (DP=0) at its collective #1" in text
+    assert "rank 1 (DP=0, TP=1): all-reduce of [2048] float (8.0 KiB)" in text
+
+
+def test_a_rank_gloo_aborted_is_named_with_its_line_and_its_peers_sizes(tmp_path):
+    for r in (1, 2, 3):
+        write(tmp_path, r, [entry("TP", 1, 10 * MS, size=(8,)), entry("TP", 2, 20 * MS, size=(16,) if r == 1 else (8,))])
+    (tmp_path / "rank-0.fatal.txt").write_text(
+        'Fatal Python error: Aborted\n\nCurrent thread 0x01 (most recent call first):\n'
+        '  File "/x/faults.py", line 66 in before_compute\n  File "/x/train.py", line 9 in main\n')
+    text = diagnose(load(tmp_path)).text()
+    assert "DIED: rank 0 (DP=0, TP=0): Fatal Python error: Aborted" in text
+    assert "it was at /x/faults.py:66 in before_compute" in text
+    assert "rank 1 last entered TP all-reduce #2 of [16] float (its all-reduce #1 was [8] float)" in text
+
+
+def test_torch_dumps_are_mapped_by_shape_and_mesh_dim_descriptions(tmp_path):
+    for r in range(4):
+        own = [entry("TP", 1, 10 * MS), entry("DP", 1, 20 * MS)]
+        if r != 3:
+            own.append(entry("DP", 2, 30 * MS, done=False))
+        for e in own:
+            e["process_group"][1] = e["process_group"][1].lower()
+        (tmp_path / f"fr_{r}").write_bytes(pickle.dumps({"version": "2.10", "pg_config": {}, "entries": own}))
+    with pytest.raises(ValueError, match="give --shape and --dim-names"):
+        load(tmp_path)
+    found = diagnose(load(tmp_path, (2, 2), ("dp", "tp")))
+    assert "HANG: dp all-reduce #2" in found.text() and "stuck in the dp group [1, 3] (tp=1)" in found.text()
+    assert found.stuck[0].missing == [3]
+
+
+def test_a_flattened_description_names_its_dims():
+    layout = Layout.row_major((2, 2, 2), ("dp", "cp", "tp"))
+    assert layout.dims_of("mesh_dp_cp") == ("dp", "cp") and layout.dims_of("mesh_tp") == ("tp",)
+    assert layout.group(5, ("dp", "cp")) == [1, 3, 5, 7] and layout.dims_of("mesh_ep") is None
+
+
+def test_a_straggler_is_named_and_the_ranks_it_held_up_are_not(tmp_path):
+    """Rank 2 is 50 ms late into every DP all-reduce; rank 0, held up in DP by it, is then late into TP: not blamed."""
+    steps = [(k * 1000 * MS, k) for k in range(1, 31)]
+    docs: dict[int, list[dict]] = {r: [] for r in range(4)}
+    for k in range(1, 31):
+        base = k * 1000 * MS
+        for r in range(4):
+            docs[r].append(entry("DP", k, base + (50 * MS if r == 2 else r * MS // 10)))
+            held = 50 * MS if r in (0, 2) else 0
+            docs[r].append(entry("TP", k, base + 100 * MS + held + r * MS // 10))
+    for r, own in docs.items():
+        write(tmp_path, r, own, steps=steps)
+    found = {d.dim: d for d in stragglers(load(tmp_path))}
+    rank, share, behind = found["DP"].worst()
+    assert rank == 2 and share == 1.0 and 35 <= behind <= 65
+    assert found["TP"].worst()[0] == 2  # rank 2 holds its own TP group [2, 3] up too; rank 0 only waited for it
+
+
+def test_user_frames_leave_out_torch_vemesh_and_the_standard_library():
+    import threading
+
+    import torch
+
+    import vemesh
+
+    stack = [["/x/a.py", 1, "f", ""], [torch.__file__, 2, "g", ""], [vemesh.__file__, 3, "h", ""],
+             [threading.__file__, 4, "i", ""], ["/x/b.py", 5, "j", ""]]
+    assert [f[0] for f in user_frames(stack)] == ["/x/a.py", "/x/b.py"]
+
+
+def test_the_threshold_is_half_the_timeout_or_the_environment_below_it():
+    assert hang_after(60.0, {}) == 30.0 and hang_after(60.0, {"VEMESH_HANG_AFTER": "5"}) == 5.0
+    with pytest.raises(ValueError, match=r"VEMESH_HANG_AFTER=90 must be above 0 and below .* \(60 s\)"):
+        hang_after(60.0, {"VEMESH_HANG_AFTER": "90"})
+    with pytest.raises(ValueError, match="'soon' is not a number"):
+        hang_after(60.0, {"VEMESH_HANG_AFTER": "soon"})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["diagnose", "/nonexistent/dumps"], "/nonexistent/dumps is not a directory of hang dumps"),
+    (["diagnose", "{tmp}", "--shape", "2,x"], "'2,x' is not a comma-separated list of sizes"),
+    (["diagnose", "{tmp}", "--shape", "2,2", "--dim-names", "dp"], "--shape [2, 2] has 2 dims but --dim-names ['dp'] has 1"),
+    (["diagnose", "{tmp}", "--shape", "2,2"], "give --shape and --dim-names together"),
+    (["diagnose", "{tmp}"], "holds no hang dumps"),
+])
+def test_bad_input_is_one_line_naming_it(tmp_path, capsys, argv, message):
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vemesh: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_json_gives_what_the_text_says(tmp_path, capsys):
+    for r in range(4):
+        write(tmp_path, r, [entry("DP", 1, 10 * MS, done=r == 3)] if r != 1 else [])
+    assert main(["diagnose", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    first = doc["stuck"][0]
+    assert (first["dim"], first["group"], first["entered"], first["missing"]) == ("DP", [0, 2], [0, 2], [])
+    assert main(["diagnose", str(tmp_path), "--stragglers", "--json"]) == 0
+    assert "stragglers" in json.loads(capsys.readouterr().out)

@@ -1,0 +1,65 @@
+"""Hangs named exactly on real gloo ranks (layer 3), with ``VEMESH_HANG_DIR`` and nothing else changed:
+
+a 4-rank job that uses only the mesh and plain torch collectives (hang_job.py): a rank asleep in
+compute, a skipped DP all-reduce, a wrong-sized TP all-reduce; and torch's own dumps from a job with no vemesh in it. The GPT example's hangs, and
+the straggler that docs/debugging-hangs.md shows, are test/examples/test_gpt_hangs.py.
+
+The collective timeout is 60 s and every job must be over, every process gone, within timeout + 30 s.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hang_runs import REPO, TIMEOUT_S, report, torchrun
+
+JOB = Path(__file__).with_name("hang_job.py")
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_rank_asleep_in_compute_is_named_with_its_line(tmp_path):
+    code, took, out = torchrun(4, [str(JOB), "sleep"], tmp_path, after_s=6)
+    text = report(out)
+    assert code != 0 and took < TIMEOUT_S + 30
+    assert "HANG: DP all-reduce #3 (4.0 KiB, [1024] float) at step 3 is stuck in the DP group [1, 3] (TP=1)" in text, text
+    assert "never entered: rank 3 (DP=1, TP=1)" in text and "rank 3's last finished collective: TP all-reduce #3" in text
+    assert "not in any collective (in compute), at test/hangs/hang_job.py:23 in compute: time.sleep(600)" in text, text
+
+
+def test_a_skipped_dp_all_reduce_is_named(tmp_path):
+    code, took, out = torchrun(4, [str(JOB), "skip"], tmp_path, after_s=6)
+    text = report(out)
+    assert code != 0 and took < TIMEOUT_S + 30
+    assert "MISMATCH in the DP group [1, 3] (TP=1) at its collective #3" in text, text
+    assert "rank(s) [3] reached #3 a step later: they skipped a DP collective of step 3" in text, text
+
+
+def test_a_wrong_sized_tp_all_reduce_is_named(tmp_path):
+    """gloo aborts the rank that receives more than it posted (rank 0 here, whose TP peer rank 1 sent 1000 floats
+    for its 256): that rank cannot dump, so its faulthandler file and its peers' recorders tell it."""
+    code, took, out = torchrun(4, [str(JOB), "size"], tmp_path, after_s=6)
+    text = report(out)
+    assert code != 0 and took < TIMEOUT_S + 30
+    assert "DIED: rank 0 (DP=0, TP=0): Fatal Python error: Aborted" in text, text
+    assert "it was at test/hangs/hang_job.py:38 in vemesh_job" in text, text
+    assert "in the TP group [0, 1] (DP=0), rank 1 last entered TP all-reduce #3 of [1000] float" in text, text
+
+
+def test_torchs_own_dumps_name_the_dim_and_the_missing_rank(tmp_path):
+    """No vemesh in the job: torch's init_device_mesh, torch's recorder, torch's dump files."""
+    dumps = tmp_path / "torch"
+    dumps.mkdir()
+    environ = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_FR_DUMP_TEMP_FILE=str(dumps / "fr_"))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(JOB), "torch"],
+                   cwd=REPO, env=environ, capture_output=True, timeout=TIMEOUT_S + 30)
+    assert sorted(p.name for p in dumps.iterdir()) == ["fr_0", "fr_1", "fr_2", "fr_3"]
+    shown = subprocess.run([sys.executable, "-m", "vemesh", "diagnose", str(dumps), "--shape", "2,2", "--dim-names",
+                            "dp,tp"], cwd=REPO, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "HANG: dp all-reduce #2 (256 B, [64] float) is stuck in the dp group [1, 3] (tp=1)" in shown.stdout, shown.stdout
+    assert "never entered: rank 3 (dp=1, tp=1)" in shown.stdout
