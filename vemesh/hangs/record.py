@@ -128,7 +128,8 @@ class HangWatch:
             signal.set_wakeup_fd(-1)
             return None
         if self._own_term:
-            signal.signal(signal.SIGTERM, lambda *_: None)  # this thread exits the process for it
+            self._term_handler = lambda *_: None  # this thread exits the process for it, while the handler is ours
+            signal.signal(signal.SIGTERM, self._term_handler)
         self._wakeup = writer
         return reader
 
@@ -147,7 +148,7 @@ class HangWatch:
         sys.excepthook, threading.excepthook = self._hooks
         if self._signals is not None and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
-            if self._own_term:
+            if self._own_term and signal.getsignal(signal.SIGTERM) is self._term_handler:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self._signals.close()
             self._wakeup.close()
@@ -168,7 +169,7 @@ class HangWatch:
             try:
                 if self.store.check([_PREFIX + "fired"]):
                     self._end(reporter=False)
-                if terminated and self._own_term:
+                if terminated and self._own_term and signal.getsignal(signal.SIGTERM) is self._term_handler:
                     sys.stderr.flush()
                     os._exit(128 + signal.SIGTERM)
                 late = self._late()
