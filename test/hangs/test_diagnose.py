@@ -26,10 +26,11 @@ def entry(dim: str, seq: int, t: int, *, op: str = "all_reduce", size=(1024,), d
             "time_created_ns": t, "retired": done, "state": "scheduled"}
 
 
-def write(tmp: Path, rank: int, entries: list[dict], *, frames=None, steps=(), world: int = 4) -> None:
+def write(tmp: Path, rank: int, entries: list[dict], *, frames=None, steps=(), world: int = 4, run: str = "b",
+          at: int = 2) -> None:
     groups = {PG[d]: {"dim": d, "ranks": LAYOUT.group(rank, (d,))} for d in ("DP", "TP")}
     groups["0"] = {"dim": "world", "ranks": list(range(world))}
-    doc = {"rank": rank, "world_size": world, "host": "h", "flight_recorder": {"entries": entries},
+    doc = {"rank": rank, "world_size": world, "run": run, "time_ns": at, "host": "h", "flight_recorder": {"entries": entries},
            "mesh": {"shape": [2, 2], "dim_names": ["DP", "TP"], "strides": [2, 1], "first_rank": 0, "groups": groups},
            "steps": list(steps), "fired_by": 1, "reason": "",
            "stacks": [{"thread": "MainThread", "main": True, "frames": frames or [["/x/train.py", 10, "main", "step()"]]}]}
@@ -102,6 +103,10 @@ def test_torch_dumps_are_mapped_by_shape_and_mesh_dim_descriptions(tmp_path):
         (tmp_path / f"fr_{r}").write_bytes(pickle.dumps({"version": "2.10", "pg_config": {}, "entries": own}))
     with pytest.raises(ValueError, match="give --shape and --dim-names"):
         load(tmp_path)
+    with pytest.raises(ValueError, match=r"--shape \[3\] covers 3 ranks, but .* holds the dump of rank 3"):
+        load(tmp_path, (3,), ("dp",))
+    with pytest.raises(ValueError, match=r"--dim-names DP,TP names none of the dumps' mesh groups \(mesh_dp, mesh_tp\)"):
+        load(tmp_path, (2, 2), ("DP", "TP"))
     found = diagnose(load(tmp_path, (2, 2), ("dp", "tp")))
     assert "HANG: dp all-reduce #2" in found.text() and "stuck in the dp group [1, 3] (tp=1)" in found.text()
     assert found.stuck[0].missing == [3]
@@ -131,6 +136,18 @@ def test_a_straggler_is_named_and_the_ranks_it_held_up_are_not(tmp_path):
     assert found["TP"].worst()[0] == 2  # rank 2 holds its own TP group [2, 3] up too; rank 0 only waited for it
 
 
+def test_a_reused_directory_reads_the_newest_run_alone(tmp_path):
+    for r in range(8):  # an older run of 8 ranks, every one of them stuck
+        write(tmp_path, r, [entry("DP", 1, 10 * MS, done=False)], world=8, run="a", at=1)
+    (tmp_path / "rank-6.fatal.txt").write_text("Fatal Python error: Aborted\n")
+    for r in range(4):
+        write(tmp_path, r, [entry("DP", 1, 10 * MS)] + ([entry("TP", 1, 20 * MS, done=False)] if r == 0 else []))
+    found = diagnose(load(tmp_path))
+    assert found.job.world_size == 4 and not found.dead and found.job.older == 4
+    assert "(the directory also holds 4 dumps of an older run, left out)" in found.text()
+    assert [(s.group.ranks, s.missing) for s in found.stuck] == [([0, 1], [1])]
+
+
 def test_user_frames_leave_out_torch_vemesh_and_the_standard_library():
     import threading
 
@@ -153,7 +170,8 @@ def test_the_threshold_is_half_the_timeout_or_the_environment_below_it():
 
 @pytest.mark.parametrize("argv, message", [
     (["diagnose", "/nonexistent/dumps"], "/nonexistent/dumps is not a directory of hang dumps"),
-    (["diagnose", "{tmp}", "--shape", "2,x"], "'2,x' is not a comma-separated list of sizes"),
+    (["diagnose", "{tmp}", "--shape", "2,x"], "invalid shape '2,x'"),
+    (["diagnose", "{tmp}", "--shape", "2,0", "--dim-names", "dp,tp"], "--shape [2, 0]: every size must be a positive"),
     (["diagnose", "{tmp}", "--shape", "2,2", "--dim-names", "dp"], "--shape [2, 2] has 2 dims but --dim-names ['dp'] has 1"),
     (["diagnose", "{tmp}", "--shape", "2,2"], "give --shape and --dim-names together"),
     (["diagnose", "{tmp}"], "holds no hang dumps"),

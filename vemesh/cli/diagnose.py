@@ -6,19 +6,9 @@ import argparse
 import json
 from typing import Any
 
-from vemesh.cli.common import UsageError
+from vemesh.cli.common import UsageError, shape
 
 __all__ = ["add_diagnose"]
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sizes, e.g. 2,4") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every size must be a positive integer")
-    return values
 
 
 def add_diagnose(commands: Any) -> argparse.ArgumentParser:
@@ -31,7 +21,7 @@ def add_diagnose(commands: Any) -> argparse.ArgumentParser:
     sub.add_argument("directory", metavar="DIR", help="the directory of the dumps")
     sub.add_argument("--stragglers", action="store_true",
                      help="per dim, which rank enters the group's collectives last, and by how much (a healthy run's dumps)")
-    sub.add_argument("--shape", type=_ints, metavar="A,B,...", help="the mesh shape, for torch's own dumps")
+    sub.add_argument("--shape", type=shape, metavar="A,B,...", help="the mesh shape, for torch's own dumps")
     sub.add_argument("--dim-names", metavar="A,B,...", help="the mesh's dim names, for torch's own dumps (mesh_<dim> groups)")
     sub.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     sub.set_defaults(run=_run)

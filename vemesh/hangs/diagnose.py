@@ -166,6 +166,8 @@ class Diagnosis:
         dumped = sum(1 for d in job.ranks.values() if d.dumped)
         out.append(f"{source}: {dumped} of {job.world_size} ranks" + (f"; mesh {dict(zip(job.layout.dim_names, job.layout.shape))}"
                                                                        if job.layout else ""))
+        if job.older:
+            out.append(f"(the directory also holds {job.older} dumps of an older run, left out)")
         for s in self.mismatches:
             out.append(f"MISMATCH in {self._group(s.group)} at its collective #{s.seq}: the ranks entered different ones")
             steps = {r: job.ranks[r].step_at(e.time_ns) for r, e in s.entries.items()}

@@ -36,6 +36,8 @@ class Layout:
     def row_major(shape: tuple[int, ...], dim_names: tuple[str, ...]) -> "Layout":
         if len(shape) != len(dim_names):
             raise ValueError(f"--shape {list(shape)} has {len(shape)} dims but --dim-names {list(dim_names)} has {len(dim_names)}")
+        if min(shape, default=0) < 1:
+            raise ValueError(f"--shape {list(shape)}: every size must be a positive integer")
         strides, acc = [], 1
         for size in reversed(shape):
             strides.append(acc)
@@ -141,6 +143,7 @@ class Job:
     fired_by: int | None = None
     reason: str = ""
     source: str = "vemesh"  # or "torch"
+    older: int = 0  # dumps of an older run in the same directory, left out
 
     def group_of(self, rank: int, pg: str) -> Group:
         """``rank``'s group named ``pg``: from its own dump, else from a member's that lists it."""
@@ -203,6 +206,14 @@ def load(directory: str | Path, shape: tuple[int, ...] | None = None, dim_names:
         raise ValueError("give --shape and --dim-names together (the mesh of the job that wrote torch's dumps)")
     ranks: dict[int, RankDump] = {}
     layout, world, fired_by, reason, torch_descs = given, 0, None, "", {}
+    runs: dict[str, int] = {}  # run id -> its newest dump's time: a reused directory may hold an older run's
+    docs = {}
+    for path in directory.glob("rank-*.json"):
+        doc = json.loads(path.read_text())
+        docs[path.name] = doc
+        runs[doc.get("run", "")] = max(runs.get(doc.get("run", ""), 0), int(doc.get("time_ns", 0)))
+    newest = max(runs, key=runs.get) if runs else ""
+    older = sum(1 for d in docs.values() if d.get("run", "") != newest)
     for path in sorted(directory.iterdir()):
         if path.name.endswith(".fatal.txt"):
             text = path.read_text(errors="replace").strip()
@@ -211,7 +222,9 @@ def load(directory: str | Path, shape: tuple[int, ...] | None = None, dim_names:
                 ranks.setdefault(int(m.group(1)), RankDump(int(m.group(1)), dumped=False)).fatal = text
             continue
         if path.suffix == ".json" and path.name.startswith("rank-"):
-            doc = json.loads(path.read_text())
+            doc = docs[path.name]
+            if doc.get("run", "") != newest:
+                continue
             dump = rank_dump(doc, ranks.get(int(doc["rank"])))
             ranks[dump.rank] = dump
             mesh = doc.get("mesh", {})
@@ -242,6 +255,13 @@ def load(directory: str | Path, shape: tuple[int, ...] | None = None, dim_names:
             raise ValueError(f"{directory} holds torch's own Flight Recorder dumps, which do not say the mesh; give "
                              "--shape and --dim-names (e.g. --shape 2,2 --dim-names dp,tp)")
         world = layout.world_size
+        if max(ranks) >= world:
+            raise ValueError(f"--shape {list(layout.shape)} covers {world} ranks, but {directory} holds the dump of rank "
+                             f"{max(ranks)}; give the shape of the mesh that wrote them")
+        found = sorted({d for descs, _ in torch_descs.values() for d in descs.values() if d.startswith("mesh_")})
+        if found and not any(layout.dims_of(d) for d in found):
+            raise ValueError(f"--dim-names {','.join(layout.dim_names)} names none of the dumps' mesh groups "
+                             f"({', '.join(found)}); give the names the job's DeviceMesh used")
         for rank, (descs, config) in torch_descs.items():
             groups = ranks[rank].groups
             for name, desc in descs.items():
@@ -254,6 +274,8 @@ def load(directory: str | Path, shape: tuple[int, ...] | None = None, dim_names:
                     groups[name] = Group(name, "_".join(dims), layout.group(rank, dims))
                 elif cfg_ranks and cfg_ranks != "[]":
                     groups[name] = Group(name, f"group {name} ({desc})", json.loads(cfg_ranks))
+    if world:  # a fatal-error file of a rank outside this run's world is an older run's
+        ranks = {r: d for r, d in ranks.items() if r < world}
     world = world or (layout.world_size if layout else max(ranks) + 1)
     for dump in ranks.values():  # groups no dump described: the ranks seen in groups of that name
         for e in dump.entries:
@@ -262,4 +284,4 @@ def load(directory: str | Path, shape: tuple[int, ...] | None = None, dim_names:
                 dump.groups[e.pg] = Group(e.pg, f"group {e.pg}", seen)
     for r in range(world):
         ranks.setdefault(r, RankDump(r, dumped=False))
-    return Job(ranks, layout, world, fired_by, reason, source)
+    return Job(ranks, layout, world, fired_by, reason, source, older)

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,9 +104,13 @@ class HangWatch:
                  store: Any, rank: int, world_size: int) -> None:
         self.directory, self.after_s, self.describe = Path(directory), after_s, describe
         self.store, self.rank, self.world_size = store, rank, world_size
+        # one id for this job's dumps, the same on every rank: a directory reused across runs keeps them apart
+        self.run_id = store.compare_set(_PREFIX + "run", "", uuid.uuid4().hex).decode()
         self._pending: dict[str, tuple[int, float]] = {}  # pg id -> (first pending seq, when first seen)
         self._stop, self._ending = threading.Event(), threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
+        for old in (self.directory / f"rank-{rank}.json", self.directory / f"rank-{rank}.fatal.txt"):
+            old.unlink(missing_ok=True)  # an earlier run's, in a reused directory
         self._fatal = open(self.directory / f"rank-{rank}.fatal.txt", "w")
         faulthandler.enable(self._fatal, all_threads=True)
         self._signals = self._catch_sigterm()
@@ -250,7 +255,7 @@ class HangWatch:
             fired = ""
         by, _, reason = fired.partition("|")
         doc = {
-            "vemesh_hang_dump": 1, "rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
+            "vemesh_hang_dump": 1, "run": self.run_id, "rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
             "pid": os.getpid(), "time_ns": time.time_ns(), "after_s": self.after_s,
             "fired_by": int(by) if by else None, "reason": reason,
             "exception": getattr(self, "exception", ""), "mesh": self.describe(), "steps": STEPS, "stacks": stacks(), "flight_recorder": recorder_json(True),
