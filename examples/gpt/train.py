@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     except ReplicaError as e:  # live fault tolerance cannot go on (no lighthouse, no quorum in time): one line
         print0(f"error: {e}", file=sys.stderr)
         code = 1
+    hangs.dump()  # with VEMESH_HANG_DIR: this rank's dump of a run that ended (vemesh diagnose --stragglers reads them)
     close_mesh()
     return code
 

@@ -104,8 +104,12 @@ class HangWatch:
                  store: Any, rank: int, world_size: int) -> None:
         self.directory, self.after_s, self.describe = Path(directory), after_s, describe
         self.store, self.rank, self.world_size = store, rank, world_size
+        # the store's keys of this watch: a torchrun restart after a hang, or a second init_device_mesh, starts
+        # clean (every rank starts its watches in the same order: init_device_mesh is called by all)
+        _STARTS.append(rank)
+        self.keys = f"{_PREFIX}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{len(_STARTS)}/"
         # one id for this job's dumps, the same on every rank: a directory reused across runs keeps them apart
-        self.run_id = store.compare_set(_PREFIX + "run", "", uuid.uuid4().hex).decode()
+        self.run_id = store.compare_set(self.keys + "run", "", uuid.uuid4().hex).decode()
         self._pending: dict[str, tuple[int, float]] = {}  # pg id -> (first pending seq, when first seen)
         self._stop, self._ending = threading.Event(), threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -172,7 +176,7 @@ class HangWatch:
             else:
                 time.sleep(_POLL_S)
             try:
-                if self.store.check([_PREFIX + "fired"]):
+                if self.store.check([self.keys + "fired"]):
                     self._end(reporter=False)
                 if terminated and self._own_term and signal.getsignal(signal.SIGTERM) is self._term_handler:
                     sys.stderr.flush()
@@ -206,7 +210,7 @@ class HangWatch:
     def _claim(self, reason: str) -> bool:
         """Whether this rank is the first to report (the store's compare-and-set decides)."""
         mine = f"{self.rank}|{reason}"
-        return self.store.compare_set(_PREFIX + "fired", "", mine).decode() == mine
+        return self.store.compare_set(self.keys + "fired", "", mine).decode() == mine
 
     def _end(self, reporter: bool) -> None:
         """Dump, then (the reporter) wait for every dump and print the diagnosis; every rank exits."""
@@ -214,11 +218,11 @@ class HangWatch:
             while True:
                 time.sleep(60)
         self.dump()
-        self.store.set(_PREFIX + f"dumped/{self.rank}", "1")
+        self.store.set(self.keys + f"dumped/{self.rank}", "1")
         if reporter:
             end = time.monotonic() + 15  # a rank gloo aborted never dumps: its fatal-error file says so
             while time.monotonic() < end and not all(
-                self.store.check([_PREFIX + f"dumped/{r}"]) or self._died(r) for r in range(self.world_size)
+                self.store.check([self.keys + f"dumped/{r}"]) or self._died(r) for r in range(self.world_size)
             ):
                 time.sleep(0.2)
             from vemesh.hangs.diagnose import diagnose, load
@@ -227,14 +231,14 @@ class HangWatch:
                 text = diagnose(load(self.directory)).text()
             except Exception as e:  # the report must not hide the hang
                 text = f"vemesh: could not diagnose {self.directory}: {type(e).__name__}: {e}"
-            fired = self.store.get(_PREFIX + "fired").decode().partition("|")[2]
+            fired = self.store.get(self.keys + "fired").decode().partition("|")[2]
             what = fired if " raised " in fired else "a hang was found"
             print(f"\nvemesh: {what}; every rank wrote its dump to {self.directory}\n{text}\n"
                   f"(again: vemesh diagnose {self.directory})", file=sys.stderr, flush=True)
-            self.store.set(_PREFIX + "reported", "1")
+            self.store.set(self.keys + "reported", "1")
         else:
             end = time.monotonic() + 30
-            while time.monotonic() < end and not self.store.check([_PREFIX + "reported"]):
+            while time.monotonic() < end and not self.store.check([self.keys + "reported"]):
                 time.sleep(0.2)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -250,7 +254,7 @@ class HangWatch:
     def dump(self) -> Path:
         """Write this rank's dump (recorder, stacks, mesh, steps) and return its path."""
         try:
-            fired = self.store.get(_PREFIX + "fired").decode() if self.store.check([_PREFIX + "fired"]) else ""
+            fired = self.store.get(self.keys + "fired").decode() if self.store.check([self.keys + "fired"]) else ""
         except Exception:  # at exit the store may be gone: a healthy run's dump
             fired = ""
         by, _, reason = fired.partition("|")
@@ -268,6 +272,7 @@ class HangWatch:
 
 
 _WATCH: HangWatch | None = None
+_STARTS: list[int] = []
 
 
 def straggler_summary(describe: Callable[[], dict[str, Any]], since_ns: int = 0) -> str | None:
