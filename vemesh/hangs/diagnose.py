@@ -275,7 +275,7 @@ def diagnose(job: Job) -> Diagnosis:
                 continue
             g = job.group_of(dump.rank, e.pg)
             by_group.setdefault((e.pg, tuple(g.ranks)), {}).setdefault(dump.rank, {})[e.seq] = e
-    waiting_ranks = {r for d in job.ranks.values() for r in [d.rank] if any(not e.done and not e.p2p for e in d.entries)}
+    waiting_ranks = {d.rank for d in job.ranks.values() if any(not e.done and not e.p2p for e in d.entries)}
     for (pg, members), seen in by_group.items():
         group = job.group_of(next(iter(seen)), pg)
         for seq in sorted({s for per in seen.values() for s in per}):  # the first mismatch of the group: the cause

@@ -163,8 +163,7 @@ class HangWatch:
             self._wakeup.close()
         faulthandler.disable()
         self._fatal.close()
-        if os.path.getsize(self._fatal.name) == 0:
-            os.unlink(self._fatal.name)
+        self.drop_empty_fatal()
 
     # ------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -243,9 +242,14 @@ class HangWatch:
         sys.stdout.flush()
         sys.stderr.flush()
         self._fatal.close()
-        if os.path.getsize(self._fatal.name) == 0:
-            os.unlink(self._fatal.name)
+        self.drop_empty_fatal()
         os._exit(EXIT_CODE)
+
+    def drop_empty_fatal(self) -> None:
+        """Remove this rank's fatal-error file if faulthandler wrote nothing to it (the rank did not crash)."""
+        path = Path(self._fatal.name)
+        if path.exists() and path.stat().st_size == 0:
+            path.unlink()
 
     def _died(self, rank: int) -> bool:
         path = self.directory / f"rank-{rank}.fatal.txt"
@@ -333,6 +337,5 @@ def dump() -> Path | None:
     if _WATCH is None:
         return None
     path = _WATCH.dump()
-    if os.path.exists(_WATCH._fatal.name) and os.path.getsize(_WATCH._fatal.name) == 0:
-        os.unlink(_WATCH._fatal.name)
+    _WATCH.drop_empty_fatal()
     return path
