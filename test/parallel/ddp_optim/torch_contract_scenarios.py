@@ -68,13 +68,16 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 
 
 def run_types(mesh: DeviceMesh) -> None:
-    model = DDP(make_net(), mesh["DP"])
+    net = make_net()
+    model = DDP(net, mesh["DP"])
     opt = DistributedOptimizer(torch.optim.AdamW, models=[model])
     assert isinstance(opt, torch.optim.Optimizer) and isinstance(model, nn.parallel.DistributedDataParallel)
     assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
     assert list(model.buffers()) == [] and list(model.named_buffers()) == []
     assert next(iter(model.state_dict())).startswith("module.")
-    assert model.module.fc1 is model.module.fc1 and all(p.grad is None for p in model.parameters())
+    # like torch's DDP: .module is the user's own module (not a copy), and no gradient exists yet
+    assert model.module is net and model.module.fc1 is net.fc1
+    assert all(p.grad is None for p in model.parameters())
 
 
 def run_freed_when_dropped(mesh: DeviceMesh) -> None:
