@@ -9,6 +9,7 @@ from typing import Any
 
 from vemesh.cli.common import (UsageError, check_rank, check_world, csv, names, positive, print_json, print_warnings,
                                shape, spec_message)
+from vemesh.layout.data_dims import data_dims
 from vemesh.layout.describe import check_layout, describe_layout, layout_document
 from vemesh.layout.mesh_layout import MeshLayout
 from vemesh.layout.parallel_dims import ParallelDims
@@ -98,9 +99,24 @@ def run_show(args: argparse.Namespace) -> int:
             raise UsageError(f"argument --derived: {e}") from None
     layout = _derived(layout, args.derive or [])
     warnings = check_layout(layout, args.devices_per_host)
+    data = _data_dims(layout) if args.derived or args.ep > 1 or args.dp_replicate > 1 else None
     if args.json:
-        print_json(layout_document(layout, rank=args.rank, devices_per_host=args.devices_per_host))
+        print_json({**layout_document(layout, rank=args.rank, devices_per_host=args.devices_per_host),
+                    **({"data": data} if data else {})})
     else:
         print(describe_layout(layout, rank=args.rank, devices_per_host=args.devices_per_host))
+        if data:
+            print(f"  data dims: {', '.join(data['batch']) or 'none'}; gradients and the loss average over "
+                  f"{data['grad'] or 'nothing'}; FSDP2 shards over {', '.join(data['fsdp']) or 'nothing'}"
+                  + (f"; expert gradients over {data['expert'][0]}" if data["expert"] else ""))
     print_warnings(warnings)
     return 0
+
+
+def _data_dims(layout: MeshLayout) -> dict[str, Any]:
+    """The one data-dims rule's answer (:func:`vemesh.layout.data_dims.data_dims`), for ``--derived``."""
+    try:
+        found = data_dims(layout)
+    except ValueError as e:
+        raise UsageError(f"argument --derived: {e}") from None
+    return {"batch": list(found.batch), "grad": found.grad, "fsdp": list(found.fsdp), "expert": list(found.expert)}

@@ -3,7 +3,7 @@
 A :class:`MeshLayout` starts as the row-major mesh that ``init_device_mesh`` builds:
 global rank ``r`` sits at the coordinate whose dot product with the strides is ``r``.
 Every *name* of the layout is a :class:`NamedDim`, a tuple of (size, stride) axes
-over the mesh (see :mod:`vemesh.axes`):
+over the mesh (see :mod:`vemesh.layout.axes`):
 
 * the mesh dims, one axis each;
 * flattened dims (:meth:`MeshLayout.flatten`), the axes of the dims they merge;

@@ -21,7 +21,8 @@ reuses the data ranks. ``dp = dp_replicate x dp_shard``. From them, in this orde
 
 What the wrappers ask for:
 
-* :attr:`~ParallelDims.grad_dim` (also the loss's): ``dp_cp`` with CP, else ``DP``; None without either;
+* :attr:`~ParallelDims.grad_dim` (also the loss's): ``dp_cp`` with DP and CP, else the one data dim; None
+  without either (these three are :func:`vemesh.layout.data_dims.data_dims`'s answers on :meth:`~ParallelDims.layout`);
 * :attr:`~ParallelDims.fsdp_dims`: ``(dp_replicate, dp_shard_cp)`` (``dp_shard`` without CP) under HSDP,
   else ``(grad_dim,)``;
 * :attr:`~ParallelDims.expert_dims`: ``("EDP", "EP")``, or ``()`` without EP.
@@ -37,6 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from vemesh.layout.data_dims import DataDims, data_dims
 from vemesh.layout.mesh_layout import MeshLayout
 from vemesh.layout.names import fill_in
 
@@ -164,23 +166,25 @@ class ParallelDims:
         return tuple(steps)
 
     @property
+    def data(self) -> DataDims:
+        """The one data-dims rule (:func:`vemesh.layout.data_dims.data_dims`) on this job's layout."""
+        return data_dims(self.layout())
+
+    @property
     def grad_dim(self) -> str | None:
-        """The dim dense gradients (and the loss) average over: ``dp_cp`` with CP, else ``DP``; None without either."""
-        if self.cp > 1:
-            return "dp_cp"
-        return "DP" if "DP" in self.mesh_dims else None  # type: ignore[operator]
+        """The dim dense gradients (and the loss) average over: ``dp_cp`` with DP and CP, the one data dim
+        otherwise (``DP``, or ``CP`` at DP 1); None without either. Asked of :func:`~vemesh.layout.data_dims.data_dims`."""
+        return self.data.grad
 
     @property
     def fsdp_dims(self) -> tuple[str, ...]:
         """The dims FSDP2 shards over: ``(dp_replicate, dp_shard_cp | dp_shard)`` under HSDP, else ``(grad_dim,)``."""
-        if self.dp_replicate > 1:
-            return ("dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard")
-        return (self.grad_dim,) if self.grad_dim else ()
+        return self.data.fsdp
 
     @property
     def expert_dims(self) -> tuple[str, ...]:
         """``("EDP", "EP")`` with expert parallelism, else ``()``."""
-        return ("EDP", "EP") if self.ep > 1 else ()
+        return self.data.expert
 
     def layout(self, first_rank: int = 0) -> MeshLayout:
         """The mesh with every derived name, as pure arithmetic (the same calls :meth:`build` runs)."""
@@ -211,7 +215,6 @@ class ParallelDims:
         mesh.init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims, **init_kwargs)
         for method, args in self.steps:
             getattr(mesh, method)(*args)
-        mesh.parallel_dims = self  # the wrappers ask it for the FSDP and expert dims
         return mesh
 
     @classmethod

@@ -16,10 +16,10 @@ Questions about *strategies* (``get_strategy_size``, ``lookup_rank``, ``to_globa
 ``to_local_rank``, ``get_neighbor_rank``, ``get_optional_mesh``) treat the standard names
 ``PP, DP, TP, CP, EP`` that the mesh never had as size 1, so ``get_strategy_size("CP") > 1``
 works on any mesh, unless the mesh spells the name another way (``dp``, ``dp_shard``:
-:func:`vemesh.names.other_spellings`); then they raise ``KeyError`` naming it. Questions about
+:func:`vemesh.layout.names.other_spellings`); then they raise ``KeyError`` naming it. Questions about
 *structure* (``size``, ``mesh["CP"]``, ``get_group``) raise ``KeyError`` for a name the mesh lacks.
 
-This class holds the queries and a cache of torch views; start-up lives in :func:`vemesh.process_group.build_mesh`,
+This class holds the queries and a cache of torch views; start-up lives in :func:`vemesh.mesh.startup.build_mesh`,
 veScale's method names in :mod:`vemesh.mesh.vescale_names`, the fault-tolerant replica dim in :mod:`vemesh.ft`.
 """
 
@@ -70,8 +70,6 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         self._submeshes: dict[tuple[tuple[str, ...], int], DeviceMesh] = {}
         self._replicas: Any = None  # the fault-tolerant replica dim (vemesh.ft.Replicas), if any
         self._epoch = 0  # one more at every reset(): views of an older epoch are refused by the wrappers
-        #: The ParallelDims that built this mesh (its derived dims), or None for a mesh built by hand.
-        self.parallel_dims: Any = None
 
     # ================================================================ set-up
     def init_device_mesh(
@@ -217,13 +215,17 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         """Whether :meth:`init_device_mesh` has run (and :meth:`reset` has not since)."""
         return self._mesh is not None
 
+    def is_member(self) -> bool:
+        """Whether this rank is in the mesh (False on ranks outside a mesh built with ``rank_offset``)."""
+        return self._member
+
     def reset(self) -> None:
         """Drop the global mesh and every cached view, flattened dim and submesh (torch keeps the process groups).
 
         Views handed out before are stale from now on: vemesh's wrappers refuse them (take them again after init).
         """
         self._mesh, self._layout, self._rank, self._coordinate, self._member = None, None, -1, (), False
-        self._timeout, self._replicas, self.parallel_dims = None, None, None
+        self._timeout, self._replicas = None, None
         self._dim_meshes, self._views, self._submeshes = {}, {}, {}
         self._epoch += 1
 

@@ -4,7 +4,7 @@
 (no memory, no compute, so the 70B width costs what 2 blocks of it cost), applies the example's own
 tensor parallelism (``vemesh.models.gpt.apply_tp``), ``ExpertParallel`` and ``context_parallel`` on torch's
 fake backend, and runs one micro-batch forward and backward inside torch's ``MemTracker`` and
-:class:`~vemesh.measure.CollectiveBytes`. It reports what the planner scales by the number of
+:class:`~vemesh.planning.measure.CollectiveBytes`. It reports what the planner scales by the number of
 blocks and the schedule's micro-batches in flight:
 
 * ``retained``: the bytes held when the forward has ended (what backward needs, the output, the loss);

@@ -4,10 +4,10 @@
 world size, ranked. The figures come from three places, each checked against a real run of the GPT
 example (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim/test_fit.py``):
 
-* **parameters, gradients, optimizer state, fp32 masters**: :func:`vemesh.estimate.rank_static`, the
+* **parameters, gradients, optimizer state, fp32 masters**: :func:`vemesh.planning.estimate.rank_static`, the
   real model on the meta device read with the wrappers' rules (equal to the byte to what vemesh DDP,
   ZeRO-1 and FSDP2 allocate);
-* **activations and the TP/CP bytes**: :func:`vemesh.activations.trace_stage`, one micro-batch through
+* **activations and the TP/CP bytes**: :func:`vemesh.planning.activations.trace_stage`, one micro-batch through
   the rank's stage on fake tensors under MemTracker, times the micro-batches the schedule keeps in
   flight: 1 without PP, all of them for GPipe, ``PP - rank`` for 1F1B, and torch's own warmup count
   plus one (chunks of a stage) for interleaved 1F1B;
@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.planning.estimate import Model, RankMemory, _fsdp_local, _local, check_degrees, load_model, rank_static, \
     stage_keys
 
@@ -176,7 +177,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     if per_dp % mbs:
         raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
     passes = per_dp // mbs
-    grad_dim = "dp_cp" if cp > 1 and dp > 1 else "CP" if cp > 1 else "DP"  # DP 1: dp_cp's group is CP's
+    grad_dim = ParallelDims(pp * dp * cp * tp, pp=pp, dp_shard=dp, cp=cp, tp=tp).grad_dim or "DP"  # the one rule
     width = 2 if job.dtype == "bf16" else 4
     layers = pipeline.split_layers(model.n_layer, n_stages)
     keys = stage_keys(model, n_stages)

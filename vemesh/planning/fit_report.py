@@ -1,4 +1,4 @@
-"""What ``vemesh plan --model`` prints: the tables of :mod:`vemesh.fit` as text, and as JSON."""
+"""What ``vemesh plan --model`` prints: the tables of :mod:`vemesh.planning.fit` as text, and as JSON."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
 
 
 def job_from_args(args: argparse.Namespace) -> Job:
-    """The :class:`~vemesh.fit.Job` of the flags; ``args.device_memory`` becomes bytes. ``ValueError`` names a bad value."""
+    """The :class:`~vemesh.planning.fit.Job` of the flags; ``args.device_memory`` becomes bytes. ``ValueError`` names a bad value."""
     from vemesh.planning.estimate import parse_size
     from vemesh.planning.fit import Job
 

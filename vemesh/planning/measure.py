@@ -16,7 +16,7 @@ its buffer, an all-gather the gathered output, a reduce-scatter its full input, 
 input, a broadcast its tensor, a point-to-point transfer the bytes this rank sends (receives are
 not counted, so a PP send is counted once, by its sender). Collectives on meta tensors (a pipeline
 stage's shape inference) move nothing and are not counted; the bytes per step are counted from the
-second step on, since the first also runs one-time work (a pipeline's shape inference on real tensors). :mod:`vemesh.fit` predicts the same
+second step on, since the first also runs one-time work (a pipeline's shape inference on real tensors). :mod:`vemesh.planning.fit` predicts the same
 figures by the same rules.
 """
 

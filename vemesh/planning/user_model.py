@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vemesh.layout.data_dims import data_dims
+
 __all__ = ["Counted", "UserFunctions", "repeated_blocks", "resolve", "trace_user"]
 
 _MODES = ("ddp", "zero1", "fsdp")
@@ -174,11 +176,11 @@ def _data_parallel(model: nn.Module, given: str | None, name: str, mesh: Any) ->
     if given in ("ddp", "zero1") and found == "fsdp":
         raise ValueError(f"--dp-mode {given}, but --parallelize {name} sharded the model with FSDP2 (fully_shard); "
                          "give --dp-mode fsdp, or leave --dp-mode out")
-    dims = mesh.parallel_dims
+    grad = data_dims(mesh.layout).grad
     if found is None:
-        if dims.grad_dim is not None:
+        if grad is not None and mesh.size(grad) > 1:
             raise ValueError(f"--parallelize {name} wrapped no data parallelism, but the mesh has "
-                             f"{mesh.get_strategy_size(dims.grad_dim)} data-parallel ranks ({dims.grad_dim}) whose "
+                             f"{mesh.size(grad)} data-parallel ranks ({grad}) whose "
                              "gradients would never be averaged; wrap the model in vemesh.ddp.DistributedDataParallel "
                              "or vemesh.parallel.fully_shard")
         if given == "zero1":
@@ -284,7 +286,7 @@ def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, in
     if shard:
         raise ValueError(f"{' and '.join(shard)} > 1 need your parallelize function (--parallelize MODULE:FUNCTION): "
                          "the planner shards only what your code shards")
-    if mesh.parallel_dims.grad_dim is None:
+    if not data_dims(mesh.layout).batch:
         return model
     if dp_mode == "fsdp":  # as torchtitan applies it: each block, then the root
         from vemesh.parallel import fully_shard

@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import re
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from vemesh import VeDeviceMesh
 from vemesh.cli import main as cli
-from vemesh.layout.data_dims import data_dim
+from vemesh.layout.data_dims import data_dims
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.planning.mesh_plan import plan_mesh
 
@@ -79,9 +80,10 @@ def test_every_group_of_every_derived_name_in_the_pure_layout(world) -> None:
             assert sorted(layout.all_groups(name)) == sorted(want[name].tolist()), (pp, r, s, cp, tp, ep, name)
         for standard, degree in dims.degrees.items():
             assert layout.group_size(standard, absent_ok=True) == degree
-        assert dims.grad_dim == ("dp_cp" if cp > 1 else "DP" if "DP" in dims.mesh_dims else None)
-        if dims.grad_dim:  # what DDP defaults to on such a mesh holds the same ranks
-            assert layout.all_groups(data_dim(layout)) == layout.all_groups(dims.grad_dim)
+        dp = r * s
+        assert dims.grad_dim == ("dp_cp" if dp > 1 and cp > 1 else "DP" if dp > 1 else "CP" if cp > 1
+                                 else "DP" if "DP" in dims.mesh_dims else None)
+        assert (dims.grad_dim, dims.fsdp_dims, dims.expert_dims) == astuple(data_dims(layout))[1:4]  # the one rule
         if dims.grad_dim:  # the gradient dim holds every rank with other rows or tokens, and nothing else
             assert sorted(layout.all_groups(dims.grad_dim)) == sorted(along_data(pp, r, s, cp, tp))
 

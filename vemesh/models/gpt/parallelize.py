@@ -138,7 +138,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
 
 def parallelize(model: nn.Module, mesh: Any = None, *, data_parallel: str = "ddp", sequence_parallel: bool = False,
                 activation_checkpointing: bool = False, mp_policy: Any = None, **ddp_options: Any) -> nn.Module:
-    """Apply every parallelism of the mesh's :class:`~vemesh.parallel.ParallelDims` to ``model``, in order.
+    """Apply every parallelism of the mesh (as :class:`~vemesh.parallel.ParallelDims` builds it) to ``model``, in order.
 
     1. **TP** over ``mesh["TP"]`` (:func:`apply_tp`), with sequence parallelism if asked;
     2. **CP**: nothing to change in the model (its positions are a buffer, its attention torch's SDPA):
@@ -151,20 +151,17 @@ def parallelize(model: nn.Module, mesh: Any = None, *, data_parallel: str = "ddp
 
     Args:
         model: a ``GPT`` or a pipeline stage of one, the same weights on every rank.
-        mesh: the mesh manager a ``ParallelDims`` built (default ``VESCALE_DEVICE_MESH``).
+        mesh: the mesh manager (default ``VESCALE_DEVICE_MESH``), with standard dim names (``ParallelDims.build``).
 
     Returns:
         The module to train: the model, wrapped in DDP or sharded by FSDP2.
     """
     mesh = VESCALE_DEVICE_MESH if mesh is None else mesh
-    dims = mesh.parallel_dims
-    if dims is None:
-        raise ValueError("parallelize needs a mesh built by ParallelDims(...).build(): it reads the degrees from it")
     if data_parallel not in ("ddp", "fsdp", "none"):
         raise ValueError(f"data_parallel must be 'ddp', 'fsdp' or 'none'; got {data_parallel!r}")
-    if dims.tp > 1:
+    if mesh.get_strategy_size("TP") > 1:
         model = apply_tp(model, mesh["TP"], sequence_parallel=sequence_parallel)
-    if dims.ep > 1:
+    if mesh.get_strategy_size("EP") > 1:
         for moe in [m for m in model.modules() if hasattr(m, "router") and hasattr(m, "experts")]:
             parallelize_module(moe.experts, mesh["EP"], ExpertParallel())
     model.checkpoint_blocks = activation_checkpointing

@@ -3,7 +3,7 @@
 On a ``(DP, TP) = (2, 2)`` mesh over ranks ``[[0, 1], [2, 3]]``, rank 0 and rank 2 hold the same TP
 shard of each weight and average their shard gradients with each other; rank 1 and rank 3 do the same
 for the other shard. The contract is torch DDP's (see :class:`DistributedDataParallel`); what is
-stricter: a group that would mix shards or leave out data ranks raises (:mod:`vemesh.ddp.groups`).
+stricter: a group that would mix shards or leave out data ranks raises (:mod:`vemesh.parallel.ddp.groups`).
 """
 
 from __future__ import annotations

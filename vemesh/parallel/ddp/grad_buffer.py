@@ -2,7 +2,7 @@
 
 One :class:`GradBuffer` holds the gradients of every parameter that shares a (parameter
 dtype, gradient dtype) pair, as views ``param.main_grad`` into one flat tensor. The buffer is cut
-into buckets (:mod:`vemesh.ddp.bucketing`); each bucket's all-reduce over the data-parallel
+into buckets (:mod:`vemesh.parallel.ddp.bucketing`); each bucket's all-reduce over the data-parallel
 group starts as soon as all of its gradients are in, and buckets always start in index order,
 so every DP rank issues the same collectives in the same order even if a parameter got no
 gradient on some ranks.

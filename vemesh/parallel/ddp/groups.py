@@ -1,7 +1,7 @@
 """The group a data-parallel wrapper reduces over: resolved, defaulted from the live mesh, and checked.
 
 * :func:`resolve_group` turns what the user passed (a 1-D ``DeviceMesh``, a ``ProcessGroup`` or None)
-  into a process group. None means the live mesh's data dims (:func:`vemesh.dims.data_dim`), not the
+  into a process group. None means the live mesh's data dims (``grad`` of :func:`vemesh.layout.data_dims.data_dims`), not the
   world: on ``(DP, TP) = (2, 2)`` the world holds each rank's TP peer, and averaging with it would mix
   different shards. Without a live mesh, None is torch's default group, as in torch's DDP.
 * :func:`sharded_over` says over which ranks a parameter is already sharded: a DTensor's non-replicated
@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from vemesh.layout.data_dims import DATA_NAMES, batch_dims, data_dims
+from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.mesh.views import check_view
 
 __all__ = ["SHARDED_OVER", "check_covers_data", "check_not_sharded_over", "default_group", "resolve_group", "sharded_over"]
@@ -31,19 +33,17 @@ SHARDED_OVER = "_vemesh_sharded_over"
 def default_group() -> tuple[dist.ProcessGroup, str]:
     """The data-parallel group when none is given, and how it was chosen (for error messages).
 
-    With a live ``VESCALE_DEVICE_MESH``: its data dims (:func:`vemesh.dims.data_dim`); a ``ValueError``
-    when there are none or they are ambiguous. Without one: torch's default group, as torch's DDP.
+    With a live ``VESCALE_DEVICE_MESH``: the group of its data dims (``grad`` of
+    :func:`vemesh.layout.data_dims.data_dims`); a ``ValueError`` when there are none, or a dim's role is
+    unknown, or no name covers them. Without one: torch's default group, as torch's DDP.
     """
-    from vemesh.layout.data_dims import data_dim
-    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
-
     if not mesh.is_initialized():
         return dist.group.WORLD, "torch's default group (no VESCALE_DEVICE_MESH)"  # type: ignore[return-value]
-    name = data_dim(mesh.layout)
+    name = data_dims(mesh.layout).grad
     if name is None:
         raise ValueError(
-            f"no data-parallel group was given, and VESCALE_DEVICE_MESH {mesh.mesh_dim_names} has no data dim (a name "
-            "with the word dp or cp): pass the group to average over, e.g. VESCALE_DEVICE_MESH['DP']"
+            f"no data-parallel group was given, and VESCALE_DEVICE_MESH {mesh.mesh_dim_names} has no data dim (named "
+            f"one of {list(DATA_NAMES)}): pass the group to average over, e.g. VESCALE_DEVICE_MESH['DP']"
         )
     return mesh.get_group(name), f"VESCALE_DEVICE_MESH[{name!r}], the mesh's data dims"
 
@@ -73,13 +73,13 @@ def check_covers_data(group: dist.ProcessGroup, described: str) -> None:
     gradient averaged without some of them differs between them, and their replicas drift apart, silently:
     ``mesh["DP"]`` on a ``(DP, CP, TP)`` mesh, or ``mesh["dp_shard"]`` on an HSDP mesh, are refused.
     """
-    from vemesh.layout.data_dims import data_atoms
-    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
-
-    if not mesh.is_initialized() or not mesh._member:
+    if not mesh.is_initialized() or not mesh.is_member():
         return
     layout = mesh.layout
-    atoms = data_atoms(layout)
+    try:
+        atoms = batch_dims(layout)
+    except ValueError:  # dims whose role the names do not tell: the group given is the user's word
+        return
     if not atoms:
         return
     needed = layout.group_ranks(dist.get_rank(), atoms)

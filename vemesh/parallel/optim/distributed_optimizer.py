@@ -6,9 +6,9 @@ schedulers, ``GradScaler``, ``clip_grad_norm_`` and DCP's ``get_state_dict`` use
 
 1. the models' gradients are already averaged over DP (:class:`~vemesh.ddp.DistributedDataParallel`
    finishes that when ``loss.backward()`` returns) and live in flat buffers;
-2. optionally clip by the global norm (:mod:`vemesh.optim.clip_grad`);
+2. optionally clip by the global norm (:mod:`vemesh.parallel.optim.clip_grad`);
 3. an inner torch optimizer of the requested class steps only this rank's slice of each buffer
-   (:mod:`vemesh.optim.param_buffer`): flat fp32 tensors, views of the parameters for fp32
+   (:mod:`vemesh.parallel.optim.param_buffer`): flat fp32 tensors, views of the parameters for fp32
    models, fp32 masters for bf16/fp16 ones;
 4. every rank's updated slice is gathered into the parameters.
 
@@ -128,7 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     #: load_state_dict takes fp32 master weights from a ``master_param`` state entry.
     _loads_master_params = True
-    #: step() asks fault-tolerant replicas for their commit vote itself (see vemesh.ddp.support's step guard).
+    #: step() asks fault-tolerant replicas for their commit vote itself (see vemesh.parallel.ddp.support's step guard).
     _asks_replicas = True
 
     def __init__(

@@ -1,8 +1,8 @@
 """One DP rank's ZeRO-1 share of a gradient buffer: the parameter buffer, main params and gathers.
 
-For each :class:`~vemesh.ddp.grad_buffer.GradBuffer` of a wrapped model, :class:`ParamShard`
+For each :class:`~vemesh.parallel.ddp.grad_buffer.GradBuffer` of a wrapped model, :class:`ParamShard`
 lays the parameters' values out in a flat *parameter buffer* with the same offsets as the
-gradients, padded to split evenly over DP (:mod:`vemesh.optim.shards`). Plain parameters become
+gradients, padded to split evenly over DP (:mod:`vemesh.parallel.optim.shards`). Plain parameters become
 views of it, so a gather lands straight in the model; DTensor parameters keep their own storage
 and get a copy after each gather. This rank's slice of it holds the *main params* that the inner
 torch optimizer steps: views of the parameter buffer for fp32 models, fp32 master copies for

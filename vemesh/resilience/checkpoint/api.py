@@ -156,7 +156,7 @@ def save(
 
 
 def acquire_lock(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    """Take ``checkpoint_dir`` for this job, at start (see :mod:`vemesh.checkpoint.lock`).
+    """Take ``checkpoint_dir`` for this job, at start (see :mod:`vemesh.resilience.checkpoint.lock`).
 
     Rank 0 creates the directory and ``.vemesh.lock`` in it (which also proves it writable);
     every rank returns the holder it wrote, or raises the same error.

@@ -16,9 +16,9 @@ the directory to ``step_N`` (an atomic rename), so a crash at any point leaves t
 checkpoints untouched. A checkpoint is *good* when its manifest parses, matches its own checksum
 and its directory's step, every file it lists has the recorded size (and, checked when it is
 loaded, the recorded checksum), nothing in it is a symbolic link, and its metadata unpickles
-under the restricted unpickler of :mod:`vemesh.checkpoint.safe_read`.
+under the restricted unpickler of :mod:`vemesh.resilience.checkpoint.safe_read`.
 
-Nothing here touches ``torch.distributed``; :mod:`vemesh.checkpoint.api` decides on rank 0 and
+Nothing here touches ``torch.distributed``; :mod:`vemesh.resilience.checkpoint.api` decides on rank 0 and
 broadcasts.
 """
 

@@ -4,7 +4,7 @@ Each file gets an XXH3 64-bit hash (``xxhash.xxh3_64``), recorded in the manifes
 checkpoint is published. Any change to a file, a flipped bit, a zeroed block or a stale copy
 from another checkpoint, is found with probability 1 - 2**-64. It is not a defence against
 someone forging a checkpoint on purpose: the restricted unpickler of
-:mod:`vemesh.checkpoint.safe_read` is. XXH3 was picked by measured speed on this project's
+:mod:`vemesh.resilience.checkpoint.safe_read` is. XXH3 was picked by measured speed on this project's
 machine (64 MiB in memory, one core): 24 GB/s, against 13 GB/s for CRC-32C (google-crc32c),
 4.0 GB/s for ``zlib.crc32`` and 1.7 GB/s for SHA-256. With ``zlib.crc32`` the checksums cost
 1.155x at load in ``bench/checkpoint_io.py``, over the 1.15x budget. Files are hashed through
@@ -14,7 +14,7 @@ The work is split over the ranks: file ``i`` (in name order) is read by rank ``i
 checkpoint of one file per rank is checked in the time one rank reads one file. The manifest
 carries a hash of its own content too, so an edited hyperparameter or step is found.
 
-Pure file I/O; :mod:`vemesh.checkpoint.api` spreads the work and gathers the answers.
+Pure file I/O; :mod:`vemesh.resilience.checkpoint.api` spreads the work and gathers the answers.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ took it (taken by global rank 0, at start, before any training):
 
 A holder on another host that left no run id cannot be checked from here: the message then says
 which file to remove once that job is gone. Creating the lock also proves, before step 1, that the
-directory is writable. Pure file I/O; :mod:`vemesh.checkpoint.api` runs it on rank 0.
+directory is writable. Pure file I/O; :mod:`vemesh.resilience.checkpoint.api` runs it on rank 0.
 """
 
 from __future__ import annotations
