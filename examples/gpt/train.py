@@ -107,6 +107,12 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def print_error(message: str) -> None:
+    """An error, on every rank's stderr: whichever rank exits first, torchrun kills the others, so a message
+    left to rank 0 alone could vanish behind torchrun's banner."""
+    print("error: " + message.replace("\n", "\nerror: "), file=sys.stderr, flush=True)
+
+
 def get_lr(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.min_lr`` at the last step."""
     if step <= cfg.warmup_steps:
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset = ByteDataset(cfg.data, max_bytes=cfg.max_data_bytes, val_fraction=cfg.val_fraction)
         dataset.check(cfg.seq_len)
     except ConfigError as e:
-        print0(f"error: {e}".replace("\n", "\nerror: "), file=sys.stderr)
+        print_error(str(e))
         return 2
     meter = None
     if cfg.memory_report:  # measured from the first allocation: the mesh, the model, the wrappers, the steps
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         with meter or contextlib.nullcontext():
             code = run(cfg, dataset, meter)
     except ReplicaError as e:  # live fault tolerance cannot go on (no lighthouse, no quorum in time): one line
-        print0(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         code = 1
     hangs.dump()  # with VEMESH_HANG_DIR: this rank's dump of a run that ended (vemesh diagnose --stragglers reads them)
     close_mesh()
@@ -200,7 +206,7 @@ def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
     try:
         start_step = resume(job)
     except checkpoint.CheckpointError as e:
-        print0(f"error: cannot resume: {e}".replace("\n", "\nerror: "), file=sys.stderr)
+        print_error(f"cannot resume: {e}")
         return shutdown(cfg, 1, release=not isinstance(e, checkpoint.CheckpointLockedError))
     return train(job, start_step)
 
@@ -485,9 +491,9 @@ def apply_step(job: Job, loop: Loop, loss, aux, norm, lr: float, rows):
     if bad:
         loop.skipped += 1
         if loop.skipped > cfg.skip_nonfinite:
-            print0(f"error: step {loop.step}: the loss or the gradient norm is nan or inf; stopping before the "
-                   f"optimizer steps (--skip-nonfinite {cfg.skip_nonfinite} allows skipping that many such steps). "
-                   f"The checkpoints in {cfg.checkpoint_dir or '(none)'} are untouched.", file=sys.stderr)
+            print_error(f"step {loop.step}: the loss or the gradient norm is nan or inf; stopping before the "
+                        f"optimizer steps (--skip-nonfinite {cfg.skip_nonfinite} allows skipping that many such steps). "
+                        f"The checkpoints in {cfg.checkpoint_dir or '(none)'} are untouched.")
             return 1
         print0(f"step {loop.step:5d}/{cfg.steps} | non-finite loss or gradient norm: step skipped "
                f"({loop.skipped} of --skip-nonfinite {cfg.skip_nonfinite})" + (", to be retried" if replicas else ""))
