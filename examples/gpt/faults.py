@@ -1,5 +1,9 @@
-"""Fault injection for the hang report (``--inject KIND:RANK:STEP[:MS]``), to see ``VEMESH_HANG_DIR``'s
-diagnosis once, and the tests that hold it exact:
+"""Fault injection, called by the loop at one point: ``with job.faults.during(step, ...)`` around a step's compute.
+
+* ``--fail-at-step S``: the last rank exits at step S of the first attempt (a crashed worker, for torchrun's restart);
+* ``--nan-at-step S``: rank 0's output is nan at step S of the first attempt (the non-finite skip or stop);
+* ``--inject KIND:RANK:STEP[:MS]``, for the hang report, to see ``VEMESH_HANG_DIR``'s diagnosis once, and the tests
+  that hold it exact:
 
 * ``sleep:R:S``: rank R sleeps in compute at step S (a hang: its groups wait for it);
 * ``skip-dp:R:S``: rank R skips its DP gradient average at step S;
@@ -10,9 +14,12 @@ diagnosis once, and the tests that hold it exact:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,12 +76,51 @@ class Fault:
         return self.kind == "skip-dp" and self._mine(step)
 
 
-def no_dp_sync(chunks: list[torch.nn.Module]) -> contextlib.ExitStack:
-    """The context of a step whose DP gradient average this rank skips (DDP's ``no_sync``, FSDP2's switch)."""
-    stack = contextlib.ExitStack()
-    for chunk in chunks:
-        if hasattr(chunk, "set_requires_gradient_sync"):
-            chunk.set_requires_gradient_sync(False)
-        else:
-            stack.enter_context(chunk.no_sync())
-    return stack
+@contextlib.contextmanager
+def no_dp_sync(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """The context of a step whose DP gradient average this rank skips (DDP's ``no_sync``, FSDP2's switch held off
+    for the step, so that the loop's own switch for its last pass does not turn it back on)."""
+    with contextlib.ExitStack() as stack:
+        for chunk in chunks:
+            if hasattr(chunk, "set_requires_gradient_sync"):
+                chunk.set_requires_gradient_sync(False)
+                chunk.set_requires_gradient_sync = lambda *a, **k: None  # type: ignore[method-assign]
+                stack.callback(lambda c=chunk: (delattr(c, "set_requires_gradient_sync"), c.set_requires_gradient_sync(True)))
+            else:
+                stack.enter_context(chunk.no_sync())
+        yield
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Every fault the flags ask for; the loop enters :meth:`during` once per step."""
+
+    inject: Fault | None
+    fail_at_step: int
+    nan_at_step: int
+
+    @staticmethod
+    def of(cfg: Any) -> "Faults | None":
+        """The faults of ``cfg`` (None when it asks for none)."""
+        inject = Fault.parse(cfg.inject, cfg.world_size, cfg.steps) if cfg.inject is not None else None
+        if inject is None and not cfg.fail_at_step and not cfg.nan_at_step:
+            return None
+        return Faults(inject, cfg.fail_at_step or 0, cfg.nan_at_step or 0)
+
+    @contextlib.contextmanager
+    def during(self, step: int, restart: int, chunks: list[torch.nn.Module], first: torch.nn.Module) -> Iterator[None]:
+        """Around step ``step``'s forward and backward (``restart``: torchrun's attempt; ``first``: this rank's
+        first model part, whose output --nan-at-step spoils)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if step == self.fail_at_step and restart == 0 and rank == world - 1:
+            print(f"rank {rank}: --fail-at-step {step}: exiting to simulate a crashed worker", file=sys.stderr, flush=True)
+            os._exit(13)
+        if self.inject is not None:
+            self.inject.before_compute(step)
+        with contextlib.ExitStack() as stack:
+            if self.inject is not None and self.inject.skips_dp(step):
+                stack.enter_context(no_dp_sync(chunks))
+            if step == self.nan_at_step and restart == 0 and rank == 0:  # one rank's loss goes bad
+                hook = first.register_forward_hook(lambda module, args, out: out * float("nan"))
+                stack.callback(hook.remove)
+            yield

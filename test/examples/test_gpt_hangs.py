@@ -28,7 +28,7 @@ GPT = [str(REPO / "examples" / "gpt" / "train.py"), "--mesh-shape", "2,2,2", "--
 @pytest.mark.parametrize("inject, expected", [
     ("sleep:5:3", ["HANG: DP broadcast #22 (256 B, [32] long) at step 3 is stuck in the DP group [5, 7] (PP=1, TP=1)",
                    "never entered: rank 5 (PP=1, DP=0, TP=1)",
-                   "it is not in any collective (in compute), at examples/gpt/faults.py:61 in before_compute"]),
+                   "it is not in any collective (in compute), at examples/gpt/faults.py:68 in before_compute"]),
     ("skip-dp:5:3", ["is stuck in the DP group [5, 7] (PP=1, TP=1)", "never entered: rank 5 (PP=1, DP=0, TP=1)",
                      "it skipped one"]),
     ("wrong-size-tp:5:3", ["DIED: rank 4 (PP=1, DP=0, TP=0): Fatal Python error: Aborted",
