@@ -215,6 +215,11 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         """Whether :meth:`init_device_mesh` has run (and :meth:`reset` has not since)."""
         return self._mesh is not None
 
+    @property
+    def epoch(self) -> int:
+        """How many times this mesh was reset (``init_device_mesh`` resets too): views carry the epoch they came from."""
+        return self._epoch
+
     def is_member(self) -> bool:
         """Whether this rank is in the mesh (False on ranks outside a mesh built with ``rank_offset``)."""
         return self._member

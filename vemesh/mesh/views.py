@@ -28,7 +28,7 @@ def check_view(mesh: DeviceMesh, what: str) -> None:
     if stamp is None:
         return
     owner, epoch = stamp[0](), stamp[1]
-    if owner is not None and owner._epoch != epoch:
+    if owner is not None and owner.epoch != epoch:
         now = repr(owner) if owner.is_initialized() else "reset and not initialized again"
         raise RuntimeError(
             f"{what} is a view of an earlier mesh (taken before the last init_device_mesh or reset(); the mesh is now "

@@ -37,8 +37,8 @@ def _measure(model, ddp, opt) -> dict[str, int]:
     """What the wrappers hold after one step: parameters, gradients, optimizer state, fp32 masters."""
     inner = getattr(opt, "optimizer", opt)
     state = [v for st in inner.state.values() for k, v in st.items() if k != "step"]
-    params = [p for p in model.parameters()] + [sh.param_data for sh in getattr(opt, "_shards", [])]
-    masters = [m for sh in getattr(opt, "_shards", []) if sh.copy_params for m in sh.main]
+    params = [p for p in model.parameters()] + [sh.param_data for sh in getattr(opt, "shards", [])]
+    masters = [m for sh in getattr(opt, "shards", []) if sh.copy_params for m in sh.main]
     return {"params": _bytes(params), "grads": _bytes([b.data for b in ddp.grad_buffers] + list(ddp._holder.values())),
             "optimizer": _bytes(state), "masters": _bytes(masters)}
 

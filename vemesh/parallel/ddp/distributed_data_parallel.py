@@ -16,14 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from vemesh.parallel.context.api import sharded_buffers
 from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_tensor, make_buffers
 from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over, resolve_group
-from vemesh.parallel.ddp.support import (UNSYNCED, PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, check_params_kept,
-                      check_placement, install_step_guard, like, release_params, weak_method, weak_param_hook)
+from vemesh.parallel.ddp.support import (PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, check_params_kept,
+                      check_placement, like, release_params, weak_method, weak_param_hook)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -179,8 +180,48 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 self._exposed[id(p)] = like(p, self._holder[id(p)])
                 self._hooks.append(p.register_hook(weak_param_hook(p, weak_method(self._fold_grad))))
             self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
+        # every torch optimizer asks this wrapper before it steps (the hook is removed with the wrapper)
+        self._hooks.append(register_optimizer_step_pre_hook(weak_method(self._refuse_step)))
         weakref.finalize(self, release_params, params, owner, self._hooks).atexit = False
-        install_step_guard(self)
+
+    @property
+    def averaged_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this wrapper averages, in its buffers' order."""
+        return list(self._params)
+
+    @property
+    def expert_parameter_ids(self) -> frozenset[int]:
+        """The ``id()`` of every expert parameter, averaged over ``expert_data_parallel_group`` instead."""
+        return self._experts
+
+    def parameter_name(self, p: torch.Tensor) -> str:
+        """``p``'s name in the wrapped module."""
+        return self._param_names[id(p)]
+
+    def _refuse_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: no torch optimizer steps on this wrapper's gradients that skipped the DP
+        average, or that were averaged across fault-tolerant replicas which did not vote to commit the step."""
+        if not self._unsynced and (self.replicas is None or getattr(optimizer, "_asks_replicas", False)):
+            return  # the common case (ZeRO-1 asks the replicas itself)
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        mine = [p for p in self._params if id(p) in ids]
+        if not mine:
+            return
+        if self.replicas is not None and not getattr(optimizer, "_asks_replicas", False) and self.replicas.vote is not True:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would apply gradients averaged across fault-tolerant replicas "
+                f"without their vote to commit ({'voted down' if self.replicas.vote is False else 'no vote yet'}): a "
+                "failed cross-replica reduce leaves a partial sum. Use vemesh.optim.DistributedOptimizer, or step only "
+                "when replicas.should_commit() returns True"
+            )
+        names = [self._param_names[id(p)] for p in mine if p.grad is not None]
+        if self._unsynced and names:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would use gradients of {len(names)} parameters (e.g. "
+                f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
+                "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
+                "model.finish_grad_sync() before stepping"
+            )
 
     # ------------------------------------------------------------------ module
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -281,7 +322,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._sync()
         else:
             self._unsynced = True
-            UNSYNCED.add(self)
             for buffer in self.grad_buffers:
                 buffer.reset()
 
@@ -313,7 +353,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._expose(p)
         self._arrived = set()
         self._unsynced = False
-        UNSYNCED.discard(self)
 
     def _abandon_pass(self) -> None:
         for buffer in self.grad_buffers:
@@ -385,7 +424,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 for p in self._params:
                     self._expose(p)
         self._unsynced = False
-        UNSYNCED.discard(self)
 
     def zero_grad_buffer(self) -> None:
         """veScale's name for ``zero_grad(set_to_none=False)``: zero the buffer in place."""

@@ -1,5 +1,5 @@
 """Helpers of :class:`~vemesh.ddp.DistributedDataParallel`: argument checks, broadcasts, and the
-global optimizer-step guard against gradients that skipped the DP average."""
+hooks that hold their wrapper weakly."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
 from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.parallel.ddp.groups import resolve_group
 from vemesh.parallel.experts.style import is_expert
 
-__all__ = ["UNSYNCED", "install_step_guard", "refuse_unsynced_step", "check_bucket_size", "broadcast_from_first",
+__all__ = ["check_bucket_size", "broadcast_from_first",
            "PipelineReducer", "like", "weak_method", "release_params", "check_experts", "check_params_kept",
            "weak_param_hook", "check_replicas", "check_placement"]
 
@@ -64,35 +63,6 @@ def release_params(params: Sequence[torch.Tensor], owner: Any, hooks: Sequence[A
             for attr in ("main_grad", "_vemesh_ddp"):
                 if hasattr(p, attr):
                     delattr(p, attr)
-
-
-#: Wrappers holding gradients accumulated under ``no_sync()`` that were never averaged.
-UNSYNCED: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: no torch optimizer steps on gradients that skipped the DP average, or
-    on gradients averaged across fault-tolerant replicas that did not vote to commit the step."""
-    if not UNSYNCED and not REPLICATED:
-        return
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for ddp in list(REPLICATED) if not getattr(optimizer, "_asks_replicas", False) else []:  # ZeRO-1 asks them itself
-        if ddp.replicas.vote is not True and any(id(p) in ids for p in ddp._params):
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() would apply gradients averaged across fault-tolerant replicas "
-                f"without their vote to commit ({'voted down' if ddp.replicas.vote is False else 'no vote yet'}): a "
-                "failed cross-replica reduce leaves a partial sum. Use vemesh.optim.DistributedOptimizer, or step only "
-                "when replicas.should_commit() returns True"
-            )
-    for ddp in list(UNSYNCED):
-        names = [ddp._param_names[id(p)] for p in ddp._params if id(p) in ids and p.grad is not None]
-        if names:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() would use gradients of {len(names)} parameters (e.g. "
-                f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
-                "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
-                "model.finish_grad_sync() before stepping"
-            )
 
 
 def check_params_kept(module: torch.nn.Module, wrapped: list[torch.Tensor]) -> None:
@@ -160,21 +130,6 @@ class PipelineReducer:
 
 
 
-
-
-_step_hook: Any = None
-#: Wrappers whose gradients are averaged across fault-tolerant replicas (held weakly).
-REPLICATED: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def install_step_guard(ddp: Any = None) -> None:
-    """Register :func:`refuse_unsynced_step` for every torch optimizer, once per process (and ``ddp``, if it
-    averages across fault-tolerant replicas, in :data:`REPLICATED`)."""
-    if ddp is not None and ddp.replicas is not None:
-        REPLICATED.add(ddp)
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_pre_hook(refuse_unsynced_step)
 
 
 def check_experts(

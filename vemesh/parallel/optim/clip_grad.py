@@ -218,9 +218,9 @@ def check_sum_groups(params: list[torch.Tensor], experts: set[int], groups: Sequ
         owner = getattr(p, "_vemesh_ddp", lambda: None)()
         if owner is not None:
             wrappers[id(owner)] = owner
-            if id(p) in owner._experts and id(p) not in experts and not isinstance(p, DTensor):
+            if id(p) in owner.expert_parameter_ids and id(p) not in experts and not isinstance(p, DTensor):
                 raise ValueError(
-                    f"parameter {owner._param_names[id(p)]!r} is an expert of this EP rank only (its DDP averages it over "
+                    f"parameter {owner.parameter_name(p)!r} is an expert of this EP rank only (its DDP averages it over "
                     "expert_data_parallel), but is not in expert_parameters: every rank would clip by a different norm. "
                     "Pass expert_parameters=[...its experts...] and expert_groups=[VESCALE_DEVICE_MESH.get_group('EP')]"
                 )

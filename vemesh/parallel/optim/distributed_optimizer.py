@@ -155,27 +155,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         options = {**(optimizer_kwargs or {}), **kwargs}
         self.clip_grad = float(clip_grad)
         self._clip_groups = pipeline_groups(clip_groups, "clip_groups") if self.clip_grad > 0 else []
-        check_sum_groups([p for m in self.models for p in m._params], {e for m in self.models for e in m._experts},
+        check_sum_groups([p for m in self.models for p in m.averaged_parameters], {e for m in self.models for e in m.expert_parameter_ids},
                          self._clip_groups)
         self.overlap_param_gather = bool(overlap_param_gather)
         #: The global gradient norm before clipping at the last :meth:`step` (when ``clip_grad`` is set).
         self.grad_norm: torch.Tensor | None = None
         params = [p for m in self.models for b in m.grad_buffers for p in b.params]
-        cls, members, group_options = _groups_of(optimizer, [p for m in self.models for p in m._params], options)
+        cls, members, group_options = _groups_of(optimizer, [p for m in self.models for p in m.averaged_parameters], options)
         group_of = {id(p): gid for gid, ps in enumerate(members) for p in ps}
-        self._shards = [ParamShard(b, group_of) for m in self.models for b in m.grad_buffers]
+        #: This rank's slices of each gradient buffer (what it steps), read by the state dicts (state.py).
+        self.shards = [ParamShard(b, group_of) for m in self.models for b in m.grad_buffers]
         inner_groups: list[dict[str, Any]] = [dict(o, params=[]) for o in group_options]
         #: ``(inner parameter, its gradient)``: one per chunk of each run of this rank's slices.
         self._inner: list[tuple[nn.Parameter, torch.Tensor]] = []
         #: ``(inner parameter, shard index, first buffer element)``, for the per-parameter state dict.
-        self._inner_at: list[tuple[nn.Parameter, int, int]] = []
-        for si, shard in enumerate(self._shards):
+        self.inner_at: list[tuple[nn.Parameter, int, int]] = []
+        for si, shard in enumerate(self.shards):
             for (gid, start, _), main, grad in zip(shard.runs, shard.main, shard.grads):
                 for k, (main_chunk, grad_chunk) in enumerate(zip(main.split(MAIN_PARAM_CHUNK), grad.split(MAIN_PARAM_CHUNK))):
                     inner = nn.Parameter(main_chunk)  # shares storage with main
                     inner_groups[gid]["params"].append(inner)  # type: ignore[index]
                     self._inner.append((inner, grad_chunk))
-                    self._inner_at.append((inner, si, start + k * MAIN_PARAM_CHUNK))
+                    self.inner_at.append((inner, si, start + k * MAIN_PARAM_CHUNK))
         for group in inner_groups:  # a small model can leave a rank (or a group) with nothing to own
             if not group["params"]:
                 group["params"].append(nn.Parameter(torch.zeros(0, device=params[0].device)))
@@ -192,7 +193,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         self._building = False
         self.committed = True
-        self._dp_group = self.models[0].data_parallel_group
+        #: The data-parallel group the shards are split over.
+        self.dp_group = self.models[0].data_parallel_group
         self._pending: list[dist.Work] = []
         if self.overlap_param_gather:
             wait = weak_method(self._wait_gather)  # the modules must not keep this optimizer alive
@@ -265,7 +267,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for m in self.models:
             missing += m._grads_into_buffer()
         if missing:
-            total = sum(len(m._params) for m in self.models)
+            total = sum(len(m.averaged_parameters) for m in self.models)
             if len(missing) == total:
                 return loss  # nothing has a gradient: nothing to do, as a torch optimizer
             raise ValueError(
@@ -273,7 +275,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "flat shards and cannot skip some of them: clear gradients with zero_grad(set_to_none=False), or set "
                 "requires_grad=False on parameters that must not change"
             )
-        for shard in self._shards:
+        for shard in self.shards:
             if shard.params_changed():
                 shard.reload()
             shard.grads_to_main()
@@ -284,7 +286,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             edp = next((m.expert_data_parallel_group for m in self.models if m.expert_data_parallel_group is not None), None)
             # each expert's (averaged) gradient sits on its EDP ranks: sum over the whole DP group, divide by EDP
             self.grad_norm = total_norm(dense, groups=self._clip_groups, expert_grads=experts,
-                                        expert_groups=[self._dp_group] if edp else [],
+                                        expert_groups=[self.dp_group] if edp else [],
                                         expert_copies=dist.get_world_size(edp) if edp else 1)
             torch.nn.utils.clip_grads_with_norm_([p for p, _ in self._inner], self.clip_grad, self.grad_norm)
         for inner, group in zip(self.optimizer.param_groups, self.param_groups):
@@ -296,7 +298,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _start_gather(self) -> None:
-        for shard in self._shards:
+        for shard in self.shards:
             self._pending += shard.start_gather()
         self._gathering = True
 
@@ -316,14 +318,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for work in self._pending:
             work.wait()
         self._pending = []
-        for shard in self._shards:
+        for shard in self.shards:
             shard.finish_gather()
         self._gathering = False
 
     def reload_model_params(self) -> None:
         """Re-read the models' parameters now (:meth:`step` also does it when it sees them changed)."""
         self._wait_gather()
-        for shard in self._shards:
+        for shard in self.shards:
             shard.reload()
 
     # ------------------------------------------------------------ state dicts

@@ -43,9 +43,9 @@ class DistributedOptimizer(Protocol):
     models: list[DistributedDataParallel]
     optimizer: torch.optim.Optimizer
     param_groups: list[dict[str, Any]]
-    _shards: list[ParamShard]
-    _inner_at: Sequence[tuple[torch.nn.Parameter, int, int]]
-    _dp_group: dist.ProcessGroup
+    shards: list[ParamShard]
+    inner_at: Sequence[tuple[torch.nn.Parameter, int, int]]
+    dp_group: dist.ProcessGroup
 
     def _start_gather(self) -> None: ...
 
@@ -55,15 +55,15 @@ class DistributedOptimizer(Protocol):
 def local_state(opt: DistributedOptimizer) -> dict[str, Any]:
     """The inner optimizer's state over this rank's slices, and the fp32 masters of bf16/fp16 models."""
     return {"inner": opt.optimizer.state_dict(),
-            "masters": [m for shard in opt._shards if shard.copy_params for m in shard.main]}
+            "masters": [m for shard in opt.shards if shard.copy_params for m in shard.main]}
 
 
 @torch.no_grad()
 def load_local_state(opt: DistributedOptimizer, state: dict[str, Any]) -> None:
     """Undo :func:`local_state` on the same rank of another replica, after the model weights were loaded."""
-    for shard in opt._shards:
+    for shard in opt.shards:
         shard.reload()
-    masters = [m for shard in opt._shards if shard.copy_params for m in shard.main]
+    masters = [m for shard in opt.shards if shard.copy_params for m in shard.main]
     if len(masters) != len(state["masters"]) or any(a.shape != b.shape for a, b in zip(masters, state["masters"])):
         raise ValueError("the local optimizer state comes from a rank with another layout of its shards; "
                          "every replica must run the same mesh, model and precision")
@@ -94,7 +94,7 @@ def _state_keys(opt: DistributedOptimizer) -> tuple[dict[str, torch.dtype], list
     element: dict[str, str] = {}
     scalar: set[str] = set()
     problems: list[str] = []  # raised after the exchange, on every rank, so none is left waiting
-    for inner, _, _ in opt._inner_at:
+    for inner, _, _ in opt.inner_at:
         for key, value in opt.optimizer.state.get(inner, {}).items():
             if torch.is_tensor(value) and value.ndim == 1 and value.numel() == inner.numel():
                 element[key] = str(value.dtype).removeprefix("torch.")
@@ -105,9 +105,9 @@ def _state_keys(opt: DistributedOptimizer) -> tuple[dict[str, torch.dtype], list
                     f"optimizer state {key!r} of {type(opt.optimizer).__name__} is a {type(value).__name__} of another "
                     "shape; only per-element tensors and 0-dim tensors can be stated per parameter"
                 )
-    if dist.get_world_size(opt._dp_group) > 1:
-        gathered: list[Any] = [None] * dist.get_world_size(opt._dp_group)
-        dist.all_gather_object(gathered, (element, sorted(scalar), problems[:1]), group=opt._dp_group)
+    if dist.get_world_size(opt.dp_group) > 1:
+        gathered: list[Any] = [None] * dist.get_world_size(opt.dp_group)
+        dist.all_gather_object(gathered, (element, sorted(scalar), problems[:1]), group=opt.dp_group)
         for e, s, p in gathered:
             element.update(e)
             scalar.update(s)
@@ -123,12 +123,12 @@ def gather_state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
     index = _group_index(opt)
     element_keys, scalar_keys = _state_keys(opt)
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for si, shard in enumerate(opt._shards):  # each over its own group (the DP group, or the EDP group for experts)
+    for si, shard in enumerate(opt.shards):  # each over its own group (the DP group, or the EDP group for experts)
         group = shard.group
         column = {id(p): c for c, p in enumerate(shard.params)}
         # scalars (Adam's step): [key, parameter], -inf where a rank has none; the max over the group wins
         table = torch.full((len(scalar_keys), len(shard.params)), -float("inf"), dtype=torch.float64)
-        for inner, s, pos in opt._inner_at:
+        for inner, s, pos in opt.inner_at:
             if s != si:
                 continue
             inner_state = opt.optimizer.state.get(inner, {})
@@ -142,7 +142,7 @@ def gather_state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
         numel = shard.grad_buffer.layout.numel
         device = shard.param_data.device
         full = {key: torch.zeros(numel, dtype=dtype, device=device) for key, dtype in element_keys.items()}
-        for inner, s, pos in opt._inner_at:
+        for inner, s, pos in opt.inner_at:
             if s == si:
                 for key, value in opt.optimizer.state.get(inner, {}).items():
                     if key in full:
@@ -207,7 +207,7 @@ def scatter_state_dict(opt: DistributedOptimizer, state_dict: dict[str, Any]) ->
                 by_param[id(p)] = saved_state[pid]
     inner_state: dict[int, dict[str, torch.Tensor]] = {}
     masters_loaded = False
-    for si, shard in enumerate(opt._shards):
+    for si, shard in enumerate(opt.shards):
         ranges = shard.grad_buffer.layout.param_ranges
         device = shard.param_data.device
         with_state = [(i, p) for i, p in enumerate(shard.params) if id(p) in by_param]
@@ -218,7 +218,7 @@ def scatter_state_dict(opt: DistributedOptimizer, state_dict: dict[str, Any]) ->
             for i, p in with_state:
                 if key in by_param[id(p)]:
                     flat[ranges[i][0] : ranges[i][1]] = _local_values(p, by_param[id(p)][key], f"state {key!r} of {names[id(p)]!r}")
-        for inner, s, pos in opt._inner_at:
+        for inner, s, pos in opt.inner_at:
             owners = [shard.params[i] for i in _overlapping(ranges, pos, pos + inner.numel()) if id(shard.params[i]) in by_param]
             if s != si or not owners:
                 continue
