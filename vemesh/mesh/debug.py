@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from vemesh.hangs import record
+from vemesh.hangs.watch import HANGS
 
 _logger = logging.getLogger("vemesh")
 
@@ -40,7 +41,7 @@ class MeshDebug:
         """
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"mark_step takes the step as an int; got {step!r}")
-        record.mark_step(step)
+        HANGS.mark_step(step)
 
     def _log_layout(self) -> None:
         from vemesh.layout.describe import check_layout
@@ -62,7 +63,7 @@ class MeshDebug:
         if directory is None or dist.get_backend() == "fake":
             return
         timeout = self._timeout.total_seconds() if self._timeout is not None else dist.default_pg_timeout.total_seconds()
-        record.start(directory, timeout, self.hang_description)
+        HANGS.start(directory, timeout, self.hang_description)
         if not record.recorder_json(entries=False).get("pg_status"):
             raise RuntimeError(
                 f"{record.ENV_DIR}={directory}: torch's Flight Recorder recorded none of the start-up's collectives, "

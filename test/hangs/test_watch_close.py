@@ -1,0 +1,39 @@
+"""The hang watch is one object: what ``start`` takes (a thread, hooks, SIGTERM's wakeup fd, a file) ``close`` gives back.
+
+One process, a one-rank gloo group on an in-memory store: no other rank, nothing to hang on.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import torch.distributed as dist
+
+from vemesh.hangs.watch import Hangs
+
+
+def test_close_gives_back_every_hook_thread_and_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        before = (sys.excepthook, threading.excepthook, signal.getsignal(signal.SIGTERM), signal.set_wakeup_fd(-1))
+        signal.set_wakeup_fd(before[3])
+        hangs = Hangs()
+        hangs.mark_step(7)
+        watch = hangs.start(tmp_path, 60.0, lambda: {"mesh": "one rank"})
+        assert watch._thread.is_alive() and sys.excepthook is not before[0]
+        assert (tmp_path / "rank-0.fatal.txt").exists()
+        assert [s for _, s in hangs.steps] == [7]
+        path = hangs.dump()
+        assert path == tmp_path / "rank-0.json" and '"steps": [[' in path.read_text()
+        hangs.close()
+        after = (sys.excepthook, threading.excepthook, signal.getsignal(signal.SIGTERM), signal.set_wakeup_fd(-1))
+        signal.set_wakeup_fd(after[3])
+        assert after == before and watch.closed and not watch._thread.is_alive()
+        assert not (tmp_path / "rank-0.fatal.txt").exists()  # faulthandler wrote nothing: the empty file is gone
+        assert hangs.watch is None and hangs.dump() is None
+        hangs.close()  # twice is fine
+    finally:
+        dist.destroy_process_group()

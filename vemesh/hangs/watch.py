@@ -1,0 +1,286 @@
+"""The hang watch: a per-rank watchdog on torch's Flight Recorder, and every rank's dump on a hang.
+
+:class:`HangWatch` is one rank's watchdog (its thread, files, store keys and hooks, each undone by ``close()``).
+:class:`Hangs` owns the process's watch and step marks; :data:`HANGS` is the process's instance, which
+``init_device_mesh(hang_dir=...)`` (or ``VEMESH_HANG_DIR``) starts and ``VESCALE_DEVICE_MESH.mark_step`` feeds.
+The watch holds a reference to what describes the mesh; the mesh holds nothing of the watch. What the watch
+reads of the process is :mod:`vemesh.hangs.record`; ranks reach each other through the job's store only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import faulthandler
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from vemesh.hangs.diagnose import diagnose, load
+from vemesh.hangs.record import ENV_DIR, EXIT_CODE, hang_after, prepare, recorder_json, stacks
+
+__all__ = ["HANGS", "HangWatch", "Hangs"]
+
+_POLL_S = 0.5
+_PREFIX = "vemesh_hang/"
+
+
+class HangWatch:
+    """One rank's watchdog: it owns its thread, its files (the fatal-error file, the dump), its store keys and the
+    hooks it installs (``sys.excepthook``, ``threading.excepthook``, SIGTERM's wakeup fd); :meth:`close` undoes each.
+    ``describe()`` gives the mesh part of the dump (no collective in it)."""
+
+    def __init__(self, directory: str | os.PathLike, after_s: float, describe: Callable[[], dict[str, Any]],
+                 store: Any, rank: int, world_size: int, number: int, steps: Sequence[tuple[int, int]]) -> None:
+        self.directory, self.after_s, self.describe = Path(directory), after_s, describe
+        self.store, self.rank, self.world_size, self.steps = store, rank, world_size, steps
+        # the store's keys of this watch: a torchrun restart after a hang, or a second init_device_mesh, starts
+        # clean (every rank starts its watches in the same order, ``number``: init_device_mesh is called by all)
+        self.keys = f"{_PREFIX}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{number}/"
+        # one id for this job's dumps, the same on every rank: a directory reused across runs keeps them apart
+        self.run_id = store.compare_set(self.keys + "run", "", uuid.uuid4().hex).decode()
+        self._pending: dict[str, tuple[int, float]] = {}  # pg id -> (first pending seq, when first seen)
+        self._stop, self._ending = threading.Event(), threading.Lock()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for old in (self.directory / f"rank-{rank}.json", self.directory / f"rank-{rank}.fatal.txt"):
+            old.unlink(missing_ok=True)  # an earlier run's, in a reused directory
+        self._fatal = open(self.directory / f"rank-{rank}.fatal.txt", "w")
+        faulthandler.enable(self._fatal, all_threads=True)
+        self._signals = self._catch_sigterm()
+        self._hooks = (sys.excepthook, threading.excepthook)
+        sys.excepthook = self._on_exception
+        threading.excepthook = lambda args: self._on_exception(args.exc_type, args.exc_value, args.exc_traceback, args)
+        self._thread = threading.Thread(target=self._run, name="vemesh-hang-watch", daemon=True)
+        self._thread.start()
+
+    def _catch_sigterm(self) -> socket.socket | None:
+        """Let this thread see SIGTERM even while the main thread blocks in a collective (torchrun sends it to
+        every rank when one dies): a wakeup fd, and a Python handler if there was none (exit as the default would)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        self._own_term = signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        if signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False) != -1:  # someone else's (asyncio): theirs
+            signal.set_wakeup_fd(-1)
+            return None
+        if self._own_term:
+            self._term_handler = lambda *_: None  # this thread exits the process for it, while the handler is ours
+            signal.signal(signal.SIGTERM, self._term_handler)
+        self._wakeup = writer
+        return reader
+
+    def _on_exception(self, kind: type, value: BaseException, tb: Any, thread_args: Any = None) -> None:
+        """A rank whose script raised (a peer died mid-collective, ...): every rank dumps, then the report."""
+        hook = self._hooks[1] if thread_args is not None else self._hooks[0]
+        if kind is KeyboardInterrupt or self._stop.is_set() or (thread_args is not None and thread_args.thread is self._thread):
+            return hook(thread_args) if thread_args is not None else hook(kind, value, tb)
+        self.exception = "".join(traceback.format_exception(kind, value, tb))
+        print(self.exception, file=sys.stderr, flush=True)
+        first = str(value).strip().splitlines()[0] if str(value).strip() else ""
+        self._end(reporter=self._claim(f"rank {self.rank} raised {kind.__name__}: {first[:300]}"))
+
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
+    def close(self) -> None:
+        """Stop the thread and give back every hook, signal and file this watch took (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2 * _POLL_S)
+        sys.excepthook, threading.excepthook = self._hooks
+        if self._signals is not None and threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)
+            if self._own_term and signal.getsignal(signal.SIGTERM) is self._term_handler:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._signals.close()
+            self._wakeup.close()
+        faulthandler.disable()
+        self._fatal.close()
+        self.drop_empty_fatal()
+
+    # ------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            terminated = False
+            if self._signals is not None:
+                if select.select([self._signals], [], [], _POLL_S)[0]:
+                    terminated = signal.SIGTERM in self._signals.recv(64)
+            else:
+                time.sleep(_POLL_S)
+            try:
+                if self.store.check([self.keys + "fired"]):
+                    self._end(reporter=False)
+                if terminated and self._own_term and signal.getsignal(signal.SIGTERM) is self._term_handler:
+                    sys.stderr.flush()
+                    os._exit(128 + signal.SIGTERM)
+                late = self._late()
+                if late is not None and self._claim(late):
+                    self._end(reporter=True)
+            except Exception as e:  # the store went away (the job is ending): nothing left to watch
+                if self._stop.is_set():
+                    return
+                print(f"vemesh hang watch, rank {self.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+                return
+
+    def _late(self) -> str | None:
+        """A collective this rank has waited on for ``after_s``, said in the recorder's terms, or None."""
+        now = time.monotonic()
+        status = recorder_json(entries=False).get("pg_status", {})
+        for pg, st in status.items():
+            done, queued = int(st.get("last_completed_collective", -1)), int(st.get("last_enqueued_collective", -1))
+            if queued <= done:
+                self._pending.pop(pg, None)
+                continue
+            seq, since = self._pending.get(pg, (done + 1, now))
+            if seq != done + 1:
+                seq, since = done + 1, now
+            self._pending[pg] = (seq, since)
+            if now - since >= self.after_s:
+                return f"rank {self.rank} waited {now - since:.0f} s on collective #{seq} of process group {pg}"
+        return None
+
+    def _claim(self, reason: str) -> bool:
+        """Whether this rank is the first to report (the store's compare-and-set decides)."""
+        mine = f"{self.rank}|{reason}"
+        return self.store.compare_set(self.keys + "fired", "", mine).decode() == mine
+
+    def _end(self, reporter: bool) -> None:
+        """Dump, then (the reporter) wait for every dump and print the diagnosis; every rank exits."""
+        if not self._ending.acquire(blocking=False):  # the other thread is ending the process already
+            while True:
+                time.sleep(60)
+        self.dump()
+        self.store.set(self.keys + f"dumped/{self.rank}", "1")
+        if reporter:
+            end = time.monotonic() + 15  # a rank gloo aborted never dumps: its fatal-error file says so
+            while time.monotonic() < end and not all(
+                self.store.check([self.keys + f"dumped/{r}"]) or self._died(r) for r in range(self.world_size)
+            ):
+                time.sleep(0.2)
+            try:
+                text = diagnose(load(self.directory)).text()
+            except Exception as e:  # the report must not hide the hang
+                text = f"vemesh: could not diagnose {self.directory}: {type(e).__name__}: {e}"
+            fired = self.store.get(self.keys + "fired").decode().partition("|")[2]
+            what = fired if " raised " in fired else "a hang was found"
+            print(f"\nvemesh: {what}; every rank wrote its dump to {self.directory}\n{text}\n"
+                  f"(again: vemesh diagnose {self.directory})", file=sys.stderr, flush=True)
+            self.store.set(self.keys + "reported", "1")
+        else:
+            end = time.monotonic() + 30
+            while time.monotonic() < end and not self.store.check([self.keys + "reported"]):
+                time.sleep(0.2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._fatal.close()
+        self.drop_empty_fatal()
+        os._exit(EXIT_CODE)
+
+    def drop_empty_fatal(self) -> None:
+        """Remove this rank's fatal-error file if faulthandler wrote nothing to it (the rank did not crash)."""
+        path = Path(self._fatal.name)
+        if path.exists() and path.stat().st_size == 0:
+            path.unlink()
+
+    def _died(self, rank: int) -> bool:
+        path = self.directory / f"rank-{rank}.fatal.txt"
+        return path.exists() and path.stat().st_size > 0
+
+    def dump(self) -> Path:
+        """Write this rank's dump (recorder, stacks, mesh, steps) and return its path."""
+        try:
+            fired = self.store.get(self.keys + "fired").decode() if self.store.check([self.keys + "fired"]) else ""
+        except Exception:  # at exit the store may be gone: a healthy run's dump
+            fired = ""
+        by, _, reason = fired.partition("|")
+        doc = {
+            "vemesh_hang_dump": 1, "run": self.run_id, "rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
+            "pid": os.getpid(), "time_ns": time.time_ns(), "after_s": self.after_s,
+            "fired_by": int(by) if by else None, "reason": reason,
+            "exception": getattr(self, "exception", ""), "mesh": self.describe(), "steps": list(self.steps), "stacks": stacks(), "flight_recorder": recorder_json(True),
+        }
+        path = self.directory / f"rank-{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
+        return path
+
+
+class Hangs:
+    """The process's hang watch and step marks (one instance, :data:`HANGS`; tests can build their own).
+
+    ``mark_step(n)`` keeps the latest 1024 ``(time_ns, step)``; ``start`` replaces the running watch with a new
+    one; ``dump`` writes this rank's dump of a healthy run (also at a normal interpreter exit); ``close`` stops
+    the watch and takes back the exit hook.
+    """
+
+    def __init__(self) -> None:
+        self.steps: collections.deque[tuple[int, int]] = collections.deque(maxlen=1024)
+        self.watch: HangWatch | None = None
+        self._started = 0  # watches started in this process: each has its own store keys
+        self._at_exit = False
+
+    def mark_step(self, step: int) -> None:
+        self.steps.append((time.time_ns(), step))
+
+    def start(self, directory: str | os.PathLike, timeout_s: float, describe: Callable[[], dict[str, Any]]) -> HangWatch:
+        """Start this process's watch (closing an older one): the recorder must be on and the store reachable."""
+        prepare()
+        if int(os.environ["TORCH_FR_BUFFER_SIZE"]) <= 0:
+            raise ValueError(f"{ENV_DIR} needs torch's Flight Recorder, but TORCH_FR_BUFFER_SIZE="
+                             f"{os.environ['TORCH_FR_BUFFER_SIZE']}; unset it or make it positive")
+        if self.watch is not None:
+            self.watch.close()
+        self._started += 1
+        store = dist.distributed_c10d._get_default_store()
+        self.watch = HangWatch(directory, hang_after(timeout_s), describe, store, dist.get_rank(), dist.get_world_size(),
+                               self._started, self.steps)
+        if not self._at_exit:
+            atexit.register(self._dump_at_exit)
+            self._at_exit = True
+        return self.watch
+
+    def _dump_at_exit(self) -> None:
+        if self.watch is not None and not self.watch.closed:
+            self.dump()
+
+    def dump(self) -> Path | None:
+        """Write this rank's dump now (a healthy run's, for ``vemesh diagnose --stragglers``); None when no watch runs.
+
+        The watch does it at a normal interpreter exit too; call it in scripts that end with ``os._exit``.
+        """
+        if self.watch is None:
+            return None
+        path = self.watch.dump()
+        self.watch.drop_empty_fatal()
+        return path
+
+    def close(self) -> None:
+        """Stop the watch (its thread, hooks and files) and take back the exit hook."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        if self._at_exit:
+            atexit.unregister(self._dump_at_exit)
+            self._at_exit = False
+
+
+#: The process's hang watch.
+HANGS = Hangs()
