@@ -25,7 +25,7 @@ if os.environ.get("VEMESH_HANG_DIR"):  # torch's Flight Recorder must be on befo
 def __getattr__(name: str) -> Any:
     # torch is imported on first use of the mesh, so `vemesh show` / `vemesh plan` start fast
     if name in ("VESCALE_DEVICE_MESH", "VeDeviceMesh"):
-        from vemesh.mesh import manager as mesh
+        from vemesh.mesh import manager as mesh  # torch on first use of the mesh: `vemesh show` and `vemesh plan` start fast
 
         return getattr(mesh, name)
     raise AttributeError(f"module 'vemesh' has no attribute {name!r}")

@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 from vemesh.cli.common import UsageError, shape
+from vemesh.hangs.diagnose import diagnose, load
+from vemesh.hangs.stragglers import stragglers, stragglers_text
 
 __all__ = ["add_diagnose"]
 
@@ -29,8 +31,6 @@ def add_diagnose(commands: Any) -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from vemesh.hangs.diagnose import diagnose, load
-    from vemesh.hangs.stragglers import stragglers, stragglers_text
 
     names = tuple(args.dim_names.split(",")) if args.dim_names else None
     try:

@@ -86,9 +86,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
     """``vemesh plan --model ...`` on one mesh: memory per rank class and bytes per dim."""
-    from vemesh.planning.api import model_document, verdict
-    from vemesh.planning.fit import predict
-    from vemesh.planning.fit_report import render_fit
+    from vemesh.planning.api import model_document, verdict  # torch only when a model is planned: `vemesh show` starts fast
+    from vemesh.planning.fit import predict  # torch only when a model is planned: `vemesh show` starts fast
+    from vemesh.planning.fit_report import render_fit  # torch only when a model is planned: `vemesh show` starts fast
 
     try:
         job = job_from_args(args)
@@ -117,8 +117,8 @@ def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
 
 def _search(args: argparse.Namespace) -> int:
     """``vemesh plan --model ... --device-memory ...`` without a shape: every mesh that fits, ranked."""
-    from vemesh.planning.fit import search
-    from vemesh.planning.fit_report import render_search, search_document
+    from vemesh.planning.fit import search  # torch only when a model is planned: `vemesh show` starts fast
+    from vemesh.planning.fit_report import render_search, search_document  # torch only when a model is planned: `vemesh show` starts fast
 
     if args.micro_batch_size is None:
         args.micro_batch_size = 1

@@ -32,7 +32,7 @@ def straggler_summary(mesh: Any = None, since_ns: int = 0) -> "str | None":
     torch's Flight Recorder must be on (``VEMESH_HANG_DIR``, or ``TORCH_FR_BUFFER_SIZE``, before the first collective).
     """
     from vemesh.hangs.gather import straggler_summary as gathered  # communicates: torch.distributed on first use
-    from vemesh.hangs.watch import HANGS
+    from vemesh.hangs.watch import HANGS  # torch.distributed on first use: `vemesh diagnose` starts fast
 
     if mesh is None:
         from vemesh import VESCALE_DEVICE_MESH as mesh  # the live mesh imports torch: on first use only

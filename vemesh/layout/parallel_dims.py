@@ -211,7 +211,7 @@ class ParallelDims:
         (``timeout=``, ``backend_override=``). Returns the mesh manager.
         """
         if mesh is None:
-            from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+            from vemesh.mesh import VESCALE_DEVICE_MESH as mesh  # the layout is pure: the live mesh (torch.distributed) only when build() runs
         mesh.init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims, **init_kwargs)
         for method, args in self.steps:
             getattr(mesh, method)(*args)

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from vemesh.hangs import record
 from vemesh.hangs.watch import HANGS
+from vemesh.layout.describe import describe_layout
+from vemesh.layout.describe import check_layout
 
 _logger = logging.getLogger("vemesh")
 
@@ -27,7 +29,6 @@ class MeshDebug:
         ``rank`` defaults to this rank. ``devices_per_host`` defaults to torchrun's
         ``LOCAL_WORLD_SIZE`` when set.
         """
-        from vemesh.layout.describe import describe_layout
 
         if devices_per_host is None and "LOCAL_WORLD_SIZE" in os.environ:
             devices_per_host = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -44,7 +45,6 @@ class MeshDebug:
         HANGS.mark_step(step)
 
     def _log_layout(self) -> None:
-        from vemesh.layout.describe import check_layout
 
         per_host = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
         _logger.info("%s", self.describe(devices_per_host=per_host))

@@ -28,6 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from vemesh.mesh.manager import VeDeviceMesh
+from vemesh.models.gpt import model as model_module
+from vemesh.models.gpt.parallelize import apply_tp
+from vemesh.parallel import ExpertParallel, context_parallel
+from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
+from vemesh.planning.routing import routing
 
 __all__ = ["ROLES", "Trace", "trace_stage"]
 
@@ -63,7 +69,6 @@ def _fake_world(tp: int, cp: int, ep: int = 1) -> Iterator[object | None]:
                            "call it before init_process_group (or in another process)")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from vemesh.mesh.manager import VeDeviceMesh
 
     dist.init_process_group("fake", rank=0, world_size=ep * tp * cp, store=FakeStore())
     try:
@@ -104,11 +109,6 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
            sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1, load_factor: float = 1.0) -> Trace:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from vemesh.models.gpt import model as model_module
-    from vemesh.models.gpt.parallelize import apply_tp
-    from vemesh.parallel import ExpertParallel, context_parallel
-    from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
-    from vemesh.planning.routing import routing
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")

@@ -25,11 +25,11 @@ def plan(model: Any, *, world_size: int, parallelize: Any = None, step: Any = No
          activation_checkpointing: bool = False, moe_load_factor: float = 1.0, device_memory: int | str | None = None,
          devices_per_host: int | None = None, rank_by: str | None = None, device_type: str = "cuda") -> dict[str, Any]:
     """The prediction for one mesh, or the ranked search, as the dict ``vemesh plan --json`` prints."""
-    from vemesh.planning.estimate import parse_size
-    from vemesh.planning.fit import Job, predict, search
-    from vemesh.planning.fit_report import search_document
-    from vemesh.planning.mesh_plan import plan_mesh
-    from vemesh.planning.routing import check_load_factor
+    from vemesh.planning.estimate import parse_size  # torch only when a model is planned: `import vemesh.planning` (the CLI) starts fast
+    from vemesh.planning.fit import Job, predict, search  # torch only when a model is planned: `import vemesh.planning` (the CLI) starts fast
+    from vemesh.planning.fit_report import search_document  # torch only when a model is planned: `import vemesh.planning` (the CLI) starts fast
+    from vemesh.planning.mesh_plan import plan_mesh  # torch only when a model is planned: `import vemesh.planning` (the CLI) starts fast
+    from vemesh.planning.routing import check_load_factor  # torch only when a model is planned: `import vemesh.planning` (the CLI) starts fast
 
     if isinstance(device_memory, str):
         device_memory = parse_size(device_memory, "device_memory")
@@ -60,7 +60,7 @@ def verdict(fit: Any, device_memory: int | None) -> str | None:
 
 def model_document(job: Any, mesh: Any, fit: Any, device_memory: int | None) -> dict[str, Any]:
     """The JSON of one mesh's prediction, with the mesh's lines to paste and the verdict."""
-    from vemesh.planning.fit_report import fit_document
+    from vemesh.planning.fit_report import fit_document  # torch only when a model is planned: `import vemesh.planning` (the CLI) starts fast
 
     doc = fit_document(job, fit)
     doc.update({"world_size": mesh.world_size, "init_device_mesh": mesh.init_call(), "flatten": mesh.flatten_calls()})

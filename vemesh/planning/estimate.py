@@ -48,6 +48,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from vemesh.models.gpt import model as model_module
+from vemesh.models.gpt.parallelize import gpt_tp_plan
+from vemesh.models.gpt.stages import split_layers
 
 __all__ = ["GPT_FIELDS", "Model", "ParamShard", "RankMemory", "build_model", "load_model", "parse_size", "param_shards",
            "rank_static", "stage_keys", "static_memory"]
@@ -139,7 +142,6 @@ def build_model(spec: str) -> tuple[nn.Module, str]:
     kind, _, body = str(spec).partition(":")
     if kind == "gpt":
         fields = _gpt_config(body)
-        from vemesh.models.gpt import model as model_module
         config = {"vocab_size": 256, "block_size": 1024, "dropout": 0.0}
         config.update({GPT_FIELDS[k]: v for k, v in fields.items()})
         try:
@@ -179,7 +181,6 @@ def _tp_rules(model: nn.Module, kind: str) -> dict[str, int | None]:
     """Parameter name -> the dim TP shards, from the example's plan read with torch's rules."""
     if kind != "gpt":
         return {}
-    from vemesh.models.gpt.parallelize import gpt_tp_plan
 
     plan = gpt_tp_plan(model.h.keys())  # the experts stay whole under TP (EP spreads them)
     modules = dict(model.named_modules())
@@ -280,7 +281,6 @@ def stage_keys(model: Model, n_stages: int) -> list[set[str]]:
         return [{"first", "last", *[f"block:{i}" for i in range(model.n_layer)]}]
     if model.kind != "gpt":
         raise ValueError("PP > 1 needs the GPT example's stage cut (--model gpt:...); a module factory has no stages")
-    from vemesh.models.gpt.stages import split_layers
 
     layers = split_layers(model.n_layer, n_stages)
     keys = [{f"block:{i}" for i in blocks} for blocks in layers]

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.parallel import ParallelDims
 
 __all__ = ["Held", "fake_world", "real_mesh_tensors", "to_bf16"]
 
@@ -26,8 +28,6 @@ def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int) -> I
     """Rank 0 of a fake world, ``VESCALE_DEVICE_MESH`` built for the degrees by ParallelDims; undone after."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
-    from vemesh.parallel import ParallelDims
 
     if dist.is_initialized():
         raise RuntimeError("the planner runs your functions on torch's fake backend, in a world of its own; call it "

@@ -23,12 +23,16 @@ example (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim/test_fit.py``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vemesh.layout.parallel_dims import ParallelDims
-from vemesh.planning.estimate import Model, RankMemory, _fsdp_local, _local, check_degrees, load_model, rank_static, \
+from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.estimate import Model, _fsdp_local, _local, check_degrees, load_model, rank_static, \
     stage_keys
+from vemesh.models.gpt import stages as pipeline
+from vemesh.planning.user_model import UserFunctions, predict_user
+from vemesh.planning.activations import trace_stage
 
 __all__ = ["MODELED_SCHEDULES", "Job", "MeshFit", "RankClass", "predict", "search"]
 
@@ -71,44 +75,6 @@ class Job:
         return f"{getattr(self.model, '__module__', '?')}:{getattr(self.model, '__qualname__', repr(self.model))}"
 
 
-@dataclass(frozen=True)
-class RankClass:
-    """The prediction for the ranks of one class (one PP rank; every rank without PP)."""
-
-    name: str
-    static: RankMemory
-    activations: int  #: in-flight activations and the largest temporaries of a step
-    extra: int  #: buffers: FSDP2's unsharded units in use; a pipeline stage's receive buffers
-    sent: dict[str, int]  #: bytes per step by mesh name
-
-    @property
-    def peak(self) -> int:
-        return self.static.total + self.activations + self.extra
-
-
-@dataclass(frozen=True)
-class MeshFit:
-    """One mesh's prediction and, for a search, whether it fits and what it costs."""
-
-    degrees: dict[str, int]
-    classes: list[RankClass]
-    micro_batches: int
-    micro_batch_size: int
-    reason: str | None = None  #: why it does not fit (None: it fits, or no device memory was given)
-    slow_bytes: int = 0  #: bytes per step over links between hosts, the worst rank's
-    slow_dims: tuple[str, ...] = field(default=())
-    traced: bool = True  #: False for a module factory: static memory only, no activations
-    notes: tuple[str, ...] = ()  #: assumptions the figures rest on, printed with them
-    dp_mode: str = ""  #: the data parallelism planned (for the user's functions: what they applied)
-
-    @property
-    def peak(self) -> int:
-        return max(c.peak for c in self.classes)
-
-    def shape(self) -> str:
-        return " x ".join(f"{n}={d}" for n, d in self.degrees.items() if d > 1 or n == "DP")
-
-
 def _role(stage: int, n_stages: int) -> str:
     if n_stages == 1:
         return "whole"
@@ -136,7 +102,6 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     Raises ``ValueError`` (one line, naming the value) for what the job or the mesh cannot be.
     """
     if job.user:
-        from vemesh.planning.user_model import UserFunctions, predict_user
 
         if job.dp_mode is not None and job.dp_mode not in ("ddp", "zero1", "fsdp"):
             raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {job.dp_mode!r}")
@@ -160,7 +125,6 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                                  "moe_every=1")
     if job.pp_schedule not in MODELED_SCHEDULES:
         raise ValueError(f"--pp-schedule {job.pp_schedule!r} is not modeled; choose {', '.join(MODELED_SCHEDULES)}")
-    from vemesh.models.gpt import stages as pipeline
     local_stages = pipeline.stages_per_rank(job.pp_schedule) if pp > 1 else 1
     n_stages = pp * local_stages
     if n_stages > model.n_layer:
@@ -241,7 +205,6 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
 
 
 def _stage_trace(model: Model, blocks: int, role: str, mbs: int, tp: int, cp: int, job: Job, ep: int = 1) -> Any:
-    from vemesh.planning.activations import trace_stage
 
     return trace_stage(model.config, blocks=blocks, role=role, micro_batch=mbs, tp=tp, cp=cp,
                        sequence_parallel=job.sequence_parallel and tp > 1, dtype=job.dtype,

@@ -175,13 +175,12 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
 
 def job_from_args(args: argparse.Namespace) -> Job:
     """The :class:`~vemesh.planning.fit.Job` of the flags; ``args.device_memory`` becomes bytes. ``ValueError`` names a bad value."""
-    from vemesh.planning.estimate import parse_size
-    from vemesh.planning.fit import Job
+    from vemesh.planning.estimate import parse_size  # torch only when a model is planned: `vemesh show` starts fast
+    from vemesh.planning.fit import Job  # torch only when a model is planned: `vemesh show` starts fast
+    from vemesh.planning.routing import check_load_factor  # torch only when a model is planned: `vemesh show` starts fast
 
     if args.device_memory is not None and not isinstance(args.device_memory, int):
         args.device_memory = parse_size(args.device_memory, "--device-memory")
-    from vemesh.planning.routing import check_load_factor
-
     if (args.parallelize or args.step) and not str(args.model).startswith("module:"):
         raise ValueError(f"--parallelize and --step trace your own model, given as --model module:MODULE:FACTORY; "
                          f"got --model {args.model} (the GPT preset is parallelized by vemesh.models.gpt)")

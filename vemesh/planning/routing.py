@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import vemesh.parallel.experts.exchange as exchange
+import vemesh.parallel.experts.style as style
 
 __all__ = ["check_load_factor", "routing", "spread"]
 
@@ -48,8 +50,6 @@ def routing(load_factor: float = 1.0) -> Iterator[dict[str, bool]]:
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    import vemesh.parallel.experts.exchange as exchange
-    import vemesh.parallel.experts.style as style
 
     factor = check_load_factor(load_factor)
     real_bincount, real_dispatch = torch.bincount, style.dispatch

@@ -38,6 +38,15 @@ import torch.distributed as dist
 from torch import nn
 
 from vemesh.layout.data_dims import data_dims
+from vemesh.planning.estimate import load_object
+from vemesh.parallel.ddp import DistributedDataParallel
+from vemesh.optim import DistributedOptimizer
+from vemesh.planning.fake_world import Held, fake_world, real_mesh_tensors, to_bf16
+from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
+from vemesh.planning.routing import routing
+from vemesh.parallel import fully_shard
+from vemesh.planning.estimate import RankMemory
+from vemesh.planning.results import MeshFit, RankClass
 
 __all__ = ["Counted", "UserFunctions", "repeated_blocks", "resolve", "trace_user"]
 
@@ -48,7 +57,6 @@ def resolve(ref: Any, flag: str) -> tuple[Callable[..., Any], str]:
     """A callable and its name from ``ref``: a callable, or ``MODULE:FUNCTION`` (``module:`` first for ``--model``)."""
     if callable(ref):
         return ref, f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
-    from vemesh.planning.estimate import load_object
 
     text = str(ref)
     body = text.removeprefix("module:") if flag == "--model" else text
@@ -161,7 +169,6 @@ def _data_parallel(model: nn.Module, given: str | None, name: str, mesh: Any) ->
     """The dp mode the function's wrappers mean, checked against ``--dp-mode``; and the vemesh DDP module, if any."""
     from torch.distributed.fsdp import FSDPModule
 
-    from vemesh.parallel.ddp import DistributedDataParallel
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not isinstance(model, DistributedDataParallel):
         raise ValueError(f"--parallelize {name} wrapped torch's DistributedDataParallel; the planner counts vemesh's "
@@ -191,7 +198,6 @@ def _data_parallel(model: nn.Module, given: str | None, name: str, mesh: Any) ->
 
 def _optimizer(model: nn.Module, mode: str, ddp: Any) -> torch.optim.Optimizer:
     if mode == "zero1":
-        from vemesh.optim import DistributedOptimizer
 
         return DistributedOptimizer(torch.optim.AdamW, models=[ddp])
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
@@ -232,9 +238,6 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vemesh.planning.fake_world import Held, fake_world, real_mesh_tensors, to_bf16
-    from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
-    from vemesh.planning.routing import routing
 
     tracker, counter = _Tracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
@@ -289,13 +292,11 @@ def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, in
     if not data_dims(mesh.layout).batch:
         return model
     if dp_mode == "fsdp":  # as torchtitan applies it: each block, then the root
-        from vemesh.parallel import fully_shard
 
         found = repeated_blocks(model)
         for block in (model.get_submodule(found[0]).children() if found else ()):
             fully_shard(block)
         return fully_shard(model)
-    from vemesh.parallel.ddp import DistributedDataParallel
 
     return DistributedDataParallel(model)
 
@@ -313,8 +314,6 @@ def predict_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int]
                  global_batch_size: int, micro_batch_size: int | None, dtype: str, dp_mode: str | None,
                  load_factor: float) -> Any:
     """The :class:`~vemesh.planning.fit.MeshFit` of the user's functions on one mesh (PP is not planned here)."""
-    from vemesh.planning.estimate import RankMemory
-    from vemesh.planning.fit import MeshFit, RankClass
 
     if degrees["PP"] > 1:
         raise ValueError("PP > 1 is planned for the GPT preset (--model gpt:...), whose stage cut the planner knows; "

@@ -1,9 +1,8 @@
 """Data parallelism over one mesh dim, with a contiguous gradient buffer, behaving like torch DDP.
 
 On a ``(DP, TP) = (2, 2)`` mesh over ranks ``[[0, 1], [2, 3]]``, rank 0 and rank 2 hold the same TP
-shard of each weight and average their shard gradients with each other; rank 1 and rank 3 do the same
-for the other shard. The contract is torch DDP's (see :class:`DistributedDataParallel`); what is
-stricter: a group that would mix shards or leave out data ranks raises (:mod:`vemesh.parallel.ddp.groups`).
+shard of each weight and average their shard gradients; rank 1 and rank 3 do the same for the other. The contract
+is torch DDP's; stricter: a group that mixes shards or leaves out data ranks raises (:mod:`vemesh.parallel.ddp.groups`).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from vemesh.parallel.context.api import sharded_buffers
 from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_tensor, make_buffers
 from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over, resolve_group
-from vemesh.parallel.ddp.support import (PipelineReducer, broadcast_from_first, check_bucket_size, check_experts, check_params_kept,
+from vemesh.parallel.ddp.support import (PipelineReducer, step_guard, broadcast_from_first, check_bucket_size, check_experts, check_params_kept,
                       check_placement, like, release_params, weak_method, weak_param_hook)
 
 __all__ = ["DistributedDataParallel"]
@@ -138,15 +137,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.require_backward_grad_sync = True
         self.reducer = PipelineReducer()
         self._params = params
-        self._param_names = names
+        #: The parameters whose gradients this wrapper averages, in its buffers' order (read by ZeRO-1 and clipping).
+        self.averaged_parameters = tuple(params)
+        self._param_names = self.parameter_names = names  #: ``id(p)`` -> the parameter's name in the module
         self._module_params = list(module.parameters())  # to notice parameters replaced after wrapping
         self._in_backward = False
         self._sync_this_pass = True
         self._arrived: set[int] = set()
-        self._unsynced = False
+        self.holds_unsynced_grads = False  #: gradients accumulated under no_sync() were never averaged
         #: The expert-data-parallel group (None without expert parameters), and the experts' ids.
         self.expert_data_parallel_group = expert_group
         self._experts = experts
+        self.expert_parameter_ids = experts  #: the ``id()`` of every expert parameter (averaged over EDP instead)
         #: The fault-tolerant replica dim gradients are averaged across after DP (None: no such dim).
         self.replicas = replicas
 
@@ -181,47 +183,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 self._hooks.append(p.register_hook(weak_param_hook(p, weak_method(self._fold_grad))))
             self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
         # every torch optimizer asks this wrapper before it steps (the hook is removed with the wrapper)
-        self._hooks.append(register_optimizer_step_pre_hook(weak_method(self._refuse_step)))
+        self._hooks.append(register_optimizer_step_pre_hook(step_guard(self)))
         weakref.finalize(self, release_params, params, owner, self._hooks).atexit = False
-
-    @property
-    def averaged_parameters(self) -> list[nn.Parameter]:
-        """The parameters whose gradients this wrapper averages, in its buffers' order."""
-        return list(self._params)
-
-    @property
-    def expert_parameter_ids(self) -> frozenset[int]:
-        """The ``id()`` of every expert parameter, averaged over ``expert_data_parallel_group`` instead."""
-        return self._experts
-
-    def parameter_name(self, p: torch.Tensor) -> str:
-        """``p``'s name in the wrapped module."""
-        return self._param_names[id(p)]
-
-    def _refuse_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Optimizer step pre-hook: no torch optimizer steps on this wrapper's gradients that skipped the DP
-        average, or that were averaged across fault-tolerant replicas which did not vote to commit the step."""
-        if not self._unsynced and (self.replicas is None or getattr(optimizer, "_asks_replicas", False)):
-            return  # the common case (ZeRO-1 asks the replicas itself)
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mine = [p for p in self._params if id(p) in ids]
-        if not mine:
-            return
-        if self.replicas is not None and not getattr(optimizer, "_asks_replicas", False) and self.replicas.vote is not True:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() would apply gradients averaged across fault-tolerant replicas "
-                f"without their vote to commit ({'voted down' if self.replicas.vote is False else 'no vote yet'}): a "
-                "failed cross-replica reduce leaves a partial sum. Use vemesh.optim.DistributedOptimizer, or step only "
-                "when replicas.should_commit() returns True"
-            )
-        names = [self._param_names[id(p)] for p in mine if p.grad is not None]
-        if self._unsynced and names:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() would use gradients of {len(names)} parameters (e.g. "
-                f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
-                "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
-                "model.finish_grad_sync() before stepping"
-            )
 
     # ------------------------------------------------------------------ module
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -321,7 +284,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._sync_this_pass:
             self._sync()
         else:
-            self._unsynced = True
+            self.holds_unsynced_grads = True
             for buffer in self.grad_buffers:
                 buffer.reset()
 
@@ -352,7 +315,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         for p in self._params:
             self._expose(p)
         self._arrived = set()
-        self._unsynced = False
+        self.holds_unsynced_grads = False
 
     def _abandon_pass(self) -> None:
         for buffer in self.grad_buffers:
@@ -405,7 +368,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """
         if self._in_backward:
             raise RuntimeError("finish_grad_sync() was called during a backward pass; call it after backward returns")
-        if self._unsynced or force:
+        if self.holds_unsynced_grads or force:
             self._sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -423,7 +386,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     buffer.data.zero_()
                 for p in self._params:
                     self._expose(p)
-        self._unsynced = False
+        self.holds_unsynced_grads = False
 
     def zero_grad_buffer(self) -> None:
         """veScale's name for ``zero_grad(set_to_none=False)``: zero the buffer in place."""

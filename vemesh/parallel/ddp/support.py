@@ -16,6 +16,7 @@ from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
 from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.parallel.ddp.groups import resolve_group
 from vemesh.parallel.experts.style import is_expert
+from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 
 __all__ = ["check_bucket_size", "broadcast_from_first",
            "PipelineReducer", "like", "weak_method", "release_params", "check_experts", "check_params_kept",
@@ -63,6 +64,45 @@ def release_params(params: Sequence[torch.Tensor], owner: Any, hooks: Sequence[A
             for attr in ("main_grad", "_vemesh_ddp"):
                 if hasattr(p, attr):
                     delattr(p, attr)
+
+
+def step_guard(ddp: Any) -> Any:
+    """The optimizer step pre-hook a wrapper owns (:func:`refuse_unapplied_step`), holding the wrapper weakly."""
+    owner = weakref.ref(ddp)
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        wrapper = owner()
+        if wrapper is not None:
+            refuse_unapplied_step(wrapper, optimizer)
+
+    return hook
+
+
+def refuse_unapplied_step(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
+    """What a wrapper's optimizer step pre-hook checks: no torch optimizer steps on ``ddp``'s gradients that skipped
+    the DP average, or that were averaged across fault-tolerant replicas which did not vote to commit the step."""
+    asks = getattr(optimizer, "_asks_replicas", False)  # ZeRO-1 asks the replicas itself
+    if not ddp.holds_unsynced_grads and (ddp.replicas is None or asks):
+        return  # the common case
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    mine = [p for p in ddp.averaged_parameters if id(p) in ids]
+    if not mine:
+        return
+    if ddp.replicas is not None and not asks and ddp.replicas.vote is not True:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() would apply gradients averaged across fault-tolerant replicas "
+            f"without their vote to commit ({'voted down' if ddp.replicas.vote is False else 'no vote yet'}): a "
+            "failed cross-replica reduce leaves a partial sum. Use vemesh.optim.DistributedOptimizer, or step only "
+            "when replicas.should_commit() returns True"
+        )
+    names = [ddp.parameter_names[id(p)] for p in mine if p.grad is not None]
+    if ddp.holds_unsynced_grads and names:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() would use gradients of {len(names)} parameters (e.g. "
+            f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
+            "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
+            "model.finish_grad_sync() before stepping"
+        )
 
 
 def check_params_kept(module: torch.nn.Module, wrapped: list[torch.Tensor]) -> None:
@@ -165,7 +205,6 @@ def check_experts(
 
 def _mesh_edp() -> dist.ProcessGroup:
     """The live mesh's EDP group, for experts that ExpertParallel sharded; ``ValueError`` without one."""
-    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 
     if mesh.is_initialized() and mesh.layout.has("EDP"):
         return mesh.get_group("EDP")

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from vemesh.mesh.views import check_view
+from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.parallel.ddp.groups import _along
 
 __all__ = ["total_norm", "clip_grad_norm_"]
 
@@ -42,7 +44,6 @@ def pipeline_groups(groups: Sequence[dist.ProcessGroup] | None, argument: str = 
                 raise TypeError(f"{argument} must hold process groups (or 1-D DeviceMeshes); got {type(g).__name__}")
             out.append(g)
         return out
-    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 
     if mesh.is_initialized():
         pp = mesh.layout.standard_name("PP")
@@ -57,7 +58,6 @@ def pipeline_groups(groups: Sequence[dist.ProcessGroup] | None, argument: str = 
 
 def _check_groups(grads: list[torch.Tensor], groups: Sequence[dist.ProcessGroup], argument: str) -> None:
     """A group to sum over must not hold two ranks of one DTensor's mesh: torch's norm already covers those."""
-    from vemesh.parallel.ddp.groups import _along
 
     if not groups:
         return
@@ -220,7 +220,7 @@ def check_sum_groups(params: list[torch.Tensor], experts: set[int], groups: Sequ
             wrappers[id(owner)] = owner
             if id(p) in owner.expert_parameter_ids and id(p) not in experts and not isinstance(p, DTensor):
                 raise ValueError(
-                    f"parameter {owner.parameter_name(p)!r} is an expert of this EP rank only (its DDP averages it over "
+                    f"parameter {owner.parameter_names[id(p)]!r} is an expert of this EP rank only (its DDP averages it over "
                     "expert_data_parallel), but is not in expert_parameters: every rank would clip by a different norm. "
                     "Pass expert_parameters=[...its experts...] and expert_groups=[VESCALE_DEVICE_MESH.get_group('EP')]"
                 )

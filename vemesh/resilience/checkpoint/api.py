@@ -46,6 +46,7 @@ from vemesh.resilience.checkpoint.guards import all_ranks_here, check_finite, ch
 from vemesh.resilience.checkpoint.integrity import checksum_share
 from vemesh.resilience.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from vemesh.resilience.checkpoint.state import Entries, load_state, save_state
+from vemesh.mesh.manager import VESCALE_DEVICE_MESH
 
 __all__ = ["save", "load", "load_latest", "acquire_lock", "release_lock"]
 
@@ -316,7 +317,6 @@ def _no_dist() -> bool:
 
 
 def _mesh_description() -> dict[str, Any] | None:
-    from vemesh.mesh.manager import VESCALE_DEVICE_MESH
 
     if not VESCALE_DEVICE_MESH.is_initialized():
         return None
