@@ -38,6 +38,17 @@ def make_moe() -> nn.Module:
     return llama.make(**SMALL, moe_experts=4)
 
 
+def make_dense_trunc_normal() -> nn.Module:
+    """``make_dense`` initialised as pytorch/examples' Llama2 and torchtitan's models are: every Linear and Embedding
+    weight ``nn.init.trunc_normal_`` in the constructor (which samples until its values fit: on fake tensors it would
+    need them; on the meta device it is a no-op)."""
+    model = make_dense()
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.trunc_normal_(module.weight, mean=0.0, std=0.02, a=-0.06, b=0.06)
+    return model
+
+
 def make_70b() -> nn.Module:
     """Llama-3-70B's shape: 80 blocks of width 8192, 64 query and 8 KV heads, SwiGLU 28672, vocab 128256."""
     return llama.Llama(llama.LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,

@@ -186,3 +186,16 @@ def test_the_plan_is_within_ten_percent_of_a_real_run(tmp_path) -> None:
 
 # The 70B search over 1024 ranks (every TP tried; 8 KV heads refuse TP 16 and up; FSDP refuses DP 1) is the
 # console block of docs/planning.md, which test/docs runs and compares line by line; its time: bench/plan_accuracy.py.
+
+
+def test_a_model_initialised_with_trunc_normal_is_planned_like_the_same_model_without() -> None:
+    """The factory runs on the meta device, as torchtitan builds models: ``trunc_normal_`` in ``__init__`` (which needs
+    values on fake tensors) is a no-op there, and the plan is the plan of the same model without that init."""
+    sys.path.insert(0, str(REPO / "test" / "models"))
+    import llama_jobs
+
+    plans = [plan(factory, parallelize=llama_jobs.parallelize_fsdp, step=llama_jobs.step, world_size=4, tp=2,
+                  global_batch_size=4)
+             for factory in (llama_jobs.make_dense_trunc_normal, llama_jobs.make_dense)]
+    assert plans[0]["peak"] == plans[1]["peak"] > 0
+    assert plans[0]["classes"][0]["bytes_per_step"] == plans[1]["classes"][0]["bytes_per_step"]

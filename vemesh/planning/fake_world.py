@@ -2,6 +2,7 @@
 
 * :func:`fake_world`: torch's fake backend for the world size, ``VESCALE_DEVICE_MESH`` built by ParallelDims;
 * :func:`real_mesh_tensors`: torch's DeviceMesh computing with real tensors inside ``FakeTensorMode``;
+* :func:`give_storage`: a model built on the meta device given fake storage (``to_empty``);
 * :func:`to_bf16`: ``model.to(torch.bfloat16)`` for a model of fake tensors;
 * :class:`Held`: the bytes of a model's own weights and gradients at a moment (the peak), each storage once.
 """
@@ -20,14 +21,13 @@ from torch import nn
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel import ParallelDims
 
-__all__ = ["Held", "fake_world", "real_mesh_tensors", "to_bf16"]
+__all__ = ["Held", "fake_world", "give_storage", "real_mesh_tensors", "to_bf16"]
 
 
 @contextlib.contextmanager
 def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int) -> Iterator[Any]:
     """Rank 0 of a fake world, ``VESCALE_DEVICE_MESH`` built for the degrees by ParallelDims; undone after."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
 
     if dist.is_initialized():
         raise RuntimeError("the planner runs your functions on torch's fake backend, in a world of its own; call it "
@@ -79,16 +79,33 @@ def real_mesh_tensors() -> Iterator[None]:
             setattr(DeviceMesh, name, attr)
 
 
-def to_bf16(model: nn.Module) -> None:
-    """``model.to(torch.bfloat16)`` for fake tensors (which ``Module._apply`` cannot swap): floating parameters and
-    buffers replaced by bf16 copies."""
+def _replace(model: nn.Module, change: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """Each parameter and buffer ``t`` of ``model`` replaced by ``change(t)`` (None: kept), as ``Module._apply`` would
+    but for fake tensors, which it cannot swap. A tensor held twice (tied weights) is replaced once: still tied."""
+    done: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
-            if p is not None and p.is_floating_point():
-                module._parameters[name] = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+            if p is not None and id(p) not in done and (new := change(p)) is not None:
+                done[id(p)] = nn.Parameter(new, requires_grad=p.requires_grad)
+            if p is not None and id(p) in done:
+                module._parameters[name] = done[id(p)]  # type: ignore[assignment]
         for name, b in module._buffers.items():
-            if b is not None and b.is_floating_point():
-                module._buffers[name] = b.to(torch.bfloat16)
+            if b is not None and id(b) not in done and (new := change(b)) is not None:
+                done[id(b)] = new
+            if b is not None and id(b) in done:
+                module._buffers[name] = done[id(b)]
+
+
+def to_bf16(model: nn.Module) -> None:
+    """``model.to(torch.bfloat16)`` for fake tensors: floating parameters and buffers replaced by bf16 copies."""
+    _replace(model, lambda t: t.detach().to(torch.bfloat16) if t.is_floating_point() else None)
+
+
+def give_storage(model: nn.Module, device: str = "cpu") -> None:
+    """A model built on the meta device, as torchtitan builds one, given (fake) storage on ``device``: what
+    ``model.to_empty(device=device)`` does for real tensors. Its ``__init__`` ran on meta, so an initialisation
+    that samples until its values fit (``trunc_normal_``) was a no-op, as it is for torchtitan's meta init."""
+    _replace(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else None)
 
 
 class Held:

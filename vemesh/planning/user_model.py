@@ -5,7 +5,8 @@ answers with what the user's code does, not with a model of it:
 
 1. a world of the planned size on torch's fake backend, rank 0 of it, with ``VESCALE_DEVICE_MESH`` built by
    :class:`~vemesh.parallel.ParallelDims` for the planned degrees (every derived dim: ``dp_cp``, ``EDP``, ...);
-2. under torch's ``FakeTensorMode`` (shapes, no memory, no compute): ``FACTORY()``, then
+2. under torch's ``FakeTensorMode`` (shapes, no memory, no compute): ``FACTORY()`` on the meta device (as torchtitan
+   builds models: an ``init_weights`` with ``trunc_normal_`` is a no-op there), given fake storage, then
    ``FUNCTION(model, VESCALE_DEVICE_MESH)``, which applies whatever the user applies (``parallelize_module``,
    ``context_parallel`` in the step, ``ExpertParallel``, activation checkpointing, FSDP2 or vemesh DDP);
 3. the optimizer ``--dp-mode`` names on what the function returned (torch's AdamW, or vemesh's ZeRO-1
@@ -41,7 +42,7 @@ from vemesh.layout.data_dims import data_dims
 from vemesh.planning.estimate import load_object
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.optim import DistributedOptimizer
-from vemesh.planning.fake_world import Held, fake_world, real_mesh_tensors, to_bf16
+from vemesh.planning.fake_world import Held, fake_world, give_storage, real_mesh_tensors, to_bf16
 from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
 from vemesh.planning.routing import routing
 from vemesh.parallel import fully_shard
@@ -238,15 +239,16 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-
     tracker, counter = _Tracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
     with fake_world(world_size, degrees, dp_replicate) as mesh, FakeTensorMode(allow_non_fake_inputs=True), \
             real_mesh_tensors(), routing(load_factor) as routed, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
-        model = _call("--model", factory_name, fns.factory)
+        with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
+            model = _call("--model", factory_name, fns.factory)
         if not isinstance(model, nn.Module):
             raise ValueError(f"--model {factory_name} returned a {type(model).__name__}, not an nn.Module")
+        give_storage(model)  # then fake storage for the parallelize function and the step, as to_empty gives
         if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
             to_bf16(model)
         if blocks is not None:
