@@ -199,3 +199,9 @@ def test_a_model_initialised_with_trunc_normal_is_planned_like_the_same_model_wi
              for factory in (llama_jobs.make_dense_trunc_normal, llama_jobs.make_dense)]
     assert plans[0]["peak"] == plans[1]["peak"] > 0
     assert plans[0]["classes"][0]["bytes_per_step"] == plans[1]["classes"][0]["bytes_per_step"]
+    # the fake world is gone after the plan: no process group, and the global mesh uninitialized as it was
+    from torch import distributed as dist
+
+    from vemesh import VESCALE_DEVICE_MESH
+
+    assert not dist.is_initialized() and not VESCALE_DEVICE_MESH.is_initialized()
