@@ -32,7 +32,7 @@ from vemesh.mesh.manager import VeDeviceMesh
 from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import apply_tp
 from vemesh.parallel import ExpertParallel, context_parallel
-from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
+from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name
 from vemesh.planning.routing import routing
 
 __all__ = ["ROLES", "Trace", "trace_stage"]
@@ -128,7 +128,7 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
                 parallelize_module(moe.experts, mesh["EP"], ExpertParallel())
         if tp > 1:
             model = apply_tp(model, mesh["TP"], sequence_parallel=sequence_parallel)
-        tracker, counter = _Tracker(module_hooks=False), CollectiveBytes()  # no per-module statistics: faster
+        tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()  # no per-module statistics: faster
         tracker.track_weights(model)
         # with CP the step runs as the example's does, inside context_parallel (ring attention; this rank's
         # positions); the tokens are made at this rank's length, so only the position table is cut

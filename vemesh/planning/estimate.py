@@ -216,13 +216,13 @@ def param_shards(model: nn.Module, kind: str) -> list[ParamShard]:
     return out
 
 
-def _local(shape: tuple[int, ...], dim: int | None, n: int) -> int:
+def local_numel(shape: tuple[int, ...], dim: int | None, n: int) -> int:
     if dim is None or n == 1:
         return math.prod(shape)
     return math.prod(shape) // shape[dim] * -(-shape[dim] // n)
 
 
-def _fsdp_local(params: list[ParamShard], over: int, tp: int) -> int:
+def fsdp_local(params: list[ParamShard], over: int, tp: int) -> int:
     """Elements of FSDP2's local shards over ``over`` ranks: the TP shard, dim 0 padded to a multiple of ``over``."""
     total = 0
     for p in params:
@@ -297,16 +297,16 @@ def rank_static(model: Model, keys: set[str], name: str, *, dp: int, tp: int, ep
     mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
     dense = [p for p in mine if p.expert is None]
     expert = [p for p in mine if p.expert is not None]
-    n = sum(_local(p.shape, p.tp_dim, tp) for p in mine)
+    n = sum(local_numel(p.shape, p.tp_dim, tp) for p in mine)
     if dp_mode == "fsdp":
-        local = _fsdp_local(dense, dp, tp) + _fsdp_local(expert, dp // ep, tp)
+        local = fsdp_local(dense, dp, tp) + fsdp_local(expert, dp // ep, tp)
         return RankMemory(name, 4 * local, 4 * local, 8 * local, 0)
     dt = n if tp > 1 and model.kind == "gpt" else 0  # under TP every GPT parameter is a DTensor, copied by ZeRO-1
     grads = 4 * n + (2 * n if width == 2 else 0)
     if dp_mode == "ddp":
         return RankMemory(name, width * n, grads, 2 * width * n, 0)
-    owned = -(-sum(_local(p.shape, p.tp_dim, tp) for p in dense) // dp)
-    owned += -(-sum(_local(p.shape, p.tp_dim, tp) for p in expert) // (dp // ep)) if expert else 0
+    owned = -(-sum(local_numel(p.shape, p.tp_dim, tp) for p in dense) // dp)
+    owned += -(-sum(local_numel(p.shape, p.tp_dim, tp) for p in expert) // (dp // ep)) if expert else 0
     return RankMemory(name, width * (n + dt), grads, 8 * owned, 4 * owned if width == 2 else 0)
 
 

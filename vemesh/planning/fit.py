@@ -28,7 +28,7 @@ from typing import Any
 
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.planning.results import MeshFit, RankClass
-from vemesh.planning.estimate import Model, _fsdp_local, _local, check_degrees, load_model, rank_static, \
+from vemesh.planning.estimate import Model, fsdp_local, local_numel, check_degrees, load_model, rank_static, \
     stage_keys
 from vemesh.models.gpt import stages as pipeline
 from vemesh.planning.user_model import UserFunctions, predict_user
@@ -222,7 +222,7 @@ def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes
     mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
     if job.mode != "fsdp":
         def per_step(params: list[Any], over: int) -> int:
-            n = sum(_local(p.shape, p.tp_dim, tp) for p in params)
+            n = sum(local_numel(p.shape, p.tp_dim, tp) for p in params)
             gather = width * -(-n // over) * over if job.mode == "zero1" else 0
             return 4 * n + gather if over > 1 and n else 0
         dense = [p for p in mine if p.expert is None or ep == 1]
@@ -231,7 +231,7 @@ def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes
     units: dict[str, int] = {}  # FSDP2 unit (each block, and the root) -> elements of its padded full TP shards
     for p in mine:
         unit = p.stage_key if p.stage_key.startswith("block:") else "root"
-        units[unit] = units.get(unit, 0) + _fsdp_local([p], dp, tp) * dp
+        units[unit] = units.get(unit, 0) + fsdp_local([p], dp, tp) * dp
     blocks = [v for k, v in units.items() if k != "root"]
     root = units.get("root", 0)
     gathered = width * (root + 2 * sum(blocks))  # forward: every unit; backward: the blocks again (the root stays)

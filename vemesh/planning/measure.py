@@ -138,7 +138,7 @@ class _NoModules:
         pass
 
 
-class _Tracker(MemTracker):
+class StepTracker(MemTracker):
     """torch's MemTracker, over a whole run or one traced step.
 
     * A root module called again (the next step, a micro-batch, an eval) starts a new iteration of
@@ -199,7 +199,7 @@ class RunMeter:
     """
 
     def __init__(self) -> None:
-        self.tracker = _Tracker(module_hooks=False)
+        self.tracker = StepTracker(module_hooks=False)
         self.counter = CollectiveBytes()
         self.steps = 0
 

@@ -43,7 +43,7 @@ from vemesh.planning.estimate import load_object
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.optim import DistributedOptimizer
 from vemesh.planning.fake_world import Held, fake_world, give_storage, real_mesh_tensors, to_bf16
-from vemesh.planning.measure import CollectiveBytes, _Tracker, by_mesh_name
+from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name
 from vemesh.planning.routing import routing
 from vemesh.parallel import fully_shard
 from vemesh.planning.estimate import RankMemory
@@ -239,7 +239,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    tracker, counter = _Tracker(module_hooks=False), CollectiveBytes()
+    tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
     with fake_world(world_size, degrees, dp_replicate) as mesh, FakeTensorMode(allow_non_fake_inputs=True), \
             real_mesh_tensors(), routing(load_factor) as routed, warnings.catch_warnings():

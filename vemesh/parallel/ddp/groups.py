@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from vemesh.layout.data_dims import DATA_NAMES, batch_dims, data_dims
-from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.mesh import VESCALE_DEVICE_MESH
 from vemesh.mesh.views import check_view
 
 __all__ = ["SHARDED_OVER", "check_covers_data", "check_not_sharded_over", "default_group", "resolve_group", "sharded_over"]
@@ -37,15 +37,15 @@ def default_group() -> tuple[dist.ProcessGroup, str]:
     :func:`vemesh.layout.data_dims.data_dims`); a ``ValueError`` when there are none, or a dim's role is
     unknown, or no name covers them. Without one: torch's default group, as torch's DDP.
     """
-    if not mesh.is_initialized():
+    if not VESCALE_DEVICE_MESH.is_initialized():
         return dist.group.WORLD, "torch's default group (no VESCALE_DEVICE_MESH)"  # type: ignore[return-value]
-    name = data_dims(mesh.layout).grad
+    name = data_dims(VESCALE_DEVICE_MESH.layout).grad
     if name is None:
         raise ValueError(
-            f"no data-parallel group was given, and VESCALE_DEVICE_MESH {mesh.mesh_dim_names} has no data dim (named "
+            f"no data-parallel group was given, and VESCALE_DEVICE_MESH {VESCALE_DEVICE_MESH.mesh_dim_names} has no data dim (named "
             f"one of {list(DATA_NAMES)}): pass the group to average over, e.g. VESCALE_DEVICE_MESH['DP']"
         )
-    return mesh.get_group(name), f"VESCALE_DEVICE_MESH[{name!r}], the mesh's data dims"
+    return VESCALE_DEVICE_MESH.get_group(name), f"VESCALE_DEVICE_MESH[{name!r}], the mesh's data dims"
 
 
 def resolve_group(given: DeviceMesh | dist.ProcessGroup | None, what: str = "data_pg_or_device_mesh") -> tuple[dist.ProcessGroup, str]:
@@ -73,9 +73,9 @@ def check_covers_data(group: dist.ProcessGroup, described: str) -> None:
     gradient averaged without some of them differs between them, and their replicas drift apart, silently:
     ``mesh["DP"]`` on a ``(DP, CP, TP)`` mesh, or ``mesh["dp_shard"]`` on an HSDP mesh, are refused.
     """
-    if not mesh.is_initialized() or not mesh.is_member():
+    if not VESCALE_DEVICE_MESH.is_initialized() or not VESCALE_DEVICE_MESH.is_member():
         return
-    layout = mesh.layout
+    layout = VESCALE_DEVICE_MESH.layout
     try:
         atoms = batch_dims(layout)
     except ValueError:  # dims whose role the names do not tell: the group given is the user's word
@@ -93,7 +93,7 @@ def check_covers_data(group: dist.ProcessGroup, described: str) -> None:
         )
 
 
-def _along(mesh: DeviceMesh, dim: int) -> list[int]:
+def ranks_along(mesh: DeviceMesh, dim: int) -> list[int]:
     """The global ranks of this rank's group along mesh dim ``dim`` of ``mesh``."""
     if mesh.get_coordinate() is None:
         return []
@@ -108,7 +108,7 @@ def sharded_over(p: torch.Tensor) -> Iterator[tuple[str, list[int], str]]:
         for i, placement in enumerate(p.placements):
             if not placement.is_replicate():
                 name = mesh.mesh_dim_names[i] if mesh.mesh_dim_names else f"dim {i}"
-                yield name, _along(mesh, i), str(placement)
+                yield name, ranks_along(mesh, i), str(placement)
     tag = getattr(p, SHARDED_OVER, None)
     if tag is not None:
         yield tag[0], list(tag[1]), "one slice per rank"

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from vemesh.mesh.views import check_view
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
-from vemesh.parallel.ddp.groups import _along
+from vemesh.parallel.ddp.groups import ranks_along
 
 __all__ = ["total_norm", "clip_grad_norm_"]
 
@@ -69,7 +69,7 @@ def _check_groups(grads: list[torch.Tensor], groups: Sequence[dist.ProcessGroup]
         seen.add(id(g.device_mesh))
         mesh = g.device_mesh
         for i in range(mesh.ndim):
-            along = set(_along(mesh, i))
+            along = set(ranks_along(mesh, i))
             for k, members in enumerate(ranks):
                 if len(members & along) > 1:
                     name = mesh.mesh_dim_names[i] if mesh.mesh_dim_names else f"dim {i}"
