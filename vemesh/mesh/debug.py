@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from vemesh.hangs import record
 from vemesh.hangs.watch import HANGS
-from vemesh.layout.describe import describe_layout
-from vemesh.layout.describe import check_layout
+from vemesh.layout.describe import check_layout, describe_layout
 
 _logger = logging.getLogger("vemesh")
 

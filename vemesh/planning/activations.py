@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+
 from vemesh.mesh.manager import VeDeviceMesh
 from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import apply_tp
@@ -69,7 +70,6 @@ def _fake_world(tp: int, cp: int, ep: int = 1) -> Iterator[object | None]:
                            "call it before init_process_group (or in another process)")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-
     dist.init_process_group("fake", rank=0, world_size=ep * tp * cp, store=FakeStore())
     try:
         mesh = VeDeviceMesh()
@@ -108,7 +108,6 @@ def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, 
 def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_batch: int, tp: int, cp: int,
            sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1, load_factor: float = 1.0) -> Trace:
     from torch.distributed.tensor.parallel import parallelize_module
-
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")

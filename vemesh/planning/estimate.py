@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import gpt_tp_plan
 from vemesh.models.gpt.stages import split_layers

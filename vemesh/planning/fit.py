@@ -27,12 +27,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vemesh.layout.parallel_dims import ParallelDims
-from vemesh.planning.results import MeshFit, RankClass
-from vemesh.planning.estimate import Model, fsdp_local, local_numel, check_degrees, load_model, rank_static, \
-    stage_keys
 from vemesh.models.gpt import stages as pipeline
-from vemesh.planning.user_model import UserFunctions, predict_user
 from vemesh.planning.activations import trace_stage
+from vemesh.planning.estimate import Model, check_degrees, fsdp_local, load_model, local_numel, rank_static, stage_keys
+from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.user_model import UserFunctions, predict_user
 
 __all__ = ["MODELED_SCHEDULES", "Job", "MeshFit", "RankClass", "predict", "search"]
 

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
 import vemesh.parallel.experts.exchange as exchange
 import vemesh.parallel.experts.style as style
 
@@ -49,7 +50,6 @@ def routing(load_factor: float = 1.0) -> Iterator[dict[str, bool]]:
     (so a plan can say what it assumed).
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-
 
     factor = check_load_factor(load_factor)
     real_bincount, real_dispatch = torch.bincount, style.dispatch

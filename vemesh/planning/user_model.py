@@ -39,15 +39,14 @@ import torch.distributed as dist
 from torch import nn
 
 from vemesh.layout.data_dims import data_dims
-from vemesh.planning.estimate import load_object
-from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.optim import DistributedOptimizer
+from vemesh.parallel import fully_shard
+from vemesh.parallel.ddp import DistributedDataParallel
+from vemesh.planning.estimate import RankMemory, load_object
 from vemesh.planning.fake_world import Held, fake_world, give_storage, real_mesh_tensors, to_bf16
 from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name
-from vemesh.planning.routing import routing
-from vemesh.parallel import fully_shard
-from vemesh.planning.estimate import RankMemory
 from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.routing import routing
 
 __all__ = ["Counted", "UserFunctions", "repeated_blocks", "resolve", "trace_user"]
 
@@ -169,7 +168,6 @@ def _call(what: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
 def _data_parallel(model: nn.Module, given: str | None, name: str, mesh: Any) -> tuple[str, Any]:
     """The dp mode the function's wrappers mean, checked against ``--dp-mode``; and the vemesh DDP module, if any."""
     from torch.distributed.fsdp import FSDPModule
-
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not isinstance(model, DistributedDataParallel):
         raise ValueError(f"--parallelize {name} wrapped torch's DistributedDataParallel; the planner counts vemesh's "

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh

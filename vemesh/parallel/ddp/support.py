@@ -8,15 +8,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
+from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
 from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.parallel.ddp.groups import resolve_group
 from vemesh.parallel.experts.style import is_expert
-from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 
 __all__ = ["check_bucket_size", "broadcast_from_first",
            "PipelineReducer", "like", "weak_method", "release_params", "check_experts", "check_params_kept",

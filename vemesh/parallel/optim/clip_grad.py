@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from vemesh.mesh.views import check_view
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.mesh.views import check_view
 from vemesh.parallel.ddp.groups import ranks_along
 
 __all__ = ["total_norm", "clip_grad_norm_"]

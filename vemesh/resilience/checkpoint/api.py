@@ -26,7 +26,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import vemesh.resilience.checkpoint.errors as errors
 import vemesh.resilience.checkpoint.lock as lock
-from vemesh.resilience.checkpoint.errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError, DamagedCheckpointError
+from vemesh.mesh.manager import VESCALE_DEVICE_MESH
+from vemesh.resilience.checkpoint.errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    DamagedCheckpointError,
+)
 from vemesh.resilience.checkpoint.files import (
     FORMAT,
     FORMAT_VERSION,
@@ -46,7 +52,6 @@ from vemesh.resilience.checkpoint.guards import all_ranks_here, check_finite, ch
 from vemesh.resilience.checkpoint.integrity import checksum_share
 from vemesh.resilience.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from vemesh.resilience.checkpoint.state import Entries, load_state, save_state
-from vemesh.mesh.manager import VESCALE_DEVICE_MESH
 
 __all__ = ["save", "load", "load_latest", "acquire_lock", "release_lock"]
 
