@@ -34,10 +34,30 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complete
     return done
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def venv(tmp_path_factory) -> Path:
-    """A fresh venv holding the wheel of this checkout and its dependencies, pinned as the README pins them."""
-    root = tmp_path_factory.mktemp("wheel")
+    """A fresh venv holding the wheel of this checkout and its dependencies, pinned as the README pins them.
+
+    Built once per run, whichever pytest-xdist worker asks first: the workers share the base temp's parent, and the
+    others wait on the lock, then use the venv the first one finished (about 100 s of building saved per worker).
+    """
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()  # under xdist, each worker's base lies in the run's own folder
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "wheel-venv"
+    root.mkdir(exist_ok=True)
+    python = root / "venv" / "bin" / "python"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the build below raises
+        if not (root / "ready").exists():
+            _build(root)
+            (root / "ready").write_text(str(python))
+    return python
+
+
+def _build(root: Path) -> None:
+    for name in ("source", "dist", "venv"):  # a build that failed part-way leaves no half venv behind
+        shutil.rmtree(root / name, ignore_errors=True)
     source = root / "source"  # built from a copy: setuptools writes build/ and *.egg-info into the tree it builds
     source.mkdir()
     for name in ("vemesh", "setup.cfg", "setup.py", "pyproject.toml", "README.md", "LICENSE"):
@@ -48,7 +68,6 @@ def venv(tmp_path_factory) -> Path:
     _run([sys.executable, "-m", "venv", str(root / "venv")], root)
     python = root / "venv" / "bin" / "python"
     _run([str(python), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints.txt"), f"{wheel}[ft]"], root)
-    return python
 
 
 def test_the_wheel_holds_the_package_and_nothing_of_the_checkout(venv) -> None:
