@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import re
 import sys
@@ -21,7 +20,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from vemesh.layout import fill_in
+from vemesh.layout import fill_sizes
 
 
 class ConfigError(ValueError):
@@ -280,16 +279,9 @@ class TrainConfig(BaseModel):
         if self.mesh_shape is None:
             tp = 2 if W % 2 == 0 else 1
             object.__setattr__(self, "mesh_shape", (W // tp, tp))
-        text = ",".join(map(str, self.mesh_shape))
-        if self.mesh_shape.count(-1) > 1 or any(s == 0 or s < -1 for s in self.mesh_shape):
-            raise ValueError(f"--mesh-shape: sizes must be positive, with at most one -1; got {text}")
-        shape = fill_in(self.mesh_shape, W)  # the library's one place for a -1
-        if shape is None:
-            known = math.prod(s for s in self.mesh_shape if s != -1)
-            raise ValueError(f"--mesh-shape: {text} cannot fill a world of {W} processes ({known} does not divide {W})")
-        if math.prod(shape) != W:
-            hint = "" if W > 1 else "; launch with torchrun --nproc_per_node=N to use N processes"
-            raise ValueError(f"--mesh-shape: {'x'.join(map(str, shape))} needs {math.prod(shape)} processes but the world has {W}{hint}")
+        names = self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS[len(self.mesh_shape)]
+        hint = "; launch with torchrun --nproc_per_node=N to use N processes" if W == 1 else ""
+        shape = fill_sizes(self.mesh_shape, W, names=names, what="--mesh-shape", of="the number of processes", hint=hint)
         self._shape = tuple(shape)
 
     def _check_cp(self) -> None:

@@ -43,9 +43,9 @@ def test_negative_mesh_size_needs_no_equals_sign():
     [
         (4, ["--mesh-shape", "1,4", "--n-head", "6", "--n-embd", "192"], "TP size 4 does not divide --n-head 6 (choose TP from 1, 2, 3, 6)"),
         (4, ["--mesh-shape", "4,1", "--global-batch-size", "6"], "--global-batch-size 6 is not divisible by the DP size 4"),
-        (1, ["--mesh-shape", "2,2"], "2x2 needs 4 processes but the world has 1; launch with torchrun"),
-        (4, ["--mesh-shape", "-1,3"], "-1,3 cannot fill a world of 4 processes"),
-        (4, ["--mesh-shape", "-1,-1"], "at most one -1"),
+        (1, ["--mesh-shape", "2,2"], "DP 2 x TP 2 = 4 but the number of processes is 1; the product must equal it (or set one size to -1 to fill it in); launch with torchrun"),
+        (4, ["--mesh-shape", "-1,3"], "--mesh-shape: cannot fill in DP: TP 3 = 3 does not divide the number of processes 4"),
+        (4, ["--mesh-shape", "-1,-1"], "--mesh-shape: only one size can be -1 (filled in); got 2 for DP, TP in DP -1 x TP -1"),
         (4, ["--mesh-shape", "2x2"], "--mesh-shape: expected DP,TP like 2,2 or -1,2, PP,DP,TP like 2,2,1, or one size per --mesh-dims name; got '2x2'"),
         (1, ["--n-head", "5"], "--n-embd 192 is not divisible by --n-head 5"),
         (1, ["--steps", "ten"], "--steps: Input should be a valid integer"),

@@ -72,7 +72,7 @@ def test_three_numbers_make_a_3d_mesh():
          "--microbatches 3 does not divide the 16 sequences per DP rank (--global-batch-size 32 / DP 2)"),
         (4, ["--mesh-shape", "4,1,1", "--n-layer", "4", "--microbatches", "2"], "--microbatches 2: the 1f1b schedule needs at least one per stage (4)"),
         (4, ["--mesh-shape", "2,2", "--microbatches", "4"], "--microbatches and --pp-schedule need a PP dim"),
-        (4, ["--mesh-shape", "2,2,2"], "2x2x2 needs 8 processes but the world has 4"),
+        (4, ["--mesh-shape", "2,2,2"], "PP 2 x DP 2 x TP 2 = 8 but the number of processes is 4"),
         (4, ["--mesh-shape", "2,1,2", "--pp-schedule", "zb"], "--pp-schedule: Input should be 'gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb', 'zbv' or 'dualpipev'"),
     ],
 )

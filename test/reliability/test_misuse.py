@@ -384,7 +384,7 @@ def test_mesh_validation_errors_are_one_line_without_pydantic_dumps() -> None:
 
     with pytest.raises(ValueError) as e:
         MeshSpec(device_type="cpu", mesh_shape=(2, 0))
-    assert one_line(e.value) == "mesh sizes must be positive (or one -1 to infer); got [0] in mesh_shape (2, 0)"
+    assert one_line(e.value) == "mesh_shape: every size must be a positive integer, or one -1 to fill in; got 0 in (2, 0)"
 
 
 # ------------------------------------------------------------------------------- the docs

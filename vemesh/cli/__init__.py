@@ -32,7 +32,7 @@ from vemesh.cli.diagnose import add_diagnose
 from vemesh.cli.plan import add_plan
 from vemesh.cli.show import add_show
 
-__all__ = ["main", "MAX_WORLD"]
+__all__ = ["MAX_WORLD", "build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``main(["show", "--shape", "2,0"])`` prints ``vemesh: error: ...`` and returns 2.
     """
     try:
-        args = _parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+        args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
         return args.run(args)
     except UsageError as e:
         message = " ".join(str(e).split())  # one line, whatever the source
@@ -80,7 +80,7 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="vemesh",
         description="See a device mesh layout (which ranks form which groups, on which hosts) before launching.",

@@ -8,8 +8,10 @@ from typing import Any
 from vemesh.cli.common import UsageError, check_rank, check_world, degree, positive, print_json, print_warnings
 from vemesh.layout.describe import WIDTH, describe_layout, layout_document
 from vemesh.layout.spec import VALID_DEVICE_TYPES
-from vemesh.planning.fit_report import add_job_arguments, job_from_args, refuse_job_flags
-from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
+from vemesh.planning.api import Answer, answer, mesh_of, verdict
+from vemesh.planning.fit_report import add_job_arguments, render_fit, render_search
+from vemesh.planning.mesh_plan import MeshPlan
+from vemesh.planning.request import PlanRequest
 
 
 def add_plan(commands: Any) -> argparse.ArgumentParser:
@@ -38,24 +40,19 @@ def add_plan(commands: Any) -> argparse.ArgumentParser:
 
 def run_plan(args: argparse.Namespace) -> int:
     check_world(args.world_size, "argument --world-size")
-    if args.model is None:
-        try:
-            refuse_job_flags(args)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    elif args.device_memory is not None and args.pp is None and args.tp is None and args.dp is None:
-        return _search(args)
-    args.pp, args.tp = args.pp or 1, args.tp or 1
     try:
-        plan = plan_mesh(
-            args.world_size, pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,
-            dp_replicate=args.dp_replicate, devices_per_host=args.devices_per_host, device_type=args.device_type,
-        )
+        request = PlanRequest.from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if request.searches:
+        return _search(request, args.json)
+    try:
+        plan = mesh_of(request)
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_rank(plan.layout, args.rank)
-    if args.model is not None:
-        return _plan_model(args, plan)
+    if request.model is not None:
+        return _plan_model(request, plan, args.json)
     if args.json:
         doc: dict[str, Any] = {
             "world_size": plan.world_size,
@@ -84,30 +81,26 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
-    """``vemesh plan --model ...`` on one mesh: memory per rank class and bytes per dim."""
-    from vemesh.planning.api import model_document, verdict  # torch only when a model is planned: `vemesh show` starts fast
-    from vemesh.planning.fit import predict  # torch only when a model is planned: `vemesh show` starts fast
-    from vemesh.planning.fit_report import render_fit  # torch only when a model is planned: `vemesh show` starts fast
+def _answer(request: PlanRequest) -> Answer:
+    try:
+        return answer(request)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
-    try:
-        job = job_from_args(args)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    d = plan.degrees
-    try:
-        fit = predict(job, dp=d["DP"], tp=d["TP"], pp=d["PP"], cp=d["CP"], ep=plan.ep, dp_replicate=args.dp_replicate)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    said = verdict(fit, args.device_memory)
-    if args.json:
-        print_json(model_document(job, plan, fit, args.device_memory))
+
+def _plan_model(request: PlanRequest, plan: MeshPlan, as_json: bool) -> int:
+    """``vemesh plan --model ...`` on one mesh: memory per rank class and bytes per dim."""
+    found = _answer(request)
+    fit, memory = found.fit, found.device_memory
+    if as_json:
+        print_json(found.document())
     else:
         print(_plan_header(plan))
-        print(render_fit(job, fit))
+        print(render_fit(found.job, fit))
+        said = verdict(fit, memory)
         if said:
             print(f"{said}: {'peak' if fit.traced else 'static'} {fit.peak / 2**30:.2f} GiB against "
-                  f"{args.device_memory / 2**30:.2f} GiB per device")
+                  f"{memory / 2**30:.2f} GiB per device")
         print(f"paste into the training script:\n    from vemesh import VESCALE_DEVICE_MESH\n    {plan.init_call()}")
         for line in plan.flatten_calls():
             print(f"    {line}")
@@ -115,28 +108,14 @@ def _plan_model(args: argparse.Namespace, plan: MeshPlan) -> int:
     return 0
 
 
-def _search(args: argparse.Namespace) -> int:
+def _search(request: PlanRequest, as_json: bool) -> int:
     """``vemesh plan --model ... --device-memory ...`` without a shape: every mesh that fits, ranked."""
-    from vemesh.planning.fit import search  # torch only when a model is planned: `vemesh show` starts fast
-    from vemesh.planning.fit_report import render_search, search_document  # torch only when a model is planned: `vemesh show` starts fast
-
-    if args.micro_batch_size is None:
-        args.micro_batch_size = 1
-    try:
-        job = job_from_args(args)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    rank_by = args.rank_by or ("inter-host" if args.devices_per_host else "peak")
-    try:
-        fits, rejected = search(job, args.world_size, device_memory=args.device_memory,
-                                devices_per_host=args.devices_per_host, cp=args.cp, ep=args.ep, rank_by=rank_by)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.json:
-        print_json(search_document(job, args.world_size, args.device_memory, args.devices_per_host, rank_by, fits,
-                                    rejected))
+    found = _answer(request)
+    if as_json:
+        print_json(found.document())
     else:
-        print(render_search(job, args.world_size, args.device_memory, args.devices_per_host, rank_by, fits, rejected))
+        print(render_search(found.job, request.world_size, found.device_memory, request.devices_per_host,
+                            request.order, list(found.fits), list(found.rejected)))
     return 0
 
 

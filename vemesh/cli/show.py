@@ -82,7 +82,7 @@ def run_show(args: argparse.Namespace) -> int:
     except MeshSpecError as e:
         raise UsageError(spec_message(e)) from None
     if -1 in spec.mesh_shape and args.world_size is None:
-        raise UsageError(f"argument --shape: {csv(args.shape)} has a -1 to infer; pass --world-size N to fill it in")
+        raise UsageError(f"argument --world-size: needed for the -1 in --shape {csv(args.shape)}")
     if args.world_size is not None:
         check_world(args.world_size, "argument --world-size")
     check_world(math.prod(abs(n) for n in spec.mesh_shape), "argument --shape")

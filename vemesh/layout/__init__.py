@@ -11,6 +11,6 @@
 """
 
 from vemesh.layout.mesh_layout import Dims, MeshLayout, NamedDim, as_index, check_dim_names, unknown_name_error
-from vemesh.layout.names import fill_in
+from vemesh.layout.names import fill_sizes
 
-__all__ = ["Dims", "MeshLayout", "NamedDim", "as_index", "check_dim_names", "fill_in", "unknown_name_error"]
+__all__ = ["Dims", "MeshLayout", "NamedDim", "as_index", "check_dim_names", "fill_sizes", "unknown_name_error"]

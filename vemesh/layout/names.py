@@ -10,7 +10,7 @@ import math
 import operator
 from collections.abc import Sequence
 
-__all__ = ["STANDARD_STRATEGIES", "as_index", "check_dim_names", "fill_in", "other_spellings", "standard_absent_error",
+__all__ = ["STANDARD_STRATEGIES", "as_index", "check_dim_names", "fill_sizes", "other_spellings", "standard_absent_error",
            "unknown_name_error"]
 
 #: Strategy names that every mesh answers for: a standard name the mesh never had has size 1.
@@ -82,22 +82,64 @@ def as_index(value: object, what: str) -> int:
     return index
 
 
-def fill_in(sizes: Sequence[int], total: int) -> tuple[int, ...] | None:
-    """``sizes`` with its one ``-1`` (if any) replaced by ``total`` over the product of the others; None when
-    that product does not divide ``total``. The one place a ``-1`` size or degree is filled in (the mesh spec,
-    :class:`~vemesh.layout.parallel_dims.ParallelDims`, the example's config); callers word the error.
+def fill_sizes(sizes: Sequence[object], total: int | None, *, names: Sequence[str] | None = None, what: str = "",
+               of: str = "the world size", exact: bool = True, hint: str = "", fill: str = "-1") -> tuple[int, ...]:
+    """The one place a ``-1`` size or degree is checked, filled in and worded: the mesh spec, the
+    :class:`~vemesh.layout.parallel_dims.ParallelDims` degrees (so ``vemesh plan`` and ``vemesh show``), and the
+    example's ``--mesh-shape`` all call it.
 
-    >>> fill_in((2, -1, 2), 16)
+    Every size is a positive integer, or ``-1`` (one of them) for ``total`` over the product of the others.
+    ``total=None`` checks the sizes only. With ``exact`` the product must equal ``total``, else it may be less.
+    ``names`` labels each size in the messages (``PP 3 x TP 8``); ``what`` prefixes them (``"--mesh-shape"``);
+    ``of`` names the total (``"the world size"``); ``hint`` ends the message of a product that does not match;
+    ``fill`` is how the caller's users spell the size to fill in (``"'auto'"`` for ``vemesh plan``).
+
+    >>> fill_sizes((2, -1, 2), 16)
     (2, 4, 2)
-    >>> fill_in((3, -1), 8) is None
-    True
+    >>> fill_sizes((3, -1), 8, names=("DP", "TP"))
+    Traceback (most recent call last):
+    ValueError: cannot fill in TP: DP 3 = 3 does not divide the world size 8 (the product of the others must be one of its divisors: 1, 2, 4, 8)
     """
-    if -1 not in sizes:
-        return tuple(sizes)
-    known = math.prod(s for s in sizes if s != -1)
-    if total % known:
-        return None
-    return tuple(total // known if s == -1 else s for s in sizes)
+    prefix = f"{what}: " if what else ""
+    labels = list(names) if names is not None else [None] * len(sizes)
+
+    def expr(pairs: Sequence[tuple[str | None, object]]) -> str:
+        shown = [(n, fill.strip("'") if s == -1 else s) for n, s in pairs]
+        if names is not None:
+            return " x ".join(f"{n} {s}" for n, s in shown)
+        return "(" + ", ".join(str(s) for _, s in shown) + ")"
+
+    whole = expr(list(zip(labels, sizes)))
+    checked: list[int] = []
+    for label, size in zip(labels, sizes):
+        value = _as_int(size)
+        if value is None or (value < 1 and value != -1):
+            named = f" for {label}" if label else ""
+            raise ValueError(f"{prefix}every size must be a positive integer, or one {fill} to fill in; got {size!r}{named} "
+                             f"in {whole}")
+        checked.append(value)
+    auto = [i for i, s in enumerate(checked) if s == -1]
+    if len(auto) > 1:
+        which = f" for {', '.join(str(labels[i]) for i in auto)}" if names is not None else ""
+        raise ValueError(f"{prefix}only one size can be {fill} (filled in); got {len(auto)}{which} in {whole}")
+    if total is None:
+        return tuple(checked)
+    known = [(labels[i], s) for i, s in enumerate(checked) if s != -1]
+    product = math.prod(s for _, s in known)
+    if auto:
+        if total % product:
+            divisors = [d for d in range(1, total + 1) if total % d == 0]
+            listed = ", ".join(map(str, divisors)) if len(divisors) <= 16 else f"{len(divisors)} of them"
+            name = labels[auto[0]] or "the -1"
+            raise ValueError(f"{prefix}cannot fill in {name}: {expr(known) if known else '()'} = {product} does not "
+                             f"divide {of} {total} (the product of the others must be one of its divisors: {listed})")
+        return tuple(total // product if s == -1 else s for s in checked)
+    if exact and product != total:
+        raise ValueError(f"{prefix}{whole} = {product} but {of} is {total}; the product must equal it "
+                         f"(or set one size to {fill} to fill it in){hint}")
+    if product > total:
+        raise ValueError(f"{prefix}{whole} = {product} but {of} is only {total}{hint}")
+    return tuple(checked)
 
 
 def check_dim_names(names: object) -> tuple[str, ...]:

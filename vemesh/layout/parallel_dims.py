@@ -34,13 +34,12 @@ averages dense gradients over ``dp_cp`` ``[1, 3, 5, 7, 9, 11, 13, 15]``, holds t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from vemesh.layout.data_dims import DataDims, data_dims
 from vemesh.layout.mesh_layout import MeshLayout
-from vemesh.layout.names import fill_in
+from vemesh.layout.names import fill_sizes
 
 __all__ = ["DEGREES", "ParallelDims"]
 
@@ -48,10 +47,9 @@ __all__ = ["DEGREES", "ParallelDims"]
 DEGREES: tuple[str, ...] = ("PP", "DP", "CP", "TP")
 
 
-def _positive(name: str, value: object, auto: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and not (auto and value == -1)):
-        raise ValueError(f"the {name} degree must be a positive integer{' or -1 (filled in)' if auto else ''}; "
-                         f"got {value!r}")
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"the {name} degree must be a positive integer; got {value!r}")
     return value
 
 
@@ -86,27 +84,12 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"the world size must be a positive integer; got {self.world_size!r}")
-        given = {"PP": _positive("PP", self.pp, True), "dp_shard": _positive("dp_shard", self.dp_shard, True),
-                 "CP": _positive("CP", self.cp, True), "TP": _positive("TP", self.tp, True)}
         replicate, ep = _positive("dp_replicate", self.dp_replicate), _positive("EP", self.ep)
-        auto = [n for n, d in given.items() if d == -1]
-        if len(auto) > 1:
-            raise ValueError(f"only one degree can be filled in; got -1 for {', '.join(auto)}")
-        known = {("DP" if n == "dp_shard" else n): (d * replicate if n == "dp_shard" else d)
-                 for n, d in given.items() if d != -1}
-        if auto == ["dp_shard"] and replicate > 1:
-            known["dp_replicate"] = replicate
-        expr, product = " x ".join(f"{n} {d}" for n, d in known.items()), math.prod(known.values())
-        sizes = fill_in([*given.values(), replicate], self.world_size)
-        if sizes is None:
-            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
-            shown = ", ".join(map(str, divisors)) if len(divisors) <= 16 else f"{len(divisors)} of them"
-            name = "DP" if auto == ["dp_shard"] and replicate == 1 else auto[0]
-            raise ValueError(f"cannot fill in {name}: {expr} = {product} does not divide the world size "
-                             f"{self.world_size} (the product of the other degrees must be one of its divisors: {shown})")
-        if math.prod(sizes) != self.world_size:
-            raise ValueError(f"{expr} = {product} but the world size is {self.world_size}; the product of the degrees "
-                             "must equal the world size (set one degree to 'auto' or -1 to fill it in)")
+        shard = "DP" if replicate == 1 else "dp_shard"  # DP = dp_replicate x dp_shard: the user's DP when no HSDP
+        names, given = ("PP", shard, "CP", "TP"), (self.pp, self.dp_shard, self.cp, self.tp)
+        if replicate > 1:
+            names, given = (*names, "dp_replicate"), (*given, replicate)
+        sizes = fill_sizes(given, self.world_size, names=names)
         pp, dp_shard, cp, tp = sizes[:4]
         for attr, value in (("pp", pp), ("dp_shard", dp_shard), ("cp", cp), ("tp", tp)):
             object.__setattr__(self, attr, value)

@@ -9,7 +9,6 @@ The one check that needs the process group, the world size, is
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from vemesh.layout.mesh_layout import MeshLayout
-from vemesh.layout.names import STANDARD_STRATEGIES, as_index, check_dim_names, fill_in
+from vemesh.layout.names import STANDARD_STRATEGIES, as_index, check_dim_names, fill_sizes
 
 __all__ = ["DEFAULT_DIM_NAMES", "STANDARD_STRATEGIES", "VALID_DEVICE_TYPES", "MeshSpec", "MeshSpecError"]
 
@@ -92,12 +91,7 @@ class MeshSpec(BaseModel):
         if not given:
             raise ValueError("mesh_shape must have at least one dim; got ()")
         shape = tuple(as_index(s, f"every mesh_shape entry (in {given})") for s in given)
-        bad = [s for s in shape if s < 1 and s != -1]
-        if bad:
-            raise ValueError(f"mesh sizes must be positive (or one -1 to infer); got {bad} in mesh_shape {shape}")
-        if shape.count(-1) > 1:
-            raise ValueError(f"at most one mesh size may be -1 (inferred); got {shape.count(-1)} in mesh_shape {shape}")
-        return shape
+        return fill_sizes(shape, None, what="mesh_shape")
 
     @field_validator("mesh_dim_names", mode="before")
     @classmethod
@@ -133,33 +127,16 @@ class MeshSpec(BaseModel):
         With ``rank_offset`` the mesh covers the ranks from ``rank_offset`` on (a ``-1`` takes all
         of them): ``(2, 2)`` with ``rank_offset=4`` in a world of 8 is ranks 4..7.
         """
-        shape = self.mesh_shape
-        known = math.prod(s for s in shape if s != -1)
         first = 0
         if rank_offset is not None:
             first = as_index(rank_offset, "rank_offset")
             if not 0 <= first < world_size:
                 raise ValueError(f"rank_offset {first} is outside the world of {world_size} ranks; valid: 0..{world_size - 1}")
-        available = world_size - first
-        where = f"the {available} ranks from rank_offset {first} on" if rank_offset is not None else f"world size {world_size}"
-        if -1 in shape:
-            filled = fill_in(shape, available)
-            if filled is None:
-                raise ValueError(
-                    f"cannot infer the -1 in mesh_shape {shape}: {where} is not divisible by the product of "
-                    f"the other sizes ({known})"
-                )
-            shape = filled
-        elif rank_offset is None and known != world_size:
-            raise ValueError(
-                f"mesh_shape {shape} holds {known} ranks but the world size is {world_size}; "
-                f"the product of the sizes must equal the world size (use -1 to infer one size, or "
-                f"rank_offset= for a mesh over part of the world)"
-            )
-        elif known > available:
-            raise ValueError(
-                f"mesh_shape {shape} holds {known} ranks, but only {available} ranks ({first}..{world_size - 1}) "
-                f"follow rank_offset {first} in a world of {world_size}"
-            )
+        if rank_offset is None:
+            of, hint = "the world size", "; or rank_offset= for a mesh over part of the world"
+        else:
+            of, hint = f"the number of ranks from rank_offset {first} on ({first}..{world_size - 1})", ""
+        shape = fill_sizes(self.mesh_shape, world_size - first, names=self.mesh_dim_names, what="mesh_shape", of=of,
+                           exact=rank_offset is None, hint=hint)
         assert self.mesh_dim_names is not None
         return MeshLayout(shape, self.mesh_dim_names, first_rank=first)

@@ -6,10 +6,12 @@
 * :mod:`~vemesh.planning.user_model`: the user's own factory, parallelize function and step, traced on a fake world;
 * :mod:`~vemesh.planning.routing`: the routing a plan assumes for a mixture of experts (``--moe-load-factor``);
 * :mod:`~vemesh.planning.fit`: peak memory per rank class and bytes per dim; :mod:`~vemesh.planning.fit_report` prints them;
+* :mod:`~vemesh.planning.request`: :class:`PlanRequest`, the question, one value the CLI builds and :func:`plan` takes;
 * :mod:`~vemesh.planning.api`: :func:`plan`, the same figures as ``vemesh plan --json``, from Python;
 * :mod:`~vemesh.planning.measure`: the same, measured in a run.
 """
 
 from vemesh.planning.api import plan
+from vemesh.planning.request import PlanRequest
 
-__all__ = ["plan"]
+__all__ = ["PlanRequest", "plan"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported only when a model is planned: `vemesh show` starts fast
     from vemesh.planning.fit import Job, MeshFit
 
-__all__ = ["HOW", "add_job_arguments", "fit_document", "job_from_args", "refuse_job_flags", "render_fit",
+__all__ = ["HOW", "add_job_arguments", "fit_document", "render_fit",
            "render_search", "search_document"]
 
 #: How each figure is obtained, printed under the tables and put in the JSON.
@@ -171,35 +171,3 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--device-memory", metavar="SIZE", help="memory per device, with a unit: 80GiB, 24GB")
     job.add_argument("--rank-by", choices=("inter-host", "peak"),
                      help="search order (default: inter-host with --devices-per-host, else peak)")
-
-
-def job_from_args(args: argparse.Namespace) -> Job:
-    """The :class:`~vemesh.planning.fit.Job` of the flags; ``args.device_memory`` becomes bytes. ``ValueError`` names a bad value."""
-    from vemesh.planning.estimate import parse_size  # torch only when a model is planned: `vemesh show` starts fast
-    from vemesh.planning.fit import Job  # torch only when a model is planned: `vemesh show` starts fast
-    from vemesh.planning.routing import check_load_factor  # torch only when a model is planned: `vemesh show` starts fast
-
-    if args.device_memory is not None and not isinstance(args.device_memory, int):
-        args.device_memory = parse_size(args.device_memory, "--device-memory")
-    if (args.parallelize or args.step) and not str(args.model).startswith("module:"):
-        raise ValueError(f"--parallelize and --step trace your own model, given as --model module:MODULE:FACTORY; "
-                         f"got --model {args.model} (the GPT preset is parallelized by vemesh.models.gpt)")
-    for flag, value in (("--sequence-parallel", args.sequence_parallel),
-                        ("--activation-checkpointing", args.activation_checkpointing), ("--pp-schedule", args.pp_schedule)):
-        if value and (args.parallelize or args.step):
-            raise ValueError(f"{flag} is the GPT preset's; with --parallelize your function decides it")
-    factor = check_load_factor(args.moe_load_factor) if args.moe_load_factor is not None else 1.0
-    return Job(args.model, args.global_batch_size or 32, dtype=args.dtype or "fp32", dp_mode=args.dp_mode,
-               micro_batch_size=args.micro_batch_size, pp_schedule=args.pp_schedule or "1f1b",
-               sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
-               parallelize=args.parallelize, step=args.step, moe_load_factor=factor)
-
-
-def refuse_job_flags(args: argparse.Namespace) -> None:
-    """``ValueError`` for a job flag given without ``--model`` (it would be ignored)."""
-    given = [f for f in ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size", "pp_schedule",
-                         "rank_by", "parallelize", "step", "moe_load_factor") if getattr(args, f) is not None]
-    given += [f for f in ("sequence_parallel", "activation_checkpointing") if getattr(args, f)]
-    if given:
-        raise ValueError(f"argument --{given[0].replace('_', '-')}: describes a job; give the model too (--model "
-                         "gpt:n_layer=...,... or --model module:package.module:factory)")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from vemesh.layout.describe import LayoutWarning, check_layout
 from vemesh.layout.mesh_layout import MeshLayout
+from vemesh.layout.names import fill_sizes
 from vemesh.layout.parallel_dims import DEGREES, ParallelDims
 from vemesh.layout.spec import MeshSpec
 
@@ -115,24 +116,16 @@ def plan_mesh(
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"the world size must be a positive integer; got {world_size!r}")
     given = {"PP": pp, "DP": dp, "CP": cp, "TP": tp}
-    auto = [n for n, d in given.items() if d == AUTO or d == -1]
-    if len(auto) > 1:
-        raise ValueError(f"only one degree can be filled in; got 'auto' for {', '.join(auto)}")
-    if dp is None:
-        given["DP"] = AUTO if not auto else 1
-        auto = auto or ["DP"]
-    for name, degree in given.items():
-        if name not in auto and (not isinstance(degree, int) or isinstance(degree, bool) or degree < 1):
-            raise ValueError(f"the {name} degree must be a positive integer or 'auto'; got {degree!r}")
+    if dp is None:  # DP takes the rest, unless another degree does
+        given["DP"] = 1 if any(d == AUTO or d == -1 for d in given.values()) else AUTO
+    sizes = [-1 if d == AUTO else d for d in given.values()]
+    auto = [n for n, d in zip(given, fill_sizes(sizes, None, names=list(given), fill="'auto'")) if d == -1]
+    degrees = dict(zip(given, fill_sizes(sizes, world_size, names=list(given), fill="'auto'")))
     if not isinstance(dp_replicate, int) or isinstance(dp_replicate, bool) or dp_replicate < 1:
         raise ValueError(f"the dp_replicate degree must be a positive integer; got {dp_replicate!r}")
-    degrees = {n: -1 if n in auto else int(d) for n, d in given.items()}  # type: ignore[call-overload]
-    if degrees["DP"] == -1 and dp_replicate > 1:  # DP first, so that a dp_replicate it cannot take is named as such
-        degrees["DP"] = ParallelDims(world_size, pp=degrees["PP"], cp=degrees["CP"], tp=degrees["TP"]).dp
-    if degrees["DP"] != -1 and degrees["DP"] % dp_replicate:
+    if degrees["DP"] % dp_replicate:
         raise ValueError(f"dp_replicate {dp_replicate} must divide DP {degrees['DP']} (DP splits into dp_replicate x dp_shard)")
-    dims = ParallelDims(world_size, pp=degrees["PP"], dp_replicate=dp_replicate,
-                        dp_shard=-1 if degrees["DP"] == -1 else degrees["DP"] // dp_replicate,
+    dims = ParallelDims(world_size, pp=degrees["PP"], dp_replicate=dp_replicate, dp_shard=degrees["DP"] // dp_replicate,
                         cp=degrees["CP"], tp=degrees["TP"], ep=ep)
     base = MeshSpec(device_type=device_type, mesh_shape=dims.mesh_shape, mesh_dim_names=dims.mesh_dims).resolve(world_size)
     layout = dims.layout()

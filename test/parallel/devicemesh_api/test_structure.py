@@ -91,3 +91,20 @@ def test_every_function_local_import_says_why_and_none_dodges_a_circle():
                         silent.append(f"{where}: {lines[node.lineno - 1].strip()}")
     assert 0 < len(found) <= 25, found  # 54 before the planner's circle was broken
     assert not silent, "function-local imports without a reason (or dodging a circle):\n" + "\n".join(silent)
+
+
+def test_a_minus_one_size_is_checked_and_worded_in_one_place():
+    """Only ``vemesh.layout.names.fill_sizes`` words an error about a ``-1`` (or 'auto') size to fill in; the mesh
+    spec, ``ParallelDims``, ``plan_mesh`` and the example's config call it."""
+    wording = ("fill in", "fill it in", "filled in", "infer", "one -1", "a -1", "at most one")
+    places = []
+    for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "examples").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                text = " ".join(c.value for c in ast.walk(node.exc) if isinstance(c, ast.Constant) and isinstance(c.value, str))
+                if any(w in text for w in wording):
+                    places.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert places and all(p.startswith("vemesh/layout/names.py:") for p in places), places
+    callers = {"vemesh/layout/spec.py", "vemesh/layout/parallel_dims.py", "vemesh/planning/mesh_plan.py",
+               "examples/gpt/config.py"}
+    assert all("fill_sizes(" in (PACKAGE.parent / c).read_text() for c in callers)

@@ -1,0 +1,61 @@
+"""The planning question is one value: :class:`~vemesh.planning.PlanRequest`, built by the CLI and taken by ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from vemesh.cli import build_parser
+from vemesh.planning import PlanRequest, plan
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["plan", *argv])
+
+
+@pytest.mark.parametrize("argv, python", [
+    (["--world-size", "8", "--tp", "2"], dict(world_size=8, tp=2)),
+    (["--world-size", "8", "--tp", "auto", "--dp", "2"], dict(world_size=8, tp="auto", dp=2)),
+    (["--world-size", "16", "--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--pp", "2", "--pp-schedule", "gpipe",
+      "--device-memory", "8GiB", "--dp-mode", "fsdp", "--global-batch-size", "8"],
+     dict(world_size=16, model="gpt:n_layer=2,n_embd=64,n_head=4", pp=2, pp_schedule="gpipe", device_memory="8GiB",
+          dp_mode="fsdp", global_batch_size=8)),
+    (["--world-size", "4", "--model", "module:m:make", "--parallelize", "m:par", "--step", "m:step",
+      "--moe-load-factor", "1.5", "--ep", "2"],
+     dict(world_size=4, model="module:m:make", parallelize="m:par", step="m:step", moe_load_factor="1.5", ep=2)),
+])
+def test_the_cli_builds_the_request_python_builds_from_the_same_values(argv, python) -> None:
+    assert PlanRequest.from_args(_args(*argv)) == PlanRequest(**python)
+
+
+def test_every_field_of_the_request_is_a_flag_of_vemesh_plan() -> None:
+    given = vars(_args("--world-size", "1"))
+    assert {f.name for f in dataclasses.fields(PlanRequest)} <= set(given)
+
+
+@pytest.mark.parametrize("python, message", [
+    (dict(world_size=8, device_memory="8GiB"), "argument --device-memory: describes a job; give the model too"),
+    (dict(world_size=8, model="gpt:n_layer=2", step="m:step"), "--parallelize and --step trace your own model"),
+    (dict(world_size=8, model="module:m:make", step="m:s", sequence_parallel=True),
+     "--sequence-parallel is the GPT preset's"),
+])
+def test_a_request_that_cannot_be_answered_says_why(python, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        PlanRequest(**python)
+
+
+def test_plan_takes_a_request_or_its_fields_not_both() -> None:
+    request = PlanRequest(world_size=4, model="gpt:n_layer=2,n_embd=64,n_head=4", tp=2, global_batch_size=4)
+    assert plan(request) == plan("gpt:n_layer=2,n_embd=64,n_head=4", world_size=4, tp=2, global_batch_size=4)
+    with pytest.raises(TypeError, match="takes no other arguments; got tp"):
+        plan(request, tp=4)
+
+
+def test_building_a_request_imports_no_torch() -> None:
+    code = ("import sys; from vemesh.planning import PlanRequest; "
+            "PlanRequest(world_size=8, model='gpt:n_layer=2', device_memory='8GiB'); print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -1,0 +1,115 @@
+"""What ``vemesh plan`` is asked, as one value: :class:`PlanRequest`.
+
+The CLI builds it from its flags (:meth:`PlanRequest.from_args`) and :func:`vemesh.planning.plan` accepts it (or
+its fields as keywords), so both ask the planner the same question with the same defaults. Pure Python: building
+and checking a request imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["JOB_FLAGS", "PlanRequest"]
+
+#: The fields that describe a job: given without a model they would be ignored, so they are refused.
+JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
+                              "pp_schedule", "rank_by", "parallelize", "step", "moe_load_factor", "sequence_parallel",
+                              "activation_checkpointing")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One planning question: the mesh (or a search over every mesh), and with ``model`` the job trained on it.
+
+    The mesh: ``pp``, ``dp``, ``cp``, ``tp`` are degrees, one of them ``"auto"`` (or -1) to fill in; ``dp=None``
+    is ``"auto"`` unless another degree is. ``ep`` reuses the DP x CP ranks; ``dp_replicate`` splits DP for HSDP.
+    With ``model`` and ``device_memory`` and none of ``pp``/``dp``/``tp``, every mesh of ``world_size`` is tried and
+    those that fit are ranked by ``rank_by`` (:attr:`searches`).
+
+    The job: ``model`` is the GPT preset (``"gpt:n_layer=..."``), ``"module:MODULE:FACTORY"``, or the factory;
+    ``parallelize`` and ``step`` are ``"MODULE:FUNCTION"`` or the functions (they trace the user's own model). A field
+    left ``None`` takes the default the CLI documents; the preset's own flags (``pp_schedule``,
+    ``sequence_parallel``, ``activation_checkpointing``) are refused beside a ``parallelize`` or ``step``, which
+    decide those things themselves.
+    """
+
+    world_size: int
+    model: Any = None
+    parallelize: Any = None
+    step: Any = None
+    # the mesh
+    pp: int | str | None = None
+    dp: int | str | None = None
+    cp: int | str = 1
+    tp: int | str | None = None
+    ep: int = 1
+    dp_replicate: int = 1
+    devices_per_host: int | None = None
+    device_type: str = "cuda"
+    # the job
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    dtype: str | None = None
+    dp_mode: str | None = None
+    pp_schedule: str | None = None
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    moe_load_factor: float | str | None = None
+    # the question
+    device_memory: int | str | None = None
+    rank_by: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            given = [f for f in JOB_FLAGS if getattr(self, f) not in (None, False)]
+            if given:
+                raise ValueError(f"argument --{given[0].replace('_', '-')}: describes a job; give the model too "
+                                 "(--model gpt:n_layer=...,... or --model module:package.module:factory)")
+            return
+        user = self.parallelize is not None or self.step is not None
+        if user and isinstance(self.model, str) and not self.model.startswith("module:"):
+            raise ValueError(f"--parallelize and --step trace your own model, given as --model module:MODULE:FACTORY; "
+                             f"got --model {self.model} (the GPT preset is parallelized by vemesh.models.gpt)")
+        for flag, value in (("--sequence-parallel", self.sequence_parallel),
+                            ("--activation-checkpointing", self.activation_checkpointing),
+                            ("--pp-schedule", self.pp_schedule)):
+            if value and user:
+                raise ValueError(f"{flag} is the GPT preset's; with --parallelize your function decides it")
+
+    @property
+    def searches(self) -> bool:
+        """Whether every mesh of the world size is tried: a model and a device memory, and no PP, DP or TP."""
+        return (self.model is not None and self.device_memory is not None
+                and self.pp is None and self.dp is None and self.tp is None)
+
+    @property
+    def order(self) -> str:
+        """The search order: ``rank_by``, else inter-host with ``devices_per_host``, else peak."""
+        return self.rank_by or ("inter-host" if self.devices_per_host else "peak")
+
+    def memory(self) -> int | None:
+        """``device_memory`` in bytes (a string such as ``"80GiB"`` parsed); ``ValueError`` names a bad one."""
+        if self.device_memory is None or isinstance(self.device_memory, int):
+            return self.device_memory
+        from vemesh.planning.estimate import parse_size  # torch: the request itself stays importable without it
+
+        return parse_size(self.device_memory, "--device-memory")
+
+    def job(self) -> Any:
+        """The :class:`~vemesh.planning.fit.Job`: what is trained and how, every default filled in."""
+        from vemesh.planning.fit import Job  # torch: the request itself stays importable without it
+        from vemesh.planning.routing import check_load_factor  # torch: the request itself stays importable without it
+
+        factor = check_load_factor(self.moe_load_factor) if self.moe_load_factor is not None else 1.0
+        micro = self.micro_batch_size if self.micro_batch_size is not None or not self.searches else 1
+        return Job(self.model, self.global_batch_size or 32, dtype=self.dtype or "fp32", dp_mode=self.dp_mode,
+                   micro_batch_size=micro, pp_schedule=self.pp_schedule or "1f1b",
+                   sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
+                   parallelize=self.parallelize, step=self.step, moe_load_factor=factor)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PlanRequest:
+        """The request of ``vemesh plan``'s parsed flags (each flag is the field of the same name)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
