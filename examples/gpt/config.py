@@ -14,6 +14,7 @@ import importlib.util
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from vemesh.layout import fill_sizes
+from vemesh.parallel import ParallelDims
 
 
 class ConfigError(ValueError):
@@ -38,8 +40,8 @@ DEFAULT_MESH_DIMS = {2: ("DP", "TP"), 3: ("PP", "DP", "TP")}
 
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    # --mesh-shape with its -1 filled in, for the checks here only: train.py asks the mesh, which resolves it itself
-    _shape: tuple[int, ...] = PrivateAttr(default=())
+    # the mesh's degrees and every dim they derive: the library's ParallelDims, asked, never re-derived here
+    _dims: ParallelDims | None = PrivateAttr(default=None)
 
     # ---- parallelism
     mesh_shape: tuple[int, ...] | None = Field(
@@ -256,6 +258,8 @@ class TrainConfig(BaseModel):
         self._check_model_and_batch()
         self._check_memory()
         self._check_checkpoints_and_faults()
+        replicate = self.dp_replicate if self.fsdp else 1  # HSDP's split, and EP over DP x CP: checked above by flag
+        self._dims = replace(self._dims, dp_replicate=replicate, dp_shard=self._dims.dp // replicate, ep=self.ep)
         return self
 
     def _check_device(self) -> None:
@@ -282,7 +286,12 @@ class TrainConfig(BaseModel):
         names = self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS[len(self.mesh_shape)]
         hint = "; launch with torchrun --nproc_per_node=N to use N processes" if W == 1 else ""
         shape = fill_sizes(self.mesh_shape, W, names=names, what="--mesh-shape", of="the number of processes", hint=hint)
-        self._shape = tuple(shape)
+        degrees = {n.lower(): s for n, s in zip(names, shape)}
+        degrees["dp_shard"] = degrees.pop("dp", 1)
+        try:
+            self._dims = ParallelDims(W, **degrees, mesh_dims=names)
+        except ValueError as e:
+            raise ValueError(f"--mesh-dims {','.join(names)}: {e}") from None
 
     def _check_cp(self) -> None:
         """A CP dim: the sequence splits evenly; no attention dropout; not with sequence parallelism."""
@@ -504,28 +513,32 @@ class TrainConfig(BaseModel):
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, self.local_world_size)
         return need, have
 
-    def _size(self, name: str) -> int:
-        return dict(zip(self.mesh_dim_names, self._shape)).get(name, 1)
+    @property
+    def dims(self) -> ParallelDims:
+        """The job's degrees and every dim they derive (``grad_dim``, ``dp_cp``, the HSDP split, ``EDP``), from
+        :class:`vemesh.parallel.ParallelDims`: what ``job.setup`` builds the mesh from."""
+        assert self._dims is not None, "a TrainConfig is checked when it is built"
+        return self._dims
 
     @property
     def pp_size(self) -> int:
-        return self._size("PP")
+        return self.dims.pp
 
     @property
     def dp_size(self) -> int:
-        return self._size("DP")
+        return self.dims.dp
 
     @property
     def cp_size(self) -> int:
-        return self._size("CP")
+        return self.dims.cp
 
     @property
     def tp_size(self) -> int:
-        return self._size("TP")
+        return self.dims.tp
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS[len(self.mesh_shape)]
+        return self.dims.mesh_dims
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> TrainConfig:

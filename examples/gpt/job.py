@@ -142,9 +142,7 @@ def setup(cfg: TrainConfig, dataset: ByteDataset, meter) -> Job:
         device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this host's ranks
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-    replicate = cfg.dp_replicate if cfg.fsdp else 1
-    dims = ParallelDims(cfg.world_size, pp=cfg.pp_size, dp_replicate=replicate, dp_shard=cfg.dp_size // replicate,
-                        cp=cfg.cp_size, tp=cfg.tp_size, ep=cfg.ep, mesh_dims=cfg.mesh_dim_names)
+    dims = cfg.dims
     if cfg.straggler_every:  # the summaries read torch's Flight Recorder: on before the first collective
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
     dims.build(cfg.device, VESCALE_DEVICE_MESH, timeout=cfg.timeout_s)

@@ -16,7 +16,6 @@ import torch
 
 from config import TrainConfig
 from job import Job, Step, dp_mean, print0
-from vemesh import VESCALE_DEVICE_MESH
 
 
 def step(job: Job, loop: Any, compute: Callable, agree: Callable, skip_or_stop: Callable) -> Any:
@@ -27,7 +26,7 @@ def step(job: Job, loop: Any, compute: Callable, agree: Callable, skip_or_stop: 
         print0(f"step {replicas.step + 1:5d}/{cfg.steps} | not run, retried with the next quorum: {replicas.refused}")
         job.optimizer.step()  # the vote only, down: nothing commits, and the newcomer has left
         return Step(retry=True)
-    loop.step, rows = replicas.step + 1, replica_rows(cfg, job.dp_rank, job.dp_size)
+    loop.step, rows = replicas.step + 1, replica_rows(cfg, replicas, job.dp_rank, job.dp_size)
     if replicas.change is not None:
         print0(f"fault tolerance: {replicas.change}")
     if loop.step > cfg.steps:  # healed from a peer that had finished
@@ -67,7 +66,6 @@ def join_replicas(cfg: TrainConfig, grad_dim: str, dp_size: int):
     logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # and warn that gloo has no flight recorder
     replicas = start_replicas(cfg.ft_replica_id, lighthouse=cfg.ft_lighthouse, min_replicas=cfg.ft_min_replicas,
                               device_type=cfg.device, timeout=cfg.ft_timeout_s, admits=batch_split(cfg, dp_size))
-    VESCALE_DEVICE_MESH.add_replicas(replicas)
     print0(f"fault tolerance: replica {cfg.ft_replica_id} of a torchft quorum (lighthouse "
            f"{cfg.ft_lighthouse or os.environ['TORCHFT_LIGHTHOUSE']}, at least {cfg.ft_min_replicas} per step); "
            f"gradients average over {grad_dim}, then across the live replicas (dp_replicate); the replicas split "
@@ -86,10 +84,10 @@ def batch_split(cfg: TrainConfig, dp_size: int):
     return admits
 
 
-def replica_rows(cfg: TrainConfig, dp_rank: int, dp_size: int) -> tuple[int, int, int]:
+def replica_rows(cfg: TrainConfig, replicas, dp_rank: int, dp_size: int) -> tuple[int, int, int]:
     """``(row block, blocks, passes)``: this rank's share of the global batch among the replicas of this step."""
-    n = VESCALE_DEVICE_MESH.get_strategy_size("dp_replicate")  # replicas taking part now (a count the batch
-    index = VESCALE_DEVICE_MESH.lookup_rank("dp_replicate")  # splits over: others are refused at their join)
+    n = replicas.size()  # replicas taking part now (a count the batch splits over: others are refused at their join)
+    index = replicas.index()
     blocks = n * dp_size
     rows = cfg.global_batch_size // blocks
     return index * dp_size + dp_rank, blocks, rows // cfg.micro_batch_size if cfg.micro_batch_size else 1

@@ -111,14 +111,18 @@ def main(argv: list[str] | None = None) -> int:
 def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
     """Build the mesh, the model and the optimizer, resume, train, and return the exit code."""
     job = setup(cfg, dataset, meter)
-    build_model(job)
-    build_optimizer(job)
     try:
-        start_step = resume(job)
-    except checkpoint.CheckpointError as e:
-        print_error(f"cannot resume: {e}")
-        return shutdown(cfg, 1, release=not isinstance(e, checkpoint.CheckpointLockedError))
-    return train(job, start_step)
+        build_model(job)
+        build_optimizer(job)
+        try:
+            start_step = resume(job)
+        except checkpoint.CheckpointError as e:
+            print_error(f"cannot resume: {e}")
+            return shutdown(cfg, 1, release=not isinstance(e, checkpoint.CheckpointLockedError))
+        return train(job, start_step)
+    finally:
+        if job.replicas is not None:  # leave the live replicas (torchft's manager and servers)
+            job.replicas.shutdown()
 
 
 def train(job: Job, start_step: int) -> int:
@@ -269,8 +273,6 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractCont
 
 def close_mesh() -> None:
     """Drop the mesh and its cached views, and destroy torch's process groups."""
-    if VESCALE_DEVICE_MESH.is_initialized() and VESCALE_DEVICE_MESH.replicas is not None:
-        VESCALE_DEVICE_MESH.replicas.shutdown()
     VESCALE_DEVICE_MESH.reset()
     if dist.is_initialized():
         dist.destroy_process_group()

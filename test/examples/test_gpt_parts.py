@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+
+from vemesh.parallel import ParallelDims
 from conftest import EXAMPLE, REPO, run_train
 from config import ConfigError, TrainConfig
 from data import ByteDataset, decode, encode, stdlib_corpus
@@ -53,12 +55,30 @@ def test_negative_mesh_size_needs_no_equals_sign():
         (1, ["--data", "/no/such/file.txt"], "--data: no such file"),
         (1, ["--bogus", "1"], "unrecognized arguments: --bogus 1 (see --help)"),
         (2, ["--mesh-shape", "1,2", "--sequence-parallel", "--seq-len", "33"], "--seq-len 33 must be divisible by the TP size 2"),
+        (4, ["--mesh-shape", "2,2", "--mesh-dims", "TP,DP"], "--mesh-dims TP,DP: mesh_dims ('TP', 'DP') must be distinct names among ('PP', 'DP', 'CP', 'TP'), in that order"),
     ],
 )
 def test_bad_config_names_the_flag(world, argv, message):
     with pytest.raises(ConfigError) as err:
         config(argv, world)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(("world", "argv", "expected"), [
+    (4, [], dict(pp=1, dp_shard=2, tp=2, mesh_dims=("DP", "TP"))),
+    (8, ["--mesh-shape", "2,-1,2"], dict(pp=2, dp_shard=2, tp=2, mesh_dims=("PP", "DP", "TP"))),
+    (8, ["--mesh-shape", "2,2,2", "--mesh-dims", "DP,CP,TP", "--no-cp-load-balance"],
+     dict(dp_shard=2, cp=2, tp=2, mesh_dims=("DP", "CP", "TP"))),
+    (8, ["--mesh-shape", "4,2", "--fsdp", "--dp-replicate", "2"], dict(dp_replicate=2, dp_shard=2, tp=2, mesh_dims=("DP", "TP"))),
+    (8, ["--mesh-shape", "4,2", "--moe-experts", "4", "--ep", "2"], dict(dp_shard=4, tp=2, ep=2, mesh_dims=("DP", "TP"))),
+])
+def test_the_config_asks_parallel_dims_for_every_degree(world, argv, expected):
+    """The example derives no degree itself: ``cfg.dims`` is the library's ``ParallelDims`` (what ``job.setup`` builds
+    the mesh from), and every size the config reports is read from it."""
+    cfg = config(argv, world)
+    assert cfg.dims == ParallelDims(world, **expected)
+    d = cfg.dims
+    assert (cfg.pp_size, cfg.dp_size, cfg.cp_size, cfg.tp_size, cfg.mesh_dim_names) == (d.pp, d.dp, d.cp, d.tp, d.mesh_dims)
 
 
 def test_several_problems_are_all_reported():

@@ -63,8 +63,8 @@ class MeshLayout:
             :meth:`split` make them (build layouts with those, not by hand).
         extra_factorizations: the atoms of each factorization beside the mesh dims.
         managed: names of dims outside this world whose membership changes per step (the fault-tolerant
-            replica dim of :mod:`vemesh.ft`). Every name-taking method raises ``ValueError`` for them, saying
-            which queries the mesh answers for such a dim: their rank arithmetic is not this layout's.
+            replica dim of :mod:`vemesh.ft`). Every name-taking method raises ``ValueError`` for them, naming
+            who answers for such a dim: their rank arithmetic is not this layout's.
     """
 
     shape: tuple[int, ...]
@@ -145,9 +145,10 @@ class MeshLayout:
         if isinstance(name, str) and name in self.managed:
             raise ValueError(
                 f"{name!r} is the fault-tolerant replica dim: torchft decides each step which replicas take part, and "
-                f"they are other jobs, outside this world. The mesh answers get_strategy_size({name!r}), "
-                f"lookup_rank({name!r}), get_local_rank({name!r}), size({name!r}) and get_group({name!r}) for it; it "
-                "cannot be combined with other dims, viewed as a torch DeviceMesh, flattened, split or mapped to ranks"
+                "they are other jobs, outside this world, so the mesh keeps only the name. Ask the replicas "
+                "(vemesh.ft.Replicas): replicas.size() is this step's count, replicas.index() this replica's place, "
+                "replicas.group torchft's group; the name cannot be sized, ranked, combined with other dims, viewed "
+                "as a torch DeviceMesh, flattened or split"
             )
 
     def has(self, name: object) -> bool:

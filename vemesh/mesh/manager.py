@@ -20,7 +20,8 @@ works on any mesh, unless the mesh spells the name another way (``dp``, ``dp_sha
 *structure* (``size``, ``mesh["CP"]``, ``get_group``) raise ``KeyError`` for a name the mesh lacks.
 
 This class holds the queries and a cache of torch views; start-up lives in :func:`vemesh.mesh.startup.build_mesh`,
-veScale's method names in :mod:`vemesh.mesh.vescale_names`, the fault-tolerant replica dim in :mod:`vemesh.ft`.
+veScale's method names in :mod:`vemesh.mesh.vescale_names`. The fault-tolerant replica dim (:mod:`vemesh.ft`) holds
+the mesh and answers for its own name; the mesh only reserves the name (:meth:`VeDeviceMesh.reserve`).
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         self._dim_meshes: dict[str, DeviceMesh] = {}  # name -> its 1-D torch mesh, with its process group
         self._views: dict[Any, DeviceMesh] = {}  # key as the user wrote it, or resolved names -> view
         self._submeshes: dict[tuple[tuple[str, ...], int], DeviceMesh] = {}
-        self._replicas: Any = None  # the fault-tolerant replica dim (vemesh.ft.Replicas), if any
         self._epoch = 0  # one more at every reset(): views of an older epoch are refused by the wrappers
 
     # ================================================================ set-up
@@ -194,14 +194,14 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         self._set_layout(new)
         return self._torch_view(names)
 
-    def add_replicas(self, replicas: Any) -> None:
-        """Add the fault-tolerant replica dim of :func:`vemesh.ft.start_replicas` under ``replicas.name``.
+    def reserve(self, name: str) -> None:
+        """Keep ``name`` for a dim that lives outside this mesh, until :meth:`reset` or the next init.
 
-        It lies outside this world and changes per step: its size is the step's participant count, its
-        rank this replica's index among them, its group torchft's; any other use of the name raises.
+        The fault-tolerant replica dim of :func:`vemesh.ft.start_replicas` is one: other jobs, outside this world,
+        whose membership torchft decides every step. The :class:`vemesh.ft.Replicas` answer for it; the mesh holds
+        only the name, so that every query of it (size, rank, group, view, flatten) raises saying so.
         """
-        self._set_layout(self.layout.with_managed(replicas.name))
-        self._replicas = replicas
+        self._set_layout(self.layout.with_managed(name))
 
     def get(self, **kwargs: Any) -> DeviceMesh:
         """The global torch mesh, initialized from ``kwargs`` on the first call (``get()`` before init raises)."""
@@ -230,7 +230,7 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         Views handed out before are stale from now on: vemesh's wrappers refuse them (take them again after init).
         """
         self._mesh, self._layout, self._rank, self._coordinate, self._member = None, None, -1, (), False
-        self._timeout, self._replicas = None, None
+        self._timeout = None
         self._dim_meshes, self._views, self._submeshes = {}, {}, {}
         self._epoch += 1
 
@@ -271,7 +271,7 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         """World size, or the size of a dim: ``size("TP")`` is 2 on every rank; an absent name raises ``KeyError``."""
         if dim is None:
             return self.layout.world_size
-        return self._managed(dim).size() if self._managed(dim) else self.layout.group_size(dim)
+        return self.layout.group_size(dim)
 
     def get_coordinate(self) -> tuple[int, ...]:
         """This rank's coordinate: ``(0, 1, 1)`` on rank 3, ``(1, 0, 1)`` on rank 5."""
@@ -281,7 +281,7 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
     # ======================================================== rank arithmetic
     def get_strategy_size(self, dim: Dims) -> int:
         """Size of a strategy: ``"TP"`` gives 2; ``"CP"``, absent, gives 1; ``"Tp"``, and ``"DP"`` on ``("dp", "tp")``, raise."""
-        return self._managed(dim).size() if self._managed(dim) else self.layout.group_size(dim, absent_ok=True)
+        return self.layout.group_size(dim, absent_ok=True)
 
     def get_strategy_coordinate(self, rank: int | None = None) -> list[int]:
         """Coordinate of this rank (rank 6 gets ``[1, 1, 0]``) or of any global ``rank``.
@@ -318,7 +318,7 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
 
     def lookup_rank(self, dim: Dims) -> int:
         """This rank's index along ``dim``: ``lookup_rank("DP")`` is 1 on ranks 2, 3, 6, 7 and 0 elsewhere."""
-        return self._managed(dim).index() if self._managed(dim) else self.layout.index_in_group(self._my_rank(), dim, absent_ok=True)
+        return self.layout.index_in_group(self._my_rank(), dim, absent_ok=True)
 
     def get_local_rank(self, dim: Dims | None = None) -> int:
         """This rank's index along ``dim`` (torch's meaning), or without ``dim``, its index on its host.
@@ -331,7 +331,7 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         """
         rank = self._my_rank()
         if dim is not None:
-            return self._managed(dim).index() if self._managed(dim) else self.layout.index_in_group(rank, dim)
+            return self.layout.index_in_group(rank, dim)
         if "LOCAL_RANK" in os.environ:
             return int(os.environ["LOCAL_RANK"])
         if "LOCAL_WORLD_SIZE" in os.environ:

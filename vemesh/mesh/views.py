@@ -77,8 +77,6 @@ class MeshViews:
             if self.ndim != 1:
                 raise ValueError(f"get_group() needs a dim on a {self.ndim}-D mesh; choose one of {self.layout.names}")
             return self.mesh.get_group()
-        if self._managed(dim):
-            return self._managed(dim).group
         if len(self.layout.resolve(dim)) != 1:
             raise ValueError(f"a process group runs along one dim; got {dim!r} (flatten() several dims first)")
         return self[dim].get_group()
@@ -110,11 +108,6 @@ class MeshViews:
             return None
         return self._submesh_at(view_dim, layout.group_index(neighbor, view_dim))
 
-    @property
-    def replicas(self) -> Any:
-        """The fault-tolerant replica dim (:class:`vemesh.ft.Replicas`) given by ``add_replicas``, or None."""
-        return self._replicas
-
     def hang_description(self) -> dict[str, Any]:
         """What a hang dump needs of the mesh (:mod:`vemesh.hangs`): the layout, and each group already made that
         holds this rank, by process-group name (its dim name and global ranks). No collective, no new group."""
@@ -129,10 +122,6 @@ class MeshViews:
         groups.setdefault(world.group_name, {"dim": "world", "ranks": list(range(dist.get_world_size()))})
         return {"shape": list(layout.shape), "dim_names": list(layout.dim_names), "strides": list(layout.strides),
                 "first_rank": layout.first_rank, "coordinate": list(self._coordinate), "groups": groups}
-
-    def _managed(self, dim: object) -> Any:
-        """The fault-tolerant replica dim (:mod:`vemesh.ft`) if ``dim`` names it, else None."""
-        return self._replicas if self._replicas is not None and dim == self._replicas.name else None
 
     def _dim_mesh(self, name: str) -> DeviceMesh:
         """The 1-D torch mesh of one name; flattened and split names get theirs when they are made."""

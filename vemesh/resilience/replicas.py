@@ -5,27 +5,26 @@ Each *replica* is its own job (one ``torchrun``) holding an ordinary mesh of the
 whose membership can change from one step to the next. torchft is the engine: its Lighthouse
 forms a quorum of the live replicas each step, its ``Manager`` reconfigures the process group
 that joins the same inner rank of every replica, and a replica that comes back heals from a live
-peer over the network. vemesh gives that dim a name on the mesh and makes the wrappers use it::
+peer over the network. vemesh names that dim (reserving the name on the mesh, which refuses every
+query of it: the replicas answer) and makes the wrappers use it::
 
     from vemesh.resilience.replicas import start_replicas
 
     VESCALE_DEVICE_MESH.init_device_mesh("cpu", (1, 2), mesh_dim_names=("DP", "TP"))
-    replicas = start_replicas(replica_id=0, lighthouse="http://lighthouse-host:29510")
-    VESCALE_DEVICE_MESH.add_replicas(replicas)              # answers for "dp_replicate"
+    replicas = start_replicas(replica_id=0, lighthouse="http://lighthouse-host:29510")   # "dp_replicate"
     model = DistributedDataParallel(model, VESCALE_DEVICE_MESH["DP"], replicas=replicas)
     opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=3e-4)
     replicas.track(model, opt)                              # what a returning replica heals from
     while replicas.step < steps:
         opt.zero_grad()                                     # this step's quorum (and healing, if behind)
-        n = VESCALE_DEVICE_MESH.get_strategy_size("dp_replicate")   # replicas taking part now
-        i = VESCALE_DEVICE_MESH.lookup_rank("dp_replicate")         # this replica's index among them
+        n = replicas.size()                                 # replicas taking part now
+        i = replicas.index()                                # this replica's index among them
         loss_fn(model(rows_of(batch, i, n)), ...).backward()       # mean over DP, then over the replicas
         opt.step()                                          # commits only if every replica's reduce succeeded
 
 The quorum is synchronous (torchft's ``use_async_quorum=False``): it is known before the data is
 chosen, and a healed replica takes part in the very step it healed in. Between a commit and the
-next quorum, ``get_strategy_size``/``lookup_rank`` of the replica dim raise instead of answering
-from a quorum that may no longer hold.
+next quorum, ``size()``/``index()`` raise instead of answering from a quorum that may no longer hold.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vemesh.mesh.manager import VESCALE_DEVICE_MESH
 from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.resilience.join import join_refusal
 
@@ -104,17 +104,27 @@ class Replicas:
     Args:
         manager: torchft's ``Manager`` of this replica group.
         replica_id: this replica's number (torchft's replica id is its decimal string).
-        name: the mesh name of the dim.
+        name: the dim's name, reserved on ``mesh``.
+        admits: see :func:`start_replicas`.
+        mesh: the mesh of this replica's inner dims (a :class:`~vemesh.mesh.manager.VeDeviceMesh`, initialized), on
+            which ``name`` is reserved: the replicas answer for it (:meth:`size`, :meth:`index`, :attr:`group`), and
+            the mesh refuses every query of it. None: no mesh is told.
     """
 
     def __init__(self, manager: Any, replica_id: int, name: str = "dp_replicate",
-                 admits: Callable[[int], str | None] | None = None) -> None:
+                 admits: Callable[[int], str | None] | None = None, mesh: Any = None) -> None:
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError("the torchft Manager must be built with use_async_quorum=False: the quorum decides "
                              "which rows of the global batch this replica takes, so it must be known before the data")
         self.manager = manager
         self.replica_id = int(replica_id)
         self.name = name
+        #: The mesh whose ``name`` these replicas hold (None if none was given).
+        self.mesh = mesh
+        #: The TCPStore :func:`start_replicas` started for a job of one process (torchrun's otherwise), else None.
+        self.store: Any = None
+        if mesh is not None:
+            mesh.reserve(name)
         self._fresh = False  # a quorum for the step in flight is known
         #: torchft's vote on the step in flight: None before :meth:`should_commit`, then True or False.
         self.vote: bool | None = None
@@ -287,6 +297,7 @@ def start_replicas(
     connect_timeout: float | None = None,
     max_retries: int = 3,
     admits: Callable[[int], str | None] | None = None,
+    mesh: Any = None,
 ) -> Replicas:
     """Join the live replicas through torchft: build its process group and ``Manager`` for this replica.
 
@@ -296,7 +307,9 @@ def start_replicas(
         replica_id: this replica's number, distinct per replica (0, 1, ...).
         lighthouse: the lighthouse's address, ``http://host:29510``; defaults to ``TORCHFT_LIGHTHOUSE``.
         min_replicas: the fewest replicas a step may commit with.
-        name: the mesh name of the dim (``dp_replicate``).
+        name: the dim's name (``dp_replicate``), reserved on the mesh.
+        mesh: the mesh of this replica's inner dims (default: ``VESCALE_DEVICE_MESH``), which must be initialized.
+            The replicas answer for ``name`` (:meth:`Replicas.size`, :meth:`Replicas.index`); the mesh refuses it.
         device_type: ``cpu`` (gloo across replicas) or ``cuda`` (nccl).
         timeout: seconds any cross-replica collective, commit vote or healing transfer may take.
         quorum_timeout: seconds to wait for a quorum (default ``timeout``): a replica that never joins,
@@ -340,10 +353,15 @@ def start_replicas(
     if refusal[0] is not None:
         raise ReplicaError(refusal[0])
     store_addr, store_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    mesh = VESCALE_DEVICE_MESH if mesh is None else mesh
+    if not mesh.is_initialized():
+        raise RuntimeError("start_replicas: build the mesh of this replica's own ranks first "
+                           "(VESCALE_DEVICE_MESH.init_device_mesh(...)); the replicas reserve their dim's name on it")
+    mesh.layout.with_managed(name)  # a name the mesh already has raises here, before this replica joins
+    store = None
     if store_addr is None or store_port is None:  # a plain `python train.py`: a store of our own
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         store_addr, store_port = "127.0.0.1", str(store.port)
-        _STORES.append(store)
     pg_class = torchft.process_group.ProcessGroupGloo if device_type == "cpu" else torchft.process_group.ProcessGroupNCCL
     pg = _recording(pg_class)(timeout=timedelta(seconds=timeout))
     seconds = lambda s: timedelta(seconds=timeout if s is None else s)  # noqa: E731
@@ -359,7 +377,6 @@ def start_replicas(
             f"{seconds(connect_timeout).total_seconds():g}s; is it running (torchft_lighthouse --min_replicas 1 --bind "
             f"[::]:PORT) and reachable from this host? torchft says: {str(e).splitlines()[0]}"
         ) from e
-    return Replicas(manager, replica_id, name, admits)
-
-
-_STORES: list[Any] = []  # stores started for one-process replicas, alive as long as the process
+    replicas = Replicas(manager, replica_id, name, admits, mesh=mesh)
+    replicas.store = store  # a store of our own lives as long as the replicas that use it
+    return replicas

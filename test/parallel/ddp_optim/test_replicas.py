@@ -15,6 +15,7 @@ from torch import nn
 
 pytest.importorskip("torchft")
 
+from vemesh import VESCALE_DEVICE_MESH  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
 from vemesh.ft import QuorumChange, ReplicaError, Replicas, start_replicas  # noqa: E402
 from vemesh.optim import DistributedOptimizer  # noqa: E402
@@ -215,5 +216,13 @@ def test_start_replicas_names_each_bad_argument(world, monkeypatch) -> None:
     for kwargs, piece in cases:
         with pytest.raises(ValueError, match=piece):
             start_replicas(**kwargs)
-    with pytest.raises(ReplicaError, match="cannot join the replicas through the torchft lighthouse at http://localhost:1"):
+    with pytest.raises(RuntimeError, match="start_replicas: build the mesh of this replica's own ranks first"):
         start_replicas(0, lighthouse="http://localhost:1", connect_timeout=1)
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (1,), mesh_dim_names=("DP",))
+    try:
+        with pytest.raises(ValueError, match="'DP' is already a dim of this mesh"):
+            start_replicas(0, lighthouse="http://localhost:1", name="DP")
+        with pytest.raises(ReplicaError, match="cannot join the replicas through the torchft lighthouse at http://localhost:1"):
+            start_replicas(0, lighthouse="http://localhost:1", connect_timeout=1)
+    finally:
+        VESCALE_DEVICE_MESH.reset()
