@@ -19,8 +19,10 @@ works on any mesh, unless the mesh spells the name another way (``dp``, ``dp_sha
 :func:`vemesh.layout.names.other_spellings`); then they raise ``KeyError`` naming it. Questions about
 *structure* (``size``, ``mesh["CP"]``, ``get_group``) raise ``KeyError`` for a name the mesh lacks.
 
-This class holds the queries and a cache of torch views; start-up lives in :func:`vemesh.mesh.startup.build_mesh`,
-veScale's method names in :mod:`vemesh.mesh.vescale_names`. The fault-tolerant replica dim (:mod:`vemesh.ft`) holds
+This class holds the layout and this rank's place in it, and answers the queries; it owns one
+:class:`~vemesh.mesh.views.TorchViews` per epoch (torch's meshes, their groups and caches). Start-up lives in
+:func:`vemesh.mesh.startup.build_mesh`, the display and the hang watch's hooks in :mod:`vemesh.mesh.debug`, and
+veScale's method names (over the public queries only) in :mod:`vemesh.mesh.vescale_names`. The fault-tolerant replica dim (:mod:`vemesh.ft`) holds
 the mesh and answers for its own name; the mesh only reserves the name (:meth:`VeDeviceMesh.reserve`).
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -35,11 +38,12 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from vemesh.mesh.vescale_names import VeScaleAliases
-from vemesh.layout.mesh_layout import Dims, MeshLayout, as_index
+import vemesh.mesh.debug as debug
+from vemesh.layout.mesh_layout import Dims, MeshLayout
+from vemesh.mesh.queries import LayoutQueries
 from vemesh.mesh.startup import apply_timeout, build_mesh
-from vemesh.mesh.debug import MeshDebug
-from vemesh.mesh.views import MeshViews
+from vemesh.mesh.vescale_names import VeScaleAliases
+from vemesh.mesh.views import TorchViews
 
 __all__ = ["VeDeviceMesh", "VESCALE_DEVICE_MESH"]
 
@@ -51,7 +55,7 @@ _NOT_INITIALIZED = (
 )
 
 
-class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
+class VeDeviceMesh(LayoutQueries, VeScaleAliases):
     """A manager for one global torch ``DeviceMesh`` plus rank arithmetic for any rank.
 
     ``VESCALE_DEVICE_MESH`` is the process-wide instance; ``VeDeviceMesh()``
@@ -60,15 +64,12 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
     """
 
     def __init__(self) -> None:
-        self._mesh: DeviceMesh | None = None
+        self._torch: TorchViews | None = None  # torch's meshes of this epoch, with their groups and caches
         self._layout: MeshLayout | None = None
         self._rank = -1
         self._coordinate: tuple[int, ...] = ()
         self._member = False  # whether this rank is in the mesh (a mesh may cover part of the world)
         self._timeout: timedelta | None = None  # given to every group this mesh creates
-        self._dim_meshes: dict[str, DeviceMesh] = {}  # name -> its 1-D torch mesh, with its process group
-        self._views: dict[Any, DeviceMesh] = {}  # key as the user wrote it, or resolved names -> view
-        self._submeshes: dict[tuple[tuple[str, ...], int], DeviceMesh] = {}
         self._epoch = 0  # one more at every reset(): views of an older epoch are refused by the wrappers
 
     # ================================================================ set-up
@@ -120,24 +121,26 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         same arguments: on a real backend a mismatch raises ``ValueError`` on
         every rank instead of hanging in group creation.
         """
-        if check_uniqueness and self._mesh is not None:
+        if check_uniqueness and self._torch is not None:
             raise RuntimeError(
                 f"the device mesh is already initialized as {self!r}; call reset() first "
                 "or pass check_uniqueness=False to replace it"
             )
-        hang_dir = self._hang_dir(hang_dir)
+        hang_dir = debug.hang_dir(hang_dir)
         mesh, layout, group_timeout = build_mesh(
             device_type, mesh_shape, mesh_dim_names, timeout, backend_override, rank_offset
         )
         self.reset()
-        self._mesh, self._timeout, self._rank = mesh, group_timeout, dist.get_rank()
+        self._timeout, self._rank = group_timeout, dist.get_rank()
+        self._torch = TorchViews(mesh, self._stamp, self._track)
         self._set_layout(layout)
-        self._stamp(mesh)
         if log_layout is None:
             log_layout = os.environ.get("VEMESH_LOG_LAYOUT", "0") not in ("", "0")
         if log_layout and self._rank == 0:
-            self._log_layout()
-        self._watch_hangs(hang_dir)  # after the layout: the dumps describe the mesh
+            debug.log_layout(self)
+        if hang_dir is not None:  # after the layout: the dumps describe the mesh
+            timeout_s = (group_timeout or dist.default_pg_timeout).total_seconds()
+            debug.watch_hangs(hang_dir, timeout_s, self.hang_description)
         return mesh
 
     def flatten(self, dims: Dims, name: str | None = None) -> DeviceMesh:
@@ -150,15 +153,13 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         ``dp_replicate`` and ``dp_shard_cp``), as long as they run in mesh order. Every rank
         must call it (it creates a process group).
         """
-        layout = self.layout
+        layout, views = self.layout, self._views()
         flat = layout.flatten(dims, name)
         name = layout.flat_name(dims, name)
         if flat is not layout:
-            mesh = self._torch_view(layout.resolve((dims,) if isinstance(dims, (str, int)) else dims))._flatten(name)
-            self._track([mesh.get_group()])
-            self._dim_meshes[name] = self._stamp(mesh)
+            views.flatten(layout.resolve((dims,) if isinstance(dims, (str, int)) else dims), name)
             self._set_layout(flat)
-        return self._dim_mesh(name)
+        return views.dim_mesh(name)
 
     def split(self, dim: str, names: Sequence[str], sizes: Sequence[int]) -> DeviceMesh:
         """Divide a dim into several with torch's ``_unflatten``; ``dim`` keeps answering as before.
@@ -179,20 +180,12 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
             The torch mesh of the new dims: ``DeviceMesh([[1, 5], [3, 7]])`` with dims
             ``("dp_replicate", "dp_shard")`` on rank 5 for the first example.
         """
-        layout = self.layout
+        layout, views = self.layout, self._views()
         new = layout.split(dim, names, sizes)
         names, sizes = tuple(names), tuple(sizes)
-        if dim in layout.dim_names:  # the torch mesh itself gets the finer dims
-            self._dim_mesh(dim)  # keep the dim's own 1-D mesh and group: it answers for the name from now on
-            unflat = self.mesh._unflatten(layout.dim_index(dim), sizes, names)
-            self._mesh = unflat
-        else:
-            unflat = self._dim_mesh(dim)._unflatten(0, sizes, names)
-        parts = {n: self._stamp(unflat[n]) for n in names}
-        self._track([m.get_group() for m in parts.values()])
-        self._dim_meshes.update(parts)
+        views.split(dim, layout.dim_index(dim) if dim in layout.dim_names else None, names, sizes)
         self._set_layout(new)
-        return self._torch_view(names)
+        return views.torch_view(names)
 
     def reserve(self, name: str) -> None:
         """Keep ``name`` for a dim that lives outside this mesh, until :meth:`reset` or the next init.
@@ -205,15 +198,15 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
 
     def get(self, **kwargs: Any) -> DeviceMesh:
         """The global torch mesh, initialized from ``kwargs`` on the first call (``get()`` before init raises)."""
-        if self._mesh is None:
+        if self._torch is None:
             if not kwargs:
                 raise RuntimeError(_NOT_INITIALIZED)
             return self.init_device_mesh(**kwargs)
-        return self._mesh
+        return self._torch.mesh
 
     def is_initialized(self) -> bool:
         """Whether :meth:`init_device_mesh` has run (and :meth:`reset` has not since)."""
-        return self._mesh is not None
+        return self._torch is not None
 
     @property
     def epoch(self) -> int:
@@ -229,18 +222,15 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
 
         Views handed out before are stale from now on: vemesh's wrappers refuse them (take them again after init).
         """
-        self._mesh, self._layout, self._rank, self._coordinate, self._member = None, None, -1, (), False
+        self._torch, self._layout, self._rank, self._coordinate, self._member = None, None, -1, (), False
         self._timeout = None
-        self._dim_meshes, self._views, self._submeshes = {}, {}, {}
         self._epoch += 1
 
     # ============================================================= the mesh
     @property
     def mesh(self) -> DeviceMesh:
         """The global torch ``DeviceMesh`` (the same on every rank)."""
-        if self._mesh is None:
-            raise RuntimeError(_NOT_INITIALIZED)
-        return self._mesh
+        return self._views().mesh
 
     @property
     def layout(self) -> MeshLayout:
@@ -253,116 +243,91 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
     def device_type(self) -> str:
         return self.mesh.device_type
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Sizes per dim: ``(2, 2, 2)`` on every rank of the example mesh."""
-        return self.layout.shape
+    # ================================================================ views
+    def __getitem__(self, dims: Dims) -> DeviceMesh:
+        """The cached torch view of this rank's submesh along ``dims``.
 
-    @property
-    def ndim(self) -> int:
-        return self.layout.ndim
-
-    @property
-    def mesh_dim_names(self) -> tuple[str, ...]:
-        """``("PP", "DP", "TP")`` on every rank of the example mesh."""
-        return self.layout.dim_names
-
-    def size(self, dim: Dims | None = None) -> int:
-        """World size, or the size of a dim: ``size("TP")`` is 2 on every rank; an absent name raises ``KeyError``."""
-        if dim is None:
-            return self.layout.world_size
-        return self.layout.group_size(dim)
-
-    def get_coordinate(self) -> tuple[int, ...]:
-        """This rank's coordinate: ``(0, 1, 1)`` on rank 3, ``(1, 0, 1)`` on rank 5."""
-        self._my_rank()
-        return self._coordinate
-
-    # ======================================================== rank arithmetic
-    def get_strategy_size(self, dim: Dims) -> int:
-        """Size of a strategy: ``"TP"`` gives 2; ``"CP"``, absent, gives 1; ``"Tp"``, and ``"DP"`` on ``("dp", "tp")``, raise."""
-        return self.layout.group_size(dim, absent_ok=True)
-
-    def get_strategy_coordinate(self, rank: int | None = None) -> list[int]:
-        """Coordinate of this rank (rank 6 gets ``[1, 1, 0]``) or of any global ``rank``.
-
-        ``get_strategy_coordinate(5)`` is ``[1, 0, 1]`` whichever rank asks.
+        ``VESCALE_DEVICE_MESH["TP"]`` is ``DeviceMesh([4, 5])`` on rank 5 and ``[2, 3]`` on
+        rank 3; ``["DP", "TP"]`` is ``[[4, 5], [6, 7]]`` on rank 5. A repeated lookup returns
+        the same object from a dict (torch's own slicing rebuilds one each call).
         """
-        if rank is None:
-            self._my_rank()
-            return list(self._coordinate)
-        return list(self.layout.coordinate(rank))
+        views = self._views()
+        found = views.cached(dims)
+        if found is not None:
+            return found
+        self.get_rank()  # a rank outside a mesh over part of the world has no view of it
+        names = self.layout.resolve(dims)
+        if not names:
+            raise ValueError(f"a view needs at least one dim; got {dims!r}")
+        return views.view(dims, names)
 
-    def get_global_rank(self, coordinate: Sequence[int] | Mapping[Dims, int]) -> int:
-        """Global rank at a coordinate: the inverse of :meth:`get_strategy_coordinate`.
+    def get_optional_mesh(self, dims: Dims) -> DeviceMesh | None:
+        """Like ``mesh[dims]`` but None for an absent standard strategy: ``get_optional_mesh("CP")`` is None."""
+        if not self.layout.resolve(dims, absent_ok=True):
+            return None
+        return self[dims]
 
-        Args:
-            coordinate: a full coordinate (``[1, 0, 1]`` -> 5 on every rank), or a mapping
-                by name (any name: a mesh dim, a flattened or a split one) whose missing dims
-                keep this rank's place: ``{"PP": 1}`` is this rank's counterpart in stage 1
-                (rank 2 gets 6, rank 3 gets 7).
+    def get_group(self, dim: Dims | None = None) -> dist.ProcessGroup:
+        """This rank's process group along one dim (a mesh dim, a flattened or a split one).
+
+        ``get_group("TP")`` holds ranks ``[4, 5]`` on rank 5; ``get_group("DP")`` holds
+        ``[1, 3]`` on rank 1. ``dim`` may be omitted on a 1-D mesh.
+        """
+        if dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_group() needs a dim on a {self.ndim}-D mesh; choose one of {self.layout.names}")
+            return self.mesh.get_group()
+        if len(self.layout.resolve(dim)) != 1:
+            raise ValueError(f"a process group runs along one dim; got {dim!r} (flatten() several dims first)")
+        return self[dim].get_group()
+
+    def get_submeshes(self, dims: Dims) -> list[DeviceMesh]:
+        """Every submesh along ``dims``: the world partitioned, ordered by the other dims.
+
+        ``get_submeshes("TP")`` is ``[[0, 1], [2, 3], [4, 5], [6, 7]]`` on every rank. The
+        submesh holding this rank is the cached view, with its process group; the others
+        are layout-only meshes (no process group is created for them).
         """
         layout = self.layout
-        if type(coordinate) is tuple or type(coordinate) is list:
-            return layout.rank(coordinate)
-        if isinstance(coordinate, Mapping):
-            rank = self._my_rank()  # missing dims keep this rank's place
-            for dim, index in coordinate.items():
-                size = layout.group_size(dim)
-                index = as_index(index, f"coordinate entry {dim!r}")
-                if not 0 <= index < size:
-                    raise ValueError(f"coordinate {dict(coordinate)}: {dim}={index} is out of range; valid: 0..{size - 1}")
-                rank = layout.member(rank, dim, index)
-            return rank
-        return layout.rank(coordinate)  # checks it is a sequence of integers
+        count = layout.world_size // layout.group_size(dims)
+        return [self._submesh_at(dims, i) for i in range(count)]
 
-    def lookup_rank(self, dim: Dims) -> int:
-        """This rank's index along ``dim``: ``lookup_rank("DP")`` is 1 on ranks 2, 3, 6, 7 and 0 elsewhere."""
-        return self.layout.index_in_group(self._my_rank(), dim, absent_ok=True)
+    def get_neighbor_submesh(self, view_dim: Dims, along: Dims, offset: int = 1, wrap: bool = False) -> DeviceMesh | None:
+        """The ``view_dim`` submesh ``offset`` steps ``along`` another dim, or None past the edge.
 
-    def get_local_rank(self, dim: Dims | None = None) -> int:
-        """This rank's index along ``dim`` (torch's meaning), or without ``dim``, its index on its host.
-
-        ``get_local_rank("TP")`` is what torch's ``mesh.get_local_rank("TP")`` gives: 1 on
-        rank 5; a name the mesh does not have raises ``KeyError``, as in torch.
-
-        ``get_local_rank()`` is torchrun's ``LOCAL_RANK`` (else ``rank % LOCAL_WORLD_SIZE``, else the global
-        rank): with 4 devices per host rank 5 gets 1. Unlike veScale, no coordinate is found from it.
+        ``get_neighbor_submesh("TP", along="PP")`` is the TP submesh of the next pipeline stage
+        with the same other coordinates: ``[4, 5]`` on ranks 0 and 1, ``[6, 7]`` on rank 2,
+        None on ranks 4..7 (``[0, 1]`` on rank 4 with ``wrap=True``).
         """
-        rank = self._my_rank()
-        if dim is not None:
-            return self.layout.index_in_group(rank, dim)
-        if "LOCAL_RANK" in os.environ:
-            return int(os.environ["LOCAL_RANK"])
-        if "LOCAL_WORLD_SIZE" in os.environ:
-            return rank % int(os.environ["LOCAL_WORLD_SIZE"])
-        return rank
+        layout = self.layout
+        view = {a for n in layout.resolve(view_dim) for a in layout.named(n).parts}
+        if view & {a for n in layout.resolve(along, absent_ok=True) for a in layout.named(n).parts}:
+            raise ValueError(f"along={along!r} must be a dim outside view_dim={view_dim!r}")
+        neighbor = self.get_neighbor_rank(along, offset, wrap)
+        if neighbor is None:
+            return None
+        return self._submesh_at(view_dim, layout.group_index(neighbor, view_dim))
 
-    def to_global_rank(self, local_rank: int, dim: Dims) -> int:
-        """Global rank of member ``local_rank`` of this rank's group along ``dim``.
+    # ============================================================ debugging
+    def describe(self, rank: int | None = None, devices_per_host: int | None = None) -> str:
+        """The layout as text: the rank grid, the groups along every name, and ``rank``'s view.
 
-        ``to_global_rank(1, "PP")`` is 5 on rank 1 and 7 on rank 3; ``to_global_rank(0, "TP")``
-        is 4 on rank 5. A ``local_rank`` outside ``0..size-1`` raises ``ValueError``.
+        ``rank`` defaults to this rank. ``devices_per_host`` defaults to torchrun's ``LOCAL_WORLD_SIZE`` when set.
         """
-        return self.layout.member(self._my_rank(), dim, local_rank, absent_ok=True)
+        return debug.describe(self.layout, self.get_rank() if rank is None else rank, devices_per_host)
 
-    def to_local_rank(self, global_rank: int, dim: Dims) -> int:
-        """Index of any ``global_rank`` inside its own group along ``dim``.
+    def mark_step(self, step: int) -> None:
+        """Tell the hang watch which training step this rank is on (call it at the top of each step).
 
-        ``to_local_rank(6, "DP")`` is 1 and ``to_local_rank(6, "TP")`` is 0 on every rank.
+        ``vemesh diagnose`` then says the step of each collective ("DP all-reduce #42 at step 57").
+        Straggler reports then give the time a rank held each group up per step. Costs a list append.
         """
-        return self.layout.index_in_group(global_rank, dim, absent_ok=True)
+        debug.mark_step(step)
 
-    def get_neighbor_rank(self, dim: Dims, offset: int = 1, wrap: bool = False) -> int | None:
-        """Global rank ``offset`` steps along ``dim`` from this rank, or None past the edge.
-
-        ``get_neighbor_rank("PP")`` is 4 on rank 0 and None on rank 4 (4 gets 0 with
-        ``wrap=True``); ``get_neighbor_rank("PP", -1)`` is 1 on rank 5.
-        """
-        offset = as_index(offset, "a neighbor offset")
-        if not isinstance(wrap, bool):
-            raise TypeError(f"wrap must be True or False; got {wrap!r}")
-        return self.layout.neighbor(self._my_rank(), dim, offset, wrap, absent_ok=True)
+    def hang_description(self) -> dict[str, Any]:
+        """What a hang dump needs of the mesh (:mod:`vemesh.hangs`): the layout, and each group already made that
+        holds this rank, by process-group name (its dim name and global ranks). No collective, no new group."""
+        return debug.hang_description(self.layout, self._coordinate, self._views(), self._member)
 
     def __repr__(self) -> str:
         if self._layout is None:
@@ -377,15 +342,33 @@ class VeDeviceMesh(MeshViews, MeshDebug, VeScaleAliases):
         self._layout = layout
         self._member = layout.first_rank <= self._rank < layout.first_rank + layout.world_size
         self._coordinate = layout.coordinate(self._rank) if self._member else ()
-        self._views, self._submeshes = {}, {}
+        self._views().forget()
+
+    def _submesh_at(self, dims: Dims, index: int) -> DeviceMesh:
+        """Submesh number ``index`` along ``dims`` (see :meth:`MeshLayout.all_groups`), cached."""
+        layout = self.layout
+        names = layout.resolve(dims)
+        mine = self._member and layout.group_index(self._rank, names) == index
+        return self._views().submesh_at(layout, names, index, mine)
+
+    def _views(self) -> TorchViews:
+        if self._torch is None:
+            raise RuntimeError(_NOT_INITIALIZED)
+        return self._torch
+
+    def _stamp(self, mesh: DeviceMesh) -> DeviceMesh:
+        """Mark ``mesh`` as this manager's, of this epoch, so that the wrappers refuse it after a reset or re-init."""
+        mesh._vemesh_epoch = (weakref.ref(self), self._epoch)  # type: ignore[attr-defined]
+        return mesh
 
     def _track(self, groups: list[dist.ProcessGroup]) -> None:
         """Give groups this mesh created after init the mesh's timeout."""
         if self._timeout is not None and dist.get_backend() != "fake":
             apply_timeout([g for g in groups if g is not None], self._timeout)
 
-    def _my_rank(self) -> int:
-        if self._mesh is None:
+    def get_rank(self) -> int:
+        """This rank's global rank; ``RuntimeError`` before init, or on a rank outside a mesh over part of the world."""
+        if self._torch is None:
             raise RuntimeError(_NOT_INITIALIZED)
         if not self._member:
             first, n = self.layout.first_rank, self.layout.world_size

@@ -9,11 +9,9 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from collections.abc import Iterable
-from datetime import timedelta
-
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
