@@ -6,12 +6,13 @@
 * :mod:`~vemesh.parallel.optim` (also ``vemesh.optim``): the ZeRO-1 optimizer and clipping across meshes;
 * :func:`context_parallel` (:mod:`~vemesh.parallel.context`): torch's context manager, ring attention over the CP group;
 * :class:`ExpertParallel` (:mod:`~vemesh.parallel.experts`): a torch ``ParallelStyle`` for grouped experts over EP;
+  :class:`ExpertTensorParallel`, each expert also split over TP (on ``mesh["EP", "TP"]``);
 * :func:`fully_shard` (:mod:`~vemesh.parallel.fsdp`): torch's FSDP2 on the mesh's FSDP dims, experts on EDP.
 """
 
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.parallel.context import context_parallel
-from vemesh.parallel.experts import ExpertParallel
+from vemesh.parallel.experts import ExpertParallel, ExpertTensorParallel
 from vemesh.parallel.fsdp import fully_shard
 
-__all__ = ["ExpertParallel", "ParallelDims", "context_parallel", "fully_shard"]
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "ParallelDims", "context_parallel", "fully_shard"]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
@@ -25,7 +25,8 @@ import llama  # noqa: E402
 from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
 from vemesh.optim import DistributedOptimizer  # noqa: E402
-from vemesh.parallel import ExpertParallel, ParallelDims, context_parallel, fully_shard  # noqa: E402
+from vemesh.parallel import (ExpertParallel, ExpertTensorParallel, ParallelDims, context_parallel,  # noqa: E402
+                             fully_shard)
 
 STEPS, BATCH, SEQ, LR = 3, 4, 32, 1e-3
 EPS = 1e-6  # AdamW turns a rounding difference in a near-zero gradient into a step of lr: bound it
@@ -57,7 +58,12 @@ def train(dims: ParallelDims, moe: int, wrap: str, optimizer: str = "adamw", ac:
     if ac:  # activation checkpointing of every block (non-reentrant): backward recomputes SDPA, inside the context
         for block in model.layers.values():
             block.forward = functools.partial(checkpoint, type(block).forward, block, use_reentrant=False)
-    if dims.ep > 1:  # each EP rank keeps E / EP experts of every block; tokens travel over mesh["EP"]
+    if dims.tp > 1:  # attention over TP (torch's plan); each expert split over TP inside its EP rank (expert TP)
+        for block in model.layers.values():
+            parallelize_module(block, mesh["TP"], {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                                                   "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel()})
+            parallelize_module(block.feed_forward.experts, mesh["EP", "TP"], ExpertTensorParallel())
+    elif dims.ep > 1:  # each EP rank keeps E / EP experts of every block; tokens travel over mesh["EP"]
         for block in model.layers.values():
             parallelize_module(block.feed_forward.experts, mesh["EP"], ExpertParallel())
     rope = [model.rope_cos, model.rope_sin]
@@ -118,6 +124,9 @@ CASES_4 = {  # name: (degrees, MoE experts, wrapper, optimizer[, activation chec
     "ep2-over-dp4-fsdp2": (dict(ep=2), 4, "fsdp", "adamw"),
     "cp2-ep2-ddp": (dict(cp=2, ep=2), 4, "ddp", "adamw"),
     "cp2-ep2-fsdp2": (dict(cp=2, ep=2), 4, "fsdp", "adamw"),
+    "ep2-tp2-expert-tp-ddp": (dict(tp=2, ep=2), 4, "ddp", "adamw"),
+    "ep2-tp2-expert-tp-zero1": (dict(tp=2, ep=2), 4, "ddp", "zero1"),
+    "ep2-tp2-expert-tp-fsdp2": (dict(tp=2, ep=2), 4, "fsdp", "adamw"),
 }
 CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw")}
 

@@ -2,7 +2,8 @@
 
 A small Llama-style model (``test/models/llama.py``: RMSNorm, RoPE from cos/sin buffers, SwiGLU, grouped-query
 SDPA) and its MoE variant with grouped experts, trained 3 steps on real gloo ranks: ``context_parallel`` with
-CP=2 and DP=2 x CP=2, ``ExpertParallel`` with EP=2 folded over DP=4, CP=2 and EP=2 together, gradients reduced
+CP=2 and DP=2 x CP=2, ``ExpertParallel`` with EP=2 folded over DP=4, CP=2 and EP=2 together, expert TP
+(``ExpertTensorParallel`` on EP=2 x TP=2, attention over TP), gradients reduced
 by vemesh's DDP at its defaults (over ``dp_cp``, experts over EDP by themselves), ZeRO-1, and FSDP2
 (``vemesh.parallel.fully_shard``). Every step's loss and every final parameter is within 1e-5 of one process.
 What ``context_parallel`` cannot compute exactly is refused (fake backend, every rank).

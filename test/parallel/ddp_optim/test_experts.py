@@ -112,3 +112,31 @@ def test_bad_expert_arguments_fail_before_any_collective(fake4):
         DDP(model, dist.new_group([0, 1]), expert_data_parallel=edp, expert_parameters=experts)
     with pytest.raises(ValueError, match="expert_parameters is empty"):
         DDP(Toy(), expert_data_parallel=edp, expert_parameters=[])
+
+
+def test_expert_tensor_parallel_refuses_what_it_cannot_split(fake4):
+    """``ExpertTensorParallel`` needs the 2-D EP x TP view, parameters it can split over TP, and names it knows."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from vemesh import VESCALE_DEVICE_MESH as mesh
+    from vemesh.parallel import ExpertTensorParallel, ParallelDims
+
+    class Grouped(nn.Module):
+        def __init__(self, hidden: int = 8) -> None:
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.zeros(4, hidden, 4)), nn.Parameter(torch.zeros(4, 4, hidden))
+
+    ParallelDims(4, dp_shard=2, tp=2, ep=2).build("cpu", mesh)
+    try:
+        with pytest.raises(ValueError, match=r"needs the 2-D mesh of EP and TP, VESCALE_DEVICE_MESH\['EP', 'TP'\]"):
+            parallelize_module(Grouped(), mesh["EP"], ExpertTensorParallel())
+        with pytest.raises(ValueError, match=r"w1 \(4, 3, 4\) cannot split dim 1 over TP 2"):
+            parallelize_module(Grouped(hidden=3), mesh["EP", "TP"], ExpertTensorParallel())
+        with pytest.raises(ValueError, match=r"tp_dims names \['w3'\], which Grouped does not have"):
+            parallelize_module(Grouped(), mesh["EP", "TP"], ExpertTensorParallel({"w1": 1, "w3": 1}))
+        experts = parallelize_module(Grouped(), mesh["EP", "TP"], ExpertTensorParallel())
+        assert experts.w1.to_local().shape == (2, 4, 4) and experts.w2.to_local().shape == (2, 4, 4)
+        with pytest.raises(ValueError, match="already expert-parallel; apply ExpertTensorParallel once"):
+            parallelize_module(experts, mesh["EP", "TP"], ExpertTensorParallel())
+    finally:
+        mesh.reset()

@@ -31,15 +31,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from vemesh.mesh.views import check_view
 from vemesh.parallel.experts.exchange import combine, dispatch
 
-__all__ = ["EXPERT", "ExpertParallel", "is_expert", "expert_modules"]
+__all__ = ["EXPERT", "ExpertParallel", "ExpertTensorParallel", "TITAN_TP_DIMS", "is_expert", "expert_modules"]
+
+#: torchtitan's grouped experts, split over TP as Megatron splits an MLP: ``w1``/``w3`` ``[E, H, D]`` by their hidden
+#: rows (dim 1, column-parallel), ``w2 [E, D, H]`` by its hidden columns (dim 2, row-parallel); ``b1``/``b3``
+#: ``[E, H]`` with their rows. Any other parameter (``b2 [E, D]``) is added to the output, whole on every TP rank.
+TITAN_TP_DIMS: dict[str, int] = {"w1": 1, "w3": 1, "w2": 2, "b1": 1, "b3": 1}
 
 #: The attribute ExpertParallel sets on each parameter it shards, and on the module it wraps.
 EXPERT = "_vemesh_expert_parallel"
@@ -56,13 +62,15 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def _local_weights(module: nn.Module) -> Iterator[None]:
-    """The module's DTensor parameters as their local shards for one forward (differentiable: ``to_local``)."""
+def _local_weights(module: nn.Module, change: Any = None) -> Iterator[None]:
+    """The module's DTensor parameters as their local shards for one forward (differentiable: ``to_local``), each
+    passed through ``change(name, tensor)`` when given."""
     held = dict(module._parameters)
     try:
         for name, p in held.items():
             if isinstance(p, DTensor):
-                module._parameters[name] = p.to_local()  # type: ignore[assignment]
+                local = p.to_local()
+                module._parameters[name] = change(name, local) if change is not None else local  # type: ignore[assignment]
         yield
     finally:
         module._parameters.update(held)
@@ -75,21 +83,7 @@ class ExpertParallel(ParallelStyle):
         if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
             raise ValueError(f"ExpertParallel needs the 1-D EP mesh, VESCALE_DEVICE_MESH['EP']; got {device_mesh!r:.100}")
         check_view(device_mesh, "the EP mesh")
-        if getattr(module, EXPERT, False):
-            raise ValueError(f"{type(module).__name__} is already expert-parallel; apply ExpertParallel once")
-        params = list(module.named_parameters(recurse=False))
-        if not params or list(module.children()):
-            raise ValueError(
-                f"ExpertParallel takes a grouped-experts module: parameters stacked over experts on dim 0 and no "
-                f"submodules; {type(module).__name__} has {len(params)} parameters and "
-                f"{len(list(module.children()))} submodules"
-            )
-        experts = {p.size(0) for _, p in params}
-        ep = device_mesh.size()
-        if len(experts) != 1 or next(iter(experts)) % ep:
-            shapes = {n: tuple(p.shape) for n, p in params}
-            raise ValueError(f"ExpertParallel needs every parameter's dim 0 to be the expert count, divisible by EP {ep}; "
-                             f"got {shapes}")
+        params = _check_grouped(module, device_mesh.size(), "ExpertParallel")
         for name, p in params:
             shard = nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Shard(0)]), requires_grad=p.requires_grad)
             setattr(shard, EXPERT, True)
@@ -97,6 +91,125 @@ class ExpertParallel(ParallelStyle):
         setattr(module, EXPERT, True)
         module.forward = functools.partial(_forward, module, module.forward, device_mesh.get_group())  # type: ignore[method-assign]
         return module
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Experts over EP, and each expert split over TP inside its EP rank (Megatron's expert-TP, torchtitan's
+    ``ExpertTensorParallel``), on the 2-D mesh ``VESCALE_DEVICE_MESH["EP", "TP"]``.
+
+    Args:
+        tp_dims: for each parameter name, the dim split over TP (default :data:`TITAN_TP_DIMS`). Parameters not
+            named are added to the experts' output (an output bias): each TP rank adds ``1/TP`` of it, so the sum
+            over TP adds it once, and its gradient is the whole one on every TP rank.
+
+    The tokens are the same on the TP ranks of an EP rank (the router sees the whole hidden state, as in TP
+    without sequence parallelism): they travel over the EP group of their TP coordinate, each TP rank runs its
+    slice of every local expert, and the partial outputs are summed over TP before they go back (the input's
+    gradient is summed over TP in backward). Gradients of the expert shards average over EDP, as with
+    :class:`ExpertParallel`; vemesh's DDP, ZeRO-1 and :func:`vemesh.parallel.fully_shard` find them the same way.
+    """
+
+    def __init__(self, tp_dims: dict[str, int] | None = None) -> None:
+        super().__init__()
+        self.given = tp_dims is not None  # the default names what torchtitan's experts may have; a given one is exact
+        self.tp_dims = dict(TITAN_TP_DIMS if tp_dims is None else tp_dims)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 2:
+            raise ValueError("ExpertTensorParallel needs the 2-D mesh of EP and TP, VESCALE_DEVICE_MESH['EP', 'TP']; "
+                             f"got {device_mesh!r:.100}")
+        check_view(device_mesh, "the EP x TP mesh")
+        params = _check_grouped(module, device_mesh.size(0), "ExpertTensorParallel")
+        tp = device_mesh.size(1)
+        unknown = sorted(set(self.tp_dims) - {n for n, _ in params})
+        if unknown and self.given:
+            raise ValueError(f"ExpertTensorParallel: tp_dims names {unknown}, which {type(module).__name__} does not "
+                             f"have; its parameters are {[n for n, _ in params]}")
+        for name, p in params:
+            dim = self.tp_dims.get(name)
+            if dim is not None and (not 0 < dim < p.dim() or p.size(dim) % tp):
+                raise ValueError(f"ExpertTensorParallel: {name} {tuple(p.shape)} cannot split dim {dim} over TP {tp}")
+            place = [Shard(0), Shard(dim) if dim is not None else Replicate()]
+            shard = nn.Parameter(distribute_tensor(p.detach(), device_mesh, place), requires_grad=p.requires_grad)
+            setattr(shard, EXPERT, True)
+            module.register_parameter(name, shard)
+        setattr(module, EXPERT, True)
+        whole = {n for n, _ in params if n not in self.tp_dims}  # output biases: 1/TP of them on each TP rank
+        groups = (device_mesh.get_group(0), device_mesh.get_group(1))
+        module.forward = functools.partial(_tp_forward, module, module.forward, groups, whole)  # type: ignore[method-assign]
+        return module
+
+
+def _check_grouped(module: nn.Module, ep: int, style_name: str) -> list[tuple[str, nn.Parameter]]:
+    """The module's parameters, checked to be a grouped-experts module whose expert count EP divides."""
+    if getattr(module, EXPERT, False):
+        raise ValueError(f"{type(module).__name__} is already expert-parallel; apply {style_name} once")
+    params = list(module.named_parameters(recurse=False))
+    if not params or list(module.children()):
+        raise ValueError(
+            f"{style_name} takes a grouped-experts module: parameters stacked over experts on dim 0 and no "
+            f"submodules; {type(module).__name__} has {len(params)} parameters and "
+            f"{len(list(module.children()))} submodules"
+        )
+    experts = {p.size(0) for _, p in params}
+    if len(experts) != 1 or next(iter(experts)) % ep:
+        shapes = {n: tuple(p.shape) for n, p in params}
+        raise ValueError(f"{style_name} needs every parameter's dim 0 to be the expert count, divisible by EP {ep}; "
+                         f"got {shapes}")
+    return params
+
+
+class _SumOverTP(torch.autograd.Function):
+    """Forward: the sum over the TP group (the row-parallel partial outputs); backward: the gradient as it is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+class _SameOverTP(torch.autograd.Function):
+    """Forward: the input as it is (the same on every TP rank); backward: the gradient summed over TP."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Share(torch.autograd.Function):
+    """Forward: ``1/n`` of a tensor (each of ``n`` ranks adds a share of it); backward: the gradient as it is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, n: int) -> torch.Tensor:  # type: ignore[override]
+        return x / n
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _tp_forward(module: nn.Module, inner: Any, groups: tuple[Any, Any], whole: set[str], x: torch.Tensor,
+                num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Tokens to their experts' EP ranks, this TP rank's slice of each local expert, the sum over TP, back."""
+    ep_group, tp_group = groups
+    tokens, counts, plan = dispatch(x, num_tokens_per_expert, ep_group)
+    tp = dist.get_world_size(tp_group)
+    tokens = _SameOverTP.apply(tokens, tp_group)
+    with _local_weights(module, lambda name, t: _Share.apply(t, tp) if name in whole else t):
+        out = inner(tokens, counts)
+    return combine(_SumOverTP.apply(out, tp_group), plan, ep_group)
 
 
 def _forward(module: nn.Module, inner: Any, group: Any, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
