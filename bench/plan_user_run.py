@@ -49,6 +49,49 @@ def _expert_load() -> dict[str, float]:
     return seen
 
 
+def _train_step(model, optimizer, step, per_dp: int, mbs: int, fsdp: bool) -> None:
+    optimizer.zero_grad()
+    for i in range(per_dp // mbs):
+        last = i == per_dp // mbs - 1
+        if fsdp:
+            model.set_requires_gradient_sync(last)
+        with model.no_sync() if not last and not fsdp else contextlib.nullcontext():
+            step(model, mbs)
+    optimizer.step()
+
+
+def _time_steps(args, dims, factory, parallelize, step, per_dp: int, mbs: int) -> None:
+    """Time ``--time-steps`` steps after 3 warm-up steps; rank 0 writes the median (slowest rank's) and exits."""
+    import statistics
+    import time
+
+    torch.manual_seed(0)
+    model = parallelize(factory(), mesh)
+    fsdp = isinstance(model, torch.distributed.fsdp.FSDPModule)
+    mode = args.dp_mode or ("fsdp" if fsdp else "zero1")
+    if mode == "zero1":
+        from vemesh.optim import DistributedOptimizer
+
+        optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model])
+    else:
+        optimizer = torch.optim.AdamW(model.parameters())
+    times = []
+    for i in range(3 + args.time_steps):
+        dist.barrier()
+        start = time.perf_counter()
+        _train_step(model, optimizer, step, per_dp, mbs, fsdp)
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        if i >= 3:
+            times.append(took.item())
+    if dist.get_rank() == 0:
+        Path(args.report).write_text(json.dumps({"median_step_s": statistics.median(times), "steps_s": times}))
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag in ("--model", "--parallelize", "--step", "--report"):
@@ -58,6 +101,9 @@ def main() -> None:
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--dp-mode", choices=("ddp", "zero1", "fsdp"))
     parser.add_argument("--expert-load", help="write the run's expert load factor here")
+    parser.add_argument("--time-steps", type=int, help="instead of measuring memory: time this many steps after "
+                        "3 warm-up steps (each after a barrier; a step's time is the slowest rank's) and write their "
+                        "median to --report")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -68,6 +114,8 @@ def main() -> None:
     step, _ = resolve(args.step, "--step")
     per_dp = args.global_batch_size // dims.dp
     mbs = args.micro_batch_size or per_dp
+    if args.time_steps:
+        _time_steps(args, dims, factory, parallelize, step, per_dp, mbs)
     load = _expert_load()
     meter = RunMeter()
     with meter:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from vemesh.cli.common import MAX_WORLD, UsageError, positive
+from vemesh.cli.calibrate import add_calibrate
 from vemesh.cli.diagnose import add_diagnose
 from vemesh.cli.plan import add_plan
 from vemesh.cli.show import add_show
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     show, plan = add_show(commands), add_plan(commands)
     add_diagnose(commands)
+    add_calibrate(commands)
     for sub in (show, plan):
         sub.add_argument("--devices-per-host", type=positive, metavar="N",
                          help="ranks per host (torchrun --nproc-per-node), to mark hosts and check groups")

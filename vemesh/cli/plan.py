@@ -12,6 +12,7 @@ from vemesh.planning.api import Answer, answer, mesh_of, verdict
 from vemesh.planning.fit_report import add_job_arguments, render_fit, render_search
 from vemesh.planning.mesh_plan import MeshPlan
 from vemesh.planning.request import PlanRequest
+from vemesh.planning.step_time import render as render_time
 
 
 def add_plan(commands: Any) -> argparse.ArgumentParser:
@@ -97,6 +98,8 @@ def _plan_model(request: PlanRequest, plan: MeshPlan, as_json: bool) -> int:
     else:
         print(_plan_header(plan))
         print(render_fit(found.job, fit))
+        if found.profile is not None:
+            print(render_time(list(found.times), found.profile))
         said = verdict(fit, memory)
         if said:
             print(f"{said}: {'peak' if fit.traced else 'static'} {fit.peak / 2**30:.2f} GiB against "

@@ -16,9 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vemesh.layout.data_dims import data_dims
 from vemesh.planning.fit_report import fit_document, search_document
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
+from vemesh.planning.profiles import DeviceProfile, load_profile
 from vemesh.planning.request import PlanRequest
+from vemesh.planning.step_time import StepTime, step_time
 
 __all__ = ["Answer", "answer", "mesh_of", "model_document", "plan", "verdict"]
 
@@ -48,6 +51,8 @@ class Answer:
     fit: Any = None  #: :class:`~vemesh.planning.results.MeshFit` of that mesh
     fits: tuple[Any, ...] = ()  #: the search: the meshes that fit, best first
     rejected: tuple[Any, ...] = ()  #: the search: the meshes that do not, with why
+    times: tuple[Any, ...] = ()  #: with a device profile: each rank class's StepTime (vemesh.planning.step_time)
+    profile: Any = None  #: the DeviceProfile the times are on
 
     def document(self) -> dict[str, Any]:
         """What ``vemesh plan --json`` prints."""
@@ -55,7 +60,10 @@ class Answer:
         if self.mesh is None:
             return search_document(self.job, r.world_size, self.device_memory, r.devices_per_host, r.order,
                                    list(self.fits), list(self.rejected))
-        return model_document(self.job, self.mesh, self.fit, self.device_memory)
+        doc = model_document(self.job, self.mesh, self.fit, self.device_memory)
+        if self.profile is not None:
+            doc.update(time_document(self.times, self.profile, self.fit, self.job))
+        return doc
 
 
 def answer(request: PlanRequest) -> Answer:
@@ -69,17 +77,73 @@ def answer(request: PlanRequest) -> Answer:
         fits, rejected = search(job, request.world_size, device_memory=memory, devices_per_host=request.devices_per_host,
                                 cp=request.cp, ep=request.ep, rank_by=request.order)
         return Answer(request, job, memory, fits=tuple(fits), rejected=tuple(rejected))
-    mesh = mesh_of(request)
+    profile = load_profile(request.device_profile) if request.device_profile is not None else None
+    mesh = mesh_of(request, profile.devices_per_host if profile is not None else None)
+    if profile is not None:
+        hosts_of(mesh, profile)  # before the trace: a placement that cannot be is said at once
     d = mesh.degrees
     fit = predict(job, dp=d["DP"], tp=d["TP"], pp=d["PP"], cp=d["CP"], ep=mesh.ep, dp_replicate=request.dp_replicate)
-    return Answer(request, job, memory, mesh=mesh, fit=fit)
+    if profile is None:
+        return Answer(request, job, memory, mesh=mesh, fit=fit)
+    return Answer(request, job, memory, mesh=mesh, fit=fit, times=tuple(time_of(fit, mesh, profile, job)),
+                  profile=profile)
 
 
-def mesh_of(request: PlanRequest) -> MeshPlan:
-    """The one mesh of ``request``'s degrees (PP and TP 1 when not given)."""
+def hosts_of(mesh: MeshPlan, profile: DeviceProfile) -> int:
+    """Ranks per host (``--devices-per-host``, else the profile's), checked to fill whole hosts."""
+    per_host, world = mesh.devices_per_host or profile.devices_per_host, mesh.world_size
+    if world > per_host and world % per_host:
+        choices = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise ValueError(f"--devices-per-host {per_host} does not divide the world size {world}, so the mesh cannot be "
+                         f"placed on whole hosts for the step time; choose one of {choices}")
+    return per_host
+
+
+def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any) -> list[StepTime]:
+    """Each rank class's step time on ``profile``, the mesh placed on hosts of ``mesh.devices_per_host`` ranks."""
+    layout, per_host = mesh.layout, hosts_of(mesh, profile)
+    found = data_dims(layout)
+    grad = tuple(n for n in (found.grad, *(("EDP",) if found.expert else ())) if n)
+    used = {dim for c in fit.classes for dim in c.collectives}
+    sizes, crosses = {}, {}
+    for dim in used:
+        if dim == "other" or not layout.has(dim):
+            raise ValueError(f"the step ran collectives on a group that is no mesh dim ({dim}); the time model times "
+                             "each collective by its mesh dim's link")
+        ranks = layout.group_ranks(0, dim)
+        sizes[dim], crosses[dim] = len(ranks), len({r // per_host for r in ranks}) > 1
+    return step_time(fit, profile, dtype=job.dtype, dp_mode=fit.dp_mode or job.mode, grad_dims=grad, sizes=sizes,
+                     crosses=crosses)
+
+
+def time_document(times: tuple[StepTime, ...], profile: DeviceProfile, fit: Any, job: Any) -> dict[str, Any]:
+    """The JSON of a step-time prediction: the slowest class's seconds at the top, every class's parts."""
+    slowest = max(times, key=lambda t: t.total)
+    world = fit.degrees["PP"] * fit.degrees["DP"] * fit.degrees["CP"] * fit.degrees["TP"]
+    flops = sum(c.flops for c in fit.classes) / len(fit.classes)
+    return {
+        "step_time": slowest.total,
+        "device_profile": {"name": profile.name, "measured": profile.measured, "sources": profile.sources,
+                           "assumptions": profile.assumptions},
+        "time": _time_parts(slowest),
+        "sequences_per_second_per_device": job.global_batch_size / slowest.total / world,
+        "mfu": flops / slowest.total / profile.flops(job.dtype),
+        "time_by_class": [dict(name=t.name, step_time=t.total, **_time_parts(t)) for t in times],
+    }
+
+
+def _time_parts(t: StepTime) -> dict[str, Any]:
+    return {"compute": t.compute, "optimizer": t.optimizer, "bubble": t.bubble, "exposed_communication": t.exposed,
+            "communication": {d: {"link": x.link, "seconds": x.seconds, "hidden": x.hidden, "exposed": x.exposed}
+                              for d, x in t.dims.items()}}
+
+
+def mesh_of(request: PlanRequest, devices_per_host: int | None = None) -> MeshPlan:
+    """The one mesh of ``request``'s degrees (PP and TP 1 when not given), on hosts of ``request.devices_per_host``
+    ranks (else ``devices_per_host``)."""
     return plan_mesh(request.world_size, pp=request.pp or 1, dp=request.dp, cp=request.cp, tp=request.tp or 1,
-                     ep=request.ep, dp_replicate=request.dp_replicate, devices_per_host=request.devices_per_host,
-                     device_type=request.device_type)
+                     ep=request.ep, dp_replicate=request.dp_replicate,
+                     devices_per_host=request.devices_per_host or devices_per_host, device_type=request.device_type)
 
 
 def verdict(fit: Any, device_memory: int | None) -> str | None:

@@ -171,3 +171,7 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--device-memory", metavar="SIZE", help="memory per device, with a unit: 80GiB, 24GB")
     job.add_argument("--rank-by", choices=("inter-host", "peak"),
                      help="search order (default: inter-host with --devices-per-host, else peak)")
+    job.add_argument("--device-profile", metavar="NAME|FILE", help="predict the step time on this device: a built-in "
+                     "profile (a100-sxm-80gb, h100-sxm, h200-sxm: published specifications) or a JSON file "
+                     "(vemesh calibrate --output FILE measures this machine); with --devices-per-host placing the "
+                     "mesh on hosts (default: the profile's)")

@@ -33,8 +33,11 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["CollectiveBytes", "RunMeter", "payload_bytes"]
+__all__ = ["CollectiveBytes", "MemoryBoundBytes", "RunMeter", "by_mesh_name", "mesh_names", "ops_by_mesh_name",
+           "payload_bytes"]
 
 _c10d = torch.ops.c10d
 _func = torch.ops._c10d_functional
@@ -82,6 +85,8 @@ class CollectiveBytes(TorchDispatchMode):
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.ops: dict[str, set[str]] = defaultdict(set)  #: the ops run on each group (by ``group_name``)
+        #: ``[bytes, calls]`` by ``group_name`` and op (what a step-time prediction times)
+        self.by_op: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.counting = False
 
@@ -92,11 +97,68 @@ class CollectiveBytes(TorchDispatchMode):
         if self.counting and func in collective_ops and func not in _NOT_COUNTED and not _on_meta(args):
             group = CollectiveOp.get_process_group(func, args)
             name = group.group_name
-            self.bytes[name] += payload_bytes(func, args, result)
+            size = payload_bytes(func, args, result)
+            op = func.__name__.split(".")[0]
+            self.bytes[name] += size
             self.calls[name] += 1
-            self.ops[name].add(func.__name__.split(".")[0])
+            self.ops[name].add(op)
+            self.by_op[name][op][0] += size
+            self.by_op[name][op][1] += 1
             self.groups[name] = group
         return result
+
+
+class MemoryBoundBytes(TorchDispatchMode):
+    """The bytes the step's memory-bound ops move: every op but the matmuls (which ``FlopCounterMode`` counts),
+    the views (which move nothing) and the collectives (which :class:`CollectiveBytes` counts) reads its tensor
+    inputs and writes its outputs once. What a step-time prediction charges at the memory bandwidth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skip = set(FlopCounterMode().flop_registry)  # the matmuls and convolutions: timed by their FLOPs
+        self.bytes = 0
+        self.ops = 0  #: every op dispatched (each costs the framework's per-op time, whatever it computes)
+        self.dtensor_ops = 0  #: the ops on DTensors (each also costs DTensor's sharding propagation)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(t is DTensor for t in types):
+            self.dtensor_ops += 1
+            return NotImplemented
+        self.ops += 1
+        result = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet not in self.skip and not func.is_view and func not in collective_ops:
+            tensors = [t for t in (*_flat(args), *_flat(kwargs or {}), *_flat(result)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return result
+
+
+def _flat(tree: Any) -> list[Any]:
+    return tree_leaves(tree)
+
+
+def mesh_names(mesh: Any) -> dict[str, str]:
+    """Each group's ``group_name`` to the mesh name whose group it is (see :func:`by_mesh_name`)."""
+    names: dict[str, str] = {}
+    for name in mesh.layout.names:
+        try:
+            group = mesh.get_group(name)
+        except (ValueError, RuntimeError, KeyError):
+            continue
+        names.setdefault(group.group_name, name)
+    return names
+
+
+def ops_by_mesh_name(by_op: dict[str, dict[str, list[int]]], mesh: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """The collective counter's ``[bytes, calls]`` by group and op, keyed by mesh name."""
+    names = mesh_names(mesh)
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for group, ops in by_op.items():
+        dim = out.setdefault(names.get(group, "other"), {})
+        for op, (b, n) in ops.items():
+            old = dim.get(op, (0, 0))
+            dim[op] = (old[0] + b, old[1] + n)
+    return out
 
 
 def by_mesh_name(counts: dict[str, int], mesh: Any) -> dict[str, int]:

@@ -16,7 +16,7 @@ __all__ = ["JOB_FLAGS", "PlanRequest"]
 #: The fields that describe a job: given without a model they would be ignored, so they are refused.
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
                               "pp_schedule", "rank_by", "parallelize", "step", "moe_load_factor", "sequence_parallel",
-                              "activation_checkpointing")
+                              "activation_checkpointing", "device_profile")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class PlanRequest:
     # the question
     device_memory: int | str | None = None
     rank_by: str | None = None
+    device_profile: Any = None  #: a built-in profile's name, a JSON file, or a DeviceProfile: adds the step time
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -77,6 +78,12 @@ class PlanRequest:
                             ("--pp-schedule", self.pp_schedule)):
             if value and user:
                 raise ValueError(f"{flag} is the GPT preset's; with --parallelize your function decides it")
+        if self.device_profile is not None and not user:
+            raise ValueError("--device-profile times a traced step: give your model with --model module:MODULE:FACTORY, "
+                             "--parallelize and --step (the GPT preset's step is not traced by the time model yet)")
+        if self.device_profile is not None and self.searches:
+            raise ValueError("--device-profile times one mesh: give its degrees (--tp, --dp, ...); ranking every mesh "
+                             "by time (--rank-by time) is not built yet")
 
     @property
     def searches(self) -> bool:

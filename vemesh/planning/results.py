@@ -6,11 +6,11 @@ Plain records, no computation: :mod:`vemesh.planning.fit` (the GPT preset) and :
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vemesh.planning.estimate import RankMemory
 
-__all__ = ["MeshFit", "RankClass"]
+__all__ = ["Counted", "MeshFit", "RankClass", "more_ops"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,13 @@ class RankClass:
     activations: int  #: in-flight activations and the largest temporaries of a step
     extra: int  #: buffers: FSDP2's unsharded units in use; a pipeline stage's receive buffers
     sent: dict[str, int]  #: bytes per step by mesh name
+    flops: int = 0  #: FLOPs per step (traced: torch's FlopCounterMode over the step), 0 when not counted
+    memory_bytes: int = 0  #: bytes the step's memory-bound ops read and write (measure.MemoryBoundBytes)
+    optimizer_bytes: int = 0  #: the part of ``memory_bytes`` the optimizer's step moves
+    ops: int = 0  #: ops dispatched in a step
+    dtensor_ops: int = 0  #: of them, ops on DTensors
+    #: per step, by mesh name and collective op: ``(bytes, calls)`` (what a step-time prediction times)
+    collectives: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -49,3 +56,47 @@ class MeshFit:
 
     def shape(self) -> str:
         return " x ".join(f"{n}={d}" for n, d in self.degrees.items() if d > 1 or n == "DP")
+
+
+@dataclass(frozen=True)
+class Counted:
+    """What one trace counted on rank 0: the categories held at the step peak, the peak, bytes per step by name."""
+
+    held: dict[str, int]  #: params, grads, optimizer, activations at the peak
+    peak: int
+    sent: dict[str, int]
+    dp_mode: str
+    moe: bool
+    flops: int = 0  #: FLOPs of the step (torch's FlopCounterMode)
+    memory_bytes: int = 0  #: bytes the step's memory-bound ops move (measure.MemoryBoundBytes)
+    optimizer_bytes: int = 0  #: the part of ``memory_bytes`` that ``optimizer.step()`` moves
+    ops: int = 0  #: ops dispatched in the step (each costs the framework's per-op time)
+    dtensor_ops: int = 0  #: of them, ops on DTensors (each also costs DTensor's sharding propagation)
+    by_op: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)  #: (bytes, calls) by dim and op
+
+    def scaled(self, smaller: Counted, times: int) -> Counted:
+        """This trace plus ``times`` x (this - ``smaller``): more blocks or micro-batches, by difference."""
+        return replace(self, held=_more(self.held, smaller.held, times),
+                       peak=self.peak + times * (self.peak - smaller.peak), sent=_more(self.sent, smaller.sent, times),
+                       flops=self.flops + times * (self.flops - smaller.flops),
+                       memory_bytes=self.memory_bytes + times * (self.memory_bytes - smaller.memory_bytes),
+                       optimizer_bytes=self.optimizer_bytes + times * (self.optimizer_bytes - smaller.optimizer_bytes),
+                       ops=self.ops + times * (self.ops - smaller.ops),
+                       dtensor_ops=self.dtensor_ops + times * (self.dtensor_ops - smaller.dtensor_ops),
+                       by_op=more_ops(self.by_op, smaller.by_op, times))
+
+
+def _more(a: dict[str, int], b: dict[str, int], times: int) -> dict[str, int]:
+    """``a + times x (a - b)``, key by key."""
+    return {k: a.get(k, 0) + times * (a.get(k, 0) - b.get(k, 0)) for k in sorted(set(a) | set(b))}
+
+
+def more_ops(a: dict[str, dict[str, tuple[int, int]]], b: dict[str, dict[str, tuple[int, int]]],
+              times: int) -> dict[str, dict[str, tuple[int, int]]]:
+    """:func:`_more` of ``(bytes, calls)`` by dim and op."""
+    out = {}
+    for dim in sorted(set(a) | set(b)):
+        x, y = a.get(dim, {}), b.get(dim, {})
+        out[dim] = {op: tuple(u + times * (u - v) for u, v in zip(x.get(op, (0, 0)), y.get(op, (0, 0))))
+                    for op in sorted(set(x) | set(y))}
+    return out  # type: ignore[return-value]

@@ -44,11 +44,11 @@ from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory, load_object
 from vemesh.planning.fake_world import Held, fake_world, give_storage, real_mesh_tensors, to_bf16
-from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name
-from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.measure import CollectiveBytes, MemoryBoundBytes, StepTracker, by_mesh_name, ops_by_mesh_name
+from vemesh.planning.results import Counted, MeshFit, RankClass, more_ops
 from vemesh.planning.routing import routing
 
-__all__ = ["Counted", "UserFunctions", "repeated_blocks", "resolve", "trace_user"]
+__all__ = ["UserFunctions", "repeated_blocks", "resolve", "trace_user"]
 
 _MODES = ("ddp", "zero1", "fsdp")
 
@@ -86,24 +86,6 @@ class UserFunctions:
         (f, fn), (p, pn), (s, sn) = resolve(model, "--model"), (resolve(parallelize, "--parallelize") if parallelize
                                                                 else (None, "")), resolve(step, "--step")
         return cls(f, p, s, (fn, pn, sn))
-
-
-@dataclass(frozen=True)
-class Counted:
-    """What one trace counted on rank 0: the categories held at the step peak, the peak, bytes per step by name."""
-
-    held: dict[str, int]  #: params, grads, optimizer, activations at the peak
-    peak: int
-    sent: dict[str, int]
-    dp_mode: str
-    moe: bool
-
-    def scaled(self, smaller: Counted, times: int) -> Counted:
-        """This trace plus ``times`` x (this - ``smaller``): more blocks or micro-batches, by difference."""
-        def more(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-            return {k: a.get(k, 0) + times * (a.get(k, 0) - b.get(k, 0)) for k in sorted(set(a) | set(b))}
-        return replace(self, held=more(self.held, smaller.held), peak=self.peak + times * (self.peak - smaller.peak),
-                       sent=more(self.sent, smaller.sent))
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -236,6 +218,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                load_factor: float = 1.0, blocks: tuple[str, int] | None = None) -> Counted:
     """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
 
     tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
@@ -257,23 +240,42 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             tracker.on_step_peak = Held(model, ddp)
             optimizer = _optimizer(model, mode, ddp)
             sent: list[dict[str, int]] = []
+            ops: list[dict[str, dict[str, tuple[int, int]]]] = []
+            flops: list[int] = []
+            moved: list[int] = []
+            stepped: list[int] = []
+            dispatched: list[tuple[int, int]] = []
             for n in (1, 1, 2) if passes > 1 else (1, 1):  # a warm-up step, then 1 and 2 micro-batches
                 counter.bytes.clear()
+                counter.by_op.clear()
                 counter.counting = tracker.in_step = True
-                optimizer.zero_grad()
-                for i in range(n):
-                    with _no_sync(model, i == n - 1):
-                        _call("--step", step_name, fns.step, model, micro_batch_size)
-                optimizer.step()
+                with FlopCounterMode(display=False) as flop_counter, MemoryBoundBytes() as memory_bound:
+                    optimizer.zero_grad()
+                    for i in range(n):
+                        with _no_sync(model, i == n - 1):
+                            _call("--step", step_name, fns.step, model, micro_batch_size)
+                    before = memory_bound.bytes
+                    optimizer.step()
+                    stepped.append(memory_bound.bytes - before)
                 counter.counting = tracker.in_step = False
                 sent.append(by_mesh_name(counter.bytes, mesh))
+                ops.append(ops_by_mesh_name(counter.by_op, mesh))
+                flops.append(flop_counter.get_total_flops())
+                moved.append(memory_bound.bytes)
+                dispatched.append((memory_bound.ops, memory_bound.dtensor_ops))
                 if (line := _unknown(counter, mesh)) is not None:
                     raise ValueError(line)
     held = dict(tracker.step_peak_parts, optimizer=tracker.step_peak_by_kind.get("Optstate", 0))
     held["activations"] = tracker.step_peak - sum(held.values())
-    one = Counted(held, tracker.step_peak, sent[1], mode, routed["used"])
-    if passes > 1:  # the per-micro-batch bytes by difference; the peak does not grow after the second
-        one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()})
+    one = Counted(held, tracker.step_peak, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
+                  *dispatched[1], ops[1])
+    if passes > 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after the second
+        one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
+                      flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
+                      memory_bytes=moved[1] + (passes - 1) * (moved[2] - moved[1]),
+                      ops=dispatched[1][0] + (passes - 1) * (dispatched[2][0] - dispatched[1][0]),
+                      dtensor_ops=dispatched[1][1] + (passes - 1) * (dispatched[2][1] - dispatched[1][1]),
+                      by_op=more_ops(ops[2], ops[1], passes - 2) if passes > 2 else ops[2])
     return one
 
 
@@ -353,5 +355,7 @@ def predict_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int]
         notes.append(f"dp mode {counted.dp_mode}: from what the parallelize function returned (--dp-mode to say it)")
     held = counted.held
     static = RankMemory("every rank", held["params"], held["grads"], held["optimizer"], 0)
-    return MeshFit(dict(degrees), [RankClass("every rank", static, held["activations"], 0, counted.sent)],
+    return MeshFit(dict(degrees), [RankClass("every rank", static, held["activations"], 0, counted.sent, counted.flops,
+                                             counted.memory_bytes, counted.optimizer_bytes, counted.ops,
+                                             counted.dtensor_ops, counted.by_op)],
                    kwargs["passes"], mbs, notes=tuple(notes), dp_mode=counted.dp_mode)

@@ -1,0 +1,130 @@
+"""The step-time model: collective costs, device profiles, the breakdown ``vemesh plan --device-profile`` prints,
+and ``vemesh calibrate`` writing a profile that loads back. Pure arithmetic, the fake world, and one calibration."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vemesh.planning.profiles import BUILT_IN, DeviceProfile, Link, load_profile
+from vemesh.planning.step_time import collective_seconds
+
+ROOT = Path(__file__).resolve().parents[2]
+JOBS = "test/models/llama_jobs.py"
+LINK = Link(latency_s=1e-5, bandwidth=1e9)
+
+
+@pytest.mark.parametrize("op, n, want", [
+    ("allreduce_", 4, 6 * 1e-5 + 2 * 3 / 4 * 1e6 / 1e9),  # ring: 2(n-1) steps, 2(n-1)/n of the buffer
+    ("all_reduce", 2, 2 * 1e-5 + 1e6 / 1e9),
+    ("_allgather_base_", 4, 3 * 1e-5 + 3 / 4 * 1e6 / 1e9),  # (n-1) steps, (n-1)/n of the gathered buffer
+    ("reduce_scatter_tensor", 8, 7 * 1e-5 + 7 / 8 * 1e6 / 1e9),
+    ("alltoall_base_", 4, 3 * 1e-5 + 3 / 4 * 1e6 / 1e9),
+    ("broadcast_", 4, 1e-5 + 1e6 / 1e9),
+    ("send", 2, 1e-5 + 1e6 / 1e9),
+])
+def test_a_collective_costs_its_ring_steps_and_its_bus_bytes(op, n, want) -> None:
+    assert collective_seconds(op, 1e6, 1, n, LINK) == pytest.approx(want)
+    assert collective_seconds(op, 1e6, 1, 1, LINK) == 0.0  # a group of one moves nothing
+
+
+def test_the_built_in_profiles_cite_their_sources_and_say_they_are_not_measured() -> None:
+    assert set(BUILT_IN) >= {"h100-sxm", "a100-sxm-80gb", "h200-sxm"}
+    for name in BUILT_IN:
+        p = load_profile(name)
+        assert not p.measured and p.sources and all("http" in s for s in p.sources) and p.assumptions
+        assert p.host.bandwidth > p.network.bandwidth and p.flops("bf16") > p.flops("fp32")
+
+
+def _profile(tmp_path: Path, change) -> str:
+    data = json.loads((ROOT / "vemesh" / "planning" / "profiles" / "h100-sxm.json").read_text())
+    change(data)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("network"), "field 'network' is missing"),
+    (lambda d: d["host"].update(bandwidth=0), "host.bandwidth input should be greater than 0; got 0"),
+    (lambda d: d.update(achievable=1.5), "achievable input should be less than or equal to 1; got 1.5"),
+    (lambda d: d.update(speed=1), "speed extra inputs are not permitted"),
+])
+def test_a_bad_profile_file_is_one_line_naming_the_field(tmp_path, change, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_profile(_profile(tmp_path, change))
+
+
+def test_an_unknown_profile_names_the_built_in_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown device profile 'h800': give a built-in name \(a100-sxm-80gb, "
+                                         r"h100-sxm, h200-sxm\) or a JSON file"):
+        load_profile("h800")
+
+
+def test_a_measured_kind_is_taken_at_the_nearest_group_size() -> None:
+    p = load_profile("h100-sxm").model_copy(update={"collectives": {
+        "all_reduce": {"2": Link(latency_s=1, bandwidth=2), "8": Link(latency_s=3, bandwidth=4)}}})
+    assert p.link("host", "all_reduce", 2).latency_s == 1 and p.link("host", "all_reduce", 6).latency_s == 3
+    assert p.link("host", "all_gather", 2) == p.host and p.link("network", "all_reduce", 2) == p.network
+
+
+def _plan(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vemesh", "plan", "--model", f"module:{JOBS}:make_dense",
+                           "--parallelize", f"{JOBS}:parallelize_ddp", "--step", f"{JOBS}:step", "--global-batch-size",
+                           "16", *flags], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_plan_with_a_profile_gives_the_step_time_and_its_parts() -> None:
+    done = _plan("--world-size", "16", "--tp", "4", "--devices-per-host", "4", "--device-profile", "h100-sxm", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
+    t = doc["time"]
+    exposed = sum(d["exposed"] for d in t["communication"].values())
+    assert doc["step_time"] == pytest.approx(t["compute"] + t["optimizer"] + t["bubble"] + exposed)
+    assert t["compute"] > 0 and t["optimizer"] > 0 and set(t["communication"]) == {"DP", "TP"}
+    assert t["communication"]["TP"]["link"] == "host" and t["communication"]["DP"]["link"] == "network"
+    assert t["communication"]["TP"]["hidden"] == 0 and t["communication"]["DP"]["hidden"] > 0
+    assert doc["device_profile"]["measured"] is False and 0 < doc["mfu"] < 1
+    text = _plan("--world-size", "16", "--tp", "4", "--devices-per-host", "4", "--device-profile", "h100-sxm").stdout
+    assert "step time on h100-sxm (published specifications, NOT MEASURED here)" in text
+    assert "  TP exposed " in text and "|#" in text and "host link;" in text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--world-size", "12", "--tp", "2", "--devices-per-host", "8", "--device-profile", "h100-sxm"],
+     "--devices-per-host 8 does not divide the world size 12, so the mesh cannot be placed on whole hosts for the "
+     "step time; choose one of 1, 2, 3, 4, 6, 12"),
+    (["--world-size", "4", "--device-profile", "nope"], "unknown device profile 'nope'"),
+    (["--world-size", "4", "--device-profile", "h100-sxm", "--device-memory", "80GiB"],
+     "--device-profile times one mesh: give its degrees"),
+])
+def test_bad_time_requests_are_one_line(flags, message) -> None:
+    done = _plan(*flags)
+    assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_the_gpt_preset_is_not_timed_yet_and_says_so() -> None:
+    done = subprocess.run([sys.executable, "-m", "vemesh", "plan", "--model", "gpt:n_layer=2,n_embd=64,n_head=4",
+                           "--world-size", "2", "--device-profile", "h100-sxm"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "--device-profile times a traced step" in done.stderr
+
+
+def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
+    out = tmp_path / "me.json"
+    done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "2", "--output", str(out), "--quick"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    p = load_profile(str(out))
+    assert isinstance(p, DeviceProfile) and p.measured and p.devices_per_host == 2
+    assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
+    assert all(set(sizes) == {"2"} for sizes in p.collectives.values()) and 0 <= p.overlap <= 1
+    assert p.flops("fp32") > 0 and p.memory_bandwidth > 0 and p.op_overhead_s > 0
+    timed = _plan("--world-size", "2", "--device-profile", str(out), "--json")
+    assert timed.returncode == 0 and json.loads(timed.stdout[: timed.stdout.rindex("}") + 1])["step_time"] > 0
+    bad = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "1", "--output", str(out)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "collectives need at least 2 processes" in bad.stderr

@@ -1,0 +1,44 @@
+"""``vemesh calibrate --nproc N --output FILE``: measure this machine and write a device profile for ``vemesh plan``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vemesh.cli.common import UsageError, positive
+
+__all__ = ["add_calibrate"]
+
+
+def add_calibrate(commands: Any) -> argparse.ArgumentParser:
+    sub = commands.add_parser(
+        "calibrate", help="measure this machine (matmul, memory, each collective) and write a device profile",
+        description="Start N processes on this machine (gloo on CPU, nccl on GPUs), measure as a job of N ranks "
+                    "uses it (matmul throughput per dtype, memory bandwidth, latency and bandwidth of each collective "
+                    "kind over the N ranks, all at once), and write a device profile for vemesh plan "
+                    "--device-profile FILE.",
+    )
+    sub.add_argument("--nproc", type=positive, required=True, metavar="N", help="processes (ranks) to measure with")
+    sub.add_argument("--output", required=True, metavar="FILE", help="the profile to write (JSON)")
+    sub.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl; one GPU "
+                     "per process)")
+    sub.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a smoke run, seconds)")
+    sub.set_defaults(run=_run)
+    return sub
+
+
+def _run(args: argparse.Namespace) -> int:
+    from vemesh.planning.calibrate import calibrate  # torch only when calibrating: `vemesh show` starts fast
+
+    if args.nproc < 2:
+        raise UsageError(f"argument --nproc: {args.nproc}: collectives need at least 2 processes; choose 2 or more")
+    try:
+        profile = calibrate(args.nproc, args.output, device_type=args.device, quick=args.quick)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    ar = profile.host
+    print(f"wrote {args.output}: {profile.name}, {args.nproc} processes; matmul fp32 "
+          f"{profile.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 {profile.matmul_flops['bf16'] / 1e9:.1f} GFLOP/s "
+          f"per rank; memory {profile.memory_bandwidth / 1e9:.1f} GB/s; all-reduce {ar.latency_s * 1e6:.0f} us per "
+          f"step, {ar.bandwidth / 1e9:.2f} GB/s bus bandwidth")
+    return 0

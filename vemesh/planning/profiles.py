@@ -1,0 +1,103 @@
+"""Device profiles: what a step-time prediction needs of the hardware, by name (built in) or from a JSON file.
+
+A profile gives, per device: the peak matmul throughput per dtype and the fraction a training step reaches
+(``achievable``), the memory bandwidth, and two link classes, ``host`` (the devices of one host, NVLink) and
+``network`` (across hosts), each with a latency per collective step and a bus bandwidth (nccl-tests' busbw: the
+bytes a ring moves per device per second). ``devices_per_host`` places the mesh on hosts.
+
+The built-in profiles (``vemesh/planning/profiles/*.json``) come from the vendors' published specifications, each
+file naming its sources and what it assumes; ``measured`` is false in them and the output says so.
+``vemesh calibrate`` writes a measured one for the machine it runs on. Pure Python and pydantic: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["BUILT_IN", "DeviceProfile", "Link", "load_profile"]
+
+_HERE = Path(__file__).resolve().parent / "profiles"
+#: The names of the built-in profiles.
+BUILT_IN: tuple[str, ...] = tuple(sorted(p.stem for p in _HERE.glob("*.json")))
+
+
+class Link(BaseModel):
+    """One class of link: the latency of one collective step, and the bus bandwidth per device (bytes/s)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    latency_s: float = Field(gt=0)
+    bandwidth: float = Field(gt=0)
+
+
+class DeviceProfile(BaseModel):
+    """A device and its links (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    description: str = ""
+    measured: bool
+    sources: list[str] = Field(min_length=1)
+    assumptions: list[str] = []
+    devices_per_host: int = Field(gt=0)
+    matmul_flops: dict[Literal["fp32", "bf16"], float] = Field(min_length=1)
+    achievable: float = Field(gt=0, le=1)
+    memory_bandwidth: float = Field(gt=0)
+    #: the fraction of a collective that can run behind compute (1: a GPU's copy engines; a CPU whose cores the
+    #: ranks already share has little to spare, and ``vemesh calibrate`` measures it)
+    overlap: float = Field(1.0, ge=0, le=1)
+    #: seconds each collective call on the critical path costs on top of its latency and bandwidth, because the
+    #: ranks reach it at different moments (0 in the built-in profiles; ``vemesh calibrate`` measures it)
+    collective_wait_s: float = Field(0.0, ge=0)
+    #: seconds of framework time per op dispatched, and per op on a DTensor on top (eager mode's cost, which a GPU
+    #: hides behind its queue when the ops are large: 0 in the built-in profiles; ``vemesh calibrate`` measures it)
+    op_overhead_s: float = Field(0.0, ge=0)
+    dtensor_op_overhead_s: float = Field(0.0, ge=0)
+    host: Link
+    network: Link
+    #: measured on the host link by ``vemesh calibrate``: per collective kind, per group size (as a string), the
+    #: link its groups of that size see while every group of that size runs at once; other kinds take ``host``
+    collectives: dict[str, dict[str, Link]] = {}
+
+    def link(self, name: str, kind: str, size: int) -> Link:
+        """The link a ``kind`` collective over ``size`` ranks runs on, in the ``name`` link class (``host`` or
+        ``network``): the measured kind at the nearest measured group size, else the class's link."""
+        if name != "host" or kind not in self.collectives or not self.collectives[kind]:
+            return self.network if name == "network" else self.host
+        sizes = self.collectives[kind]
+        nearest = min(sizes, key=lambda k: (abs(int(k) - size), int(k)))
+        return sizes[nearest]
+
+    def flops(self, dtype: str) -> float:
+        """The peak matmul throughput for ``dtype``; ``ValueError`` names the dtypes the profile has."""
+        if dtype not in self.matmul_flops:
+            raise ValueError(f"device profile {self.name!r} has no matmul throughput for {dtype}; it has "
+                             f"{', '.join(sorted(self.matmul_flops))}")
+        return self.matmul_flops[dtype]  # type: ignore[index]
+
+def load_profile(ref: str | Path | DeviceProfile) -> DeviceProfile:
+    """A built-in profile by name, or one from a JSON file; one-line ``ValueError`` naming a bad name or field."""
+    if isinstance(ref, DeviceProfile):
+        return ref
+    text = str(ref)
+    path = _HERE / f"{text}.json" if text in BUILT_IN else Path(text)
+    if not path.is_file():
+        raise ValueError(f"unknown device profile {text!r}: give a built-in name ({', '.join(BUILT_IN)}) or a JSON "
+                         "file, such as one `vemesh calibrate --output FILE` wrote")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"device profile {text}: not a readable JSON file ({e})") from None
+    try:
+        return DeviceProfile.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the file"
+        if first["type"] == "missing":
+            raise ValueError(f"device profile {text}: field {where!r} is missing (a profile needs "
+                             f"{', '.join(f for f, v in DeviceProfile.model_fields.items() if v.is_required())})") from None
+        got = first.get("input")
+        raise ValueError(f"device profile {text}: {where} {first['msg'].lower()}; got {got!r}") from None

@@ -1,0 +1,153 @@
+"""Seconds per training step, from what a plan traced and a device profile: compute, communication, optimizer.
+
+For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass`):
+
+* **compute**: the FLOPs torch's ``FlopCounterMode`` counted over the traced step (forward, backward, every
+  micro-batch), at the profile's peak matmul throughput for the dtype times its ``achievable`` fraction; plus
+  the bytes every other op (norms, activations, softmax, the optimizer's elementwise math) reads and writes,
+  at the memory bandwidth (:class:`~vemesh.planning.measure.MemoryBoundBytes`); plus the framework's time per op
+  dispatched, and per DTensor op on top (the profile's ``op_overhead_s``, ``dtensor_op_overhead_s``);
+* **communication**, per mesh dim and collective kind, a latency-bandwidth model of the link the dim's groups
+  cross (``host`` when every group lies inside one host of ``devices_per_host`` ranks, else ``network``), with
+  nccl-tests' bus-bandwidth factors: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` of the full buffer
+  for an all-gather, a reduce-scatter and an all-to-all, the whole tensor for a broadcast or a send; and one
+  latency per ring step (``2(n-1)`` for an all-reduce, ``n-1`` for the others, 1 for a send), and per call the
+  profile's ``collective_wait_s`` (the ranks reach a collective at different moments);
+* **overlap**: what runs behind compute. The data-parallel gradient reduction (vemesh DDP's buckets, ZeRO-1's
+  all-reduce) runs during backward, so it hides behind up to the backward's compute (2/3 of the step's); FSDP2
+  prefetches its all-gathers and reduce-scatters behind the whole step's compute; the profile's ``overlap`` says
+  how much of that the device can really run at once (``vemesh calibrate`` measures it). ZeRO-1's gather of the updated
+  shards after the step, and every TP, CP, EP and PP collective, are on the critical path: exposed;
+* **optimizer**: the bytes the traced ``optimizer.step()`` reads and writes (its elementwise math over each
+  local parameter, gradient, both moments, ZeRO-1's masters), at the memory bandwidth; they are not in compute.
+
+The step time is compute + exposed communication + optimizer; the slowest rank class is the job's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vemesh.planning.profiles import DeviceProfile, Link
+
+__all__ = ["DimTime", "StepTime", "collective_seconds", "render", "step_time"]
+
+#: The kinds whose bus traffic is (n-1)/n of the buffer, with n-1 latency steps; the all-reduce's is twice that.
+_ONE_PASS = ("all_gather", "reduce_scatter", "all_to_all")
+_ALL_REDUCE = ("all_reduce",)
+#: What ZeRO-1 runs after the optimizer step (the updated shards to every rank): not hidden behind backward.
+_GATHERS = ("all_gather", "broadcast")
+
+
+_CANONICAL = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "_allgather_base": "all_gather",
+              "allgather": "all_gather", "all_gather_into_tensor": "all_gather", "_reduce_scatter_base": "reduce_scatter",
+              "reduce_scatter_tensor": "reduce_scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+              "all_to_all_single": "all_to_all"}
+
+
+def _kind(op: str) -> str:
+    """A collective op's kind as ``vemesh calibrate`` names it: ``allreduce_`` and ``all_reduce`` are ``all_reduce``."""
+    base = op.split(".")[0].rstrip("_")
+    return _CANONICAL.get(base, base)
+
+
+def collective_seconds(op: str, nbytes: float, calls: int, n: int, link: Link) -> float:
+    """Seconds that ``calls`` collectives ``op`` of ``nbytes`` in all (nccl-tests' size) take over ``n`` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    kind = _kind(op)
+    if kind in _ALL_REDUCE:
+        factor, steps = 2 * (n - 1) / n, 2 * (n - 1)
+    elif kind in _ONE_PASS:
+        factor, steps = (n - 1) / n, n - 1
+    else:
+        factor, steps = 1.0, 1
+    return calls * steps * link.latency_s + factor * nbytes / link.bandwidth
+
+
+@dataclass(frozen=True)
+class DimTime:
+    """One mesh dim's communication in a step: its link class, the seconds in all, and how many of them hide."""
+
+    link: str
+    seconds: float
+    hidden: float
+
+    @property
+    def exposed(self) -> float:
+        return self.seconds - self.hidden
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One rank class's step: the parts (seconds) and their sum."""
+
+    name: str
+    compute: float
+    optimizer: float
+    bubble: float
+    dims: dict[str, DimTime] = field(default_factory=dict)
+
+    @property
+    def exposed(self) -> float:
+        return sum(d.exposed for d in self.dims.values())
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed + self.optimizer + self.bubble
+
+
+def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, grad_dims: tuple[str, ...],
+              sizes: dict[str, int], crosses: dict[str, bool]) -> list[StepTime]:
+    """Each rank class's :class:`StepTime` of a traced ``fit`` (see the module docstring).
+
+    Args:
+        grad_dims: the dims gradients reduce over (the data dims' gradient dim, and EDP for experts).
+        sizes: each dim's group size; ``crosses``: whether its groups span hosts.
+    """
+    flops = profile.flops(dtype)
+    out = []
+    for c in fit.classes:
+        compute = (c.flops / (flops * profile.achievable) + (c.memory_bytes - c.optimizer_bytes) / profile.memory_bandwidth
+                   + c.ops * profile.op_overhead_s + c.dtensor_ops * profile.dtensor_op_overhead_s)
+        backward = compute * 2 / 3
+        dims: dict[str, DimTime] = {}
+        for dim, ops in sorted(c.collectives.items()):
+            link_name = "network" if crosses.get(dim, False) else "host"
+            n = sizes.get(dim, 1)
+            each = {op: collective_seconds(op, b, calls, n, profile.link(link_name, _kind(op), n))
+                    + (calls * profile.collective_wait_s if n > 1 else 0.0) for op, (b, calls) in ops.items()}
+            seconds = sum(each.values())
+            if dim in grad_dims and dp_mode == "fsdp":
+                hidable = seconds
+                cover = compute
+            elif dim in grad_dims:  # the gradient reduction in backward; ZeRO-1's gather after the step is exposed
+                hidable = sum(t for op, t in each.items() if _kind(op) not in _GATHERS)
+                cover = backward
+            else:
+                hidable, cover = 0.0, 0.0
+            dims[dim] = DimTime(link_name, seconds, profile.overlap * min(hidable, cover))
+        optimizer = c.optimizer_bytes / profile.memory_bandwidth
+        out.append(StepTime(c.name, compute, optimizer, 0.0, dims))
+    return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:9.3f} ms" if seconds < 10 else f"{seconds:9.2f} s "
+
+
+def render(times: list[StepTime], profile: DeviceProfile, width: int = 40) -> str:
+    """The slowest class's step on ``profile``: one line per part, the exposed time per dim as a bar."""
+    t = max(times, key=lambda x: x.total)
+    said = "measured by vemesh calibrate" if profile.measured else "published specifications, NOT MEASURED here"
+    lines = [f"step time on {profile.name} ({said}): {t.total * 1e3:.3f} ms ({t.name}; the slowest class)"]
+    parts = [("compute", t.compute, ""), ("optimizer", t.optimizer, "")]
+    parts += [(f"{dim} exposed", d.exposed, f"  {d.link} link; {d.seconds * 1e3:.3f} ms in all, "
+               f"{d.hidden * 1e3:.3f} ms hidden behind compute") for dim, d in t.dims.items()]
+    if t.bubble:
+        parts.append(("PP bubble", t.bubble, ""))
+    for name, seconds, why in parts:
+        bar = "#" * round(width * seconds / t.total) if t.total else ""
+        lines.append(f"  {name:<16}{_ms(seconds)}  |{bar:<{width}}|{why}")
+    return "\n".join(lines)
