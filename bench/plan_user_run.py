@@ -60,21 +60,25 @@ def _train_step(model, optimizer, step, per_dp: int, mbs: int, fsdp: bool) -> No
     optimizer.step()
 
 
-def _time_steps(args, dims, factory, parallelize, step, per_dp: int, mbs: int) -> None:
-    """Time ``--time-steps`` steps after 3 warm-up steps; rank 0 writes the median (slowest rank's) and exits."""
-    import statistics
-    import time
-
-    torch.manual_seed(0)
+def _build(args, factory, parallelize):
+    """The user's model through their parallelize function, and the optimizer ``--dp-mode`` names."""
     model = parallelize(factory(), mesh)
     fsdp = isinstance(model, torch.distributed.fsdp.FSDPModule)
     mode = args.dp_mode or ("fsdp" if fsdp else "zero1")
     if mode == "zero1":
         from vemesh.optim import DistributedOptimizer
 
-        optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model])
-    else:
-        optimizer = torch.optim.AdamW(model.parameters())
+        return model, DistributedOptimizer(torch.optim.AdamW, models=[model]), fsdp
+    return model, torch.optim.AdamW(model.parameters()), fsdp
+
+
+def _time_steps(args, dims, factory, parallelize, step, per_dp: int, mbs: int) -> None:
+    """Time ``--time-steps`` steps after 3 warm-up steps; rank 0 writes the median (slowest rank's) and exits."""
+    import statistics
+    import time
+
+    torch.manual_seed(0)
+    model, optimizer, fsdp = _build(args, factory, parallelize)
     times = []
     for i in range(3 + args.time_steps):
         dist.barrier()
@@ -119,25 +123,10 @@ def main() -> None:
     load = _expert_load()
     meter = RunMeter()
     with meter:
-        model = parallelize(factory(), mesh)
-        fsdp = isinstance(model, torch.distributed.fsdp.FSDPModule)
-        mode = args.dp_mode or ("fsdp" if fsdp else "zero1")
-        if mode == "zero1":
-            from vemesh.optim import DistributedOptimizer
-
-            optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model])
-        else:
-            optimizer = torch.optim.AdamW(model.parameters())
+        model, optimizer, fsdp = _build(args, factory, parallelize)
         for _ in range(STEPS):
             with meter.step():
-                optimizer.zero_grad()
-                for i in range(per_dp // mbs):
-                    last = i == per_dp // mbs - 1
-                    if fsdp:
-                        model.set_requires_gradient_sync(last)
-                    with model.no_sync() if not last and not fsdp else contextlib.nullcontext():
-                        step(model, mbs)
-                optimizer.step()
+                _train_step(model, optimizer, step, per_dp, mbs, fsdp)
     report(meter, mesh, "every rank", args.report)
     loads = [None] * dist.get_world_size()
     dist.all_gather_object(loads, load["load"])

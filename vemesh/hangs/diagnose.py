@@ -301,16 +301,33 @@ def diagnose(job: Job) -> Diagnosis:
             if why:
                 s.went_past[r] = why
     # the first cause first: a rank that went past the collective (it skipped it), then a group waiting on a rank
-    # that waits on nothing itself, then the earliest step, then the earliest time
+    # that waits on nothing itself, then the earliest step, then the collective that rank would have entered next
+    # (several groups can wait on it, their first entries a race of milliseconds apart), then the earliest time
     def step(s: Stuck) -> int:
         e = next(iter(s.entries.values()))
         found = job.ranks[e.rank].step_at(e.time_ns)
         return found if found is not None else 1 << 62
 
+    def expected(s: Stuck) -> bool:  # the collective a missing rank would have entered next, by its own history
+        return any(_next_of(job, r) == (s.group.name, s.op) for r in s.missing)
+
     diag.stuck.sort(key=lambda s: (not s.went_past, not any(r not in waiting_ranks for r in s.missing + s.silent),
-                                   not s.root, step(s), s.first_ns))
+                                   not s.root, step(s), not expected(s), s.first_ns))
     diag.dead = sorted(r for r, d in job.ranks.items() if not d.dumped and (d.fatal or job.source == "vemesh"))
     return diag
+
+
+def _next_of(job: Job, rank: int) -> tuple[str, str] | None:
+    """``(group, op)`` of the collective ``rank`` would have entered next, from its own record: what followed the
+    longest earlier run of collectives equal to the run it ended with (the same point of an earlier step); None
+    when no earlier run matches."""
+    mine = [(e.pg, e.op) for e in sorted((e for e in job.ranks[rank].entries if not e.p2p), key=lambda e: e.time_ns)]
+    for k in range(min(8, len(mine) - 1), 0, -1):
+        tail = mine[-k:]
+        for end in range(len(mine) - 2, k - 2, -1):  # the latest earlier run first
+            if mine[end - k + 1:end + 1] == tail:
+                return mine[end + 1]
+    return None
 
 
 def diagnose_dir(directory: str | Path, shape: tuple[int, ...] | None = None,

@@ -167,13 +167,7 @@ def by_mesh_name(counts: dict[str, int], mesh: Any) -> dict[str, int]:
     A group that serves several names (a dim and a flattening of it alone) goes to the first: dims
     first, then flattened and split names, in the order they were made.
     """
-    names: dict[str, str] = {}
-    for name in mesh.layout.names:
-        try:
-            group = mesh.get_group(name)
-        except (ValueError, RuntimeError, KeyError):
-            continue
-        names.setdefault(group.group_name, name)
+    names = mesh_names(mesh)
     out: dict[str, int] = defaultdict(int)
     for group_name, n in counts.items():
         out[names.get(group_name, "other")] += n
