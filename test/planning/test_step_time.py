@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from vemesh.planning import PlanRequest
+from vemesh.planning.api import answer
 from vemesh.planning.profiles import BUILT_IN, DeviceProfile, Link, load_profile
-from vemesh.planning.step_time import collective_seconds
+from vemesh.planning.step_time import collective_seconds, render
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "test" / "models"))
+import llama_jobs  # noqa: E402
 JOBS = "test/models/llama_jobs.py"
 LINK = Link(latency_s=1e-5, bandwidth=1e9)
 
@@ -79,9 +83,11 @@ def _plan(*flags: str) -> subprocess.CompletedProcess:
 
 
 def test_plan_with_a_profile_gives_the_step_time_and_its_parts() -> None:
-    done = _plan("--world-size", "16", "--tp", "4", "--devices-per-host", "4", "--device-profile", "h100-sxm", "--json")
-    assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
+    """In-process (the answer ``vemesh plan`` prints, without a second interpreter): the JSON's parts and the text."""
+    found = answer(PlanRequest(world_size=16, model=llama_jobs.make_dense, parallelize=llama_jobs.parallelize_ddp,
+                               step=llama_jobs.step, tp=4, devices_per_host=4, global_batch_size=16,
+                               device_profile="h100-sxm"))
+    doc = found.document()
     t = doc["time"]
     exposed = sum(d["exposed"] for d in t["communication"].values())
     assert doc["step_time"] == pytest.approx(t["compute"] + t["optimizer"] + t["bubble"] + exposed)
@@ -89,8 +95,8 @@ def test_plan_with_a_profile_gives_the_step_time_and_its_parts() -> None:
     assert t["communication"]["TP"]["link"] == "host" and t["communication"]["DP"]["link"] == "network"
     assert t["communication"]["TP"]["hidden"] == 0 and t["communication"]["DP"]["hidden"] > 0
     assert doc["device_profile"]["measured"] is False and 0 < doc["mfu"] < 1
-    text = _plan("--world-size", "16", "--tp", "4", "--devices-per-host", "4", "--device-profile", "h100-sxm").stdout
-    assert "step time on h100-sxm (published specifications, NOT MEASURED here)" in text
+    text = render(list(found.times), found.profile)
+    assert text.startswith("step time on h100-sxm (published specifications, NOT MEASURED here)")
     assert "  TP exposed " in text and "|#" in text and "host link;" in text
 
 
@@ -123,8 +129,21 @@ def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     assert all(set(sizes) == {"2"} for sizes in p.collectives.values()) and 0 <= p.overlap <= 1
     assert p.flops("fp32") > 0 and p.memory_bandwidth > 0 and p.op_overhead_s > 0
-    timed = _plan("--world-size", "2", "--device-profile", str(out), "--json")
-    assert timed.returncode == 0 and json.loads(timed.stdout[: timed.stdout.rindex("}") + 1])["step_time"] > 0
+    timed = answer(PlanRequest(world_size=2, model=llama_jobs.make_dense, parallelize=llama_jobs.parallelize_ddp,
+                               step=llama_jobs.step, global_batch_size=4, device_profile=str(out)))
+    assert timed.document()["step_time"] > 0 and timed.document()["device_profile"]["measured"] is True
     bad = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "1", "--output", str(out)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "collectives need at least 2 processes" in bad.stderr
+
+
+def test_a_plan_traced_without_timing_is_refused_not_timed_as_zero() -> None:
+    from vemesh.planning.estimate import RankMemory
+    from vemesh.planning.results import MeshFit, RankClass
+    from vemesh.planning.step_time import step_time
+
+    fit = MeshFit({"PP": 1, "DP": 2, "CP": 1, "TP": 1, "EP": 1},
+                  [RankClass("every rank", RankMemory("every rank", 1, 1, 1, 0), 1, 0, {"DP": 8})], 1, 1)
+    with pytest.raises(ValueError, match="every rank: the plan counted no FLOPs"):
+        step_time(fit, load_profile("h100-sxm"), dtype="fp32", dp_mode="ddp", grad_dims=("DP",), sizes={"DP": 2},
+                  crosses={"DP": False})

@@ -55,6 +55,7 @@ class Job:
     parallelize: Any = None  #: ``--parallelize MODULE:FUNCTION`` (or the function): the user's own, run on the mesh
     step: Any = None  #: ``--step MODULE:FUNCTION`` (or the function): one forward and backward of a micro-batch
     moe_load_factor: float = 1.0  #: the busiest EP rank's share of the slots over the balanced share
+    timed: bool = False  #: count what a step-time prediction needs (FLOPs, memory-bound bytes, ops) while tracing
 
     @property
     def mode(self) -> str:
@@ -107,7 +108,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         return predict_user(UserFunctions.of(job.model, job.parallelize, job.step), world_size=pp * dp * cp * tp,
                             degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, dp_replicate=dp_replicate,
                             global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
-                            dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor)
+                            dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor, timed=job.timed)
     if not isinstance(job.model, str):
         raise ValueError(f"a model given as {type(job.model).__name__} needs its step (step=...) to be traced; "
                          "without one, give --model as gpt:... or module:package.module:factory")

@@ -114,7 +114,8 @@ class PlanRequest:
         return Job(self.model, self.global_batch_size or 32, dtype=self.dtype or "fp32", dp_mode=self.dp_mode,
                    micro_batch_size=micro, pp_schedule=self.pp_schedule or "1f1b",
                    sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
-                   parallelize=self.parallelize, step=self.step, moe_load_factor=factor)
+                   parallelize=self.parallelize, step=self.step, moe_load_factor=factor,
+                   timed=self.device_profile is not None)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanRequest:

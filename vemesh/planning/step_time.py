@@ -109,6 +109,9 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
     flops = profile.flops(dtype)
     out = []
     for c in fit.classes:
+        if not c.flops:  # an untimed trace (Job.timed false) counted nothing: a step of 0 s would be silently wrong
+            raise ValueError(f"{c.name}: the plan counted no FLOPs (traced without timing, or not traced); a step "
+                             "time needs a traced step planned with a device profile (Job(..., timed=True))")
         compute = (c.flops / (flops * profile.achievable) + (c.memory_bytes - c.optimizer_bytes) / profile.memory_bandwidth
                    + c.ops * profile.op_overhead_s + c.dtensor_ops * profile.dtensor_op_overhead_s)
         backward = compute * 2 / 3

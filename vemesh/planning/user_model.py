@@ -215,10 +215,10 @@ def _unknown(counter: Any, mesh: Any) -> str | None:
 
 def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], dp_replicate: int = 1,
                micro_batch_size: int, passes: int, dtype: str = "fp32", dp_mode: str | None = None,
-               load_factor: float = 1.0, blocks: tuple[str, int] | None = None) -> Counted:
-    """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks."""
+               load_factor: float = 1.0, blocks: tuple[str, int] | None = None, timed: bool = False) -> Counted:
+    """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks; ``timed``
+    also counts what a step-time prediction needs (FLOPs, memory-bound bytes, ops: about 10% more tracing)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
@@ -249,7 +249,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 counter.bytes.clear()
                 counter.by_op.clear()
                 counter.counting = tracker.in_step = True
-                with FlopCounterMode(display=False) as flop_counter, MemoryBoundBytes() as memory_bound:
+                with _counting(timed) as (flop_counter, memory_bound):
                     optimizer.zero_grad()
                     for i in range(n):
                         with _no_sync(model, i == n - 1):
@@ -277,6 +277,27 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                       dtensor_ops=dispatched[1][1] + (passes - 1) * (dispatched[2][1] - dispatched[1][1]),
                       by_op=more_ops(ops[2], ops[1], passes - 2) if passes > 2 else ops[2])
     return one
+
+
+@contextlib.contextmanager
+def _counting(timed: bool) -> Any:
+    """torch's FlopCounterMode and the memory-bound bytes while a timed step runs; counters of nothing otherwise."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if not timed:
+        yield _Nothing(), _Nothing()
+        return
+    with FlopCounterMode(display=False) as flops, MemoryBoundBytes() as moved:
+        yield flops, moved
+
+
+class _Nothing:
+    """What an untimed trace counts: nothing."""
+
+    bytes = ops = dtensor_ops = 0
+
+    def get_total_flops(self) -> int:
+        return 0
 
 
 def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, int], dp_mode: str | None) -> nn.Module:
@@ -314,7 +335,7 @@ def _blocks_of(factory: Callable[[], nn.Module], name: str) -> tuple[str, int] |
 
 def predict_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], dp_replicate: int = 1,
                  global_batch_size: int, micro_batch_size: int | None, dtype: str, dp_mode: str | None,
-                 load_factor: float) -> Any:
+                 load_factor: float, timed: bool = False) -> Any:
     """The :class:`~vemesh.planning.fit.MeshFit` of the user's functions on one mesh (PP is not planned here)."""
 
     if degrees["PP"] > 1:
@@ -327,7 +348,7 @@ def predict_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int]
     if per_dp % mbs:
         raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
     kwargs = dict(world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, micro_batch_size=mbs,
-                  passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor)
+                  passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor, timed=timed)
     found = _blocks_of(fns.factory, fns.names[0])
     notes = []
     counted = None
