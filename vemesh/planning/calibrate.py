@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from vemesh.planning.profiles import DeviceProfile, load_profile
+from vemesh.planning.step_time import ring
 
 __all__ = ["KINDS", "calibrate"]
 
@@ -161,14 +162,6 @@ def _op_overheads(device: torch.device, sync: Any, reps: int) -> tuple[float, fl
     return per_op, max(0.0, _median_seconds(on_dtensor, reps, sync) / k - per_op)
 
 
-def _factor_steps(kind: str, n: int) -> tuple[float, int]:
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n, 2 * (n - 1)
-    if kind == "broadcast":
-        return 1.0, 1
-    return (n - 1) / n, n - 1
-
-
 def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -196,7 +189,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
         group = groups[rank // size]
         small, large = size * 256, size * ((2**18) if quick else (2**22))  # fp32: 1 KiB x size; 1 or 16 MiB x size
         for kind in KINDS:
-            factor, steps = _factor_steps(kind, size)
+            factor, steps = ring(kind, size)
             dist.barrier()
             t_small = _median_seconds(_collective(kind, small, size, device, group), reps, sync)
             dist.barrier()

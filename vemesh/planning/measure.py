@@ -128,13 +128,9 @@ class MemoryBoundBytes(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         packet = func.overloadpacket
         if packet not in self.skip and not func.is_view and func not in collective_ops:
-            tensors = [t for t in (*_flat(args), *_flat(kwargs or {}), *_flat(result)) if isinstance(t, torch.Tensor)]
+            tensors = [t for t in tree_leaves((args, kwargs or {}, result)) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return result
-
-
-def _flat(tree: Any) -> list[Any]:
-    return tree_leaves(tree)
 
 
 def mesh_names(mesh: Any) -> dict[str, str]:

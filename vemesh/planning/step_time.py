@@ -31,7 +31,7 @@ from typing import Any
 
 from vemesh.planning.profiles import DeviceProfile, Link
 
-__all__ = ["DimTime", "StepTime", "collective_seconds", "render", "step_time"]
+__all__ = ["DimTime", "StepTime", "collective_seconds", "render", "ring", "step_time"]
 
 #: The kinds whose bus traffic is (n-1)/n of the buffer, with n-1 latency steps; the all-reduce's is twice that.
 _ONE_PASS = ("all_gather", "reduce_scatter", "all_to_all")
@@ -52,17 +52,22 @@ def _kind(op: str) -> str:
     return _CANONICAL.get(base, base)
 
 
+def ring(kind: str, n: int) -> tuple[float, int]:
+    """``(bus factor, latency steps)`` of one ``kind`` collective over ``n`` ranks (nccl-tests' bus bandwidth):
+    ``(2(n-1)/n, 2(n-1))`` for an all-reduce, ``((n-1)/n, n-1)`` for an all-gather, a reduce-scatter or an
+    all-to-all, ``(1, 1)`` for the rest (a broadcast, a send). ``vemesh calibrate`` fits its links by the same rule."""
+    if kind in _ALL_REDUCE:
+        return 2 * (n - 1) / n, 2 * (n - 1)
+    if kind in _ONE_PASS:
+        return (n - 1) / n, n - 1
+    return 1.0, 1
+
+
 def collective_seconds(op: str, nbytes: float, calls: int, n: int, link: Link) -> float:
     """Seconds that ``calls`` collectives ``op`` of ``nbytes`` in all (nccl-tests' size) take over ``n`` ranks."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    kind = _kind(op)
-    if kind in _ALL_REDUCE:
-        factor, steps = 2 * (n - 1) / n, 2 * (n - 1)
-    elif kind in _ONE_PASS:
-        factor, steps = (n - 1) / n, n - 1
-    else:
-        factor, steps = 1.0, 1
+    factor, steps = ring(_kind(op), n)
     return calls * steps * link.latency_s + factor * nbytes / link.bandwidth
 
 
