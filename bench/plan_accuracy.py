@@ -71,6 +71,7 @@ CONFIGS: dict[str, tuple[int, list[str], list[str]]] = {
 #: a user's parallelize functions and step), planned with ``--parallelize``/``--step`` and measured by
 #: ``bench/plan_user_run.py`` running the same functions: name -> (processes, factory, parallelize, flags for both).
 JOBS = "test/models/llama_jobs.py"
+HF_JOBS = "test/models/hf_jobs.py"  # Hugging Face transformers' LlamaForCausalLM, as transformers ships it
 USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-fsdp2-tp2-sp": (4, "make_dense", "parallelize_fsdp", ["--tp", "2"]),
     "llama-zero1-tp2": (4, "make_dense", "parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
@@ -79,6 +80,10 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-moe-ep2-fsdp2": (2, "make_moe", "parallelize_fsdp", ["--ep", "2"]),
     "llama-fsdp2-checkpointed": (2, "make_dense", "parallelize_checkpointed", []),
     "llama-ddp-accumulate": (2, "make_dense", "parallelize_ddp", ["--dp-mode", "ddp", "--micro-batch-size", "2"]),
+    "llama-trunc-normal-fsdp2-tp2": (4, "make_dense_trunc_normal", "parallelize_fsdp", ["--tp", "2"]),
+    "llama-trunc-normal-zero1-tp2": (4, "make_dense_trunc_normal", "parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
+    "hf-llama-fsdp2-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_fsdp", ["--tp", "2"]),
+    "hf-llama-zero1-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
 }
 #: The configurations whose router is skewed in a real run: re-planned with the run's measured load factor.
 LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2")
@@ -162,8 +167,10 @@ def compare(name: str) -> list[dict[str, Any]]:
     """Plan, run, and (for a skewed router) plan again with the run's load factor."""
     if name in USER_CONFIGS:
         procs, factory, parallelize, flags = USER_CONFIGS[name]
-        functions = ["--model", f"module:{JOBS}:{factory}", "--parallelize", f"{JOBS}:{parallelize}",
-                     "--step", f"{JOBS}:step", "--global-batch-size", "8"]
+        jobs = factory.rpartition(":")[0] or JOBS
+        factory, parallelize = (f if ":" in f else f"{JOBS}:{f}" for f in (factory, parallelize))
+        functions = ["--model", f"module:{factory}", "--parallelize", parallelize,
+                     "--step", f"{jobs}:step", "--global-batch-size", "8"]
         plan_args = [*functions, "--world-size", str(procs), *flags]
         with tempfile.TemporaryDirectory() as workdir:
             run, load = measured(procs, [*functions, *flags], workdir, ROOT / "bench" / "plan_user_run.py")

@@ -1,9 +1,17 @@
-"""``ExpertParallel``: a torch ``ParallelStyle`` that spreads a grouped-experts module over the EP group.
+"""``ExpertParallel``: a torch ``ParallelStyle`` that spreads an experts module over the EP group.
 
-The experts module follows torchtitan's contract: its parameters are stacked over the ``E`` experts on dim 0
-(``w1 [E, H, D]``, ``w2 [E, D, H]``, ``w3 [E, H, D]``, biases ``[E, ...]`` too), and
-``forward(x, num_tokens_per_expert)`` takes ``x [T, D]`` grouped by expert, in expert order, with the count per
-expert ``[E]``, and returns ``[T, D]`` in the same order.
+The experts module's parameters are stacked over the ``E`` experts on dim 0, and its ``forward`` follows one of two
+contracts, told apart by its signature:
+
+* **grouped** (torchtitan's, and vemesh's test MoE): ``forward(x, num_tokens_per_expert)`` takes ``x [T, D]``
+  grouped by expert, in expert order, with the count per expert ``[E]``, and returns ``[T, D]`` in the same order
+  (``w1 [E, H, D]``, ``w2 [E, D, H]``, ``w3 [E, H, D]``, biases ``[E, ...]`` too);
+* **routed** (Hugging Face transformers 5's experts: ``MixtralExperts``, ``Qwen3MoeExperts`` and the other classes
+  its ``use_experts_implementation`` decorates): ``forward(hidden_states, top_k_index, top_k_weights)`` takes the
+  tokens ``[N, D]`` in their own order with each token's ``k`` experts and router weights ``[N, k]``, returns the
+  weighted sum ``[N, D]``, and the module's ``num_experts`` is ``E`` (``gate_up_proj [E, 2I, D]``,
+  ``down_proj [E, D, I]``). Each (token, choice) slot travels to its expert's rank, the module's own forward runs
+  there on its ``E/EP`` experts (each slot with weight 1), and the router weights are applied where the token lives.
 
 ``parallelize_module(moe.experts, VESCALE_DEVICE_MESH["EP"], ExpertParallel())``:
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,12 +93,14 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"ExpertParallel needs the 1-D EP mesh, VESCALE_DEVICE_MESH['EP']; got {device_mesh!r:.100}")
         check_view(device_mesh, "the EP mesh")
         params = _check_grouped(module, device_mesh.size(), "ExpertParallel")
+        routed = _contract(module, "ExpertParallel") == "routed"
         for name, p in params:
             shard = nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Shard(0)]), requires_grad=p.requires_grad)
             setattr(shard, EXPERT, True)
             module.register_parameter(name, shard)
         setattr(module, EXPERT, True)
-        module.forward = functools.partial(_forward, module, module.forward, device_mesh.get_group())  # type: ignore[method-assign]
+        forward = _routed_forward if routed else _forward
+        module.forward = functools.partial(forward, module, module.forward, device_mesh.get_group())  # type: ignore[method-assign]
         return module
 
 
@@ -120,6 +131,11 @@ class ExpertTensorParallel(ParallelStyle):
                              f"got {device_mesh!r:.100}")
         check_view(device_mesh, "the EP x TP mesh")
         params = _check_grouped(module, device_mesh.size(0), "ExpertTensorParallel")
+        if _contract(module, "ExpertTensorParallel") == "routed":
+            raise ValueError(f"ExpertTensorParallel takes the grouped contract (forward(x, num_tokens_per_expert), "
+                             f"torchtitan's w1/w2/w3); {type(module).__name__} has the routed one (forward(hidden_states, "
+                             "top_k_index, top_k_weights)), whose fused gate_up_proj holds gate and up one after the "
+                             "other on dim 1, so no TP split of it is column-parallel; use ExpertParallel on mesh['EP']")
         tp = device_mesh.size(1)
         unknown = sorted(set(self.tp_dims) - {n for n, _ in params})
         if unknown and self.given:
@@ -145,11 +161,12 @@ def _check_grouped(module: nn.Module, ep: int, style_name: str) -> list[tuple[st
     if getattr(module, EXPERT, False):
         raise ValueError(f"{type(module).__name__} is already expert-parallel; apply {style_name} once")
     params = list(module.named_parameters(recurse=False))
-    if not params or list(module.children()):
+    holding = [n for n, c in module.named_children() if any(True for _ in c.parameters())]
+    if not params or holding:
         raise ValueError(
-            f"{style_name} takes a grouped-experts module: parameters stacked over experts on dim 0 and no "
-            f"submodules; {type(module).__name__} has {len(params)} parameters and "
-            f"{len(list(module.children()))} submodules"
+            f"{style_name} takes an experts module: parameters stacked over experts on dim 0 and no submodule "
+            f"with parameters (an activation is fine); {type(module).__name__} has {len(params)} parameters"
+            f"{' and submodules with parameters: ' + ', '.join(holding) if holding else ''}"
         )
     experts = {p.size(0) for _, p in params}
     if len(experts) != 1 or next(iter(experts)) % ep:
@@ -157,6 +174,35 @@ def _check_grouped(module: nn.Module, ep: int, style_name: str) -> list[tuple[st
         raise ValueError(f"{style_name} needs every parameter's dim 0 to be the expert count, divisible by EP {ep}; "
                          f"got {shapes}")
     return params
+
+
+def _contract(module: nn.Module, style_name: str) -> str:
+    """``"grouped"`` or ``"routed"``: which forward the experts module has (see the module docstring)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        params = ()
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(names) == 3 and names[1:] == ["top_k_index", "top_k_weights"]:
+        experts = {p.size(0) for p in module.parameters(recurse=False)}
+        if getattr(module, "num_experts", None) not in experts:
+            raise ValueError(f"{style_name}: {type(module).__name__} has the routed contract, whose num_experts must be "
+                             f"the experts its parameters stack on dim 0 ({sorted(experts)}); it has num_experts = "
+                             f"{getattr(module, 'num_experts', None)!r}")
+        return "routed"
+    if len(names) == 2:
+        return "grouped"
+    raise ValueError(f"{style_name} takes experts whose forward is forward(x, num_tokens_per_expert) (grouped by expert, "
+                     "torchtitan's) or forward(hidden_states, top_k_index, top_k_weights) (Hugging Face's); "
+                     f"{type(module).__name__}.forward takes ({', '.join(names) or '...'})")
+
+
+def _connected(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``out``, tied to ``tokens`` in autograd when it is not already: a rank whose experts got no tokens still
+    runs the backward of the exchange its peers run (otherwise they would wait for it)."""
+    if torch.is_grad_enabled() and tokens.requires_grad and not out.requires_grad:
+        return out + tokens.sum() * 0
+    return out
 
 
 class _SumOverTP(torch.autograd.Function):
@@ -209,7 +255,7 @@ def _tp_forward(module: nn.Module, inner: Any, groups: tuple[Any, Any], whole: s
     tokens = _SameOverTP.apply(tokens, tp_group)
     with _local_weights(module, lambda name, t: _Share.apply(t, tp) if name in whole else t):
         out = inner(tokens, counts)
-    return combine(_SumOverTP.apply(out, tp_group), plan, ep_group)
+    return combine(_SumOverTP.apply(_connected(out, tokens), tp_group), plan, ep_group)
 
 
 def _forward(module: nn.Module, inner: Any, group: Any, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -217,4 +263,26 @@ def _forward(module: nn.Module, inner: Any, group: Any, x: torch.Tensor, num_tok
     tokens, counts, plan = dispatch(x, num_tokens_per_expert, group)
     with _local_weights(module):
         out = inner(tokens, counts)
-    return combine(out, plan, group)
+    return combine(_connected(out, tokens), plan, group)
+
+
+def _routed_forward(module: nn.Module, inner: Any, group: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Each (token, choice) slot to its expert's rank, the module's own forward there on its local experts (weight 1
+    per slot), the results back, weighted by the router and summed over the choices where the token lives."""
+    experts, k = module.num_experts, top_k_index.size(-1)
+    slots = top_k_index.reshape(-1)
+    order = slots.argsort(stable=True)  # the slots grouped by expert, tokens in order within each
+    counts = torch.bincount(slots, minlength=experts)
+    tokens, local_counts, plan = dispatch(hidden_states[order // k], counts, group)
+    local = torch.repeat_interleave(torch.arange(local_counts.numel(), device=tokens.device), local_counts)
+    ones = torch.ones(local.numel(), 1, dtype=top_k_weights.dtype, device=tokens.device)
+    with _local_weights(module):
+        module.num_experts = local_counts.numel()
+        try:
+            out = inner(tokens, local.unsqueeze(1), ones)
+        finally:
+            module.num_experts = experts
+    back = combine(_connected(out, tokens), plan, group)[order.argsort()]
+    weighted = back.view(-1, k, back.size(-1)) * top_k_weights.unsqueeze(-1)
+    return weighted.sum(1).to(hidden_states.dtype)

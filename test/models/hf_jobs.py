@@ -1,0 +1,61 @@
+"""What a user of vemesh writes for Hugging Face transformers' ``LlamaForCausalLM``, as transformers ships it: a
+factory, parallelize functions and a step, the three things ``vemesh plan --model module:... --parallelize ...
+--step ...`` runs, and that ``bench/plan_user_run.py`` runs for real (``bench/plan_accuracy.py`` compares them).
+
+TP is HF's own plan by module names (its config's ``base_model_tp_plan``) as torch's styles on ``mesh["TP"]``;
+data parallelism is FSDP2 on each decoder layer and the root, or vemesh DDP (ZeRO-1 is the optimizer's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import transformers as hf
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from vemesh.ddp import DistributedDataParallel
+from vemesh.parallel import fully_shard
+
+SEQ, VOCAB = 128, 1024
+
+#: HF Llama's ``base_model_tp_plan``, by its module names, as torch's styles.
+TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+           "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+           "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+
+
+def make_llama() -> nn.Module:
+    """HF's ``LlamaForCausalLM`` (its own ``post_init`` initialisation), 6 layers of width 256, SDPA attention."""
+    return hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
+                                              num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                                              max_position_embeddings=SEQ, attn_implementation="sdpa"))
+
+
+def _tp(model: nn.Module, mesh) -> None:
+    if mesh.get_strategy_size("TP") > 1:
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["TP"], TP_PLAN)
+
+
+def parallelize_fsdp(model: nn.Module, mesh) -> nn.Module:
+    """HF's TP plan (when the mesh has TP), then FSDP2 on each decoder layer and the root."""
+    _tp(model, mesh)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:
+    """HF's TP plan (when the mesh has TP), then vemesh DDP over the mesh's data dims."""
+    _tp(model, mesh)
+    return DistributedDataParallel(model)
+
+
+def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """One forward and backward of ``micro_batch_size`` sequences: HF's logits, the next-token loss."""
+    tokens = torch.randint(0, VOCAB, (micro_batch_size, SEQ + 1))
+    logits = model(input_ids=tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach()

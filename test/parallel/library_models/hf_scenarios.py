@@ -1,0 +1,197 @@
+"""What each rank runs in test_hf_models.py: Hugging Face transformers' own model classes, unchanged (tiny configs),
+parallelized with vemesh and torch APIs only, trained 3 steps, and compared with one process on the global batch.
+
+Each case returns its loss per step (the mean over the global batch) and the largest difference of any final
+parameter from the one-process run, which every rank computes itself (the models are small).
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from vemesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.ddp import DistributedDataParallel as DDP
+from vemesh.optim import DistributedOptimizer
+from vemesh.parallel import ExpertParallel, ParallelDims, context_parallel, fully_shard
+
+STEPS, BATCH, SEQ, VOCAB, LR, EPS = 3, 4, 16, 128, 1e-3, 1e-6
+
+#: HF Llama's TP plan by its module names (what its config's base_model_tp_plan says), as torch's styles.
+LLAMA_TP = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+
+
+def make(kind: str) -> torch.nn.Module:
+    """A tiny HF model, the same on every rank (HF's own init under one seed), in fp32."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")
+    if kind == "llama":
+        return hf.LlamaForCausalLM(hf.LlamaConfig(intermediate_size=64, **common))
+    if kind == "qwen3moe":
+        return hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                                                        num_experts_per_tok=2, norm_topk_prob=True, **common))
+    if kind == "mixtral":
+        return hf.MixtralForCausalLM(hf.MixtralConfig(intermediate_size=16, num_local_experts=4,
+                                                      num_experts_per_tok=2, **common))
+    raise ValueError(kind)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean next-token loss of HF's logits against labels shifted outside (so a CP shard's labels are its own)."""
+    logits = model(input_ids=x, position_ids=positions).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+
+def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = make(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, *batch(step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(dims: ParallelDims, kind: str, wrap: str, optimizer: str) -> dict[str, Any]:
+    dims.build("cpu", mesh)
+    model = make(kind)
+    layers = model.model.layers
+    if dims.tp > 1:  # HF's module names, torch's styles, vemesh's TP mesh
+        for layer in layers:
+            parallelize_module(layer, mesh["TP"], LLAMA_TP)
+    if dims.ep > 1:  # HF's fused experts (the routed contract): E / EP of them on each EP rank
+        for layer in layers:
+            parallelize_module(layer.mlp.experts, mesh["EP"], ExpertParallel())
+    if wrap == "ddp":  # no group given: the mesh's data dims, experts over EDP
+        model = DDP(model)
+    else:
+        for layer in layers:
+            fully_shard(layer)
+        model = fully_shard(model)
+    if optimizer == "zero1":
+        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=LR, eps=EPS)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    rows = mesh.lookup_rank("DP")
+    data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
+    cp = mesh["CP"] if dims.cp > 1 else None
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = (t.chunk(dims.dp)[rows].clone() for t in batch(step))
+        if cp is not None:  # HF takes positions: give them as a buffer, cut with the tokens and labels
+            positions = torch.arange(SEQ).expand_as(x).clone()
+            with context_parallel(cp, buffers=[x, y, positions], buffer_seq_dims=[1, 1, 1]):
+                loss = loss_of(model, x, y, positions)
+                loss.backward()
+        else:
+            loss = loss_of(model, x, y)
+            loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        if data is not None:
+            dist.all_reduce(total, group=data)
+            total /= dist.get_world_size(data)
+        losses.append(total.item())
+    params = {n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+              for n, p in model.named_parameters()}
+    mesh.reset()
+    return {"losses": losses, "params": params}
+
+
+def compare(got: dict[str, Any], ref: tuple[list[float], dict[str, torch.Tensor]]) -> dict[str, Any]:
+    losses, params = ref
+    assert set(got["params"]) == set(params), sorted(set(got["params"]) ^ set(params))
+    return {"loss_diff": max(abs(a - b) for a, b in zip(got["losses"], losses)),
+            "param_diff": max((got["params"][n] - p).abs().max().item() for n, p in params.items()),
+            "losses": got["losses"], "ref": losses}
+
+
+CASES = {  # name: (degrees, model, wrapper, optimizer)
+    "llama-tp2-ddp": (dict(tp=2), "llama", "ddp", "adamw"),
+    "llama-tp2-zero1": (dict(tp=2), "llama", "ddp", "zero1"),
+    "llama-dp2-cp2-ddp": (dict(cp=2), "llama", "ddp", "adamw"),
+    "qwen3moe-ep2-ddp": (dict(ep=2), "qwen3moe", "ddp", "adamw"),
+    "qwen3moe-ep2-zero1": (dict(ep=2), "qwen3moe", "ddp", "zero1"),
+    "qwen3moe-ep2-fsdp2": (dict(ep=2), "qwen3moe", "fsdp", "adamw"),
+    "mixtral-ep2-ddp": (dict(ep=2), "mixtral", "ddp", "adamw"),
+}
+
+
+def one_expert_for_all(world_size: int) -> dict[str, Any]:
+    """Every token of every rank routed to experts 0 and 1 (EP rank 0's): the EP ranks holding no chosen expert still
+    run the backward exchange their peers wait for; outputs and gradients (relative to their largest) match one
+    process."""
+    experts = make("qwen3moe").model.layers[0].mlp.experts
+    whole = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    x = torch.randn(world_size * 6, 32, generator=torch.Generator().manual_seed(7))
+    index = torch.zeros(x.size(0), 2, dtype=torch.long)
+    index[:, 1] = 1  # the two choices: experts 0 and 1, both on EP rank 0
+    weights = torch.rand(x.size(0), 2, generator=torch.Generator().manual_seed(8))
+    ref = experts(x, index, weights)
+    ref.square().sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in experts.named_parameters()}
+    ParallelDims(world_size, ep=2).build("cpu", mesh)
+    mine = make("qwen3moe").model.layers[0].mlp.experts
+    mine.load_state_dict(whole)
+    parallelize_module(mine, mesh["EP"], ExpertParallel())
+    rank = dist.get_rank()
+    part = slice(rank * 6, rank * 6 + 6)
+    out = mine(x[part], index[part], weights[part])
+    out.square().sum().backward()
+    diffs = []
+    for n, p in mine.named_parameters():
+        grad = p.grad.full_tensor()
+        dist.all_reduce(grad, group=mesh.get_group("EDP"))  # an EP group's tokens' gradient; over EDP the batch's
+        diffs.append(((grad - ref_grads[n]).abs().max() / ref_grads[n].abs().max()).item())  # relative: sums of 24
+    result = {"out_diff": (out - ref[part]).abs().max().item(), "grad_diff": max(diffs)}
+
+    class Shortcut(torch.nn.Module):  # grouped experts that return zeros without autograd when they get no token
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4, 32, 32) / 32)
+
+        def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            if x.numel() == 0:
+                return torch.zeros_like(x)
+            return torch.cat([t @ w for t, w in zip(x.split(counts.tolist()), self.w)])
+
+    shortcut = parallelize_module(Shortcut(), mesh["EP"], ExpertParallel())
+    tokens = x[part].clone().requires_grad_()
+    shortcut(tokens, torch.tensor([6, 0, 0, 0])).square().sum().backward()  # all to expert 0, EP rank 0's
+    result["shortcut_grad"] = (tokens.grad - 2 * tokens.detach() @ shortcut.w.full_tensor()[0].detach() @
+                               shortcut.w.full_tensor()[0].detach().t()).abs().max().item()
+    mesh.reset()
+    return result
+
+
+def worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
+    refs = {kind: reference(kind) for kind in {c[1] for c in cases.values()}}
+    out: dict[str, Any] = {}
+    for name, (degrees, kind, wrap, optimizer) in cases.items():
+        try:
+            out[name] = compare(train(ParallelDims(world_size, **degrees), kind, wrap, optimizer), refs[kind])
+        except Exception:  # noqa: BLE001 - reported back to pytest
+            out[name] = {"error": traceback.format_exc()}
+            mesh.reset()
+    out["one-expert-for-all"] = one_expert_for_all(world_size)
+    return out

@@ -1,0 +1,89 @@
+"""Hugging Face transformers' own classes (pinned in the test extra), unchanged, on 4 gloo ranks against one process.
+
+* ``LlamaForCausalLM`` with TP by HF's module names (torch's styles on ``mesh["TP"]``) and vemesh DDP, and ZeRO-1;
+  and with ``vemesh.parallel.context_parallel`` on HF's own SDPA attention (positions given as a buffer);
+* ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM``: HF's fused experts (``gate_up_proj``/``down_proj``,
+  ``forward(hidden_states, top_k_index, top_k_weights)``) spread by ``vemesh.parallel.ExpertParallel`` over EP = 2
+  folded in DP = 4, with vemesh DDP, ZeRO-1 and FSDP2 (the experts' gradients over EDP).
+
+Every step's loss and every final parameter is within 1e-5 of one process training on the global batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+pytest.importorskip("transformers")
+
+import hf_scenarios as S  # noqa: E402
+from launch import run_ranks  # noqa: E402
+
+from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
+from vemesh.parallel import ExpertParallel, ExpertTensorParallel, ParallelDims  # noqa: E402
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict]:
+    return run_ranks(S.worker, 4, S.CASES, timeout=400, env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("name", list(S.CASES))
+def test_hf_models_on_four_ranks_match_one_process(four, name) -> None:
+    for rank, results in enumerate(four):
+        o = results[name]
+        assert "error" not in o, f"rank {rank}:\n{o.get('error')}"
+        assert o["loss_diff"] < TOL and o["param_diff"] < TOL, (rank, o)
+
+
+def test_ranks_whose_experts_get_no_token_still_run_the_exchange_back(four) -> None:
+    """Every token chose experts 0 and 1 (EP rank 0's): EP rank 1's experts compute nothing, yet it runs the
+    backward exchange its peer waits for, and every gradient is the one-process gradient; so does an experts
+    module that returns zeros without autograd when it gets no token (the input's gradient is checked)."""
+    for o in four:
+        o = o["one-expert-for-all"]
+        assert o["out_diff"] < TOL and o["grad_diff"] < TOL and o["shortcut_grad"] < TOL, o
+
+
+@pytest.fixture
+def fake_four():
+    mesh.reset()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    ParallelDims(4, tp=2, ep=2).build("cpu", mesh)
+    yield
+    mesh.reset()
+    dist.destroy_process_group()
+
+
+def test_hf_experts_refuse_expert_tp_and_a_wrong_expert_count(fake_four) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    experts = S.make("qwen3moe").model.layers[0].mlp.experts
+    with pytest.raises(ValueError, match=r"routed one \(forward\(hidden_states, top_k_index, top_k_weights\)\).*"
+                                         r"use ExpertParallel on mesh\['EP'\]"):
+        parallelize_module(experts, mesh["EP", "TP"], ExpertTensorParallel())
+    experts.num_experts = 8
+    with pytest.raises(ValueError, match=r"num_experts must be the experts its parameters stack on dim 0 \(\[4\]\); "
+                                         r"it has num_experts = 8"):
+        parallelize_module(experts, mesh["EP"], ExpertParallel())
+
+
+def test_an_experts_forward_of_neither_contract_is_refused_by_name(fake_four) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, 2, 2))
+
+        def forward(self, x, a, b, c):
+            return x
+
+    with pytest.raises(ValueError, match=r"Odd.forward takes \(x, a, b, c\)"):
+        parallelize_module(Odd(), mesh["EP"], ExpertParallel())
