@@ -92,7 +92,11 @@ def test_plan_with_a_profile_gives_the_step_time_and_its_parts() -> None:
     exposed = sum(d["exposed"] for d in t["communication"].values())
     assert doc["step_time"] == pytest.approx(t["compute"] + t["optimizer"] + t["bubble"] + exposed)
     assert t["compute"] > 0 and t["optimizer"] > 0 and set(t["communication"]) == {"DP", "TP"}
-    assert t["communication"]["TP"]["link"] == "host" and t["communication"]["DP"]["link"] == "network"
+    placed = doc["placement"]  # on hosts of 4: one of DP and TP (4 each) inside a host, the other across
+    inside = "DP" if placed["order"] == ["TP", "DP"] else "TP"
+    assert set(placed["crossing_hosts"]) == {"DP", "TP"} - {inside}
+    assert t["communication"][inside]["link"] == "host" and t["communication"][placed["crossing_hosts"][0]]["link"] == "network"
+    assert placed["step_time"] == doc["step_time"] <= placed["baselines"]["reverse"]["step_time"]
     assert t["communication"]["TP"]["hidden"] == 0 and t["communication"]["DP"]["hidden"] > 0
     assert doc["device_profile"]["measured"] is False and 0 < doc["mfu"] < 1
     text = render(list(found.times), found.profile)
@@ -102,11 +106,11 @@ def test_plan_with_a_profile_gives_the_step_time_and_its_parts() -> None:
 
 @pytest.mark.parametrize("flags, message", [
     (["--world-size", "12", "--tp", "2", "--devices-per-host", "8", "--device-profile", "h100-sxm"],
-     "--devices-per-host 8 does not divide the world size 12, so the mesh cannot be placed on whole hosts for the "
-     "step time; choose one of 1, 2, 3, 4, 6, 12"),
+     "--devices-per-host 8 does not divide the world size 12, so the mesh cannot be placed on whole hosts; choose "
+     "one of 1, 2, 3, 4, 6, 12"),
     (["--world-size", "4", "--device-profile", "nope"], "unknown device profile 'nope'"),
-    (["--world-size", "4", "--device-profile", "h100-sxm", "--device-memory", "80GiB"],
-     "--device-profile times one mesh: give its degrees"),
+    (["--world-size", "4", "--device-memory", "80GiB", "--rank-by", "time"],
+     "--rank-by time needs --device-profile NAME|FILE"),
 ])
 def test_bad_time_requests_are_one_line(flags, message) -> None:
     done = _plan(*flags)

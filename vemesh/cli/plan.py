@@ -11,6 +11,7 @@ from vemesh.layout.spec import VALID_DEVICE_TYPES
 from vemesh.planning.api import Answer, answer, mesh_of, verdict
 from vemesh.planning.fit_report import add_job_arguments, render_fit, render_search
 from vemesh.planning.mesh_plan import MeshPlan
+from vemesh.planning.placement import render as render_placement
 from vemesh.planning.request import PlanRequest
 from vemesh.planning.step_time import render as render_time
 
@@ -92,7 +93,7 @@ def _answer(request: PlanRequest) -> Answer:
 def _plan_model(request: PlanRequest, plan: MeshPlan, as_json: bool) -> int:
     """``vemesh plan --model ...`` on one mesh: memory per rank class and bytes per dim."""
     found = _answer(request)
-    fit, memory = found.fit, found.device_memory
+    fit, memory, plan = found.fit, found.device_memory, found.mesh or plan
     if as_json:
         print_json(found.document())
     else:
@@ -100,6 +101,8 @@ def _plan_model(request: PlanRequest, plan: MeshPlan, as_json: bool) -> int:
         print(render_fit(found.job, fit))
         if found.profile is not None:
             print(render_time(list(found.times), found.profile))
+        if found.placement is not None:
+            print(render_placement(found.placement, found.baselines or {}, plan.devices_per_host or 0))
         said = verdict(fit, memory)
         if said:
             print(f"{said}: {'peak' if fit.traced else 'static'} {fit.peak / 2**30:.2f} GiB against "

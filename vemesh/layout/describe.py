@@ -42,7 +42,7 @@ from typing import Any
 
 from vemesh.layout.mesh_layout import MeshLayout
 
-__all__ = ["LayoutWarning", "check_layout", "describe_layout", "hosts_of", "layout_document"]
+__all__ = ["LayoutWarning", "check_layout", "describe_layout", "hosts_of", "layout_document", "spans_hosts"]
 
 WIDTH = 80  # columns the text fits in
 FULL_LIMIT = 64  # meshes up to this many ranks are drawn in full
@@ -72,6 +72,12 @@ def hosts_of(group: Sequence[int], devices_per_host: int) -> list[int]:
     return sorted({r // devices_per_host for r in group})
 
 
+def spans_hosts(layout: MeshLayout, dims: Any, devices_per_host: int) -> bool:
+    """Whether some group along ``dims`` holds ranks of more than one host of ``devices_per_host`` ranks: the one
+    rule for which link a dim's collectives cross (the layout warnings, the step time, the search, the placement)."""
+    return any(len(hosts_of(g, devices_per_host)) > 1 for g in layout.all_groups(dims))
+
+
 def check_layout(layout: MeshLayout, devices_per_host: int | None = None) -> list[LayoutWarning]:
     """Warnings for ``layout``, computed from its groups; empty when the layout is fine.
 
@@ -93,9 +99,9 @@ def check_layout(layout: MeshLayout, devices_per_host: int | None = None) -> lis
         for name in _HOST_DIMS:
             if not layout.has(name) or layout.group_size(name) == 1:
                 continue
-            groups = layout.all_groups(name)
-            crossing = [g for g in groups if len(hosts_of(g, dph)) > 1]
-            if crossing:
+            if spans_hosts(layout, name, dph):
+                groups = layout.all_groups(name)
+                crossing = [g for g in groups if len(hosts_of(g, dph)) > 1]
                 first = crossing[0]
                 hosts = hosts_of(first, dph)
                 found.append(LayoutWarning("spans_hosts", name, (

@@ -7,8 +7,9 @@ example, ``vemesh plan`` and ``vemesh show`` ask it; none of them derives a dim 
 The degrees are ``pp, dp_replicate, dp_shard, cp, tp`` (their product is the world) and ``ep``, which
 reuses the data ranks. ``dp = dp_replicate x dp_shard``. From them, in this order:
 
-1. **the mesh**: dims ``PP, DP, CP, TP``, outermost first (torchtitan's order); a dim of size 1 is left
-   out unless ``mesh_dims`` names it (a world of one keeps ``DP``);
+1. **the mesh**: dims ``PP, DP, CP, TP``, outermost first (torchtitan's order), or the order ``mesh_dims``
+   gives (a placement); a dim of size 1 is left out unless ``mesh_dims`` names it (a world of one keeps ``DP``).
+   A flatten lists its dims in the mesh's order, as torch's ``_flatten`` needs, so nothing sorts ranks back;
 2. **HSDP** (``dp_replicate > 1``): ``DP`` is split into ``(dp_replicate, dp_shard)``; ``DP`` keeps
    answering as both;
 3. **dp_shard_cp** (``dp_replicate > 1`` and ``cp > 1``): ``dp_shard x CP``, where FSDP2 shards under HSDP;
@@ -63,8 +64,9 @@ class ParallelDims:
             (``dp_shard`` is -1 unless given).
         dp_replicate: HSDP's replica degree (1: no HSDP). ``DP = dp_replicate x dp_shard``.
         ep: the expert-parallel degree; it must divide ``DP x CP``.
-        mesh_dims: the dims ``init_device_mesh`` makes, a subsequence of ``PP, DP, CP, TP`` in that order;
-            the degree of every dim left out must be 1. Default: the dims of degree > 1.
+        mesh_dims: the dims ``init_device_mesh`` makes, outermost first: some of ``PP, DP, CP, TP`` in any order
+            (the placement of the dims on the hosts, :mod:`vemesh.planning.placement`); the degree of every dim left
+            out must be 1. Default: the dims of degree > 1, in the order ``PP, DP, CP, TP``.
 
     Raises:
         ValueError: a degree that is not a positive integer, two -1s, a product that is not the world
@@ -104,9 +106,9 @@ class ParallelDims:
         if self.mesh_dims is None:
             return tuple(n for n in DEGREES if degrees[n] > 1) or ("DP",)
         names = tuple(self.mesh_dims)
-        order = [n for n in DEGREES if n in names]
-        if len(set(names)) != len(names) or list(names) != order or len(order) != len(names):
-            raise ValueError(f"mesh_dims {names} must be distinct names among {DEGREES}, in that order")
+        if len(set(names)) != len(names) or any(n not in DEGREES for n in names):
+            raise ValueError(f"mesh_dims {names} must be distinct names among {DEGREES} (in any order: the placement "
+                             "of the dims on the hosts)")
         dropped = [f"{n}={d}" for n, d in degrees.items() if d > 1 and n not in names]
         if dropped:
             raise ValueError(f"mesh_dims {names} leaves out {', '.join(dropped)}: a dim of degree > 1 must be a mesh dim")
@@ -133,13 +135,18 @@ class ParallelDims:
         """The ``split`` and ``flatten`` calls, in order, that make every derived dim (see the module docstring)."""
         steps: list[tuple[str, tuple[Any, ...]]] = []
         hsdp = self.dp_replicate > 1
+        position = {n: i for i, n in enumerate(self.mesh_dims)}  # type: ignore[arg-type]
+
+        def in_mesh_order(*names: str) -> tuple[str, ...]:  # a flatten lists its dims in the mesh's order, as torch's
+            return tuple(sorted(names, key=lambda n: position["DP" if n.startswith("dp_") else n]))
+
         if hsdp:
             steps.append(("split", ("DP", ("dp_replicate", "dp_shard"), (self.dp_replicate, self.dp_shard))))
             if self.cp > 1:
-                steps.append(("flatten", (("dp_shard", "CP"), "dp_shard_cp")))
+                steps.append(("flatten", (in_mesh_order("dp_shard", "CP"), "dp_shard_cp")))
         data = ("dp_replicate", "dp_shard") if hsdp else ("DP",) if "DP" in self.mesh_dims else ()  # type: ignore[operator]
         if self.cp > 1:
-            steps.append(("flatten", ((*data, "CP"), "dp_cp")))
+            steps.append(("flatten", (in_mesh_order(*data, "CP"), "dp_cp")))
         if self.ep > 1:
             folded = "dp_cp" if self.cp > 1 else "DP"
             if folded == "DP" and not hsdp:  # a mesh dim: flattened under another name, for a second factorization
@@ -202,7 +209,7 @@ class ParallelDims:
 
     @classmethod
     def of(cls, layout: MeshLayout, *, dp_replicate: int = 1, ep: int = 1) -> ParallelDims:
-        """The degrees of an initialized mesh whose dims are among ``PP, DP, CP, TP`` (in that order)."""
+        """The degrees of an initialized mesh whose dims are among ``PP, DP, CP, TP`` (in any order)."""
         unknown = [n for n in layout.dim_names if n not in DEGREES]
         if unknown:
             raise ValueError(f"the mesh's dims {layout.dim_names} must be among {DEGREES} to derive the others; "

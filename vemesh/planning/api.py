@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vemesh.layout.data_dims import data_dims
+from vemesh.layout.describe import spans_hosts
 from vemesh.planning.fit_report import fit_document, search_document
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
+from vemesh.planning.placement import Placement, place
 from vemesh.planning.profiles import DeviceProfile, load_profile
 from vemesh.planning.request import PlanRequest
 from vemesh.planning.step_time import StepTime, step_time
@@ -53,16 +55,25 @@ class Answer:
     rejected: tuple[Any, ...] = ()  #: the search: the meshes that do not, with why
     times: tuple[Any, ...] = ()  #: with a device profile: each rank class's StepTime (vemesh.planning.step_time)
     profile: Any = None  #: the DeviceProfile the times are on
+    placement: Placement | None = None  #: with hosts (--devices-per-host or the profile's): the chosen dim order
+    baselines: dict[str, Placement] | None = None  #: torchtitan's order and the chosen one reversed
 
     def document(self) -> dict[str, Any]:
         """What ``vemesh plan --json`` prints."""
         r = self.request
         if self.mesh is None:
-            return search_document(self.job, r.world_size, self.device_memory, r.devices_per_host, r.order,
-                                   list(self.fits), list(self.rejected))
+            doc = search_document(self.job, r.world_size, self.device_memory, r.devices_per_host, r.order,
+                                  list(self.fits), list(self.rejected))
+            if self.profile is not None:
+                for row, f in zip(doc["fits"], self.fits):
+                    row.update(time_document(f.times, self.profile, f, self.job))
+            return doc
         doc = model_document(self.job, self.mesh, self.fit, self.device_memory)
         if self.profile is not None:
             doc.update(time_document(self.times, self.profile, self.fit, self.job))
+        if self.placement is not None:
+            doc["placement"] = dict(self.placement.document(), devices_per_host=self.mesh.devices_per_host,
+                                    baselines={k: p.document() for k, p in (self.baselines or {}).items()})
         return doc
 
 
@@ -73,29 +84,37 @@ def answer(request: PlanRequest) -> Answer:
     if request.model is None:
         raise ValueError("a plan of memory and bytes needs a model (--model gpt:... or module:MODULE:FACTORY)")
     job, memory = request.job(), request.memory()
-    if request.searches:
-        fits, rejected = search(job, request.world_size, device_memory=memory, devices_per_host=request.devices_per_host,
-                                cp=request.cp, ep=request.ep, rank_by=request.order)
-        return Answer(request, job, memory, fits=tuple(fits), rejected=tuple(rejected))
     profile = load_profile(request.device_profile) if request.device_profile is not None else None
+    if request.searches:
+        per_host = request.devices_per_host or (profile.devices_per_host if profile is not None else None)
+        if per_host and request.world_size > per_host and request.world_size % per_host:
+            hosts_of(plan_mesh(request.world_size, devices_per_host=per_host), profile)  # one line: not whole hosts
+        timed = (lambda f, m: time_of(f, m, profile, job)) if profile is not None else None
+        fits, rejected = search(job, request.world_size, device_memory=memory, devices_per_host=per_host,
+                                cp=request.cp, ep=request.ep, rank_by=request.order, timed=timed)
+        return Answer(request, job, memory, fits=tuple(fits), rejected=tuple(rejected), profile=profile)
     mesh = mesh_of(request, profile.devices_per_host if profile is not None else None)
-    if profile is not None:
+    if profile is not None or mesh.devices_per_host:
         hosts_of(mesh, profile)  # before the trace: a placement that cannot be is said at once
     d = mesh.degrees
     fit = predict(job, dp=d["DP"], tp=d["TP"], pp=d["PP"], cp=d["CP"], ep=mesh.ep, dp_replicate=request.dp_replicate)
-    if profile is None:
+    timed = (lambda f, m: time_of(f, m, profile, job)) if profile is not None else None
+    if mesh.devices_per_host and mesh.world_size > mesh.devices_per_host:  # hosts: choose the order of the dims
+        best, baselines = place(fit, mesh, mesh.devices_per_host, timed)
+        return Answer(request, job, memory, mesh=best.mesh, fit=fit, times=best.times, profile=profile,
+                      placement=best, baselines=baselines)
+    if timed is None:
         return Answer(request, job, memory, mesh=mesh, fit=fit)
-    return Answer(request, job, memory, mesh=mesh, fit=fit, times=tuple(time_of(fit, mesh, profile, job)),
-                  profile=profile)
+    return Answer(request, job, memory, mesh=mesh, fit=fit, times=tuple(timed(fit, mesh)), profile=profile)
 
 
-def hosts_of(mesh: MeshPlan, profile: DeviceProfile) -> int:
+def hosts_of(mesh: MeshPlan, profile: DeviceProfile | None = None) -> int:
     """Ranks per host (``--devices-per-host``, else the profile's), checked to fill whole hosts."""
-    per_host, world = mesh.devices_per_host or profile.devices_per_host, mesh.world_size
+    per_host, world = mesh.devices_per_host or (profile.devices_per_host if profile else mesh.world_size), mesh.world_size
     if world > per_host and world % per_host:
         choices = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
         raise ValueError(f"--devices-per-host {per_host} does not divide the world size {world}, so the mesh cannot be "
-                         f"placed on whole hosts for the step time; choose one of {choices}")
+                         f"placed on whole hosts; choose one of {choices}")
     return per_host
 
 
@@ -110,8 +129,7 @@ def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any) -> list[
         if dim == "other" or not layout.has(dim):
             raise ValueError(f"the step ran collectives on a group that is no mesh dim ({dim}); the time model times "
                              "each collective by its mesh dim's link")
-        ranks = layout.group_ranks(0, dim)
-        sizes[dim], crosses[dim] = len(ranks), len({r // per_host for r in ranks}) > 1
+        sizes[dim], crosses[dim] = layout.group_size(dim), spans_hosts(layout, dim, per_host)
     return step_time(fit, profile, dtype=job.dtype, dp_mode=fit.dp_mode or job.mode, grad_dims=grad, sizes=sizes,
                      crosses=crosses)
 

@@ -4,7 +4,9 @@
 * :func:`real_mesh_tensors`: torch's DeviceMesh computing with real tensors inside ``FakeTensorMode``;
 * :func:`give_storage`: a model built on the meta device given fake storage (``to_empty``);
 * :func:`to_bf16`: ``model.to(torch.bfloat16)`` for a model of fake tensors;
-* :class:`Held`: the bytes of a model's own weights and gradients at a moment (the peak), each storage once.
+* :class:`Held`: the bytes of a model's own weights and gradients at a moment (the peak), each storage once;
+* :func:`chunks_on_demand`: FSDP2's cut of each parameter into one chunk per shard made only for the chunks it reads
+  (at 16384 data-parallel ranks, a view per rank of every parameter was most of a plan's time).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel import ParallelDims
 
-__all__ = ["Held", "fake_world", "give_storage", "real_mesh_tensors", "to_bf16"]
+__all__ = ["Chunks", "Held", "chunks_on_demand", "fake_world", "give_storage", "real_mesh_tensors", "to_bf16"]
 
 
 @contextlib.contextmanager
@@ -78,6 +80,45 @@ def real_mesh_tensors() -> Iterator[None]:
     finally:
         for name, attr in saved.items():
             setattr(DeviceMesh, name, attr)
+
+
+class Chunks:
+    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to ``n`` (FSDP2's ``_chunk_with_empty``), each chunk
+    made when it is read: the same tensors, without ``n`` views of every parameter up front."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int) -> None:
+        self.tensor, self.n, self.dim = tensor, n, dim
+        length = tensor.size(dim)
+        self.step = -(-length // n) if length else 0  # torch.chunk's chunk size: ceil(length / n)
+        self.made = -(-length // self.step) if self.step else n  # how many chunks torch.chunk returns (n if empty)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not -self.n <= i < self.n:
+            raise IndexError(f"chunk {i} of {self.n}")
+        i %= self.n
+        if i >= self.made:
+            return self[0].new_empty(0)
+        start = i * self.step
+        return self.tensor.narrow(self.dim, start, min(self.step, self.tensor.size(self.dim) - start))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(self.n))
+
+
+@contextlib.contextmanager
+def chunks_on_demand() -> Iterator[None]:
+    """Inside, FSDP2 cuts parameters with :class:`Chunks` (it only indexes the list ``_chunk_with_empty`` returns)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+
+    real = fsdp_param._chunk_with_empty
+    fsdp_param._chunk_with_empty = Chunks  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fsdp_param._chunk_with_empty = real
 
 
 def _replace(model: nn.Module, change: Callable[[torch.Tensor], torch.Tensor | None]) -> None:

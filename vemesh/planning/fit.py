@@ -23,6 +23,7 @@ example (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim/test_fit.py``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,10 +31,15 @@ from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.models.gpt import stages as pipeline
 from vemesh.planning.activations import trace_stage
 from vemesh.planning.estimate import Model, check_degrees, fsdp_local, load_model, local_numel, rank_static, stage_keys
+from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
+from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.user_model import UserFunctions, predict_user
 
 __all__ = ["MODELED_SCHEDULES", "Job", "MeshFit", "RankClass", "predict", "search"]
+
+#: How a search ranks the meshes that fit.
+RANKINGS = ("time", "inter-host", "peak")
 
 #: The pipeline schedules whose in-flight micro-batches the planner models.
 MODELED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -241,25 +247,26 @@ def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes
     return ((gathered * passes + reduced) if dp > 1 else 0, 0), extra if dp > 1 else 0
 
 
-def _crosses_hosts(stride: int, size: int, devices_per_host: int) -> bool:
-    """Whether a group of ``size`` ranks ``stride`` apart (mesh order PP, DP, CP, TP) spans hosts."""
-    return size > 1 and (stride * size > devices_per_host or devices_per_host % (stride * size) != 0)
-
-
 def search(job: Job, world_size: int, *, device_memory: int | None = None, devices_per_host: int | None = None,
-           cp: int = 1, ep: int = 1, rank_by: str | None = None) -> tuple[list[MeshFit], list[MeshFit]]:
+           cp: int = 1, ep: int = 1, rank_by: str | None = None,
+           timed: Callable[[MeshFit, MeshPlan], list[Any]] | None = None) -> tuple[list[MeshFit], list[MeshFit]]:
     """Every ``(PP, DP, CP, TP)`` mesh of ``world_size`` ranks (CP and EP as given): ``(fitting, rejected)``.
 
-    The fitting ones are ranked by ``rank_by``: ``"inter-host"`` (the default with ``devices_per_host``:
-    the fewest bytes a rank sends per step over links between hosts, then the lowest peak) or
-    ``"peak"`` (the lowest peak). A mesh is rejected, with its reason, when its peak is over
+    With ``devices_per_host`` (and more ranks than one host), each mesh's dims are placed on the hosts
+    (:func:`vemesh.planning.placement.place`: the order whose step is shortest, else whose bytes between hosts
+    are fewest). ``timed(fit, mesh)`` (a device profile) times each placed mesh. The fitting ones are ranked by
+    ``rank_by``: ``"time"`` (the shortest predicted step; needs ``timed``), ``"inter-host"`` (the default with
+    ``devices_per_host``: the fewest bytes a rank sends per step over links between hosts, then the lowest
+    peak) or ``"peak"`` (the lowest peak). A mesh is rejected, with its reason, when its peak is over
     ``device_memory`` or when the job cannot run on it (TP that does not divide the heads, ...).
     """
-    rank_by = rank_by or ("inter-host" if devices_per_host else "peak")
-    if rank_by not in ("inter-host", "peak"):
-        raise ValueError(f"rank_by must be inter-host or peak; got {rank_by!r}")
+    rank_by = rank_by or ("time" if timed else "inter-host" if devices_per_host else "peak")
+    if rank_by not in RANKINGS:
+        raise ValueError(f"rank_by must be one of {', '.join(RANKINGS)}; got {rank_by!r}")
     if rank_by == "inter-host" and not devices_per_host:
         raise ValueError("ranking by inter-host bytes needs --devices-per-host")
+    if rank_by == "time" and timed is None:
+        raise ValueError("--rank-by time needs a device profile (--device-profile NAME|FILE) to time each mesh")
     if job.user:  # the user's functions: no PP; every TP their parallelize function takes
         limit = {"n_head": world_size}
         n_layer = 1
@@ -283,20 +290,21 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             except ValueError as e:
                 rejected.append(MeshFit(degrees, [], 0, 0, reason=str(e)))
                 continue
-            if devices_per_host:
-                strides = {"TP": 1, "CP": tp, "DP": tp * cp, "dp_cp": tp, "PP": tp * cp * dp}
-                sizes = {"TP": tp, "CP": cp, "DP": dp, "dp_cp": dp * cp, "PP": pp}
-                used = {d for c in fit.classes for d in c.sent}
-                slow = tuple(d for d in sizes if d in used and _crosses_hosts(strides[d], sizes[d], devices_per_host))
-                fit = replace(fit, slow_dims=slow,
-                              slow_bytes=max(sum(b for d, b in c.sent.items() if d in slow) for c in fit.classes))
             if device_memory is not None and fit.peak > device_memory:
                 fit = replace(fit, reason=f"peak {_gib(fit.peak)} > device memory {_gib(device_memory)}")
                 rejected.append(fit)
-            else:
-                fits.append(fit)
-    key = (lambda f: (f.slow_bytes, f.peak)) if rank_by == "inter-host" else (lambda f: (f.peak, f.slow_bytes))
-    fits.sort(key=key)
+                continue
+            mesh = plan_mesh(world_size, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, devices_per_host=devices_per_host)
+            if devices_per_host and world_size > devices_per_host:
+                best, _ = place(fit, mesh, devices_per_host, timed)
+                fit = replace(fit, slow_dims=best.crossing, slow_bytes=best.cross_bytes, order=best.order,
+                              times=best.times)
+            elif timed is not None:
+                fit = replace(fit, times=tuple(timed(fit, mesh)))
+            fits.append(fit)
+    keys = {"time": lambda f: (f.step_time, f.peak), "inter-host": lambda f: (f.slow_bytes, f.peak),
+            "peak": lambda f: (f.peak, f.slow_bytes)}
+    fits.sort(key=keys[rank_by])
     rejected.sort(key=lambda f: (f.peak if f.classes else math.inf))
     return fits, rejected
 

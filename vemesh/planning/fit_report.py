@@ -73,7 +73,8 @@ def search_document(job: Job, world_size: int, device_memory: int | None, device
     """The JSON of a search: the meshes that fit, best first, and the rejected ones with their reasons."""
     return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "world_size": world_size, "device_memory": device_memory,
             "devices_per_host": devices_per_host, "ranked_by": rank_by,
-            "fits": [{"degrees": f.degrees, "peak": f.peak, "inter_host_bytes_per_step": f.slow_bytes,
+            "fits": [{"degrees": f.degrees, "order": list(f.order), "peak": f.peak,
+                      "inter_host_bytes_per_step": f.slow_bytes,
                       "inter_host_dims": list(f.slow_dims), "micro_batch_size": f.micro_batch_size,
                       "classes": [_class_row(c) for c in f.classes]} for f in fits],
             "rejected": [{"degrees": f.degrees, "reason": f.reason} for f in rejected],
@@ -120,8 +121,9 @@ def render_fit(job: Job, fit: MeshFit) -> str:
 def render_search(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,
                   rank_by: str, fits: list[MeshFit], rejected: list[MeshFit], top: int = 10) -> str:
     """The meshes that fit, ranked, and why the others do not."""
-    cost = "the fewest bytes a rank sends per step between hosts, then the lowest peak" if rank_by == "inter-host" \
-        else "the lowest peak per rank"
+    cost = {"time": "the shortest predicted step, each mesh's dims placed on the hosts",
+            "inter-host": "the fewest bytes a rank sends per step between hosts, then the lowest peak"}.get(
+        rank_by, "the lowest peak per rank")
     memory = f", {device_memory / 2**30:.1f} GiB per device" if device_memory else ""
     hosts = f", {devices_per_host} devices per host" if devices_per_host else ""
     lines = [f"plan: {job.name}" + (f" through {_name(job.parallelize)}" if job.parallelize else ""),
@@ -130,15 +132,38 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
              f"{len(fits) + len(rejected)} meshes considered (" + (f"DP x CP x TP = {world_size}, every TP; your "
              "functions refuse what they cannot run" if job.user else f"PP x DP x CP x TP = {world_size}, TP up to the "
              "heads, PP up to the blocks") + f"); {len(fits)} fit" + (f"; the best {min(top, len(fits))}:" if fits else "")]
+    timed = any(f.times for f in fits)
     if fits:
-        lines.append(f"  {'#':>3}  {'mesh':28} {'peak':>10}  {'between hosts':>15}  dims between hosts")
+        lines.append(f"  {'#':>3}  {'mesh (outermost first)':28} {'peak':>10}  {'between hosts':>15}  "
+                     + ("  step time  exposed comm  " if timed else "") + "dims between hosts")
     for i, f in enumerate(fits[:top], 1):
-        lines.append(f"  {i:>3}  {f.shape():28} {f.peak / 2**30:7.1f}GiB  {f.slow_bytes / 2**30:11.2f}GiB  "
+        when = ""
+        if timed:
+            slowest = max(f.times, key=lambda t: t.total)
+            when = f"{slowest.total * 1e3:9.1f}ms {slowest.exposed * 1e3:11.1f}ms  "
+        lines.append(f"  {i:>3}  {f.shape():28} {f.peak / 2**30:7.1f}GiB  {f.slow_bytes / 2**30:11.2f}GiB  {when}"
                      f"{', '.join(f.slow_dims) or '-'}")
+    if timed and len(fits) > 1:
+        lines.extend(_why_slower(fits[0], fits[1:top]))
     if rejected:
         lines.append(f"{len(rejected)} meshes rejected:")
         lines.extend(f"  {f.shape():28} {f.reason}" for f in rejected)
     return "\n".join(lines)
+
+
+def _why_slower(best: MeshFit, others: list[MeshFit]) -> list[str]:
+    """One line per runner-up: the part of its step that costs it the most against the best mesh."""
+    first = max(best.times, key=lambda t: t.total)
+    lines = [f"why the others are slower than {best.shape()} ({first.total * 1e3:.1f} ms):"]
+    for f in others:
+        t = max(f.times, key=lambda x: x.total)
+        parts = {"compute": t.compute - first.compute, "optimizer": t.optimizer - first.optimizer,
+                 **{f"{d} exposed": x.exposed - (first.dims[d].exposed if d in first.dims else 0.0)
+                    for d, x in t.dims.items()}}
+        part, extra = max(parts.items(), key=lambda kv: kv[1])
+        lines.append(f"  {f.shape():28} +{(t.total - first.total) * 1e3:.1f} ms, most of it {part} "
+                     f"(+{extra * 1e3:.1f} ms)")
+    return lines
 
 
 def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], int]) -> None:
@@ -169,8 +194,10 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--activation-checkpointing", action="store_true",
                      help="recompute each block in backward, keeping only its input")
     job.add_argument("--device-memory", metavar="SIZE", help="memory per device, with a unit: 80GiB, 24GB")
-    job.add_argument("--rank-by", choices=("inter-host", "peak"),
-                     help="search order (default: inter-host with --devices-per-host, else peak)")
+    job.add_argument("--rank-by", choices=("time", "inter-host", "peak"),
+                     help="search order: the predicted step time (needs --device-profile), the bytes between hosts, "
+                     "or the peak (default: time with --device-profile, else inter-host with --devices-per-host, "
+                     "else peak)")
     job.add_argument("--device-profile", metavar="NAME|FILE", help="predict the step time on this device: a built-in "
                      "profile (a100-sxm-80gb, h100-sxm, h200-sxm: published specifications) or a JSON file "
                      "(vemesh calibrate --output FILE measures this machine); with --devices-per-host placing the "

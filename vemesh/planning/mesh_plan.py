@@ -87,6 +87,7 @@ def plan_mesh(
     dp_replicate: int = 1,
     devices_per_host: int | None = None,
     device_type: str = "cuda",
+    order: tuple[str, ...] | None = None,
 ) -> MeshPlan:
     """Fill in the one missing degree, check the product, and lay out the mesh.
 
@@ -101,6 +102,8 @@ def plan_mesh(
             answering as the two.
         devices_per_host: ranks per host, for the host checks of :func:`check_layout`.
         device_type: written into :meth:`MeshPlan.init_call`.
+        order: the mesh dims outermost first, a placement (:mod:`vemesh.planning.placement`); default
+            ``PP, DP, CP, TP``, the dims of degree > 1.
 
     The mesh and every derived dim (``dp_cp``, the HSDP split, ``(EDP, EP)``) come from
     :class:`~vemesh.layout.parallel_dims.ParallelDims`, as in a training script that builds them.
@@ -126,7 +129,7 @@ def plan_mesh(
     if degrees["DP"] % dp_replicate:
         raise ValueError(f"dp_replicate {dp_replicate} must divide DP {degrees['DP']} (DP splits into dp_replicate x dp_shard)")
     dims = ParallelDims(world_size, pp=degrees["PP"], dp_replicate=dp_replicate, dp_shard=degrees["DP"] // dp_replicate,
-                        cp=degrees["CP"], tp=degrees["TP"], ep=ep)
+                        cp=degrees["CP"], tp=degrees["TP"], ep=ep, mesh_dims=order)
     base = MeshSpec(device_type=device_type, mesh_shape=dims.mesh_shape, mesh_dim_names=dims.mesh_dims).resolve(world_size)
     layout = dims.layout()
     return MeshPlan(

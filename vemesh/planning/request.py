@@ -81,9 +81,8 @@ class PlanRequest:
         if self.device_profile is not None and not user:
             raise ValueError("--device-profile times a traced step: give your model with --model module:MODULE:FACTORY, "
                              "--parallelize and --step (the GPT preset's step is not traced by the time model yet)")
-        if self.device_profile is not None and self.searches:
-            raise ValueError("--device-profile times one mesh: give its degrees (--tp, --dp, ...); ranking every mesh "
-                             "by time (--rank-by time) is not built yet")
+        if self.rank_by == "time" and self.device_profile is None:
+            raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
 
     @property
     def searches(self) -> bool:
@@ -93,8 +92,10 @@ class PlanRequest:
 
     @property
     def order(self) -> str:
-        """The search order: ``rank_by``, else inter-host with ``devices_per_host``, else peak."""
-        return self.rank_by or ("inter-host" if self.devices_per_host else "peak")
+        """The search order: ``rank_by``, else time with a device profile, inter-host with ``devices_per_host``, else
+        peak."""
+        return self.rank_by or ("time" if self.device_profile is not None else
+                                "inter-host" if self.devices_per_host else "peak")
 
     def memory(self) -> int | None:
         """``device_memory`` in bytes (a string such as ``"80GiB"`` parsed); ``ValueError`` names a bad one."""

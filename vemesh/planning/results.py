@@ -7,6 +7,7 @@ Plain records, no computation: :mod:`vemesh.planning.fit` (the GPT preset) and :
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from vemesh.planning.estimate import RankMemory
 
@@ -49,13 +50,22 @@ class MeshFit:
     traced: bool = True  #: False for a module factory: static memory only, no activations
     notes: tuple[str, ...] = ()  #: assumptions the figures rest on, printed with them
     dp_mode: str = ""  #: the data parallelism planned (for the user's functions: what they applied)
+    order: tuple[str, ...] = ()  #: a search with hosts: the placed order of the mesh dims, outermost first
+    times: tuple[Any, ...] = ()  #: a search with a device profile: each class's StepTime on the placed mesh
 
     @property
     def peak(self) -> int:
         return max(c.peak for c in self.classes)
 
+    @property
+    def step_time(self) -> float | None:
+        """The slowest class's predicted seconds per step (a search with a device profile), else None."""
+        return max(t.total for t in self.times) if self.times else None
+
     def shape(self) -> str:
-        return " x ".join(f"{n}={d}" for n, d in self.degrees.items() if d > 1 or n == "DP")
+        """The degrees, in the placed order when there is one: ``"PP=2 x DP=4 x TP=8"``."""
+        names = [*self.order, *(n for n in self.degrees if n not in self.order)]
+        return " x ".join(f"{n}={self.degrees[n]}" for n in names if self.degrees[n] > 1 or n == "DP")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory, load_object
-from vemesh.planning.fake_world import Held, fake_world, give_storage, real_mesh_tensors, to_bf16
+from vemesh.planning.fake_world import Held, chunks_on_demand, fake_world, give_storage, real_mesh_tensors, to_bf16
 from vemesh.planning.measure import CollectiveBytes, MemoryBoundBytes, StepTracker, by_mesh_name, ops_by_mesh_name
 from vemesh.planning.results import Counted, MeshFit, RankClass, more_ops
 from vemesh.planning.routing import routing
@@ -234,37 +234,38 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             to_bf16(model)
         if blocks is not None:
             _keep_blocks(model, *blocks)
-        with tracker, counter:
+        with chunks_on_demand(), tracker:
             model = _wrap(fns, model, mesh, degrees, dp_mode)
             mode, ddp = _data_parallel(model, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = Held(model, ddp)
             optimizer = _optimizer(model, mode, ddp)
-            sent: list[dict[str, int]] = []
-            ops: list[dict[str, dict[str, tuple[int, int]]]] = []
-            flops: list[int] = []
-            moved: list[int] = []
-            stepped: list[int] = []
-            dispatched: list[tuple[int, int]] = []
-            for n in (1, 1, 2) if passes > 1 else (1, 1):  # a warm-up step, then 1 and 2 micro-batches
-                counter.bytes.clear()
-                counter.by_op.clear()
-                counter.counting = tracker.in_step = True
-                with _counting(timed) as (flop_counter, memory_bound):
-                    optimizer.zero_grad()
-                    for i in range(n):
-                        with _no_sync(model, i == n - 1):
-                            _call("--step", step_name, fns.step, model, micro_batch_size)
-                    before = memory_bound.bytes
-                    optimizer.step()
-                    stepped.append(memory_bound.bytes - before)
-                counter.counting = tracker.in_step = False
-                sent.append(by_mesh_name(counter.bytes, mesh))
-                ops.append(ops_by_mesh_name(counter.by_op, mesh))
-                flops.append(flop_counter.get_total_flops())
-                moved.append(memory_bound.bytes)
-                dispatched.append((memory_bound.ops, memory_bound.dtensor_ops))
-                if (line := _unknown(counter, mesh)) is not None:
-                    raise ValueError(line)
+            with counter:  # the collectives are counted in the steps; nothing dispatches through it before
+                sent: list[dict[str, int]] = []
+                ops: list[dict[str, dict[str, tuple[int, int]]]] = []
+                flops: list[int] = []
+                moved: list[int] = []
+                stepped: list[int] = []
+                dispatched: list[tuple[int, int]] = []
+                for n in (1, 1, 2) if passes > 1 else (1, 1):  # a warm-up step, then 1 and 2 micro-batches
+                    counter.bytes.clear()
+                    counter.by_op.clear()
+                    counter.counting = tracker.in_step = True
+                    with _counting(timed) as (flop_counter, memory_bound):
+                        optimizer.zero_grad()
+                        for i in range(n):
+                            with _no_sync(model, i == n - 1):
+                                _call("--step", step_name, fns.step, model, micro_batch_size)
+                        before = memory_bound.bytes
+                        optimizer.step()
+                        stepped.append(memory_bound.bytes - before)
+                    counter.counting = tracker.in_step = False
+                    sent.append(by_mesh_name(counter.bytes, mesh))
+                    ops.append(ops_by_mesh_name(counter.by_op, mesh))
+                    flops.append(flop_counter.get_total_flops())
+                    moved.append(memory_bound.bytes)
+                    dispatched.append((memory_bound.ops, memory_bound.dtensor_ops))
+                    if (line := _unknown(counter, mesh)) is not None:
+                        raise ValueError(line)
     held = dict(tracker.step_peak_parts, optimizer=tracker.step_peak_by_kind.get("Optstate", 0))
     held["activations"] = tracker.step_peak - sum(held.values())
     one = Counted(held, tracker.step_peak, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
