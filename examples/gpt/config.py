@@ -52,7 +52,8 @@ class TrainConfig(BaseModel):
     )
     mesh_dims: tuple[str, ...] | None = Field(
         None,
-        description="the mesh's dim names in mesh order, from PP, DP, CP, TP (e.g. DP,CP,TP with --mesh-shape "
+        description="the mesh's dim names, outermost first, from PP, DP, CP, TP in any order (the placement vemesh plan "
+        "--devices-per-host chooses; e.g. DP,CP,TP with --mesh-shape "
         "2,2,2); default DP,TP for two sizes and PP,DP,TP for three",
     )
     cp_load_balance: bool = Field(

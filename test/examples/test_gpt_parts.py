@@ -55,7 +55,7 @@ def test_negative_mesh_size_needs_no_equals_sign():
         (1, ["--data", "/no/such/file.txt"], "--data: no such file"),
         (1, ["--bogus", "1"], "unrecognized arguments: --bogus 1 (see --help)"),
         (2, ["--mesh-shape", "1,2", "--sequence-parallel", "--seq-len", "33"], "--seq-len 33 must be divisible by the TP size 2"),
-        (4, ["--mesh-shape", "2,2", "--mesh-dims", "TP,TP"], "--mesh-dims TP,TP: mesh_dims ('TP', 'TP') must be distinct names among ('PP', 'DP', 'CP', 'TP') (in any order"),
+        (4, ["--mesh-shape", "2,2", "--mesh-dims", "TP,TP"], "--mesh-dims: TP appears more than once in TP,TP"),
     ],
 )
 def test_bad_config_names_the_flag(world, argv, message):

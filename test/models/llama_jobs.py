@@ -49,6 +49,13 @@ def make_dense_trunc_normal() -> nn.Module:
     return model
 
 
+def make_8b() -> nn.Module:
+    """Llama-3.1-8B's shape: 32 blocks of width 4096, 32 query and 8 KV heads, SwiGLU 14336, vocab 128256, sequences
+    of 8192 (torchtitan's default)."""
+    return llama.Llama(llama.LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                         hidden_dim=14336, max_seq_len=8192, rope_theta=500000.0))
+
+
 def make_70b() -> nn.Module:
     """Llama-3-70B's shape: 80 blocks of width 8192, 64 query and 8 KV heads, SwiGLU 28672, vocab 128256."""
     return llama.Llama(llama.LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
@@ -104,8 +111,9 @@ def parallelize_ddp(model: llama.Llama, mesh) -> nn.Module:
 
 
 def parallelize_checkpointed(model: llama.Llama, mesh) -> nn.Module:
-    """Every block under activation checkpointing, then FSDP2."""
-    _model_parallel(model, mesh, sequence_parallel=False, checkpointed=True)
+    """TP with sequence parallelism (when the mesh has TP), every block under activation checkpointing, then FSDP2:
+    torchtitan's Llama recipe with full activation checkpointing."""
+    _model_parallel(model, mesh, sequence_parallel=True, checkpointed=True)
     for block in model.layers.values():
         fully_shard(block)
     return fully_shard(model)

@@ -140,8 +140,8 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
         when = ""
         if timed:
             slowest = max(f.times, key=lambda t: t.total)
-            when = f"{slowest.total * 1e3:9.1f}ms {slowest.exposed * 1e3:11.1f}ms  "
-        lines.append(f"  {i:>3}  {f.shape():28} {f.peak / 2**30:7.1f}GiB  {f.slow_bytes / 2**30:11.2f}GiB  {when}"
+            when = f"{_ms(slowest.total):>11} {_ms(slowest.exposed):>13}  "
+        lines.append(f"  {i:>3}  {f.shape():28} {_size(f.peak, 1):>10}  {_size(f.slow_bytes, 2):>15}  {when}"
                      f"{', '.join(f.slow_dims) or '-'}")
     if timed and len(fits) > 1:
         lines.extend(_why_slower(fits[0], fits[1:top]))
@@ -154,16 +154,26 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
 def _why_slower(best: MeshFit, others: list[MeshFit]) -> list[str]:
     """One line per runner-up: the part of its step that costs it the most against the best mesh."""
     first = max(best.times, key=lambda t: t.total)
-    lines = [f"why the others are slower than {best.shape()} ({first.total * 1e3:.1f} ms):"]
+    lines = [f"why the others are slower than {best.shape()} ({_ms(first.total)}):"]
     for f in others:
         t = max(f.times, key=lambda x: x.total)
         parts = {"compute": t.compute - first.compute, "optimizer": t.optimizer - first.optimizer,
                  **{f"{d} exposed": x.exposed - (first.dims[d].exposed if d in first.dims else 0.0)
                     for d, x in t.dims.items()}}
         part, extra = max(parts.items(), key=lambda kv: kv[1])
-        lines.append(f"  {f.shape():28} +{(t.total - first.total) * 1e3:.1f} ms, most of it {part} "
-                     f"(+{extra * 1e3:.1f} ms)")
+        lines.append(f"  {f.shape():28} +{_ms(t.total - first.total)}, most of it {part} (+{_ms(extra)})")
     return lines
+
+
+def _ms(seconds: float) -> str:
+    """Seconds as milliseconds, to 3 significant places below 10 ms: ``1.62ms``, ``11107.4ms``."""
+    ms = seconds * 1e3
+    return f"{ms:.2f}ms" if abs(ms) < 10 else f"{ms:.1f}ms"
+
+
+def _size(n: float, places: int) -> str:
+    """Bytes in GiB, or MiB under one GiB."""
+    return f"{n / 2**30:.{places}f}GiB" if n >= 2**30 else f"{n / 2**20:.{places}f}MiB"
 
 
 def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], int]) -> None:

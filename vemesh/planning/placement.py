@@ -77,7 +77,7 @@ def place(fit: Any, mesh: MeshPlan, devices_per_host: int, timed: Any = None) ->
                            devices_per_host=devices_per_host, device_type=mesh.device_type, order=order)
         slow, nbytes = crossing(placed.layout, fit, devices_per_host)
         # the layout's rules of thumb (TP innermost, TP and CP inside a host) give way to what the step costs
-        placed = replace(placed, warnings=[w for w in placed.warnings if w.kind == "partial_host"])
+        placed = replace(placed, warnings=[w for w in placed.warnings if w.kind == "partial_host"], filled=mesh.filled)
         return Placement(placed, slow, nbytes, tuple(timed(fit, placed)) if timed is not None else ())
 
     default = tuple(mesh.dims.mesh_dims) if mesh.dims else tuple(mesh.base.dim_names)
