@@ -20,8 +20,9 @@
    Llama-style test model at Llama 3.1's shapes (``make_8b``, ``make_70b``) with torchtitan's recipe as a user writes
    it (``parallelize_checkpointed``: TP with sequence parallelism, full activation checkpointing, FSDP2).
 
-What it does not cover: the GPT example's configurations (its preset is planned by the analytic engine, which has
-no time model yet), PP and CP (the traced engine does not plan PP; CP is not in these configurations).
+The GPT example's configurations (``GPT_CONFIGS``) are planned through the preset's own parallelize function and
+step (the traced engine) and measured by the example's own timing of each step (its metrics' ``tokens_per_s``).
+What it does not cover: PP (pipelines are planned by the analytic engine, which has no time model).
 """
 
 from __future__ import annotations
@@ -125,6 +126,44 @@ def _env() -> dict[str, str]:
     return env
 
 
+#: The GPT example (its default shape: 2 blocks of width 192, 4 heads, vocab 256, sequences of 64; global batch 32)
+#: on 4 ranks: name -> (the example's flags, the planner's flags). Traced through the preset's own parallelize and
+#: step (vemesh.models.gpt.planned); measured by the example's own step timing (its metrics' tokens_per_s).
+GPT = "gpt:n_layer=2,n_embd=192,n_head=4,vocab=256,seq_len=64"
+GPT_CONFIGS: dict[str, tuple[list[str], list[str]]] = {
+    "gpt-dp4-ddp": (["--mesh-shape", "4,1", "--no-distributed-optimizer"], ["--dp-mode", "ddp"]),
+    "gpt-dp4-zero1": (["--mesh-shape", "4,1"], ["--dp-mode", "zero1"]),
+    "gpt-dp4-fsdp2": (["--mesh-shape", "4,1", "--fsdp"], ["--dp-mode", "fsdp"]),
+    "gpt-dp2-tp2": (["--mesh-shape", "2,2"], ["--tp", "2"]),
+    "gpt-tp4": (["--mesh-shape", "1,4"], ["--tp", "4", "--dp", "1"]),
+    "gpt-dp2-cp2": (["--mesh-dims", "DP,CP", "--mesh-shape", "2,2"], ["--cp", "2"]),
+}
+
+
+def gpt_predicted(flags: list[str], profile: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "vemesh", "plan", "--model", GPT, "--world-size", "4", "--global-batch-size", "32",
+           "--device-profile", profile, *flags, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env())
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)}\n{out.stderr}")
+    return json.loads(out.stdout[: out.stdout.rindex("}") + 1])
+
+
+def gpt_measured(flags: list[str]) -> float:
+    """The median step of the example's own timing (global batch x seq_len / tokens_per_s), after 3 warm-up steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               str(ROOT / "examples" / "gpt" / "train.py"), *flags, "--steps", str(STEPS + 3), "--sample-tokens", "0",
+               "--metrics-file", str(metrics)]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=_env())
+        if out.returncode or not metrics.exists():
+            raise SystemExit(f"{' '.join(cmd)}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()][3:]
+        seconds = sorted(32 * 64 / r["tokens_per_s"] for r in steps)
+        return seconds[len(seconds) // 2]
+
+
 def predicted(parallelize: str, flags: list[str], profile: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "vemesh", "plan", "--model", f"module:{JOBS}:make_dense", "--parallelize",
            f"{JOBS}:{parallelize}", "--step", f"{JOBS}:step", "--world-size", "4", "--global-batch-size", str(BATCH),
@@ -182,14 +221,17 @@ def main() -> None:
         if done.returncode:
             raise SystemExit(done.stderr)
         print(done.stdout.strip())
-    names = args.only.split(",") if args.only else list(CONFIGS)
+    names = args.only.split(",") if args.only else [*CONFIGS, *GPT_CONFIGS]
     rows = []
     print(f"| configuration | predicted (ms) | measured (ms) | predicted / measured | within 25% |")
     print("|---|---:|---:|---:|:-:|")
     for name in names:
-        parallelize, flags = CONFIGS[name]
-        plan = predicted(parallelize, flags, profile)
-        seconds = measured(parallelize, flags)
+        if name in GPT_CONFIGS:
+            example, flags = GPT_CONFIGS[name]
+            plan, seconds = gpt_predicted(flags, profile), gpt_measured(example)
+        else:
+            parallelize, flags = CONFIGS[name]
+            plan, seconds = predicted(parallelize, flags, profile), measured(parallelize, flags)
         ratio = plan["step_time"] / seconds
         rows.append({"name": name, "predicted_s": plan["step_time"], "measured_s": seconds, "ratio": ratio,
                      "time": plan["time"]})

@@ -117,10 +117,16 @@ def test_bad_time_requests_are_one_line(flags, message) -> None:
     assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
 
 
-def test_the_gpt_preset_is_not_timed_yet_and_says_so() -> None:
-    done = subprocess.run([sys.executable, "-m", "vemesh", "plan", "--model", "gpt:n_layer=2,n_embd=64,n_head=4",
-                           "--world-size", "2", "--device-profile", "h100-sxm"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and "--device-profile times a traced step" in done.stderr
+def test_the_gpt_preset_is_traced_and_timed_but_not_its_pipelines() -> None:
+    """The preset without PP runs through the traced engine (its own parallelize and step), so it is timed; a PP
+    mesh is still the analytic engine's, which has no time model, and says so."""
+    doc = answer(PlanRequest(world_size=4, model="gpt:n_layer=2,n_embd=64,n_head=4", tp=2, global_batch_size=8,
+                             dp_mode="ddp", device_profile="h100-sxm")).document()
+    assert doc["step_time"] > 0 and set(doc["time"]["communication"]) == {"DP", "TP"}
+    assert 0 < doc["mfu"] < 1
+    with pytest.raises(ValueError, match=r"--device-profile with --pp 2: pipelines are planned by the analytic engine, "
+                                         r"which has no step-time model yet"):
+        PlanRequest(world_size=4, model="gpt:n_layer=2,n_embd=64,n_head=4", pp=2, device_profile="h100-sxm")
 
 
 def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:

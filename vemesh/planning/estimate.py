@@ -53,7 +53,7 @@ from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import gpt_tp_plan
 from vemesh.models.gpt.stages import split_layers
 
-__all__ = ["GPT_FIELDS", "Model", "ParamShard", "RankMemory", "build_model", "load_model", "parse_size", "param_shards",
+__all__ = ["GPT_FIELDS", "Model", "ParamShard", "RankMemory", "build_model", "gpt_config", "load_model", "parse_size", "param_shards",
            "rank_static", "stage_keys", "static_memory"]
 
 #: The fields of ``--model gpt:...`` and the example's GPTConfig field each sets.
@@ -134,6 +134,18 @@ def _gpt_config(body: str) -> dict[str, int]:
     return fields
 
 
+@functools.lru_cache(maxsize=32)
+def gpt_config(spec: str) -> Any:
+    """The example's ``GPTConfig`` of ``--model gpt:...`` (vocab 256 and seq_len 1024 unless given, no dropout)."""
+    body = str(spec).partition(":")[2]
+    config = {"vocab_size": 256, "block_size": 1024, "dropout": 0.0}
+    config.update({GPT_FIELDS[k]: v for k, v in _gpt_config(body).items()})
+    try:
+        return model_module.GPTConfig(**config)
+    except Exception as e:
+        raise ValueError(f"--model {spec}: the GPT example refuses this configuration: {e}") from e
+
+
 def build_model(spec: str) -> tuple[nn.Module, str]:
     """The model ``spec`` names, on the meta device, and its kind (``"gpt"`` or ``"module"``).
 
@@ -142,11 +154,8 @@ def build_model(spec: str) -> tuple[nn.Module, str]:
     """
     kind, _, body = str(spec).partition(":")
     if kind == "gpt":
-        fields = _gpt_config(body)
-        config = {"vocab_size": 256, "block_size": 1024, "dropout": 0.0}
-        config.update({GPT_FIELDS[k]: v for k, v in fields.items()})
+        cfg = gpt_config(spec)
         try:
-            cfg = model_module.GPTConfig(**config)
             with torch.device("meta"):
                 return model_module.GPT(cfg), "gpt"
         except Exception as e:

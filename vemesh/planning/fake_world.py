@@ -28,14 +28,17 @@ __all__ = ["Chunks", "Held", "chunks_on_demand", "fake_world", "give_storage", "
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int) -> Iterator[Any]:
-    """Rank 0 of a fake world, ``VESCALE_DEVICE_MESH`` built for the degrees by ParallelDims; undone after."""
+def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int, keep_dp: bool = False) -> Iterator[Any]:
+    """Rank 0 of a fake world, ``VESCALE_DEVICE_MESH`` built for the degrees by ParallelDims (with a DP dim of size 1
+    too when ``keep_dp``); undone after."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("the planner runs your functions on torch's fake backend, in a world of its own; call it "
                            "before init_process_group (or in another process)")
-    dims = ParallelDims(world_size, dp_replicate=dp_replicate, cp=degrees["CP"], tp=degrees["TP"], ep=degrees["EP"])
+    names = tuple(n for n in ("PP", "DP", "CP", "TP") if degrees.get(n, 1) > 1 or (n == "DP" and keep_dp)) or None
+    dims = ParallelDims(world_size, pp=degrees.get("PP", 1), dp_replicate=dp_replicate, cp=degrees["CP"],
+                        tp=degrees["TP"], ep=degrees["EP"], mesh_dims=names)
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         dims.build("cpu", mesh)

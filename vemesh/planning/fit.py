@@ -1,8 +1,12 @@
 """Will it fit? Each rank class's peak memory and each dim's bytes per step, for a mesh or for every mesh.
 
 :func:`predict` answers for one mesh (degrees PP, DP, CP, TP, EP), :func:`search` for every mesh of a
-world size, ranked. The figures come from three places, each checked against a real run of the GPT
-example (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim/test_fit.py``):
+world size, ranked. One engine traces every mesh without PP: the user's factory, parallelize function and
+step on a fake world (:mod:`vemesh.planning.user_model`), and the GPT preset the same way, through its own
+parallelize function and step (:mod:`vemesh.models.gpt.planned`). A mesh with PP is still planned
+analytically, for the GPT preset only, because the traced engine does not run a pipeline schedule yet (torch's
+schedules need values at their start on a fake world): the figures below, each checked against a real run of the
+GPT example (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim/test_fit.py``):
 
 * **parameters, gradients, optimizer state, fp32 masters**: :func:`vemesh.planning.estimate.rank_static`, the
   real model on the meta device read with the wrappers' rules (equal to the byte to what vemesh DDP,
@@ -22,15 +26,18 @@ example (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim/test_fit.py``):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from vemesh.layout.parallel_dims import ParallelDims
+from vemesh.models.gpt import planned as gpt_planned
 from vemesh.models.gpt import stages as pipeline
 from vemesh.planning.activations import trace_stage
-from vemesh.planning.estimate import Model, check_degrees, fsdp_local, load_model, local_numel, rank_static, stage_keys
+from vemesh.planning.estimate import (Model, check_degrees, fsdp_local, gpt_config, load_model, local_numel, rank_static,
+                                      stage_keys)
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
@@ -81,6 +88,26 @@ class Job:
         return f"{getattr(self.model, '__module__', '?')}:{getattr(self.model, '__qualname__', repr(self.model))}"
 
 
+@functools.lru_cache(maxsize=32)
+def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool, checkpointed: bool) -> UserFunctions:
+    """The GPT preset's three functions (:mod:`vemesh.models.gpt.planned`), the same objects for the same job."""
+    return UserFunctions(gpt_planned.factory(gpt_config(spec)),
+                         gpt_planned.parallelize_for(mode, dtype, sequence_parallel, checkpointed), gpt_planned.step,
+                         (spec, "vemesh.models.gpt.parallelize", "vemesh.models.gpt.planned.step"), keep_dp=True)
+
+
+def _traced_preset(job: Job, *, dp: int, tp: int, cp: int, ep: int, dp_replicate: int) -> MeshFit:
+    """The GPT preset on a mesh without PP, traced like any user model. FSDP2 keeps fp32 parameters and computes in
+    the job's dtype (the example's mixed precision), so its trace starts from fp32; DDP and ZeRO-1 train the model in
+    the job's dtype (ZeRO-1 with fp32 masters)."""
+    fns = _preset_functions(job.model, job.mode, job.dtype, job.sequence_parallel, job.activation_checkpointing)
+    fit = predict_user(fns, world_size=dp * cp * tp, degrees={"PP": 1, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
+                       dp_replicate=dp_replicate, global_batch_size=job.global_batch_size,
+                       micro_batch_size=job.micro_batch_size, dtype="fp32" if job.mode == "fsdp" else job.dtype,
+                       dp_mode=job.mode, load_factor=job.moe_load_factor, timed=job.timed)
+    return replace(fit, notes=tuple(n for n in fit.notes if not n.startswith("dp mode ")))
+
+
 def _role(stage: int, n_stages: int) -> str:
     if n_stages == 1:
         return "whole"
@@ -129,6 +156,8 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
             if bad:
                 raise ValueError(f"MoE with {why} is not modeled yet; plan it with dp-mode ddp or zero1, no PP, "
                                  "moe_every=1")
+    if pp == 1:  # traced: the preset's own factory, parallelize function and step, as a user model's
+        return _traced_preset(job, dp=dp, tp=tp, cp=cp, ep=ep, dp_replicate=dp_replicate)
     if job.pp_schedule not in MODELED_SCHEDULES:
         raise ValueError(f"--pp-schedule {job.pp_schedule!r} is not modeled; choose {', '.join(MODELED_SCHEDULES)}")
     local_stages = pipeline.stages_per_rank(job.pp_schedule) if pp > 1 else 1
@@ -293,6 +322,10 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             if device_memory is not None and fit.peak > device_memory:
                 fit = replace(fit, reason=f"peak {_gib(fit.peak)} > device memory {_gib(device_memory)}")
                 rejected.append(fit)
+                continue
+            if timed is not None and pp > 1:  # the analytic pipeline plan counts no FLOPs: it cannot be timed
+                rejected.append(replace(fit, reason="not timed: PP meshes are planned by the analytic engine, which "
+                                                    "has no step-time model yet"))
                 continue
             mesh = plan_mesh(world_size, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, devices_per_host=devices_per_host)
             if devices_per_host and world_size > devices_per_host:

@@ -13,7 +13,7 @@ __all__ = ["HOW", "add_job_arguments", "fit_document", "render_fit",
            "render_search", "search_document"]
 
 #: How each figure is obtained, printed under the tables and put in the JSON.
-HOW = {
+HOW = {  # the analytic engine: the GPT preset with PP
     "params, grads, optimizer, masters": "the real model on the meta device, sharded by the example's TP plan and "
     "PP cut, with the wrappers' rules (equal to the byte to what vemesh DDP, ZeRO-1 and FSDP2 allocate)",
     "activations": "one micro-batch through the rank's stage on fake tensors under torch's MemTracker "
@@ -65,7 +65,7 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
             "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
             "dp_mode": fit.dp_mode or job.mode, "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing, "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
             "peak": fit.peak, "activations_traced": fit.traced, "notes": list(fit.notes), "classes": [_class_row(c) for c in fit.classes],
-            "how": HOW_USER if job.user else HOW}
+            "how": HOW_USER if job.user or fit.degrees["PP"] == 1 else HOW}  # the preset without PP is traced too
 
 
 def search_document(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,

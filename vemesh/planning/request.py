@@ -78,9 +78,12 @@ class PlanRequest:
                             ("--pp-schedule", self.pp_schedule)):
             if value and user:
                 raise ValueError(f"{flag} is the GPT preset's; with --parallelize your function decides it")
-        if self.device_profile is not None and not user:
-            raise ValueError("--device-profile times a traced step: give your model with --model module:MODULE:FACTORY, "
-                             "--parallelize and --step (the GPT preset's step is not traced by the time model yet)")
+        if self.device_profile is not None and not user and not str(self.model).startswith("gpt:"):
+            raise ValueError("--device-profile times a traced step: give your model's step too (--step MODULE:FUNCTION, "
+                             "with --parallelize for TP, CP or EP), or the GPT preset (--model gpt:...)")
+        if self.device_profile is not None and self.pp not in (None, 1):
+            raise ValueError(f"--device-profile with --pp {self.pp}: pipelines are planned by the analytic engine, "
+                             "which has no step-time model yet (no bubble); time the mesh without PP")
         if self.rank_by == "time" and self.device_profile is None:
             raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
 

@@ -77,6 +77,8 @@ class UserFunctions:
     parallelize: Callable[[nn.Module, Any], nn.Module] | None
     step: Callable[[nn.Module, int], Any]
     names: tuple[str, str, str]
+    #: the mesh keeps a DP dim of size 1 (as the GPT example's ``--mesh-shape 1,2`` does), not only the dims > 1
+    keep_dp: bool = False
 
     @classmethod
     def of(cls, model: Any, parallelize: Any, step: Any) -> UserFunctions:
@@ -222,18 +224,19 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
 
     tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
-    with fake_world(world_size, degrees, dp_replicate) as mesh, FakeTensorMode(allow_non_fake_inputs=True), \
+    with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp) as mesh, \
+            FakeTensorMode(allow_non_fake_inputs=True), \
             real_mesh_tensors(), routing(load_factor) as routed, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
         with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
             model = _call("--model", factory_name, fns.factory)
         if not isinstance(model, nn.Module):
             raise ValueError(f"--model {factory_name} returned a {type(model).__name__}, not an nn.Module")
+        if blocks is not None:  # first, so that only the blocks kept get storage
+            _keep_blocks(model, *blocks)
         give_storage(model)  # then fake storage for the parallelize function and the step, as to_empty gives
         if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
             to_bf16(model)
-        if blocks is not None:
-            _keep_blocks(model, *blocks)
         with chunks_on_demand(), tracker:
             model = _wrap(fns, model, mesh, degrees, dp_mode)
             mode, ddp = _data_parallel(model, dp_mode, parallelize_name, mesh)

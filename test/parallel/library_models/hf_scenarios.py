@@ -137,6 +137,59 @@ CASES = {  # name: (degrees, model, wrapper, optimizer)
 }
 
 
+def fsdp2_then_tp(world_size: int) -> dict[str, Any]:
+    """HF Llama on FSDP2 over DP = 4 for 2 steps, saved with ``vemesh.checkpoint``; loaded into DP = 2 x TP = 2 (HF's
+    TP plan, vemesh DDP, AdamW) built from other weights, and trained on for step 3: every loss and the final
+    parameters against one process's 3 steps."""
+    import tempfile
+
+    from vemesh import checkpoint
+
+    root = [tempfile.mkdtemp(prefix="hf-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    losses: list[float] = []
+
+    def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, dims: ParallelDims, which: range) -> None:
+        rows = mesh.lookup_rank("DP")
+        for step in which:
+            opt.zero_grad()
+            x, y = (t.chunk(dims.dp)[rows].clone() for t in batch(step))
+            loss = loss_of(model, x, y)
+            loss.backward()
+            opt.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=mesh.get_group("DP"))
+            losses.append(total.item() / dims.dp)
+
+    dims = ParallelDims(world_size)
+    dims.build("cpu", mesh)
+    model = make("llama")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    model = fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    steps(model, opt, dims, range(2))
+    checkpoint.save(root[0], model=model, optimizer=opt, step=2)
+    mesh.reset()
+    dims = ParallelDims(world_size, tp=2)
+    dims.build("cpu", mesh)
+    torch.manual_seed(1)
+    model = make("llama")
+    with torch.no_grad():  # other weights than the saved ones: only the load can make them match
+        for p in model.parameters():
+            p.add_(0.5)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["TP"], LLAMA_TP)
+    model = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    step, _ = checkpoint.load(root[0], model=model, optimizer=opt)
+    steps(model, opt, dims, range(step, STEPS))
+    params = {n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+              for n, p in model.named_parameters()}
+    mesh.reset()
+    return {"losses": losses, "params": params, "step": step}
+
+
 def one_expert_for_all(world_size: int) -> dict[str, Any]:
     """Every token of every rank routed to experts 0 and 1 (EP rank 0's): the EP ranks holding no chosen expert still
     run the backward exchange their peers wait for; outputs and gradients (relative to their largest) match one
@@ -194,4 +247,11 @@ def worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any
             out[name] = {"error": traceback.format_exc()}
             mesh.reset()
     out["one-expert-for-all"] = one_expert_for_all(world_size)
+    try:
+        got = fsdp2_then_tp(world_size)
+        out["llama-fsdp2-checkpoint-to-dp2-tp2"] = dict(compare(got, refs.get("llama") or reference("llama")),
+                                                         step=got["step"])
+    except Exception:  # noqa: BLE001 - reported back to pytest
+        out["llama-fsdp2-checkpoint-to-dp2-tp2"] = {"error": traceback.format_exc()}
+        mesh.reset()
     return out

@@ -1,7 +1,8 @@
 """Hugging Face transformers' own classes (pinned in the test extra), unchanged, on 4 gloo ranks against one process.
 
 * ``LlamaForCausalLM`` with TP by HF's module names (torch's styles on ``mesh["TP"]``) and vemesh DDP, and ZeRO-1;
-  and with ``vemesh.parallel.context_parallel`` on HF's own SDPA attention (positions given as a buffer);
+  with ``vemesh.parallel.context_parallel`` on HF's own SDPA attention (positions given as a buffer); and on FSDP2,
+  saved with ``vemesh.checkpoint`` and loaded into DP = 2 x TP = 2, trained on;
 * ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM``: HF's fused experts (``gate_up_proj``/``down_proj``,
   ``forward(hidden_states, top_k_index, top_k_weights)``) spread by ``vemesh.parallel.ExpertParallel`` over EP = 2
   folded in DP = 4, with vemesh DDP, ZeRO-1 and FSDP2 (the experts' gradients over EDP).
@@ -32,7 +33,7 @@ def four() -> list[dict]:
     return run_ranks(S.worker, 4, S.CASES, timeout=400, env={"OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("name", list(S.CASES))
+@pytest.mark.parametrize("name", [*S.CASES, "llama-fsdp2-checkpoint-to-dp2-tp2"])
 def test_hf_models_on_four_ranks_match_one_process(four, name) -> None:
     for rank, results in enumerate(four):
         o = results[name]

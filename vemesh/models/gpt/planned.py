@@ -1,0 +1,71 @@
+"""The GPT preset as the planner traces it: a factory, a parallelize function and a step, the three functions a
+user gives ``vemesh plan --model module:... --parallelize ... --step ...``, written as the example trains the GPT.
+
+``vemesh plan --model gpt:...`` on a mesh without PP traces these (:func:`vemesh.planning.fit.predict`), so the
+preset is planned by the same engine as any user model: the factory builds ``GPT(config)``; the parallelize
+function is :func:`vemesh.models.gpt.parallelize` with the job's options (TP with or without sequence parallelism,
+EP, activation checkpointing, FSDP2 with the example's mixed precision, or vemesh DDP); the step is the example's
+micro-batch (random tokens, the fp32 cross-entropy, backward), inside ``context_parallel`` with the tokens, the
+labels and the position buffer when the mesh has CP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from vemesh import VESCALE_DEVICE_MESH
+from vemesh.ddp import DistributedDataParallel
+from vemesh.models.gpt.model import GPT, GPTConfig
+from vemesh.models.gpt.parallelize import parallelize
+from vemesh.parallel import context_parallel
+
+__all__ = ["factory", "parallelize_for", "step"]
+
+
+def factory(config: GPTConfig) -> Any:
+    """``FACTORY()`` for the planner: a new ``GPT(config)`` per call (the same callable for one config)."""
+    return functools.partial(GPT, config)
+
+
+@functools.lru_cache(maxsize=32)
+def parallelize_for(mode: str, dtype: str, sequence_parallel: bool, activation_checkpointing: bool) -> Any:
+    """``FUNCTION(model, mesh)`` for the planner: the example's wrapping of the GPT for the job's options.
+
+    ``mode`` is ``"fsdp"`` (FSDP2 on each block and the root, fp32 parameters computing in ``dtype`` as the example's
+    mixed-precision policy does) or ``"ddp"``/``"zero1"`` (vemesh DDP; the optimizer makes it ZeRO-1).
+    """
+    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+    wrap: dict[str, Any] = (dict(data_parallel="fsdp", mp_policy=MixedPrecisionPolicy(param_dtype=compute,
+                                                                                         reduce_dtype=torch.float32))
+                            if mode == "fsdp" else dict(data_parallel="ddp"))
+
+    def gpt_parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        return parallelize(model, mesh, sequence_parallel=sequence_parallel,
+                           activation_checkpointing=activation_checkpointing, **wrap)
+
+    gpt_parallelize.__qualname__ = f"parallelize[{mode}{', sp' if sequence_parallel else ''}" \
+                                   f"{', ac' if activation_checkpointing else ''}]"
+    return gpt_parallelize
+
+
+def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """One micro-batch as the example computes it: its tokens, the fp32 cross-entropy, backward; with CP, inside
+    ``context_parallel`` with the tokens, the labels and the model's position buffer."""
+    core = model.module if isinstance(model, DistributedDataParallel) else model
+    config = core.config
+    x = torch.randint(0, config.vocab_size, (micro_batch_size, config.block_size))
+    y = torch.randint(0, config.vocab_size, (micro_batch_size, config.block_size))
+    cp = VESCALE_DEVICE_MESH.get_strategy_size("CP") > 1
+    within = context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=[x, y, core.pos], buffer_seq_dims=[1, 1, 0]) \
+        if cp else contextlib.nullcontext()
+    with within:  # the logits are not held while backward runs, as in the example's loss_fn(model(x), y)
+        loss = F.cross_entropy(model(x).float().view(-1, config.vocab_size), y.view(-1))
+        loss.backward()
+    return loss.detach()
