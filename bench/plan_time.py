@@ -223,7 +223,7 @@ def main() -> None:
         print(done.stdout.strip())
     names = args.only.split(",") if args.only else [*CONFIGS, *GPT_CONFIGS]
     rows = []
-    print(f"| configuration | predicted (ms) | measured (ms) | predicted / measured | within 25% |")
+    print("| configuration | predicted (ms) | measured (ms) | predicted / measured | within 25% |")
     print("|---|---:|---:|---:|:-:|")
     for name in names:
         if name in GPT_CONFIGS:

@@ -14,19 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llama  # noqa: E402
+import parity  # noqa: E402
 
 from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
-from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
-from vemesh.optim import DistributedOptimizer  # noqa: E402
-from vemesh.parallel import (ExpertParallel, ExpertTensorParallel, ParallelDims, context_parallel,  # noqa: E402
-                             fully_shard)
+from vemesh.parallel import ExpertParallel, ExpertTensorParallel, ParallelDims, context_parallel  # noqa: E402
 
 STEPS, BATCH, SEQ, LR = 3, 4, 32, 1e-3
 EPS = 1e-6  # AdamW turns a rounding difference in a near-zero gradient into a step of lr: bound it
@@ -67,16 +64,8 @@ def train(dims: ParallelDims, moe: int, wrap: str, optimizer: str = "adamw", ac:
         for block in model.layers.values():
             parallelize_module(block.feed_forward.experts, mesh["EP"], ExpertParallel())
     rope = [model.rope_cos, model.rope_sin]
-    if wrap == "ddp":  # no group given: the mesh's data dims (dp_cp with CP), experts over EDP
-        model = DDP(model)
-    else:
-        for block in model.layers.values():
-            fully_shard(block)
-        model = fully_shard(model)
-    if optimizer == "zero1":
-        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=LR, eps=EPS)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    model = parity.wrap(model, model.layers.values(), wrap)  # DDP's default: dp_cp with CP, experts over EDP
+    opt = parity.optimizer(model, optimizer, lr=LR, eps=EPS)
     rows = mesh.lookup_rank("DP")
     data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
     cp = mesh["CP"] if dims.cp > 1 else None
@@ -88,13 +77,8 @@ def train(dims: ParallelDims, moe: int, wrap: str, optimizer: str = "adamw", ac:
             loss = llama.loss_fn(model(x), y)
             loss.backward()
         opt.step()
-        total = loss.detach().clone()
-        if data is not None:
-            dist.all_reduce(total, group=data)
-            total /= dist.get_world_size(data)
-        losses.append(total.item())
-    params = {n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-              for n, p in model.named_parameters()}
+        losses.append(parity.mean_over(loss, data))
+    params = parity.whole_params(model)
     mesh.reset()
     return {"losses": losses, "params": params}
 
@@ -107,12 +91,7 @@ class _nothing:
         return None
 
 
-def compare(got: dict[str, Any], ref: tuple[list[float], dict[str, torch.Tensor]]) -> dict[str, Any]:
-    losses, params = ref
-    assert set(got["params"]) == set(params), sorted(set(got["params"]) ^ set(params))
-    return {"loss_diff": max(abs(a - b) for a, b in zip(got["losses"], losses)),
-            "param_diff": max((got["params"][n] - p).abs().max().item() for n, p in params.items()),
-            "losses": got["losses"], "ref": losses}
+compare = parity.compare
 
 
 CASES_4 = {  # name: (degrees, MoE experts, wrapper, optimizer[, activation checkpointing])

@@ -7,19 +7,22 @@ parameter from the one-process run, which every rank computes itself (the models
 
 from __future__ import annotations
 
+import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from vemesh import VESCALE_DEVICE_MESH as mesh
-from vemesh.ddp import DistributedDataParallel as DDP
-from vemesh.optim import DistributedOptimizer
-from vemesh.parallel import ExpertParallel, ParallelDims, context_parallel, fully_shard
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import parity  # noqa: E402
+
+from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
+from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
+from vemesh.parallel import ExpertParallel, ParallelDims, context_parallel, fully_shard  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, EPS = 3, 4, 16, 128, 1e-3, 1e-6
 
@@ -81,16 +84,8 @@ def train(dims: ParallelDims, kind: str, wrap: str, optimizer: str) -> dict[str,
     if dims.ep > 1:  # HF's fused experts (the routed contract): E / EP of them on each EP rank
         for layer in layers:
             parallelize_module(layer.mlp.experts, mesh["EP"], ExpertParallel())
-    if wrap == "ddp":  # no group given: the mesh's data dims, experts over EDP
-        model = DDP(model)
-    else:
-        for layer in layers:
-            fully_shard(layer)
-        model = fully_shard(model)
-    if optimizer == "zero1":
-        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=LR, eps=EPS)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    model = parity.wrap(model, layers, wrap)
+    opt = parity.optimizer(model, optimizer, lr=LR, eps=EPS)
     rows = mesh.lookup_rank("DP")
     data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
     cp = mesh["CP"] if dims.cp > 1 else None
@@ -107,23 +102,13 @@ def train(dims: ParallelDims, kind: str, wrap: str, optimizer: str) -> dict[str,
             loss = loss_of(model, x, y)
             loss.backward()
         opt.step()
-        total = loss.detach().clone()
-        if data is not None:
-            dist.all_reduce(total, group=data)
-            total /= dist.get_world_size(data)
-        losses.append(total.item())
-    params = {n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-              for n, p in model.named_parameters()}
+        losses.append(parity.mean_over(loss, data))
+    params = parity.whole_params(model)
     mesh.reset()
     return {"losses": losses, "params": params}
 
 
-def compare(got: dict[str, Any], ref: tuple[list[float], dict[str, torch.Tensor]]) -> dict[str, Any]:
-    losses, params = ref
-    assert set(got["params"]) == set(params), sorted(set(got["params"]) ^ set(params))
-    return {"loss_diff": max(abs(a - b) for a, b in zip(got["losses"], losses)),
-            "param_diff": max((got["params"][n] - p).abs().max().item() for n, p in params.items()),
-            "losses": got["losses"], "ref": losses}
+compare = parity.compare
 
 
 CASES = {  # name: (degrees, model, wrapper, optimizer)
@@ -184,8 +169,7 @@ def fsdp2_then_tp(world_size: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     step, _ = checkpoint.load(root[0], model=model, optimizer=opt)
     steps(model, opt, dims, range(step, STEPS))
-    params = {n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-              for n, p in model.named_parameters()}
+    params = parity.whole_params(model)
     mesh.reset()
     return {"losses": losses, "params": params, "step": step}
 
