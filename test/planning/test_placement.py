@@ -67,27 +67,27 @@ def test_with_a_profile_the_shortest_step_wins_and_ties_keep_torchtitans_order()
 
 def test_every_rank_of_1024_builds_the_planned_groups_for_the_chosen_order() -> None:
     """PP=4 x DP=8 x CP=4 x TP=8 on hosts of 8, CP the heaviest: the chosen order is not torchtitan's, and every
-    group ``ParallelDims(..., mesh_dims=order).build`` makes on every rank (flattens and the EP split included)
-    is the one the plan placed."""
-    planned = plan_mesh(1024, pp=4, dp=8, cp=4, tp=8, ep=4, devices_per_host=8)
-    fit = _fit(planned.degrees, {"PP": MiB, "DP": 8 * MiB, "CP": 512 * MiB, "TP": 64 * MiB, "dp_cp": 16 * MiB})
-    best, base = place(fit, planned, 8)
-    assert best.order != base["torchtitan"].order and best.order[-1] == "CP"
-    assert best.cross_bytes < base["torchtitan"].cross_bytes < base["reverse"].cross_bytes
-    layout = best.mesh.layout
-    names = layout.names
-    dims = ParallelDims(1024, pp=4, dp_shard=8, cp=4, tp=8, ep=4, mesh_dims=best.order)
-    mesh.reset()
-    for rank in range(1024):
-        dist.init_process_group("fake", rank=rank, world_size=1024, store=FakeStore())
-        try:
-            dims.build("cpu", mesh)
-            for name in names:
-                got = dist.get_process_group_ranks(mesh.get_group(name))
-                assert got == layout.group_ranks(rank, name), (rank, name)
-        finally:
-            mesh.reset()
-            dist.destroy_process_group()
+    group ``ParallelDims(..., mesh_dims=order).build`` makes on every rank (the dims and the ``dp_cp`` flatten) is the
+    one the plan placed; with EP = 4 split out of ``dp_cp`` as well, on every 16th rank and each host's last."""
+    for ep, ranks in ((1, range(1024)), (4, sorted({*range(0, 1024, 16), *range(7, 1024, 8 * 9)}))):
+        planned = plan_mesh(1024, pp=4, dp=8, cp=4, tp=8, ep=ep, devices_per_host=8)
+        fit = _fit(planned.degrees, {"PP": MiB, "DP": 8 * MiB, "CP": 512 * MiB, "TP": 64 * MiB, "dp_cp": 16 * MiB})
+        best, base = place(fit, planned, 8)
+        assert best.order != base["torchtitan"].order and best.order[-1] == "CP"
+        assert best.cross_bytes < base["torchtitan"].cross_bytes < base["reverse"].cross_bytes
+        layout = best.mesh.layout
+        dims = ParallelDims(1024, pp=4, dp_shard=8, cp=4, tp=8, ep=ep, mesh_dims=best.order)
+        mesh.reset()
+        for rank in ranks:
+            dist.init_process_group("fake", rank=rank, world_size=1024, store=FakeStore())
+            try:
+                dims.build("cpu", mesh)
+                for name in layout.names:
+                    assert dist.get_process_group_ranks(mesh.get_group(name)) == layout.group_ranks(rank, name), \
+                        (rank, name)
+            finally:
+                mesh.reset()
+                dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world, per_host, message", [

@@ -16,7 +16,9 @@ import pytest
 from vemesh.planning.activations import _trace, trace_stage
 from vemesh.cli import main
 from vemesh.planning.estimate import load_model, rank_static, stage_keys
-from vemesh.planning.fit import Job, _crosses_hosts, _in_flight, predict, search
+from vemesh.layout import MeshLayout
+from vemesh.layout.describe import spans_hosts
+from vemesh.planning.fit import Job, _in_flight, predict, search
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = "gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=32"
@@ -70,8 +72,10 @@ def test_predict_uses_the_static_rows_and_names_the_grad_dim() -> None:
 
 
 def test_hosts() -> None:
-    assert not _crosses_hosts(1, 8, 8) and _crosses_hosts(1, 16, 8) and _crosses_hosts(2, 3, 8)
-    assert not _crosses_hosts(8, 1, 8)
+    """A dim crosses hosts when some group of it holds ranks of two hosts (the one rule: spans_hosts)."""
+    two = MeshLayout((2, 8), ("DP", "TP"))
+    assert not spans_hosts(two, "TP", 8) and spans_hosts(two, "DP", 8) and spans_hosts(MeshLayout((16,), ("TP",)), "TP", 8)
+    assert not spans_hosts(MeshLayout((3, 2), ("A", "B")), "A", 8) and spans_hosts(MeshLayout((3, 4), ("A", "B")), "A", 8)
 
 
 def test_search_ranks_the_fits_and_says_why_the_rest_do_not() -> None:

@@ -179,10 +179,11 @@ def _check_grouped(module: nn.Module, ep: int, style_name: str) -> list[tuple[st
 def _contract(module: nn.Module, style_name: str) -> str:
     """``"grouped"`` or ``"routed"``: which forward the experts module has (see the module docstring)."""
     try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        params = ()
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: take it as the grouped contract
+        return "grouped"
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
     if len(names) == 3 and names[1:] == ["top_k_index", "top_k_weights"]:
         experts = {p.size(0) for p in module.parameters(recurse=False)}
         if getattr(module, "num_experts", None) not in experts:
@@ -190,7 +191,7 @@ def _contract(module: nn.Module, style_name: str) -> str:
                              f"the experts its parameters stack on dim 0 ({sorted(experts)}); it has num_experts = "
                              f"{getattr(module, 'num_experts', None)!r}")
         return "routed"
-    if len(names) == 2:
+    if len(names) == 2 or (varargs and len(names) <= 2):  # forward(*args): a wrapper's, which cannot say
         return "grouped"
     raise ValueError(f"{style_name} takes experts whose forward is forward(x, num_tokens_per_expert) (grouped by expert, "
                      "torchtitan's) or forward(hidden_states, top_k_index, top_k_weights) (Hugging Face's); "
