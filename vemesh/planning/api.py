@@ -25,7 +25,7 @@ from vemesh.planning.profiles import DeviceProfile, load_profile
 from vemesh.planning.request import PlanRequest
 from vemesh.planning.step_time import StepTime, step_time
 
-__all__ = ["Answer", "answer", "mesh_of", "model_document", "plan", "verdict"]
+__all__ = ["Answer", "answer", "hosts_of", "mesh_of", "model_document", "plan", "verdict", "whole_hosts"]
 
 
 def plan(request: PlanRequest | Any = None, /, **fields: Any) -> dict[str, Any]:
@@ -87,8 +87,8 @@ def answer(request: PlanRequest) -> Answer:
     profile = load_profile(request.device_profile) if request.device_profile is not None else None
     if request.searches:
         per_host = request.devices_per_host or (profile.devices_per_host if profile is not None else None)
-        if per_host and request.world_size > per_host and request.world_size % per_host:
-            hosts_of(plan_mesh(request.world_size, devices_per_host=per_host), profile)  # one line: not whole hosts
+        if per_host:
+            whole_hosts(request.world_size, per_host)  # before any trace: a placement that cannot be is said at once
         timed = (lambda f, m: time_of(f, m, profile, job)) if profile is not None else None
         fits, rejected = search(job, request.world_size, device_memory=memory, devices_per_host=per_host,
                                 cp=request.cp, ep=request.ep, rank_by=request.order, timed=timed)
@@ -109,8 +109,12 @@ def answer(request: PlanRequest) -> Answer:
 
 
 def hosts_of(mesh: MeshPlan, profile: DeviceProfile | None = None) -> int:
-    """Ranks per host (``--devices-per-host``, else the profile's), checked to fill whole hosts."""
-    per_host, world = mesh.devices_per_host or (profile.devices_per_host if profile else mesh.world_size), mesh.world_size
+    """Ranks per host (``--devices-per-host``, else the profile's, else one host), checked to fill whole hosts."""
+    return whole_hosts(mesh.world_size, mesh.devices_per_host or (profile.devices_per_host if profile else mesh.world_size))
+
+
+def whole_hosts(world: int, per_host: int) -> int:
+    """``per_host``, checked to place ``world`` ranks on whole hosts (or on part of one); else one line naming it."""
     if world > per_host and world % per_host:
         choices = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
         raise ValueError(f"--devices-per-host {per_host} does not divide the world size {world}, so the mesh cannot be "
