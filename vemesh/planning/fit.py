@@ -314,6 +314,11 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             degrees = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}
             if tp > limit.get("n_head", 1) or pp > n_layer:
                 continue  # not even a candidate: more TP ranks than heads, more stages than blocks
+            if not job.user and pp == 1 and device_memory is not None:  # a trace saved where the weights cannot fit
+                over = _static_over(job, device_memory, dp=dp, tp=tp, cp=cp, ep=ep, degrees=degrees)
+                if over is not None:
+                    rejected.append(over)
+                    continue
             try:
                 fit = predict(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
             except ValueError as e:
@@ -340,6 +345,25 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
     fits.sort(key=keys[rank_by])
     rejected.sort(key=lambda f: (f.peak if f.classes else math.inf))
     return fits, rejected
+
+
+def _static_over(job: Job, device_memory: int, *, dp: int, tp: int, cp: int, ep: int,
+                 degrees: dict[str, int]) -> MeshFit | None:
+    """The GPT preset's mesh without PP as a rejection when its parameters, gradients and optimizer state alone
+    (:func:`~vemesh.planning.estimate.rank_static`, equal to the byte to what the wrappers allocate) exceed the device
+    memory, so that no trace is spent on it; else None."""
+    model = load_model(job.model)
+    try:
+        check_degrees(model, dp=dp * cp, tp=tp, pp=1, ep=ep, dtype=job.dtype, dp_mode=job.mode)
+    except ValueError:
+        return None  # the trace says why, in its own words
+    static = rank_static(model, stage_keys(model, 1)[0], "every rank", dp=dp * cp, tp=tp, ep=ep, dtype=job.dtype,
+                         dp_mode=job.mode)
+    if static.total <= device_memory:
+        return None
+    return MeshFit(degrees, [RankClass("every rank", static, 0, 0, {})], 0, 0, traced=False,
+                   reason=f"static {_gib(static.total)} > device memory {_gib(device_memory)} (parameters, gradients "
+                          "and optimizer state alone; not traced)")
 
 
 def _divisors(n: int) -> list[int]:

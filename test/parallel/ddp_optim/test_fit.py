@@ -133,3 +133,21 @@ def test_moe_is_traced_with_balanced_routing_and_its_all_to_all_counted() -> Non
     for kw, piece in ((dict(pp=2), "a PP dim"), (dict(), "--dp-mode fsdp")):
         with pytest.raises(ValueError, match=piece):
             predict(Job(moe, 16, dp_mode="fsdp" if not kw else "zero1"), dp=2, ep=2, **kw)
+
+
+def test_a_preset_mesh_whose_weights_alone_do_not_fit_is_rejected_without_a_trace(monkeypatch) -> None:
+    """The search spends no trace on a mesh without PP whose parameters, gradients and optimizer state exceed the
+    device: its reason says the static bytes, and the traced engine is never called for it."""
+    import vemesh.planning.fit as fit
+
+    job = Job(SMALL, 16, micro_batch_size=1)
+    whole = rank_static(load_model(SMALL), stage_keys(load_model(SMALL), 1)[0], "every rank", dp=4, tp=1, ep=1,
+                        dtype="fp32", dp_mode="zero1").total
+    traced: list[tuple[int, int]] = []
+    real = fit.predict_user
+    monkeypatch.setattr(fit, "predict_user", lambda fns, **kw: traced.append((kw["degrees"]["DP"], kw["degrees"]["TP"]))
+                        or real(fns, **kw))
+    _, rejected = search(job, 4, device_memory=whole - 1)
+    static = [f for f in rejected if f.reason and "not traced" in f.reason]
+    assert [f.degrees["TP"] for f in static if f.degrees["PP"] == 1] == [1]
+    assert static[0].reason.startswith("static ") and (4, 1) not in traced and traced
