@@ -72,6 +72,7 @@ CONFIGS: dict[str, tuple[int, list[str], list[str]]] = {
 #: ``bench/plan_user_run.py`` running the same functions: name -> (processes, factory, parallelize, flags for both).
 JOBS = "test/models/llama_jobs.py"
 HF_JOBS = "test/models/hf_jobs.py"  # Hugging Face transformers' LlamaForCausalLM, as transformers ships it
+PIPELINE = ["--step", f"{JOBS}:step_pp", "--loss", f"{JOBS}:loss_fn"]
 USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-fsdp2-tp2-sp": (4, "make_dense", "parallelize_fsdp", ["--tp", "2"]),
     "llama-zero1-tp2": (4, "make_dense", "parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
@@ -84,6 +85,10 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-trunc-normal-zero1-tp2": (4, "make_dense_trunc_normal", "parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
     "hf-llama-fsdp2-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_fsdp", ["--tp", "2"]),
     "hf-llama-zero1-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
+    # PP: the parallelize function returns torch PipelineStages, the step runs the schedule, the loss is the schedule's
+    "llama-pp2-1f1b": (4, "make_dense", "parallelize_pp_1f1b", ["--pp", "2", *PIPELINE]),
+    "llama-pp2-interleaved": (4, "make_dense", "parallelize_pp_interleaved",
+                              ["--pp", "2", "--pp-schedule", "interleaved-1f1b", *PIPELINE]),
 }
 #: The configurations whose router is skewed in a real run: re-planned with the run's measured load factor.
 LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2")
@@ -170,7 +175,7 @@ def compare(name: str) -> list[dict[str, Any]]:
         jobs = factory.rpartition(":")[0] or JOBS
         factory, parallelize = (f if ":" in f else f"{JOBS}:{f}" for f in (factory, parallelize))
         functions = ["--model", f"module:{factory}", "--parallelize", parallelize,
-                     "--step", f"{jobs}:step", "--global-batch-size", "8"]
+                     *(["--step", f"{jobs}:step"] if "--step" not in flags else []), "--global-batch-size", "8"]
         plan_args = [*functions, "--world-size", str(procs), *flags]
         with tempfile.TemporaryDirectory() as workdir:
             run, load = measured(procs, [*functions, *flags], workdir, ROOT / "bench" / "plan_user_run.py")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
 from vemesh.parallel import ParallelDims  # noqa: E402
 from vemesh.planning.measure import RunMeter, report  # noqa: E402
-from vemesh.planning.user_model import resolve  # noqa: E402
+from vemesh.planning.user_code import resolve  # noqa: E402
 
 STEPS = 3
 
@@ -51,6 +52,10 @@ def _expert_load() -> dict[str, float]:
 
 def _train_step(model, optimizer, step, per_dp: int, mbs: int, fsdp: bool) -> None:
     optimizer.zero_grad()
+    if isinstance(model, _Pipeline):  # torch's schedule runs the micro-batches
+        step(model.schedule, per_dp)
+        optimizer.step()
+        return
     for i in range(per_dp // mbs):
         last = i == per_dp // mbs - 1
         if fsdp:
@@ -60,25 +65,42 @@ def _train_step(model, optimizer, step, per_dp: int, mbs: int, fsdp: bool) -> No
     optimizer.step()
 
 
-def _build(args, factory, parallelize):
-    """The user's model through their parallelize function, and the optimizer ``--dp-mode`` names."""
+class _Pipeline:
+    """With PP: the stages the parallelize function returned and torch's schedule over them."""
+
+    def __init__(self, stages, schedule) -> None:
+        self.stages, self.schedule = stages, schedule
+        self.parts = [s.submod for s in stages]
+
+
+def _build(args, factory, parallelize, loss=None, n_microbatches: int = 1):
+    """The user's model through their parallelize function (with PP: its stages, in torch's ``--pp-schedule``), and
+    the optimizer ``--dp-mode`` names."""
     model = parallelize(factory(), mesh)
-    fsdp = isinstance(model, torch.distributed.fsdp.FSDPModule)
+    if args.pp > 1:
+        from vemesh.parallel.schedules import MULTI_STAGE, schedule_class
+
+        stages = model if isinstance(model, (list, tuple)) else [model]
+        run = schedule_class(args.pp_schedule)(stages if args.pp_schedule in MULTI_STAGE else stages[0],
+                                               n_microbatches, loss_fn=loss)
+        model = _Pipeline(stages, run)
+    parts = model.parts if isinstance(model, _Pipeline) else [model]
+    fsdp = isinstance(parts[0], torch.distributed.fsdp.FSDPModule)
     mode = args.dp_mode or ("fsdp" if fsdp else "zero1")
     if mode == "zero1":
         from vemesh.optim import DistributedOptimizer
 
-        return model, DistributedOptimizer(torch.optim.AdamW, models=[model]), fsdp
-    return model, torch.optim.AdamW(model.parameters()), fsdp
+        return model, DistributedOptimizer(torch.optim.AdamW, models=parts), fsdp
+    return model, torch.optim.AdamW([p for part in parts for p in part.parameters()]), fsdp
 
 
-def _time_steps(args, dims, factory, parallelize, step, per_dp: int, mbs: int) -> None:
+def _time_steps(args, dims, factory, parallelize, step, per_dp: int, mbs: int, build) -> None:
     """Time ``--time-steps`` steps after 3 warm-up steps; rank 0 writes the median (slowest rank's) and exits."""
     import statistics
     import time
 
     torch.manual_seed(0)
-    model, optimizer, fsdp = _build(args, factory, parallelize)
+    model, optimizer, fsdp = build(args, factory, parallelize)
     times = []
     for i in range(3 + args.time_steps):
         dist.barrier()
@@ -100,10 +122,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag in ("--model", "--parallelize", "--step", "--report"):
         parser.add_argument(flag, required=True)
-    for flag, default in (("--cp", 1), ("--tp", 1), ("--ep", 1), ("--dp", None), ("--global-batch-size", 32),
+    for flag, default in (("--pp", 1), ("--cp", 1), ("--tp", 1), ("--ep", 1), ("--dp", None), ("--global-batch-size", 32),
                           ("--micro-batch-size", None), ("--world-size", None)):
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--dp-mode", choices=("ddp", "zero1", "fsdp"))
+    parser.add_argument("--pp-schedule", default="1f1b")
+    parser.add_argument("--keep-dp", action="store_true", help="a DP dim of size 1 too (as the GPT preset's mesh)")
+    parser.add_argument("--loss", help="with --pp: loss_fn(output, target) for the schedule, MODULE:FUNCTION")
     parser.add_argument("--expert-load", help="write the run's expert load factor here")
     parser.add_argument("--time-steps", type=int, help="instead of measuring memory: time this many steps after "
                         "3 warm-up steps (each after a barrier; a step's time is the slowest rank's) and write their "
@@ -111,23 +136,28 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    dims = ParallelDims(dist.get_world_size(), cp=args.cp, tp=args.tp, ep=args.ep)
+    degrees = {"PP": args.pp, "DP": 0, "CP": args.cp, "TP": args.tp}
+    names = tuple(n for n, d in degrees.items() if d != 1) if args.keep_dp else None  # DP (0: the rest) kept
+    dims = ParallelDims(dist.get_world_size(), pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep, mesh_dims=names)
     dims.build("cpu", mesh)
     factory, _ = resolve(args.model, "--model")
     parallelize, _ = resolve(args.parallelize, "--parallelize")
     step, _ = resolve(args.step, "--step")
+    loss = resolve(args.loss, "--loss")[0] if args.loss else None
     per_dp = args.global_batch_size // dims.dp
-    mbs = args.micro_batch_size or per_dp
+    pp = args.pp
+    mbs = args.micro_batch_size or (per_dp // (2 * pp) if pp > 1 and per_dp % (2 * pp) == 0 else per_dp)
+    build = functools.partial(_build, loss=loss, n_microbatches=per_dp // mbs)
     if args.time_steps:
-        _time_steps(args, dims, factory, parallelize, step, per_dp, mbs)
+        _time_steps(args, dims, factory, parallelize, step, per_dp, mbs, build)
     load = _expert_load()
     meter = RunMeter()
     with meter:
-        model, optimizer, fsdp = _build(args, factory, parallelize)
+        model, optimizer, fsdp = build(args, factory, parallelize)
         for _ in range(STEPS):
             with meter.step():
                 _train_step(model, optimizer, step, per_dp, mbs, fsdp)
-    report(meter, mesh, "every rank", args.report)
+    report(meter, mesh, f"PP rank {mesh.lookup_rank('PP')}" if pp > 1 else "every rank", args.report)
     loads = [None] * dist.get_world_size()
     dist.all_gather_object(loads, load["load"])
     if args.expert_load and dist.get_rank() == 0:

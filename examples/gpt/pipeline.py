@@ -5,15 +5,14 @@ loss), it asks the mesh: ``get_global_rank({"PP": owner})``.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vemesh import VESCALE_DEVICE_MESH
 from vemesh.models.gpt.model import sample_next
-from vemesh.models.gpt.stages import MULTI_STAGE, SCHEDULES, ZERO_BUBBLE, stage_owner, stages_per_rank
+from vemesh.parallel.schedules import MULTI_STAGE, run_schedule, schedule_class, stage_owner, stages_per_rank
+
 
 class Pipeline:
     """This rank's pipeline stages and the torch schedule that runs them, over ``VESCALE_DEVICE_MESH["PP"]``.
@@ -22,7 +21,7 @@ class Pipeline:
         chunks: this rank's stage modules (wrapped in DDP), in the order of ``indices``.
         indices: their stage numbers (:func:`stage_indices`).
         n_stages: stages in the whole pipeline.
-        schedule: a key of :data:`SCHEDULES`.
+        schedule: a key of :data:`vemesh.parallel.schedules.SCHEDULES`.
         n_microbatches: micro-batches per step (each DP rank's batch splits into this many).
         loss_fn: ``loss_fn(logits, targets)``, the mean over one micro-batch.
         device: this rank's device.
@@ -32,11 +31,11 @@ class Pipeline:
                  n_microbatches: int, loss_fn, device: torch.device) -> None:
         self.chunks, self.indices, self.n_stages, self.schedule_name = chunks, indices, n_stages, schedule
         self.pp_group = VESCALE_DEVICE_MESH["PP"].get_group()
-        from torch.distributed import pipelining  # here, not at the top: see SCHEDULES
+        from torch.distributed import pipelining  # here, not at the top: see schedule_class
         self.stages = [pipelining.PipelineStage(c, i, n_stages, device, group=self.pp_group)
                        for c, i in zip(chunks, indices)]
         stages = self.stages if schedule in MULTI_STAGE else self.stages[0]
-        self.schedule = getattr(pipelining, SCHEDULES[schedule])(stages, n_microbatches, loss_fn=loss_fn)
+        self.schedule = schedule_class(schedule)(stages, n_microbatches, loss_fn=loss_fn)
         self.has_first, self.has_last = 0 in indices, n_stages - 1 in indices
         self.last_pp = self.owner(n_stages - 1)  # the PP rank that computes the loss
 
@@ -49,13 +48,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
-        late = self.schedule_name in ZERO_BUBBLE  # weight gradients arrive outside backward's hooks
-        with contextlib.ExitStack() as local:
-            for chunk in self.chunks if late else ():
-                local.enter_context(chunk.no_sync())  # accumulate locally through every pass...
-            self.schedule.step(*args, **kwargs, return_outputs=False)  # the losses are enough: no logits kept
-        for chunk in self.chunks if late else ():
-            chunk.finish_grad_sync(force=True)  # ...then average what the input and weight passes left, once
+        # the losses are enough: no logits kept
+        run_schedule(self.schedule, self.schedule_name, self.chunks, *args, **kwargs, return_outputs=False)
         return torch.stack(losses).mean() if self.has_last else None
 
     @torch.no_grad()

@@ -146,10 +146,11 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.size(1)  # this CP rank's positions inside context_parallel, which cut the tables the same way
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self.tok_embeddings(tokens)  # (B, T, D)
+        # a pipeline stage cut from the model (torchtitan's way) has no embedding, or no head: it passes through
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, D)
         for block in self.layers.values():
             x = block(x, cos, sin)
-        return self.output(self.norm(x))  # (B, T, V)
+        return self.output(self.norm(x)) if self.output is not None else x  # (B, T, V)
 
 
 def make(seed: int = 0, **overrides: int) -> Llama:

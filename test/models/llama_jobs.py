@@ -136,3 +136,54 @@ def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
         loss = llama.loss_fn(model(x), y)
         loss.backward()
     return loss.detach()
+
+
+def _pipeline(model: llama.Llama, mesh, schedule: str, wrap) -> list:
+    """This PP rank's stages, as torchtitan's ``pipeline_llm`` cuts them: the whole model copied per stage, the other
+    stages' blocks deleted, the embedding on the first stage and the norm and head on the last; each stage wrapped
+    (``wrap(part, mesh)``) and given to torch's ``PipelineStage`` on ``mesh["PP"]``'s group."""
+    import copy
+
+    from torch.distributed.pipelining import PipelineStage
+
+    from vemesh.parallel.schedules import stage_indices, stages_per_rank
+
+    pp = mesh.get_strategy_size("PP")
+    n_stages = pp * stages_per_rank(schedule)
+    per = len(model.layers) // n_stages
+    stages = []
+    for s in stage_indices(mesh.lookup_rank("PP"), pp, schedule):
+        part = copy.deepcopy(model)
+        for key in list(part.layers.keys()):
+            if not s * per <= int(key) < (s + 1) * per:
+                del part.layers[key]
+        if s != 0:
+            part.tok_embeddings = None
+        if s != n_stages - 1:
+            part.norm = part.output = None
+        stages.append(PipelineStage(wrap(part, mesh), s, n_stages, torch.device("cpu"), group=mesh["PP"].get_group()))
+    return stages
+
+
+def _ddp_chunk(part: llama.Llama, mesh) -> nn.Module:
+    _model_parallel(part, mesh, sequence_parallel=False, checkpointed=False)
+    return DistributedDataParallel(part)
+
+
+def parallelize_pp_1f1b(model: llama.Llama, mesh) -> list:
+    """PP with torch's 1F1B (one stage per PP rank), TP without sequence parallelism, vemesh DDP per stage."""
+    return _pipeline(model, mesh, "1f1b", _ddp_chunk)
+
+
+def parallelize_pp_interleaved(model: llama.Llama, mesh) -> list:
+    """PP with torch's interleaved 1F1B (two stages per PP rank, round-robin), TP, vemesh DDP per stage."""
+    return _pipeline(model, mesh, "interleaved-1f1b", _ddp_chunk)
+
+
+def step_pp(schedule, batch_size: int) -> None:
+    """One step of a DP rank's batch through torch's pipeline schedule (it splits the batch into micro-batches)."""
+    tokens = torch.randint(0, SMALL["vocab_size"], (batch_size, SMALL["max_seq_len"] + 1))
+    schedule.step(tokens[:, :-1].contiguous(), target=tokens[:, 1:].contiguous(), losses=[], return_outputs=False)
+
+
+loss_fn = llama.loss_fn

@@ -17,7 +17,8 @@ import pytest
 
 from vemesh.cli import main
 from vemesh.planning import plan
-from vemesh.planning.user_model import UserFunctions, predict_user, trace_user
+from vemesh.planning.user_code import UserFunctions
+from vemesh.planning.user_model import predict_user, trace_user
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = str(REPO / "test" / "models" / "llama_jobs.py")
@@ -139,7 +140,8 @@ def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
 @pytest.mark.parametrize("extra, says", [
     (("--dp-mode", "fsdp"), "--dp-mode fsdp, but --parallelize"),
     (("--tp", "2", "--parallelize", ""), None),
-    (("--pp", "2"), "PP > 1 is planned for the GPT preset"),
+    (("--pp", "2"), "with PP the planner runs torch's pipeline schedule, which computes the loss on the last stage: "
+                    "give --loss MODULE:FUNCTION"),
     (("--moe-load-factor", "0.5"), "the MoE load factor must be a number >= 1"),
     (("--sequence-parallel",), "--sequence-parallel is the GPT preset's; with --parallelize your function decides it"),
 ])

@@ -13,7 +13,7 @@ import pytest
 from vemesh.planning import PlanRequest
 from vemesh.planning.api import answer
 from vemesh.planning.profiles import BUILT_IN, DeviceProfile, Link, load_profile
-from vemesh.planning.step_time import collective_seconds, render
+from vemesh.planning.step_time import collective_seconds, pipeline_bubbles, render
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "test" / "models"))
@@ -117,16 +117,26 @@ def test_bad_time_requests_are_one_line(flags, message) -> None:
     assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
 
 
-def test_the_gpt_preset_is_traced_and_timed_but_not_its_pipelines() -> None:
-    """The preset without PP runs through the traced engine (its own parallelize and step), so it is timed; a PP
-    mesh is still the analytic engine's, which has no time model, and says so."""
+def test_the_gpt_preset_is_traced_and_timed_with_its_pipeline_bubble() -> None:
+    """The preset runs through the traced engine (its own parallelize and step; with PP torch's schedule on each PP
+    rank), so every mesh is timed; a pipeline adds its bubble, from the schedule's own action list."""
     doc = answer(PlanRequest(world_size=4, model="gpt:n_layer=2,n_embd=64,n_head=4", tp=2, global_batch_size=8,
                              dp_mode="ddp", device_profile="h100-sxm")).document()
     assert doc["step_time"] > 0 and set(doc["time"]["communication"]) == {"DP", "TP"}
-    assert 0 < doc["mfu"] < 1
-    with pytest.raises(ValueError, match=r"--device-profile with --pp 2: pipelines are planned by the analytic engine, "
-                                         r"which has no step-time model yet"):
-        PlanRequest(world_size=4, model="gpt:n_layer=2,n_embd=64,n_head=4", pp=2, device_profile="h100-sxm")
+    assert 0 < doc["mfu"] < 1 and doc["time"]["bubble"] == 0
+    pp = answer(PlanRequest(world_size=4, model="gpt:n_layer=4,n_embd=64,n_head=4", pp=2, global_batch_size=8,
+                            dp_mode="ddp", device_profile="h100-sxm")).document()
+    assert pp["time"]["bubble"] > 0 and set(pp["time"]["communication"]) == {"DP", "PP"}
+
+
+@pytest.mark.parametrize("schedule, fraction", [("gpipe", 3 / 8), ("1f1b", 3 / 8), ("interleaved-1f1b", 3 / 16)])
+def test_the_bubble_is_the_textbook_one_for_equal_stages(schedule, fraction) -> None:
+    """torch's action list played with equal stages gives the known bubbles: (PP - 1) / m of the compute for GPipe and
+    1F1B, (PP - 1) / (m v) with v stages per rank interleaved; the zero-bubble schedules less than 1F1B."""
+    assert pipeline_bubbles(schedule, 4, 8, [1.0] * 4) == pytest.approx([fraction] * 4)
+    assert max(pipeline_bubbles("interleaved-zb", 4, 8, [1.0] * 4)) < 3 / 16
+    slow_last = pipeline_bubbles("1f1b", 4, 8, [1.0, 1.0, 1.0, 2.0])  # the slowest stage sets the pace
+    assert slow_last[3] < slow_last[0]
 
 
 def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:

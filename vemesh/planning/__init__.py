@@ -2,8 +2,9 @@
 
 * :mod:`~vemesh.planning.mesh_plan`: degrees to a mesh, with the lines to paste (pure);
 * :mod:`~vemesh.planning.estimate`: the model on the meta device, its static memory per rank;
-* :mod:`~vemesh.planning.activations`: one micro-batch of the GPT preset traced on fake tensors;
-* :mod:`~vemesh.planning.user_model`: the user's own factory, parallelize function and step, traced on a fake world;
+* :mod:`~vemesh.planning.user_model`: the user's own factory, parallelize function and step, traced on a fake world
+  (the GPT preset's too: :mod:`vemesh.models.gpt.planned`);
+* :mod:`~vemesh.planning.pipeline_trace`: with PP, torch's schedule run on each PP rank's stages in that world;
 * :mod:`~vemesh.planning.routing`: the routing a plan assumes for a mixture of experts (``--moe-load-factor``);
 * :mod:`~vemesh.planning.fit`: peak memory per rank class and bytes per dim; :mod:`~vemesh.planning.fit_report` prints them;
 * :mod:`~vemesh.planning.request`: :class:`PlanRequest`, the question, one value the CLI builds and :func:`plan` takes;

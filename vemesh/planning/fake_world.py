@@ -3,6 +3,8 @@
 * :func:`fake_world`: torch's fake backend for the world size, ``VESCALE_DEVICE_MESH`` built by ParallelDims;
 * :func:`real_mesh_tensors`: torch's DeviceMesh computing with real tensors inside ``FakeTensorMode``;
 * :func:`give_storage`: a model built on the meta device given fake storage (``to_empty``);
+* :func:`copies_in_mode`: ``copy.deepcopy`` of a fake tensor (a pipeline stage cut from the model) made in the
+  trace's own fake mode, as a real copy is a new tensor of the same kind;
 * :func:`to_bf16`: ``model.to(torch.bfloat16)`` for a model of fake tensors;
 * :class:`Held`: the bytes of a model's own weights and gradients at a moment (the peak), each storage once;
 * :func:`chunks_on_demand`: FSDP2's cut of each parameter into one chunk per shard made only for the chunks it reads
@@ -24,13 +26,15 @@ from torch import nn
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel import ParallelDims
 
-__all__ = ["Chunks", "Held", "chunks_on_demand", "fake_world", "give_storage", "real_mesh_tensors", "to_bf16"]
+__all__ = ["Chunks", "Held", "chunks_on_demand", "copies_in_mode", "fake_world", "give_storage", "real_mesh_tensors",
+           "to_bf16"]
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int, keep_dp: bool = False) -> Iterator[Any]:
-    """Rank 0 of a fake world, ``VESCALE_DEVICE_MESH`` built for the degrees by ParallelDims (with a DP dim of size 1
-    too when ``keep_dp``); undone after."""
+def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int, keep_dp: bool = False,
+               pp_rank: int = 0) -> Iterator[Any]:
+    """Rank 0 of a fake world, or the first rank of PP rank ``pp_rank``, ``VESCALE_DEVICE_MESH`` built for the
+    degrees by ParallelDims (with a DP dim of size 1 too when ``keep_dp``); undone after."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -39,13 +43,29 @@ def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int, keep
     names = tuple(n for n in ("PP", "DP", "CP", "TP") if degrees.get(n, 1) > 1 or (n == "DP" and keep_dp)) or None
     dims = ParallelDims(world_size, pp=degrees.get("PP", 1), dp_replicate=dp_replicate, cp=degrees["CP"],
                         tp=degrees["TP"], ep=degrees["EP"], mesh_dims=names)
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    rank = pp_rank * (world_size // degrees.get("PP", 1))  # PP is the outermost dim: its ranks are blocks
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
+        _forget_meshes()
         dims.build("cpu", mesh)
         yield mesh
     finally:
         mesh.reset()
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of sharding and redistribution plans. They are keyed by DeviceMesh, which compares equal
+    for the same slice of two worlds (its layout, not its ranks): a plan cached in the world of PP rank 0 would
+    send PP rank 1's TP all-reduce to PP rank 0's group (and a run after the plan to a fake world's group)."""
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    type(DTensor._op_dispatcher.sharding_propagator)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 @contextlib.contextmanager
@@ -83,6 +103,35 @@ def real_mesh_tensors() -> Iterator[None]:
     finally:
         for name, attr in saved.items():
             setattr(DeviceMesh, name, attr)
+
+
+@contextlib.contextmanager
+def copies_in_mode(fake_mode: Any) -> Iterator[None]:
+    """Inside, ``copy.deepcopy`` of a fake tensor of ``fake_mode`` is a new fake tensor of the same mode, with its own
+    storage (a Parameter stays a Parameter). torch's own deepcopy of a fake tensor makes it in a new fake mode, whose
+    views MemTracker cannot tell from their base: a stage cut from the model by ``deepcopy`` (torchtitan's way, and
+    the GPT's) held every weight twice in the peak, once for the weight and once for each ``weight.t()`` kept for
+    backward."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.overrides import TorchFunctionMode
+
+    class Copies(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.Tensor.__deepcopy__ and isinstance(args[0], FakeTensor) and \
+                    args[0].fake_mode is fake_mode:
+                tensor, memo = args
+                if id(tensor) not in memo:
+                    with torch.no_grad():
+                        copy = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype,
+                                                   device=tensor.device)
+                    copy = nn.Parameter(copy, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else \
+                        copy.requires_grad_(tensor.requires_grad)
+                    memo[id(tensor)] = copy
+                return memo[id(tensor)]
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        yield
 
 
 class Chunks:
@@ -157,9 +206,9 @@ class Held:
     """At a new peak: the bytes of the model's own parameters and buffers (their local shards, as the function left
     them) and of their gradients (and DDP's gradient buffers), each storage once."""
 
-    def __init__(self, model: nn.Module, ddp: Any) -> None:
-        self.weights = [*model.parameters(), *model.buffers()]
-        self.buffers = [b.data for b in getattr(ddp, "grad_buffers", ())]
+    def __init__(self, parts: list[nn.Module], ddps: list[Any]) -> None:
+        self.weights = [t for part in parts for t in (*part.parameters(), *part.buffers())]
+        self.buffers = [b.data for ddp in ddps for b in ddp.grad_buffers]
 
     def __call__(self) -> dict[str, int]:
         grads = [p.grad for p in self.weights if isinstance(p, nn.Parameter) and p.grad is not None]

@@ -1,27 +1,17 @@
 """Will it fit? Each rank class's peak memory and each dim's bytes per step, for a mesh or for every mesh.
 
 :func:`predict` answers for one mesh (degrees PP, DP, CP, TP, EP), :func:`search` for every mesh of a
-world size, ranked. One engine traces every mesh without PP: the user's factory, parallelize function and
-step on a fake world (:mod:`vemesh.planning.user_model`), and the GPT preset the same way, through its own
-parallelize function and step (:mod:`vemesh.models.gpt.planned`). A mesh with PP is still planned
-analytically, for the GPT preset only, because the traced engine does not run a pipeline schedule yet (torch's
-schedules need values at their start on a fake world): the figures below, each checked against a real run of the
-GPT example (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim/test_fit.py``):
+world size, ranked. One engine answers every mesh: the user's factory, parallelize function and step traced on a
+fake world (:mod:`vemesh.planning.user_model`), and the GPT preset the same way, through its own functions
+(:mod:`vemesh.models.gpt.planned`). With PP each PP rank is traced through torch's own schedule class
+(:mod:`vemesh.planning.pipeline_trace`): the micro-batches in flight, the receive buffers and the sends are the
+schedule's, not a formula's. Checked against real runs of the same functions (``bench/plan_accuracy.py``,
+``test/parallel/ddp_optim/test_fit.py``).
 
-* **parameters, gradients, optimizer state, fp32 masters**: :func:`vemesh.planning.estimate.rank_static`, the
-  real model on the meta device read with the wrappers' rules (equal to the byte to what vemesh DDP,
-  ZeRO-1 and FSDP2 allocate);
-* **activations and the TP/CP bytes**: :func:`vemesh.planning.activations.trace_stage`, one micro-batch through
-  the rank's stage on fake tensors under MemTracker, times the micro-batches the schedule keeps in
-  flight: 1 without PP, all of them for GPipe, ``PP - rank`` for 1F1B, and torch's own warmup count
-  plus one (chunks of a stage) for interleaved 1F1B;
-* **buffers**: FSDP2's gathered root and two blocks; torch's pipeline stages' receive buffers, one per
-  micro-batch and direction (activations in, gradients back);
-* **the DP and PP bytes**: counted from the wrappers' collectives: DDP all-reduces its fp32 gradient
-  buffer once a step; ZeRO-1 also gathers the parameter buffer (dtype, padded to DP); FSDP2
-  all-gathers each unit in the compute dtype for forward (and again for backward, but the root),
-  and reduce-scatters fp32 gradients at the last pass; a PP stage sends each micro-batch's
-  activations forward and its input gradient back.
+What is not traced: a mesh whose weights, gradients and optimizer state alone exceed the device is rejected from
+:func:`vemesh.planning.estimate.rank_static` (the model on the meta device read with the wrappers' rules, equal to
+the byte to what vemesh DDP, ZeRO-1 and FSDP2 allocate, but for ZeRO-1's padding) without a trace; and a module
+factory given without its step has only those static bytes and its DP bytes.
 """
 
 from __future__ import annotations
@@ -32,24 +22,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.models.gpt import planned as gpt_planned
-from vemesh.models.gpt import stages as pipeline
+from vemesh.layout.parallel_dims import ParallelDims
+from vemesh.models.gpt.stages import split_layers
+from vemesh.parallel.schedules import in_flight, schedule_class, stage_indices, stages_per_rank
 from vemesh.planning.activations import trace_stage
 from vemesh.planning.estimate import (Model, check_degrees, fsdp_local, gpt_config, load_model, local_numel, rank_static,
                                       stage_keys)
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
-from vemesh.planning.user_model import UserFunctions, predict_user
+from vemesh.planning.pipeline_plan import predict_pipeline
+from vemesh.planning.user_code import UserFunctions
+from vemesh.planning.user_model import predict_user
 
-__all__ = ["MODELED_SCHEDULES", "Job", "MeshFit", "RankClass", "predict", "search"]
+__all__ = ["Job", "MeshFit", "RankClass", "predict", "search"]
 
 #: How a search ranks the meshes that fit.
 RANKINGS = ("time", "inter-host", "peak")
-
-#: The pipeline schedules whose in-flight micro-batches the planner models.
-MODELED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True)
@@ -67,6 +57,7 @@ class Job:
     activation_checkpointing: bool = False  #: each block recomputed in backward (the example's flag)
     parallelize: Any = None  #: ``--parallelize MODULE:FUNCTION`` (or the function): the user's own, run on the mesh
     step: Any = None  #: ``--step MODULE:FUNCTION`` (or the function): one forward and backward of a micro-batch
+    loss: Any = None  #: ``--loss MODULE:FUNCTION`` (or the function): with PP, the schedule's ``loss_fn``
     moe_load_factor: float = 1.0  #: the busiest EP rank's share of the slots over the balanced share
     timed: bool = False  #: count what a step-time prediction needs (FLOPs, memory-bound bytes, ops) while tracing
 
@@ -89,56 +80,44 @@ class Job:
 
 
 @functools.lru_cache(maxsize=32)
-def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool, checkpointed: bool) -> UserFunctions:
-    """The GPT preset's three functions (:mod:`vemesh.models.gpt.planned`), the same objects for the same job."""
+def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool, checkpointed: bool,
+                      pp_schedule: str, pp: bool) -> UserFunctions:
+    """The GPT preset's functions (:mod:`vemesh.models.gpt.planned`), the same objects for the same job: with PP the
+    step runs a batch through torch's ``pp_schedule`` and the loss is the example's."""
+    step = gpt_planned.pipeline_step_for(pp_schedule) if pp else gpt_planned.step
     return UserFunctions(gpt_planned.factory(gpt_config(spec)),
-                         gpt_planned.parallelize_for(mode, dtype, sequence_parallel, checkpointed), gpt_planned.step,
-                         (spec, "vemesh.models.gpt.parallelize", "vemesh.models.gpt.planned.step"), keep_dp=True)
+                         gpt_planned.parallelize_for(mode, dtype, sequence_parallel, checkpointed, pp_schedule), step,
+                         (spec, "vemesh.models.gpt.parallelize", f"vemesh.models.gpt.planned.{step.__qualname__}"),
+                         keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule)
 
 
-def _traced_preset(job: Job, *, dp: int, tp: int, cp: int, ep: int, dp_replicate: int) -> MeshFit:
-    """The GPT preset on a mesh without PP, traced like any user model. FSDP2 keeps fp32 parameters and computes in
-    the job's dtype (the example's mixed precision), so its trace starts from fp32; DDP and ZeRO-1 train the model in
-    the job's dtype (ZeRO-1 with fp32 masters)."""
-    fns = _preset_functions(job.model, job.mode, job.dtype, job.sequence_parallel, job.activation_checkpointing)
-    fit = predict_user(fns, world_size=dp * cp * tp, degrees={"PP": 1, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
-                       dp_replicate=dp_replicate, global_batch_size=job.global_batch_size,
-                       micro_batch_size=job.micro_batch_size, dtype="fp32" if job.mode == "fsdp" else job.dtype,
-                       dp_mode=job.mode, load_factor=job.moe_load_factor, timed=job.timed)
+def _traced_preset(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_replicate: int) -> MeshFit:
+    """The GPT preset traced like any user model (with PP through torch's schedule). FSDP2 keeps fp32 parameters and
+    computes in the job's dtype (the example's mixed precision), so its trace starts from fp32; DDP and ZeRO-1 train
+    the model in the job's dtype (ZeRO-1 with fp32 masters)."""
+    fns = _preset_functions(job.model, job.mode, job.dtype, job.sequence_parallel, job.activation_checkpointing,
+                            job.pp_schedule, pp > 1)
+    fit = (predict_pipeline if pp > 1 else predict_user)(
+        fns, world_size=pp * dp * cp * tp, degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
+        dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
+        dtype="fp32" if job.mode == "fsdp" else job.dtype, dp_mode=job.mode, load_factor=job.moe_load_factor,
+        timed=job.timed)
     return replace(fit, notes=tuple(n for n in fit.notes if not n.startswith("dp mode ")))
 
 
-def _role(stage: int, n_stages: int) -> str:
-    if n_stages == 1:
-        return "whole"
-    return "first" if stage == 0 else "last" if stage == n_stages - 1 else "middle"
-
-
-def _in_flight(schedule: str, pp: int, rank: int, m: int, local_stages: int) -> int:
-    """Micro-batch chunks whose activations a PP rank holds at once (torch's schedules)."""
-    if pp == 1:
-        return 1
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(m, pp - rank)
-    from torch.distributed.pipelining.schedules import _get_warmup_ops
-
-    rounds = max(1, m // pp)
-    return min(m * local_stages, _get_warmup_ops(rank, local_stages, m // rounds, pp, m) + 1)
-
-
 def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-            dp_replicate: int = 1) -> MeshFit:
+            dp_replicate: int = 1, trace_pipeline: bool = True) -> MeshFit:
     """The prediction per rank class for the mesh ``(PP, DP, CP, TP)`` (EP folded over DP x CP).
 
+    ``trace_pipeline=False`` (a search) plans a GPT-preset mesh with PP by :func:`_pipeline_estimate`.
     Raises ``ValueError`` (one line, naming the value) for what the job or the mesh cannot be.
     """
     if job.user:
 
         if job.dp_mode is not None and job.dp_mode not in ("ddp", "zero1", "fsdp"):
             raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {job.dp_mode!r}")
-        return predict_user(UserFunctions.of(job.model, job.parallelize, job.step), world_size=pp * dp * cp * tp,
+        fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule)
+        return (predict_pipeline if pp > 1 else predict_user)(fns, world_size=pp * dp * cp * tp,
                             degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, dp_replicate=dp_replicate,
                             global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
                             dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor, timed=job.timed)
@@ -151,19 +130,30 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     if model.kind != "gpt":
         return _static_only(model, job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     if cfg.get("moe_experts"):  # as the example: MoE on DP/TP/CP meshes, DDP or ZeRO-1; every block a MoE
-        for bad, why in ((pp > 1, "a PP dim"), (job.mode == "fsdp", "--dp-mode fsdp"),
+        for bad, why in ((job.mode == "fsdp", "--dp-mode fsdp"),
                          (cfg.get("moe_every", 1) > 1, "moe_every > 1 (blocks of two kinds)")):
             if bad:
-                raise ValueError(f"MoE with {why} is not modeled yet; plan it with dp-mode ddp or zero1, no PP, "
+                raise ValueError(f"MoE with {why} is not modeled yet; plan it with dp-mode ddp or zero1, "
                                  "moe_every=1")
-    if pp == 1:  # traced: the preset's own factory, parallelize function and step, as a user model's
-        return _traced_preset(job, dp=dp, tp=tp, cp=cp, ep=ep, dp_replicate=dp_replicate)
-    if job.pp_schedule not in MODELED_SCHEDULES:
-        raise ValueError(f"--pp-schedule {job.pp_schedule!r} is not modeled; choose {', '.join(MODELED_SCHEDULES)}")
-    local_stages = pipeline.stages_per_rank(job.pp_schedule) if pp > 1 else 1
-    n_stages = pp * local_stages
-    if n_stages > model.n_layer:
-        raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; the model has {model.n_layer}")
+    if pp > 1:
+        schedule_class(job.pp_schedule)  # a ValueError names the schedules
+        n_stages = pp * stages_per_rank(job.pp_schedule)
+        if n_stages > model.n_layer:
+            raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; the model has {model.n_layer}")
+        if not trace_pipeline:
+            return _pipeline_estimate(job, model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    return _traced_preset(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
+
+
+def _pipeline_estimate(job: Job, model: Model, *, dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshFit:
+    """A GPT-preset mesh with PP in a search, estimated rather than traced: each stage's weights, gradients and
+    optimizer state from :func:`rank_static`; one micro-batch through the stage traced on fake tensors
+    (:func:`vemesh.planning.activations.trace_stage`) times the chunks in flight, counted along torch's own action
+    list (:func:`vemesh.parallel.schedules.in_flight`); a receive buffer per micro-batch and direction; the DP and
+    PP bytes from the wrappers' rules. Why not traced: tracing every PP rank of every PP mesh is the schedule's
+    every micro-batch through every block (the 70B search over 1024 ranks has meshes of 64 stages and 512
+    micro-batches); docs/planning.md gives the figures."""
+    cfg = dict(model.config)
     if cfg["n_head"] % tp:
         raise ValueError(f"TP {tp} does not divide the {cfg['n_head']} heads")
     if cfg["block_size"] % cp or (job.sequence_parallel and (cfg["block_size"] // cp) % tp):
@@ -172,43 +162,47 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     if job.global_batch_size % dp:
         raise ValueError(f"DP {dp} does not divide the global batch of {job.global_batch_size} sequences")
     per_dp = job.global_batch_size // dp
-    mbs = job.micro_batch_size or (per_dp // (2 * pp) if pp > 1 and per_dp % (2 * pp) == 0 else per_dp)
+    mbs = job.micro_batch_size or (per_dp // (2 * pp) if per_dp % (2 * pp) == 0 else per_dp)
     if per_dp % mbs:
         raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
     passes = per_dp // mbs
     grad_dim = ParallelDims(pp * dp * cp * tp, pp=pp, dp_shard=dp, cp=cp, tp=tp).grad_dim or "DP"  # the one rule
     width = 2 if job.dtype == "bf16" else 4
-    layers = pipeline.split_layers(model.n_layer, n_stages)
+    n_stages = pp * stages_per_rank(job.pp_schedule)
+    layers = split_layers(model.n_layer, n_stages)
     keys = stage_keys(model, n_stages)
+    flights = in_flight(job.pp_schedule, pp, passes)
     classes = []
     for rank in range(pp):
-        stages = pipeline.stage_indices(rank, pp, job.pp_schedule) if pp > 1 else [0]
+        stages = stage_indices(rank, pp, job.pp_schedule)
         mine = set().union(*(keys[s] for s in stages))
-        name = f"PP rank {rank}" if pp > 1 else "every rank"
+        name = f"PP rank {rank}"
         static = rank_static(model, mine, name, dp=dp * cp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.mode)
-        traces = [_stage_trace(model, len(layers[s]), _role(s, n_stages), mbs, tp, cp, job, ep) for s in stages]
-        flight = _in_flight(job.pp_schedule, pp, rank, passes, len(stages))
+        traces = [trace_stage(model.config, blocks=len(layers[s]),
+                              role="first" if s == 0 else "last" if s == n_stages - 1 else "middle", micro_batch=mbs,
+                              tp=tp, cp=cp, sequence_parallel=job.sequence_parallel and tp > 1, dtype=job.dtype,
+                              checkpointing=job.activation_checkpointing, ep=ep, load_factor=job.moe_load_factor)
+                  for s in stages]
         retained = sum(t.retained for t in traces) / len(traces)
-        activations = int((flight - 1) * retained) + max(t.peak for t in traces)
+        activations = int((flights[rank] - 1) * retained) + max(t.peak for t in traces)
         sent: dict[str, int] = {}
         for t in traces:
             for dim, b in t.sent:
                 sent[dim] = sent.get(dim, 0) + b * passes
         hidden = mbs * (cfg["block_size"] // cp) // (tp if job.sequence_parallel else 1) * cfg["n_embd"] * width
-        transfers = sum((s < n_stages - 1) + (s > 0) for s in stages) if pp > 1 else 0
-        if transfers:  # each micro-batch's activations forward and its input gradient back
-            sent["PP"] = hidden * passes * transfers
+        transfers = sum((s < n_stages - 1) + (s > 0) for s in stages)
+        sent["PP"] = hidden * passes * transfers  # each micro-batch's activations forward and its input gradient back
         dp_bytes, extra = _dp_traffic(model, mine, job, dp * cp, tp, passes, ep)
         extra += hidden * passes * transfers  # torch's stages keep a receive buffer per micro-batch and direction
         for dim, b in (("EDP", dp_bytes[1]), (grad_dim, dp_bytes[0])):
             if b:
                 sent[dim] = sent.get(dim, 0) + b
         classes.append(RankClass(name, static, activations, extra, _by_group(sent, pp, dp, cp, tp, ep)))
-    notes = (f"MoE routing: each expert gets an equal share of the slots, and the busiest EP rank receives "
-             f"{job.moe_load_factor:g} x the balanced share (--moe-load-factor; 1 is balanced, a run's measured "
-             "expert_load is its own factor)",) if cfg.get("moe_experts") else ()
+    notes = (f"pipeline estimated, not traced (a search): one micro-batch per stage traced, times the chunks in "
+             f"flight along torch's {job.pp_schedule} action list; plan this mesh with --pp {pp} to trace the "
+             "schedule",)
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs, notes=notes,
-                   dp_mode=job.mode)
+                   dp_mode=job.mode, pp_schedule=job.pp_schedule)
 
 
 def _by_group(sent: dict[str, int], pp: int, dp: int, cp: int, tp: int, ep: int) -> dict[str, int]:
@@ -237,13 +231,6 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
                    [RankClass("every rank", static, 0, extra, {"DP": dp_bytes} if dp_bytes else {})],
                    1, job.global_batch_size // dp, traced=False, dp_mode=job.mode)
-
-
-def _stage_trace(model: Model, blocks: int, role: str, mbs: int, tp: int, cp: int, job: Job, ep: int = 1) -> Any:
-
-    return trace_stage(model.config, blocks=blocks, role=role, micro_batch=mbs, tp=tp, cp=cp,
-                       sequence_parallel=job.sequence_parallel and tp > 1, dtype=job.dtype,
-                       checkpointing=job.activation_checkpointing, ep=ep, load_factor=job.moe_load_factor)
 
 
 def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes: int,
@@ -320,7 +307,7 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
                     rejected.append(over)
                     continue
             try:
-                fit = predict(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+                fit = predict(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, trace_pipeline=False)
             except ValueError as e:
                 rejected.append(MeshFit(degrees, [], 0, 0, reason=str(e)))
                 continue

@@ -185,10 +185,12 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "preset) or module:MODULE:FACTORY, your own model (MODULE: a dotted module importable from the "
                      "current directory, or a file path such as ./mymodel.py); without --step, static memory only")
     job.add_argument("--parallelize", metavar="MODULE:FUNCTION", help="your parallelize function, FUNCTION(model, "
-                     "mesh) -> model, run on VESCALE_DEVICE_MESH built for the planned mesh on torch's fake backend "
-                     "(default: the data parallelism --dp-mode names, and nothing else)")
+                     "mesh) -> model (with --pp: this rank's torch PipelineStages), run on VESCALE_DEVICE_MESH built for the "
+                     "planned mesh on torch's fake backend (default: the data parallelism --dp-mode names, and "
+                     "nothing else)")
     job.add_argument("--step", metavar="MODULE:FUNCTION", help="your step, FUNCTION(model, micro_batch_size): one "
-                     "forward and backward of a micro-batch on tensors it makes, run on fake tensors")
+                     "forward and backward of a micro-batch on tensors it makes, run on fake tensors (with --pp: "
+                     "FUNCTION(schedule, batch_size), one schedule.step(...) of a DP rank's batch)")
     job.add_argument("--moe-load-factor", metavar="F", help="MoE: the busiest EP rank receives F x the balanced "
                      "share of the slots (default: 1, balanced; a run's measured expert_load is its own F)")
     job.add_argument("--global-batch-size", type=positive, metavar="N", help="sequences per step (default: 32)")
@@ -199,7 +201,11 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--micro-batch-size", type=positive, metavar="N",
                      help="sequences per forward on a DP rank (default: the whole share, or 2 x PP micro-batches with "
                      "PP; 1 when searching)")
-    job.add_argument("--pp-schedule", metavar="NAME", help="gpipe, 1f1b or interleaved-1f1b (default: 1f1b)")
+    job.add_argument("--pp-schedule", metavar="NAME", help="torch's pipeline schedule: gpipe, 1f1b, interleaved-1f1b, "
+                     "interleaved-zb, zbv or dualpipev (default: 1f1b)")
+    job.add_argument("--loss", metavar="MODULE:FUNCTION", help="with --pp and your functions: loss_fn(output, target), "
+                     "as torch's schedule takes it (your --parallelize returns the PipelineStages, your --step gets "
+                     "the schedule and the batch size)")
     job.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
     job.add_argument("--activation-checkpointing", action="store_true",
                      help="recompute each block in backward, keeping only its input")

@@ -36,8 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["CollectiveBytes", "MemoryBoundBytes", "RunMeter", "by_mesh_name", "mesh_names", "ops_by_mesh_name",
-           "payload_bytes"]
+__all__ = ["CollectiveBytes", "MemoryBoundBytes", "NoModules", "RunMeter", "by_mesh_name", "mesh_names",
+           "ops_by_mesh_name", "payload_bytes"]
 
 _c10d = torch.ops.c10d
 _func = torch.ops._c10d_functional
@@ -170,7 +170,7 @@ def by_mesh_name(counts: dict[str, int], mesh: Any) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-class _NoModules:
+class NoModules:
     """Stands in for MemTracker's ModTracker when module hooks must stay off: a pipeline stage's backward
     metadata inference runs ``autograd.grad`` on leaf inputs, which ModTracker's multi-grad hooks refuse."""
 
@@ -183,7 +183,7 @@ class _NoModules:
     def clear_user_hooks(self) -> None:
         pass
 
-    def __enter__(self) -> _NoModules:
+    def __enter__(self) -> NoModules:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -204,7 +204,7 @@ class StepTracker(MemTracker):
     def __init__(self, module_hooks: bool = True) -> None:
         super().__init__()
         if not module_hooks:
-            self._mod_tracker = _NoModules()  # type: ignore[assignment]
+            self._mod_tracker = NoModules()  # type: ignore[assignment]
         self.peak_besides_weights = 0
         self.step_peak = 0
         self.step_peak_by_kind: dict[str, int] = {}  #: the categories held at :attr:`step_peak` (MemTracker's names)

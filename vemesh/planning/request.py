@@ -15,7 +15,8 @@ __all__ = ["JOB_FLAGS", "PlanRequest"]
 
 #: The fields that describe a job: given without a model they would be ignored, so they are refused.
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
-                              "pp_schedule", "rank_by", "parallelize", "step", "moe_load_factor", "sequence_parallel",
+                              "pp_schedule", "rank_by", "parallelize", "step", "loss", "moe_load_factor",
+                              "sequence_parallel",
                               "activation_checkpointing", "device_profile")
 
 
@@ -39,6 +40,7 @@ class PlanRequest:
     model: Any = None
     parallelize: Any = None
     step: Any = None
+    loss: Any = None  #: with PP and the user's functions: ``loss_fn(output, target)`` for torch's schedule
     # the mesh
     pp: int | str | None = None
     dp: int | str | None = None
@@ -74,16 +76,15 @@ class PlanRequest:
             raise ValueError(f"--parallelize and --step trace your own model, given as --model module:MODULE:FACTORY; "
                              f"got --model {self.model} (the GPT preset is parallelized by vemesh.models.gpt)")
         for flag, value in (("--sequence-parallel", self.sequence_parallel),
-                            ("--activation-checkpointing", self.activation_checkpointing),
-                            ("--pp-schedule", self.pp_schedule)):
+                            ("--activation-checkpointing", self.activation_checkpointing)):
             if value and user:
                 raise ValueError(f"{flag} is the GPT preset's; with --parallelize your function decides it")
+        if self.loss is not None and not user:
+            raise ValueError("--loss is your pipeline's loss_fn, for your own functions (--parallelize, --step); the "
+                             "GPT preset has its own")
         if self.device_profile is not None and not user and not str(self.model).startswith("gpt:"):
             raise ValueError("--device-profile times a traced step: give your model's step too (--step MODULE:FUNCTION, "
                              "with --parallelize for TP, CP or EP), or the GPT preset (--model gpt:...)")
-        if self.device_profile is not None and self.pp not in (None, 1):
-            raise ValueError(f"--device-profile with --pp {self.pp}: pipelines are planned by the analytic engine, "
-                             "which has no step-time model yet (no bubble); time the mesh without PP")
         if self.rank_by == "time" and self.device_profile is None:
             raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
 
@@ -118,7 +119,7 @@ class PlanRequest:
         return Job(self.model, self.global_batch_size or 32, dtype=self.dtype or "fp32", dp_mode=self.dp_mode,
                    micro_batch_size=micro, pp_schedule=self.pp_schedule or "1f1b",
                    sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
-                   parallelize=self.parallelize, step=self.step, moe_load_factor=factor,
+                   parallelize=self.parallelize, step=self.step, loss=self.loss, moe_load_factor=factor,
                    timed=self.device_profile is not None)
 
     @classmethod

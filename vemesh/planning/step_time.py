@@ -19,9 +19,14 @@ For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass
   how much of that the device can really run at once (``vemesh calibrate`` measures it). ZeRO-1's gather of the updated
   shards after the step, and every TP, CP, EP and PP collective, are on the critical path: exposed;
 * **optimizer**: the bytes the traced ``optimizer.step()`` reads and writes (its elementwise math over each
-  local parameter, gradient, both moments, ZeRO-1's masters), at the memory bandwidth; they are not in compute.
+  local parameter, gradient, both moments, ZeRO-1's masters), at the memory bandwidth; they are not in compute;
+* **the pipeline bubble**: with PP, torch's own action list of the schedule (:func:`pipeline_bubbles`) played on
+  every PP rank at once: each rank runs its actions in order, a forward of a stage waits for that micro-batch's
+  forward on the stage before, a backward (or an input pass) for the one on the stage after, a weight pass for its
+  own input pass. A rank's actions share its compute (a forward 1, a full backward 2, an input or a weight pass 1
+  each); the bubble of a rank is the pipeline's span less its own compute.
 
-The step time is compute + exposed communication + optimizer; the slowest rank class is the job's.
+The step time is compute + exposed communication + optimizer + bubble; the slowest rank class is the job's.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 from vemesh.planning.profiles import DeviceProfile, Link
 
-__all__ = ["DimTime", "StepTime", "collective_seconds", "render", "ring", "step_time"]
+__all__ = ["DimTime", "StepTime", "collective_seconds", "pipeline_bubbles", "render", "ring", "step_time"]
 
 #: The kinds whose bus traffic is (n-1)/n of the buffer, with n-1 latency steps; the all-reduce's is twice that.
 _ONE_PASS = ("all_gather", "reduce_scatter", "all_to_all")
@@ -138,7 +143,68 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
             dims[dim] = DimTime(link_name, seconds, profile.overlap * min(hidable, cover))
         optimizer = c.optimizer_bytes / profile.memory_bandwidth
         out.append(StepTime(c.name, compute, optimizer, 0.0, dims))
+    pp = fit.degrees.get("PP", 1)
+    if pp > 1 and fit.pp_schedule and len(out) == pp:
+        bubbles = pipeline_bubbles(fit.pp_schedule, pp, fit.micro_batches, [t.compute for t in out])
+        out = [StepTime(t.name, t.compute, t.optimizer, b, t.dims) for t, b in zip(out, bubbles)]
     return out
+
+
+_WEIGHT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def pipeline_bubbles(schedule: str, pp: int, n_microbatches: int, busy: list[float]) -> list[float]:
+    """Each PP rank's idle seconds in one step of ``schedule`` when rank ``r`` computes for ``busy[r]`` seconds: torch's
+    action list played on every rank at once (see the module docstring); communication is not in it."""
+    from vemesh.parallel.schedules import actions, stages_per_rank  # torch: a request (fit_report) imports this module
+
+    n_stages = pp * stages_per_rank(schedule)
+    order = {}
+    for rank, steps in actions(schedule, pp, n_microbatches).items():
+        flat = []
+        for a in steps:
+            for one in (a.sub_actions or (a,)) if a is not None else ():
+                kind = one.computation_type.value
+                if kind in _WEIGHT:
+                    flat.append((one.stage_index, kind, one.microbatch_index))
+        order[rank] = flat
+    unit = [busy[r] / max(1.0, sum(_WEIGHT[k] for _, k, _ in order[r])) for r in range(pp)]
+    done: dict[tuple[int, str, int], float] = {}
+    clock, at = [0.0] * pp, [0] * pp
+
+    def ready(stage: int, kind: str, mb: int) -> float | None:
+        if kind == "F":
+            deps = [(stage - 1, "F", mb)] if stage > 0 else []
+        elif kind in ("B", "I"):
+            deps = [(stage, "F", mb)] + ([(stage + 1, "B", mb)] if stage < n_stages - 1 else [])
+        else:
+            deps = [(stage, "I", mb)]
+        times = []
+        for d in deps:  # a backward waits for the next stage's backward or its input pass, whichever it ran
+            t = done.get(d, done.get((d[0], "I", d[2])) if d[1] == "B" else None)
+            if t is None:
+                return None
+            times.append(t)
+        return max(times, default=0.0)
+
+    left = sum(len(v) for v in order.values())
+    while left:
+        moved = False
+        for r in range(pp):
+            while at[r] < len(order[r]):
+                stage, kind, mb = order[r][at[r]]
+                start = ready(stage, kind, mb)
+                if start is None:
+                    break
+                clock[r] = max(clock[r], start) + _WEIGHT[kind] * unit[r]
+                done[(stage, kind, mb)] = clock[r]
+                at[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"the {schedule} action list over {pp} ranks does not complete (a wait with no end)")
+    span = max(clock)
+    return [span - b for b in busy]
 
 
 def _ms(seconds: float) -> str:

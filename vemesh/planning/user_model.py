@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,52 +40,19 @@ from vemesh.layout.data_dims import data_dims
 from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
-from vemesh.planning.estimate import RankMemory, load_object
-from vemesh.planning.fake_world import Held, chunks_on_demand, fake_world, give_storage, real_mesh_tensors, to_bf16
-from vemesh.planning.measure import CollectiveBytes, MemoryBoundBytes, StepTracker, by_mesh_name, ops_by_mesh_name
+from vemesh.planning.estimate import RankMemory
+from vemesh.planning.fake_world import (Held, chunks_on_demand, copies_in_mode, fake_world, give_storage,
+                                       real_mesh_tensors, to_bf16)
+from vemesh.planning.measure import (CollectiveBytes, MemoryBoundBytes, StepTracker, NoModules, by_mesh_name,
+                                    ops_by_mesh_name)
+from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
 from vemesh.planning.results import Counted, MeshFit, RankClass, more_ops
 from vemesh.planning.routing import routing
+from vemesh.planning.user_code import UserFunctions, call
 
-__all__ = ["UserFunctions", "repeated_blocks", "resolve", "trace_user"]
+__all__ = ["predict_user", "repeated_blocks", "trace_arguments", "trace_user"]
 
 _MODES = ("ddp", "zero1", "fsdp")
-
-
-def resolve(ref: Any, flag: str) -> tuple[Callable[..., Any], str]:
-    """A callable and its name from ``ref``: a callable, or ``MODULE:FUNCTION`` (``module:`` first for ``--model``)."""
-    if callable(ref):
-        return ref, f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
-
-    text = str(ref)
-    body = text.removeprefix("module:") if flag == "--model" else text
-    module, colon, name = body.rpartition(":")
-    if not colon or not module or not name:
-        example = "module:mymodel:make" if flag == "--model" else f"mymodel:{flag.strip('-')}"
-        raise ValueError(f"{flag} {text!r}: expected {'module:' if flag == '--model' else ''}MODULE:FUNCTION, a "
-                         f"dotted module importable from the current directory or a file path (e.g. {example}, "
-                         f"./mymodel.py:{example.rsplit(':', 1)[1]})")
-    return load_object(module, name, f"{flag} {text}"), text
-
-
-@dataclass(frozen=True)
-class UserFunctions:
-    """The user's three functions and the names they were given by."""
-
-    factory: Callable[[], nn.Module]
-    parallelize: Callable[[nn.Module, Any], nn.Module] | None
-    step: Callable[[nn.Module, int], Any]
-    names: tuple[str, str, str]
-    #: the mesh keeps a DP dim of size 1 (as the GPT example's ``--mesh-shape 1,2`` does), not only the dims > 1
-    keep_dp: bool = False
-
-    @classmethod
-    def of(cls, model: Any, parallelize: Any, step: Any) -> UserFunctions:
-        if step is None:
-            raise ValueError("--parallelize needs --step MODULE:FUNCTION too: the planner runs your step (one forward "
-                             "and backward of a micro-batch) to count the activations")
-        (f, fn), (p, pn), (s, sn) = resolve(model, "--model"), (resolve(parallelize, "--parallelize") if parallelize
-                                                                else (None, "")), resolve(step, "--step")
-        return cls(f, p, s, (fn, pn, sn))
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -121,47 +86,21 @@ def _keep_blocks(model: nn.Module, path: str, k: int) -> None:
         setattr(parent, attr, nn.ModuleList(list(container)[:k]))
 
 
-def _user_frame(error: BaseException) -> str:
-    """`` at file:line in function`` of the innermost frame outside torch and vemesh (from the current directory
-    when it is under it), or ''."""
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if "/torch/" not in frame.filename and "/vemesh/" not in frame.filename and "<" not in frame.filename:
-            where = os.path.relpath(frame.filename)
-            return f" at {frame.filename if where.startswith('..') else where}:{frame.lineno} in {frame.name}"
-    return ""
-
-
-def _call(what: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``; its failure becomes one line naming the function, the user's frame and the exception."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
-    try:
-        return fn(*args)
-    except (DataDependentOutputException, DynamicOutputShapeException) as e:
-        raise ValueError(f"{what} {name} needs a tensor's values{_user_frame(e)} ({e.func}): a plan runs on fake "
-                         "tensors, which have shapes but no values; keep .item(), .tolist(), printing and "
-                         "value-dependent shapes out of it") from None
-    except ValueError as e:
-        if str(e).startswith(("--", "the step ran")):
-            raise
-        raise ValueError(f"{what} {name} failed{_user_frame(e)}: {type(e).__name__}: {e}") from e
-    except Exception as e:
-        raise ValueError(f"{what} {name} failed{_user_frame(e)}: {type(e).__name__}: {e}") from e
-
-
-def _data_parallel(model: nn.Module, given: str | None, name: str, mesh: Any) -> tuple[str, Any]:
-    """The dp mode the function's wrappers mean, checked against ``--dp-mode``; and the vemesh DDP module, if any."""
+def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: Any) -> tuple[str, list[Any]]:
+    """The dp mode the function's wrappers mean, checked against ``--dp-mode``; and the vemesh DDP modules, if any.
+    ``parts`` is the model, or with PP the modules of this rank's stages."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not isinstance(model, DistributedDataParallel):
+    if any(isinstance(m, torch.nn.parallel.DistributedDataParallel) and not isinstance(m, DistributedDataParallel)
+           for m in parts):
         raise ValueError(f"--parallelize {name} wrapped torch's DistributedDataParallel; the planner counts vemesh's "
                          "(vemesh.ddp.DistributedDataParallel) and FSDP2 (fully_shard), whose buffers it knows")
-    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
-    ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
-    found = "fsdp" if fsdp else "ddp" if ddp is not None else None
+    fsdp = any(isinstance(m, FSDPModule) for part in parts for m in part.modules())
+    ddps = [m for part in parts for m in part.modules() if isinstance(m, DistributedDataParallel)]
+    found = "fsdp" if fsdp else "ddp" if ddps else None
     if given == "fsdp" and found != "fsdp":
         raise ValueError(f"--dp-mode fsdp, but --parallelize {name} did not call fully_shard "
-                         f"({'it wrapped vemesh DDP' if ddp is not None else 'it wrapped no data parallelism'}); "
+                         f"({'it wrapped vemesh DDP' if ddps else 'it wrapped no data parallelism'}); "
                          "give --dp-mode ddp or zero1, or leave --dp-mode out")
     if given in ("ddp", "zero1") and found == "fsdp":
         raise ValueError(f"--dp-mode {given}, but --parallelize {name} sharded the model with FSDP2 (fully_shard); "
@@ -175,15 +114,14 @@ def _data_parallel(model: nn.Module, given: str | None, name: str, mesh: Any) ->
                              "or vemesh.parallel.fully_shard")
         if given == "zero1":
             raise ValueError(f"--dp-mode zero1 needs vemesh DDP, and --parallelize {name} wrapped none")
-        return given or "ddp", None
-    return given or ("fsdp" if fsdp else "zero1"), ddp
+        return given or "ddp", []
+    return given or ("fsdp" if fsdp else "zero1"), ddps
 
 
-def _optimizer(model: nn.Module, mode: str, ddp: Any) -> torch.optim.Optimizer:
+def _optimizer(parts: list[nn.Module], mode: str, ddps: list[Any]) -> torch.optim.Optimizer:
     if mode == "zero1":
-
-        return DistributedOptimizer(torch.optim.AdamW, models=[ddp])
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        return DistributedOptimizer(torch.optim.AdamW, models=ddps)
+    return torch.optim.AdamW([p for part in parts for p in part.parameters() if p.requires_grad])
 
 
 def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -217,19 +155,25 @@ def _unknown(counter: Any, mesh: Any) -> str | None:
 
 def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], dp_replicate: int = 1,
                micro_batch_size: int, passes: int, dtype: str = "fp32", dp_mode: str | None = None,
-               load_factor: float = 1.0, blocks: tuple[str, int] | None = None, timed: bool = False) -> Counted:
+               load_factor: float = 1.0, blocks: tuple[str, int] | None = None, timed: bool = False,
+               pp_rank: int = 0, exchange: MetaExchange | None = None) -> Counted:
     """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks; ``timed``
-    also counts what a step-time prediction needs (FLOPs, memory-bound bytes, ops: about 10% more tracing)."""
+    also counts what a step-time prediction needs (FLOPs, memory-bound bytes, ops: about 10% more tracing).
+
+    With PP, the first rank of PP rank ``pp_rank``: the parallelize function returns its stages, torch's schedule
+    for ``fns.pp_schedule`` runs ``passes`` micro-batches of them in each step (``fns.step(schedule, batch)``), and
+    the stages' shapes travel through ``exchange`` (:mod:`vemesh.planning.pipeline_trace`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    pp = degrees.get("PP", 1)
     tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
-    with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp) as mesh, \
-            FakeTensorMode(allow_non_fake_inputs=True), \
+    with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp, pp_rank=pp_rank) as mesh, \
+            FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, copies_in_mode(fake_mode), \
             real_mesh_tensors(), routing(load_factor) as routed, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
         with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
-            model = _call("--model", factory_name, fns.factory)
+            model = call("--model", factory_name, fns.factory)
         if not isinstance(model, nn.Module):
             raise ValueError(f"--model {factory_name} returned a {type(model).__name__}, not an nn.Module")
         if blocks is not None:  # first, so that only the blocks kept get storage
@@ -237,11 +181,23 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         give_storage(model)  # then fake storage for the parallelize function and the step, as to_empty gives
         if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
             to_bf16(model)
-        with chunks_on_demand(), tracker:
-            model = _wrap(fns, model, mesh, degrees, dp_mode)
-            mode, ddp = _data_parallel(model, dp_mode, parallelize_name, mesh)
-            tracker.on_step_peak = Held(model, ddp)
-            optimizer = _optimizer(model, mode, ddp)
+        with chunks_on_demand(), tracker, contextlib.ExitStack() as held_sends:
+            wrapped = _wrap(fns, model, mesh, degrees, dp_mode)
+            if pp > 1:
+                stages = pipeline_stages(wrapped, parallelize_name, pp_rank, pp, fns.pp_schedule)
+                parts = [stage.submod for stage in stages]
+            else:
+                parts = [wrapped]
+            del model  # the function's result holds what it kept (a stage cut from the model drops the rest)
+            mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
+            tracker.on_step_peak = Held(parts, ddps)
+            optimizer = _optimizer(parts, mode, ddps)
+            if pp > 1:
+                run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
+                held_sends.enter_context(sends_hold_tensors())
+                steps = (passes, passes)  # a warm-up step (the stages infer their shapes), then the step
+            else:
+                steps = (1, 1, 2) if passes > 1 else (1, 1)  # a warm-up step, then 1 and 2 micro-batches
             with counter:  # the collectives are counted in the steps; nothing dispatches through it before
                 sent: list[dict[str, int]] = []
                 ops: list[dict[str, dict[str, tuple[int, int]]]] = []
@@ -249,15 +205,17 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 moved: list[int] = []
                 stepped: list[int] = []
                 dispatched: list[tuple[int, int]] = []
-                for n in (1, 1, 2) if passes > 1 else (1, 1):  # a warm-up step, then 1 and 2 micro-batches
+                for n in steps:
                     counter.bytes.clear()
                     counter.by_op.clear()
                     counter.counting = tracker.in_step = True
                     with _counting(timed) as (flop_counter, memory_bound):
                         optimizer.zero_grad()
-                        for i in range(n):
-                            with _no_sync(model, i == n - 1):
-                                _call("--step", step_name, fns.step, model, micro_batch_size)
+                        if pp > 1:  # the schedule splits the batch and runs every micro-batch
+                            call("--step", step_name, fns.step, run, n * micro_batch_size)
+                        for i in range(n if pp == 1 else 0):
+                            with _no_sync(wrapped, i == n - 1):
+                                call("--step", step_name, fns.step, wrapped, micro_batch_size)
                         before = memory_bound.bytes
                         optimizer.step()
                         stepped.append(memory_bound.bytes - before)
@@ -273,7 +231,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     held["activations"] = tracker.step_peak - sum(held.values())
     one = Counted(held, tracker.step_peak, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
                   *dispatched[1], ops[1])
-    if passes > 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after the second
+    if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
                       flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
                       memory_bytes=moved[1] + (passes - 1) * (moved[2] - moved[1]),
@@ -291,7 +249,9 @@ def _counting(timed: bool) -> Any:
     if not timed:
         yield _Nothing(), _Nothing()
         return
-    with FlopCounterMode(display=False) as flops, MemoryBoundBytes() as moved:
+    flops = FlopCounterMode(display=False)
+    flops.mod_tracker = NoModules()  # its module hooks refuse autograd.grad, which a pipeline stage's backward runs
+    with flops, MemoryBoundBytes() as moved:
         yield flops, moved
 
 
@@ -307,7 +267,9 @@ class _Nothing:
 def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, int], dp_mode: str | None) -> nn.Module:
     """The user's parallelize function, or the data parallelism ``--dp-mode`` names when there is none."""
     if fns.parallelize is not None:
-        out = _call("--parallelize", fns.names[1], fns.parallelize, model, mesh)
+        out = call("--parallelize", fns.names[1], fns.parallelize, model, mesh)
+        if degrees.get("PP", 1) > 1:  # the stages: checked by pipeline_stages
+            return out
         if not isinstance(out, nn.Module):
             raise ValueError(f"--parallelize {fns.names[1]} returned {type(out).__name__}, not the model (an "
                              "nn.Module); return the model as you wrap it")
@@ -331,28 +293,36 @@ def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, in
 @functools.lru_cache(maxsize=16)
 def _blocks_of(factory: Callable[[], nn.Module], name: str) -> tuple[str, int] | None:
     with torch.device("meta"):
-        model = _call("--model", name, factory)
+        model = call("--model", name, factory)
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {name} returned a {type(model).__name__}, not an nn.Module")
     return repeated_blocks(model)
 
 
-def predict_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], dp_replicate: int = 1,
-                 global_batch_size: int, micro_batch_size: int | None, dtype: str, dp_mode: str | None,
-                 load_factor: float, timed: bool = False) -> Any:
-    """The :class:`~vemesh.planning.fit.MeshFit` of the user's functions on one mesh (PP is not planned here)."""
-
-    if degrees["PP"] > 1:
-        raise ValueError("PP > 1 is planned for the GPT preset (--model gpt:...), whose stage cut the planner knows; "
-                         "plan your model without --pp")
+def trace_arguments(*, world_size: int, degrees: dict[str, int], dp_replicate: int = 1, global_batch_size: int,
+                    micro_batch_size: int | None, dtype: str, dp_mode: str | None, load_factor: float,
+                    timed: bool = False) -> dict[str, Any]:
+    """:func:`trace_user`'s keywords for a job: the micro-batch (default: the DP rank's batch, or with PP 2 x PP
+    micro-batches of it) and the micro-batches per step, each checked to divide."""
+    pp = degrees.get("PP", 1)
     if global_batch_size % degrees["DP"]:
         raise ValueError(f"DP {degrees['DP']} does not divide the global batch of {global_batch_size} sequences")
     per_dp = global_batch_size // degrees["DP"]
-    mbs = micro_batch_size or per_dp
+    mbs = micro_batch_size or (per_dp // (2 * pp) if pp > 1 and per_dp % (2 * pp) == 0 else per_dp)
     if per_dp % mbs:
         raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
-    kwargs = dict(world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, micro_batch_size=mbs,
-                  passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor, timed=timed)
+    return dict(world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, micro_batch_size=mbs,
+                passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor, timed=timed)
+
+
+def predict_user(fns: UserFunctions, **job: Any) -> Any:
+    """The :class:`~vemesh.planning.fit.MeshFit` of the user's functions on one mesh without PP (one rank class);
+    ``job``: :func:`trace_arguments`'. A mesh with PP: :func:`vemesh.planning.pipeline_plan.predict_pipeline`."""
+    kwargs = trace_arguments(**job)
+    if kwargs["degrees"].get("PP", 1) > 1:
+        raise ValueError("a mesh with PP is planned by vemesh.planning.pipeline_plan.predict_pipeline")
+    dtype, dp_mode, load_factor, mbs = kwargs["dtype"], kwargs["dp_mode"], kwargs["load_factor"], kwargs["micro_batch_size"]
+    degrees = kwargs["degrees"]
     found = _blocks_of(fns.factory, fns.names[0])
     notes = []
     counted = None

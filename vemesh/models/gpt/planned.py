@@ -24,9 +24,11 @@ from vemesh import VESCALE_DEVICE_MESH
 from vemesh.ddp import DistributedDataParallel
 from vemesh.models.gpt.model import GPT, GPTConfig
 from vemesh.models.gpt.parallelize import parallelize
+from vemesh.models.gpt.stages import cut_stage
 from vemesh.parallel import context_parallel
+from vemesh.parallel.schedules import run_schedule, stage_indices, stages_per_rank
 
-__all__ = ["factory", "parallelize_for", "step"]
+__all__ = ["factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step"]
 
 
 def factory(config: GPTConfig) -> Any:
@@ -35,20 +37,37 @@ def factory(config: GPTConfig) -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def parallelize_for(mode: str, dtype: str, sequence_parallel: bool, activation_checkpointing: bool) -> Any:
+def parallelize_for(mode: str, dtype: str, sequence_parallel: bool, activation_checkpointing: bool,
+                    pp_schedule: str = "1f1b") -> Any:
     """``FUNCTION(model, mesh)`` for the planner: the example's wrapping of the GPT for the job's options.
 
     ``mode`` is ``"fsdp"`` (FSDP2 on each block and the root, fp32 parameters computing in ``dtype`` as the example's
-    mixed-precision policy does) or ``"ddp"``/``"zero1"`` (vemesh DDP; the optimizer makes it ZeRO-1).
+    mixed-precision policy does) or ``"ddp"``/``"zero1"`` (vemesh DDP; the optimizer makes it ZeRO-1). With PP in
+    the mesh it returns this rank's pipeline stages, as the example builds them: the stages ``pp_schedule`` places
+    on this PP rank cut from the model (:func:`cut_stage`), each parallelized, each a torch ``PipelineStage`` on the
+    group of ``mesh["PP"]``.
     """
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
     wrap: dict[str, Any] = (dict(data_parallel="fsdp", mp_policy=MixedPrecisionPolicy(param_dtype=compute,
                                                                                          reduce_dtype=torch.float32))
                             if mode == "fsdp" else dict(data_parallel="ddp"))
 
-    def gpt_parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-        return parallelize(model, mesh, sequence_parallel=sequence_parallel,
+    def one(part: nn.Module, mesh: Any) -> nn.Module:
+        return parallelize(part, mesh, sequence_parallel=sequence_parallel,
                            activation_checkpointing=activation_checkpointing, **wrap)
+
+    def gpt_parallelize(model: nn.Module, mesh: Any) -> Any:
+        pp = mesh.get_strategy_size("PP")
+        if pp == 1:
+            return one(model, mesh)
+        from torch.distributed.pipelining import PipelineStage
+
+        n_stages = pp * stages_per_rank(pp_schedule)
+        mine = stage_indices(mesh.lookup_rank("PP"), pp, pp_schedule)
+        parts = [cut_stage(model, s, n_stages) for s in mine]
+        del model
+        return [PipelineStage(one(part, mesh), s, n_stages, torch.device("cpu"), group=mesh["PP"].get_group())
+                for part, s in zip(parts, mine)]
 
     gpt_parallelize.__qualname__ = f"parallelize[{mode}{', sp' if sequence_parallel else ''}" \
                                    f"{', ac' if activation_checkpointing else ''}]"
@@ -69,3 +88,32 @@ def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
         loss = F.cross_entropy(model(x).float().view(-1, config.vocab_size), y.view(-1))
         loss.backward()
     return loss.detach()
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The example's loss: the fp32 cross-entropy of one micro-batch's logits (the pipeline schedule's ``loss_fn``)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+@functools.lru_cache(maxsize=8)
+def pipeline_step_for(pp_schedule: str) -> Any:
+    """``STEP(schedule, batch_size)`` for the planner with PP: the example's step of a batch through torch's schedule
+    (tokens on the first stage, targets and losses on the last, no logits kept), with vemesh DDP's averaging held to
+    the end under a zero-bubble schedule (:func:`vemesh.parallel.schedules.run_schedule`)."""
+
+    def pipeline_step(schedule: Any, batch_size: int) -> None:
+        # torch's schedules keep their stages as _stage (one) or _stages (several); the stages' modules are the chunks
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        chunks = [s.submod for s in stages]
+        cores = [c.module if isinstance(c, DistributedDataParallel) else c for c in chunks]
+        config = cores[0].config
+        x = torch.randint(0, config.vocab_size, (batch_size, config.block_size))
+        y = torch.randint(0, config.vocab_size, (batch_size, config.block_size))
+        cp = VESCALE_DEVICE_MESH.get_strategy_size("CP") > 1
+        within = context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=[x, y, *(c.pos for c in cores)],
+                                  buffer_seq_dims=[1, 1] + [0] * len(cores)) if cp else contextlib.nullcontext()
+        with within:  # as the example's step: each CP rank keeps its part of the sequence and of the stages' positions
+            run_schedule(schedule, pp_schedule, chunks, x, target=y, losses=[], return_outputs=False)
+
+    pipeline_step.__qualname__ = f"pipeline_step[{pp_schedule}]"
+    return pipeline_step

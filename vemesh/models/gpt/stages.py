@@ -14,39 +14,11 @@ from __future__ import annotations
 import copy
 
 from vemesh.models.gpt.model import GPT
+from vemesh.parallel.schedules import (MULTI_STAGE, SCHEDULES, V_SHAPED, ZERO_BUBBLE, stage_indices, stage_owner,
+                                       stages_per_rank)
 
 __all__ = ["MULTI_STAGE", "SCHEDULES", "V_SHAPED", "ZERO_BUBBLE", "cut_stage", "split_layers", "stage_indices",
            "stage_owner", "stages_per_rank"]
-
-#: The ``torch.distributed.pipelining`` schedule class of each ``--pp-schedule`` name. That package is
-#: imported when a pipeline is built (it adds about a second to every process's start-up otherwise).
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "interleaved-zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-#: Schedules that run two stages per PP rank, and those of them that place stages in a V.
-MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")
-#: Schedules that split backward into an input pass and a later weight pass. torch adds the weight
-#: gradients by hand (``weight.grad += dw`` after ``torch.autograd.grad``), so no gradient hook sees
-#: them: a DDP wrapper must average once, after the whole schedule, not at the end of each backward.
-ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Virtual stages per PP rank: 2 for the interleaved and V-shaped schedules, else 1."""
-    return 2 if schedule in MULTI_STAGE else 1
-
-
-def stage_owner(stage: int, pp_size: int, schedule: str) -> int:
-    """The PP rank that holds ``stage``: round-robin, or folded back for a V (stage 3 of 4 on PP rank 0)."""
-    if schedule in V_SHAPED:
-        return stage if stage < pp_size else 2 * pp_size - 1 - stage
-    return stage % pp_size
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
@@ -64,12 +36,6 @@ def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
-
-
-def stage_indices(pp_rank: int, pp_size: int, schedule: str) -> list[int]:
-    """The stages PP rank ``pp_rank`` holds: rank 1 of 2 holds [1, 3] looped, [1, 2] in a V, [1] with one each."""
-    n_stages = pp_size * stages_per_rank(schedule)
-    return [s for s in range(n_stages) if stage_owner(s, pp_size, schedule) == pp_rank]
 
 
 def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:

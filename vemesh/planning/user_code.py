@@ -1,0 +1,90 @@
+"""The user's code as the planner calls it: ``MODULE:FUNCTION`` references resolved, the three (or four) functions
+of a plan, and each call's failure worded as one line that names the function and the user's own frame.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from vemesh.planning.estimate import load_object
+from vemesh.planning.pipeline_trace import MissingMeta
+
+__all__ = ["UserFunctions", "call", "resolve", "user_frame"]
+
+
+def resolve(ref: Any, flag: str) -> tuple[Callable[..., Any], str]:
+    """A callable and its name from ``ref``: a callable, or ``MODULE:FUNCTION`` (``module:`` first for ``--model``)."""
+    if callable(ref):
+        return ref, f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
+
+    text = str(ref)
+    body = text.removeprefix("module:") if flag == "--model" else text
+    module, colon, name = body.rpartition(":")
+    if not colon or not module or not name:
+        example = "module:mymodel:make" if flag == "--model" else f"mymodel:{flag.strip('-')}"
+        raise ValueError(f"{flag} {text!r}: expected {'module:' if flag == '--model' else ''}MODULE:FUNCTION, a "
+                         f"dotted module importable from the current directory or a file path (e.g. {example}, "
+                         f"./mymodel.py:{example.rsplit(':', 1)[1]})")
+    return load_object(module, name, f"{flag} {text}"), text
+
+
+@dataclass(frozen=True)
+class UserFunctions:
+    """The user's three functions and the names they were given by."""
+
+    factory: Callable[[], nn.Module]
+    parallelize: Callable[[nn.Module, Any], nn.Module] | None
+    step: Callable[[nn.Module, int], Any]
+    names: tuple[str, str, str]
+    #: the mesh keeps a DP dim of size 1 (as the GPT example's ``--mesh-shape 1,2`` does), not only the dims > 1
+    keep_dp: bool = False
+    #: with PP: ``loss_fn(output, target)`` as torch's schedules take it, and the schedule's name
+    loss: Callable[..., Any] | None = None
+    pp_schedule: str = "1f1b"
+
+    @classmethod
+    def of(cls, model: Any, parallelize: Any, step: Any, loss: Any = None, pp_schedule: str | None = None
+           ) -> UserFunctions:
+        if step is None:
+            raise ValueError("--parallelize needs --step MODULE:FUNCTION too: the planner runs your step (one forward "
+                             "and backward of a micro-batch) to count the activations")
+        (f, fn), (p, pn), (s, sn) = resolve(model, "--model"), (resolve(parallelize, "--parallelize") if parallelize
+                                                                else (None, "")), resolve(step, "--step")
+        return cls(f, p, s, (fn, pn, sn), loss=resolve(loss, "--loss")[0] if loss is not None else None,
+                   pp_schedule=pp_schedule or "1f1b")
+
+
+def user_frame(error: BaseException) -> str:
+    """`` at file:line in function`` of the innermost frame outside torch and vemesh (from the current directory
+    when it is under it), or ''."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if "/torch/" not in frame.filename and "/vemesh/" not in frame.filename and "<" not in frame.filename:
+            where = os.path.relpath(frame.filename)
+            return f" at {frame.filename if where.startswith('..') else where}:{frame.lineno} in {frame.name}"
+    return ""
+
+
+def call(what: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; its failure becomes one line naming the function, the user's frame and the exception."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return fn(*args)
+    except MissingMeta:  # a stage's input shapes come from a rank not traced yet: traced again after it
+        raise
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise ValueError(f"{what} {name} needs a tensor's values{user_frame(e)} ({e.func}): a plan runs on fake "
+                         "tensors, which have shapes but no values; keep .item(), .tolist(), printing and "
+                         "value-dependent shapes out of it") from None
+    except ValueError as e:
+        if str(e).startswith(("--", "the step ran")):
+            raise
+        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}") from e
+    except Exception as e:
+        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}") from e
