@@ -18,7 +18,8 @@ import pytest
 from vemesh.cli import main
 from vemesh.planning import plan
 from vemesh.planning.user_code import UserFunctions
-from vemesh.planning.user_model import predict_user, trace_user
+from vemesh.planning.pipeline_plan import predict_pipeline, trace_pipeline
+from vemesh.planning.user_model import predict_user, trace_arguments, trace_user
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = str(REPO / "test" / "models" / "llama_jobs.py")
@@ -53,6 +54,37 @@ def test_identical_blocks_traced_by_difference_equal_tracing_every_block() -> No
     assert abs(cls.peak - whole.peak) <= 1e-3 * whole.peak, (cls.peak, whole.peak)
     assert cls.sent == whole.sent
     assert short.dp_mode == "fsdp"
+
+
+PIPELINE = {"PP": 2, "DP": 2, "CP": 1, "TP": 1, "EP": 1}
+
+
+def _pipeline_fns(factory: str, schedule: str = "1f1b") -> UserFunctions:
+    name = "parallelize_pp_1f1b" if schedule == "1f1b" else "parallelize_pp_interleaved"
+    return UserFunctions.of(factory, f"{JOBS}:{name}", f"{JOBS}:step_pp", f"{JOBS}:loss_fn", schedule)
+
+
+def test_a_users_pipeline_is_planned_through_torchs_schedule_and_its_shortcuts_equal_the_whole_trace() -> None:
+    """The user's parallelize function returns torch PipelineStages; each PP rank is traced running torch's schedule.
+    A model of 10 identical blocks is traced with 3 and 4 per stage, and 8 micro-batches with 4 and 6, the rest added
+    by difference: equal to tracing every block and micro-batch (but for ZeRO-1's padding to DP)."""
+    hidden = 128 * 256 * 4  # a sequence's hidden state, fp32: sent forward by rank 0, its gradient back by rank 1
+    for factory, batch, mbs, says in ((f"module:{CASES}:make_ten", 8, 2, "3 and 4 per stage traced"),
+                                      (f"module:{JOBS}:make_dense", 16, 1, "micro-batches: 4 and 6 traced")):
+        fns = _pipeline_fns(factory)
+        job = dict(world_size=4, degrees=PIPELINE, global_batch_size=batch, micro_batch_size=mbs, dtype="fp32",
+                   dp_mode=None, load_factor=1.0)
+        short = predict_pipeline(fns, **job)
+        assert [c.name for c in short.classes] == ["PP rank 0", "PP rank 1"] and short.pp_schedule == "1f1b"
+        assert any(says in n for n in short.notes), short.notes
+        whole = trace_pipeline(fns, trace_arguments(**job))
+        for rank, cls in enumerate(short.classes):
+            assert cls.peak == pytest.approx(whole[rank].peak, abs=64) and cls.sent == whole[rank].sent
+            assert cls.sent["PP"] == batch // 2 * hidden  # every sequence of the DP rank's batch, once
+    with pytest.raises(ValueError, match=r"returned stages \[0, 2\] of 4 on PP rank 0; --pp-schedule 1f1b over PP 2 "
+                                         r"runs 2 stages and places \[0\] on this rank"):
+        predict_pipeline(UserFunctions.of(f"module:{JOBS}:make_dense", f"{JOBS}:parallelize_pp_interleaved",
+                                          f"{JOBS}:step_pp", f"{JOBS}:loss_fn", "1f1b"), **job)
 
 
 def test_what_the_function_did_is_counted(capsys) -> None:

@@ -211,6 +211,10 @@ class StepTracker(MemTracker):
         self.on_step_peak: Any = None  #: called at each new step peak; what it returns is kept in step_peak_parts
         self.step_peak_parts: dict[str, int] = {}
         self.in_step = False
+        #: the part of a step now running ("step", "optimizer"; None: not told), and each part's own peak:
+        #: ``{phase: (bytes, categories at it, on_step_peak's parts at it)}``
+        self.phase: str | None = None
+        self.phase_peaks: dict[str, tuple[int, dict[str, int], dict[str, int]]] = {}
 
     def track_weights(self, module: torch.nn.Module) -> None:
         """Count ``module``'s parameters as parameters and their gradients as gradients (no module hooks needed)."""
@@ -224,11 +228,16 @@ class StepTracker(MemTracker):
                                             total - snap.get(_MemRefType.PARAM, 0) - snap.get(_MemRefType.GRAD, 0))
             if self.in_step:  # what RunMeter.exclude registered ("Other") is not device memory
                 held = total - snap.get(_MemRefType.OTH, 0)
-                if held > self.step_peak:
-                    self.step_peak, self.step_peak_by_kind = held, {str(k.value if hasattr(k, "value") else k): v
-                                                                    for k, v in snap.items()}
-                    if self.on_step_peak is not None:
-                        self.step_peak_parts = self.on_step_peak()
+                top = held > self.step_peak
+                in_phase = self.phase is not None and held > self.phase_peaks.get(self.phase, (0,))[0]
+                if not (top or in_phase):
+                    continue
+                kinds = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}
+                parts = self.on_step_peak() if self.on_step_peak is not None else {}
+                if top:
+                    self.step_peak, self.step_peak_by_kind, self.step_peak_parts = held, kinds, parts
+                if in_phase:
+                    self.phase_peaks[self.phase] = (held, kinds, parts)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         try:

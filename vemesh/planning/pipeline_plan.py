@@ -9,45 +9,77 @@ from __future__ import annotations
 
 from typing import Any
 
-from vemesh.parallel.schedules import MULTI_STAGE, stage_indices
+from vemesh.parallel.schedules import MULTI_STAGE, stage_indices, stages_per_rank
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
 from vemesh.planning.user_code import UserFunctions
-from vemesh.planning.user_model import trace_arguments, trace_user
+from vemesh.planning.user_model import blocks_of, trace_arguments, trace_user, user_notes
 
 __all__ = ["predict_pipeline", "trace_pipeline"]
 
+#: blocks per stage traced when a model's blocks are added by difference
+LOW_HIGH = (3, 4)
+
 
 def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
-    """Each PP rank traced through torch's schedule (:func:`trace_pipeline`). Under a one-stage schedule (GPipe,
-    1F1B) many micro-batches are traced as ``m mod PP + 2 PP`` and ``+ 3 PP`` and the rest added by difference, a
-    pipeline's worth at a time, as blocks are: those schedules are in their steady state by then (checked against
-    the whole trace). The multi-stage schedules run every micro-batch: they wait on their sends only at the end of
-    the step, so what they hold grows with the micro-batches at a rate that changes along the way."""
+    """Each PP rank traced through torch's schedule (:func:`trace_pipeline`), and two shortcuts, each checked against
+    the whole trace:
+
+    * a model of ``n`` identical blocks (:func:`~vemesh.planning.user_model.repeated_blocks`), ``n`` a multiple of
+      the stages ``S``, is traced with ``3 S`` and ``4 S`` of them (3 and 4 per stage; with 2 the first stage's
+      peak falls at another moment of the step than with many, and the difference misses it) and the rest added
+      by difference, a block per stage at a time, each part of the step on its own (:meth:`Counted.scaled`);
+    * under a one-stage schedule (GPipe, 1F1B) many micro-batches are traced as ``m mod PP + 2 PP`` and ``+ 3 PP``
+      and the rest added by difference, a pipeline's worth at a time: those schedules are in their steady state by
+      then. The multi-stage schedules run every micro-batch: they wait on their sends only at the end of the step,
+      so what they hold grows with the micro-batches at a rate that changes along the way.
+    """
     kwargs = trace_arguments(**job)
     degrees, pp, m = kwargs["degrees"], kwargs["degrees"]["PP"], kwargs["passes"]
     if fns.loss is None:
         raise ValueError("with PP the planner runs torch's pipeline schedule, which computes the loss on the last "
                          "stage: give --loss MODULE:FUNCTION (loss_fn(output, target), as the schedule takes it)")
-    short = m % pp + 2 * pp
+    n_stages = pp * stages_per_rank(fns.pp_schedule)
     notes = [f"pipeline: torch's {fns.pp_schedule} schedule over {pp} PP ranks, {m} micro-batches of "
              f"{kwargs['micro_batch_size']}; every PP rank traced"]
-    if m >= short + 2 * pp and fns.pp_schedule not in MULTI_STAGE:
-        two, three = (trace_pipeline(fns, dict(kwargs, passes=k)) for k in (short, short + pp))
-        counted = {r: three[r].scaled(two[r], (m - short - pp) // pp) for r in range(pp)}
-        notes.append(f"micro-batches: {short} and {short + pp} traced, the other {m - short - pp} added by "
-                     f"difference, {pp} at a time")
-    else:
-        counted = trace_pipeline(fns, kwargs)
+    found = blocks_of(fns.factory, fns.names[0])
+    counted = None
+    if found is not None and found[1] % n_stages == 0 and found[1] > LOW_HIGH[1] * n_stages:
+        path, n = found
+        try:
+            low, high = (_micro_batches(fns, dict(kwargs, blocks=(path, k * n_stages)), notes) for k in LOW_HIGH)
+            counted = {r: high[r].scaled(low[r], n // n_stages - LOW_HIGH[1]) for r in range(pp)}
+            notes.append(f"blocks: {path} holds {n} identical blocks, {n // n_stages} per stage; {LOW_HIGH[0]} and "
+                         f"{LOW_HIGH[1]} per stage traced, the rest added by difference")
+        except ValueError as e:  # a parallelize function that cuts its stages by the model's configured depth
+            if not isinstance(e.__cause__, (IndexError, KeyError)):
+                raise
+            notes.append(f"blocks: {path} holds {n} identical blocks, but the stages did not cut fewer of them "
+                         f"({type(e.__cause__).__name__}); all {n} traced")
+    if counted is None:
+        counted = _micro_batches(fns, kwargs, notes)
+    notes += user_notes(counted[0], kwargs)
     classes = []
     for rank in range(pp):
         c = counted[rank]
         static = RankMemory(f"PP rank {rank}", c.held["params"], c.held["grads"], c.held["optimizer"], 0)
         classes.append(RankClass(f"PP rank {rank}", static, c.held["activations"], 0, c.sent, c.flops,
                                  c.memory_bytes, c.optimizer_bytes, c.ops, c.dtensor_ops, c.by_op))
-    return MeshFit(dict(degrees), classes, m, kwargs["micro_batch_size"], notes=tuple(notes),
+    return MeshFit(dict(degrees), classes, m, kwargs["micro_batch_size"], notes=tuple(dict.fromkeys(notes)),
                    dp_mode=counted[0].dp_mode, pp_schedule=fns.pp_schedule)
+
+
+def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str]) -> dict[int, Counted]:
+    """:func:`trace_pipeline` of every micro-batch, or of fewer and the rest by difference (see predict_pipeline)."""
+    pp, m = kwargs["degrees"]["PP"], kwargs["passes"]
+    short = m % pp + 2 * pp
+    if m < short + 2 * pp or fns.pp_schedule in MULTI_STAGE:
+        return trace_pipeline(fns, kwargs)
+    two, three = (trace_pipeline(fns, dict(kwargs, passes=k)) for k in (short, short + pp))
+    notes.append(f"micro-batches: {short} and {short + pp} traced, the other {m - short - pp} added by difference, "
+                 f"{pp} at a time")
+    return {r: three[r].scaled(two[r], (m - short - pp) // pp) for r in range(pp)}
 
 
 def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, Counted]:

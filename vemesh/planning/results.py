@@ -84,11 +84,25 @@ class Counted:
     ops: int = 0  #: ops dispatched in the step (each costs the framework's per-op time)
     dtensor_ops: int = 0  #: of them, ops on DTensors (each also costs DTensor's sharding propagation)
     by_op: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)  #: (bytes, calls) by dim and op
+    #: each part of the step ("step": forward and backward, "optimizer") with its own peak and what it held there;
+    #: ``peak`` and ``held`` are the highest part's
+    phases: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
+
+    @classmethod
+    def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any) -> Counted:
+        """The count whose peak is the highest of ``phases``' (each ``(peak, held)``)."""
+        peak, held = max(phases.values(), key=lambda p: p[0])
+        return cls(held, peak, *rest, phases=phases)
 
     def scaled(self, smaller: Counted, times: int) -> Counted:
-        """This trace plus ``times`` x (this - ``smaller``): more blocks or micro-batches, by difference."""
-        return replace(self, held=_more(self.held, smaller.held, times),
-                       peak=self.peak + times * (self.peak - smaller.peak), sent=_more(self.sent, smaller.sent, times),
+        """This trace plus ``times`` x (this - ``smaller``): more blocks or micro-batches, by difference. Each part of
+        the step is scaled on its own and the peak is the highest part's: the part that peaks can change as the
+        blocks grow (the optimizer's step with few, the backward with many), which a difference of peaks misses."""
+        phases = {k: (p + times * (p - smaller.phases[k][0]), _more(h, smaller.phases[k][1], times))
+                  for k, (p, h) in self.phases.items() if k in smaller.phases}
+        peak, held = max(phases.values(), key=lambda p: p[0]) if phases else \
+            (self.peak + times * (self.peak - smaller.peak), _more(self.held, smaller.held, times))
+        return replace(self, held=held, peak=peak, phases=phases, sent=_more(self.sent, smaller.sent, times),
                        flops=self.flops + times * (self.flops - smaller.flops),
                        memory_bytes=self.memory_bytes + times * (self.memory_bytes - smaller.memory_bytes),
                        optimizer_bytes=self.optimizer_bytes + times * (self.optimizer_bytes - smaller.optimizer_bytes),

@@ -50,7 +50,7 @@ from vemesh.planning.results import Counted, MeshFit, RankClass, more_ops
 from vemesh.planning.routing import routing
 from vemesh.planning.user_code import UserFunctions, call
 
-__all__ = ["predict_user", "repeated_blocks", "trace_arguments", "trace_user"]
+__all__ = ["blocks_of", "predict_user", "repeated_blocks", "trace_arguments", "trace_user", "user_notes"]
 
 _MODES = ("ddp", "zero1", "fsdp")
 
@@ -205,21 +205,25 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 moved: list[int] = []
                 stepped: list[int] = []
                 dispatched: list[tuple[int, int]] = []
-                for n in steps:
+                for index, n in enumerate(steps):
+                    first = "first " if index == 0 else ""  # the first step's own work (shapes, state) is a part too
                     counter.bytes.clear()
                     counter.by_op.clear()
                     counter.counting = tracker.in_step = True
                     with _counting(timed) as (flop_counter, memory_bound):
                         optimizer.zero_grad()
+                        tracker.phase = first + "step"
                         if pp > 1:  # the schedule splits the batch and runs every micro-batch
                             call("--step", step_name, fns.step, run, n * micro_batch_size)
                         for i in range(n if pp == 1 else 0):
                             with _no_sync(wrapped, i == n - 1):
                                 call("--step", step_name, fns.step, wrapped, micro_batch_size)
                         before = memory_bound.bytes
+                        tracker.phase = first + "optimizer"
                         optimizer.step()
                         stepped.append(memory_bound.bytes - before)
                     counter.counting = tracker.in_step = False
+                    tracker.phase = None
                     sent.append(by_mesh_name(counter.bytes, mesh))
                     ops.append(ops_by_mesh_name(counter.by_op, mesh))
                     flops.append(flop_counter.get_total_flops())
@@ -227,10 +231,13 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                     dispatched.append((memory_bound.ops, memory_bound.dtensor_ops))
                     if (line := _unknown(counter, mesh)) is not None:
                         raise ValueError(line)
-    held = dict(tracker.step_peak_parts, optimizer=tracker.step_peak_by_kind.get("Optstate", 0))
-    held["activations"] = tracker.step_peak - sum(held.values())
-    one = Counted(held, tracker.step_peak, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
-                  *dispatched[1], ops[1])
+    phases = {}
+    for phase, (peak, kinds, parts) in tracker.phase_peaks.items():
+        held = dict(parts, optimizer=kinds.get("Optstate", 0))
+        held["activations"] = peak - sum(held.values())
+        phases[phase] = (peak, held)
+    one = Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1], *dispatched[1],
+                            ops[1])
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
                       flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
@@ -291,7 +298,7 @@ def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, in
 
 
 @functools.lru_cache(maxsize=16)
-def _blocks_of(factory: Callable[[], nn.Module], name: str) -> tuple[str, int] | None:
+def blocks_of(factory: Callable[[], nn.Module], name: str) -> tuple[str, int] | None:
     with torch.device("meta"):
         model = call("--model", name, factory)
     if not isinstance(model, nn.Module):
@@ -321,9 +328,9 @@ def predict_user(fns: UserFunctions, **job: Any) -> Any:
     kwargs = trace_arguments(**job)
     if kwargs["degrees"].get("PP", 1) > 1:
         raise ValueError("a mesh with PP is planned by vemesh.planning.pipeline_plan.predict_pipeline")
-    dtype, dp_mode, load_factor, mbs = kwargs["dtype"], kwargs["dp_mode"], kwargs["load_factor"], kwargs["micro_batch_size"]
+    mbs = kwargs["micro_batch_size"]
     degrees = kwargs["degrees"]
-    found = _blocks_of(fns.factory, fns.names[0])
+    found = blocks_of(fns.factory, fns.names[0])
     notes = []
     counted = None
     if found is not None:
@@ -340,17 +347,25 @@ def predict_user(fns: UserFunctions, **job: Any) -> Any:
                          f"({type(e.__cause__).__name__}); all {n} traced")
     if counted is None:
         counted = trace_user(fns, **kwargs)
-    if counted.moe:
-        notes.append(f"MoE routing: each expert gets an equal share of the slots, and the busiest EP rank receives "
-                     f"{load_factor:g} x the balanced share (--moe-load-factor; 1 is balanced, a run's measured "
-                     "expert_load is its own factor)")
-    if counted.dp_mode == "zero1" and dtype == "bf16":
-        notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
-    if dp_mode is None:
-        notes.append(f"dp mode {counted.dp_mode}: from what the parallelize function returned (--dp-mode to say it)")
+    notes += user_notes(counted, kwargs)
     held = counted.held
     static = RankMemory("every rank", held["params"], held["grads"], held["optimizer"], 0)
     return MeshFit(dict(degrees), [RankClass("every rank", static, held["activations"], 0, counted.sent, counted.flops,
                                              counted.memory_bytes, counted.optimizer_bytes, counted.ops,
                                              counted.dtensor_ops, counted.by_op)],
                    kwargs["passes"], mbs, notes=tuple(notes), dp_mode=counted.dp_mode)
+
+
+def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
+    """What a plan of the user's functions assumed, said with its figures: the MoE routing, ZeRO-1's masters, the dp
+    mode read from the wrappers."""
+    notes = []
+    if counted.moe:
+        notes.append(f"MoE routing: each expert gets an equal share of the slots, and the busiest EP rank receives "
+                     f"{kwargs['load_factor']:g} x the balanced share (--moe-load-factor; 1 is balanced, a run's "
+                     "measured expert_load is its own factor)")
+    if counted.dp_mode == "zero1" and kwargs["dtype"] == "bf16":
+        notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
+    if kwargs["dp_mode"] is None:
+        notes.append(f"dp mode {counted.dp_mode}: from what the parallelize function returned (--dp-mode to say it)")
+    return notes
