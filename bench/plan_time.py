@@ -22,7 +22,8 @@
 
 The GPT example's configurations (``GPT_CONFIGS``) are planned through the preset's own parallelize function and
 step (the traced engine) and measured by the example's own timing of each step (its metrics' ``tokens_per_s``).
-What it does not cover: PP (pipelines are planned by the analytic engine, which has no time model).
+With PP (``gpt-pp2-dp2-*``) each PP rank is traced through torch's schedule and the step adds the bubble of the
+schedule's own action list (``vemesh.planning.step_time.pipeline_bubbles``).
 """
 
 from __future__ import annotations
@@ -137,11 +138,19 @@ GPT_CONFIGS: dict[str, tuple[list[str], list[str]]] = {
     "gpt-dp2-tp2": (["--mesh-shape", "2,2"], ["--tp", "2"]),
     "gpt-tp4": (["--mesh-shape", "1,4"], ["--tp", "4", "--dp", "1"]),
     "gpt-dp2-cp2": (["--mesh-dims", "DP,CP", "--mesh-shape", "2,2"], ["--cp", "2"]),
+    # PP: torch's schedule traced on each PP rank, its bubble from the schedule's action list (4 blocks: 4 stages)
+    "gpt-pp2-dp2-1f1b": (["--mesh-shape", "2,2,1", "--n-layer", "4", "--pp-schedule", "1f1b", "--microbatches", "4"],
+                         ["--pp", "2", "--pp-schedule", "1f1b", "--micro-batch-size", "4"]),
+    "gpt-pp2-dp2-interleaved": (["--mesh-shape", "2,2,1", "--n-layer", "4", "--pp-schedule", "interleaved-1f1b",
+                                 "--microbatches", "4"],
+                                ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--micro-batch-size", "4"]),
 }
 
 
-def gpt_predicted(flags: list[str], profile: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "vemesh", "plan", "--model", GPT, "--world-size", "4", "--global-batch-size", "32",
+def gpt_predicted(flags: list[str], profile: str, example: list[str] = ()) -> dict[str, Any]:
+    model = GPT.replace("n_layer=2", f"n_layer={example[example.index('--n-layer') + 1]}") \
+        if "--n-layer" in example else GPT
+    cmd = [sys.executable, "-m", "vemesh", "plan", "--model", model, "--world-size", "4", "--global-batch-size", "32",
            "--device-profile", profile, *flags, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env())
     if out.returncode:
@@ -228,7 +237,7 @@ def main() -> None:
     for name in names:
         if name in GPT_CONFIGS:
             example, flags = GPT_CONFIGS[name]
-            plan, seconds = gpt_predicted(flags, profile), gpt_measured(example)
+            plan, seconds = gpt_predicted(flags, profile, example), gpt_measured(example)
         else:
             parallelize, flags = CONFIGS[name]
             plan, seconds = predicted(parallelize, flags, profile), measured(parallelize, flags)

@@ -315,9 +315,9 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
                 fit = replace(fit, reason=f"peak {_gib(fit.peak)} > device memory {_gib(device_memory)}")
                 rejected.append(fit)
                 continue
-            if timed is not None and pp > 1:  # the analytic pipeline plan counts no FLOPs: it cannot be timed
-                rejected.append(replace(fit, reason="not timed: PP meshes are planned by the analytic engine, which "
-                                                    "has no step-time model yet"))
+            if timed is not None and pp > 1:  # a search's pipeline estimate counts no FLOPs: it cannot be timed
+                rejected.append(replace(fit, reason=f"not timed: a search estimates a PP mesh without tracing a "
+                                                    f"step; plan it with --pp {pp} and the profile to time it"))
                 continue
             mesh = plan_mesh(world_size, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, devices_per_host=devices_per_host)
             if devices_per_host and world_size > devices_per_host:

@@ -13,11 +13,12 @@ __all__ = ["HOW", "add_job_arguments", "fit_document", "render_fit",
            "render_search", "search_document"]
 
 #: How each figure is obtained, printed under the tables and put in the JSON.
-HOW = {  # the analytic engine: the GPT preset with PP
+HOW = {  # a search's estimate of a GPT-preset mesh with PP (one mesh with --pp is traced: HOW_USER)
     "params, grads, optimizer, masters": "the real model on the meta device, sharded by the example's TP plan and "
     "PP cut, with the wrappers' rules (equal to the byte to what vemesh DDP, ZeRO-1 and FSDP2 allocate)",
     "activations": "one micro-batch through the rank's stage on fake tensors under torch's MemTracker "
-    "(3 blocks traced, the rest by difference), times the micro-batches the schedule keeps in flight",
+    "(3 blocks traced, the rest by difference), times the micro-batches in flight along torch's action list of "
+    "the schedule",
     "buffers": "FSDP2's all-gathered root, and a block and the next one; a pipeline stage's receive buffers, "
     "one per micro-batch and direction (as torch.distributed.pipelining allocates them)",
     "bytes": "TP and CP: the collectives of the traced micro-batch, per micro-batch; DP: the wrappers' "
@@ -34,7 +35,7 @@ HOW_USER = {
     "gradients the wrappers keep, the --optimizer state (ZeRO-1's shard and fp32 masters with --dp-mode zero1)",
     "activations": "everything else your step holds at the peak, traced on fake tensors under torch's MemTracker "
     "through warm-up and training steps (optimizer.step included); identical blocks: 2 and 3 traced, the rest by "
-    "difference",
+    "difference; with PP every PP rank through torch's schedule (3 and 4 blocks per stage traced)",
     "bytes": "every collective of a training step on the dispatcher (your TP, CP and EP ones; DDP's, ZeRO-1's, FSDP2's), "
     "by the mesh dim of its group; several micro-batches: 1 and 2 traced, the rest by difference. The size of each "
     "collective's tensor, as nccl-tests counts it",
@@ -65,7 +66,7 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
             "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
             "dp_mode": fit.dp_mode or job.mode, "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing, "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
             "peak": fit.peak, "activations_traced": fit.traced, "notes": list(fit.notes), "classes": [_class_row(c) for c in fit.classes],
-            "how": HOW_USER if job.user or fit.degrees["PP"] == 1 else HOW}  # the preset without PP is traced too
+            "how": HOW if fit.notes and fit.notes[0].startswith("pipeline estimated") else HOW_USER}
 
 
 def search_document(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,

@@ -30,10 +30,11 @@ class PlanRequest:
     those that fit are ranked by ``rank_by`` (:attr:`searches`).
 
     The job: ``model`` is the GPT preset (``"gpt:n_layer=..."``), ``"module:MODULE:FACTORY"``, or the factory;
-    ``parallelize`` and ``step`` are ``"MODULE:FUNCTION"`` or the functions (they trace the user's own model). A field
-    left ``None`` takes the default the CLI documents; the preset's own flags (``pp_schedule``,
-    ``sequence_parallel``, ``activation_checkpointing``) are refused beside a ``parallelize`` or ``step``, which
-    decide those things themselves.
+    ``parallelize`` and ``step`` are ``"MODULE:FUNCTION"`` or the functions (they trace the user's own model); with PP
+    ``loss`` is the schedule's ``loss_fn`` and ``pp_schedule`` names torch's schedule for both. A field left ``None``
+    takes the default the CLI documents; the preset's own flags (``sequence_parallel``,
+    ``activation_checkpointing``) are refused beside a ``parallelize`` or ``step``, which decide those things
+    themselves.
     """
 
     world_size: int

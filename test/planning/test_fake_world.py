@@ -1,0 +1,52 @@
+"""The planner's fake world: what it changes in torch while it traces, and that it leaves nothing behind."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vemesh import VESCALE_DEVICE_MESH
+from vemesh.planning.fake_world import copies_in_mode, fake_world
+from vemesh.planning.fit import Job, predict
+
+SMALL = "gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=32"
+
+
+def test_a_deepcopy_in_the_trace_is_a_fake_tensor_of_the_traces_own_mode() -> None:
+    """torch's own deepcopy of a fake tensor makes it in a new fake mode, whose views MemTracker cannot tell from
+    their base (a pipeline stage cut by deepcopy held its weights twice in the peak); inside ``copies_in_mode`` a
+    copy is the trace's, with its own storage, and a Parameter stays a Parameter."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        layer = nn.Linear(4, 4)
+        outside = copy.deepcopy(layer).weight
+        assert outside.fake_mode is not mode  # what torch does, which the planner replaces
+        with copies_in_mode(mode):
+            copied = copy.deepcopy(layer)
+        w = copied.weight
+        assert isinstance(w, nn.Parameter) and w.fake_mode is mode and w.requires_grad
+        assert w.t().untyped_storage() is w.untyped_storage()
+        assert w.untyped_storage() is not layer.weight.untyped_storage()
+
+
+def test_each_pp_rank_is_traced_in_its_own_world_and_dtensors_caches_do_not_cross_them() -> None:
+    """PP x TP: PP rank 1's TP all-reduces on its own TP group. DeviceMesh compares equal for the same slice of two
+    worlds, so a sharding plan DTensor cached in PP rank 0's world would send them to rank 0's group: the fake world
+    empties those caches on entry and exit."""
+    fit = predict(Job(SMALL, 8, micro_batch_size=2), dp=1, tp=2, pp=2)
+    assert [c.name for c in fit.classes] == ["PP rank 0", "PP rank 1"]
+    assert all(c.sent.get("TP", 0) > 0 and c.sent.get("PP", 0) > 0 for c in fit.classes)
+    assert not dist.is_initialized() and not VESCALE_DEVICE_MESH.is_initialized()
+
+
+def test_the_fake_world_of_a_pp_rank_is_its_first_rank() -> None:
+    degrees = {"PP": 2, "DP": 2, "CP": 1, "TP": 2, "EP": 1}
+    for pp_rank, rank in ((0, 0), (1, 4)):
+        with fake_world(8, degrees, 1, pp_rank=pp_rank) as mesh:
+            assert dist.get_rank() == rank and mesh.lookup_rank("PP") == pp_rank
+            assert dist.get_process_group_ranks(mesh["TP"].get_group()) == [rank, rank + 1]
+    assert not dist.is_initialized() and torch.distributed.distributed_c10d._world.pg_map == {}
