@@ -19,6 +19,10 @@ def make_six() -> torch.nn.Module:
     return llama.make(**dict(llama_jobs.SMALL, n_layers=6))
 
 
+def make_two() -> torch.nn.Module:
+    return llama.make(**dict(llama_jobs.SMALL, n_layers=2))
+
+
 def make_ten() -> torch.nn.Module:
     return llama.make(**dict(llama_jobs.SMALL, n_layers=10))
 

@@ -109,8 +109,9 @@ CLI = [
      "module:json:loads: json:loads() failed: TypeError"),
     ("plan-memory-without-unit", ["plan", "--world-size", "2", "--model", "gpt:n_layer=1,n_embd=8,n_head=2",
                                   "--device-memory", "80"], "--device-memory '80' needs a unit"),
-    ("plan-schedule-not-modeled", ["plan", "--world-size", "2", "--pp", "2", "--model", "gpt:n_layer=2,n_embd=8,n_head=2",
-                                   "--pp-schedule", "zbv"], "'zbv' is not modeled; choose gpipe, 1f1b, interleaved-1f1b"),
+    ("plan-schedule-unknown", ["plan", "--world-size", "2", "--pp", "2", "--model", "gpt:n_layer=2,n_embd=8,n_head=2",
+                               "--pp-schedule", "zigzag"], "pipeline schedule 'zigzag': choose one of gpipe, 1f1b, "
+                                                           "interleaved-1f1b, interleaved-zb, zbv, dualpipev"),
     ("plan-job-without-model", ["plan", "--world-size", "2", "--device-memory", "80GiB"],
      "argument --device-memory: describes a job; give the model too"),
 ]
