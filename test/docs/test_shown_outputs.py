@@ -39,8 +39,7 @@ STALE = "; run python docs/regenerate.py to rewrite it"
 def _search(block: snippets.Block) -> bool:
     argv = regenerate.vemesh_argv(block)
     shaped = any(flag in argv for flag in ("--pp", "--tp", "--dp"))
-    search = "--device-memory" in argv and not shaped  # a search over every mesh: 25 s
-    return "--model" in argv and (search or "--pp" in argv)  # or every PP rank traced through torch's schedule
+    return "--model" in argv and "--device-memory" in argv and not shaped  # a search over every mesh: 25 s
 
 
 def _params(blocks, slow=lambda b: False):
