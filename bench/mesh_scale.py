@@ -149,8 +149,10 @@ def ab_per_call(a: tuple, b: tuple, repeats: int, min_ns: float) -> dict:
             out.append(loop_ns(fn, args, number))
     ve, alt = statistics.median(t[0] for t in ta), statistics.median(t[0] for t in tb)
     ve_cpu, alt_cpu = statistics.median(t[1] for t in ta), statistics.median(t[1] for t in tb)
+    ve_best, alt_best = min(t[0] for t in ta), min(t[0] for t in tb)
     return {"vemesh_ns": ve, "alt_ns": alt, "speedup": alt / ve,
-            "vemesh_cpu_ns": ve_cpu, "alt_cpu_ns": alt_cpu, "cpu_speedup": alt_cpu / ve_cpu}
+            "vemesh_cpu_ns": ve_cpu, "alt_cpu_ns": alt_cpu, "cpu_speedup": alt_cpu / ve_cpu,
+            "vemesh_best_ns": ve_best, "alt_best_ns": alt_best, "best_speedup": alt_best / ve_best}
 
 
 # ============================================================== what is timed
@@ -293,7 +295,9 @@ def time_core_check(repeats: int, min_ns: float) -> dict:
     def nonzero(r: int) -> torch.Tensor:
         return (grid == r).nonzero()
 
-    result = ab_per_call((vm.get_strategy_coordinate, ranks), (nonzero, ranks), repeats, min_ns)
+    # at least 9 samples each: the verdict is on the fastest of them (timeit's advice), which a busy machine
+    # cannot inflate the way it inflates a median of 3 (a 215 ns call read 3.07 us under a test suite's load)
+    result = ab_per_call((vm.get_strategy_coordinate, ranks), (nonzero, ranks), max(repeats, 9), min_ns)
     return {"shape": list(shape), **result}
 
 
@@ -361,10 +365,12 @@ def report(results: dict) -> None:
                     ["query", "who", *(str(w) for w in worlds), "growth", "target", "CPU growth"], rows)
 
     core = results["core"]
-    print_table(f"Core issue: rank arithmetic vs (grid == r).nonzero() on 16x64x8 (target >= {CORE_TARGET:g}x)",
-                ["query", "vemesh", "nonzero", "speedup", "target", "CPU speedup"],
-                [["get_strategy_coordinate(r)", fmt_ns(core["vemesh_ns"]), fmt_ns(core["alt_ns"]),
-                  fmt_x(core["speedup"]), verdict(core["speedup"] >= CORE_TARGET), fmt_x(core["cpu_speedup"])]])
+    print_table(f"Core issue: rank arithmetic vs (grid == r).nonzero() on 16x64x8 (target >= {CORE_TARGET:g}x, "
+                "judged on the fastest sample of each; median and CPU beside it)",
+                ["query", "vemesh", "nonzero", "speedup", "target", "median speedup", "CPU speedup"],
+                [["get_strategy_coordinate(r)", fmt_ns(core["vemesh_best_ns"]), fmt_ns(core["alt_best_ns"]),
+                  fmt_x(core["best_speedup"]), verdict(core["best_speedup"] >= CORE_TARGET), fmt_x(core["speedup"]),
+                  fmt_x(core["cpu_speedup"])]])
 
 
 def plot(results: dict, path: Path) -> None:

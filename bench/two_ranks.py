@@ -1,6 +1,6 @@
 """Run a benchmark function on N gloo ranks spawned from this script (2 by default); return rank 0's result.
 
-Shared by ``bench/pipeline.py``, ``bench/checkpoint_io.py`` and ``bench/context_parallel.py``: each
+Shared by ``bench/pipeline_schedules.py``, ``bench/checkpoint_io.py`` and ``bench/context_parallel.py``: each
 rank gets one thread, a file rendezvous (no port to pick) and a 5-minute process group timeout.
 """
 from __future__ import annotations

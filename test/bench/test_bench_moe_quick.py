@@ -1,4 +1,4 @@
-"""The MoE benchmark must keep running: ``bench/moe.py --quick`` as a user would run it.
+"""The MoE benchmark must keep running: ``bench/expert_parallel.py --quick`` as a user would run it.
 
 Timings are not asserted (this machine is shared and noisy). What is exact is: the all-to-all bytes
 each rank moves per step equal the analytic count (every token slot is sent once each way, forward and
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_moe_bench_quick(tmp_path: Path) -> None:
-    stdout, result = run_bench("moe.py", "--quick", json_out=tmp_path / "moe.json")
+    stdout, result = run_bench("expert_parallel.py", "--quick", json_out=tmp_path / "moe.json")
     assert "MoE GPT on 4 gloo ranks" in stdout
     rows = result["ep"]
     cfg = result["config"]

@@ -33,7 +33,7 @@ def test_mesh_scale_quick(tmp_path: Path) -> None:
     # the core issue's check has a 10x target that the arithmetic beats by 100x: the bench must say PASS
     core = re.search(r"^get_strategy_coordinate\(r\)\s.*\s(PASS|MISS)\s", stdout.split("Core issue")[1], re.M)
     assert core, stdout
-    assert results["core"]["speedup"] >= 10 and core[1] == "PASS", core[0]
+    assert results["core"]["best_speedup"] >= 10 and core[1] == "PASS", core[0]
 
     assert {c["world"] for c in results["cases"]} == {64, 1024}
     assert {c["family"] for c in results["cases"]} == {"3-D", "4-D"}
@@ -44,3 +44,23 @@ def test_mesh_scale_quick(tmp_path: Path) -> None:
         assert out_png.read_bytes().startswith(b"\x89PNG")
     else:
         assert "matplotlib is not installed" in stdout
+
+
+def test_no_two_folders_the_tests_import_from_share_a_module_name() -> None:
+    """The tests put these folders on ``sys.path`` and import their modules by plain name, in one process per
+    pytest-xdist worker: a bench script named like a module of the example (``bench/pipeline.py`` beside
+    ``examples/gpt/pipeline.py``) made ``from pipeline import Pipeline`` in train.py import the bench script in
+    whichever worker had imported it first."""
+    root = Path(__file__).resolve().parents[2]
+    folders = ("bench", "examples/gpt", "docs", "test", "test/examples", "test/models", "test/hangs", "test/bench")
+    seen: dict[str, str] = {}
+    clashes = []
+    for folder in folders:
+        for path in sorted((root / folder).glob("*.py")):
+            name = path.stem
+            if name == "conftest" or name.startswith("test_"):  # pytest imports these by their path
+                continue
+            if name in seen:
+                clashes.append(f"{seen[name]}/{name}.py and {folder}/{name}.py")
+            seen[name] = folder
+    assert not clashes, clashes

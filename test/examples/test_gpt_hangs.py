@@ -1,6 +1,7 @@
-"""The GPT example's hangs named exactly: 8 gloo ranks of (PP=2, DP=2, TP=2), ``VEMESH_HANG_DIR`` and
-``--inject``: a rank asleep in compute, a skipped DP gradient average, a wrong-sized TP all-reduce;
-and a straggler (test/hangs/hang_job.py's rank 2, 50 ms late into every DP all-reduce) named.
+"""The GPT example's hangs named exactly, with ``VEMESH_HANG_DIR`` and ``--inject``: a rank asleep in compute on 8
+gloo ranks of (PP=2, DP=2, TP=2), the run docs/debugging-hangs.md shows; a skipped DP gradient average and a
+wrong-sized TP all-reduce on 4 ranks of (DP=2, TP=2) (test/hangs runs the same three on a job of its own); and a
+straggler (test/hangs/hang_job.py's rank 2, 50 ms late into every DP all-reduce) named.
 The collective timeout is 60 s; every job is over, every process gone, within timeout + 30 s. The
 report of the sleep is checked against what docs/debugging-hangs.md shows."""
 
@@ -20,22 +21,24 @@ from hang_runs import TIMEOUT_S, report, torchrun  # noqa: E402
 pytestmark = pytest.mark.slow
 HANG_JOB = REPO / "test" / "hangs" / "hang_job.py"
 
-GPT = [str(REPO / "examples" / "gpt" / "train.py"), "--mesh-shape", "2,2,2", "--n-layer", "2", "--n-embd", "64",
-       "--seq-len", "32", "--global-batch-size", "8", "--steps", "6", "--eval-every", "0", "--sample-tokens", "0",
-       "--timeout-s", str(TIMEOUT_S)]
+GPT = [str(REPO / "examples" / "gpt" / "train.py"), "--n-layer", "2", "--n-embd", "64", "--seq-len", "32",
+       "--global-batch-size", "8", "--steps", "6", "--eval-every", "0", "--sample-tokens", "0", "--timeout-s",
+       str(TIMEOUT_S)]
 
 
-@pytest.mark.parametrize("inject, expected", [
-    ("sleep:5:3", ["HANG: DP broadcast #22 (256 B, [32] long) at step 3 is stuck in the DP group [5, 7] (PP=1, TP=1)",
-                   "never entered: rank 5 (PP=1, DP=0, TP=1)",
-                   "it is not in any collective (in compute), at examples/gpt/faults.py:68 in before_compute"]),
-    ("skip-dp:5:3", ["is stuck in the DP group [5, 7] (PP=1, TP=1)", "never entered: rank 5 (PP=1, DP=0, TP=1)",
-                     "it skipped one"]),
-    ("wrong-size-tp:5:3", ["DIED: rank 4 (PP=1, DP=0, TP=0): Fatal Python error: Aborted",
-                           "in the TP group [4, 5] (PP=1, DP=0), rank 5 last entered TP all-reduce #94 of [16] float"]),
+@pytest.mark.parametrize("mesh, inject, expected", [
+    ("2,2,2", "sleep:5:3",
+     ["HANG: DP broadcast #22 (256 B, [32] long) at step 3 is stuck in the DP group [5, 7] (PP=1, TP=1)",
+      "never entered: rank 5 (PP=1, DP=0, TP=1)",
+      "it is not in any collective (in compute), at examples/gpt/faults.py:68 in before_compute"]),
+    ("2,2", "skip-dp:3:3", ["is stuck in the DP group [1, 3] (TP=1)", "never entered: rank 3 (DP=1, TP=1)",
+                            "it skipped one"]),
+    ("2,2", "wrong-size-tp:3:3", ["DIED: rank 2 (DP=1, TP=0): Fatal Python error: Aborted",
+                                  "in the TP group [2, 3] (DP=1), rank 3 last entered TP all-reduce #72 of [16] float"]),
 ])
-def test_the_gpt_example_on_pp_dp_tp_names_each_injected_hang(tmp_path, inject, expected):
-    code, took, out = torchrun(8, [*GPT, "--inject", inject], tmp_path, after_s=20)
+def test_the_gpt_example_names_each_injected_hang(tmp_path, mesh, inject, expected):
+    nproc = 8 if mesh == "2,2,2" else 4
+    code, took, out = torchrun(nproc, [*GPT, "--mesh-shape", mesh, "--inject", inject], tmp_path, after_s=20)
     text = report(out)
     assert code != 0 and took < TIMEOUT_S + 30
     for line in expected:

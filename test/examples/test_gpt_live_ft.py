@@ -30,7 +30,10 @@ def _one_set_of_replicas_at_a_time(tmp_path_factory):
     with exclusive(tmp_path_factory, "live-replicas"):
         yield
 
-STEPS, KILL_AT = 300, 8  # enough steps that replica 0 is still training when the returning one has started
+STEPS, KILL_AT = 120, 8
+#: replica 0 is still training when the returning one has started (12 s after the kill on idle cores, up to 60 s
+#: under the suite's load): from the kill on, its rank 0 sleeps this long in every step, which costs no CPU
+SLOW_MS = 300
 TOL = 1e-4
 
 
@@ -46,7 +49,8 @@ def test_lose_a_replica_keep_going_then_heal_it_from_the_live_one(tmp_path) -> N
     # be given a quorum of its own while replica 0 is between steps
     with S.lighthouse(tmp_path, join_ms=3000) as address:
         ft = ["--ft-lighthouse", address]
-        r0 = S.torchrun([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0)], tmp_path / "r0.log")
+        r0 = S.torchrun([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0),
+                         "--inject", f"slow:0:{KILL_AT + 1}:{SLOW_MS}"], tmp_path / "r0.log")
         r1 = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log")
         try:
             S.wait_for(m1, KILL_AT, 120, [r0, r1])

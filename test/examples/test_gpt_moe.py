@@ -1,6 +1,7 @@
 """The GPT example with a mixture of experts and expert parallelism over ``mesh["EP"]``: every logged loss,
 eval loss and gradient norm equals one process (same experts, no EP), and so does every expert's load,
-with DDP + ZeRO-1 and with FSDP2; a checkpoint saved with EP = 4 resumes with EP = 2 and on one process.
+with DDP + ZeRO-1 and with FSDP2; a checkpoint saved with EP = 4 under FSDP2 resumes with EP = 2 under DDP +
+ZeRO-1 and on one process.
 
 The gradient norm is compared as well as the loss: AdamW does not see a constant factor on a gradient,
 so expert gradients averaged over the wrong group can leave the loss curve exact; the norm cannot hide it.
@@ -67,21 +68,17 @@ def test_expert_parallel_matches_one_process(single, tmp_path, case, fsdp):
     assert_same_curve(run, single[experts])
 
 
-def test_ep4_with_fsdp2_matches_one_process(single, tmp_path):
-    """FSDP2 shards the experts over a one-rank EDP group (set_gradient_divide_factor(DP) there)."""
-    experts, args = CASES["ep4-dp4"]
-    assert_same_curve(run_train(tiny(experts, *args, "--fsdp"), tmp_path, nproc=4), single[experts])
-
-
-def test_checkpoint_from_ep4_resumes_with_ep2_and_one_process(single, tmp_path):
-    """EP = 4 (EDP = 1, DDP + ZeRO-1) is exact and saves every expert once; from step 3 it resumes with EP = 2
-    (EDP = 2) under FSDP2, and on one process, exactly."""
+def test_checkpoint_from_ep4_fsdp2_resumes_with_ep2_and_one_process(single, tmp_path):
+    """EP = 4 under FSDP2 (which shards the experts over a one-rank EDP group: set_gradient_divide_factor(DP)
+    there) is exact and saves every expert once; from step 3 it resumes with EP = 2 (EDP = 2) under DDP + ZeRO-1,
+    and on one process, exactly."""
     ckpt = tmp_path / "ckpt"
     experts, args = CASES["ep4-dp4"]
-    first = run_train(tiny(experts, *args, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"), tmp_path, nproc=4)
+    first = run_train(tiny(experts, *args, "--fsdp", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"), tmp_path,
+                      nproc=4)
     assert "rank 3: experts 3..3 of each MoE layer; EP group [0, 1, 2, 3] (EP rank 3), EDP group [3]" in first.stdout
     assert_same_curve(first, single[experts])
-    for nproc, more in ((4, [*CASES["ep2-dp4"][1], "--fsdp"]), (None, [])):
+    for nproc, more in ((4, CASES["ep2-dp4"][1]), (None, [])):
         shutil.rmtree(ckpt / f"step_{STEPS:06d}", ignore_errors=True)  # resume from step 3
         run = run_train(tiny(experts, *more, "--checkpoint-dir", str(ckpt)), tmp_path, nproc=nproc)
         assert "step_000003 (saved on mesh [4, 1]" in run.stdout, run.describe()

@@ -34,16 +34,21 @@ def single(tmp_path_factory):
 @pytest.mark.parametrize(
     ("mesh", "extra"),
     [
-        ("2,2", []),  # DP x TP with the ZeRO-1 optimizer, the default
         ("4,1", ["--no-distributed-optimizer"]),  # pure DP, plain AdamW after DDP's averaging
         ("1,4", ["--sequence-parallel"]),  # pure TP, activations split along the sequence
         ("4,1", ["--fsdp", "--dp-replicate", "2"]),  # torch's FSDP2 as HSDP: DP split into 2 replicas x 2 shards
         ("2,2", ["--fsdp", "--activation-checkpointing"]),  # FSDP2 over DP with TP, blocks recomputed in backward
     ],
-    ids=["dp2-tp2", "dp4-tp1-plain-adamw", "dp1-tp4-sequence-parallel", "dp4-hsdp-2x2", "dp2-tp2-fsdp-ac"],
+    ids=["dp4-tp1-plain-adamw", "dp1-tp4-sequence-parallel", "dp4-hsdp-2x2", "dp2-tp2-fsdp-ac"],
 )
 def test_loss_curve_matches_single_process(single, tmp_path, mesh, extra):
+    """Each mesh's curve equals one process's. (2,2) with the default ZeRO-1 optimizer is the first run of
+    test_checkpoints_move_between_ddp_zero1_and_fsdp2, held to the same checks there."""
     run = run_train(TINY + ["--mesh-shape", mesh, *extra], tmp_path, nproc=4)
+    _same_as_single(run, single)
+
+
+def _same_as_single(run, single):
     assert run.returncode == 0, run.describe()
     assert [r["step"] for r in run.records] == list(range(1, STEPS + 1))
     diffs = [abs(a - b) for a, b in zip(run.losses, single.losses)]
@@ -58,7 +63,8 @@ def test_loss_curve_matches_single_process(single, tmp_path, mesh, extra):
 
 def test_checkpoints_move_between_ddp_zero1_and_fsdp2(single, tmp_path):
     """DDP + ZeRO-1 on (2,2) saves step 6; HSDP (2 replicas x 2 shards) resumes it and saves step 9;
-    DDP + ZeRO-1 resumes that. Every step equals the single-process curve."""
+    DDP + ZeRO-1 resumes that. Every step equals the single-process curve; the first run's eval losses and gradient
+    norms too (it is the loss-curve test's (2,2) case)."""
     ckpt = tmp_path / "ckpt"
     plan = [(["--mesh-shape", "2,2", "--checkpoint-every", "6"], 0),
             (["--mesh-shape", "4,1", "--fsdp", "--dp-replicate", "2", "--checkpoint-every", "3"], 6),
@@ -66,6 +72,8 @@ def test_checkpoints_move_between_ddp_zero1_and_fsdp2(single, tmp_path):
     for args, resumed in plan:
         shutil.rmtree(ckpt / f"step_{STEPS:06d}", ignore_errors=True)  # resume from the step before
         run = run_train(TINY + args + ["--checkpoint-dir", str(ckpt)], tmp_path, nproc=4)
+        if not resumed:
+            _same_as_single(run, single)
         assert run.returncode == 0, run.describe()
         assert not resumed or f"step_{resumed:06d} (saved on mesh" in run.stdout, run.stdout[-2000:]
         steps = [r["step"] for r in run.records if r["step"] > resumed]

@@ -1,7 +1,7 @@
 """A mesh with PP planned by tracing: every PP rank of the pipeline through torch's schedule.
 
 :func:`predict_pipeline` is :func:`~vemesh.planning.user_model.predict_user` for a mesh with PP: the user's
-parallelize function returns each PP rank's ``PipelineStage``\ s, the step gets torch's schedule for the job's
+parallelize function returns the ``PipelineStage`` objects of each PP rank, the step gets torch's schedule for the job's
 ``--pp-schedule`` (:mod:`vemesh.planning.pipeline_trace` runs it on the fake world), and each PP rank is a rank class.
 """
 

@@ -3,8 +3,8 @@ replicated (EP = 1), on 4 gloo ranks, side by side in one run.
 
 Run (ranks spawned by the script; BENCHMARKS.md's "Mixture of experts" figures come from it):
 
-    OMP_NUM_THREADS=1 python bench/moe.py --json bench/results/moe.json
-    python bench/moe.py --quick      # smoke run (a test runs it)
+    OMP_NUM_THREADS=1 python bench/expert_parallel.py --json bench/results/moe.json
+    python bench/expert_parallel.py --quick      # smoke run (a test runs it)
 
 Each contender is the GPT preset (``vemesh.models.gpt``) with every MLP a MoE (E experts, top-k), on a mesh
 ``(DP=4)`` whose DP ranks fold into ``(EDP, EP)`` by ``ParallelDims``, its experts spread by

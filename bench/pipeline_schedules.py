@@ -2,8 +2,8 @@
 
 Run (2 ranks, spawned by the script; BENCHMARKS.md's "Pipeline" figures come from it):
 
-    OMP_NUM_THREADS=1 python bench/pipeline.py --json bench/results/pipeline.json
-    python bench/pipeline.py --quick      # smoke run (a test runs it)
+    OMP_NUM_THREADS=1 python bench/pipeline_schedules.py --json bench/results/pipeline.json
+    python bench/pipeline_schedules.py --quick      # smoke run (a test runs it)
 
 Both sides train the GPT example's model on the same global batch with the example's code:
 PP=1 is ``DDP`` on a 2-rank DP mesh with the ZeRO-1 optimizer, each rank running half the
