@@ -61,7 +61,10 @@ def _build(root: Path) -> None:
     source = root / "source"  # built from a copy: setuptools writes build/ and *.egg-info into the tree it builds
     source.mkdir()
     for name in ("vemesh", "setup.cfg", "setup.py", "pyproject.toml", "README.md", "LICENSE"):
-        (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, source / name)
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, source / name)
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root / "dist"),
           str(source)], root)
     (wheel,) = (root / "dist").glob("vemesh-*.whl")
