@@ -9,7 +9,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from bench_run import run_bench
+
+pytestmark = pytest.mark.slow  # a bench run end to end
 
 
 def test_checkpoint_io_bench_quick(tmp_path: Path) -> None:

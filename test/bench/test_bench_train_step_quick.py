@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from bench_run import run_bench
+
+pytestmark = pytest.mark.slow  # a bench run end to end
 
 TABLES = [
     "| contender | median ms |",

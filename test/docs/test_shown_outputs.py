@@ -39,7 +39,8 @@ STALE = "; run python docs/regenerate.py to rewrite it"
 def _search(block: snippets.Block) -> bool:
     argv = regenerate.vemesh_argv(block)
     shaped = any(flag in argv for flag in ("--pp", "--tp", "--dp"))
-    return "--model" in argv and "--device-memory" in argv and not shaped  # a search over every mesh: 25 s
+    search = "--model" in argv and "--device-memory" in argv and not shaped  # a search over every mesh: 25 s
+    return search or ("--model" in argv and "--pp" in argv)  # a pipeline traced on every PP rank: 10 s and more
 
 
 def _params(blocks, slow=lambda b: False):

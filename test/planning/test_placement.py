@@ -65,6 +65,7 @@ def test_with_a_profile_the_shortest_step_wins_and_ties_keep_torchtitans_order()
     assert place(_fit(one_host.degrees, {"DP": MiB, "TP": MiB}), one_host, 8)[0].order == ("DP", "TP")
 
 
+@pytest.mark.slow
 def test_every_rank_of_1024_builds_the_planned_groups_for_the_chosen_order() -> None:
     """PP=4 x DP=8 x CP=4 x TP=8 on hosts of 8, CP the heaviest: the chosen order is not torchtitan's, and every
     group ``ParallelDims(..., mesh_dims=order).build`` makes on every rank (the dims and the ``dp_cp`` flatten) is the

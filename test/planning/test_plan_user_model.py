@@ -64,6 +64,7 @@ def _pipeline_fns(factory: str, schedule: str = "1f1b") -> UserFunctions:
     return UserFunctions.of(factory, f"{JOBS}:{name}", f"{JOBS}:step_pp", f"{JOBS}:loss_fn", schedule)
 
 
+@pytest.mark.slow
 def test_a_users_pipeline_is_planned_through_torchs_schedule_and_its_shortcuts_equal_the_whole_trace() -> None:
     """The user's parallelize function returns torch PipelineStages; each PP rank is traced running torch's schedule.
     A model of 10 identical blocks is traced with 3 and 4 per stage, and 8 micro-batches (of a 2-block model) with
@@ -107,6 +108,7 @@ def test_what_the_function_did_is_counted(capsys) -> None:
     assert set(fsdp["bytes_per_step"]) == {"DP", "TP"} and set(docs["fsdp"]["how"]) >= {"activations", "not seen"}
 
 
+@pytest.mark.slow
 def test_the_python_api_answers_what_the_cli_prints(capsys, monkeypatch) -> None:
     monkeypatch.chdir(MINE)
     monkeypatch.syspath_prepend(str(MINE))

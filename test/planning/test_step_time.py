@@ -139,6 +139,7 @@ def test_the_bubble_is_the_textbook_one_for_equal_stages(schedule, fraction) -> 
     assert slow_last[3] < slow_last[0]
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     out = tmp_path / "me.json"
     done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "2", "--output", str(out), "--quick"],

@@ -64,6 +64,7 @@ def test_a_save_called_on_one_rank_fails_within_the_timeout_naming_the_others(wo
     assert not (root / "b" / "step_000001").exists()
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_responding_fails_the_others_within_the_timeout():
     results = run_ranks(hung_worker, 4, timeout=120, pg_timeout=TIMEOUT, env={"OMP_NUM_THREADS": "1"})
     for rank in range(3):
@@ -82,6 +83,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_rank_missing_at_start_up_is_named(tmp_path):
     script = tmp_path / "missing.py"
     script.write_text(SCRIPT)

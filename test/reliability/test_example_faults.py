@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from vemesh.checkpoint import list_checkpoints
 from vemesh.resilience.checkpoint.lock import LOCK
@@ -70,6 +71,7 @@ def test_a_second_job_on_the_same_checkpoint_directory_is_refused(tmp_path, caps
     assert not list(ckpt.glob("step_*"))
 
 
+@pytest.mark.slow
 def test_a_resumed_run_writes_each_steps_metrics_once(tmp_path):
     """A crash at step 6 after a checkpoint at 4; the restart redoes 5 and 6 and writes them once."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"

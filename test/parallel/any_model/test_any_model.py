@@ -49,6 +49,7 @@ def _exact(world: list[dict], name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(S.CASES_4))
+@pytest.mark.slow
 def test_four_ranks_match_one_process(four, name) -> None:
     _exact(four, name)
 

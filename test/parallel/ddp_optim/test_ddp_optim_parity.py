@@ -33,6 +33,7 @@ def _assert_passed(world: list[Results], name: str) -> None:
 
 
 @pytest.mark.parametrize("name", PARITY)
+@pytest.mark.slow
 def test_parity_with_single_process_adamw(world: list[Results], name: str) -> None:
     _assert_passed(world, name)
 

@@ -46,6 +46,7 @@ def test_a_pipeline_is_torchs_schedule_run_on_every_pp_rank(schedule) -> None:
         assert c.peak > c.static.total
 
 
+@pytest.mark.slow
 def test_gpipe_holds_every_micro_batch_and_1f1b_a_few() -> None:
     gpipe, one = (predict(Job(SMALL, 8, micro_batch_size=1, pp_schedule=s), dp=1, pp=2) for s in ("gpipe", "1f1b"))
     assert gpipe.classes[0].activations > 1.5 * one.classes[0].activations
@@ -71,6 +72,7 @@ def test_hosts() -> None:
     assert not spans_hosts(MeshLayout((3, 2), ("A", "B")), "A", 8) and spans_hosts(MeshLayout((3, 4), ("A", "B")), "A", 8)
 
 
+@pytest.mark.slow
 def test_search_ranks_the_fits_and_says_why_the_rest_do_not() -> None:
     job = Job(SMALL, 16, micro_batch_size=1)
     everything, _ = search(job, 8)
@@ -82,6 +84,7 @@ def test_search_ranks_the_fits_and_says_why_the_rest_do_not() -> None:
     assert "TP" not in fits[0].slow_dims
 
 
+@pytest.mark.slow
 def test_cli_prints_the_tables_and_the_json(capsys) -> None:
     assert main(["plan", "--model", SMALL, "--world-size", "4", "--tp", "2", "--pp", "2", "--device-memory", "1GiB"]) == 0
     out = capsys.readouterr().out

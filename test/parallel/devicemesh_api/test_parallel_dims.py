@@ -118,6 +118,7 @@ def test_every_rank_of_the_live_mesh_for_worlds_up_to_8(fake_rank) -> None:
         _live(job, list(range(math.prod(job[:5]))), fake_rank)
 
 
+@pytest.mark.slow
 def test_one_rank_of_the_live_mesh_for_each_larger_world(fake_rank) -> None:
     for i, job in enumerate(j for j in JOBS if math.prod(j[:5]) > 8):
         _live(job, [(7 * i + 3) % math.prod(job[:5])], fake_rank)

@@ -34,6 +34,7 @@ def four() -> list[dict]:
 
 
 @pytest.mark.parametrize("name", [*S.CASES, "llama-fsdp2-checkpoint-to-dp2-tp2"])
+@pytest.mark.slow
 def test_hf_models_on_four_ranks_match_one_process(four, name) -> None:
     for rank, results in enumerate(four):
         o = results[name]
