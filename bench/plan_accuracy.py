@@ -25,6 +25,7 @@ and the top choice keeps TP within a host).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -72,6 +73,7 @@ CONFIGS: dict[str, tuple[int, list[str], list[str]]] = {
 #: ``bench/plan_user_run.py`` running the same functions: name -> (processes, factory, parallelize, flags for both).
 JOBS = "test/models/llama_jobs.py"
 HF_JOBS = "test/models/hf_jobs.py"  # Hugging Face transformers' LlamaForCausalLM, as transformers ships it
+TITAN_JOBS = "test/models/titan_jobs.py"  # torchtitan's MoE module, as torchtitan 0.3.0 ships it (the titan extra)
 PIPELINE = ["--step", f"{JOBS}:step_pp", "--loss", f"{JOBS}:loss_fn"]
 USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-fsdp2-tp2-sp": (4, "make_dense", "parallelize_fsdp", ["--tp", "2"]),
@@ -85,13 +87,18 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-trunc-normal-zero1-tp2": (4, "make_dense_trunc_normal", "parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
     "hf-llama-fsdp2-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_fsdp", ["--tp", "2"]),
     "hf-llama-zero1-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
+    "titan-moe-ep2-ddp": (2, f"{TITAN_JOBS}:make_moe", f"{TITAN_JOBS}:parallelize_ddp", ["--ep", "2", "--dp-mode", "ddp"]),
+    "titan-moe-ep2-fsdp2": (2, f"{TITAN_JOBS}:make_moe", f"{TITAN_JOBS}:parallelize_fsdp", ["--ep", "2"]),
     # PP: the parallelize function returns torch PipelineStages, the step runs the schedule, the loss is the schedule's
     "llama-pp2-1f1b": (4, "make_dense", "parallelize_pp_1f1b", ["--pp", "2", *PIPELINE]),
     "llama-pp2-interleaved": (4, "make_dense", "parallelize_pp_interleaved",
                               ["--pp", "2", "--pp-schedule", "interleaved-1f1b", *PIPELINE]),
 }
 #: The configurations whose router is skewed in a real run: re-planned with the run's measured load factor.
-LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2")
+LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2", "titan-moe-ep2-ddp", "titan-moe-ep2-fsdp2")
+#: The configurations whose model comes from a package outside the test extra: name -> (module, how to install it).
+NEEDS = {name: ("torchtitan", 'pip install -c constraints.txt -e ".[test,titan]"')
+         for name in USER_CONFIGS if name.startswith("titan-")}
 
 
 def _model(example_flags: list[str], plan_flags: list[str]) -> str:
@@ -230,6 +237,13 @@ def main() -> None:
     unknown = [n for n in names if n not in known]
     if unknown:
         parser.error(f"unknown configuration {unknown[0]!r}; valid: {', '.join(known)}")
+    absent = {n: NEEDS[n] for n in names if n in NEEDS and importlib.util.find_spec(NEEDS[n][0]) is None}
+    if absent and args.only:
+        name, (module, install) = next(iter(absent.items()))
+        parser.error(f"{name} needs {module}, which is not installed: {install}")
+    for name, (module, install) in absent.items():
+        print(f"left out: {name} ({module} is not installed: {install})")
+    names = [n for n in names if n not in absent]
     rows = []
     if names:
         print(f"{'configuration':26} {'rank class':11} {'predicted':>10} {'measured':>10} {'ratio':>6}   bytes per step "

@@ -80,6 +80,9 @@ def regenerate(path: Path, check: bool, kinds: tuple[str, ...] = KINDS) -> list[
     for block in blocks(path):
         if kind_of(block) not in kinds:
             continue
+        if kind_of(block) == "python" and block.missing:
+            print(f"{block.where}: left as it is, {', '.join(block.missing)} is not installed", file=sys.stderr)
+            continue
         holder, shown, now = generated(block)
         if same(shown, now):
             continue

@@ -8,6 +8,9 @@ Every block that shows code or output is one of these; ``docs/regenerate.py`` wr
 * ```` ```python gloo:N ````: a snippet run on ``N`` real gloo processes (``test/launch.py``), as
   ``torchrun --nproc_per_node=N`` would run it; ``gloo:N lighthouse`` first starts a torchft
   lighthouse and sets ``TORCHFT_LIGHTHOUSE``.
+* ```` ```python gloo:N needs:MODULE ````: a snippet that imports a package outside the ``test`` extra
+  (``needs:torchtitan``, the ``titan`` extra); where ``MODULE`` is not installed its test skips, naming the
+  extra, and ``docs/regenerate.py`` leaves its output as it is.
 * ```` ```python not-run ````: cannot run here (several hosts, a GPU, a crash that comes only
   sometimes); the text before it must say so.
 * A ```` ```text ```` block right after a snippet is what it printed: every rank's output, in rank order.
@@ -27,6 +30,7 @@ Every block that shows code or output is one of these; ``docs/regenerate.py`` wr
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import re
@@ -75,6 +79,16 @@ class Block:
                 return kind, 0
         raise ValueError(f"{self.where}: a python block needs one of fake:N, gloo:N or not-run after 'python' "
                          f"(see docs/snippets.py); it has {' '.join(self.info)!r}")
+
+    @property
+    def needs(self) -> list[str]:
+        """The modules a snippet imports from outside the ``test`` extra (``needs:MODULE`` tokens)."""
+        return [t.partition(":")[2] for t in self.info[1:] if t.startswith("needs:")]
+
+    @property
+    def missing(self) -> list[str]:
+        """Those of :attr:`needs` that are not installed here."""
+        return [m for m in self.needs if importlib.util.find_spec(m) is None]
 
     @property
     def command(self) -> str:

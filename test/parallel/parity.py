@@ -50,6 +50,7 @@ def compare(got: dict[str, Any], ref: tuple[list[float], dict[str, torch.Tensor]
     """The largest difference of any step's loss and of any final parameter from the one-process run."""
     losses, params = ref
     assert set(got["params"]) == set(params), sorted(set(got["params"]) ^ set(params))
-    return {"loss_diff": max(abs(a - b) for a, b in zip(got["losses"], losses)),
-            "param_diff": max((got["params"][n] - p).abs().max().item() for n, p in params.items()),
-            "losses": got["losses"], "ref": losses}
+    diffs = {n: (got["params"][n] - p).abs().max().item() for n, p in params.items()}
+    worst = max(diffs, key=diffs.__getitem__)
+    return {"loss_diff": max(abs(a - b) for a, b in zip(got["losses"], losses)), "param_diff": diffs[worst],
+            "worst": worst, "losses": got["losses"], "ref": losses}

@@ -53,8 +53,9 @@ __all__ = ["EXPERT", "ExpertParallel", "ExpertTensorParallel", "TITAN_TP_DIMS", 
 
 #: torchtitan's grouped experts, split over TP as Megatron splits an MLP: ``w1``/``w3`` ``[E, H, D]`` by their hidden
 #: rows (dim 1, column-parallel), ``w2 [E, D, H]`` by its hidden columns (dim 2, row-parallel); ``b1``/``b3``
-#: ``[E, H]`` with their rows. Any other parameter (``b2 [E, D]``) is added to the output, whole on every TP rank.
-TITAN_TP_DIMS: dict[str, int] = {"w1": 1, "w3": 1, "w2": 2, "b1": 1, "b3": 1}
+#: ``[E, H]`` with their rows. torchtitan 0.3.0 names them by their dims: ``w1_EFD``/``w3_EFD`` ``[E, F, D]`` and
+#: ``w2_EDF [E, D, F]``. Any other parameter (``b2 [E, D]``) is added to the output, whole on every TP rank.
+TITAN_TP_DIMS: dict[str, int] = {"w1": 1, "w3": 1, "w2": 2, "b1": 1, "b3": 1, "w1_EFD": 1, "w3_EFD": 1, "w2_EDF": 2}
 
 #: The attribute ExpertParallel sets on each parameter it shards, and on the module it wraps.
 EXPERT = "_vemesh_expert_parallel"

@@ -1,0 +1,161 @@
+"""torchtitan's own ``MoE`` module (the ``torchtitan`` package, 0.3.0: the ``titan`` extra) in a model of a user's:
+an embedding, blocks of ``RMSNorm`` and torchtitan's ``MoE`` (router, routed experts, shared experts, the
+load-balancing buffers) with a residual, a norm and a head. torchtitan's whole LMs need its flex or varlen attention,
+which needs ``torch.compile`` on CPU, so the model around its ``MoE`` is plain torch.
+
+What a user writes for it, the three things ``vemesh plan --model module:... --parallelize ... --step ...`` runs
+(``bench/plan_accuracy.py`` plans them and runs them for real): a factory, parallelize functions (vemesh's
+``ExpertParallel`` on each ``MoE``'s grouped experts, vemesh DDP or FSDP2 on the rest) and a step.
+``test/parallel/library_models/test_torchtitan_models.py`` trains it against one process.
+"""
+
+from __future__ import annotations
+
+import types
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+
+from vemesh.ddp import DistributedDataParallel
+from vemesh.parallel import ExpertParallel, ExpertTensorParallel, fully_shard
+
+#: The planner's job: 2 blocks of 8 experts (top 2) of width 256, sequences of 128, a vocabulary of 512.
+BENCH = dict(vocab=512, dim=256, hidden=256, experts=8, top_k=2, n_layers=2, seq=128)
+
+
+def titan_moe(dim: int, hidden: int, experts: int, top_k: int) -> nn.Module:
+    """torchtitan 0.3.0's ``MoE``, built by its own config helpers and initialised by its ``init_states``
+    (softmax router, normalised top-k weights, a shared SwiGLU expert, auxiliary-loss-free load balancing)."""
+    from torchtitan.models.common.config_utils import (make_ffn_config, make_moe_config, make_routed_experts_config,
+                                                       make_router_config)
+
+    init = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+    config = make_moe_config(
+        num_experts=experts, load_balance_coeff=1e-2,
+        router=make_router_config(dim=dim, num_experts=experts, gate_param_init=init, top_k=top_k,
+                                  score_func="softmax", route_norm=True),
+        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=hidden, num_experts=experts, top_k=top_k,
+                                                  param_init=dict.fromkeys(["w1_EFD", "w2_EDF", "w3_EFD"],
+                                                                           init["weight"]),
+                                                  comm_backend="standard"),
+        shared_experts=make_ffn_config(dim=dim, hidden_dim=hidden, w1_param_init=init, w2w3_param_init=init))
+    moe = config.build()
+    moe.init_states()  # torchtitan's modules are built empty and initialised here
+    return moe
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, moe: nn.Module) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.moe = moe
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.moe(self.norm(h))
+
+
+class TitanMoELM(nn.Module):
+    def __init__(self, vocab: int, dim: int, hidden: int, experts: int, top_k: int, n_layers: int, seq: int) -> None:
+        super().__init__()
+        self.vocab, self.seq = vocab, seq
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, titan_moe(dim, hidden, experts, top_k)) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def fp32_grouped_mm(self: nn.Module, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``GroupedExperts._grouped_mm`` seam computing in fp32. Its forward still casts the tokens and
+    weights to bf16 before the seam, so the weights' gradients are rounded to bf16 at those casts: under EP each data
+    rank's share of an expert's gradient is rounded before the shares are summed, not the sum once."""
+    return torch._grouped_mm(A.float(), B_t.float(), offs=offs)
+
+
+def fp32_forward(self: nn.Module, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """``GroupedExperts.forward`` as torchtitan 0.3.0 writes it, without its casts to bf16: the same SwiGLU through
+    the same ``_grouped_mm`` seam, on fp32 operands, so nothing is rounded beyond fp32."""
+    offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    h = F.silu(self._grouped_mm(A=x_RD, B_t=self.w1_EFD.transpose(-2, -1), offs=offs))
+    h = h * self._grouped_mm(A=x_RD, B_t=self.w3_EFD.transpose(-2, -1), offs=offs)
+    return self._grouped_mm(A=h, B_t=self.w2_EDF.transpose(-2, -1), offs=offs)
+
+
+def experts_in(model: TitanMoELM, precision: str) -> None:
+    """``precision``: ``"bf16"`` leaves torchtitan's experts as shipped, ``"fp32-seam"`` overrides their
+    ``_grouped_mm`` seam to compute in fp32, ``"fp32"`` their forward too (no casts to bf16)."""
+    if precision not in ("bf16", "fp32-seam", "fp32"):
+        raise ValueError(f"precision must be one of 'bf16', 'fp32-seam', 'fp32'; got {precision!r}")
+    for layer in model.layers:
+        experts = layer.moe.routed_experts.inner_experts
+        if precision != "bf16":
+            experts._grouped_mm = types.MethodType(fp32_grouped_mm, experts)
+        if precision == "fp32":
+            experts.forward = types.MethodType(fp32_forward, experts)
+
+
+def balance_experts(model: TitanMoELM, group) -> None:
+    """torchtitan's auxiliary-loss-free load balancing (its trainer's optimizer-step pre-hook), before each
+    ``opt.step()``: the routed-token counts summed over the data ranks (``group``; None in one process), each
+    expert's bias moved towards the mean count, the counts cleared."""
+    import torch.distributed as dist
+
+    for layer in model.layers:
+        moe = layer.moe
+        counts = moe.tokens_per_expert_E
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        with torch.no_grad():
+            delta = moe.load_balance_coeff * torch.sign(counts.mean() - counts)
+            moe.expert_bias_E.add_(delta - delta.mean())
+        counts.zero_()
+
+
+def expert_parallel(model: TitanMoELM, mesh) -> None:
+    """The documented call: vemesh's ``ExpertParallel`` on each ``MoE``'s grouped experts over ``mesh["EP"]``, or
+    ``ExpertTensorParallel`` over ``mesh["EP", "TP"]`` when the mesh has TP too."""
+    for layer in model.layers:
+        experts = layer.moe.routed_experts.inner_experts
+        if mesh.get_strategy_size("TP") > 1:
+            parallelize_module(experts, mesh["EP", "TP"], ExpertTensorParallel())
+        elif mesh.get_strategy_size("EP") > 1:
+            parallelize_module(experts, mesh["EP"], ExpertParallel())
+
+
+def make_moe() -> TitanMoELM:
+    """The planner's job (:data:`BENCH`), its experts in bf16 as shipped."""
+    torch.manual_seed(0)
+    return TitanMoELM(**BENCH)
+
+
+def parallelize_ddp(model: TitanMoELM, mesh) -> nn.Module:
+    """EP on the experts, vemesh DDP over the mesh's data dims (experts over EDP; ZeRO-1 is the optimizer's)."""
+    expert_parallel(model, mesh)
+    return DistributedDataParallel(model)
+
+
+def parallelize_fsdp(model: TitanMoELM, mesh) -> nn.Module:
+    """EP on the experts, FSDP2 on each block and the root."""
+    expert_parallel(model, mesh)
+    for block in model.layers:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """One forward and backward of ``micro_batch_size`` random sequences (the load balancing belongs before the
+    optimizer step, which the planner does not trace: it moves no bytes of the model's)."""
+    core = model.module if isinstance(model, DistributedDataParallel) else model
+    tokens = torch.randint(0, core.vocab, (micro_batch_size, core.seq + 1))
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach()

@@ -1,0 +1,120 @@
+"""What each rank runs in test_torchtitan_models.py: torchtitan's own ``MoE`` module (the ``torchtitan`` package,
+pinned by the ``titan`` extra), unchanged, in a user's own training loop (``test/models/titan_jobs.py``'s model),
+parallelized with vemesh and torch APIs only, trained 3 steps, and compared with one process on the global batch.
+
+The loop keeps torchtitan's auxiliary-loss-free load balancing as its trainer does (an optimizer-step pre-hook there):
+the routed-token counts are summed over the data ranks, and each expert's bias moves by ``coeff * sign(mean - count)``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
+import parity  # noqa: E402
+import titan_jobs  # noqa: E402
+
+from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
+from vemesh.parallel import ParallelDims  # noqa: E402
+
+STEPS, BATCH, LR, EPS = 3, 4, 1e-3, 1e-6
+TINY = dict(vocab=128, dim=32, hidden=16, experts=4, top_k=2, n_layers=2, seq=16)
+
+# torchtitan's router computes its gate under a float32 CPU autocast, which torch warns about on every forward
+warnings.filterwarnings("ignore", message=".*autocast.*")
+
+
+def make(precision: str) -> titan_jobs.TitanMoELM:
+    """The model, the same on every rank (one seed), its experts in ``precision`` (see ``titan_jobs.experts_in``)."""
+    torch.manual_seed(0)
+    model = titan_jobs.TitanMoELM(**TINY)
+    titan_jobs.experts_in(model, precision)
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, TINY["vocab"], (BATCH, TINY["seq"] + 1), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, and each MoE's load-balancing bias (a buffer the balance moved)."""
+    out = parity.whole_params(model)
+    inner = model.module if hasattr(model, "module") else model
+    for i, layer in enumerate(inner.layers):
+        out[f"layers.{i}.moe.expert_bias_E"] = layer.moe.expert_bias_E.detach().clone()
+    return out
+
+
+def reference(precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = make(precision)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, *batch(step))
+        loss.backward()
+        titan_jobs.balance_experts(model, None)
+        opt.step()
+        losses.append(loss.item())
+    return losses, state(model)
+
+
+def train(dims: ParallelDims, precision: str, wrap: str, optimizer: str) -> dict[str, Any]:
+    dims.build("cpu", mesh)
+    model = make(precision)
+    titan_jobs.expert_parallel(model, mesh)  # the documented call: vemesh's styles on torchtitan's grouped experts
+    inner = model
+    model = parity.wrap(model, list(model.layers), wrap)
+    opt = parity.optimizer(model, optimizer, lr=LR, eps=EPS)
+    rows = mesh.lookup_rank("DP")
+    data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = (t.chunk(dims.dp)[rows].clone() for t in batch(step))
+        loss = loss_of(model, x, y)
+        loss.backward()
+        titan_jobs.balance_experts(inner, data)
+        opt.step()
+        losses.append(parity.mean_over(loss, data))
+    params = state(model)
+    mesh.reset()
+    return {"losses": losses, "params": params}
+
+
+CASES = {  # name: (degrees, the experts' precision, wrapper, optimizer)
+    "titan-moe-ep2-ddp": (dict(ep=2), "fp32", "ddp", "adamw"),
+    "titan-moe-ep2-zero1": (dict(ep=2), "fp32", "ddp", "zero1"),
+    "titan-moe-ep2-fsdp2": (dict(ep=2), "fp32", "fsdp", "adamw"),
+    "titan-moe-ep2-tp2-ddp": (dict(ep=2, tp=2), "fp32", "ddp", "adamw"),
+    "titan-moe-ep2-ddp-bf16": (dict(ep=2), "bf16", "ddp", "adamw"),
+    "titan-moe-ep2-ddp-fp32-seam": (dict(ep=2), "fp32-seam", "ddp", "adamw"),
+}
+
+
+def worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
+    refs = {precision: reference(precision) for precision in {c[1] for c in cases.values()}}
+    out: dict[str, Any] = {}
+    for name, (degrees, precision, wrap, optimizer) in cases.items():
+        try:
+            out[name] = parity.compare(train(ParallelDims(world_size, **degrees), precision, wrap, optimizer),
+                                       refs[precision])
+        except Exception:  # noqa: BLE001 - reported back to pytest
+            out[name] = {"error": traceback.format_exc()}
+            mesh.reset()
+    return out
