@@ -22,7 +22,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,10 @@ from vemesh.mesh.manager import VeDeviceMesh
 from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import apply_tp
 from vemesh.parallel import ExpertParallel, context_parallel
-from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name
+from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name, ops_by_mesh_name, step_counters
 from vemesh.planning.routing import routing
 
-__all__ = ["ROLES", "Trace", "trace_stage"]
+__all__ = ["ROLES", "Trace", "add_ops", "trace_stage"]
 
 #: What a pipeline stage holds besides its blocks: ``whole`` (no PP), ``first``, ``middle``, ``last``.
 ROLES = ("whole", "first", "middle", "last")
@@ -44,16 +44,45 @@ ROLES = ("whole", "first", "middle", "last")
 
 @dataclass(frozen=True)
 class Trace:
-    """One micro-batch through a stage (see the module docstring)."""
+    """One micro-batch through a stage (see the module docstring); what a step-time prediction needs when traced
+    ``timed`` (else 0): the FLOPs, the memory-bound bytes, the ops dispatched, and the collectives by mesh name and
+    op, ``(bytes, calls)``."""
 
     retained: int
     peak: int
     sent: tuple[tuple[str, int], ...]
+    flops: int = 0
+    memory_bytes: int = 0
+    ops: int = 0
+    dtensor_ops: int = 0
+    by_op: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict, compare=False)
+
+    def plus(self, other: Trace, times: int) -> Trace:
+        """This trace and ``times`` x ``other`` (a per-block difference)."""
+        mine, theirs = dict(self.sent), dict(other.sent)
+        return Trace(self.retained + times * other.retained, self.peak + times * other.peak,
+                     tuple((k, mine.get(k, 0) + times * theirs.get(k, 0)) for k in sorted(set(mine) | set(theirs))),
+                     self.flops + times * other.flops, self.memory_bytes + times * other.memory_bytes,
+                     self.ops + times * other.ops, self.dtensor_ops + times * other.dtensor_ops,
+                     add_ops(self.by_op, other.by_op, times))
 
     def __sub__(self, other: Trace) -> Trace:
         mine, theirs = dict(self.sent), dict(other.sent)
         return Trace(self.retained - other.retained, self.peak - other.peak,
-                     tuple((k, mine.get(k, 0) - theirs.get(k, 0)) for k in sorted(set(mine) | set(theirs))))
+                     tuple((k, mine.get(k, 0) - theirs.get(k, 0)) for k in sorted(set(mine) | set(theirs))),
+                     self.flops - other.flops, self.memory_bytes - other.memory_bytes, self.ops - other.ops,
+                     self.dtensor_ops - other.dtensor_ops, add_ops(self.by_op, other.by_op, -1))
+
+
+def add_ops(a: dict[str, dict[str, tuple[int, int]]], b: dict[str, dict[str, tuple[int, int]]],
+            times: int) -> dict[str, dict[str, tuple[int, int]]]:
+    """``a + times x b`` of ``(bytes, calls)`` by mesh name and op."""
+    out = {}
+    for dim in sorted(set(a) | set(b)):
+        x, y = a.get(dim, {}), b.get(dim, {})
+        out[dim] = {op: (x.get(op, (0, 0))[0] + times * y.get(op, (0, 0))[0],
+                         x.get(op, (0, 0))[1] + times * y.get(op, (0, 0))[1]) for op in sorted(set(x) | set(y))}
+    return out
 
 
 @contextmanager
@@ -82,8 +111,9 @@ def _fake_world(tp: int, cp: int, ep: int = 1) -> Iterator[object | None]:
 
 def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, micro_batch: int, tp: int = 1,
                 cp: int = 1, sequence_parallel: bool = False, dtype: str = "fp32", checkpointing: bool = False,
-                ep: int = 1, load_factor: float = 1.0) -> Trace:
-    """One micro-batch of ``micro_batch`` sequences through a stage of ``blocks`` blocks.
+                ep: int = 1, load_factor: float = 1.0, timed: bool = False) -> Trace:
+    """One micro-batch of ``micro_batch`` sequences through a stage of ``blocks`` blocks (``timed``: also what a
+    step-time prediction needs, see :class:`Trace`).
 
     ``config`` is the GPTConfig fields as sorted pairs (hashable, for the cache); ``role`` one of
     :data:`ROLES`; the sequence is ``block_size // cp`` tokens on this rank; ``checkpointing`` recomputes
@@ -93,20 +123,19 @@ def trace_stage(config: tuple[tuple[str, int], ...], *, blocks: int, role: str, 
     2- and a 1-block middle stage: the blocks are identical, and each extra block's saved activations
     are held through the backward of the last two, where the peak of the 2-block stage is.
     """
-    args = (micro_batch, tp, cp, sequence_parallel, dtype, checkpointing, ep, load_factor)
+    args = (micro_batch, tp, cp, sequence_parallel, dtype, checkpointing, ep, load_factor, timed)
     if blocks <= 2:
         return _trace(config, blocks, role, *args)
     two = _trace(config, 2, role, *args)
     per_block = _trace(config, 2, "middle", *args) - _trace(config, 1, "middle", *args)
-    extra = blocks - 2
-    sent = dict(two.sent)
-    return Trace(two.retained + extra * per_block.retained, two.peak + extra * per_block.retained,
-                 tuple((k, sent.get(k, 0) + extra * v) for k, v in per_block.sent))
+    # each extra block's saved activations are held through the peak: it grows by what a block retains
+    return replace(two.plus(per_block, blocks - 2), peak=two.peak + (blocks - 2) * per_block.retained)
 
 
 @functools.lru_cache(maxsize=256)
 def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_batch: int, tp: int, cp: int,
-           sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1, load_factor: float = 1.0) -> Trace:
+           sequence_parallel: bool, dtype: str, checkpointing: bool, ep: int = 1, load_factor: float = 1.0,
+           timed: bool = False) -> Trace:
     from torch.distributed.tensor.parallel import parallelize_module
 
     if role not in ROLES:
@@ -134,7 +163,7 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
         buffers = [model.pos] if cp > 1 and model.wte is not None else []
         cut = context_parallel(mesh["CP"], buffers=buffers, buffer_seq_dims=[0] * len(buffers),
                                load_balance=False) if cp > 1 else contextlib.nullcontext()
-        with tracker, counter, cut:
+        with tracker, counter, cut, step_counters(timed) as (flop_counter, memory_bound):
             counter.counting = True
             if role in ("whole", "first"):
                 x = torch.randint(0, cfg.vocab_size, (micro_batch, tokens))
@@ -152,7 +181,9 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
             out.backward(grad)
             peak = tracker.peak_besides_weights
         sent = by_mesh_name(counter.bytes, mesh) if mesh is not None else {}
-    return Trace(retained, peak, tuple(sorted(sent.items())))
+        by_op = ops_by_mesh_name(counter.by_op, mesh) if mesh is not None else {}
+    return Trace(retained, peak, tuple(sorted(sent.items())), flop_counter.get_total_flops(), memory_bound.bytes,
+                 memory_bound.ops, memory_bound.dtensor_ops, by_op)
 
 
 def _build(model_module: object, cfg: object, dtype: torch.dtype) -> torch.nn.Module:

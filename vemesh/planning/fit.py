@@ -25,8 +25,9 @@ from typing import Any
 from vemesh.models.gpt import planned as gpt_planned
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.models.gpt.stages import split_layers
+from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
 from vemesh.parallel.schedules import in_flight, schedule_class, stage_indices, stages_per_rank
-from vemesh.planning.activations import trace_stage
+from vemesh.planning.activations import add_ops, trace_stage
 from vemesh.planning.estimate import (Model, check_degrees, fsdp_local, gpt_config, load_model, local_numel, rank_static,
                                       stage_keys)
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
@@ -40,6 +41,8 @@ __all__ = ["Job", "MeshFit", "RankClass", "predict", "search"]
 
 #: How a search ranks the meshes that fit.
 RANKINGS = ("time", "inter-host", "peak")
+#: Collectives of a step as a trace counts them: ``{op: (bytes, calls)}``.
+Ops = dict[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -181,23 +184,31 @@ def _pipeline_estimate(job: Job, model: Model, *, dp: int, tp: int, pp: int, cp:
         traces = [trace_stage(model.config, blocks=len(layers[s]),
                               role="first" if s == 0 else "last" if s == n_stages - 1 else "middle", micro_batch=mbs,
                               tp=tp, cp=cp, sequence_parallel=job.sequence_parallel and tp > 1, dtype=job.dtype,
-                              checkpointing=job.activation_checkpointing, ep=ep, load_factor=job.moe_load_factor)
+                              checkpointing=job.activation_checkpointing, ep=ep, load_factor=job.moe_load_factor,
+                              timed=job.timed)
                   for s in stages]
         retained = sum(t.retained for t in traces) / len(traces)
         activations = int((flights[rank] - 1) * retained) + max(t.peak for t in traces)
-        sent: dict[str, int] = {}
-        for t in traces:
-            for dim, b in t.sent:
-                sent[dim] = sent.get(dim, 0) + b * passes
         hidden = mbs * (cfg["block_size"] // cp) // (tp if job.sequence_parallel else 1) * cfg["n_embd"] * width
         transfers = sum((s < n_stages - 1) + (s > 0) for s in stages)
-        sent["PP"] = hidden * passes * transfers  # each micro-batch's activations forward and its input gradient back
-        dp_bytes, extra = _dp_traffic(model, mine, job, dp * cp, tp, passes, ep)
+        # every micro-batch through each stage; each one's activations sent forward and its input gradient back
+        ops: dict[str, Ops] = {"PP": {"send": (hidden * passes * transfers, passes * transfers)}}
+        for t in traces:
+            ops = add_ops(ops, t.by_op, passes)
+        dp_ops, extra = _dp_traffic(model, mine, job, dp * cp, tp, passes, ep)
         extra += hidden * passes * transfers  # torch's stages keep a receive buffer per micro-batch and direction
-        for dim, b in (("EDP", dp_bytes[1]), (grad_dim, dp_bytes[0])):
-            if b:
-                sent[dim] = sent.get(dim, 0) + b
-        classes.append(RankClass(name, static, activations, extra, _by_group(sent, pp, dp, cp, tp, ep)))
+        for dim, by_op in (("EDP", dp_ops[1]), (grad_dim, dp_ops[0])):
+            if by_op:
+                ops = add_ops(ops, {dim: by_op}, 1)
+        ops = _by_group(ops, pp, dp, cp, tp, ep)
+        timing = {}
+        if job.timed:  # what the step's compute and the optimizer's bytes come to (step_time times them)
+            optimizer = _optimizer_bytes(static, job.mode)
+            timing = dict(flops=passes * sum(t.flops for t in traces), optimizer_bytes=optimizer,
+                          memory_bytes=passes * sum(t.memory_bytes for t in traces) + optimizer,
+                          ops=passes * sum(t.ops for t in traces), dtensor_ops=passes * sum(t.dtensor_ops for t in traces),
+                          collectives=ops)
+        classes.append(RankClass(name, static, activations, extra, {d: _nbytes(o) for d, o in ops.items()}, **timing))
     notes = (f"pipeline estimated, not traced (a search): one micro-batch per stage traced, times the chunks in "
              f"flight along torch's {job.pp_schedule} action list; plan this mesh with --pp {pp} to trace the "
              "schedule",)
@@ -205,19 +216,32 @@ def _pipeline_estimate(job: Job, model: Model, *, dp: int, tp: int, pp: int, cp:
                    dp_mode=job.mode, pp_schedule=job.pp_schedule)
 
 
-def _by_group(sent: dict[str, int], pp: int, dp: int, cp: int, tp: int, ep: int) -> dict[str, int]:
-    """Bytes per dim, a dim whose group is the whole world named as the first such dim (mesh dims first).
+def _by_group(ops: dict[str, Ops], pp: int, dp: int, cp: int, tp: int, ep: int) -> dict[str, Ops]:
+    """Collectives per dim, a dim whose group is the whole world named as the first such dim (mesh dims first).
 
     torch gives a group of every rank the default group, so a run counts it under the first name that has it.
     """
     sizes = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "dp_cp": dp * cp, "EDP": dp * cp // ep, "EP": ep}
     world = pp * dp * cp * tp
     first = next((d for d, n in sizes.items() if n == world), None)
-    out: dict[str, int] = {}
-    for dim, b in sent.items():
+    out: dict[str, Ops] = {}
+    for dim, by_op in ops.items():
         key = first if first is not None and sizes.get(dim) == world else dim
-        out[key] = out.get(key, 0) + b
+        out = add_ops(out, {key: by_op}, 1)
     return dict(sorted(out.items()))
+
+
+#: The bytes AdamW's update reads and writes per byte of its state (its two fp32 moments): 84 per element, as a
+#: traced plan counts it under vemesh DDP (10.5 per byte there; 11.5 under FSDP2, whose shards add copies).
+ADAMW_BYTES_PER_STATE_BYTE = 10.5
+
+
+def _optimizer_bytes(static: Any, mode: str) -> int:
+    """The bytes a PP rank's ``optimizer.step()`` moves, estimated: AdamW's update over its state
+    (:data:`ADAMW_BYTES_PER_STATE_BYTE`), and under ZeRO-1 each gradient copied into the shard and each parameter
+    gathered back (a traced plan's figure is 0.91 to 1.0 of this on the PP meshes of ``test_step_time.py``)."""
+    copies = static.params + static.grads if mode == "zero1" else 0
+    return round(ADAMW_BYTES_PER_STATE_BYTE * static.optimizer + copies)
 
 
 def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshFit:
@@ -227,26 +251,35 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
                          "is planned on DP only")
     keys = stage_keys(model, 1)[0]
     static = rank_static(model, keys, "every rank", dp=dp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.mode)
-    (dp_bytes, _), extra = _dp_traffic(model, keys, job, dp, tp, 1)
+    (dense, _), extra = _dp_traffic(model, keys, job, dp, tp, 1)
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
-                   [RankClass("every rank", static, 0, extra, {"DP": dp_bytes} if dp_bytes else {})],
+                   [RankClass("every rank", static, 0, extra, {"DP": _nbytes(dense)} if dense else {})],
                    1, job.global_batch_size // dp, traced=False, dp_mode=job.mode)
 
 
 def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes: int,
-                ep: int = 1) -> tuple[tuple[int, int], int]:
-    """((bytes per step over the gradient dim, over EDP), FSDP2's unsharded bytes in use) of a rank holding ``keys``.
+                ep: int = 1) -> tuple[tuple[Ops, Ops], int]:
+    """((the gradient dim's collectives per step, EDP's), FSDP2's unsharded bytes in use) of a rank holding ``keys``;
+    each collective op as ``{op: (bytes, calls)}``, the op named as torch's c10d names it (what a trace counts).
 
-    With EP the experts' gradients average over EDP (the ranks holding the same experts), the rest over DP.
+    With EP the experts' gradients average over EDP (the ranks holding the same experts), the rest over DP. vemesh
+    DDP all-reduces fp32 gradients in buckets of 6,553,600 elements; ZeRO-1 then gathers the updated shards; FSDP2
+    gathers each unit (each block, and the root) in forward and the blocks again in backward, every micro-batch, and
+    reduce-scatters each unit's fp32 gradients once.
     """
     width = 2 if job.dtype == "bf16" else 4
     experts = model.experts
     mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
     if job.mode != "fsdp":
-        def per_step(params: list[Any], over: int) -> int:
+        def per_step(params: list[Any], over: int) -> Ops:
             n = sum(local_numel(p.shape, p.tp_dim, tp) for p in params)
-            gather = width * -(-n // over) * over if job.mode == "zero1" else 0
-            return 4 * n + gather if over > 1 and n else 0
+            if over <= 1 or not n:
+                return {}
+            buckets = -(-n // DEFAULT_BUCKET_SIZE)
+            ops = {"allreduce_": (4 * n, buckets)}
+            if job.mode == "zero1":
+                ops["_allgather_base_"] = (width * -(-n // over) * over, buckets)
+            return ops
         dense = [p for p in mine if p.expert is None or ep == 1]
         expert = [p for p in mine if p.expert is not None and ep > 1]
         return (per_step(dense, dp), per_step(expert, dp // ep)), 0
@@ -260,7 +293,16 @@ def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes
     reduced = 4 * (root + sum(blocks))
     biggest = max(blocks, default=0)
     extra = width * (root + 2 * biggest)  # the root stays gathered; a block and the next one (prefetch)
-    return ((gathered * passes + reduced) if dp > 1 else 0, 0), extra if dp > 1 else 0
+    if dp <= 1:
+        return ({}, {}), 0
+    ops = {"_allgather_base_": (gathered * passes, ((root > 0) + 2 * len(blocks)) * passes),
+           "_reduce_scatter_base_": (reduced, len(units))}
+    return (ops, {}), extra
+
+
+def _nbytes(ops: Ops) -> int:
+    """The bytes of ``{op: (bytes, calls)}``."""
+    return sum(b for b, _ in ops.values())
 
 
 def search(job: Job, world_size: int, *, device_memory: int | None = None, devices_per_host: int | None = None,
@@ -314,10 +356,6 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             if device_memory is not None and fit.peak > device_memory:
                 fit = replace(fit, reason=f"peak {_gib(fit.peak)} > device memory {_gib(device_memory)}")
                 rejected.append(fit)
-                continue
-            if timed is not None and pp > 1:  # a search's pipeline estimate counts no FLOPs: it cannot be timed
-                rejected.append(replace(fit, reason=f"not timed: a search estimates a PP mesh without tracing a "
-                                                    f"step; plan it with --pp {pp} and the profile to time it"))
                 continue
             mesh = plan_mesh(world_size, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, devices_per_host=devices_per_host)
             if devices_per_host and world_size > devices_per_host:

@@ -146,6 +146,10 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
                      f"{', '.join(f.slow_dims) or '-'}")
     if timed and len(fits) > 1:
         lines.extend(_why_slower(fits[0], fits[1:top]))
+    if any(f.degrees["PP"] > 1 for f in fits[:top]) and not job.user:
+        lines.append("PP meshes are estimated, not traced: one micro-batch per stage traced, times the schedule's "
+                     "micro-batches and chunks in flight" + (" (timed within 2% of the traced plan at width 1024, "
+                     "up to 11% short at width 512)" if timed else "") + "; plan one with --pp N to trace it")
     if rejected:
         lines.append(f"{len(rejected)} meshes rejected:")
         lines.extend(f"  {f.shape():28} {f.reason}" for f in rejected)
@@ -159,6 +163,7 @@ def _why_slower(best: MeshFit, others: list[MeshFit]) -> list[str]:
     for f in others:
         t = max(f.times, key=lambda x: x.total)
         parts = {"compute": t.compute - first.compute, "optimizer": t.optimizer - first.optimizer,
+                 "the PP bubble": t.bubble - first.bubble,
                  **{f"{d} exposed": x.exposed - (first.dims[d].exposed if d in first.dims else 0.0)
                     for d, x in t.dims.items()}}
         part, extra = max(parts.items(), key=lambda kv: kv[1])

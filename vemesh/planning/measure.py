@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["CollectiveBytes", "MemoryBoundBytes", "NoModules", "RunMeter", "by_mesh_name", "mesh_names",
-           "ops_by_mesh_name", "payload_bytes"]
+           "ops_by_mesh_name", "payload_bytes", "step_counters"]
 
 _c10d = torch.ops.c10d
 _func = torch.ops._c10d_functional
@@ -188,6 +188,28 @@ class NoModules:
 
     def __exit__(self, *exc: Any) -> None:
         pass
+
+
+@contextmanager
+def step_counters(timed: bool) -> Iterator[tuple[Any, Any]]:
+    """``(flops, moved)``: torch's ``FlopCounterMode`` and :class:`MemoryBoundBytes` over a step a step-time
+    prediction will time (``timed``); counters of nothing otherwise (an untimed trace runs faster)."""
+    if not timed:
+        yield _Nothing(), _Nothing()
+        return
+    flops = FlopCounterMode(display=False)
+    flops.mod_tracker = NoModules()  # its module hooks refuse autograd.grad, which a pipeline stage's backward runs
+    with flops, MemoryBoundBytes() as moved:
+        yield flops, moved
+
+
+class _Nothing:
+    """What an untimed trace counts: nothing."""
+
+    bytes = ops = dtensor_ops = 0
+
+    def get_total_flops(self) -> int:
+        return 0
 
 
 class StepTracker(MemTracker):

@@ -43,7 +43,7 @@ from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.fake_world import (Held, chunks_on_demand, copies_in_mode, fake_world, give_storage,
                                        real_mesh_tensors, to_bf16)
-from vemesh.planning.measure import (CollectiveBytes, MemoryBoundBytes, StepTracker, NoModules, by_mesh_name,
+from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, step_counters,
                                     ops_by_mesh_name)
 from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
 from vemesh.planning.results import Counted, MeshFit, RankClass, more_ops
@@ -210,7 +210,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                     counter.bytes.clear()
                     counter.by_op.clear()
                     counter.counting = tracker.in_step = True
-                    with _counting(timed) as (flop_counter, memory_bound):
+                    with step_counters(timed) as (flop_counter, memory_bound):
                         optimizer.zero_grad()
                         tracker.phase = first + "step"
                         if pp > 1:  # the schedule splits the batch and runs every micro-batch
@@ -246,29 +246,6 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                       dtensor_ops=dispatched[1][1] + (passes - 1) * (dispatched[2][1] - dispatched[1][1]),
                       by_op=more_ops(ops[2], ops[1], passes - 2) if passes > 2 else ops[2])
     return one
-
-
-@contextlib.contextmanager
-def _counting(timed: bool) -> Any:
-    """torch's FlopCounterMode and the memory-bound bytes while a timed step runs; counters of nothing otherwise."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    if not timed:
-        yield _Nothing(), _Nothing()
-        return
-    flops = FlopCounterMode(display=False)
-    flops.mod_tracker = NoModules()  # its module hooks refuse autograd.grad, which a pipeline stage's backward runs
-    with flops, MemoryBoundBytes() as moved:
-        yield flops, moved
-
-
-class _Nothing:
-    """What an untimed trace counts: nothing."""
-
-    bytes = ops = dtensor_ops = 0
-
-    def get_total_flops(self) -> int:
-        return 0
 
 
 def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, int], dp_mode: str | None) -> nn.Module:
