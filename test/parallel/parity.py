@@ -31,6 +31,23 @@ def optimizer(model: torch.nn.Module, which: str, **adamw: Any) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), **adamw)
 
 
+def one_process(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_of: Any,
+                before_step: Any = None, **adamw: Any) -> list[float]:
+    """The reference: ``model`` trained in one process with torch's AdamW on each whole batch; each step's loss.
+    ``before_step(model)`` runs between backward and the optimizer's step (a MoE's load balancing)."""
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_of(model, x, y)
+        loss.backward()
+        if before_step is not None:
+            before_step(model)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def mean_over(loss: torch.Tensor, group: dist.ProcessGroup | None) -> float:
     """The loss averaged over ``group`` (the ranks holding equal shares of the global batch)."""
     total = loss.detach().clone()

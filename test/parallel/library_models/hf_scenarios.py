@@ -63,14 +63,7 @@ def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions:
 
 def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = make(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = loss_of(model, *batch(step))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = parity.one_process(model, (batch(step) for step in range(STEPS)), loss_of, lr=LR, eps=EPS)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

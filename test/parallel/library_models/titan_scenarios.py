@@ -62,15 +62,8 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def reference(precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = make(precision)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = loss_of(model, *batch(step))
-        loss.backward()
-        titan_jobs.balance_experts(model, None)
-        opt.step()
-        losses.append(loss.item())
+    losses = parity.one_process(model, (batch(step) for step in range(STEPS)), loss_of,
+                                lambda m: titan_jobs.balance_experts(m, None), lr=LR, eps=EPS)
     return losses, state(model)
 
 
