@@ -1,7 +1,7 @@
 """torchtitan's own ``MoE`` module (the ``torchtitan`` package, 0.3.0: the ``titan`` extra) in a model of a user's:
 an embedding, blocks of ``RMSNorm`` and torchtitan's ``MoE`` (router, routed experts, shared experts, the
-load-balancing buffers) with a residual, a norm and a head. torchtitan's whole LMs need its flex or varlen attention,
-which needs ``torch.compile`` on CPU, so the model around its ``MoE`` is plain torch.
+load-balancing buffers) with a residual, a norm and a head. torchtitan's whole LMs take only flex or varlen
+attention, and torch 2.13's ``flex_attention`` has no backward on CPU, so the model around its ``MoE`` is plain torch.
 
 What a user writes for it, the three things ``vemesh plan --model module:... --parallelize ... --step ...`` runs
 (``bench/plan_accuracy.py`` plans them and runs them for real): a factory, parallelize functions (vemesh's
@@ -15,6 +15,7 @@ import types
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
@@ -29,6 +30,7 @@ BENCH = dict(vocab=512, dim=256, hidden=256, experts=8, top_k=2, n_layers=2, seq
 def titan_moe(dim: int, hidden: int, experts: int, top_k: int) -> nn.Module:
     """torchtitan 0.3.0's ``MoE``, built by its own config helpers and initialised by its ``init_states``
     (softmax router, normalised top-k weights, a shared SwiGLU expert, auxiliary-loss-free load balancing)."""
+    # here, not at the top: the module is importable (and its docstring readable) without the titan extra
     from torchtitan.models.common.config_utils import (make_ffn_config, make_moe_config, make_routed_experts_config,
                                                        make_router_config)
 
@@ -106,8 +108,6 @@ def balance_experts(model: TitanMoELM, group) -> None:
     """torchtitan's auxiliary-loss-free load balancing (its trainer's optimizer-step pre-hook), before each
     ``opt.step()``: the routed-token counts summed over the data ranks (``group``; None in one process), each
     expert's bias moved towards the mean count, the counts cleared."""
-    import torch.distributed as dist
-
     for layer in model.layers:
         moe = layer.moe
         counts = moe.tokens_per_expert_E
