@@ -201,3 +201,59 @@ def test_a_searchs_pipeline_estimate_is_timed_near_its_traced_plan(schedule, mod
     ratio = (max(t.total for t in time_of(estimated, mesh, profile, job))
              / max(t.total for t in time_of(traced, mesh, profile, job)))
     assert 0.88 <= ratio <= 1.0, ratio
+
+
+SMALL_GPT = "gpt:n_layer=2,n_embd=64,n_head=4,seq_len=64"
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(choose="mbs"), "--choose 'mbs' is not a choice; choose from micro-batch-size, activation-checkpointing"),
+    (dict(choose="micro-batch-size", device_profile=None),
+     "--choose picks what makes each mesh's step fastest in a search by time: give --device-memory and "
+     "--device-profile, and none of --pp, --dp, --tp"),
+    (dict(choose="micro-batch-size", tp=2), "--choose picks what makes each mesh's step fastest in a search by time"),
+    (dict(choose="micro-batch-size", micro_batch_size=2),
+     "--choose micro-batch-size and --micro-batch-size 2: fix it or let the search choose it, not both"),
+    (dict(choose="activation-checkpointing", activation_checkpointing=True),
+     "--choose activation-checkpointing is the GPT preset's choice, made without --activation-checkpointing"),
+    (dict(choose="activation-checkpointing", model=llama_jobs.make_dense, step=llama_jobs.step),
+     "with --parallelize your function decides it: plan one function with it and one without to compare"),
+])
+def test_a_bad_choice_is_one_line_naming_it(fields, message) -> None:
+    request = dict(world_size=2, model=SMALL_GPT, device_memory="80GiB", device_profile="h100-sxm") | fields
+    with pytest.raises(ValueError) as e:
+        PlanRequest(**request)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_search_by_time_chooses_each_meshs_micro_batch_and_checkpointing() -> None:
+    """``--choose``: without PP the largest micro-batch that fits, recomputing only where nothing fits without it;
+    with PP the fastest of every micro-batch size that fits (checked against each variant timed on its own)."""
+    from vemesh.planning.api import time_of
+    from vemesh.planning.fit import Job, predict
+    from vemesh.planning.mesh_plan import plan_mesh
+
+    profile = load_profile("h100-sxm")
+    job = Job(SMALL_GPT, 8, dp_mode="ddp", timed=True)
+    tight = (predict(Job(SMALL_GPT, 8, dp_mode="ddp", micro_batch_size=1), dp=2).peak
+             + predict(Job(SMALL_GPT, 8, dp_mode="ddp", micro_batch_size=1, activation_checkpointing=True), dp=2).peak) // 2
+    for memory in ("80GiB", tight):
+        doc = answer(PlanRequest(world_size=2, model=SMALL_GPT, global_batch_size=8, dp_mode="ddp", device_memory=memory,
+                                 device_profile="h100-sxm", choose="micro-batch-size,activation-checkpointing")).document()
+        chosen = {tuple(f["degrees"][d] for d in ("PP", "DP", "TP")): f for f in doc["fits"]}
+        if memory == "80GiB":  # every mesh fits whole: one pass of the DP rank's share, no recompute
+            assert chosen[(1, 2, 1)]["micro_batch_size"] == 4 and chosen[(1, 1, 2)]["micro_batch_size"] == 8
+            assert not any(f["activation_checkpointing"] for f in doc["fits"] if f["degrees"]["PP"] == 1)
+            pipeline = chosen[(2, 1, 1)]
+            mesh = plan_mesh(2, pp=2, dp=1, cp=1, tp=1, ep=1)
+            alone = {}
+            for m in (4, 2, 1):  # 8 would be one micro-batch for 2 stages, which torch's schedule refuses
+                fit = predict(Job(SMALL_GPT, 8, dp_mode="ddp", micro_batch_size=m, timed=True), dp=1, pp=2,
+                              trace_pipeline=False)
+                alone[m] = max(t.total for t in time_of(fit, mesh, profile, job))
+            assert pipeline["step_time"] == pytest.approx(min(alone.values()))
+            assert pipeline["micro_batch_size"] == min(alone, key=alone.get)
+        else:  # DP = 2 fits only recomputing, at one sequence per micro-batch
+            assert (chosen[(1, 2, 1)]["micro_batch_size"], chosen[(1, 2, 1)]["activation_checkpointing"]) == (1, True)
+            assert chosen[(1, 2, 1)]["peak"] <= tight

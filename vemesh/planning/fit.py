@@ -307,7 +307,8 @@ def _nbytes(ops: Ops) -> int:
 
 def search(job: Job, world_size: int, *, device_memory: int | None = None, devices_per_host: int | None = None,
            cp: int = 1, ep: int = 1, rank_by: str | None = None,
-           timed: Callable[[MeshFit, MeshPlan], list[Any]] | None = None) -> tuple[list[MeshFit], list[MeshFit]]:
+           timed: Callable[[MeshFit, MeshPlan], list[Any]] | None = None,
+           choose: tuple[str, ...] = ()) -> tuple[list[MeshFit], list[MeshFit]]:
     """Every ``(PP, DP, CP, TP)`` mesh of ``world_size`` ranks (CP and EP as given): ``(fitting, rejected)``.
 
     With ``devices_per_host`` (and more ranks than one host), each mesh's dims are placed on the hosts
@@ -317,6 +318,11 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
     ``devices_per_host``: the fewest bytes a rank sends per step over links between hosts, then the lowest
     peak) or ``"peak"`` (the lowest peak). A mesh is rejected, with its reason, when its peak is over
     ``device_memory`` or when the job cannot run on it (TP that does not divide the heads, ...).
+
+    ``choose`` (a search by time) also chooses, for each mesh, what :func:`_variants` lists: the micro-batch size and
+    the GPT preset's activation checkpointing. Without PP the first variant that fits is taken (the largest
+    micro-batch, no recompute: the same FLOPs in fewer passes, so fewer ops and fewer FSDP2 gathers); with PP every
+    variant that fits is timed and the fastest kept (more micro-batches shrink the bubble).
     """
     rank_by = rank_by or ("time" if timed else "inter-host" if devices_per_host else "peak")
     if rank_by not in RANKINGS:
@@ -348,28 +354,63 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
                 if over is not None:
                     rejected.append(over)
                     continue
-            try:
-                fit = predict(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, trace_pipeline=False)
-            except ValueError as e:
-                rejected.append(MeshFit(degrees, [], 0, 0, reason=str(e)))
-                continue
-            if device_memory is not None and fit.peak > device_memory:
-                fit = replace(fit, reason=f"peak {_gib(fit.peak)} > device memory {_gib(device_memory)}")
-                rejected.append(fit)
-                continue
             mesh = plan_mesh(world_size, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, devices_per_host=devices_per_host)
-            if devices_per_host and world_size > devices_per_host:
-                best, _ = place(fit, mesh, devices_per_host, timed)
-                fit = replace(fit, slow_dims=best.crossing, slow_bytes=best.cross_bytes, order=best.order,
-                              times=best.times)
-            elif timed is not None:
-                fit = replace(fit, times=tuple(timed(fit, mesh)))
-            fits.append(fit)
+            chosen, refusal = None, None
+            for variant in _variants(job, choose, job.global_batch_size // dp if job.global_batch_size % dp == 0 else 0):
+                try:
+                    fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, trace_pipeline=False)
+                except ValueError as e:
+                    refusal = refusal or MeshFit(degrees, [], 0, 0, reason=str(e))
+                    continue
+                if device_memory is not None and fit.peak > device_memory:
+                    over = f"peak {_gib(fit.peak)} > device memory {_gib(device_memory)}"
+                    refusal = replace(fit, reason=over + (" with every micro-batch size and activation checkpointing "
+                                                          "tried" if choose else ""))
+                    continue
+                fit = _placed(fit, mesh, devices_per_host, timed)
+                if choose:
+                    fit = replace(fit, activation_checkpointing=variant.activation_checkpointing)
+                if chosen is None or (fit.step_time or 0) < (chosen.step_time or 0):
+                    chosen = fit
+                if pp == 1:
+                    break
+            if chosen is None:
+                rejected.append(refusal)
+            else:
+                fits.append(chosen)
     keys = {"time": lambda f: (f.step_time, f.peak), "inter-host": lambda f: (f.slow_bytes, f.peak),
             "peak": lambda f: (f.peak, f.slow_bytes)}
     fits.sort(key=keys[rank_by])
     rejected.sort(key=lambda f: (f.peak if f.classes else math.inf))
     return fits, rejected
+
+
+def _placed(fit: MeshFit, mesh: MeshPlan, devices_per_host: int | None,
+            timed: Callable[[MeshFit, MeshPlan], list[Any]] | None) -> MeshFit:
+    """``fit`` with its dims placed on the hosts (the best order) and, with a profile, timed."""
+    if devices_per_host and mesh.world_size > devices_per_host:
+        best, _ = place(fit, mesh, devices_per_host, timed)
+        return replace(fit, slow_dims=best.crossing, slow_bytes=best.cross_bytes, order=best.order, times=best.times)
+    if timed is not None:
+        return replace(fit, times=tuple(timed(fit, mesh)))
+    return fit
+
+
+def _variants(job: Job, choose: tuple[str, ...], per_dp: int) -> list[Job]:
+    """The jobs a search tries on one mesh, in the order it prefers them: ``job`` alone, or with ``choose`` each
+    micro-batch size from the DP rank's whole share down by halves to 1 (``micro-batch-size``), without activation
+    checkpointing and then with it (``activation-checkpointing``)."""
+    sizes = [job.micro_batch_size]
+    if "micro-batch-size" in choose and per_dp:
+        sizes, size = [], per_dp
+        while size % 2 == 0:
+            sizes.append(size)
+            size //= 2
+        sizes += [size] + ([1] if size != 1 else [])
+    checkpointing = [job.activation_checkpointing]
+    if "activation-checkpointing" in choose and not job.activation_checkpointing:
+        checkpointing.append(True)
+    return [replace(job, micro_batch_size=m, activation_checkpointing=ac) for ac in checkpointing for m in sizes]
 
 
 def _static_over(job: Job, device_memory: int, *, dp: int, tp: int, cp: int, ep: int,

@@ -77,6 +77,8 @@ def search_document(job: Job, world_size: int, device_memory: int | None, device
             "fits": [{"degrees": f.degrees, "order": list(f.order), "peak": f.peak,
                       "inter_host_bytes_per_step": f.slow_bytes,
                       "inter_host_dims": list(f.slow_dims), "micro_batch_size": f.micro_batch_size,
+                      **({"activation_checkpointing": f.activation_checkpointing}
+                         if f.activation_checkpointing is not None else {}),
                       "classes": [_class_row(c) for c in f.classes]} for f in fits],
             "rejected": [{"degrees": f.degrees, "reason": f.reason} for f in rejected],
             "how": HOW_USER if job.user else HOW}
@@ -125,7 +127,8 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
     cost = {"time": "the shortest predicted step, each mesh's dims placed on the hosts",
             "inter-host": "the fewest bytes a rank sends per step between hosts, then the lowest peak"}.get(
         rank_by, "the lowest peak per rank")
-    memory = f", {device_memory / 2**30:.1f} GiB per device" if device_memory else ""
+    memory = (f", {device_memory / 2**30:.1f} GiB per device" if device_memory >= 2**30 else
+              f", {device_memory / 2**20:.1f} MiB per device") if device_memory else ""
     hosts = f", {devices_per_host} devices per host" if devices_per_host else ""
     lines = [f"plan: {job.name}" + (f" through {_name(job.parallelize)}" if job.parallelize else ""),
              f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
@@ -134,15 +137,18 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
              "functions refuse what they cannot run" if job.user else f"PP x DP x CP x TP = {world_size}, TP up to the "
              "heads, PP up to the blocks") + f"); {len(fits)} fit" + (f"; the best {min(top, len(fits))}:" if fits else "")]
     timed = any(f.times for f in fits)
+    chosen = any(f.activation_checkpointing is not None for f in fits)  # --choose: each mesh's own mbs and AC
     if fits:
-        lines.append(f"  {'#':>3}  {'mesh (outermost first)':28} {'peak':>10}  {'between hosts':>15}  "
+        lines.append(f"  {'#':>3}  {'mesh (outermost first)':28} " + ("  mbs  AC  " if chosen else "")
+                     + f"{'peak':>10}  {'between hosts':>15}  "
                      + ("  step time  exposed comm  " if timed else "") + "dims between hosts")
     for i, f in enumerate(fits[:top], 1):
         when = ""
         if timed:
             slowest = max(f.times, key=lambda t: t.total)
             when = f"{_ms(slowest.total):>11} {_ms(slowest.exposed):>13}  "
-        lines.append(f"  {i:>3}  {f.shape():28} {_size(f.peak, 1):>10}  {_size(f.slow_bytes, 2):>15}  {when}"
+        choice = f"{f.micro_batch_size:>5}  {'on' if f.activation_checkpointing else 'off':>3} " if chosen else ""
+        lines.append(f"  {i:>3}  {f.shape():28} {choice}{_size(f.peak, 1):>10}  {_size(f.slow_bytes, 2):>15}  {when}"
                      f"{', '.join(f.slow_dims) or '-'}")
     if timed and len(fits) > 1:
         lines.extend(_why_slower(fits[0], fits[1:top]))
@@ -216,6 +222,10 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--activation-checkpointing", action="store_true",
                      help="recompute each block in backward, keeping only its input")
     job.add_argument("--device-memory", metavar="SIZE", help="memory per device, with a unit: 80GiB, 24GB")
+    job.add_argument("--choose", metavar="WHAT", help="a search by time chooses these for each mesh too, the fastest "
+                     "that fits: micro-batch-size (the largest that fits without PP; every size with PP, whose "
+                     "bubble shrinks with more micro-batches), activation-checkpointing (the GPT preset: on only "
+                     "where nothing fits without it); comma-separated")
     job.add_argument("--rank-by", choices=("time", "inter-host", "peak"),
                      help="search order: the predicted step time (needs --device-profile), the bytes between hosts, "
                      "or the peak (default: time with --device-profile, else inter-host with --devices-per-host, "

@@ -11,13 +11,16 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["JOB_FLAGS", "PlanRequest"]
+__all__ = ["CHOICES", "JOB_FLAGS", "PlanRequest"]
+
+#: What a search by time may choose for each mesh (``--choose``), besides the mesh itself.
+CHOICES = ("micro-batch-size", "activation-checkpointing")
 
 #: The fields that describe a job: given without a model they would be ignored, so they are refused.
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
                               "pp_schedule", "rank_by", "parallelize", "step", "loss", "moe_load_factor",
                               "sequence_parallel",
-                              "activation_checkpointing", "device_profile")
+                              "activation_checkpointing", "device_profile", "choose")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class PlanRequest:
     device_memory: int | str | None = None
     rank_by: str | None = None
     device_profile: Any = None  #: a built-in profile's name, a JSON file, or a DeviceProfile: adds the step time
+    #: a search by time: what it chooses for each mesh as well, of :data:`CHOICES` (or one comma-separated string)
+    choose: tuple[str, ...] | str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -88,6 +93,29 @@ class PlanRequest:
                              "with --parallelize for TP, CP or EP), or the GPT preset (--model gpt:...)")
         if self.rank_by == "time" and self.device_profile is None:
             raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
+        for choice in self.choices:
+            if choice not in CHOICES:
+                raise ValueError(f"--choose {choice!r} is not a choice; choose from {', '.join(CHOICES)} "
+                                 "(comma-separated)")
+        if self.choices:
+            if not self.searches or self.order != "time":
+                raise ValueError("--choose picks what makes each mesh's step fastest in a search by time: give "
+                                 "--device-memory and --device-profile, and none of --pp, --dp, --tp")
+            if "micro-batch-size" in self.choices and self.micro_batch_size is not None:
+                raise ValueError(f"--choose micro-batch-size and --micro-batch-size {self.micro_batch_size}: fix it or "
+                                 "let the search choose it, not both")
+            if "activation-checkpointing" in self.choices and (user or self.activation_checkpointing):
+                raise ValueError("--choose activation-checkpointing is the GPT preset's choice, made without "
+                                 "--activation-checkpointing" + ("; with --parallelize your function decides it: "
+                                 "plan one function with it and one without to compare" if user else ""))
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """``choose`` as a tuple of names (a comma-separated string split)."""
+        if self.choose is None:
+            return ()
+        items = self.choose.split(",") if isinstance(self.choose, str) else self.choose
+        return tuple(c.strip() for c in items if c.strip())
 
     @property
     def searches(self) -> bool:

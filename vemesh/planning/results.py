@@ -53,6 +53,7 @@ class MeshFit:
     pp_schedule: str = ""  #: with PP: the schedule whose action list the classes (PP ranks) ran
     order: tuple[str, ...] = ()  #: a search with hosts: the placed order of the mesh dims, outermost first
     times: tuple[Any, ...] = ()  #: a search with a device profile: each class's StepTime on the placed mesh
+    activation_checkpointing: bool | None = None  #: a search that chose it (``--choose``): whether this mesh recomputes
 
     @property
     def peak(self) -> int:
