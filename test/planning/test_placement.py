@@ -15,7 +15,8 @@ from vemesh.parallel import ParallelDims
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.mesh_plan import plan_mesh
 from vemesh.planning.placement import place, render
-from vemesh.planning.profiles import load_profile
+from vemesh.layout.describe import link_of
+from vemesh.planning.profiles import DeviceProfile, Link, load_profile
 from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.step_time import step_time
 
@@ -45,16 +46,40 @@ def test_the_dims_that_send_the_most_stay_inside_a_host() -> None:
     assert not [w for w in best.mesh.warnings if w.kind in ("spans_hosts", "tp_not_innermost")]
 
 
+def _timed(profile):
+    """What ``vemesh plan`` times a placed mesh with: each dim's link class by the one rule (racks from the profile)."""
+    def timed(f, m):
+        sizes = {d: m.layout.group_size(d) for d in ("PP", "DP", "TP")}
+        links = {d: link_of(m.layout, d, 8, profile.hosts_per_rack) for d in sizes}
+        return step_time(f, profile, dtype="bf16", dp_mode="ddp", grad_dims=("DP",), sizes=sizes, links=links)
+    return timed
+
+
+def test_with_racks_the_dim_that_costs_most_across_racks_stays_inside_one() -> None:
+    """32 ranks on hosts of 8, 2 hosts per rack: TP's and PP's 64 MiB per step are exposed, so TP stays inside a host
+    and with racks PP inside a rack (the network link), DP crossing the racks; without racks PP and DP cross hosts
+    alike and torchtitan's order stays. A profile with half of the racks' fields is one line."""
+    flat = load_profile("h100-sxm")
+    racked = flat.model_copy(update={"hosts_per_rack": 2, "rack": Link(latency_s=4e-5, bandwidth=5e9)})
+    mesh32 = plan_mesh(32, pp=2, dp=2, tp=8, devices_per_host=8)
+    fit = _fit(mesh32.degrees, {"PP": 64 * MiB, "DP": MiB, "TP": 64 * MiB})
+    best, base = place(fit, mesh32, 8, _timed(racked))
+    assert best.order == ("DP", "PP", "TP") and base["torchtitan"].order == ("PP", "DP", "TP")
+    links = lambda p: {d: t.link for d, t in max(p.times, key=lambda t: t.total).dims.items()}  # noqa: E731
+    assert links(best) == {"DP": "rack", "PP": "network", "TP": "host"}
+    assert links(base["torchtitan"]) == {"DP": "network", "PP": "rack", "TP": "host"}
+    assert best.step_time < base["torchtitan"].step_time
+    assert place(fit, mesh32, 8, _timed(flat))[0].order == ("PP", "DP", "TP")
+    with pytest.raises(ValueError, match="racks need both hosts_per_rack and rack"):
+        DeviceProfile.model_validate(dict(flat.model_dump(), hosts_per_rack=2))
+
+
 def test_with_a_profile_the_shortest_step_wins_and_ties_keep_torchtitans_order() -> None:
     profile = load_profile("h100-sxm")
     mesh64 = plan_mesh(64, pp=2, dp=4, tp=8, devices_per_host=8)
     fit = _fit(mesh64.degrees, {"PP": 4 * MiB, "DP": 64 * MiB, "TP": 64 * MiB})
 
-    def timed(f, m):
-        sizes = {d: m.layout.group_size(d) for d in ("PP", "DP", "TP")}
-        from vemesh.layout.describe import spans_hosts
-        crosses = {d: spans_hosts(m.layout, d, 8) for d in sizes}
-        return step_time(f, profile, dtype="bf16", dp_mode="ddp", grad_dims=("DP",), sizes=sizes, crosses=crosses)
+    timed = _timed(profile)
 
     best, base = place(fit, mesh64, 8, timed)
     assert best.order == ("PP", "DP", "TP")  # TP's 64 MiB are exposed, DP's hide behind backward: TP inside

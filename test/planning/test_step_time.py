@@ -167,7 +167,7 @@ def test_a_plan_traced_without_timing_is_refused_not_timed_as_zero() -> None:
                   [RankClass("every rank", RankMemory("every rank", 1, 1, 1, 0), 1, 0, {"DP": 8})], 1, 1)
     with pytest.raises(ValueError, match="every rank: the plan counted no FLOPs"):
         step_time(fit, load_profile("h100-sxm"), dtype="fp32", dp_mode="ddp", grad_dims=("DP",), sizes={"DP": 2},
-                  crosses={"DP": False})
+                  links={"DP": "host"})
 
 
 def test_a_search_by_time_times_its_pipeline_meshes_with_their_bubble() -> None:

@@ -42,7 +42,7 @@ from typing import Any
 
 from vemesh.layout.mesh_layout import MeshLayout
 
-__all__ = ["LayoutWarning", "check_layout", "describe_layout", "hosts_of", "layout_document", "spans_hosts"]
+__all__ = ["LayoutWarning", "check_layout", "describe_layout", "hosts_of", "layout_document", "link_of", "spans_hosts"]
 
 WIDTH = 80  # columns the text fits in
 FULL_LIMIT = 64  # meshes up to this many ranks are drawn in full
@@ -76,6 +76,16 @@ def spans_hosts(layout: MeshLayout, dims: Any, devices_per_host: int) -> bool:
     """Whether some group along ``dims`` holds ranks of more than one host of ``devices_per_host`` ranks: the one
     rule for which link a dim's collectives cross (the layout warnings, the step time, the search, the placement)."""
     return any(len(hosts_of(g, devices_per_host)) > 1 for g in layout.all_groups(dims))
+
+
+def link_of(layout: MeshLayout, dims: Any, devices_per_host: int, hosts_per_rack: int | None = None) -> str:
+    """The link class a dim's collectives cross: ``"host"`` when every group lies inside one host, ``"rack"`` when
+    some group lies in more than one rack of ``hosts_per_rack`` hosts (given racks), else ``"network"``."""
+    if not spans_hosts(layout, dims, devices_per_host):
+        return "host"
+    if hosts_per_rack and spans_hosts(layout, dims, devices_per_host * hosts_per_rack):
+        return "rack"
+    return "network"
 
 
 def check_layout(layout: MeshLayout, devices_per_host: int | None = None) -> list[LayoutWarning]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vemesh.layout.data_dims import data_dims
-from vemesh.layout.describe import spans_hosts
+from vemesh.layout.describe import link_of
 from vemesh.planning.fit_report import fit_document, search_document
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import Placement, place
@@ -129,14 +129,14 @@ def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any) -> list[
     found = data_dims(layout)
     grad = tuple(n for n in (found.grad, *(("EDP",) if found.expert else ())) if n)
     used = {dim for c in fit.classes for dim in c.collectives}
-    sizes, crosses = {}, {}
+    sizes, links = {}, {}
     for dim in used:
         if dim == "other" or not layout.has(dim):
             raise ValueError(f"the step ran collectives on a group that is no mesh dim ({dim}); the time model times "
                              "each collective by its mesh dim's link")
-        sizes[dim], crosses[dim] = layout.group_size(dim), spans_hosts(layout, dim, per_host)
+        sizes[dim], links[dim] = layout.group_size(dim), link_of(layout, dim, per_host, profile.hosts_per_rack)
     return step_time(fit, profile, dtype=job.dtype, dp_mode=fit.dp_mode or job.mode, grad_dims=grad, sizes=sizes,
-                     crosses=crosses)
+                     links=links)
 
 
 def time_document(times: tuple[StepTime, ...], profile: DeviceProfile, fit: Any, job: Any) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 A profile gives, per device: the peak matmul throughput per dtype and the fraction a training step reaches
 (``achievable``), the memory bandwidth, and two link classes, ``host`` (the devices of one host, NVLink) and
 ``network`` (across hosts), each with a latency per collective step and a bus bandwidth (nccl-tests' busbw: the
-bytes a ring moves per device per second). ``devices_per_host`` places the mesh on hosts.
+bytes a ring moves per device per second). ``devices_per_host`` places the mesh on hosts; optional racks
+(``hosts_per_rack`` and a third link class, ``rack``) time a group whose ranks lie in more than one rack on it.
 
 The built-in profiles (``vemesh/planning/profiles/*.json``) come from the vendors' published specifications, each
 file naming its sources and what it assumes; ``measured`` is false in them and the output says so.
@@ -16,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = ["BUILT_IN", "DeviceProfile", "Link", "load_profile"]
 
@@ -58,13 +59,27 @@ class DeviceProfile(BaseModel):
     dtensor_op_overhead_s: float = Field(0.0, ge=0)
     host: Link
     network: Link
+    #: optional racks: ``hosts_per_rack`` hosts share a rack, and ``rack`` is the link a group crosses when its ranks
+    #: lie in more than one rack (an oversubscribed spine: less bandwidth per device than ``network``); both or neither
+    hosts_per_rack: int | None = Field(None, gt=0)
+    rack: Link | None = None
     #: measured on the host link by ``vemesh calibrate``: per collective kind, per group size (as a string), the
     #: link its groups of that size see while every group of that size runs at once; other kinds take ``host``
     collectives: dict[str, dict[str, Link]] = {}
 
+    @model_validator(mode="after")
+    def _racks_whole(self) -> DeviceProfile:
+        if (self.hosts_per_rack is None) != (self.rack is None):
+            raise ValueError("racks need both hosts_per_rack and rack (the link between racks), or neither")
+        return self
+
     def link(self, name: str, kind: str, size: int) -> Link:
-        """The link a ``kind`` collective over ``size`` ranks runs on, in the ``name`` link class (``host`` or
-        ``network``): the measured kind at the nearest measured group size, else the class's link."""
+        """The link a ``kind`` collective over ``size`` ranks runs on, in the ``name`` link class (``host``,
+        ``network`` or ``rack``): the measured kind at the nearest measured group size, else the class's link."""
+        if name == "rack":
+            if self.rack is None:
+                raise ValueError(f"device profile {self.name!r} has no racks (hosts_per_rack and rack)")
+            return self.rack
         if name != "host" or kind not in self.collectives or not self.collectives[kind]:
             return self.network if name == "network" else self.host
         sizes = self.collectives[kind]

@@ -8,7 +8,8 @@ For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass
   at the memory bandwidth (:class:`~vemesh.planning.measure.MemoryBoundBytes`); plus the framework's time per op
   dispatched, and per DTensor op on top (the profile's ``op_overhead_s``, ``dtensor_op_overhead_s``);
 * **communication**, per mesh dim and collective kind, a latency-bandwidth model of the link the dim's groups
-  cross (``host`` when every group lies inside one host of ``devices_per_host`` ranks, else ``network``), with
+  cross (``host`` when every group lies inside one host of ``devices_per_host`` ranks, else ``network``, or
+  ``rack`` when the profile has racks and some group lies in more than one), with
   nccl-tests' bus-bandwidth factors: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` of the full buffer
   for an all-gather, a reduce-scatter and an all-to-all, the whole tensor for a broadcast or a send; and one
   latency per ring step (``2(n-1)`` for an all-reduce, ``n-1`` for the others, 1 for a send), and per call the
@@ -109,12 +110,12 @@ class StepTime:
 
 
 def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, grad_dims: tuple[str, ...],
-              sizes: dict[str, int], crosses: dict[str, bool]) -> list[StepTime]:
+              sizes: dict[str, int], links: dict[str, str]) -> list[StepTime]:
     """Each rank class's :class:`StepTime` of a traced ``fit`` (see the module docstring).
 
     Args:
         grad_dims: the dims gradients reduce over (the data dims' gradient dim, and EDP for experts).
-        sizes: each dim's group size; ``crosses``: whether its groups span hosts.
+        sizes: each dim's group size; ``links``: the link class its groups cross (``host``, ``network``, ``rack``).
     """
     flops = profile.flops(dtype)
     out = []
@@ -127,7 +128,7 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
         backward = compute * 2 / 3
         dims: dict[str, DimTime] = {}
         for dim, ops in sorted(c.collectives.items()):
-            link_name = "network" if crosses.get(dim, False) else "host"
+            link_name = links.get(dim, "host")
             n = sizes.get(dim, 1)
             each = {op: collective_seconds(op, b, calls, n, profile.link(link_name, _kind(op), n))
                     + (calls * profile.collective_wait_s if n > 1 else 0.0) for op, (b, calls) in ops.items()}
