@@ -23,16 +23,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vemesh.models.gpt import planned as gpt_planned
-from vemesh.layout.parallel_dims import ParallelDims
-from vemesh.models.gpt.stages import split_layers
-from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
-from vemesh.parallel.schedules import in_flight, schedule_class, stage_indices, stages_per_rank
-from vemesh.planning.activations import add_ops, trace_stage
-from vemesh.planning.estimate import (Model, check_degrees, fsdp_local, gpt_config, load_model, local_numel, rank_static,
-                                      stage_keys)
+from vemesh.parallel.schedules import schedule_class, stages_per_rank
+from vemesh.planning.estimate import Model, check_degrees, gpt_config, load_model, rank_static, stage_keys
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import predict_user
@@ -41,8 +37,6 @@ __all__ = ["Job", "MeshFit", "RankClass", "predict", "search"]
 
 #: How a search ranks the meshes that fit.
 RANKINGS = ("time", "inter-host", "peak")
-#: Collectives of a step as a trace counts them: ``{op: (bytes, calls)}``.
-Ops = dict[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -112,7 +106,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
             dp_replicate: int = 1, trace_pipeline: bool = True) -> MeshFit:
     """The prediction per rank class for the mesh ``(PP, DP, CP, TP)`` (EP folded over DP x CP).
 
-    ``trace_pipeline=False`` (a search) plans a GPT-preset mesh with PP by :func:`_pipeline_estimate`.
+    ``trace_pipeline=False`` (a search) plans a GPT-preset mesh with PP by :func:`~vemesh.planning.pipeline_estimate.estimate_pipeline`.
     Raises ``ValueError`` (one line, naming the value) for what the job or the mesh cannot be.
     """
     if job.user:
@@ -144,104 +138,8 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         if n_stages > model.n_layer:
             raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; the model has {model.n_layer}")
         if not trace_pipeline:
-            return _pipeline_estimate(job, model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+            return estimate_pipeline(job, model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     return _traced_preset(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
-
-
-def _pipeline_estimate(job: Job, model: Model, *, dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshFit:
-    """A GPT-preset mesh with PP in a search, estimated rather than traced: each stage's weights, gradients and
-    optimizer state from :func:`rank_static`; one micro-batch through the stage traced on fake tensors
-    (:func:`vemesh.planning.activations.trace_stage`) times the chunks in flight, counted along torch's own action
-    list (:func:`vemesh.parallel.schedules.in_flight`); a receive buffer per micro-batch and direction; the DP and
-    PP bytes from the wrappers' rules. Why not traced: tracing every PP rank of every PP mesh is the schedule's
-    every micro-batch through every block (the 70B search over 1024 ranks has meshes of 64 stages and 512
-    micro-batches); docs/planning.md gives the figures."""
-    cfg = dict(model.config)
-    if cfg["n_head"] % tp:
-        raise ValueError(f"TP {tp} does not divide the {cfg['n_head']} heads")
-    if cfg["block_size"] % cp or (job.sequence_parallel and (cfg["block_size"] // cp) % tp):
-        raise ValueError(f"CP {cp}{' x TP ' + str(tp) if job.sequence_parallel else ''} does not divide seq_len "
-                         f"{cfg['block_size']}")
-    if job.global_batch_size % dp:
-        raise ValueError(f"DP {dp} does not divide the global batch of {job.global_batch_size} sequences")
-    per_dp = job.global_batch_size // dp
-    mbs = job.micro_batch_size or (per_dp // (2 * pp) if per_dp % (2 * pp) == 0 else per_dp)
-    if per_dp % mbs:
-        raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
-    passes = per_dp // mbs
-    grad_dim = ParallelDims(pp * dp * cp * tp, pp=pp, dp_shard=dp, cp=cp, tp=tp).grad_dim or "DP"  # the one rule
-    width = 2 if job.dtype == "bf16" else 4
-    n_stages = pp * stages_per_rank(job.pp_schedule)
-    layers = split_layers(model.n_layer, n_stages)
-    keys = stage_keys(model, n_stages)
-    flights = in_flight(job.pp_schedule, pp, passes)
-    classes = []
-    for rank in range(pp):
-        stages = stage_indices(rank, pp, job.pp_schedule)
-        mine = set().union(*(keys[s] for s in stages))
-        name = f"PP rank {rank}"
-        static = rank_static(model, mine, name, dp=dp * cp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.mode)
-        traces = [trace_stage(model.config, blocks=len(layers[s]),
-                              role="first" if s == 0 else "last" if s == n_stages - 1 else "middle", micro_batch=mbs,
-                              tp=tp, cp=cp, sequence_parallel=job.sequence_parallel and tp > 1, dtype=job.dtype,
-                              checkpointing=job.activation_checkpointing, ep=ep, load_factor=job.moe_load_factor,
-                              timed=job.timed)
-                  for s in stages]
-        retained = sum(t.retained for t in traces) / len(traces)
-        activations = int((flights[rank] - 1) * retained) + max(t.peak for t in traces)
-        hidden = mbs * (cfg["block_size"] // cp) // (tp if job.sequence_parallel else 1) * cfg["n_embd"] * width
-        transfers = sum((s < n_stages - 1) + (s > 0) for s in stages)
-        # every micro-batch through each stage; each one's activations sent forward and its input gradient back
-        ops: dict[str, Ops] = {"PP": {"send": (hidden * passes * transfers, passes * transfers)}}
-        for t in traces:
-            ops = add_ops(ops, t.by_op, passes)
-        dp_ops, extra = _dp_traffic(model, mine, job, dp * cp, tp, passes, ep)
-        extra += hidden * passes * transfers  # torch's stages keep a receive buffer per micro-batch and direction
-        for dim, by_op in (("EDP", dp_ops[1]), (grad_dim, dp_ops[0])):
-            if by_op:
-                ops = add_ops(ops, {dim: by_op}, 1)
-        ops = _by_group(ops, pp, dp, cp, tp, ep)
-        timing = {}
-        if job.timed:  # what the step's compute and the optimizer's bytes come to (step_time times them)
-            optimizer = _optimizer_bytes(static, job.mode)
-            timing = dict(flops=passes * sum(t.flops for t in traces), optimizer_bytes=optimizer,
-                          memory_bytes=passes * sum(t.memory_bytes for t in traces) + optimizer,
-                          ops=passes * sum(t.ops for t in traces), dtensor_ops=passes * sum(t.dtensor_ops for t in traces),
-                          collectives=ops)
-        classes.append(RankClass(name, static, activations, extra, {d: _nbytes(o) for d, o in ops.items()}, **timing))
-    notes = (f"pipeline estimated, not traced (a search): one micro-batch per stage traced, times the chunks in "
-             f"flight along torch's {job.pp_schedule} action list; plan this mesh with --pp {pp} to trace the "
-             "schedule",)
-    return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs, notes=notes,
-                   dp_mode=job.mode, pp_schedule=job.pp_schedule)
-
-
-def _by_group(ops: dict[str, Ops], pp: int, dp: int, cp: int, tp: int, ep: int) -> dict[str, Ops]:
-    """Collectives per dim, a dim whose group is the whole world named as the first such dim (mesh dims first).
-
-    torch gives a group of every rank the default group, so a run counts it under the first name that has it.
-    """
-    sizes = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "dp_cp": dp * cp, "EDP": dp * cp // ep, "EP": ep}
-    world = pp * dp * cp * tp
-    first = next((d for d, n in sizes.items() if n == world), None)
-    out: dict[str, Ops] = {}
-    for dim, by_op in ops.items():
-        key = first if first is not None and sizes.get(dim) == world else dim
-        out = add_ops(out, {key: by_op}, 1)
-    return dict(sorted(out.items()))
-
-
-#: The bytes AdamW's update reads and writes per byte of its state (its two fp32 moments): 84 per element, as a
-#: traced plan counts it under vemesh DDP (10.5 per byte there; 11.5 under FSDP2, whose shards add copies).
-ADAMW_BYTES_PER_STATE_BYTE = 10.5
-
-
-def _optimizer_bytes(static: Any, mode: str) -> int:
-    """The bytes a PP rank's ``optimizer.step()`` moves, estimated: AdamW's update over its state
-    (:data:`ADAMW_BYTES_PER_STATE_BYTE`), and under ZeRO-1 each gradient copied into the shard and each parameter
-    gathered back (a traced plan's figure is 0.91 to 1.0 of this on the PP meshes of ``test_step_time.py``)."""
-    copies = static.params + static.grads if mode == "zero1" else 0
-    return round(ADAMW_BYTES_PER_STATE_BYTE * static.optimizer + copies)
 
 
 def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshFit:
@@ -251,58 +149,10 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
                          "is planned on DP only")
     keys = stage_keys(model, 1)[0]
     static = rank_static(model, keys, "every rank", dp=dp, tp=tp, ep=ep, dtype=job.dtype, dp_mode=job.mode)
-    (dense, _), extra = _dp_traffic(model, keys, job, dp, tp, 1)
+    (dense, _), extra = dp_traffic(model, keys, job, dp, tp, 1)
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
-                   [RankClass("every rank", static, 0, extra, {"DP": _nbytes(dense)} if dense else {})],
+                   [RankClass("every rank", static, 0, extra, {"DP": nbytes(dense)} if dense else {})],
                    1, job.global_batch_size // dp, traced=False, dp_mode=job.mode)
-
-
-def _dp_traffic(model: Model, keys: set[str], job: Job, dp: int, tp: int, passes: int,
-                ep: int = 1) -> tuple[tuple[Ops, Ops], int]:
-    """((the gradient dim's collectives per step, EDP's), FSDP2's unsharded bytes in use) of a rank holding ``keys``;
-    each collective op as ``{op: (bytes, calls)}``, the op named as torch's c10d names it (what a trace counts).
-
-    With EP the experts' gradients average over EDP (the ranks holding the same experts), the rest over DP. vemesh
-    DDP all-reduces fp32 gradients in buckets of 6,553,600 elements; ZeRO-1 then gathers the updated shards; FSDP2
-    gathers each unit (each block, and the root) in forward and the blocks again in backward, every micro-batch, and
-    reduce-scatters each unit's fp32 gradients once.
-    """
-    width = 2 if job.dtype == "bf16" else 4
-    experts = model.experts
-    mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
-    if job.mode != "fsdp":
-        def per_step(params: list[Any], over: int) -> Ops:
-            n = sum(local_numel(p.shape, p.tp_dim, tp) for p in params)
-            if over <= 1 or not n:
-                return {}
-            buckets = -(-n // DEFAULT_BUCKET_SIZE)
-            ops = {"allreduce_": (4 * n, buckets)}
-            if job.mode == "zero1":
-                ops["_allgather_base_"] = (width * -(-n // over) * over, buckets)
-            return ops
-        dense = [p for p in mine if p.expert is None or ep == 1]
-        expert = [p for p in mine if p.expert is not None and ep > 1]
-        return (per_step(dense, dp), per_step(expert, dp // ep)), 0
-    units: dict[str, int] = {}  # FSDP2 unit (each block, and the root) -> elements of its padded full TP shards
-    for p in mine:
-        unit = p.stage_key if p.stage_key.startswith("block:") else "root"
-        units[unit] = units.get(unit, 0) + fsdp_local([p], dp, tp) * dp
-    blocks = [v for k, v in units.items() if k != "root"]
-    root = units.get("root", 0)
-    gathered = width * (root + 2 * sum(blocks))  # forward: every unit; backward: the blocks again (the root stays)
-    reduced = 4 * (root + sum(blocks))
-    biggest = max(blocks, default=0)
-    extra = width * (root + 2 * biggest)  # the root stays gathered; a block and the next one (prefetch)
-    if dp <= 1:
-        return ({}, {}), 0
-    ops = {"_allgather_base_": (gathered * passes, ((root > 0) + 2 * len(blocks)) * passes),
-           "_reduce_scatter_base_": (reduced, len(units))}
-    return (ops, {}), extra
-
-
-def _nbytes(ops: Ops) -> int:
-    """The bytes of ``{op: (bytes, calls)}``."""
-    return sum(b for b, _ in ops.values())
 
 
 def search(job: Job, world_size: int, *, device_memory: int | None = None, devices_per_host: int | None = None,
