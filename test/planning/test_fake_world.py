@@ -50,3 +50,27 @@ def test_the_fake_world_of_a_pp_rank_is_its_first_rank() -> None:
             assert dist.get_rank() == rank and mesh.lookup_rank("PP") == pp_rank
             assert dist.get_process_group_ranks(mesh["TP"].get_group()) == [rank, rank + 1]
     assert not dist.is_initialized() and torch.distributed.distributed_c10d._world.pg_map == {}
+
+
+def test_local_shards_cut_what_torchs_distribute_tensor_cuts_on_every_rank() -> None:
+    """The planner's ``distribute_tensor`` (this rank's chunk only, no scatter) against torch's own on every rank of
+    a 4-rank mesh: even, uneven and empty chunks, on dim 0 and 1, the same local tensor (shape, values, stride)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.planning.fake_world import local_shards
+
+    for rank in range(4):
+        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+        try:
+            device_mesh = DeviceMesh("cpu", [0, 1, 2, 3])
+            for shape, dim in (((8, 3), 0), ((6, 5), 0), ((3, 2), 0), ((2, 7), 1)):
+                full = torch.arange(float(shape[0] * shape[1])).reshape(shape)
+                want = distribute_tensor(full, device_mesh, [Shard(dim)], src_data_rank=None).to_local()
+                with local_shards():
+                    got = distribute_tensor(full, device_mesh, [Shard(dim)]).to_local()
+                assert got.shape == want.shape and torch.equal(got, want) and got.stride() == want.stride(), \
+                    (rank, shape, dim)
+        finally:
+            dist.destroy_process_group()

@@ -7,6 +7,7 @@
   trace's own fake mode, as a real copy is a new tensor of the same kind;
 * :func:`to_bf16`: ``model.to(torch.bfloat16)`` for a model of fake tensors;
 * :class:`Held`: the bytes of a model's own weights and gradients at a moment (the peak), each storage once;
+* :func:`local_shards`: ``distribute_tensor`` cutting only this rank's shard (no chunk per rank, no scatter);
 * :func:`chunks_on_demand`: FSDP2's cut of each parameter into one chunk per shard made only for the chunks it reads
   (at 16384 data-parallel ranks, a view per rank of every parameter was most of a plan's time).
 """
@@ -22,11 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.placement_types import Shard
 
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel import ParallelDims
 
-__all__ = ["Chunks", "Held", "chunks_on_demand", "copies_in_mode", "fake_world", "give_storage", "real_mesh_tensors",
+__all__ = ["Chunks", "Held", "chunks_on_demand", "copies_in_mode", "fake_world", "give_storage", "local_shards",
+           "real_mesh_tensors",
            "to_bf16"]
 
 
@@ -171,6 +174,29 @@ def chunks_on_demand() -> Iterator[None]:
         yield
     finally:
         fsdp_param._chunk_with_empty = real
+
+
+@contextlib.contextmanager
+def local_shards() -> Iterator[None]:
+    """Inside, ``distribute_tensor`` cuts only this rank's shard of each ``Shard`` placement: torch's chunk of the
+    tensor at this rank's coordinate, cloned, as its ``src_data_rank=None`` path gives it, without a view of every
+    rank's chunk and the scatter (a run's one-time start-up, outside any step the plan counts). A chunk that would be
+    empty (more ranks than rows) and ``_StridedShard`` take torch's own path."""
+    real = Shard._shard_tensor
+
+    def shard(self: Shard, tensor: torch.Tensor, mesh: Any, mesh_dim: int, src_data_rank: int | None = 0) -> torch.Tensor:
+        coordinate = mesh.get_coordinate()
+        n = mesh.size(mesh_dim=mesh_dim)
+        chunks = Chunks(tensor, n, self.dim) if coordinate is not None else None
+        if type(self) is not Shard or chunks is None or coordinate[mesh_dim] >= chunks.made:
+            return real(self, tensor, mesh, mesh_dim, src_data_rank)
+        return chunks[coordinate[mesh_dim]].clone()
+
+    Shard._shard_tensor = shard  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Shard._shard_tensor = real  # type: ignore[method-assign]
 
 
 def _replace(model: nn.Module, change: Callable[[torch.Tensor], torch.Tensor | None]) -> None:

@@ -41,7 +41,7 @@ from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory
-from vemesh.planning.fake_world import (Held, chunks_on_demand, copies_in_mode, fake_world, give_storage,
+from vemesh.planning.fake_world import (Held, chunks_on_demand, copies_in_mode, fake_world, give_storage, local_shards,
                                        real_mesh_tensors, to_bf16)
 from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, step_counters,
                                     ops_by_mesh_name)
@@ -181,7 +181,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         give_storage(model)  # then fake storage for the parallelize function and the step, as to_empty gives
         if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
             to_bf16(model)
-        with chunks_on_demand(), tracker, contextlib.ExitStack() as held_sends:
+        with chunks_on_demand(), local_shards(), tracker, contextlib.ExitStack() as held_sends:
             wrapped = _wrap(fns, model, mesh, degrees, dp_mode)
             if pp > 1:
                 stages = pipeline_stages(wrapped, parallelize_name, pp_rank, pp, fns.pp_schedule)
