@@ -33,6 +33,7 @@ from vemesh.mesh.manager import VeDeviceMesh
 from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import apply_tp
 from vemesh.parallel import ExpertParallel, context_parallel
+from vemesh.planning.fake_world import local_shards
 from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name, ops_by_mesh_name, step_counters
 from vemesh.planning.routing import routing
 
@@ -144,7 +145,7 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
     width = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     tokens = cfg.block_size // cp
     with _fake_world(tp, cp, ep) as mesh, FakeTensorMode(allow_non_fake_inputs=True), \
-            routing(load_factor):
+            routing(load_factor), local_shards():
         model = _build(model_module, cfg, width)
         model.checkpoint_blocks = checkpointing  # the example's --activation-checkpointing
         if role in ("middle", "last"):
