@@ -88,6 +88,7 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
                          keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule)
 
 
+@functools.lru_cache(maxsize=64)  # a search asked again (another device memory, placement or ranking) traces nothing
 def _traced_preset(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_replicate: int) -> MeshFit:
     """The GPT preset traced like any user model (with PP through torch's schedule). FSDP2 keeps fp32 parameters and
     computes in the job's dtype (the example's mixed precision), so its trace starts from fp32; DDP and ZeRO-1 train
