@@ -23,7 +23,7 @@ TOL = 1e-4
 
 def test_torchrun_restarts_a_crashed_worker_and_the_run_ends_as_if_uninterrupted(tmp_path) -> None:
     args = [*TINY, "--steps", str(STEPS), "--mesh-shape", "2,2"]
-    reference = run_train(args, tmp_path, nproc=4)
+    reference = run_train([*TINY, "--steps", str(STEPS), "--mesh-shape", "1,1"], tmp_path)  # one process: its loss
     assert reference.returncode == 0, reference.describe()
     loss_at = {r["step"]: r["loss"] for r in reference.records}
 

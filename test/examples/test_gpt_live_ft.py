@@ -2,7 +2,8 @@
 back and heal it from the live one, and every logged loss stays the uninterrupted run's.
 
 A torchft lighthouse and two replica groups, each ``torchrun --nproc_per_node=2`` with TP=2 inside (4
-workers). The uninterrupted run is the same global batch on ``(DP=2, TP=2)`` in one torchrun.
+workers). The uninterrupted run is the same global batch in one process (the example matches one process on
+any mesh; on 4 ranks the reference cost five times the CPU).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ TOL = 1e-4
 
 def test_lose_a_replica_keep_going_then_heal_it_from_the_live_one(tmp_path) -> None:
     args = [*S.TINY, "--steps", str(STEPS)]
-    reference = run_train([*args, "--mesh-shape", "2,2"], tmp_path, nproc=4)
+    reference = run_train([*args, "--mesh-shape", "1,1"], tmp_path)
     assert reference.returncode == 0, reference.describe()
     ref = {r["step"]: r for r in reference.records}
 

@@ -224,6 +224,26 @@ def test_the_plan_is_within_ten_percent_of_a_real_run(tmp_path) -> None:
 # console block of docs/planning.md, which test/docs runs and compares line by line; its time: bench/plan_accuracy.py.
 
 
+def test_a_factory_is_called_afresh_by_each_plan() -> None:
+    """Within one plan every mesh copies one meta model of the factory's; the next plan calls the factory again (it
+    may read a config that has changed since), so no answer is an earlier model's."""
+    sys.path.insert(0, str(REPO / "test" / "models"))
+    import llama
+    import llama_jobs
+
+    layers = {"n": 4}
+
+    def make():
+        return llama.make(**dict(llama_jobs.SMALL, n_layers=layers["n"]))
+
+    job = dict(parallelize=llama_jobs.parallelize_ddp, step=llama_jobs.step, world_size=2, global_batch_size=2)
+    first = plan(make, **job)
+    layers["n"] = 5
+    second = plan(make, **job)
+    per_block = sum(p.numel() for p in llama.make(**dict(llama_jobs.SMALL, n_layers=1)).layers.parameters()) * 4
+    assert second["classes"][0]["params"] - first["classes"][0]["params"] == per_block  # one fp32 block more
+
+
 def test_a_model_initialised_with_trunc_normal_is_planned_like_the_same_model_without() -> None:
     """The factory runs on the meta device, as torchtitan builds models: ``trunc_normal_`` in ``__init__`` (which needs
     values on fake tensors) is a no-op there, and the plan is the plan of the same model without that init."""

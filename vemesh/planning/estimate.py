@@ -77,6 +77,18 @@ def parse_size(text: str, what: str = "a memory size") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+@functools.lru_cache(maxsize=32)
+def _load_file(file: Path, mtime_ns: int, size: int) -> Any:
+    """The module of a file path, run once while the file is unchanged (as ``import`` runs a module once): the
+    factory, parallelize function and step named from one file share its classes, and a search's meshes reuse them."""
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    assert spec is not None and spec.loader is not None
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(file.stem, loaded)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
 def load_object(module: str, name: str, flag: str) -> Any:
     """``name`` from ``module``: a dotted module importable from the current directory (which goes first on
     ``sys.path``, as ``python -m`` puts it) or a file path (``./mymodel.py``, ``models/llama.py``).
@@ -90,11 +102,8 @@ def load_object(module: str, name: str, flag: str) -> Any:
             file = Path(module).expanduser().resolve()
             if not file.is_file():
                 raise ValueError(f"{flag}: no file {file} (the path is taken from the current directory {here})")
-            spec = importlib.util.spec_from_file_location(file.stem, file)
-            assert spec is not None and spec.loader is not None
-            loaded = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault(file.stem, loaded)
-            spec.loader.exec_module(loaded)
+            stat = file.stat()
+            loaded = _load_file(file, stat.st_mtime_ns, stat.st_size)
         else:
             if here not in sys.path and "" not in sys.path:
                 sys.path.insert(0, here)

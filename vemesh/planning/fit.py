@@ -77,12 +77,18 @@ class Job:
 
 
 @functools.lru_cache(maxsize=32)
+def _preset_factory(spec: str) -> Callable[[], Any]:
+    """One factory per GPT spec, so that every mode, schedule and mesh of it copies one meta model."""
+    return gpt_planned.factory(gpt_config(spec))
+
+
+@functools.lru_cache(maxsize=32)
 def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool, checkpointed: bool,
                       pp_schedule: str, pp: bool) -> UserFunctions:
     """The GPT preset's functions (:mod:`vemesh.models.gpt.planned`), the same objects for the same job: with PP the
     step runs a batch through torch's ``pp_schedule`` and the loss is the example's."""
     step = gpt_planned.pipeline_step_for(pp_schedule) if pp else gpt_planned.step
-    return UserFunctions(gpt_planned.factory(gpt_config(spec)),
+    return UserFunctions(_preset_factory(spec),
                          gpt_planned.parallelize_for(mode, dtype, sequence_parallel, checkpointed, pp_schedule), step,
                          (spec, "vemesh.models.gpt.parallelize", f"vemesh.models.gpt.planned.{step.__qualname__}"),
                          keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule)

@@ -26,6 +26,7 @@ notes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import warnings
 from collections.abc import Callable
@@ -50,7 +51,8 @@ from vemesh.planning.results import Counted, MeshFit, RankClass, more_ops
 from vemesh.planning.routing import routing
 from vemesh.planning.user_code import UserFunctions, call
 
-__all__ = ["blocks_of", "predict_user", "repeated_blocks", "trace_arguments", "trace_user", "user_notes"]
+__all__ = ["blocks_of", "forget_models", "predict_user", "repeated_blocks", "trace_arguments", "trace_user",
+           "user_notes"]
 
 _MODES = ("ddp", "zero1", "fsdp")
 
@@ -168,16 +170,18 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     pp = degrees.get("PP", 1)
     tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
+    model = _copy_of_template(fns, blocks)  # the factory's model, built once on meta (the factory is called if not)
     with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp, pp_rank=pp_rank) as mesh, \
             FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, copies_in_mode(fake_mode), \
             real_mesh_tensors(), routing(load_factor) as routed, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
-        with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
-            model = call("--model", factory_name, fns.factory)
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"--model {factory_name} returned a {type(model).__name__}, not an nn.Module")
-        if blocks is not None:  # first, so that only the blocks kept get storage
-            _keep_blocks(model, *blocks)
+        if model is None:
+            with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
+                model = call("--model", factory_name, fns.factory)
+            if not isinstance(model, nn.Module):
+                raise ValueError(f"--model {factory_name} returned a {type(model).__name__}, not an nn.Module")
+            if blocks is not None:  # first, so that only the blocks kept get storage
+                _keep_blocks(model, *blocks)
         give_storage(model)  # then fake storage for the parallelize function and the step, as to_empty gives
         if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
             to_bf16(model)
@@ -275,12 +279,46 @@ def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, in
 
 
 @functools.lru_cache(maxsize=16)
-def blocks_of(factory: Callable[[], nn.Module], name: str) -> tuple[str, int] | None:
+def _template(factory: Callable[[], nn.Module], name: str) -> nn.Module:
+    """The factory's model built once on the meta device: its blocks are found in it, and each trace copies it."""
     with torch.device("meta"):
         model = call("--model", name, factory)
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {name} returned a {type(model).__name__}, not an nn.Module")
-    return repeated_blocks(model)
+    return model
+
+
+def forget_models() -> None:
+    """Drop the factories' meta models: each plan builds its own, since a factory may read what has changed since
+    the last plan (a config file, a global); within one plan, every mesh and trace copies one."""
+    _template.cache_clear()
+
+
+def blocks_of(factory: Callable[[], nn.Module], name: str) -> tuple[str, int] | None:
+    """``(path, count)`` of the factory's model's identical blocks (:func:`repeated_blocks`), or None."""
+    return repeated_blocks(_template(factory, name))
+
+
+def _copy_of_template(fns: UserFunctions, blocks: tuple[str, int] | None) -> nn.Module | None:
+    """A deep copy of the factory's meta model with the first ``k`` of its blocks (``blocks=(path, k)``): the same
+    module a call of the factory would give, for the cost of the blocks kept, not of all of them. None (call the
+    factory) when the model holds a tensor that is not on meta or does not copy."""
+    template = _template(fns.factory, fns.names[0])
+    if not all(t.is_meta for t in (*template.parameters(), *template.buffers())):
+        return None  # a tensor the factory placed itself: the factory's own call gives it in the fake mode
+    parent, attr, whole = None, "", None
+    if blocks is not None:  # the first k blocks in the template while it is copied, then all of them again
+        parent_path, _, attr = blocks[0].rpartition(".")
+        parent = template.get_submodule(parent_path)
+        whole = getattr(parent, attr)
+        _keep_blocks(template, *blocks)
+    try:
+        return copy.deepcopy(template)
+    except Exception:  # something in the model that does not copy (a lock, a generator): the factory builds it
+        return None
+    finally:
+        if parent is not None:
+            setattr(parent, attr, whole)
 
 
 def trace_arguments(*, world_size: int, degrees: dict[str, int], dp_replicate: int = 1, global_batch_size: int,
