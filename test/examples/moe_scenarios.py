@@ -15,7 +15,11 @@ from vemesh.parallel import ExpertParallel
 
 def compare(rank: int, world: int, device: str = "cpu") -> dict:
     mesh = VeDeviceMesh()
-    mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("EP",))  # gloo groups; the tensors may live on CUDA
+    # gloo groups (run_ranks' process group) on a mesh of the tensors' device: ExpertParallel's DTensors live on the
+    # mesh's device, as torch's distribute_tensor places them, so a CUDA run needs a "cuda" mesh (its ranks share a GPU)
+    if device == "cuda":
+        torch.cuda.set_device(0)  # before the mesh, which would take GPU LOCAL_RANK: the ranks share one GPU
+    mesh.init_device_mesh(device, (world,), mesh_dim_names=("EP",))
     torch.manual_seed(0)
     moe = MoE(GPTConfig(n_embd=32, moe_experts=2 * world, moe_top_k=2)).to(device)
     x = torch.randn(2 * world, 8, 32, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
