@@ -307,7 +307,10 @@ def _copy_of_template(fns: UserFunctions, blocks: tuple[str, int] | None) -> nn.
     """A deep copy of the factory's meta model with the first ``k`` of its blocks (``blocks=(path, k)``): the same
     module a call of the factory would give, for the cost of the blocks kept, not of all of them. None (call the
     factory) when the model holds a tensor that is not on meta or does not copy."""
-    template = _template(fns.factory, fns.names[0])
+    try:
+        template = _template(fns.factory, fns.names[0])
+    except ValueError:  # the factory needs the fake world (it reads the mesh, say): it is called there, as before
+        return None
     if not all(t.is_meta for t in (*template.parameters(), *template.buffers())):
         return None  # a tensor the factory placed itself: the factory's own call gives it in the fake mode
     parent, attr, whole = None, "", None
