@@ -235,12 +235,31 @@ def _argv(command: str) -> list[str]:
     raise ValueError(f"cannot run {command!r}: only torchrun and python commands are run")
 
 
+def _example_ranks(command: str) -> tuple[int, list[str]] | None:
+    """``(N, args)`` for ``torchrun --standalone --nproc_per_node=N examples/gpt/train.py ARGS``, else None."""
+    argv = shlex.split(command)
+    if argv[:2] != ["torchrun", "--standalone"] or len(argv) < 4 or argv[3] != "examples/gpt/train.py":
+        return None
+    flag, _, n = argv[2].partition("=")
+    return (int(n), argv[4:]) if flag in ("--nproc_per_node", "--nproc-per-node") and n.isdigit() else None
+
+
+def _stepped(text: str) -> bool:
+    return any(line.startswith("step ") for line in text.splitlines())
+
+
 def startup(command: str, timeout: float = 240.0) -> str:
     """What ``command`` prints on stdout up to and including its first ``step`` line (all of it if it has none).
 
     It runs from a scratch directory that sees the repository's ``examples/``, so files it writes
     (metrics, checkpoints) land there; a training run is stopped once its first step is printed.
+    ``torchrun --standalone --nproc_per_node=N examples/gpt/train.py ...`` runs the example's ``main`` on N ranks in
+    torchrun's environment from the test process's forkserver (``test/launch.py``), which prints the same
+    without N imports of torch; the README's command is also run by torchrun itself in the example's tests.
     """
+    ranks = _example_ranks(command)
+    if ranks is not None:
+        return _startup_on_ranks(command, *ranks, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "stderr", "w+") as errors:  # a file: never full
         os.symlink(ROOT / "examples", Path(tmp) / "examples")
         proc = subprocess.Popen(_argv(command), cwd=tmp, stdout=subprocess.PIPE, stderr=errors, text=True,
@@ -274,6 +293,23 @@ def startup(command: str, timeout: float = 240.0) -> str:
         if not trained and proc.returncode != 0:
             raise RuntimeError(f"`{command}` exited with {proc.returncode} before a step:\n{''.join(lines)}{err[-3000:]}")
         return "".join(lines)
+
+
+def _startup_on_ranks(command: str, world: int, args: list[str], timeout: float) -> str:
+    if str(ROOT / "test") not in sys.path:
+        sys.path.insert(0, str(ROOT / "test"))
+    from launch import run_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.symlink(ROOT / "examples", Path(tmp) / "examples")
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # torchrun's, for more ranks than cores
+        run = run_main("train", args, world, env=env, cwd=tmp, path=str(ROOT / "examples" / "gpt"), timeout=timeout,
+                       until=_stepped)
+    if not run.stopped and run.returncode != 0:
+        raise RuntimeError(f"`{command}` exited with {run.returncode} before a step:\n{run.stdout}{run.stderr[-3000:]}")
+    lines = run.stdout.splitlines(keepends=True)
+    end = next((i + 1 for i, line in enumerate(lines) if line.startswith("step ")), len(lines))
+    return "".join(lines[:end])
 
 
 _MASKS = [

@@ -1,7 +1,8 @@
-"""Run a function on N real gloo ranks, one process each, with a hard timeout.
+"""Run a function (``run_ranks``) or a program's ``main`` (``run_main``) on N real gloo ranks, one process each,
+with a hard timeout.
 
-Rendezvous goes through a file, so no port is ever picked or shared. The
-function must live at module level in an importable module (spawn pickles it
+``run_ranks``' rendezvous goes through a file; ``run_main``'s through a store on a port the system picks. So no
+port is ever guessed or shared. The function must live at module level in an importable module (spawn pickles it
 by name). Each rank's return value comes back to the caller; a rank's
 exception is re-raised in the caller with that rank's traceback, and a
 run that outlives ``timeout`` is killed rather than left to hang the suite.
@@ -9,12 +10,18 @@ run that outlives ``timeout`` is killed rather than left to hang the suite.
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing.connection
 import os
 import queue
+import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,12 +51,18 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
             dist.destroy_process_group()
 
 
+# What the server imports once for every rank it starts. torch._dynamo: torch imports it lazily on the first call
+# of an optimizer's step or zero_grad (1 to 1.5 s a process). train: the GPT example, when examples/gpt is on the
+# path (the example's tests put it there); a module that is not found is skipped by the server.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "vemesh", "launch", "train"]
+
+
 def _context() -> Any:
     """A forkserver whose server has imported torch once: each rank then starts in a fraction of a second
-    instead of importing torch again (about 2 s a process on this project's machines). Spawn semantics
-    otherwise: the function and its arguments travel by name and pickle."""
+    instead of importing torch again (about 4 s of CPU a process on this project's machines). Spawn semantics
+    otherwise: the function and its arguments travel by name and pickle. One server per test process."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "launch"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -93,3 +106,103 @@ def run_ranks(
     if failed:
         raise RankFailed("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failed.items()))
     return [results[r][1] for r in range(world_size)]
+
+
+def _main_worker(rank: int, world_size: int, port: int, module: str, argv: list[str], env: dict, cwd: str,
+                 path: str | None, out_dir: str) -> None:
+    """One rank of ``run_main``: torchrun's environment for this rank, stdout and stderr to this rank's files,
+    ``module.main(argv)``'s return value as the exit code."""
+    os.environ.clear()  # the server's environment is the one it started with: this run's is passed whole
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
+                      ROLE_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of the launcher's store, as torchrun's
+    for fd, name in ((1, "out"), (2, "err")):
+        out = os.open(os.path.join(out_dir, f"{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.stdout.reconfigure(line_buffering=True)  # what a killed rank printed is kept
+    sys.stderr.reconfigure(line_buffering=True)
+    os.chdir(cwd)
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # the server imported torch before this env
+    code = 1
+    try:
+        sys.argv = [module, *argv]
+        code = importlib.import_module(module).main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # as the example's own __main__: no interpreter teardown beside gloo's threads
+
+
+@dataclass
+class MainRun:
+    returncode: int  # 0 when every rank returned 0, else the code of the rank that failed first
+    codes: list[int | None]  # each rank's exit code (None: killed at the timeout)
+    stdout: str  # every rank's stdout, rank 0 first
+    stderr: str
+    stopped: bool = False  # stopped by ``until``, not ended
+
+
+def run_main(module: str, argv: list[str], world_size: int, *, env: dict | None = None, cwd: str | None = None,
+             path: str | None = None, timeout: float = 240.0, grace: float = 3.0,
+             until: Callable[[str], bool] | None = None) -> MainRun:
+    """``torchrun --standalone --nproc_per_node=world_size`` for a module with ``main(argv) -> int``, from this
+    process's forkserver: torch, vemesh and the module are imported once per test process, not once per rank.
+
+    torchrun's environment and store (every rank a client of a store this process serves), and its failure rule:
+    when a rank fails, the others are stopped (after ``grace`` seconds, for their own messages). Raises
+    TimeoutError, with what the ranks printed, when the run outlives ``timeout``; every rank is killed first.
+    The tests that are about torchrun itself (restarts, rendezvous, its handling of a failed rank) launch it.
+    ``path``: a directory the ranks import ``module`` from. ``until``: stop every rank once it holds for what rank 0
+    has printed so far (``stopped`` is then True).
+    """
+    ctx = _context()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=60), wait_for_workers=False)
+    run_env = dict(os.environ, **(env or {}))
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_main_worker, daemon=True,
+                             args=(r, world_size, store.port, module, list(argv), run_env, cwd or os.getcwd(), path, out_dir))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline, stop_at, first_failure = time.monotonic() + timeout, None, 0
+        timed_out = stopped = False
+        while any(p.is_alive() for p in procs):
+            first = Path(out_dir, "0.out")
+            if until is not None and first.exists() and until(first.read_text(errors="replace")):
+                stopped = True
+                stop_at = stop_at or time.monotonic()
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if stop_at is None and failed:
+                stop_at, first_failure = time.monotonic() + grace, failed[0]  # torchrun stops the others
+            now = time.monotonic()
+            if now > deadline or (stop_at is not None and now > stop_at):
+                timed_out = now > deadline
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                break
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+        for p in procs:
+            p.join(timeout=5)
+        codes = [None if timed_out and p.exitcode == -9 else p.exitcode for p in procs]
+
+        def read(name: str) -> str:
+            return "".join(Path(out_dir, f"{r}.{name}").read_text(errors="replace")
+                           for r in range(world_size) if Path(out_dir, f"{r}.{name}").exists())
+
+        stdout, stderr = read("out"), read("err")
+    del store
+    if timed_out:
+        raise TimeoutError(f"{module} on {world_size} ranks did not finish within {timeout:.0f}s; exit codes {codes}\n"
+                           f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-3000:]}")
+    failed = [c for c in codes if c != 0]
+    return MainRun((first_failure or failed[0]) if failed and not stopped else 0, codes, stdout, stderr, stopped)

@@ -204,6 +204,7 @@ def test_sigterm_waits_for_a_step_boundary_only_within_the_grace_period(how):
 def test_a_config_error_reaches_the_terminal_whichever_rank_exits_first(tmp_path):
     """4 pipeline stages over 2 layers under torchrun: every rank sees it, and the first to exit takes the others
     down. The reason must be in the output, not only torchrun's ChildFailedError banner."""
-    run = run_train(["--mesh-shape", "4,1,1", "--n-layer", "2", "--steps", "1"], tmp_path, nproc=4, timeout=120)
+    run = run_train(["--mesh-shape", "4,1,1", "--n-layer", "2", "--steps", "1"], tmp_path, nproc=4, timeout=120,
+                    torchrun=True)
     assert run.returncode != 0, run.describe()
     assert "error: --mesh-shape: 4 pipeline stages (PP=4) cannot split --n-layer 2" in run.stderr, run.describe()

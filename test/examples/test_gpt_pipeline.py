@@ -1,4 +1,4 @@
-"""The GPT example on a pipelined mesh, launched as a user launches it (torchrun, gloo).
+"""The GPT example on a pipelined mesh, on gloo ranks in torchrun's environment (``conftest.run_train``).
 
 Exactness: with dropout off, the same seed and global batch, every step's loss on a pipelined
 mesh equals the one-process loss (``--mesh-shape 1,1,1``) within 1e-4: torch's schedules

@@ -1,4 +1,5 @@
-"""The GPT example end to end, launched as a user launches it (torchrun, 4 gloo ranks).
+"""The GPT example end to end on 4 gloo ranks: at its default size as a user launches it (torchrun); on the other
+meshes from the test process's forkserver, in torchrun's environment (``conftest.run_train``).
 
 Exactness: with dropout off, the same seed and the same global batch, the loss of
 every step on a (2,2), (4,1) or (1,4) mesh equals the single-process loss within
@@ -84,7 +85,7 @@ def test_checkpoints_move_between_ddp_zero1_and_fsdp2(single, tmp_path):
 
 def test_default_command_end_to_end(tmp_path):
     """``torchrun --nproc_per_node=4 examples/gpt/train.py`` at its default size, cut to a few steps."""
-    run = run_train(["--steps", "6", "--eval-every", "3", "--sample-tokens", "16"], tmp_path, nproc=4)
+    run = run_train(["--steps", "6", "--eval-every", "3", "--sample-tokens", "16"], tmp_path, nproc=4, torchrun=True)
     assert run.returncode == 0, run.describe()
     out = run.stdout
     assert out.count("vemesh GPT example: 4 processes on cpu (backend gloo), mesh DP=2 x TP=2") == 1  # rank 0 only

@@ -119,6 +119,7 @@ def fsdp2_then_tp(world_size: int) -> dict[str, Any]:
     """HF Llama on FSDP2 over DP = 4 for 2 steps, saved with ``vemesh.checkpoint``; loaded into DP = 2 x TP = 2 (HF's
     TP plan, vemesh DDP, AdamW) built from other weights, and trained on for step 3: every loss and the final
     parameters against one process's 3 steps."""
+    import shutil
     import tempfile
 
     from vemesh import checkpoint
@@ -161,6 +162,9 @@ def fsdp2_then_tp(world_size: int) -> dict[str, Any]:
     model = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     step, _ = checkpoint.load(root[0], model=model, optimizer=opt)
+    dist.barrier()  # every rank has read the checkpoint: rank 0 removes what it made
+    if dist.get_rank() == 0:
+        shutil.rmtree(root[0])
     steps(model, opt, dims, range(step, STEPS))
     params = parity.whole_params(model)
     mesh.reset()
