@@ -186,4 +186,19 @@ def step_pp(schedule, batch_size: int) -> None:
     schedule.step(tokens[:, :-1].contiguous(), target=tokens[:, 1:].contiguous(), losses=[], return_outputs=False)
 
 
+def parallelize_any(model: llama.Llama, mesh):
+    """A script that runs on any mesh, as a search with ``--loss`` plans it: 1F1B stages with TP and vemesh DDP where
+    the mesh has PP, else TP and vemesh DDP on the whole model."""
+    if mesh.get_strategy_size("PP") > 1:
+        return parallelize_pp_1f1b(model, mesh)
+    return parallelize_ddp(model, mesh)
+
+
+def step_any(model_or_schedule, batch_size: int):
+    """:func:`step_pp` given a pipeline schedule (a DP rank's batch), else :func:`step` (a micro-batch)."""
+    if isinstance(model_or_schedule, nn.Module):
+        return step(model_or_schedule, batch_size)
+    return step_pp(model_or_schedule, batch_size)
+
+
 loss_fn = llama.loss_fn

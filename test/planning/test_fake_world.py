@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -74,3 +75,30 @@ def test_local_shards_cut_what_torchs_distribute_tensor_cuts_on_every_rank() -> 
                     (rank, shape, dim)
         finally:
             dist.destroy_process_group()
+
+
+def test_a_plan_leaves_the_users_mesh_and_world_as_they_were() -> None:
+    """The planner's fake world is its own. After a plan no process group is left and ``VESCALE_DEVICE_MESH`` is as
+    it was (not built). Asked inside the user's own world, a plan refuses, and that world's mesh, groups and epoch
+    are untouched."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.planning import plan
+
+    mesh = VESCALE_DEVICE_MESH
+
+    gpt = "gpt:n_layer=2,n_embd=64,n_head=4"
+    assert not mesh.is_initialized() and not dist.is_initialized()
+    assert plan(gpt, world_size=4, tp=2, global_batch_size=4)["degrees"]["TP"] == 2
+    assert not mesh.is_initialized() and not dist.is_initialized()
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    try:
+        mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+        before = (mesh.epoch, mesh.get_group("TP"), mesh.mesh, mesh.get_local_rank("TP"))
+        with pytest.raises(RuntimeError, match="in a world of its own; call it before init_process_group"):
+            plan(gpt, world_size=4, tp=2, global_batch_size=8)  # not the plan above: its traces are kept
+        assert (mesh.epoch, mesh.get_group("TP"), mesh.mesh, mesh.get_local_rank("TP")) == before
+        assert mesh.mesh.mesh_dim_names == ("DP", "TP") and dist.get_rank() == 1
+    finally:
+        mesh.reset()
+        dist.destroy_process_group()

@@ -31,7 +31,7 @@ from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline
 from vemesh.planning.user_code import UserFunctions
-from vemesh.planning.user_model import predict_user
+from vemesh.planning.user_model import blocks_of, predict_user
 
 __all__ = ["Job", "MeshFit", "RankClass", "predict", "search"]
 
@@ -188,9 +188,9 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
         raise ValueError("ranking by inter-host bytes needs --devices-per-host")
     if rank_by == "time" and timed is None:
         raise ValueError("--rank-by time needs a device profile (--device-profile NAME|FILE) to time each mesh")
-    if job.user:  # the user's functions: no PP; every TP their parallelize function takes
+    if job.user:  # the user's functions: every TP they take; PP too when they give the schedule's loss_fn
         limit = {"n_head": world_size}
-        n_layer = 1
+        n_layer = _user_stages(job, world_size)
     else:
         if not isinstance(job.model, str) or load_model(job.model).kind != "gpt":
             raise ValueError("searching needs the activations: give the GPT preset (--model gpt:...), or your model's "
@@ -198,7 +198,7 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
         model = load_model(job.model)
         limit, n_layer = dict(model.config), model.n_layer
     fits, rejected = [], []
-    for pp in _divisors(world_size) if not job.user else [1]:
+    for pp in _divisors(world_size):
         for tp in _divisors(world_size // pp):
             if (world_size // pp // tp) % cp:
                 continue
@@ -240,6 +240,17 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
     fits.sort(key=keys[rank_by])
     rejected.sort(key=lambda f: (f.peak if f.classes else math.inf))
     return fits, rejected
+
+
+def _user_stages(job: Job, world_size: int) -> int:
+    """The most PP ranks a search gives the user's functions: 1 without ``--loss`` (no pipeline to run), else the
+    model's identical blocks when it has them (one a stage at least), else the world size (the functions refuse
+    what they cannot cut, one line per mesh)."""
+    if job.loss is None:
+        return 1
+    fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule)
+    found = blocks_of(fns.factory, fns.names[0])
+    return found[1] if found is not None else world_size
 
 
 def _placed(fit: MeshFit, mesh: MeshPlan, devices_per_host: int | None,

@@ -133,9 +133,8 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
     lines = [f"plan: {job.name}" + (f" through {_name(job.parallelize)}" if job.parallelize else ""),
              f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
              f"{job.dtype}, {job.dp_mode or ('as the function applies' if job.user else 'zero1')}; ranked by {cost}",
-             f"{len(fits) + len(rejected)} meshes considered (" + (f"DP x CP x TP = {world_size}, every TP; your "
-             "functions refuse what they cannot run" if job.user else f"PP x DP x CP x TP = {world_size}, TP up to the "
-             "heads, PP up to the blocks") + f"); {len(fits)} fit" + (f"; the best {min(top, len(fits))}:" if fits else "")]
+             f"{len(fits) + len(rejected)} meshes considered (" + _considered(job, world_size) + f"); {len(fits)} fit"
+             + (f"; the best {min(top, len(fits))}:" if fits else "")]
     timed = any(f.times for f in fits)
     chosen = any(f.activation_checkpointing is not None for f in fits)  # --choose: each mesh's own mbs and AC
     if fits:
@@ -160,6 +159,16 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
         lines.append(f"{len(rejected)} meshes rejected:")
         lines.extend(f"  {f.shape():28} {f.reason}" for f in rejected)
     return "\n".join(lines)
+
+
+def _considered(job: Any, world_size: int) -> str:
+    """Which meshes a search tried, in words."""
+    if not job.user:
+        return f"PP x DP x CP x TP = {world_size}, TP up to the heads, PP up to the blocks"
+    if job.loss is None:
+        return f"DP x CP x TP = {world_size}, every TP; your functions refuse what they cannot run; PP with --loss"
+    return (f"PP x DP x CP x TP = {world_size}, every TP, PP up to the blocks, {job.pp_schedule} with PP; your functions "
+            "refuse what they cannot run")
 
 
 def _why_slower(best: MeshFit, others: list[MeshFit]) -> list[str]:
@@ -217,7 +226,7 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "interleaved-zb, zbv or dualpipev (default: 1f1b)")
     job.add_argument("--loss", metavar="MODULE:FUNCTION", help="with --pp and your functions: loss_fn(output, target), "
                      "as torch's schedule takes it (your --parallelize returns the PipelineStages, your --step gets "
-                     "the schedule and the batch size)")
+                     "the schedule and the batch size); in a search, PP meshes are tried too")
     job.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
     job.add_argument("--activation-checkpointing", action="store_true",
                      help="recompute each block in backward, keeping only its input")
