@@ -48,7 +48,8 @@ def test_a_pipeline_is_torchs_schedule_run_on_every_pp_rank(schedule) -> None:
 
 @pytest.mark.slow
 def test_gpipe_holds_every_micro_batch_and_1f1b_a_few() -> None:
-    gpipe, one = (predict(Job(SMALL, 8, micro_batch_size=1, pp_schedule=s), dp=1, pp=2) for s in ("gpipe", "1f1b"))
+    # 6 micro-batches, each traced (from 8 on, two shorter pipelines are traced and the rest added by difference)
+    gpipe, one = (predict(Job(SMALL, 6, micro_batch_size=1, pp_schedule=s), dp=1, pp=2) for s in ("gpipe", "1f1b"))
     assert gpipe.classes[0].activations > 1.5 * one.classes[0].activations
 
 
