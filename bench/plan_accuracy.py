@@ -89,6 +89,11 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "hf-llama-zero1-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
     "titan-moe-ep2-ddp": (2, f"{TITAN_JOBS}:make_moe", f"{TITAN_JOBS}:parallelize_ddp", ["--ep", "2", "--dp-mode", "ddp"]),
     "titan-moe-ep2-fsdp2": (2, f"{TITAN_JOBS}:make_moe", f"{TITAN_JOBS}:parallelize_fsdp", ["--ep", "2"]),
+    # torchtitan's Llama3 (trunc_normal_ in its init_states), with the SDPA attention torchtitan ships
+    "titan-llama3-fsdp2-tp2": (4, f"{TITAN_JOBS}:make_llama3", f"{TITAN_JOBS}:parallelize_llama3_fsdp",
+                               ["--tp", "2", "--step", f"{TITAN_JOBS}:step_llama3"]),
+    "titan-llama3-zero1-tp2": (4, f"{TITAN_JOBS}:make_llama3", f"{TITAN_JOBS}:parallelize_llama3_ddp",
+                               ["--tp", "2", "--dp-mode", "zero1", "--step", f"{TITAN_JOBS}:step_llama3"]),
     # PP: the parallelize function returns torch PipelineStages, the step runs the schedule, the loss is the schedule's
     "llama-pp2-1f1b": (4, "make_dense", "parallelize_pp_1f1b", ["--pp", "2", *PIPELINE]),
     "llama-pp2-interleaved": (4, "make_dense", "parallelize_pp_interleaved",

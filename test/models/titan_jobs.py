@@ -1,7 +1,8 @@
 """torchtitan's own ``MoE`` module (the ``torchtitan`` package, 0.3.0: the ``titan`` extra) in a model of a user's:
 an embedding, blocks of ``RMSNorm`` and torchtitan's ``MoE`` (router, routed experts, shared experts, the
-load-balancing buffers) with a residual, a norm and a head. torchtitan's whole LMs take only flex or varlen
-attention, and torch 2.13's ``flex_attention`` has no backward on CPU, so the model around its ``MoE`` is plain torch.
+load-balancing buffers) with a residual, a norm and a head; and torchtitan's own ``Llama3Model`` with the SDPA
+attention torchtitan ships (:func:`make_llama3`: its language models take flex or varlen attention, and torch 2.13's
+``flex_attention`` has no backward on CPU).
 
 What a user writes for it, the three things ``vemesh plan --model module:... --parallelize ... --step ...`` runs
 (``bench/plan_accuracy.py`` plans them and runs them for real): a factory, parallelize functions (vemesh's
@@ -157,5 +158,65 @@ def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
     tokens = torch.randint(0, core.vocab, (micro_batch_size, core.seq + 1))
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach()
+
+
+# ---- torchtitan's Llama3 ----------------------------------------------------------------------------------------
+
+#: TP by torchtitan 0.3.0's module names: the fused ``wqkv`` is laid out as ``(n_kv_heads, R, head_dim, dim)``, so
+#: torch's column-wise split of its rows gives each TP rank whole KV groups (their query heads, key and value), and
+#: torchtitan's attention reshapes with ``-1`` heads.
+LLAMA3_TP = {"attention.qkv_linear.wqkv": "colwise", "attention.wo": "rowwise", "feed_forward.w1": "colwise",
+             "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
+LLAMA3_SEQ = 128
+
+
+def make_llama3() -> nn.Module:
+    """torchtitan 0.3.0's ``Llama3Model``, its ``debugmodel`` (6 blocks of width 256, 16 heads, a vocabulary of
+    2048) built by its own config and initialised by its ``init_states`` (``trunc_normal_``), with the attention
+    torchtitan ships as ``ScaledDotProductAttention`` in place of flex attention: torch 2.13's ``flex_attention``
+    has no backward on CPU, and a causal sequence with no document mask is the same attention."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import llama3_configs
+
+    config = llama3_configs["debugmodel"]("flex")
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()  # torchtitan's modules are built empty and initialised here (on meta: nothing)
+    return model
+
+
+def _llama3_tp(model: nn.Module, mesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if mesh.get_strategy_size("TP") > 1:
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        for block in model.layers.values():
+            parallelize_module(block, mesh["TP"], {name: styles[s]() for name, s in LLAMA3_TP.items()})
+
+
+def parallelize_llama3_fsdp(model: nn.Module, mesh) -> nn.Module:
+    """TP by module names (when the mesh has TP), then FSDP2 on each block and the root."""
+    _llama3_tp(model, mesh)
+    for block in model.layers.values():
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def parallelize_llama3_ddp(model: nn.Module, mesh) -> nn.Module:
+    """TP by module names (when the mesh has TP), then vemesh DDP over the mesh's data dims (ZeRO-1 is the
+    optimizer's)."""
+    _llama3_tp(model, mesh)
+    return DistributedDataParallel(model)
+
+
+def step_llama3(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """One forward and backward of ``micro_batch_size`` random sequences of :data:`LLAMA3_SEQ` tokens."""
+    tokens = torch.randint(0, 2048, (micro_batch_size, LLAMA3_SEQ + 1))
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
     loss.backward()
     return loss.detach()

@@ -1,7 +1,9 @@
 """torchtitan's own ``MoE`` module (``torchtitan==0.3.0``, the ``titan`` extra), unchanged, in a user's own loop on
 4 gloo ranks against one process: its grouped experts spread by ``vemesh.parallel.ExpertParallel`` over EP = 2 folded
 in DP = 4 with vemesh DDP, ZeRO-1 and FSDP2 on the dense part, and split over EP = 2 x TP = 2 by
-``ExpertTensorParallel``; its router, shared experts and load-balancing bias alongside.
+``ExpertTensorParallel``; its router, shared experts and load-balancing bias alongside. And torchtitan's own
+``Llama3Model`` (the SDPA attention it ships in place of flex attention, which has no backward on CPU) with TP by its
+module names under FSDP2 and under vemesh DDP + ZeRO-1.
 
 torchtitan's experts compute in bf16. With them in fp32 (its ``_grouped_mm`` seam, and its forward without the casts
 to bf16 around the seam), every step's loss, every final parameter and each expert bias is within 1e-5 of one
@@ -53,3 +55,15 @@ def test_torchtitan_moe_with_bf16_casts_differs_by_rounding_only(four, name) -> 
               f"{o['worst']} {o['param_diff']:.2e}")
         assert o["loss_diff"] < BF16_LOSS_TOL and o["param_diff"] < BF16_PARAM_TOL, \
             f"rank {rank}: loss by {o['loss_diff']:.2e}, {o['worst']} by {o['param_diff']:.2e}"
+
+
+def test_torchtitan_llama3_with_tp_by_its_module_names_matches_one_process() -> None:
+    """torchtitan's Llama3 (its debugmodel, ``trunc_normal_`` in its ``init_states``, the SDPA attention it ships):
+    TP = 2 by its module names with FSDP2, and with vemesh DDP + ZeRO-1, over DP = 2."""
+    for rank, results in enumerate(run_ranks(S.llama3_worker, 4, S.LLAMA3_CASES, timeout=400,
+                                             env={"OMP_NUM_THREADS": "1"})):
+        for name, o in results.items():
+            assert "error" not in o, f"rank {rank}: {name}:\n{o.get('error')}"
+            print(f"rank {rank}: {name}: loss {o['loss_diff']:.2e}, {o['worst']} {o['param_diff']:.2e}")
+            assert o["loss_diff"] < TOL and o["param_diff"] < TOL, \
+                f"rank {rank}: {name}: loss by {o['loss_diff']:.2e}, {o['worst']} by {o['param_diff']:.2e}"

@@ -111,3 +111,52 @@ def worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any
             out[name] = {"error": traceback.format_exc()}
             mesh.reset()
     return out
+
+
+# ---- torchtitan's Llama3 (titan_jobs.make_llama3: its debugmodel, the SDPA attention torchtitan ships) ----------
+
+LLAMA3_SEQ = 32
+LLAMA3_CASES = {  # name: (degrees, wrapper, optimizer); TP by torchtitan's module names (titan_jobs.LLAMA3_TP)
+    "titan-llama3-tp2-fsdp2": (dict(tp=2), "fsdp", "adamw"),
+    "titan-llama3-tp2-zero1": (dict(tp=2), "ddp", "zero1"),
+}
+
+
+def llama3_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 2048, (BATCH, LLAMA3_SEQ + 1), generator=torch.Generator().manual_seed(200 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def llama3_train(dims: ParallelDims, wrap: str, optimizer: str) -> dict[str, Any]:
+    dims.build("cpu", mesh)
+    model = titan_jobs.make_llama3()
+    titan_jobs._llama3_tp(model, mesh)
+    model = parity.wrap(model, list(model.layers.values()), wrap)
+    opt = parity.optimizer(model, optimizer, lr=LR, eps=EPS)
+    rows = mesh.lookup_rank("DP")
+    data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = (t.chunk(dims.dp)[rows].clone() for t in llama3_batch(step))
+        loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(parity.mean_over(loss, data))
+    params = parity.whole_params(model)
+    mesh.reset()
+    return {"losses": losses, "params": params}
+
+
+def llama3_worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
+    model = titan_jobs.make_llama3()
+    ref = (parity.one_process(model, (llama3_batch(s) for s in range(STEPS)), loss_of, lr=LR, eps=EPS),
+           parity.whole_params(model))
+    out: dict[str, Any] = {}
+    for name, (degrees, wrap, optimizer) in cases.items():
+        try:
+            out[name] = parity.compare(llama3_train(ParallelDims(world_size, **degrees), wrap, optimizer), ref)
+        except Exception:  # noqa: BLE001 - reported back to pytest
+            out[name] = {"error": traceback.format_exc()}
+            mesh.reset()
+    return out
