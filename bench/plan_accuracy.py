@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,17 +113,15 @@ def _model(example_flags: list[str], plan_flags: list[str]) -> str:
     return f"gpt:n_layer={n_layer},n_embd=192,n_head=4,vocab=256,seq_len=64" + (f",moe_experts={experts}" if experts else "")
 
 
-def predicted(procs: int, example_flags: list[str], plan_flags: list[str]) -> dict[str, Any]:
+def predicted(procs: int, example_flags: list[str], plan_flags: list[str],
+              plan: Callable[[list[str]], dict[str, Any]] | None = None) -> dict[str, Any]:
     flags = [f for i, f in enumerate(plan_flags) if f != "--n-layer" and (i == 0 or plan_flags[i - 1] != "--n-layer")]
-    cmd = [sys.executable, "-m", "vemesh", "plan", "--model", _model(example_flags, plan_flags), "--world-size", str(procs),
-           "--global-batch-size", "32", *flags, "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if out.returncode:
-        raise SystemExit(f"{' '.join(cmd)}\n{out.stderr}")
-    return json.loads(out.stdout)
+    return (plan or vemesh_plan)(["--model", _model(example_flags, plan_flags), "--world-size", str(procs),
+                                  "--global-batch-size", "32", *flags])
 
 
-def _plan(args: list[str]) -> dict[str, Any]:
+def vemesh_plan(args: list[str]) -> dict[str, Any]:
+    """``vemesh plan ARGS --json`` from the repository's root, in a process of its own."""
     cmd = [sys.executable, "-m", "vemesh", "plan", *args, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
@@ -130,18 +129,25 @@ def _plan(args: list[str]) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
-def measured(procs: int, flags: list[str], workdir: str, script: Path = TRAIN) -> tuple[dict[str, Any], float | None]:
-    """The run's report by rank class, and its expert load (the busiest EP rank's slots over its share) if MoE."""
+def torchrun(script: Path, argv: list[str], procs: int, cwd: str) -> tuple[int, str, str]:
+    """``torchrun --standalone --nproc_per_node=procs script argv`` from ``cwd``: (exit code, stdout, stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", str(script), *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return out.returncode, out.stdout, out.stderr
+
+
+def measured(procs: int, flags: list[str], workdir: str, script: Path = TRAIN,
+             launch: Callable[..., tuple[int, str, str]] = torchrun) -> tuple[dict[str, Any], float | None]:
+    """The run's report by rank class, and its expert load (the busiest EP rank's slots over its share) if MoE.
+    ``launch(script, argv, procs, cwd)`` starts the ranks (torchrun; the tests pass their forkserver's launcher)."""
     report = os.path.join(workdir, "report.json")
     metrics = os.path.join(workdir, "metrics.jsonl")
     extra = ["--steps", "3", "--sample-tokens", "0", "--memory-report", report, "--metrics-file", metrics] \
         if script == TRAIN else ["--report", report, "--expert-load", os.path.join(workdir, "load.json")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", str(script),
-           *flags, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir if script == TRAIN else ROOT, env=env)
-    if out.returncode:
-        raise SystemExit(f"{' '.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    code, stdout, stderr = launch(script, [*flags, *extra], procs, workdir if script == TRAIN else str(ROOT))
+    if code:
+        raise SystemExit(f"{script} {' '.join([*flags, *extra])} on {procs} ranks exited with {code}\n{stdout[-3000:]}\n"
+                         f"{stderr[-3000:]}")
     with open(report) as f:
         classes = json.load(f)["classes"]
     return classes, _load_of(workdir, metrics, flags)
@@ -180,8 +186,11 @@ def _rows(name: str, plan: dict[str, Any], run: dict[str, Any]) -> list[dict[str
     return rows
 
 
-def compare(name: str) -> list[dict[str, Any]]:
-    """Plan, run, and (for a skewed router) plan again with the run's load factor."""
+def compare(name: str, launch: Callable[..., tuple[int, str, str]] = torchrun,
+            plan: Callable[[list[str]], dict[str, Any]] = vemesh_plan) -> list[dict[str, Any]]:
+    """Plan, run, and (for a skewed router) plan again with the run's load factor. ``launch`` starts a run's ranks
+    (:func:`torchrun`) and ``plan`` answers ``vemesh plan ARGS --json`` (:func:`vemesh_plan`); the tests pass
+    their own, which start no new interpreter."""
     if name in USER_CONFIGS:
         procs, factory, parallelize, flags = USER_CONFIGS[name]
         jobs = factory.rpartition(":")[0] or JOBS
@@ -190,20 +199,20 @@ def compare(name: str) -> list[dict[str, Any]]:
                      *(["--step", f"{jobs}:step"] if "--step" not in flags else []), "--global-batch-size", "8"]
         plan_args = [*functions, "--world-size", str(procs), *flags]
         with tempfile.TemporaryDirectory() as workdir:
-            run, load = measured(procs, [*functions, *flags], workdir, ROOT / "bench" / "plan_user_run.py")
-        plan = _plan(plan_args)
+            run, load = measured(procs, [*functions, *flags], workdir, ROOT / "bench" / "plan_user_run.py", launch)
+        planned = plan(plan_args)
     else:
         procs, flags, plan_flags = CONFIGS[name]
-        plan = predicted(procs, flags, plan_flags)
+        planned = predicted(procs, flags, plan_flags, plan)
         with tempfile.TemporaryDirectory() as workdir:
-            run, load = measured(procs, flags, workdir)
+            run, load = measured(procs, flags, workdir, launch=launch)
         plan_args = None
-    rows = _rows(name, plan, run)
+    rows = _rows(name, planned, run)
     if name in LOADED and load:
         if plan_args is None:
-            again = predicted(procs, flags, [*plan_flags, "--moe-load-factor", f"{load:.4f}"])
+            again = predicted(procs, flags, [*plan_flags, "--moe-load-factor", f"{load:.4f}"], plan)
         else:
-            again = _plan([*plan_args, "--moe-load-factor", f"{load:.4f}"])
+            again = plan([*plan_args, "--moe-load-factor", f"{load:.4f}"])
         rows += [dict(r, config=f"{name} F={load:.2f}", load_factor=load) for r in _rows(name, again, run)]
     return rows
 

@@ -10,7 +10,11 @@ run that outlives ``timeout`` is killed rather than left to hang the suite.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
+import io
+import json
 import multiprocessing.connection
 import os
 import queue
@@ -131,7 +135,8 @@ def _main_worker(rank: int, world_size: int, port: int, module: str, argv: list[
     code = 1
     try:
         sys.argv = [module, *argv]
-        code = importlib.import_module(module).main(argv)
+        main = importlib.import_module(module).main
+        code = main(argv) if inspect.signature(main).parameters else main()  # a main() that reads sys.argv itself
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -206,3 +211,27 @@ def run_main(module: str, argv: list[str], world_size: int, *, env: dict | None 
                            f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-3000:]}")
     failed = [c for c in codes if c != 0]
     return MainRun((first_failure or failed[0]) if failed and not stopped else 0, codes, stdout, stderr, stopped)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch_script(script: Path, argv: list[str], procs: int, cwd: str) -> tuple[int, str, str]:
+    """``bench/plan_accuracy.py``'s ``launch`` for the tests: ``script``'s ``main`` on ``procs`` ranks by
+    :func:`run_main` instead of torchrun; (exit code, stdout, stderr)."""
+    run = run_main(Path(script).stem, argv, procs, cwd=cwd, path=str(Path(script).parent),
+                   env={"OMP_NUM_THREADS": "1"}, timeout=400)
+    return run.returncode, run.stdout, run.stderr
+
+
+def plan_here(args: list[str]) -> dict[str, Any]:
+    """``bench/plan_accuracy.py``'s ``plan`` for the tests: ``vemesh plan ARGS --json`` in this process, from the
+    repository's root."""
+    from vemesh.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", *args, "--json"])
+    if code:
+        raise RuntimeError(f"vemesh plan {' '.join(args)} exited with {code}: {err.getvalue()[-3000:]}")
+    return json.loads(out.getvalue())

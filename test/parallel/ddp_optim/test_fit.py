@@ -109,9 +109,10 @@ def test_prediction_against_the_examples_memory_report() -> None:
     # one configuration here (a pipeline: two rank classes, PP bytes, the schedule's micro-batches in
     # flight); bench/plan_accuracy.py runs all 13 and the 70B plan over 1024 ranks
     sys.path.insert(0, str(ROOT / "bench"))
+    from launch import launch_script, plan_here
     from plan_accuracy import compare
 
-    for row in compare("pp2-1f1b"):
+    for row in compare("pp2-1f1b", launch_script, plan_here):  # the ranks and the plan started from this process
         assert abs(row["peak_ratio"] - 1) <= 0.10, row
         for dim, b in row["bytes"].items():
             if b["predicted"] > 64:
