@@ -18,6 +18,7 @@ import json
 import multiprocessing.connection
 import os
 import queue
+import subprocess
 import sys
 import tempfile
 import time
@@ -113,8 +114,8 @@ def run_ranks(
 
 
 def _main_worker(rank: int, world_size: int, port: int, module: str, argv: list[str], env: dict, cwd: str,
-                 path: str | None, out_dir: str) -> None:
-    """One rank of ``run_main``: torchrun's environment for this rank, stdout and stderr to this rank's files,
+                 path: str | None, outs: tuple[str, str]) -> None:
+    """One rank of ``start_main``: torchrun's environment for this rank, stdout and stderr appended to ``outs``,
     ``module.main(argv)``'s return value as the exit code."""
     os.environ.clear()  # the server's environment is the one it started with: this run's is passed whole
     os.environ.update(env)
@@ -122,8 +123,8 @@ def _main_worker(rank: int, world_size: int, port: int, module: str, argv: list[
                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
                       ROLE_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of the launcher's store, as torchrun's
-    for fd, name in ((1, "out"), (2, "err")):
-        out = os.open(os.path.join(out_dir, f"{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd, name in zip((1, 2), outs):
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(out, fd)
         os.close(out)
     sys.stdout.reconfigure(line_buffering=True)  # what a killed rank printed is kept
@@ -147,10 +148,89 @@ def _main_worker(rank: int, world_size: int, port: int, module: str, argv: list[
         os._exit(code)  # as the example's own __main__: no interpreter teardown beside gloo's threads
 
 
+class Ranks:
+    """The ranks :func:`start_main` started, as torchrun's process is to its caller: ``poll``, ``wait``, ``kill``.
+
+    torchrun's failure rule: once a rank has failed, the others are killed ``grace`` seconds later (at the next
+    ``poll``); the job's code is the first failed rank's. ``stopped`` says the caller killed it.
+    """
+
+    def __init__(self, procs: list[Any], store: Any, args: list[str], grace: float) -> None:
+        self.procs, self._store, self.args, self.grace = procs, store, args, grace
+        self.failed_at: float | None = None
+        self.first_failure = 0
+        self.stopped = False
+
+    def poll(self) -> int | None:
+        failed = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
+        if failed and self.failed_at is None:
+            self.failed_at, self.first_failure = time.monotonic(), failed[0]
+        if self.failed_at is not None and time.monotonic() >= self.failed_at + self.grace:
+            self._kill()
+        if any(p.is_alive() for p in self.procs):
+            return None
+        for p in self.procs:
+            p.join()
+        return self.first_failure or next((c for c in self.codes if c != 0), 0)
+
+    @property
+    def returncode(self) -> int | None:
+        """As ``Popen.returncode``: None while it runs."""
+        return self.poll()
+
+    @property
+    def codes(self) -> list[int | None]:
+        return [p.exitcode for p in self.procs]
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The job's exit code; ``subprocess.TimeoutExpired`` if it is still running after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            alive = [p.sentinel for p in self.procs if p.is_alive()]
+            multiprocessing.connection.wait(alive, timeout=0.2)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL every rank at once (a lost host), and reap them."""
+        self.stopped = True
+        self._kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+
+def start_main(module: str, argv: list[str], world_size: int, *, outs: Callable[[int], tuple[str, str]],
+               env: dict | None = None, cwd: str | None = None, path: str | None = None, grace: float = 3.0) -> Ranks:
+    """``torchrun --standalone --nproc_per_node=world_size`` for a module with ``main(argv) -> int`` (or a ``main()``
+    that reads ``sys.argv``), from this process's forkserver: torch, vemesh and the module are imported once per test
+    process, not once per rank. Returns at once.
+
+    torchrun's environment and store (every rank a client of a store this process serves) and its failure rule
+    (:class:`Ranks`). ``outs(rank)`` names the files a rank appends its stdout and stderr to (one file for both, and
+    for every rank, as torchrun's output is). ``path``: a directory the ranks import ``module`` from.
+    The tests that are about torchrun itself (restarts, rendezvous, its handling of a failed rank) launch it.
+    """
+    ctx = _context()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=60), wait_for_workers=False)
+    run_env = dict(os.environ, **(env or {}))
+    procs = [ctx.Process(target=_main_worker, daemon=True,
+                         args=(r, world_size, store.port, module, list(argv), run_env, cwd or os.getcwd(), path, outs(r)))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return Ranks(procs, store, [module, *argv], grace)
+
+
 @dataclass
 class MainRun:
     returncode: int  # 0 when every rank returned 0, else the code of the rank that failed first
-    codes: list[int | None]  # each rank's exit code (None: killed at the timeout)
+    codes: list[int | None]  # each rank's exit code
     stdout: str  # every rank's stdout, rank 0 first
     stderr: str
     stopped: bool = False  # stopped by ``until``, not ended
@@ -159,58 +239,35 @@ class MainRun:
 def run_main(module: str, argv: list[str], world_size: int, *, env: dict | None = None, cwd: str | None = None,
              path: str | None = None, timeout: float = 240.0, grace: float = 3.0,
              until: Callable[[str], bool] | None = None) -> MainRun:
-    """``torchrun --standalone --nproc_per_node=world_size`` for a module with ``main(argv) -> int``, from this
-    process's forkserver: torch, vemesh and the module are imported once per test process, not once per rank.
-
-    torchrun's environment and store (every rank a client of a store this process serves), and its failure rule:
-    when a rank fails, the others are stopped (after ``grace`` seconds, for their own messages). Raises
-    TimeoutError, with what the ranks printed, when the run outlives ``timeout``; every rank is killed first.
-    The tests that are about torchrun itself (restarts, rendezvous, its handling of a failed rank) launch it.
-    ``path``: a directory the ranks import ``module`` from. ``until``: stop every rank once it holds for what rank 0
-    has printed so far (``stopped`` is then True).
-    """
-    ctx = _context()
-    store = dist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=60), wait_for_workers=False)
-    run_env = dict(os.environ, **(env or {}))
+    """:func:`start_main`, waited for: every rank's stdout and stderr, rank 0 first. Raises TimeoutError, with what
+    the ranks printed, when the run outlives ``timeout`` (every rank is killed first). ``until``: stop every rank
+    once it holds for what rank 0 has printed so far (``stopped`` is then True)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_main_worker, daemon=True,
-                             args=(r, world_size, store.port, module, list(argv), run_env, cwd or os.getcwd(), path, out_dir))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline, stop_at, first_failure = time.monotonic() + timeout, None, 0
-        timed_out = stopped = False
-        while any(p.is_alive() for p in procs):
-            first = Path(out_dir, "0.out")
-            if until is not None and first.exists() and until(first.read_text(errors="replace")):
-                stopped = True
-                stop_at = stop_at or time.monotonic()
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if stop_at is None and failed:
-                stop_at, first_failure = time.monotonic() + grace, failed[0]  # torchrun stops the others
-            now = time.monotonic()
-            if now > deadline or (stop_at is not None and now > stop_at):
-                timed_out = now > deadline
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                break
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
-        for p in procs:
-            p.join(timeout=5)
-        codes = [None if timed_out and p.exitcode == -9 else p.exitcode for p in procs]
+        def outs(rank: int) -> tuple[str, str]:
+            return os.path.join(out_dir, f"{rank}.out"), os.path.join(out_dir, f"{rank}.err")
 
         def read(name: str) -> str:
-            return "".join(Path(out_dir, f"{r}.{name}").read_text(errors="replace")
-                           for r in range(world_size) if Path(out_dir, f"{r}.{name}").exists())
+            files = [Path(out_dir, f"{r}.{name}") for r in range(world_size)]
+            return "".join(f.read_text(errors="replace") for f in files if f.exists())
 
+        ranks = start_main(module, argv, world_size, outs=outs, env=env, cwd=cwd, path=path, grace=grace)
+        deadline, first = time.monotonic() + timeout, Path(out_dir, "0.out")
+        timed_out = False
+        while ranks.poll() is None:
+            if until is not None and first.exists() and until(first.read_text(errors="replace")):
+                ranks.kill()
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                ranks.kill()
+                break
+            multiprocessing.connection.wait([p.sentinel for p in ranks.procs if p.is_alive()], timeout=0.2)
+        code = ranks.poll()
         stdout, stderr = read("out"), read("err")
-    del store
     if timed_out:
-        raise TimeoutError(f"{module} on {world_size} ranks did not finish within {timeout:.0f}s; exit codes {codes}\n"
-                           f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-3000:]}")
-    failed = [c for c in codes if c != 0]
-    return MainRun((first_failure or failed[0]) if failed and not stopped else 0, codes, stdout, stderr, stopped)
+        raise TimeoutError(f"{module} on {world_size} ranks did not finish within {timeout:.0f}s; exit codes "
+                           f"{ranks.codes}\n--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-3000:]}")
+    return MainRun(0 if ranks.stopped else code, ranks.codes, stdout, stderr, ranks.stopped)
 
 
 ROOT = Path(__file__).resolve().parents[1]

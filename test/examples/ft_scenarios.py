@@ -63,7 +63,11 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and every worker under it at once, as a lost host would go."""
+    """SIGKILL torchrun and every worker under it at once (or every rank of a :func:`replica`), as a lost host would
+    go."""
+    if not isinstance(proc, subprocess.Popen):
+        proc.kill()
+        return
     for pid in [proc.pid, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -90,6 +94,16 @@ def torchrun(args: list[str], log: Path, nproc: int = 2, torchrun_args: list[str
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={free_port()}",
            *torchrun_args, str(TRAIN), *args]
     return spawn(cmd, log)
+
+
+def replica(args: list[str], log: Path, nproc: int = 2):
+    """``torchrun --nproc_per_node=nproc train.py args`` for the tests: the example's ranks in torchrun's environment
+    from the test process's forkserver (``launch.start_main``; no interpreter started per rank), every rank's output
+    into ``log``. :func:`kill` kills them at once, as a lost host."""
+    from launch import start_main
+
+    return start_main("train", args, nproc, outs=lambda rank: (str(log), str(log)), env=env(), cwd=str(REPO),
+                      path=str(TRAIN.parent))
 
 
 def records(path: Path) -> list[dict]:

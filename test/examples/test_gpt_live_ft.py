@@ -1,9 +1,11 @@
 """Live fault tolerance with torchft: lose a replica and keep training in the same processes, bring it
 back and heal it from the live one, and every logged loss stays the uninterrupted run's.
 
-A torchft lighthouse and two replica groups, each ``torchrun --nproc_per_node=2`` with TP=2 inside (4
-workers). The uninterrupted run is the same global batch in one process (the example matches one process on
-any mesh; on 4 ranks the reference cost five times the CPU).
+A torchft lighthouse and two replica groups, each the example on 2 ranks with TP=2 inside (4 workers), started as
+``torchrun --nproc_per_node=2`` starts them (``ft_scenarios.replica``: torchrun's environment, from the test process's
+forkserver). docs/fault-tolerance.md's commands run under torchrun itself in test/docs. The uninterrupted run is
+the same global batch in one process (the example matches one process on any mesh; on 4 ranks the reference cost
+five times the CPU).
 """
 
 from __future__ import annotations
@@ -50,15 +52,15 @@ def test_lose_a_replica_keep_going_then_heal_it_from_the_live_one(tmp_path) -> N
     # be given a quorum of its own while replica 0 is between steps
     with S.lighthouse(tmp_path, join_ms=3000) as address:
         ft = ["--ft-lighthouse", address]
-        r0 = S.torchrun([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0),
+        r0 = S.replica([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0),
                          "--inject", f"slow:0:{KILL_AT + 1}:{SLOW_MS}"], tmp_path / "r0.log")
-        r1 = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log")
+        r1 = S.replica([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log")
         try:
             S.wait_for(m1, KILL_AT, 120, [r0, r1])
-            S.kill(r1)  # torchrun and both workers, at once
+            S.kill(r1)  # both ranks at once, as a lost host
             killed_after = S.records(m1)[-1]["step"]
             # back at once: it starts while replica 0 trains alone, then heals from it
-            r1b = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1b)], tmp_path / "r1b.log")
+            r1b = S.replica([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1b)], tmp_path / "r1b.log")
             assert r0.wait(timeout=240) == 0, (tmp_path / "r0.log").read_text()[-3000:]
             assert r1b.wait(timeout=60) == 0, (tmp_path / "r1b.log").read_text()[-3000:]
         finally:
@@ -115,7 +117,7 @@ def test_a_lighthouse_lost_mid_run_stops_the_replica_within_the_timeout(tmp_path
     args = [*S.TINY, "--steps", "100000", "--mesh-shape", "1,1", "--ft-replica-id", "0", "--ft-timeout-s", "3",
             "--metrics-file", str(metrics)]
     with S.lighthouse(tmp_path) as address:
-        proc = S.torchrun([*args, "--ft-lighthouse", address], tmp_path / "r0.log", nproc=1)
+        proc = S.replica([*args, "--ft-lighthouse", address], tmp_path / "r0.log", nproc=1)
         try:
             S.wait_for(metrics, 3, 60, [proc])
         except BaseException:
@@ -138,13 +140,16 @@ def test_a_replica_that_cannot_take_part_is_turned_away_and_the_live_ones_go_on(
     replica = [*S.TINY, "--steps", "100000", "--log-every", "1000", "--mesh-shape", "1,1"]
     with S.lighthouse(tmp_path) as address:
         ft = ["--ft-lighthouse", address]
-        r0 = S.torchrun([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0)], tmp_path / "r0.log", nproc=1)
-        r1 = S.torchrun([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log", nproc=1)
+        r0 = S.replica([*replica, *ft, "--ft-replica-id", "0", "--metrics-file", str(m0)], tmp_path / "r0.log", nproc=1)
+        r1 = None
         try:
+            S.wait_for(m0, 1, 120, [r0])  # replica 0 first: it trains from step 1, replica 1 joins it
+            r1 = S.replica([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1)], tmp_path / "r1.log",
+                           nproc=1)
             S.wait_for(m1, 3, 120, [r0, r1])
             joined = S.records(m0)[-1]["step"]  # from here on both train together
-            twin = S.torchrun([*replica, *ft, "--ft-replica-id", "1"], tmp_path / "twin.log", nproc=1)
-            third = S.torchrun([*replica, *ft, "--ft-replica-id", "2"], tmp_path / "third.log", nproc=1)
+            twin = S.replica([*replica, *ft, "--ft-replica-id", "1"], tmp_path / "twin.log", nproc=1)
+            third = S.replica([*replica, *ft, "--ft-replica-id", "2"], tmp_path / "third.log", nproc=1)
             assert twin.wait(timeout=120) != 0 and third.wait(timeout=120) != 0
             before = S.records(m0)[-1]["step"]
             S.wait_for(m0, before + 20, 60, [r0, r1])  # the live replicas go on, both of them
