@@ -60,23 +60,3 @@ def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
     loss.backward()
     return loss.detach()
 
-
-def make_qwen3moe() -> nn.Module:
-    """HF's ``Qwen3MoeForCausalLM``: 4 layers of width 256, each a MoE of 8 experts (top 2) in HF's fused contract
-    (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, HF's eager loop over the experts that got a token)."""
-    return hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
-                                                    moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-                                                    norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=8,
-                                                    num_key_value_heads=4, head_dim=32, max_position_embeddings=SEQ,
-                                                    attn_implementation="sdpa"))
-
-
-def parallelize_moe_ddp(model: nn.Module, mesh) -> nn.Module:
-    """vemesh's ``ExpertParallel`` on each layer's ``mlp.experts`` (when the mesh has EP), then vemesh DDP: the dense
-    part over the data dims, the experts over EDP."""
-    from vemesh.parallel import ExpertParallel
-
-    if mesh.get_strategy_size("EP") > 1:
-        for layer in model.model.layers:
-            parallelize_module(layer.mlp.experts, mesh["EP"], ExpertParallel())
-    return DistributedDataParallel(model)
