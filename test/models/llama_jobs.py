@@ -187,11 +187,15 @@ def step_pp(schedule, batch_size: int) -> None:
 
 
 def parallelize_any(model: llama.Llama, mesh):
-    """A script that runs on any mesh, as a search with ``--loss`` plans it: 1F1B stages with TP and vemesh DDP where
-    the mesh has PP, else TP and vemesh DDP on the whole model."""
+    """A script that runs on any mesh, as a search with ``--loss`` plans it: 1F1B stages where the mesh has PP, else
+    the whole model; TP inside, and vemesh DDP where the mesh has data-parallel ranks."""
+    def wrap(part: llama.Llama, mesh) -> nn.Module:
+        _model_parallel(part, mesh, sequence_parallel=False, checkpointed=False)
+        return DistributedDataParallel(part) if mesh.get_strategy_size("DP") > 1 else part
+
     if mesh.get_strategy_size("PP") > 1:
-        return parallelize_pp_1f1b(model, mesh)
-    return parallelize_ddp(model, mesh)
+        return _pipeline(model, mesh, "1f1b", wrap)
+    return wrap(model, mesh)
 
 
 def step_any(model_or_schedule, batch_size: int):

@@ -131,24 +131,20 @@ def test_the_python_api_answers_what_the_cli_prints(capsys, monkeypatch) -> None
 
 
 @pytest.mark.slow
-def test_a_search_with_the_pipelines_loss_plans_pp_meshes_as_a_plan_of_each_does(capsys) -> None:
+def test_a_search_with_the_pipelines_loss_plans_pp_meshes_as_a_plan_of_each_does() -> None:
     """With ``--loss`` a search over the user's functions tries PP too (up to the blocks), each PP mesh traced through
     torch's schedule as ``--pp`` plans it: the same peak and bytes per PP rank. Without ``--loss``, no PP mesh."""
-    fns = dict(parallelize=f"{JOBS}:parallelize_any", step=f"{JOBS}:step_any", world_size=4, global_batch_size=8,
+    fns = dict(parallelize=f"{JOBS}:parallelize_any", step=f"{JOBS}:step_any", world_size=2, global_batch_size=4,
                device_memory="1GiB")
     search = plan(f"module:{JOBS}:make_dense", loss=f"{JOBS}:loss_fn", **fns)
     tried = {(f["degrees"]["PP"], f["degrees"]["TP"]) for f in (*search["fits"], *search["rejected"])}
-    assert tried == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}, tried  # 4 blocks: PP up to 4
+    assert tried == {(1, 1), (1, 2), (2, 1)} and not search["rejected"], search["rejected"]
     (piped,) = [f for f in search["fits"] if f["degrees"]["PP"] == 2]
-    one = plan(f"module:{JOBS}:make_dense", loss=f"{JOBS}:loss_fn", pp=2, dp=2, micro_batch_size=1,
+    one = plan(f"module:{JOBS}:make_dense", loss=f"{JOBS}:loss_fn", pp=2, dp=1, micro_batch_size=1,
                **{k: v for k, v in fns.items() if k != "device_memory"})
     assert len(one["classes"]) == 2  # a scalar's bytes apart at most: the order of the loss's allocation
     assert [c["peak"] for c in piped["classes"]] == pytest.approx([c["peak"] for c in one["classes"]], abs=64)
     assert [c["bytes_per_step"] for c in piped["classes"]] == [c["bytes_per_step"] for c in one["classes"]]
-    assert "PP x DP x CP x TP = 4, every TP, PP up to the blocks, 1f1b with PP" in _cli(
-        capsys, "--model", f"module:{JOBS}:make_dense", "--parallelize", f"{JOBS}:parallelize_any", "--step",
-        f"{JOBS}:step_any", "--loss", f"{JOBS}:loss_fn", "--world-size", "4", "--global-batch-size", "8",
-        "--device-memory", "1GiB")[1]
     flat = plan(f"module:{JOBS}:make_dense", **dict(fns, parallelize=f"{JOBS}:parallelize_ddp", step=f"{JOBS}:step"))
     assert {f["degrees"]["PP"] for f in (*flat["fits"], *flat["rejected"])} == {1}
 
