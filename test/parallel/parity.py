@@ -48,6 +48,25 @@ def one_process(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, to
     return losses
 
 
+def data_parallel_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, mesh: Any, dims: Any, batches: Any,
+                        loss_of: Any, steps: int, before_step: Any = None) -> list[float]:
+    """``steps`` steps of this DP rank's share of each global batch (``batches(step)``), the loss averaged over the
+    gradient's data dims each step. ``before_step(group)`` runs between backward and the optimizer's step."""
+    rows = mesh.lookup_rank("DP")
+    data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = (t.chunk(dims.dp)[rows].clone() for t in batches(step))
+        loss = loss_of(model, x, y)
+        loss.backward()
+        if before_step is not None:
+            before_step(data)
+        opt.step()
+        losses.append(mean_over(loss, data))
+    return losses
+
+
 def mean_over(loss: torch.Tensor, group: dist.ProcessGroup | None) -> float:
     """The loss averaged over ``group`` (the ranks holding equal shares of the global batch)."""
     total = loss.detach().clone()

@@ -74,17 +74,8 @@ def train(dims: ParallelDims, precision: str, wrap: str, optimizer: str) -> dict
     inner = model
     model = parity.wrap(model, list(model.layers), wrap)
     opt = parity.optimizer(model, optimizer, lr=LR, eps=EPS)
-    rows = mesh.lookup_rank("DP")
-    data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = (t.chunk(dims.dp)[rows].clone() for t in batch(step))
-        loss = loss_of(model, x, y)
-        loss.backward()
-        titan_jobs.balance_experts(inner, data)
-        opt.step()
-        losses.append(parity.mean_over(loss, data))
+    losses = parity.data_parallel_steps(model, opt, mesh, dims, batch, loss_of, STEPS,
+                                        lambda data: titan_jobs.balance_experts(inner, data))
     params = state(model)
     mesh.reset()
     return {"losses": losses, "params": params}
@@ -133,16 +124,7 @@ def llama3_train(dims: ParallelDims, wrap: str, optimizer: str) -> dict[str, Any
     titan_jobs._llama3_tp(model, mesh)
     model = parity.wrap(model, list(model.layers.values()), wrap)
     opt = parity.optimizer(model, optimizer, lr=LR, eps=EPS)
-    rows = mesh.lookup_rank("DP")
-    data = mesh.get_group(dims.grad_dim) if dims.grad_dim else None
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = (t.chunk(dims.dp)[rows].clone() for t in llama3_batch(step))
-        loss = loss_of(model, x, y)
-        loss.backward()
-        opt.step()
-        losses.append(parity.mean_over(loss, data))
+    losses = parity.data_parallel_steps(model, opt, mesh, dims, llama3_batch, loss_of, STEPS)
     params = parity.whole_params(model)
     mesh.reset()
     return {"losses": losses, "params": params}
