@@ -24,5 +24,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _children_keep_their_temporary_files_in_the_session(tmp_path_factory: pytest.TempPathFactory):
+    """The processes the tests start make their temporary files under this session's directory, which pytest prunes
+    (it keeps the last 3 sessions): torchrun makes a ``torchelastic_*`` log directory in the temporary directory for
+    every start and never removes it (about 60 a suite), and a killed process leaves what it had open."""
+    children = tmp_path_factory.mktemp("children-tmp", numbered=False)
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(children)  # read by the processes started from here on; this one has its own already
+    yield
+    if saved is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the order within each kind stays
