@@ -67,7 +67,7 @@ def run_train(
     argv = [*args, "--metrics-file", str(metrics)]
     if nproc is not None and not (torchrun or torchrun_args):
         try:
-            done = run_main("train", argv, nproc, env=run_env, cwd=str(REPO), timeout=timeout)
+            done = run_main("train", argv, nproc, env=run_env, cwd=str(REPO), path=str(EXAMPLE), timeout=timeout)
         except TimeoutError as e:
             pytest.fail(f"train.py {' '.join(argv)} on {nproc} ranks: {e}")
         returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
