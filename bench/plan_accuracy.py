@@ -88,6 +88,9 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-trunc-normal-zero1-tp2": (4, "make_dense_trunc_normal", "parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
     "hf-llama-fsdp2-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_fsdp", ["--tp", "2"]),
     "hf-llama-zero1-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
+    # HF's fused MoE experts (transformers 5's grouped_mm, fp32 on CPU) under vemesh's ExpertParallel
+    "hf-qwen3moe-ep2-ddp": (2, f"{HF_JOBS}:make_qwen3_moe", f"{HF_JOBS}:parallelize_ddp", ["--ep", "2", "--dp-mode", "ddp"]),
+    "hf-qwen3moe-ep2-fsdp2": (4, f"{HF_JOBS}:make_qwen3_moe", f"{HF_JOBS}:parallelize_fsdp", ["--ep", "2"]),
     "titan-moe-ep2-ddp": (2, f"{TITAN_JOBS}:make_moe", f"{TITAN_JOBS}:parallelize_ddp", ["--ep", "2", "--dp-mode", "ddp"]),
     "titan-moe-ep2-fsdp2": (2, f"{TITAN_JOBS}:make_moe", f"{TITAN_JOBS}:parallelize_fsdp", ["--ep", "2"]),
     # torchtitan's Llama3 (trunc_normal_ in its init_states), with the SDPA attention torchtitan ships
@@ -101,7 +104,8 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
                               ["--pp", "2", "--pp-schedule", "interleaved-1f1b", *PIPELINE]),
 }
 #: The configurations whose router is skewed in a real run: re-planned with the run's measured load factor.
-LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2", "titan-moe-ep2-ddp", "titan-moe-ep2-fsdp2")
+LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2", "hf-qwen3moe-ep2-ddp",
+          "hf-qwen3moe-ep2-fsdp2", "titan-moe-ep2-ddp", "titan-moe-ep2-fsdp2")
 #: The configurations whose model comes from a package outside the test extra: name -> (module, how to install it).
 NEEDS = {name: ("torchtitan", 'pip install -c constraints.txt -e ".[test,titan]"')
          for name in USER_CONFIGS if name.startswith("titan-")}

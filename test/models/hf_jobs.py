@@ -1,9 +1,12 @@
-"""What a user of vemesh writes for Hugging Face transformers' ``LlamaForCausalLM``, as transformers ships it: a
-factory, parallelize functions and a step, the three things ``vemesh plan --model module:... --parallelize ...
---step ...`` runs, and that ``bench/plan_user_run.py`` runs for real (``bench/plan_accuracy.py`` compares them).
+"""What a user of vemesh writes for Hugging Face transformers' ``LlamaForCausalLM`` and ``Qwen3MoeForCausalLM``, as
+transformers ships them: factories, parallelize functions and a step, the three things ``vemesh plan --model
+module:... --parallelize ... --step ...`` runs, and that ``bench/plan_user_run.py`` runs for real
+(``bench/plan_accuracy.py`` compares them).
 
-TP is HF's own plan by module names (its config's ``base_model_tp_plan``) as torch's styles on ``mesh["TP"]``;
-data parallelism is FSDP2 on each decoder layer and the root, or vemesh DDP (ZeRO-1 is the optimizer's).
+TP is HF's own plan by module names (its config's ``base_model_tp_plan``) as torch's styles on ``mesh["TP"]``; EP is
+vemesh's ``ExpertParallel`` on each MoE layer's ``mlp.experts`` (HF's fused experts, its routed contract) on
+``mesh["EP"]``; data parallelism is FSDP2 on each decoder layer and the root, or vemesh DDP (ZeRO-1 is the
+optimizer's; the experts' gradients are averaged over EDP, the rest over the data dims).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from vemesh.ddp import DistributedDataParallel
-from vemesh.parallel import fully_shard
+from vemesh.parallel import ExpertParallel, fully_shard
 
 SEQ, VOCAB = 128, 1024
 
@@ -32,14 +35,28 @@ def make_llama() -> nn.Module:
                                               max_position_embeddings=SEQ, attn_implementation="sdpa"))
 
 
+def make_qwen3_moe() -> nn.Module:
+    """HF's ``Qwen3MoeForCausalLM``: 4 layers of width 128, 8 experts of width 64 per layer, top 2, SDPA attention.
+    transformers 5 runs its experts through ``grouped_mm`` (on CPU too, in fp32)."""
+    return hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=SEQ, attn_implementation="sdpa"))
+
+
 def _tp(model: nn.Module, mesh) -> None:
+    """HF's TP plan (when the mesh has TP), and ExpertParallel on each MoE layer's experts (when it has EP)."""
     if mesh.get_strategy_size("TP") > 1:
         for layer in model.model.layers:
             parallelize_module(layer, mesh["TP"], TP_PLAN)
+    if mesh.get_strategy_size("EP") > 1:
+        for layer in model.model.layers:
+            parallelize_module(layer.mlp.experts, mesh["EP"], ExpertParallel())
 
 
 def parallelize_fsdp(model: nn.Module, mesh) -> nn.Module:
-    """HF's TP plan (when the mesh has TP), then FSDP2 on each decoder layer and the root."""
+    """HF's TP plan (when the mesh has TP), EP on the experts (when it has EP), then FSDP2 on each decoder layer and
+    the root."""
     _tp(model, mesh)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -47,7 +64,8 @@ def parallelize_fsdp(model: nn.Module, mesh) -> nn.Module:
 
 
 def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:
-    """HF's TP plan (when the mesh has TP), then vemesh DDP over the mesh's data dims."""
+    """HF's TP plan (when the mesh has TP), EP on the experts (when it has EP), then vemesh DDP over the mesh's data
+    dims."""
     _tp(model, mesh)
     return DistributedDataParallel(model)
 

@@ -229,13 +229,17 @@ def test_a_forward_that_counts_its_blocks_is_traced_whole(capsys) -> None:
 
 @pytest.mark.slow
 def test_the_plan_is_within_ten_percent_of_a_real_run(tmp_path) -> None:
-    """DDP + ZeRO-1 + TP on 4 gloo ranks, and CP 2 on 2: the same functions planned and run (3 steps, MemTracker)."""
+    """DDP + ZeRO-1 + TP on 4 gloo ranks, CP 2 on 2, and HF's Qwen3-MoE (its fused experts through grouped_mm, fp32)
+    with EP 2 on 2: the same functions planned and run (3 steps, MemTracker), the MoE at balanced routing and at the
+    run's own load factor."""
     sys.path.insert(0, str(REPO / "bench"))
     import plan_accuracy
 
-    for name in ("llama-zero1-tp2", "llama-cp2"):  # the ranks and the plans started from this process
+    for name in ("llama-zero1-tp2", "llama-cp2", "hf-qwen3moe-ep2-ddp"):  # ranks and plans started from this process
         for row in plan_accuracy.compare(name, launch_script, plan_here):
             assert abs(row["peak_ratio"] - 1) <= 0.10, row
+            if "load_factor" in row:  # the busiest rank's bytes; at F = 1 they are the mean over the ranks, checked
+                continue
             for dim, b in row["bytes"].items():
                 assert b["measured"] and abs(b["predicted"] / b["measured"] - 1) <= 0.01, (name, dim, b)
 

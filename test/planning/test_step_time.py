@@ -36,6 +36,49 @@ def test_a_collective_costs_its_ring_steps_and_its_bus_bytes(op, n, want) -> Non
     assert collective_seconds(op, 1e6, 1, 1, LINK) == 0.0  # a group of one moves nothing
 
 
+def test_a_grouped_mm_counts_the_flops_of_its_groups_matmuls_forward_and_backward() -> None:
+    """torch's FlopCounterMode has no formula for ``_grouped_mm`` (a MoE's experts in one call): the planner's counts
+    every group's matmul, in the forward (2-D x 3-D) and in the backward (3-D x 3-D for the input's gradient, 2-D x
+    2-D with the groups along the contracted dim for the weight's), as the same matmuls one by one count."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vemesh.planning.measure import FLOP_FORMULAS, MemoryBoundBytes
+
+    counts = [5, 0, 7, 4]  # tokens per expert, one expert with none
+    x = torch.randn(sum(counts), 16, requires_grad=True)
+    w = torch.randn(len(counts), 16, 8, requires_grad=True)
+    grad = torch.randn(sum(counts), 8)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as grouped, MemoryBoundBytes() as moved:
+        torch._grouped_mm(x, w, offs=offs).backward(grad)
+    with FlopCounterMode(display=False) as one_by_one:
+        torch.cat([part @ w[e] for e, part in enumerate(x.split(counts))]).backward(grad)
+    assert grouped.get_total_flops() == one_by_one.get_total_flops() == 3 * 2 * 16 * 8 * sum(counts)
+    assert moved.bytes == 0  # timed by its FLOPs, not also as a memory-bound op
+
+
+def test_a_fp32_grouped_mm_is_traced_as_its_cpu_kernel_runs_it() -> None:
+    """torch 2.13's meta kernel of ``_grouped_mm`` takes bf16 only, its CPU kernel fp32 too (HF's MoE experts call
+    it in fp32): in a plan's fake mode, the output has the CPU kernel's shape and dtype, and the op is seen above."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vemesh.planning.fake_world import CpuKernelShapes
+    from vemesh.planning.measure import FLOP_FORMULAS
+
+    x, w, offs = torch.randn(16, 32), torch.randn(4, 32, 8), torch.tensor([4, 8, 12, 16], dtype=torch.int32)
+    real = torch._grouped_mm(x, w, offs=offs)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match="BF16"):  # torch's own meta kernel: why the planner needs the mode
+            torch._grouped_mm(x, w, offs=offs)
+        with CpuKernelShapes(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as flops:
+            fake = torch._grouped_mm(x, w, offs=offs)
+    assert (fake.shape, fake.dtype) == (real.shape, real.dtype) == ((16, 8), torch.float32)
+    assert flops.get_total_flops() == 2 * 16 * 32 * 8
+
+
 def test_the_built_in_profiles_cite_their_sources_and_say_they_are_not_measured() -> None:
     assert set(BUILT_IN) >= {"h100-sxm", "a100-sxm-80gb", "h200-sxm"}
     for name in BUILT_IN:

@@ -9,7 +9,8 @@
 * :class:`Held`: the bytes of a model's own weights and gradients at a moment (the peak), each storage once;
 * :func:`local_shards`: ``distribute_tensor`` cutting only this rank's shard (no chunk per rank, no scatter);
 * :func:`chunks_on_demand`: FSDP2's cut of each parameter into one chunk per shard made only for the chunks it reads
-  (at 16384 data-parallel ranks, a view per rank of every parameter was most of a plan's time).
+  (at 16384 data-parallel ranks, a view per rank of every parameter was most of a plan's time);
+* :class:`CpuKernelShapes`: the ops whose meta kernels refuse what their CPU kernels run, given their shapes.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.placement_types import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel import ParallelDims
 
-__all__ = ["Chunks", "Held", "chunks_on_demand", "copies_in_mode", "fake_world", "give_storage", "local_shards",
-           "real_mesh_tensors",
-           "to_bf16"]
+__all__ = ["Chunks", "CpuKernelShapes", "Held", "chunks_on_demand", "copies_in_mode", "fake_world", "give_storage",
+           "local_shards", "real_mesh_tensors", "to_bf16"]
 
 
 @contextlib.contextmanager
@@ -251,3 +253,31 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
         storage = local.untyped_storage()
         seen[StorageWeakRef(storage)] = storage.nbytes()
     return sum(seen.values())
+
+
+class CpuKernelShapes(TorchDispatchMode):
+    """Inside ``FakeTensorMode`` (entered just after it): the ops whose meta kernels refuse what their CPU kernels
+    run, given an output of the shape the CPU kernel returns.
+
+    torch 2.13's ``_grouped_mm`` meta kernel takes bf16 only (CUDA's rule), while its CPU kernel takes fp32 too, and
+    transformers 5's MoE experts call it in fp32 on CPU. Its output's shape is the meta kernel's on bf16 stand-ins,
+    its dtype the inputs' (or ``out_dtype``). The modes above this one (the memory tracker, the counters) see the op
+    as it was called."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].device.type == "cpu" \
+                and args[0].dtype in (torch.float32, torch.float64):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            def stand_in(t: torch.Tensor) -> torch.Tensor:
+                dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+                return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+
+            out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None) or args[0].dtype
+            inputs = {**dict(zip(("offs", "bias"), args[2:4])), **kwargs, "out_dtype": None}
+            with unset_fake_temporarily():
+                shape = func(*tree_map_only(torch.Tensor, stand_in, args[:2]),
+                             **tree_map_only(torch.Tensor, stand_in, inputs)).shape
+            return torch.empty(shape, dtype=out_dtype, device=args[0].device)
+        return func(*args, **kwargs)

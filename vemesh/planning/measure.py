@@ -22,6 +22,7 @@ figures by the same rules.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,6 +48,18 @@ _OUTPUT_SIZED = {_c10d._allgather_base_.default, _c10d.allgather_.default, _c10d
 #: functional all-gathers: the gathered result is their size
 _GATHERED = {_func.all_gather_into_tensor.default, _func.all_gather_into_tensor_coalesced.default,
              _func.all_gather_into_tensor_out.default, torch.ops._c10d_functional_autograd.all_gather_into_tensor.default}
+
+
+def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``aten._grouped_mm`` (a MoE's experts in one call; torch's FlopCounterMode has no formula for it):
+    every output element is a dot product over the contracted dim, except 2-D x 2-D, whose groups split that dim."""
+    if len(a_shape) == 2 and len(b_shape) == 2:  # [M, K] x [K, N], K cut into groups: out [G, M, N]
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * a_shape[-1] * math.prod(out_shape)
+
+
+#: FLOP formulas for the ops torch's FlopCounterMode does not count (by overload packet, in its shape convention)
+FLOP_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 
 def _nbytes(value: Any) -> int:
@@ -115,7 +128,7 @@ class MemoryBoundBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.skip = set(FlopCounterMode().flop_registry)  # the matmuls and convolutions: timed by their FLOPs
+        self.skip = set(FlopCounterMode(custom_mapping=FLOP_FORMULAS).flop_registry)  # matmuls: timed by FLOPs
         self.bytes = 0
         self.ops = 0  #: every op dispatched (each costs the framework's per-op time, whatever it computes)
         self.dtensor_ops = 0  #: the ops on DTensors (each also costs DTensor's sharding propagation)
@@ -197,7 +210,7 @@ def step_counters(timed: bool) -> Iterator[tuple[Any, Any]]:
     if not timed:
         yield _Nothing(), _Nothing()
         return
-    flops = FlopCounterMode(display=False)
+    flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
     flops.mod_tracker = NoModules()  # its module hooks refuse autograd.grad, which a pipeline stage's backward runs
     with flops, MemoryBoundBytes() as moved:
         yield flops, moved

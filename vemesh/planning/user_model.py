@@ -43,8 +43,8 @@ from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory
-from vemesh.planning.fake_world import (Held, chunks_on_demand, copies_in_mode, fake_world, give_storage, local_shards,
-                                       real_mesh_tensors, to_bf16)
+from vemesh.planning.fake_world import (CpuKernelShapes, Held, chunks_on_demand, copies_in_mode, fake_world,
+                                       give_storage, local_shards, real_mesh_tensors, to_bf16)
 from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, step_counters,
                                     ops_by_mesh_name)
 from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
@@ -176,7 +176,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     factory_name, parallelize_name, step_name = fns.names
     model = _copy_of_template(fns, blocks)  # the factory's model, built once on meta (the factory is called if not)
     with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp, pp_rank=pp_rank) as mesh, \
-            FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, copies_in_mode(fake_mode), \
+            FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, CpuKernelShapes(), copies_in_mode(fake_mode), \
             real_mesh_tensors(), routing(load_factor) as routed, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
         if model is None:

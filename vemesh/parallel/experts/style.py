@@ -277,7 +277,9 @@ def _routed_forward(module: nn.Module, inner: Any, group: Any, hidden_states: to
     order = slots.argsort(stable=True)  # the slots grouped by expert, tokens in order within each
     counts = torch.bincount(slots, minlength=experts)
     tokens, local_counts, plan = dispatch(hidden_states[order // k], counts, group)
-    local = torch.repeat_interleave(torch.arange(local_counts.numel(), device=tokens.device), local_counts)
+    # each arrived slot's local expert; its size is the slots that arrived (given, so no device sync reads the counts)
+    local = torch.repeat_interleave(torch.arange(local_counts.numel(), device=tokens.device), local_counts,
+                                    output_size=tokens.size(0))
     ones = torch.ones(local.numel(), 1, dtype=top_k_weights.dtype, device=tokens.device)
     with _local_weights(module):
         module.num_experts = local_counts.numel()
