@@ -74,6 +74,7 @@ CONFIGS: dict[str, tuple[int, list[str], list[str]]] = {
 #: ``bench/plan_user_run.py`` running the same functions: name -> (processes, factory, parallelize, flags for both).
 JOBS = "test/models/llama_jobs.py"
 HF_JOBS = "test/models/hf_jobs.py"  # Hugging Face transformers' LlamaForCausalLM, as transformers ships it
+EXAMPLES_JOBS = "test/models/examples_llama2_jobs.py"  # pytorch/examples' Llama2, from a checkout of the repository
 TITAN_JOBS = "test/models/titan_jobs.py"  # torchtitan's MoE module, as torchtitan 0.3.0 ships it (the titan extra)
 PIPELINE = ["--step", f"{JOBS}:step_pp", "--loss", f"{JOBS}:loss_fn"]
 USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
@@ -91,6 +92,11 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     # HF's fused MoE experts (transformers 5's grouped_mm, fp32 on CPU) under vemesh's ExpertParallel
     "hf-qwen3moe-ep2-ddp": (2, f"{HF_JOBS}:make_qwen3_moe", f"{HF_JOBS}:parallelize_ddp", ["--ep", "2", "--dp-mode", "ddp"]),
     "hf-qwen3moe-ep2-fsdp2": (4, f"{HF_JOBS}:make_qwen3_moe", f"{HF_JOBS}:parallelize_fsdp", ["--ep", "2"]),
+    # pytorch/examples' Llama2 as that repository ships it (trunc_normal_ in its constructor), with its own TP + SP
+    # plan: FSDP2 as its fsdp_tp_example.py, and vemesh DDP + ZeRO-1 (PYTORCH_EXAMPLES: a checkout of it)
+    "examples-llama2-fsdp2-tp2": (4, f"{EXAMPLES_JOBS}:make", f"{EXAMPLES_JOBS}:parallelize_fsdp", ["--tp", "2"]),
+    "examples-llama2-zero1-tp2": (4, f"{EXAMPLES_JOBS}:make", f"{EXAMPLES_JOBS}:parallelize_ddp",
+                                  ["--tp", "2", "--dp-mode", "zero1"]),
     "titan-moe-ep2-ddp": (2, f"{TITAN_JOBS}:make_moe", f"{TITAN_JOBS}:parallelize_ddp", ["--ep", "2", "--dp-mode", "ddp"]),
     "titan-moe-ep2-fsdp2": (2, f"{TITAN_JOBS}:make_moe", f"{TITAN_JOBS}:parallelize_fsdp", ["--ep", "2"]),
     # torchtitan's Llama3 (trunc_normal_ in its init_states), with the SDPA attention torchtitan ships
@@ -106,9 +112,21 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
 #: The configurations whose router is skewed in a real run: re-planned with the run's measured load factor.
 LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2", "hf-qwen3moe-ep2-ddp",
           "hf-qwen3moe-ep2-fsdp2", "titan-moe-ep2-ddp", "titan-moe-ep2-fsdp2")
-#: The configurations whose model comes from a package outside the test extra: name -> (module, how to install it).
-NEEDS = {name: ("torchtitan", 'pip install -c constraints.txt -e ".[test,titan]"')
-         for name in USER_CONFIGS if name.startswith("titan-")}
+#: The configurations whose model comes from outside the test extra: name -> (what, whether it is here, how to get it).
+NEEDS = {
+    **{name: ("torchtitan", lambda: importlib.util.find_spec("torchtitan") is not None,
+              'pip install -c constraints.txt -e ".[test,titan]"') for name in USER_CONFIGS if name.startswith("titan-")},
+    **{name: ("pytorch/examples", lambda: _examples_checkout() is not None,
+              "git clone --depth 1 https://github.com/pytorch/examples and set PYTORCH_EXAMPLES to it")
+       for name in USER_CONFIGS if name.startswith("examples-")},
+}
+
+
+def _examples_checkout() -> Path | None:
+    sys.path.insert(0, str(ROOT / "test" / "models"))
+    import examples_llama2_jobs
+
+    return examples_llama2_jobs.model_dir()
 
 
 def _model(example_flags: list[str], plan_flags: list[str]) -> str:
@@ -255,12 +273,12 @@ def main() -> None:
     unknown = [n for n in names if n not in known]
     if unknown:
         parser.error(f"unknown configuration {unknown[0]!r}; valid: {', '.join(known)}")
-    absent = {n: NEEDS[n] for n in names if n in NEEDS and importlib.util.find_spec(NEEDS[n][0]) is None}
+    absent = {n: NEEDS[n] for n in names if n in NEEDS and not NEEDS[n][1]()}
     if absent and args.only:
-        name, (module, install) = next(iter(absent.items()))
-        parser.error(f"{name} needs {module}, which is not installed: {install}")
-    for name, (module, install) in absent.items():
-        print(f"left out: {name} ({module} is not installed: {install})")
+        name, (what, _, install) = next(iter(absent.items()))
+        parser.error(f"{name} needs {what}, which is not here: {install}")
+    for name, (what, _, install) in absent.items():
+        print(f"left out: {name} ({what} is not here: {install})")
     names = [n for n in names if n not in absent]
     rows = []
     if names:

@@ -244,6 +244,26 @@ def test_the_plan_is_within_ten_percent_of_a_real_run(tmp_path) -> None:
                 assert b["measured"] and abs(b["predicted"] / b["measured"] - 1) <= 0.01, (name, dim, b)
 
 
+@pytest.mark.slow
+def test_pytorch_examples_llama2_as_shipped_is_planned_within_ten_percent_of_a_real_run() -> None:
+    """pytorch/examples' Llama2, its model file unchanged from a checkout (PYTORCH_EXAMPLES), trunc_normal_ in its
+    constructor and its attention on DTensors: TP + SP with FSDP2, and with vemesh DDP + ZeRO-1, on 4 gloo ranks."""
+    sys.path.insert(0, str(REPO / "test" / "models"))
+    import examples_llama2_jobs
+
+    if examples_llama2_jobs.model_dir() is None:
+        pytest.skip("pytorch/examples is a repository, not a package: git clone --depth 1 "
+                    "https://github.com/pytorch/examples and set PYTORCH_EXAMPLES to it")
+    sys.path.insert(0, str(REPO / "bench"))
+    import plan_accuracy
+
+    for name in ("examples-llama2-fsdp2-tp2", "examples-llama2-zero1-tp2"):
+        for row in plan_accuracy.compare(name, launch_script, plan_here):
+            assert abs(row["peak_ratio"] - 1) <= 0.10, row
+            for dim, b in row["bytes"].items():
+                assert b["measured"] and abs(b["predicted"] / b["measured"] - 1) <= 0.01, (name, dim, b)
+
+
 # The 70B search over 1024 ranks (every TP tried; 8 KV heads refuse TP 16 and up; FSDP refuses DP 1) is the
 # console block of docs/planning.md, which test/docs runs and compares line by line; its time: bench/plan_accuracy.py.
 

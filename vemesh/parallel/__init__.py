@@ -7,12 +7,17 @@
 * :func:`context_parallel` (:mod:`~vemesh.parallel.context`): torch's context manager, ring attention over the CP group;
 * :class:`ExpertParallel` (:mod:`~vemesh.parallel.experts`): a torch ``ParallelStyle`` for grouped experts over EP;
   :class:`ExpertTensorParallel`, each expert also split over TP (on ``mesh["EP", "TP"]``);
-* :func:`fully_shard` (:mod:`~vemesh.parallel.fsdp`): torch's FSDP2 on the mesh's FSDP dims, experts on EDP.
+* :func:`fully_shard` (:mod:`~vemesh.parallel.fsdp`): torch's FSDP2 on the mesh's FSDP dims, experts on EDP;
+* :func:`~vemesh.parallel.attention.shard_cpu_attention`: torch's CPU attention kernel sharded over heads or batch on
+  DTensors, as torch shards its CUDA ones (registered on import, where torch has no rule of its own).
 """
 
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.parallel.context import context_parallel
 from vemesh.parallel.experts import ExpertParallel, ExpertTensorParallel
 from vemesh.parallel.fsdp import fully_shard
+from vemesh.parallel.attention import shard_cpu_attention
+
+shard_cpu_attention()
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "ParallelDims", "context_parallel", "fully_shard"]

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
@@ -107,14 +109,69 @@ CASES_4 = {  # name: (degrees, MoE experts, wrapper, optimizer[, activation chec
     "ep2-tp2-expert-tp-zero1": (dict(tp=2, ep=2), 4, "ddp", "zero1"),
     "ep2-tp2-expert-tp-fsdp2": (dict(tp=2, ep=2), 4, "fsdp", "adamw"),
 }
-CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw")}
+class _Attention(nn.Module):
+    """Attention whose TP plan keeps q, k and v DTensors into SDPA (its views take the global head count), as
+    pytorch/examples' Llama2 does: on CPU, torch's attention kernel then runs under vemesh's DTensor rule for it."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
 
 
-def worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
-    refs = {moe: reference(moe) for moe in {c[1] for c in cases.values()}}
+def _attention_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(256, 32), _Attention(), nn.Linear(32, 256))
+
+
+def attention_on_dtensors(world_size: int) -> dict[str, Any]:
+    """TP over every rank with the attention's inputs DTensors (heads sharded), 3 AdamW steps, against one process."""
+    def run(model: nn.Module) -> list[float]:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        losses = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = batch(step)
+            loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    ref = _attention_model()
+    ref_losses = run(ref)
+    ParallelDims(world_size, tp=world_size).build("cpu", mesh)
+    try:
+        model = _attention_model()
+        parallelize_module(model[1], mesh["TP"], {"wq": ColwiseParallel(use_local_output=False),
+                                                  "wk": ColwiseParallel(use_local_output=False),
+                                                  "wv": ColwiseParallel(use_local_output=False), "wo": RowwiseParallel()})
+        losses = run(model)
+        params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+    finally:
+        mesh.reset()
+    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param_diff": max((params[n] - p).abs().max().item() for n, p in ref.named_parameters())}
+
+
+#: name: (degrees, MoE experts, wrapper, optimizer), or a function of the world size that returns the differences
+CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw"), "tp2-attention-on-dtensors": attention_on_dtensors}
+
+
+def worker(rank: int, world_size: int, cases: dict[str, Any]) -> dict[str, Any]:
+    refs = {moe: reference(moe) for moe in {c[1] for c in cases.values() if not callable(c)}}
     out: dict[str, Any] = {}
-    for name, (degrees, moe, wrap, optimizer, *ac) in cases.items():
+    for name, case in cases.items():
         try:
+            if callable(case):
+                out[name] = case(world_size)
+                continue
+            degrees, moe, wrap, optimizer, *ac = case
             got = train(ParallelDims(world_size, **degrees), moe, wrap, optimizer, *ac)
             out[name] = compare(got, refs[moe])
         except Exception:  # noqa: BLE001 - reported back to pytest
