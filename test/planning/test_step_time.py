@@ -79,6 +79,26 @@ def test_a_fp32_grouped_mm_is_traced_as_its_cpu_kernel_runs_it() -> None:
     assert flops.get_total_flops() == 2 * 16 * 32 * 8
 
 
+def test_only_a_functional_collective_waits_the_profiles_functional_wait_on_top() -> None:
+    """TP's all-reduces go through torch's functional collectives (DTensor's redistributions), DDP's through c10d:
+    every call waits ``collective_wait_s``, and only the functional ones ``functional_wait_s`` on top."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vemesh.planning.step_time import FUNCTIONAL, step_time
+
+    assert all(hasattr(torch.ops._c10d_functional, name) for name in FUNCTIONAL)  # torch's names, as traced
+    assert not any(hasattr(torch.ops.c10d, name) for name in FUNCTIONAL)  # and not c10d's
+    profile = load_profile("h100-sxm").model_copy(update=dict(collective_wait_s=1e-3, functional_wait_s=2e-3))
+    ranks = SimpleNamespace(name="every rank", flops=1, memory_bytes=0, optimizer_bytes=0, ops=0, dtensor_ops=0,
+                            collectives={"TP": {"all_reduce": (0, 5)}, "DP": {"allreduce_": (0, 3)}})
+    fit = SimpleNamespace(classes=[ranks], degrees={}, pp_schedule=None, micro_batches=1)
+    (t,) = step_time(fit, profile, dtype="bf16", dp_mode="ddp", grad_dims=("DP",), sizes={"TP": 2, "DP": 2}, links={})
+    assert t.dims["TP"].seconds == pytest.approx(5 * 3e-3)
+    assert t.dims["DP"].seconds == pytest.approx(3 * 1e-3)
+
+
 def test_the_built_in_profiles_cite_their_sources_and_say_they_are_not_measured() -> None:
     assert set(BUILT_IN) >= {"h100-sxm", "a100-sxm-80gb", "h200-sxm"}
     for name in BUILT_IN:

@@ -8,7 +8,9 @@ ranks of a job share the machine:
 * **overlap**: an all-reduce started asynchronously under matmuls, against each alone: the fraction of the shorter
   that ran at the same time (a CPU whose cores the ranks share has little to spare);
 * **collective wait**: small all-reduces between stretches of compute, against the same run back to back: what
-  each call costs on top, since the ranks reach it at different moments;
+  each call costs on top, since the ranks reach it at different moments; and the same all-reduce as TP runs it
+  (a DTensor's ``Partial`` redistributed to ``Replicate``: torch's functional collective, waited for when the
+  result is used), against c10d's: what such a call costs on top of that;
 * **op overheads**: a tiny op's time (the framework's own, per op dispatched), and what the same op on a DTensor
   adds (its sharding propagation);
 * **each collective kind** (all-reduce, all-gather, reduce-scatter, all-to-all, broadcast) on groups of each size
@@ -102,15 +104,22 @@ def _overlap(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
     return min(1.0, max(0.0, (alone + talking - together) / min(alone, talking)))
 
 
-def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
+def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool) -> tuple[float, float]:
     """Seconds a small all-reduce costs between stretches of compute (a few ms each, as a layer's forward is)
     beyond what the compute and the all-reduces cost apart: the ranks reach it at different moments, and on a CPU
-    whose cores they share, each waits for a peer the OS has not run yet. Measured on groups of 2 (TP's size)."""
+    whose cores they share, each waits for a peer the OS has not run yet. Measured on groups of 2 (TP's size).
+
+    And what the same all-reduce costs on top of that when TP runs it: a DTensor's ``Partial`` redistributed to
+    ``Replicate`` (torch's functional collective, its wrapper, its wait when the result is used)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
     a = torch.randn(256, 256, device=device)
     t = torch.ones(256, device=device)
     n = dist.get_world_size()
     groups = [dist.new_group([r, r + 1]) for r in range(0, n - n % 2, 2)]
     group = groups[dist.get_rank() // 2] if dist.get_rank() < n - n % 2 else None
+    pair = DeviceMesh.from_group(group, device.type) if group is not None else None
     k = 5 if quick else 20
 
     def stretch() -> None:
@@ -132,10 +141,19 @@ def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool) -
             if group is not None:
                 dist.all_reduce(t, group=group)
 
+    def as_tp() -> None:
+        for _ in range(k):
+            stretch()
+            if pair is not None:
+                DTensor.from_local(t, pair, [Partial()]).redistribute(pair, [Replicate()]).to_local().add_(0)
+
     dist.barrier()
     alone = _median_seconds(compute, reps, sync) + _median_seconds(comm, reps, sync)
     dist.barrier()
-    return max(0.0, (_median_seconds(interleaved, reps, sync) - alone) / k)
+    c10d = _median_seconds(interleaved, reps, sync)
+    dist.barrier()
+    functional = _median_seconds(as_tp, reps, sync)
+    return max(0.0, (c10d - alone) / k), max(0.0, (functional - c10d) / k)
 
 
 def _op_overheads(device: torch.device, sync: Any, reps: int) -> tuple[float, float]:
@@ -199,12 +217,13 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             kinds[kind][str(size)] = {"latency_s": latency,
                                       "bandwidth": moved / max(t_large - steps * latency, t_large * 0.05)}
     overlap = _overlap(device, sync, reps, quick)
-    wait = _interleaved_wait(device, sync, reps, quick)
+    wait, functional_wait = _interleaved_wait(device, sync, reps, quick)
     per_op, per_dtensor_op = _op_overheads(device, sync, reps)
     everyone: list[Any] = [None] * n
-    dist.all_gather_object(everyone, [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op])
+    dist.all_gather_object(everyone, [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op,
+                                      -functional_wait])
     if rank == 0:
-        slowest = [min(r[i] for r in everyone) for i in range(7)]  # the slowest rank sets a synchronous job's pace
+        slowest = [min(r[i] for r in everyone) for i in range(8)]  # the slowest rank sets a synchronous job's pace
         host = kinds["all_reduce"][str(n)]
         profile = DeviceProfile(
             name=f"calibrated-{socket.gethostname()}-{n}",
@@ -223,6 +242,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             memory_bandwidth=slowest[2],
             overlap=slowest[3],
             collective_wait_s=-slowest[4],
+            functional_wait_s=-slowest[7],
             op_overhead_s=-slowest[5],
             dtensor_op_overhead_s=-slowest[6],
             host=dict(latency_s=host["latency_s"], bandwidth=host["bandwidth"]),

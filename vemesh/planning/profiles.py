@@ -53,6 +53,10 @@ class DeviceProfile(BaseModel):
     #: seconds each collective call on the critical path costs on top of its latency and bandwidth, because the
     #: ranks reach it at different moments (0 in the built-in profiles; ``vemesh calibrate`` measures it)
     collective_wait_s: float = Field(0.0, ge=0)
+    #: seconds a collective issued through torch's functional collectives (DTensor's redistributions: TP's and SP's,
+    #: CP's all-to-alls) costs per call on top of that: its Python wrapper, and its wait, which comes when the result
+    #: is first used (0 in the built-in profiles; ``vemesh calibrate`` measures it, as TP runs one)
+    functional_wait_s: float = Field(0.0, ge=0)
     #: seconds of framework time per op dispatched, and per op on a DTensor on top (eager mode's cost, which a GPU
     #: hides behind its queue when the ops are large: 0 in the built-in profiles; ``vemesh calibrate`` measures it)
     op_overhead_s: float = Field(0.0, ge=0)

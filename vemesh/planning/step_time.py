@@ -13,7 +13,8 @@ For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass
   nccl-tests' bus-bandwidth factors: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` of the full buffer
   for an all-gather, a reduce-scatter and an all-to-all, the whole tensor for a broadcast or a send; and one
   latency per ring step (``2(n-1)`` for an all-reduce, ``n-1`` for the others, 1 for a send), and per call the
-  profile's ``collective_wait_s`` (the ranks reach a collective at different moments);
+  profile's ``collective_wait_s`` (the ranks reach a collective at different moments), and per call of torch's
+  functional collectives (DTensor's redistributions: TP, SP, CP) its ``functional_wait_s`` on top;
 * **overlap**: what runs behind compute. The data-parallel gradient reduction (vemesh DDP's buckets, ZeRO-1's
   all-reduce) runs during backward, so it hides behind up to the backward's compute (2/3 of the step's); FSDP2
   prefetches its all-gathers and reduce-scatters behind the whole step's compute; the profile's ``overlap`` says
@@ -52,6 +53,14 @@ _CANONICAL = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "_
               "all_to_all_single": "all_to_all"}
 
 
+#: torch's functional collectives (``torch.ops._c10d_functional``), by the names the trace records: what DTensor's
+#: redistributions (TP, SP) and CP's exchanges call. c10d's own ops (DDP's, FSDP2's, ZeRO-1's) are named otherwise
+#: (``allreduce_``, ``_allgather_base_``, ``alltoall_base_``, ``send``).
+FUNCTIONAL = frozenset({"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor",
+                        "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out", "reduce_scatter_tensor",
+                        "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast"})
+
+
 def _kind(op: str) -> str:
     """A collective op's kind as ``vemesh calibrate`` names it: ``allreduce_`` and ``all_reduce`` are ``all_reduce``."""
     base = op.split(".")[0].rstrip("_")
@@ -67,6 +76,12 @@ def ring(kind: str, n: int) -> tuple[float, int]:
     if kind in _ONE_PASS:
         return (n - 1) / n, n - 1
     return 1.0, 1
+
+
+def _wait(op: str, profile: DeviceProfile) -> float:
+    """Seconds one call of ``op`` waits on top of its latency and bandwidth (see the module docstring)."""
+    functional = op.split(".")[0] in FUNCTIONAL
+    return profile.collective_wait_s + (profile.functional_wait_s if functional else 0.0)
 
 
 def collective_seconds(op: str, nbytes: float, calls: int, n: int, link: Link) -> float:
@@ -131,7 +146,7 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
             link_name = links.get(dim, "host")
             n = sizes.get(dim, 1)
             each = {op: collective_seconds(op, b, calls, n, profile.link(link_name, _kind(op), n))
-                    + (calls * profile.collective_wait_s if n > 1 else 0.0) for op, (b, calls) in ops.items()}
+                    + (calls * _wait(op, profile) if n > 1 else 0.0) for op, (b, calls) in ops.items()}
             seconds = sum(each.values())
             if dim in grad_dims and dp_mode == "fsdp":
                 hidable = seconds
