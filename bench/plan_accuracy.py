@@ -104,6 +104,12 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
                                ["--tp", "2", "--step", f"{TITAN_JOBS}:step_llama3"]),
     "titan-llama3-zero1-tp2": (4, f"{TITAN_JOBS}:make_llama3", f"{TITAN_JOBS}:parallelize_llama3_ddp",
                                ["--tp", "2", "--dp-mode", "zero1", "--step", f"{TITAN_JOBS}:step_llama3"]),
+    # torchtitan's Qwen3 MoE model, whole (its debugmodel_moe with 2 blocks of 8 experts), experts in bf16 as shipped
+    "titan-qwen3moe-ep2-fsdp2": (4, f"{TITAN_JOBS}:make_qwen3_moe", f"{TITAN_JOBS}:parallelize_qwen3_fsdp",
+                                 ["--ep", "2", "--step", f"{TITAN_JOBS}:step_llama3"]),
+    "titan-qwen3moe-ep2-tp2-zero1": (4, f"{TITAN_JOBS}:make_qwen3_moe", f"{TITAN_JOBS}:parallelize_qwen3_ddp",
+                                     ["--ep", "2", "--tp", "2", "--dp-mode", "zero1", "--step",
+                                      f"{TITAN_JOBS}:step_llama3"]),
     # PP: the parallelize function returns torch PipelineStages, the step runs the schedule, the loss is the schedule's
     "llama-pp2-1f1b": (4, "make_dense", "parallelize_pp_1f1b", ["--pp", "2", *PIPELINE]),
     "llama-pp2-interleaved": (4, "make_dense", "parallelize_pp_interleaved",
@@ -111,7 +117,8 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
 }
 #: The configurations whose router is skewed in a real run: re-planned with the run's measured load factor.
 LOADED = ("moe-ep2-ddp", "moe-ep2-tp2", "llama-moe-ep2", "llama-moe-ep2-fsdp2", "hf-qwen3moe-ep2-ddp",
-          "hf-qwen3moe-ep2-fsdp2", "titan-moe-ep2-ddp", "titan-moe-ep2-fsdp2")
+          "hf-qwen3moe-ep2-fsdp2", "titan-moe-ep2-ddp", "titan-moe-ep2-fsdp2", "titan-qwen3moe-ep2-fsdp2",
+          "titan-qwen3moe-ep2-tp2-zero1")
 #: The configurations whose model comes from outside the test extra: name -> (what, whether it is here, how to get it).
 NEEDS = {
     **{name: ("torchtitan", lambda: importlib.util.find_spec("torchtitan") is not None,

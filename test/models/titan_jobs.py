@@ -92,12 +92,18 @@ def fp32_forward(self: nn.Module, x_RD: torch.Tensor, num_tokens_per_expert_E: t
     return self._grouped_mm(A=h, B_t=self.w2_EDF.transpose(-2, -1), offs=offs)
 
 
-def experts_in(model: TitanMoELM, precision: str) -> None:
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """A model's blocks in order: ``TitanMoELM``'s list, or a torchtitan ``Decoder``'s ``layers`` dict."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def experts_in(model: nn.Module, precision: str) -> None:
     """``precision``: ``"bf16"`` leaves torchtitan's experts as shipped, ``"fp32-seam"`` overrides their
     ``_grouped_mm`` seam to compute in fp32, ``"fp32"`` their forward too (no casts to bf16)."""
     if precision not in ("bf16", "fp32-seam", "fp32"):
         raise ValueError(f"precision must be one of 'bf16', 'fp32-seam', 'fp32'; got {precision!r}")
-    for layer in model.layers:
+    for layer in blocks(model):
         experts = layer.moe.routed_experts.inner_experts
         if precision != "bf16":
             experts._grouped_mm = types.MethodType(fp32_grouped_mm, experts)
@@ -105,11 +111,11 @@ def experts_in(model: TitanMoELM, precision: str) -> None:
             experts.forward = types.MethodType(fp32_forward, experts)
 
 
-def balance_experts(model: TitanMoELM, group) -> None:
+def balance_experts(model: nn.Module, group) -> None:
     """torchtitan's auxiliary-loss-free load balancing (its trainer's optimizer-step pre-hook), before each
     ``opt.step()``: the routed-token counts summed over the data ranks (``group``; None in one process), each
     expert's bias moved towards the mean count, the counts cleared."""
-    for layer in model.layers:
+    for layer in blocks(model):
         moe = layer.moe
         counts = moe.tokens_per_expert_E
         if group is not None:
@@ -120,10 +126,10 @@ def balance_experts(model: TitanMoELM, group) -> None:
         counts.zero_()
 
 
-def expert_parallel(model: TitanMoELM, mesh) -> None:
+def expert_parallel(model: nn.Module, mesh) -> None:
     """The documented call: vemesh's ``ExpertParallel`` on each ``MoE``'s grouped experts over ``mesh["EP"]``, or
     ``ExpertTensorParallel`` over ``mesh["EP", "TP"]`` when the mesh has TP too."""
-    for layer in model.layers:
+    for layer in blocks(model):
         experts = layer.moe.routed_experts.inner_experts
         if mesh.get_strategy_size("TP") > 1:
             parallelize_module(experts, mesh["EP", "TP"], ExpertTensorParallel())
@@ -213,8 +219,66 @@ def parallelize_llama3_ddp(model: nn.Module, mesh) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+def make_qwen3_moe() -> nn.Module:
+    """torchtitan 0.3.0's ``Qwen3Model`` with MoE blocks, its ``debugmodel_moe`` config (width 256, 16 query and 8 KV
+    heads of 128 with q/k norms, a vocabulary of 2048, softmax routing with normalised top-k weights and
+    auxiliary-loss-free load balancing) with 2 blocks of 8 experts of width 128 (top 2) in place of 8 blocks of 64
+    experts of width 768 (top 8), built by torchtitan's own block builder, initialised by its ``init_states``, and
+    the SDPA attention it ships in place of flex attention, as :func:`make_llama3`."""
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    config = qwen3.qwen3_configs["debugmodel_moe"]("flex")
+    config.layers = qwen3._build_qwen3_moe_layers(
+        n_layers=2, dim=256, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=128, num_experts=8, top_k=2,
+        attn_backend="flex", moe_comm_backend="standard", rope=config.layers[0].attention.rope)
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()
+    return model
+
+
+#: TP of a Qwen3 block's attention by torchtitan's module names (its fused ``wqkv`` is laid out by KV group). Its
+#: q/k norms act on each TP rank's own heads: as torchtitan shards them, their weights replicated over TP and their
+#: inputs sharded on the head dim (dim 2), so that each weight's gradient is summed over the TP ranks' heads (left
+#: plain, each TP rank would step its norms with the gradient of its own heads only)
+QWEN3_TP = {"attention.qkv_linear.wqkv": "colwise", "attention.wo": "rowwise", "attention.q_norm": "heads",
+            "attention.k_norm": "heads"}
+
+
+def _qwen3_model_parallel(model: nn.Module, mesh) -> None:
+    """TP on the attention by module names (when the mesh has TP), and EP on the experts: ``ExpertParallel`` over
+    ``mesh["EP"]``, or expert TP (``ExpertTensorParallel`` over ``mesh["EP", "TP"]``) when the mesh has TP too."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if mesh.get_strategy_size("TP") > 1:
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                  "heads": partial(SequenceParallel, sequence_dim=2, use_local_output=True)}
+        for block in blocks(model):
+            parallelize_module(block, mesh["TP"], {name: styles[s]() for name, s in QWEN3_TP.items()})
+    expert_parallel(model, mesh)
+
+
+def parallelize_qwen3_fsdp(model: nn.Module, mesh) -> nn.Module:
+    """TP on the attention, EP on the experts, FSDP2 on each block and the root (experts over EDP)."""
+    _qwen3_model_parallel(model, mesh)
+    for block in blocks(model):
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def parallelize_qwen3_ddp(model: nn.Module, mesh) -> nn.Module:
+    """TP on the attention, EP on the experts, vemesh DDP over the data dims (experts over EDP; ZeRO-1 is the
+    optimizer's)."""
+    _qwen3_model_parallel(model, mesh)
+    return DistributedDataParallel(model)
+
+
 def step_llama3(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
-    """One forward and backward of ``micro_batch_size`` random sequences of :data:`LLAMA3_SEQ` tokens."""
+    """One forward and backward of ``micro_batch_size`` random sequences of :data:`LLAMA3_SEQ` tokens, for
+    torchtitan's decoders of a 2048-token vocabulary (Llama3's and Qwen3's debug models)."""
     tokens = torch.randint(0, 2048, (micro_batch_size, LLAMA3_SEQ + 1))
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))

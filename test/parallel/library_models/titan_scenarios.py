@@ -55,7 +55,7 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter, whole, and each MoE's load-balancing bias (a buffer the balance moved)."""
     out = parity.whole_params(model)
     inner = model.module if hasattr(model, "module") else model
-    for i, layer in enumerate(inner.layers):
+    for i, layer in enumerate(titan_jobs.blocks(inner)):
         out[f"layers.{i}.moe.expert_bias_E"] = layer.moe.expert_bias_E.detach().clone()
     return out
 
@@ -138,6 +138,54 @@ def llama3_worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[s
     for name, (degrees, wrap, optimizer) in cases.items():
         try:
             out[name] = parity.compare(llama3_train(ParallelDims(world_size, **degrees), wrap, optimizer), ref)
+        except Exception:  # noqa: BLE001 - reported back to pytest
+            out[name] = {"error": traceback.format_exc()}
+            mesh.reset()
+    return out
+
+
+# ---- torchtitan's Qwen3 MoE model, whole (titan_jobs.make_qwen3_moe: its debugmodel_moe, 2 blocks of 8 experts) ----
+
+QWEN3_CASES = {  # name: (degrees, wrapper, optimizer); attention TP by torchtitan's module names (titan_jobs.QWEN3_TP)
+    "titan-qwen3-moe-ep2-fsdp2": (dict(ep=2), "fsdp", "adamw"),
+    "titan-qwen3-moe-ep2-tp2-zero1": (dict(ep=2, tp=2), "ddp", "zero1"),
+}
+
+
+#: AdamW's eps for the Qwen3 cases. Its step is lr * g / (|g| + eps): at 1e-6 the token embedding's rows that one or
+#: two tokens reach, whose gradients are near eps, turn the reduction's rounding into 3.5e-5 of difference after 3
+#: steps (every other parameter within 5e-6); at 1e-4 every parameter is within 2.5e-7, the gradients the same.
+QWEN3_EPS = 1e-4
+
+
+def qwen3_model() -> nn.Module:
+    model = titan_jobs.make_qwen3_moe()
+    titan_jobs.experts_in(model, "fp32")  # the experts in fp32: the 1e-5 comparison (bf16's is the MoE cases')
+    return model
+
+
+def qwen3_train(dims: ParallelDims, wrap: str, optimizer: str) -> dict[str, Any]:
+    dims.build("cpu", mesh)
+    model = qwen3_model()
+    titan_jobs._qwen3_model_parallel(model, mesh)
+    inner = model
+    model = parity.wrap(model, titan_jobs.blocks(model), wrap)
+    opt = parity.optimizer(model, optimizer, lr=LR, eps=QWEN3_EPS)
+    losses = parity.data_parallel_steps(model, opt, mesh, dims, llama3_batch, loss_of, STEPS,
+                                        lambda data: titan_jobs.balance_experts(inner, data))
+    params = state(model)
+    mesh.reset()
+    return {"losses": losses, "params": params}
+
+
+def qwen3_worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
+    model = qwen3_model()
+    ref = (parity.one_process(model, (llama3_batch(s) for s in range(STEPS)), loss_of,
+                              lambda m: titan_jobs.balance_experts(m, None), lr=LR, eps=QWEN3_EPS), state(model))
+    out: dict[str, Any] = {}
+    for name, (degrees, wrap, optimizer) in cases.items():
+        try:
+            out[name] = parity.compare(qwen3_train(ParallelDims(world_size, **degrees), wrap, optimizer), ref)
         except Exception:  # noqa: BLE001 - reported back to pytest
             out[name] = {"error": traceback.format_exc()}
             mesh.reset()
