@@ -159,8 +159,78 @@ def attention_on_dtensors(world_size: int) -> dict[str, Any]:
             "param_diff": max((params[n] - p).abs().max().item() for n, p in ref.named_parameters())}
 
 
+class _HeadNormAttention(nn.Module):
+    """Attention with an RMSNorm over each head's queries and keys (Qwen3's q/k norms). Its views take ``-1`` heads, so
+    under TP with local outputs each rank normalises its own heads: the norms' weights see only those."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = self.q_norm(q), self.k_norm(k)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def norms_over_local_heads(world_size: int) -> dict[str, Any]:
+    """TP over every rank, vemesh DDP: with the q/k norms left plain, the first backward raises (each TP rank's
+    norm gradient is its own heads'); with them sharded on the head dim (SequenceParallel(sequence_dim=2)), 3 AdamW
+    steps match one process."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from vemesh.ddp import DistributedDataParallel
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(256, 32), _HeadNormAttention(), nn.Linear(32, 256))
+
+    def run(model: nn.Module) -> list[float]:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        losses = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = batch(step)
+            loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    ref = make()
+    ref_losses = run(ref)
+    plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
+    heads = {"q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+             "k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+    out: dict[str, Any] = {}
+    for styled in (False, True):
+        ParallelDims(world_size, tp=world_size, mesh_dims=("DP", "TP")).build("cpu", mesh)  # DP of 1 for the DDP
+        try:
+            model = make()
+            parallelize_module(model[1], mesh["TP"], {**plan, **(heads if styled else {})})
+            model = DistributedDataParallel(model)
+            try:
+                losses = run(model)
+            except RuntimeError as e:
+                out["unstyled" if not styled else "styled_error"] = str(e)
+                continue
+            params = {n.removeprefix("module."): p.full_tensor() if hasattr(p, "full_tensor") else p
+                      for n, p in model.named_parameters()}
+        finally:
+            mesh.reset()
+        if styled:
+            out["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+            out["param_diff"] = max((params[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    return out
+
+
 #: name: (degrees, MoE experts, wrapper, optimizer), or a function of the world size that returns the differences
-CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw"), "tp2-attention-on-dtensors": attention_on_dtensors}
+CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw"), "tp2-attention-on-dtensors": attention_on_dtensors,
+           "tp2-norms-over-local-heads": norms_over_local_heads}
 
 
 def worker(rank: int, world_size: int, cases: dict[str, Any]) -> dict[str, Any]:

@@ -59,6 +59,15 @@ def test_two_ranks_match_one_process(two, name) -> None:
     _exact(two, name)
 
 
+def test_a_replica_over_tp_whose_gradient_is_each_ranks_own_part_is_refused_at_the_first_backward(two) -> None:
+    """q/k norms over each TP rank's own heads, left plain: torch leaves them replicas, and each TP rank's gradient
+    is its own heads' part. vemesh DDP's first averaged backward names them (the same run, styled, matches)."""
+    for rank, results in enumerate(two):
+        error = results["tp2-norms-over-local-heads"].get("unstyled", "")
+        assert "the gradient of 1.q_norm.weight, 1.k_norm.weight differs across the TP ranks [0, 1]" in error, (rank, error)
+        assert "SequenceParallel(sequence_dim=...)" in error and "check_tp_gradients=False" in error
+
+
 def test_the_buffer_broadcast_trap_would_be_seen() -> None:
     """The control: had DDP broadcast CP rank 0's RoPE shard over the others (torch's broadcast_buffers), the
     same comparison fails; so the exact result above is DDP leaving context_parallel's shards alone."""

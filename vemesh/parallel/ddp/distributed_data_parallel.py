@@ -20,10 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from vemesh.parallel.context.api import sharded_buffers
-from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_tensor, make_buffers
+from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_grad, local_tensor, make_buffers
 from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over, resolve_group
-from vemesh.parallel.ddp.support import (PipelineReducer, step_guard, broadcast_from_first, check_bucket_size, check_experts, check_params_kept,
-                      check_placement, like, release_params, weak_method, weak_param_hook)
+from vemesh.parallel.ddp.support import (PipelineReducer, broadcast_from_first, check_bucket_size, check_experts,
+                                        check_params_kept, check_placement, like, release_params, step_guard,
+                                        tp_gradients_checked, tp_group_to_check, weak_method, weak_param_hook)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -67,6 +68,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         replicas: the fault-tolerant replica dim (:func:`vemesh.ft.start_replicas`): after the DP mean, each
             buffer is averaged across the replicas taking part, through torchft; if that fails, the step
             does not commit (:class:`~vemesh.optim.DistributedOptimizer` asks the replicas before stepping).
+        check_tp_gradients: after the first averaged backward on a mesh with TP, raise if a plain-tensor replica
+            over TP has different gradients there (:func:`~vemesh.parallel.ddp.support.check_tp_gradients`).
 
     Example::
 
@@ -92,6 +95,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         expert_data_parallel: DeviceMesh | dist.ProcessGroup | None = None,
         expert_parameters: Iterable[nn.Parameter] | None = None,
         replicas: Any = None,
+        check_tp_gradients: bool = True,
     ) -> None:
         nn.Module.__init__(self)  # torch DDP's own __init__ builds its C++ reducer, which this replaces
         if not isinstance(module, nn.Module):
@@ -151,6 +155,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.expert_parameter_ids = experts  #: the ``id()`` of every expert parameter (averaged over EDP instead)
         #: The fault-tolerant replica dim gradients are averaged across after DP (None: no such dim).
         self.replicas = replicas
+        self._tp_to_check = tp_group_to_check(group) if check_tp_gradients else None  # checked at the first _sync
 
         check_placement(list(module.named_parameters()), experts, group, expert_group)  # names and shapes agree
         if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
@@ -216,13 +221,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         raise NotImplementedError("vemesh DistributedDataParallel does not support uneven inputs (join); give every DP rank the same number of batches")
 
     # ------------------------------------------------------------------- hooks
-    def _local_grad(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        if isinstance(grad, DTensor):
-            if grad.placements != p.placements:  # type: ignore[attr-defined]
-                grad = grad.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
-            return grad._local_tensor
-        return grad
-
     def _begin_pass(self) -> None:
         """At the first gradient of a backward pass: decide whether it averages, and queue the end."""
         if self._in_backward:
@@ -243,14 +241,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._begin_pass()
         main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
         current = p.grad
-        new = self._local_grad(p, grad)
+        new = local_grad(p, grad)
         with torch.no_grad():
             if current is None:  # cleared with set_to_none: the gradient so far is zero
                 main.copy_(new)
             elif current is self._exposed[key] and holder._version == self._holder_version.get(key):
                 main.add_(new)  # main_grad is the exact value behind .grad
             else:  # .grad was replaced or written to (zero_(), unscale_, clipping): it is the truth
-                main.copy_(self._local_grad(p, current))
+                main.copy_(local_grad(p, current))
                 main.add_(new)
 
     @torch.no_grad()
@@ -261,7 +259,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if key in self._holder:
             self._expose(p)
         elif p.grad is not exposed:  # autograd made a new tensor (.grad was None or replaced)
-            p.main_grad.copy_(self._local_grad(p, p.grad))  # type: ignore[attr-defined]
+            p.main_grad.copy_(local_grad(p, p.grad))  # type: ignore[attr-defined]
             p.grad = exposed
         # else: autograd accumulated in place into the buffer view
         self._arrived.add(key)
@@ -299,7 +297,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         elif current is not self._exposed[key] or (
             key in self._holder and self._holder[key]._version != self._holder_version.get(key)
         ):
-            main.copy_(self._local_grad(p, current))
+            main.copy_(local_grad(p, current))
 
     @torch.no_grad()
     def _sync(self) -> None:
@@ -316,6 +314,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._expose(p)
         self._arrived = set()
         self.holds_unsynced_grads = False
+        self._tp_to_check = tp_gradients_checked(self, self._tp_to_check)
 
     def _abandon_pass(self) -> None:
         for buffer in self.grad_buffers:

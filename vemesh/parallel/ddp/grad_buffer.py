@@ -29,6 +29,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def local_grad(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of ``p``'s gradient ``grad``, placed as ``p`` first when it is a DTensor placed otherwise."""
+    if isinstance(grad, DTensor):
+        if grad.placements != p.placements:  # type: ignore[attr-defined]
+            grad = grad.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+        return grad._local_tensor
+    return grad
+
+
 class GradBuffer:
     """Flat gradient storage for a list of parameters, with bucketed async all-reduce.
 
