@@ -28,13 +28,13 @@ GPT = [str(REPO / "examples" / "gpt" / "train.py"), "--n-layer", "2", "--n-embd"
 
 @pytest.mark.parametrize("mesh, inject, expected", [
     ("2,2,2", "sleep:5:3",
-     ["HANG: DP broadcast #22 (256 B, [32] long) at step 3 is stuck in the DP group [5, 7] (PP=1, TP=1)",
+     ["HANG: DP broadcast #23 (256 B, [32] long) at step 3 is stuck in the DP group [5, 7] (PP=1, TP=1)",
       "never entered: rank 5 (PP=1, DP=0, TP=1)",
       "it is not in any collective (in compute), at examples/gpt/faults.py:68 in before_compute"]),
     ("2,2", "skip-dp:3:3", ["is stuck in the DP group [1, 3] (TP=1)", "never entered: rank 3 (DP=1, TP=1)",
                             "it skipped one"]),
     ("2,2", "wrong-size-tp:3:3", ["DIED: rank 2 (DP=1, TP=0): Fatal Python error: Aborted",
-                                  "in the TP group [2, 3] (DP=1), rank 3 last entered TP all-reduce #72 of [16] float"]),
+                                  "in the TP group [2, 3] (DP=1), rank 3 last entered TP all-reduce #73 of [16] float"]),
 ])
 def test_the_gpt_example_names_each_injected_hang(tmp_path, mesh, inject, expected):
     nproc = 8 if mesh == "2,2,2" else 4
