@@ -195,13 +195,20 @@ def make_llama3() -> nn.Module:
     return model
 
 
-def _llama3_tp(model: nn.Module, mesh) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def tp_by_names(model: nn.Module, mesh, plan: dict[str, str]) -> None:
+    """TP of each block by torchtitan's module names (when the mesh has TP): ``plan`` maps a name to ``colwise``,
+    ``rowwise``, or ``heads`` (replicated weights over inputs sharded on the head dim, dim 2)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     if mesh.get_strategy_size("TP") > 1:
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        for block in model.layers.values():
-            parallelize_module(block, mesh["TP"], {name: styles[s]() for name, s in LLAMA3_TP.items()})
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                  "heads": partial(SequenceParallel, sequence_dim=2, use_local_output=True)}
+        for block in blocks(model):
+            parallelize_module(block, mesh["TP"], {name: styles[s]() for name, s in plan.items()})
+
+
+def _llama3_tp(model: nn.Module, mesh) -> None:
+    tp_by_names(model, mesh, LLAMA3_TP)
 
 
 def parallelize_llama3_fsdp(model: nn.Module, mesh) -> nn.Module:
@@ -251,13 +258,7 @@ QWEN3_TP = {"attention.qkv_linear.wqkv": "colwise", "attention.wo": "rowwise", "
 def _qwen3_model_parallel(model: nn.Module, mesh) -> None:
     """TP on the attention by module names (when the mesh has TP), and EP on the experts: ``ExpertParallel`` over
     ``mesh["EP"]``, or expert TP (``ExpertTensorParallel`` over ``mesh["EP", "TP"]``) when the mesh has TP too."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    if mesh.get_strategy_size("TP") > 1:
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-                  "heads": partial(SequenceParallel, sequence_dim=2, use_local_output=True)}
-        for block in blocks(model):
-            parallelize_module(block, mesh["TP"], {name: styles[s]() for name, s in QWEN3_TP.items()})
+    tp_by_names(model, mesh, QWEN3_TP)
     expert_parallel(model, mesh)
 
 

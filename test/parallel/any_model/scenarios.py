@@ -124,6 +124,20 @@ class _Attention(nn.Module):
         return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
 
 
+def _adamw_steps(model: nn.Module) -> list[float]:
+    """``STEPS`` AdamW steps of a token model (vocabulary 256) on the whole batch of each step; each step's loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step)
+        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _attention_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Embedding(256, 32), _Attention(), nn.Linear(32, 256))
@@ -131,27 +145,15 @@ def _attention_model() -> nn.Module:
 
 def attention_on_dtensors(world_size: int) -> dict[str, Any]:
     """TP over every rank with the attention's inputs DTensors (heads sharded), 3 AdamW steps, against one process."""
-    def run(model: nn.Module) -> list[float]:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-        losses = []
-        for step in range(STEPS):
-            opt.zero_grad()
-            x, y = batch(step)
-            loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
     ref = _attention_model()
-    ref_losses = run(ref)
+    ref_losses = _adamw_steps(ref)
     ParallelDims(world_size, tp=world_size).build("cpu", mesh)
     try:
         model = _attention_model()
         parallelize_module(model[1], mesh["TP"], {"wq": ColwiseParallel(use_local_output=False),
                                                   "wk": ColwiseParallel(use_local_output=False),
                                                   "wv": ColwiseParallel(use_local_output=False), "wo": RowwiseParallel()})
-        losses = run(model)
+        losses = _adamw_steps(model)
         params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
     finally:
         mesh.reset()
@@ -189,20 +191,8 @@ def norms_over_local_heads(world_size: int) -> dict[str, Any]:
         torch.manual_seed(0)
         return nn.Sequential(nn.Embedding(256, 32), _HeadNormAttention(), nn.Linear(32, 256))
 
-    def run(model: nn.Module) -> list[float]:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-        losses = []
-        for step in range(STEPS):
-            opt.zero_grad()
-            x, y = batch(step)
-            loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
     ref = make()
-    ref_losses = run(ref)
+    ref_losses = _adamw_steps(ref)
     plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
     heads = {"q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
              "k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
@@ -214,7 +204,7 @@ def norms_over_local_heads(world_size: int) -> dict[str, Any]:
             parallelize_module(model[1], mesh["TP"], {**plan, **(heads if styled else {})})
             model = DistributedDataParallel(model)
             try:
-                losses = run(model)
+                losses = _adamw_steps(model)
             except RuntimeError as e:
                 out["unstyled" if not styled else "styled_error"] = str(e)
                 continue

@@ -57,26 +57,25 @@ def test_torchtitan_moe_with_bf16_casts_differs_by_rounding_only(four, name) -> 
             f"rank {rank}: loss by {o['loss_diff']:.2e}, {o['worst']} by {o['param_diff']:.2e}"
 
 
-def test_torchtitan_llama3_with_tp_by_its_module_names_matches_one_process() -> None:
-    """torchtitan's Llama3 (its debugmodel, ``trunc_normal_`` in its ``init_states``, the SDPA attention it ships):
-    TP = 2 by its module names with FSDP2, and with vemesh DDP + ZeRO-1, over DP = 2."""
-    for rank, results in enumerate(run_ranks(S.llama3_worker, 4, S.LLAMA3_CASES, timeout=400,
+def _every_case_exact(worker, cases: dict) -> None:
+    """``cases`` run by ``worker`` on 4 gloo ranks: every step's loss and every parameter within TOL on every rank."""
+    for rank, results in enumerate(run_ranks(worker, 4, cases, timeout=400,
                                              env={"OMP_NUM_THREADS": "1"})):
         for name, o in results.items():
             assert "error" not in o, f"rank {rank}: {name}:\n{o.get('error')}"
-            print(f"rank {rank}: {name}: loss {o['loss_diff']:.2e}, {o['worst']} {o['param_diff']:.2e}", )
+            print(f"rank {rank}: {name}: loss {o['loss_diff']:.2e}, {o['worst']} {o['param_diff']:.2e}")
             assert o["loss_diff"] < TOL and o["param_diff"] < TOL, \
                 f"rank {rank}: {name}: loss by {o['loss_diff']:.2e}, {o['worst']} by {o['param_diff']:.2e}"
+
+
+def test_torchtitan_llama3_with_tp_by_its_module_names_matches_one_process() -> None:
+    """torchtitan's Llama3 (its debugmodel, ``trunc_normal_`` in its ``init_states``, the SDPA attention it ships):
+    TP = 2 by its module names with FSDP2, and with vemesh DDP + ZeRO-1, over DP = 2."""
+    _every_case_exact(S.llama3_worker, S.LLAMA3_CASES)
 
 
 def test_torchtitan_qwen3_moe_whole_matches_one_process() -> None:
     """torchtitan's Qwen3 MoE model (its debugmodel_moe, 2 blocks of 8 experts, the SDPA attention it ships), whole:
     EP = 2 inside DP = 4 with FSDP2, and EP = 2 x TP = 2 (attention TP by its module names, expert TP on its grouped
     experts) with vemesh DDP + ZeRO-1, its load balancing as its trainer runs it, experts in fp32."""
-    for rank, results in enumerate(run_ranks(S.qwen3_worker, 4, S.QWEN3_CASES, timeout=400,
-                                             env={"OMP_NUM_THREADS": "1"})):
-        for name, o in results.items():
-            assert "error" not in o, f"rank {rank}: {name}:\n{o.get('error')}"
-            print(f"rank {rank}: {name}: loss {o['loss_diff']:.2e}, {o['worst']} {o['param_diff']:.2e}", )
-            assert o["loss_diff"] < TOL and o["param_diff"] < TOL, \
-                f"rank {rank}: {name}: loss by {o['loss_diff']:.2e}, {o['worst']} by {o['param_diff']:.2e}"
+    _every_case_exact(S.qwen3_worker, S.QWEN3_CASES)

@@ -118,30 +118,40 @@ def llama3_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def llama3_train(dims: ParallelDims, wrap: str, optimizer: str) -> dict[str, Any]:
+def _decoder_train(dims: ParallelDims, wrap: str, optimizer: str, kind: str) -> dict[str, Any]:
+    """torchtitan's decoder ``kind`` (``DECODERS``) parallelized on ``dims``, trained on this DP rank's rows."""
+    make, parallel, eps, moe = DECODERS[kind]
     dims.build("cpu", mesh)
-    model = titan_jobs.make_llama3()
-    titan_jobs._llama3_tp(model, mesh)
-    model = parity.wrap(model, list(model.layers.values()), wrap)
-    opt = parity.optimizer(model, optimizer, lr=LR, eps=EPS)
-    losses = parity.data_parallel_steps(model, opt, mesh, dims, llama3_batch, loss_of, STEPS)
-    params = parity.whole_params(model)
+    model = make()
+    parallel(model, mesh)
+    inner = model
+    model = parity.wrap(model, titan_jobs.blocks(model), wrap)
+    opt = parity.optimizer(model, optimizer, lr=LR, eps=eps)
+    balance = (lambda data: titan_jobs.balance_experts(inner, data)) if moe else None
+    losses = parity.data_parallel_steps(model, opt, mesh, dims, llama3_batch, loss_of, STEPS, balance)
+    params = state(model) if moe else parity.whole_params(model)
     mesh.reset()
     return {"losses": losses, "params": params}
 
 
-def llama3_worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
-    model = titan_jobs.make_llama3()
-    ref = (parity.one_process(model, (llama3_batch(s) for s in range(STEPS)), loss_of, lr=LR, eps=EPS),
-           parity.whole_params(model))
+def _decoder_worker(rank: int, world_size: int, cases: dict[str, tuple], kind: str) -> dict[str, Any]:
+    make, _, eps, moe = DECODERS[kind]
+    model = make()
+    balance = (lambda m: titan_jobs.balance_experts(m, None)) if moe else None
+    ref = (parity.one_process(model, (llama3_batch(s) for s in range(STEPS)), loss_of, balance, lr=LR, eps=eps),
+           state(model) if moe else parity.whole_params(model))
     out: dict[str, Any] = {}
     for name, (degrees, wrap, optimizer) in cases.items():
         try:
-            out[name] = parity.compare(llama3_train(ParallelDims(world_size, **degrees), wrap, optimizer), ref)
+            out[name] = parity.compare(_decoder_train(ParallelDims(world_size, **degrees), wrap, optimizer, kind), ref)
         except Exception:  # noqa: BLE001 - reported back to pytest
             out[name] = {"error": traceback.format_exc()}
             mesh.reset()
     return out
+
+
+def llama3_worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
+    return _decoder_worker(rank, world_size, cases, "llama3")
 
 
 # ---- torchtitan's Qwen3 MoE model, whole (titan_jobs.make_qwen3_moe: its debugmodel_moe, 2 blocks of 8 experts) ----
@@ -164,29 +174,10 @@ def qwen3_model() -> nn.Module:
     return model
 
 
-def qwen3_train(dims: ParallelDims, wrap: str, optimizer: str) -> dict[str, Any]:
-    dims.build("cpu", mesh)
-    model = qwen3_model()
-    titan_jobs._qwen3_model_parallel(model, mesh)
-    inner = model
-    model = parity.wrap(model, titan_jobs.blocks(model), wrap)
-    opt = parity.optimizer(model, optimizer, lr=LR, eps=QWEN3_EPS)
-    losses = parity.data_parallel_steps(model, opt, mesh, dims, llama3_batch, loss_of, STEPS,
-                                        lambda data: titan_jobs.balance_experts(inner, data))
-    params = state(model)
-    mesh.reset()
-    return {"losses": losses, "params": params}
-
-
 def qwen3_worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any]:
-    model = qwen3_model()
-    ref = (parity.one_process(model, (llama3_batch(s) for s in range(STEPS)), loss_of,
-                              lambda m: titan_jobs.balance_experts(m, None), lr=LR, eps=QWEN3_EPS), state(model))
-    out: dict[str, Any] = {}
-    for name, (degrees, wrap, optimizer) in cases.items():
-        try:
-            out[name] = parity.compare(qwen3_train(ParallelDims(world_size, **degrees), wrap, optimizer), ref)
-        except Exception:  # noqa: BLE001 - reported back to pytest
-            out[name] = {"error": traceback.format_exc()}
-            mesh.reset()
-    return out
+    return _decoder_worker(rank, world_size, cases, "qwen3")
+
+
+#: torchtitan's decoders: name -> (factory, parallelize on the mesh (TP, EP), AdamW's eps, whether it is a MoE)
+DECODERS = {"llama3": (titan_jobs.make_llama3, titan_jobs._llama3_tp, EPS, False),
+            "qwen3": (qwen3_model, titan_jobs._qwen3_model_parallel, QWEN3_EPS, True)}
