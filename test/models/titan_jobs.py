@@ -98,6 +98,13 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
+def shard_blocks_and_root(model: nn.Module) -> nn.Module:
+    """FSDP2 (vemesh's, experts on EDP) on each block, then on the root, as torchtitan shards."""
+    for block in blocks(model):
+        fully_shard(block)
+    return fully_shard(model)
+
+
 def experts_in(model: nn.Module, precision: str) -> None:
     """``precision``: ``"bf16"`` leaves torchtitan's experts as shipped, ``"fp32-seam"`` overrides their
     ``_grouped_mm`` seam to compute in fp32, ``"fp32"`` their forward too (no casts to bf16)."""
@@ -152,9 +159,7 @@ def parallelize_ddp(model: TitanMoELM, mesh) -> nn.Module:
 def parallelize_fsdp(model: TitanMoELM, mesh) -> nn.Module:
     """EP on the experts, FSDP2 on each block and the root."""
     expert_parallel(model, mesh)
-    for block in model.layers:
-        fully_shard(block)
-    return fully_shard(model)
+    return shard_blocks_and_root(model)
 
 
 def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
@@ -214,9 +219,7 @@ def _llama3_tp(model: nn.Module, mesh) -> None:
 def parallelize_llama3_fsdp(model: nn.Module, mesh) -> nn.Module:
     """TP by module names (when the mesh has TP), then FSDP2 on each block and the root."""
     _llama3_tp(model, mesh)
-    for block in model.layers.values():
-        fully_shard(block)
-    return fully_shard(model)
+    return shard_blocks_and_root(model)
 
 
 def parallelize_llama3_ddp(model: nn.Module, mesh) -> nn.Module:
@@ -265,9 +268,7 @@ def _qwen3_model_parallel(model: nn.Module, mesh) -> None:
 def parallelize_qwen3_fsdp(model: nn.Module, mesh) -> nn.Module:
     """TP on the attention, EP on the experts, FSDP2 on each block and the root (experts over EDP)."""
     _qwen3_model_parallel(model, mesh)
-    for block in blocks(model):
-        fully_shard(block)
-    return fully_shard(model)
+    return shard_blocks_and_root(model)
 
 
 def parallelize_qwen3_ddp(model: nn.Module, mesh) -> nn.Module:
