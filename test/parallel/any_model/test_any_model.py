@@ -11,9 +11,6 @@ What ``context_parallel`` cannot compute exactly is refused (fake backend, every
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,9 +18,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import scenarios as S
 from launch import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
-import llama  # noqa: E402
 
 from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
 from vemesh.parallel import ParallelDims, context_parallel  # noqa: E402
