@@ -94,6 +94,12 @@ def _build(args, factory, parallelize, loss=None, n_microbatches: int = 1):
     return model, torch.optim.AdamW([p for part in parts for p in part.parameters()]), fsdp
 
 
+def _seed_data(mesh) -> None:
+    """The step functions draw their tokens at random: each data-parallel rank its own, and the ranks that share its
+    rows (TP, CP and PP peers) the same ones, as a data loader gives them."""
+    torch.manual_seed(1000 + (mesh.lookup_rank("DP") if mesh.layout.has("DP") else 0))
+
+
 def _time_steps(args, dims, factory, parallelize, step, per_dp: int, mbs: int, build) -> None:
     """Time ``--time-steps`` steps after 3 warm-up steps; rank 0 writes the median (slowest rank's) and exits."""
     import statistics
@@ -101,6 +107,7 @@ def _time_steps(args, dims, factory, parallelize, step, per_dp: int, mbs: int, b
 
     torch.manual_seed(0)
     model, optimizer, fsdp = build(args, factory, parallelize)
+    _seed_data(mesh)
     times = []
     for i in range(3 + args.time_steps):
         dist.barrier()
@@ -153,7 +160,9 @@ def main() -> None:
     load = _expert_load()
     meter = RunMeter()
     with meter:
+        torch.manual_seed(0)  # the same model on every rank
         model, optimizer, fsdp = build(args, factory, parallelize)
+        _seed_data(mesh)
         for _ in range(STEPS):
             with meter.step():
                 _train_step(model, optimizer, step, per_dp, mbs, fsdp)

@@ -6,30 +6,41 @@ sharded over the mesh's FSDP dims (``fsdp`` of :func:`vemesh.layout.data_dims.da
 :class:`~vemesh.parallel.ExpertParallel` sharded is first sharded over EDP, with its gradients summed there
 and divided by ``DP x CP``: each expert saw the tokens of all its EP peers, so this keeps the mean loss over
 the global batch exact, as vemesh's DDP does for the same experts.
+
+On a mesh with TP, the first ``optimizer.step()`` over a sharded root's parameters first checks its replicas over TP
+(the parameters sharded over the data dims only): the same values on every TP rank but not the same gradient raises
+(:mod:`vemesh.parallel.tp_replicas`), as vemesh's DDP does after its first backward.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from vemesh.layout.data_dims import data_dims
 from vemesh.mesh import VESCALE_DEVICE_MESH
 from vemesh.parallel.experts.style import expert_modules
+from vemesh.parallel.tp_replicas import check_tp_gradients, tp_group_beside
 
 __all__ = ["fully_shard"]
 
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
+def fully_shard(module: nn.Module, *, mesh: Any = None, check_tp_gradients: bool = True, **kwargs: Any) -> nn.Module:
     """``torch.distributed.fsdp.fully_shard(module, mesh=<the FSDP view>, **kwargs)``, experts first on EDP.
 
     Args:
         module: a block, or the root once its blocks are sharded.
         mesh: the mesh manager (default ``VESCALE_DEVICE_MESH``): one ``ParallelDims.build`` built, or one built
             by hand with the standard dim names (:mod:`vemesh.layout.data_dims`).
+        check_tp_gradients: on a mesh with TP, check the replicas over TP at the first optimizer step (see the
+            module docstring); ``False`` for parameters meant to differ by TP rank.
         kwargs: torch's (``mp_policy``, ``reshard_after_forward``, ...), for the experts too.
 
     On 4 ranks of ``ParallelDims(4, ep=2)``, rank 1's dense parameters shard over DP ``[0, 1, 2, 3]`` and its
@@ -47,4 +58,38 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
             experts.set_gradient_divide_factor(float(data.batch_size))
             if mesh.size("EDP") > 1:  # sum over EDP, then divide (gloo has no PREMUL_SUM; on one rank
                 experts.set_force_sum_reduction_for_comms(True)  # torch 2.13 would divide twice)
-    return torch_fully_shard(module, mesh=mesh[data.fsdp], **kwargs)
+    fsdp_mesh = mesh[data.fsdp]
+    sharded = torch_fully_shard(module, mesh=fsdp_mesh, **kwargs)
+    tp = tp_group_beside(set(fsdp_mesh.mesh.flatten().tolist())) if check_tp_gradients else None
+    if tp is not None:
+        _check_at_first_step(sharded, tp, fsdp_mesh.get_all_groups())
+    return sharded
+
+
+#: the sharded roots whose replicas over TP the first optimizer step checks: (module, TP group, data groups)
+_PENDING: list[tuple[weakref.ref, dist.ProcessGroup, list[dist.ProcessGroup]]] = []
+_HOOK: list[Any] = []
+
+
+def _check_at_first_step(module: nn.Module, tp: dist.ProcessGroup, data: list[dist.ProcessGroup]) -> None:
+    """Queue ``module`` for the check; the modules it holds (its blocks, sharded first) go with it."""
+    inside = {id(m) for m in module.modules()}
+    _PENDING[:] = [e for e in _PENDING if e[0]() is not None and id(e[0]()) not in inside]
+    _PENDING.append((weakref.ref(module), tp, data))
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_first_step))
+
+
+def _first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for entry in list(_PENDING):
+        module, tp, data = entry[0](), entry[1], entry[2]
+        if module is None or not any(id(p) in stepped for p in module.parameters()):
+            continue
+        _PENDING.remove(entry)
+        check_tp_gradients([(n, p.to_local(), None if p.grad is None else p.grad.to_local())
+                            for n, p in module.named_parameters() if isinstance(p, DTensor)
+                            and "TP" not in (p.device_mesh.mesh_dim_names or ())], tp, data,
+                           "shard with vemesh.parallel.fully_shard(..., check_tp_gradients=False)")
+    if not _PENDING and _HOOK:
+        _HOOK.pop().remove()

@@ -179,13 +179,15 @@ class _HeadNormAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-def norms_over_local_heads(world_size: int) -> dict[str, Any]:
-    """TP over every rank, vemesh DDP: with the q/k norms left plain, the first backward raises (each TP rank's
-    norm gradient is its own heads'); with them sharded on the head dim (SequenceParallel(sequence_dim=2)), 3 AdamW
-    steps match one process."""
+def norms_over_local_heads(world_size: int, wrap: str = "ddp") -> dict[str, Any]:
+    """TP = 2 with vemesh DDP (over DP = world / 2, 1 on 2 ranks) or FSDP2 (DP = 2 on 4): with the q/k norms left
+    plain, the first backward (DDP) or optimizer step (FSDP2) raises, since each TP rank's norm gradient is its own
+    heads'; with them sharded on the head dim (SequenceParallel(sequence_dim=2)), 3 AdamW steps match one process
+    (every DP rank trains on the whole batch, whose mean is the one process's)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     from vemesh.ddp import DistributedDataParallel
+    from vemesh.parallel import fully_shard
 
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -198,18 +200,18 @@ def norms_over_local_heads(world_size: int) -> dict[str, Any]:
              "k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
     out: dict[str, Any] = {}
     for styled in (False, True):
-        ParallelDims(world_size, tp=world_size, mesh_dims=("DP", "TP")).build("cpu", mesh)  # DP of 1 for the DDP
+        ParallelDims(world_size, tp=2, mesh_dims=("DP", "TP")).build("cpu", mesh)
         try:
             model = make()
             parallelize_module(model[1], mesh["TP"], {**plan, **(heads if styled else {})})
-            model = DistributedDataParallel(model)
+            model = DistributedDataParallel(model) if wrap == "ddp" else fully_shard(model)
             try:
                 losses = _adamw_steps(model)
             except RuntimeError as e:
                 out["unstyled" if not styled else "styled_error"] = str(e)
                 continue
             params = {n.removeprefix("module."): p.full_tensor() if hasattr(p, "full_tensor") else p
-                      for n, p in model.named_parameters()}
+                      for n, p in model.named_parameters()}  # FSDP2's: gathered over DP (and TP)
         finally:
             mesh.reset()
         if styled:
@@ -221,6 +223,7 @@ def norms_over_local_heads(world_size: int) -> dict[str, Any]:
 #: name: (degrees, MoE experts, wrapper, optimizer), or a function of the world size that returns the differences
 CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw"), "tp2-attention-on-dtensors": attention_on_dtensors,
            "tp2-norms-over-local-heads": norms_over_local_heads}
+CASES_4["dp2-tp2-norms-over-local-heads-fsdp2"] = functools.partial(norms_over_local_heads, wrap="fsdp")
 
 
 def worker(rank: int, world_size: int, cases: dict[str, Any]) -> dict[str, Any]:

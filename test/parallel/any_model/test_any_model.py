@@ -62,6 +62,16 @@ def test_a_replica_over_tp_whose_gradient_is_each_ranks_own_part_is_refused_at_t
         assert "SequenceParallel(sequence_dim=...)" in error and "check_tp_gradients=False" in error
 
 
+@pytest.mark.slow
+def test_under_fsdp2_the_first_optimizer_step_refuses_the_same_replicas(four) -> None:
+    """The same norms under vemesh's FSDP2 (DP = 2 x TP = 2): refused at the first optimizer step, naming them."""
+    for rank, results in enumerate(four):
+        error = results["dp2-tp2-norms-over-local-heads-fsdp2"].get("unstyled", "")
+        tp = [0, 1] if rank < 2 else [2, 3]
+        assert f"the gradient of 1.q_norm.weight, 1.k_norm.weight differs across the TP ranks {tp}" in error, (rank, error)
+        assert "fully_shard(..., check_tp_gradients=False)" in error
+
+
 def test_the_buffer_broadcast_trap_would_be_seen() -> None:
     """The control: had DDP broadcast CP rank 0's RoPE shard over the others (torch's broadcast_buffers), the
     same comparison fails; so the exact result above is DDP leaving context_parallel's shards alone."""

@@ -24,7 +24,8 @@ from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_grad, local_tensor
 from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over, resolve_group
 from vemesh.parallel.ddp.support import (PipelineReducer, broadcast_from_first, check_bucket_size, check_experts,
                                         check_params_kept, check_placement, like, release_params, step_guard,
-                                        tp_gradients_checked, tp_group_to_check, weak_method, weak_param_hook)
+                                        tp_gradients_checked, weak_method, weak_param_hook)
+from vemesh.parallel.tp_replicas import tp_group_beside
 
 __all__ = ["DistributedDataParallel"]
 
@@ -155,7 +156,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.expert_parameter_ids = experts  #: the ``id()`` of every expert parameter (averaged over EDP instead)
         #: The fault-tolerant replica dim gradients are averaged across after DP (None: no such dim).
         self.replicas = replicas
-        self._tp_to_check = tp_group_to_check(group) if check_tp_gradients else None  # checked at the first _sync
+        self._tp_to_check = tp_group_beside(set(dist.get_process_group_ranks(group))) if check_tp_gradients else None
 
         check_placement(list(module.named_parameters()), experts, group, expert_group)  # names and shapes agree
         if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers

@@ -17,11 +17,11 @@ from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
 from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.parallel.ddp.groups import resolve_group
 from vemesh.parallel.experts.style import is_expert
+from vemesh.parallel.tp_replicas import check_tp_gradients
 
 __all__ = ["check_bucket_size", "broadcast_from_first",
            "PipelineReducer", "like", "weak_method", "release_params", "check_experts", "check_params_kept",
-           "weak_param_hook", "check_replicas", "check_placement", "check_tp_gradients", "tp_group_to_check",
-           "tp_gradients_checked"]
+           "weak_param_hook", "check_replicas", "check_placement", "tp_gradients_checked"]
 
 def weak_method(method: Any) -> Any:
     """``method`` as a plain function that holds its object weakly (a no-op once the object is gone).
@@ -250,61 +250,12 @@ def check_placement(named: list[tuple[str, torch.Tensor]], experts: frozenset[in
                        "each rank of expert_data_parallel must hold the same experts")
 
 
-def tp_group_to_check(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """The live mesh's TP group when it has more than one rank and none of them is in ``group`` (the data group):
-    the ranks over which a plain-tensor parameter is a replica whose gradient must agree. None otherwise."""
-    if not (mesh.is_initialized() and mesh.layout.has("TP")) or mesh.get_strategy_size("TP") == 1:
-        return None
-    tp = mesh.get_group("TP")
-    if dist.get_backend(tp) == "fake" or set(dist.get_process_group_ranks(tp)) & (
-            set(dist.get_process_group_ranks(group)) - {dist.get_rank()}):
-        return None
-    return tp
-
-
-@torch.no_grad()
-def check_tp_gradients(named: list[tuple[str, torch.Tensor]], tp: dist.ProcessGroup, data: dist.ProcessGroup,
-                       rtol: float = 1e-3) -> None:
-    """Raise on every rank when a plain-tensor parameter (not a DTensor, not an expert) holds the same values on every
-    rank of the TP group but not the same gradient.
-
-    Such a parameter is a replica over TP: torch's TP styles leave it alone, and nothing sums its gradient over TP.
-    When the computation that uses it sees only this TP rank's part of the activations (a norm over each rank's own
-    heads, a norm of a sequence-parallel region left unstyled), its gradient is this rank's part only, each TP rank
-    steps it differently, and the replicas drift apart without a word. ``named``: ``(name, parameter)`` with their
-    gradients set (the DP means). Parameters whose values differ across TP (a user's own TP slices) are left out.
-    The verdict is agreed over ``data`` too, so that no rank goes on alone."""
-    plain = [(n, p) for n, p in named if not isinstance(p, DTensor) and p.grad is not None]
-    stats = torch.tensor([[p.double().sum().item(), p.double().square().sum().item(),
-                           p.grad.double().sum().item(), p.grad.double().square().sum().item()] for _, p in plain]
-                         or [[0.0] * 4], dtype=torch.float64)
-    everyone = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp))]
-    dist.all_gather(everyone, stats, group=tp)
-    bad = []
-    for i, (name, _) in enumerate(plain):
-        rows = torch.stack([e[i] for e in everyone])
-        values, grads = rows[:, :2], rows[:, 2:]
-        if torch.allclose(values, values[0].expand_as(values), rtol=1e-6, atol=1e-12) and \
-                not torch.allclose(grads, grads[0].expand_as(grads), rtol=rtol, atol=1e-12 + rtol * grads[0, 1].abs().sqrt().item()):
-            bad.append(name)
-    verdict = torch.tensor([float(len(bad))])
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=data)
-    if verdict.item():
-        names = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "") if bad else \
-            "(on another TP group of the data ranks)"
-        raise RuntimeError(
-            f"the gradient of {names} differs across the TP ranks {dist.get_process_group_ranks(tp)}, while the "
-            "parameter is the same on each: a replica over TP whose computation sees only this rank's part of the "
-            "activations, so each TP rank would step it with its own part of the gradient. Make it a replicated "
-            "DTensor whose gradient torch sums over TP: SequenceParallel(sequence_dim=...) on the module for a "
-            "norm over sharded heads or a sequence-parallel region (as torchtitan shards Qwen3's q/k norms). If the "
-            "parameter is meant to differ by TP rank, wrap with check_tp_gradients=False")
-
-
 def tp_gradients_checked(ddp: Any, tp: dist.ProcessGroup | None) -> None:
-    """At a DistributedDataParallel's averaged backward: :func:`check_tp_gradients` over ``tp`` (None: nothing to
-    check); what to check next time, None (the structure that makes a replica's gradient partial is fixed)."""
+    """At a DistributedDataParallel's averaged backward: :func:`~vemesh.parallel.tp_replicas.check_tp_gradients`
+    of its plain-tensor dense parameters over ``tp`` (None: nothing to check). Returns what to check next time: None
+    (the structure that makes a replica's gradient partial is fixed)."""
     if tp is not None:
-        check_tp_gradients([(ddp.parameter_names[id(p)], p) for p in ddp.averaged_parameters
-                            if id(p) not in ddp.expert_parameter_ids], tp, ddp.data_parallel_group)
+        check_tp_gradients([(ddp.parameter_names[id(p)], p, p.grad) for p in ddp.averaged_parameters
+                            if id(p) not in ddp.expert_parameter_ids and not isinstance(p, DTensor)], tp,
+                           [ddp.data_parallel_group], "wrap with check_tp_gradients=False")
     return None

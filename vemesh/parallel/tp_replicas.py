@@ -1,0 +1,70 @@
+"""Replicas over TP whose gradient is each TP rank's own part: the check vemesh's DDP and FSDP2 make once.
+
+A parameter that TP leaves whole (a plain tensor under DDP; under FSDP2, one sharded over the data dims only) is a
+replica over the TP group: torch's TP styles leave it alone, and nothing sums its gradient over TP. When the
+computation that uses it sees only this TP rank's part of the activations (a norm over each rank's own heads, a
+norm of a sequence-parallel region left unstyled), its gradient is this rank's part only, each TP rank steps it
+differently, and the replicas drift apart without a word (as they do when the TP ranks are given different inputs).
+:func:`check_tp_gradients` compares, over the TP group, each such parameter's values and gradient (their sums and
+sums of squares, in fp64): the same values but not the same gradient raises, on every rank. Parameters whose values
+differ across TP (a user's own TP slices) are left out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+
+__all__ = ["check_tp_gradients", "tp_group_beside"]
+
+
+def tp_group_beside(data_ranks: set[int]) -> dist.ProcessGroup | None:
+    """The live mesh's TP group when it has more than one rank and shares none but this one with ``data_ranks``;
+    None otherwise (no mesh, no TP, TP of 1, the fake backend)."""
+    if not (mesh.is_initialized() and mesh.layout.has("TP")) or mesh.get_strategy_size("TP") == 1:
+        return None
+    tp = mesh.get_group("TP")
+    if dist.get_backend(tp) == "fake" or set(dist.get_process_group_ranks(tp)) & (data_ranks - {dist.get_rank()}):
+        return None
+    return tp
+
+
+@torch.no_grad()
+def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | None]], tp: dist.ProcessGroup,
+                       data: list[dist.ProcessGroup], opt_out: str, rtol: float = 1e-3) -> None:
+    """Raise on every rank when a replica over ``tp`` has the same values on every TP rank but not the same gradient.
+
+    Args:
+        entries: ``(name, this rank's values, this rank's gradient)`` of each replica over TP (None: no gradient).
+        data: the data groups the verdict is agreed over too, so that no rank goes on alone.
+        opt_out: how to turn the check off, for the error.
+    """
+    kept = [(n, v, g) for n, v, g in entries if g is not None]
+    stats = torch.tensor([[v.double().sum().item(), v.double().square().sum().item(), g.double().sum().item(),
+                           g.double().square().sum().item()] for _, v, g in kept] or [[0.0] * 4], dtype=torch.float64)
+    everyone = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp))]
+    dist.all_gather(everyone, stats, group=tp)
+    bad = []
+    for i, (name, _, _) in enumerate(kept):
+        rows = torch.stack([e[i] for e in everyone])
+        values, grads = rows[:, :2], rows[:, 2:]
+        scale = rtol * grads[0, 1].abs().sqrt().item()
+        if torch.allclose(values, values[0].expand_as(values), rtol=1e-6, atol=1e-12) and \
+                not torch.allclose(grads, grads[0].expand_as(grads), rtol=rtol, atol=1e-12 + scale):
+            bad.append(name)
+    verdict = torch.tensor([float(len(bad))])
+    for group in data:
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    if verdict.item():
+        names = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "") if bad else \
+            "(on another TP group of the data ranks)"
+        raise RuntimeError(
+            f"the gradient of {names} differs across the TP ranks {dist.get_process_group_ranks(tp)}, while the "
+            "parameter is the same on each: a replica over TP whose computation sees only this rank's part of the "
+            "activations, so each TP rank would step it with its own part of the gradient. Make it a replicated "
+            "DTensor whose gradient torch sums over TP: SequenceParallel(sequence_dim=...) on the module for a "
+            "norm over sharded heads or a sequence-parallel region (as torchtitan shards Qwen3's q/k norms). Or the "
+            "TP ranks were given different inputs: every TP rank of a data-parallel rank must see the same batch. If "
+            f"the parameter is meant to differ by TP rank, {opt_out}")
