@@ -41,20 +41,30 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
         data: the data groups the verdict is agreed over too, so that no rank goes on alone.
         opt_out: how to turn the check off, for the error.
     """
-    kept = [(n, v, g) for n, v, g in entries if g is not None]
-    stats = torch.tensor([[v.double().sum().item(), v.double().square().sum().item(), g.double().sum().item(),
-                           g.double().square().sum().item()] for _, v, g in kept] or [[0.0] * 4], dtype=torch.float64)
+    # on the groups' device (nccl takes CUDA tensors only), one row per entry on every rank whatever its gradient
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp) == "nccl" else torch.device("cpu")
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+
+    def sums(t: torch.Tensor | None) -> list[torch.Tensor]:
+        if t is None:  # no gradient: zeros, which differ from a peer's gradient if it has one
+            return [zero, zero]
+        t = t.detach().to(device=device, dtype=torch.float64)
+        return [t.sum(), t.square().sum()]
+
+    stats = torch.stack([torch.stack(sums(v) + sums(g)) for _, v, g in entries]) if entries else \
+        torch.zeros((1, 4), dtype=torch.float64, device=device)
     everyone = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp))]
     dist.all_gather(everyone, stats, group=tp)
+    everyone = [e.cpu() for e in everyone]
     bad = []
-    for i, (name, _, _) in enumerate(kept):
+    for i, (name, _, _) in enumerate(entries):
         rows = torch.stack([e[i] for e in everyone])
         values, grads = rows[:, :2], rows[:, 2:]
         scale = rtol * grads[0, 1].abs().sqrt().item()
         if torch.allclose(values, values[0].expand_as(values), rtol=1e-6, atol=1e-12) and \
                 not torch.allclose(grads, grads[0].expand_as(grads), rtol=rtol, atol=1e-12 + scale):
             bad.append(name)
-    verdict = torch.tensor([float(len(bad))])
+    verdict = torch.tensor([float(len(bad))], device=device)
     for group in data:
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     if verdict.item():

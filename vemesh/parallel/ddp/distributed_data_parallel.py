@@ -70,7 +70,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             buffer is averaged across the replicas taking part, through torchft; if that fails, the step
             does not commit (:class:`~vemesh.optim.DistributedOptimizer` asks the replicas before stepping).
         check_tp_gradients: after the first averaged backward on a mesh with TP, raise if a plain-tensor replica
-            over TP has different gradients there (:func:`~vemesh.parallel.ddp.support.check_tp_gradients`).
+            over TP has different gradients there (:mod:`~vemesh.parallel.tp_replicas`).
 
     Example::
 
