@@ -4,6 +4,7 @@ and ``vemesh calibrate`` writing a profile that loads back. Pure arithmetic, the
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -202,6 +203,21 @@ def test_the_bubble_is_the_textbook_one_for_equal_stages(schedule, fraction) -> 
     assert slow_last[3] < slow_last[0]
 
 
+def test_ranks_that_share_cores_fill_each_others_bubble() -> None:
+    """More ranks than cores (the profile's ``shared_compute``): while some PP ranks wait, the others run faster, up
+    to ``pp / active``. PP = 2 sharing by 2: one rank alone runs twice as fast, so the machine never idles and the
+    bubble is gone; sharing by 1.5, it is between that and the textbook one; an uneven pipeline keeps some."""
+    alone = pipeline_bubbles("1f1b", 2, 4, [1.0, 1.0])
+    assert alone == pytest.approx([1 / 4, 1 / 4])  # (PP - 1) / m
+    assert pipeline_bubbles("1f1b", 2, 4, [1.0, 1.0], shared=2.0) == pytest.approx([0.0, 0.0], abs=1e-9)
+    between = pipeline_bubbles("1f1b", 2, 4, [1.0, 1.0], shared=1.5)
+    assert 0 < between[0] < alone[0]
+    uneven = pipeline_bubbles("1f1b", 4, 8, [1.0, 1.0, 1.0, 2.0], shared=2.0)
+    assert 0 < uneven[0] < pipeline_bubbles("1f1b", 4, 8, [1.0, 1.0, 1.0, 2.0])[0]
+    with pytest.raises(ValueError, match="shared_compute"):
+        DeviceProfile.model_validate({**load_profile("h100-sxm").model_dump(), "shared_compute": 0.5})
+
+
 @pytest.mark.slow
 def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     out = tmp_path / "me.json"
@@ -213,6 +229,7 @@ def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     assert all(set(sizes) == {"2"} for sizes in p.collectives.values()) and 0 <= p.overlap <= 1
     assert p.flops("fp32") > 0 and p.memory_bandwidth > 0 and p.op_overhead_s > 0
+    assert p.shared_compute == max(1.0, 2 / (os.cpu_count() or 1))  # 2 ranks of 1 thread each
     timed = answer(PlanRequest(world_size=2, model=llama_jobs.make_dense, parallelize=llama_jobs.parallelize_ddp,
                                step=llama_jobs.step, global_batch_size=4, device_profile=str(out)))
     assert timed.document()["step_time"] > 0 and timed.document()["device_profile"]["measured"] is True

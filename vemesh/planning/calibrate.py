@@ -11,6 +11,8 @@ ranks of a job share the machine:
   each call costs on top, since the ranks reach it at different moments; and the same all-reduce as TP runs it
   (a DTensor's ``Partial`` redistributed to ``Replicate``: torch's functional collective, waited for when the
   result is used), against c10d's: what such a call costs on top of that;
+* **shared compute**: with more ranks than cores (times each rank's threads), how many ranks share a core: the
+  ranks that compute while others wait in a pipeline bubble run that much faster at most;
 * **op overheads**: a tiny op's time (the framework's own, per op dispatched), and what the same op on a DTensor
   adds (its sharding propagation);
 * **each collective kind** (all-reduce, all-gather, reduce-scatter, all-to-all, broadcast) on groups of each size
@@ -222,6 +224,8 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
     everyone: list[Any] = [None] * n
     dist.all_gather_object(everyone, [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op,
                                       -functional_wait])
+    threads = 1 if device_type == "cuda" else torch.get_num_threads()
+    shared = max(1.0, n * threads / (os.cpu_count() or 1)) if device_type == "cpu" else 1.0
     if rank == 0:
         slowest = [min(r[i] for r in everyone) for i in range(8)]  # the slowest rank sets a synchronous job's pace
         host = kinds["all_reduce"][str(n)]
@@ -241,6 +245,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             achievable=1.0,
             memory_bandwidth=slowest[2],
             overlap=slowest[3],
+            shared_compute=shared,
             collective_wait_s=-slowest[4],
             functional_wait_s=-slowest[7],
             op_overhead_s=-slowest[5],

@@ -61,6 +61,10 @@ class DeviceProfile(BaseModel):
     #: hides behind its queue when the ops are large: 0 in the built-in profiles; ``vemesh calibrate`` measures it)
     op_overhead_s: float = Field(0.0, ge=0)
     dtensor_op_overhead_s: float = Field(0.0, ge=0)
+    #: how many ranks share one compute engine when every rank runs: 1 for a device each (the built-in profiles);
+    #: N / C for N ranks on C < N CPU cores (``vemesh calibrate`` writes it). The matmul and memory figures are per
+    #: rank with every rank running; a rank that waits in a pipeline bubble leaves its share to the ranks that compute
+    shared_compute: float = Field(1.0, ge=1)
     host: Link
     network: Link
     #: optional racks: ``hosts_per_rack`` hosts share a rack, and ``rack`` is the link a group crosses when its ranks

@@ -26,7 +26,9 @@ For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass
   every PP rank at once: each rank runs its actions in order, a forward of a stage waits for that micro-batch's
   forward on the stage before, a backward (or an input pass) for the one on the stage after, a weight pass for its
   own input pass. A rank's actions share its compute (a forward 1, a full backward 2, an input or a weight pass 1
-  each); the bubble of a rank is the pipeline's span less its own compute.
+  each); the bubble of a rank is the pipeline's span less its own compute. Where ranks share compute engines
+  (the profile's ``shared_compute``: more ranks than CPU cores), the ranks that compute while others wait run
+  faster, as the engines' time is theirs.
 
 The step time is compute + exposed communication + optimizer + bubble; the slowest rank class is the job's.
 """
@@ -161,7 +163,8 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
         out.append(StepTime(c.name, compute, optimizer, 0.0, dims))
     pp = fit.degrees.get("PP", 1)
     if pp > 1 and fit.pp_schedule and len(out) == pp:
-        bubbles = pipeline_bubbles(fit.pp_schedule, pp, fit.micro_batches, [t.compute for t in out])
+        bubbles = pipeline_bubbles(fit.pp_schedule, pp, fit.micro_batches, [t.compute for t in out],
+                                   profile.shared_compute)
         out = [StepTime(t.name, t.compute, t.optimizer, b, t.dims) for t, b in zip(out, bubbles)]
     return out
 
@@ -169,9 +172,14 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
 _WEIGHT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-def pipeline_bubbles(schedule: str, pp: int, n_microbatches: int, busy: list[float]) -> list[float]:
+def pipeline_bubbles(schedule: str, pp: int, n_microbatches: int, busy: list[float], shared: float = 1.0) -> list[float]:
     """Each PP rank's idle seconds in one step of ``schedule`` when rank ``r`` computes for ``busy[r]`` seconds: torch's
-    action list played on every rank at once (see the module docstring); communication is not in it."""
+    action list played on every rank at once (see the module docstring); communication is not in it.
+
+    ``shared`` (the profile's ``shared_compute``): how many ranks share one compute engine when all of them run (a CPU
+    host with more ranks than cores). ``busy`` is timed with every rank running; while only some PP ranks compute
+    (the others wait in the bubble), each runs up to ``shared`` times faster, ``pp / active`` at most. 1 on a device
+    of its own: each rank's pace is its own."""
     from vemesh.parallel.schedules import actions, stages_per_rank  # torch: a request (fit_report) imports this module
 
     n_stages = pp * stages_per_rank(schedule)
@@ -186,41 +194,36 @@ def pipeline_bubbles(schedule: str, pp: int, n_microbatches: int, busy: list[flo
         order[rank] = flat
     unit = [busy[r] / max(1.0, sum(_WEIGHT[k] for _, k, _ in order[r])) for r in range(pp)]
     done: dict[tuple[int, str, int], float] = {}
-    clock, at = [0.0] * pp, [0] * pp
 
-    def ready(stage: int, kind: str, mb: int) -> float | None:
+    def ready(stage: int, kind: str, mb: int) -> bool:
         if kind == "F":
             deps = [(stage - 1, "F", mb)] if stage > 0 else []
         elif kind in ("B", "I"):
             deps = [(stage, "F", mb)] + ([(stage + 1, "B", mb)] if stage < n_stages - 1 else [])
         else:
             deps = [(stage, "I", mb)]
-        times = []
-        for d in deps:  # a backward waits for the next stage's backward or its input pass, whichever it ran
-            t = done.get(d, done.get((d[0], "I", d[2])) if d[1] == "B" else None)
-            if t is None:
-                return None
-            times.append(t)
-        return max(times, default=0.0)
+        # a backward waits for the next stage's backward or its input pass, whichever it ran
+        return all(d in done or (d[1] == "B" and (d[0], "I", d[2]) in done) for d in deps)
 
-    left = sum(len(v) for v in order.values())
-    while left:
-        moved = False
+    at, left = [0] * pp, [None] * pp  # each rank's next action, and the work its current one has left
+    now, finished = 0.0, [0.0] * pp
+    while any(at[r] < len(order[r]) for r in range(pp)):
         for r in range(pp):
-            while at[r] < len(order[r]):
-                stage, kind, mb = order[r][at[r]]
-                start = ready(stage, kind, mb)
-                if start is None:
-                    break
-                clock[r] = max(clock[r], start) + _WEIGHT[kind] * unit[r]
-                done[(stage, kind, mb)] = clock[r]
-                at[r] += 1
-                left -= 1
-                moved = True
-        if not moved:
+            if left[r] is None and at[r] < len(order[r]) and ready(*order[r][at[r]]):
+                left[r] = _WEIGHT[order[r][at[r]][1]] * unit[r]
+        active = [r for r in range(pp) if left[r] is not None]
+        if not active:
             raise RuntimeError(f"the {schedule} action list over {pp} ranks does not complete (a wait with no end)")
-    span = max(clock)
-    return [span - b for b in busy]
+        speed = min(shared, pp / len(active))
+        step = min(left[r] for r in active) / speed
+        now += step
+        for r in active:
+            left[r] -= step * speed
+            if left[r] <= 1e-12 * max(1.0, unit[r]):
+                done[order[r][at[r]]] = finished[r] = now
+                at[r], left[r] = at[r] + 1, None
+    span = max(finished)
+    return [max(0.0, span - b) for b in busy]
 
 
 def _ms(seconds: float) -> str:
