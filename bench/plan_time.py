@@ -3,8 +3,8 @@
     python bench/plan_time.py --json bench/results/plan_time.json      # calibrate, then every configuration
     python bench/plan_time.py --profile FILE                           # an existing profile (no calibration)
 
-1. ``vemesh calibrate --nproc 4`` measures this machine as a 4-rank gloo job uses it (the profile is written
-   beside the results).
+1. ``vemesh calibrate --nproc 4 --repeat 3`` measures this machine as a 4-rank gloo job uses it, each figure the
+   median of 3 rounds (the profile is written beside the results).
 2. For each configuration of the Llama-style test model (``test/models/llama_jobs.py``, the user's own factory,
    parallelize function and step) on 4 ranks: ``vemesh plan ... --device-profile PROFILE --json`` predicts the
    step time before launch, then ``torchrun bench/plan_user_run.py --time-steps 20`` runs the same functions
@@ -232,7 +232,8 @@ def main() -> None:
     profile = args.profile
     if profile is None:
         profile = str(ROOT / "bench" / "results" / "profile-calibrated-4.json")
-        done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "4", "--output", profile],
+        done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "4", "--repeat", "3", "--output",
+                               profile],
                               capture_output=True, text=True, cwd=ROOT, env=_env())
         if done.returncode:
             raise SystemExit(done.stderr)

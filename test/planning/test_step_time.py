@@ -221,8 +221,8 @@ def test_ranks_that_share_cores_fill_each_others_bubble() -> None:
 @pytest.mark.slow
 def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     out = tmp_path / "me.json"
-    done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "2", "--output", str(out), "--quick"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "2", "--output", str(out), "--quick",
+                           "--repeat", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     p = load_profile(str(out))
     assert isinstance(p, DeviceProfile) and p.measured and p.devices_per_host == 2
@@ -230,12 +230,16 @@ def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     assert all(set(sizes) == {"2"} for sizes in p.collectives.values()) and 0 <= p.overlap <= 1
     assert p.flops("fp32") > 0 and p.memory_bandwidth > 0 and p.op_overhead_s > 0
     assert p.shared_compute == max(1.0, 2 / (os.cpu_count() or 1))  # 2 ranks of 1 thread each
+    assert "--repeat 2" in p.sources[0]  # each figure the median of 2 rounds
     timed = answer(PlanRequest(world_size=2, model=llama_jobs.make_dense, parallelize=llama_jobs.parallelize_ddp,
                                step=llama_jobs.step, global_batch_size=4, device_profile=str(out)))
     assert timed.document()["step_time"] > 0 and timed.document()["device_profile"]["measured"] is True
     bad = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "1", "--output", str(out)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "collectives need at least 2 processes" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "2", "--repeat", "0", "--output",
+                          str(out)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--repeat: invalid value '0': expected a positive integer" in bad.stderr
 
 
 def test_a_plan_traced_without_timing_is_refused_not_timed_as_zero() -> None:

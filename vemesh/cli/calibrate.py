@@ -23,6 +23,8 @@ def add_calibrate(commands: Any) -> argparse.ArgumentParser:
     sub.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl; one GPU "
                      "per process)")
     sub.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a smoke run, seconds)")
+    sub.add_argument("--repeat", type=positive, default=1, metavar="R", help="rounds of every measurement; each "
+                     "figure is its median over them (on a shared machine, 3 or more; default 1)")
     sub.set_defaults(run=_run)
     return sub
 
@@ -33,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.nproc < 2:
         raise UsageError(f"argument --nproc: {args.nproc}: collectives need at least 2 processes; choose 2 or more")
     try:
-        profile = calibrate(args.nproc, args.output, device_type=args.device, quick=args.quick)
+        profile = calibrate(args.nproc, args.output, device_type=args.device, quick=args.quick, repeat=args.repeat)
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
     ar = profile.host

@@ -4,7 +4,8 @@ It starts N processes (gloo on CPU, nccl on GPUs, one device each), and all of t
 ranks of a job share the machine:
 
 * **matmul**: a square matmul per dtype (fp32, bf16), the median over repetitions, as FLOP/s per rank;
-* **memory**: a large tensor copy, read and write bytes per second per rank;
+* **memory**: an add of two 1 MiB tensors into a new one, as a step's memory-bound ops run (out of place, the
+  inputs no longer in a cache), bytes read and written per second per rank;
 * **overlap**: an all-reduce started asynchronously under matmuls, against each alone: the fraction of the shorter
   that ran at the same time (a CPU whose cores the ranks share has little to spare);
 * **collective wait**: small all-reduces between stretches of compute, against the same run back to back: what
@@ -158,6 +159,30 @@ def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool) -
     return max(0.0, (c10d - alone) / k), max(0.0, (functional - c10d) / k)
 
 
+def _memory(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
+    """Bytes per second per rank of an add as a training step runs its memory-bound ops, every rank at once: two
+    1 MiB tensors read and a new one written (a step's ops move 128 KiB to 2 MiB each, most of their bytes), the
+    inputs cycled through 64 MiB of tensors so that none is still in a core's cache from the add before. The same
+    adds on 16 values are timed and taken off: the framework's time per op is the profile's ``op_overhead_s``,
+    which a step time adds apart."""
+    size, working_set = 2**20, (8 if quick else 64) * 2**20
+    count = working_set // size
+    tensors = [torch.rand(size // 4, device=device) for _ in range(count)]
+    tiny = [torch.rand(16, device=device) for _ in range(count)]
+
+    def adds(ts: list[torch.Tensor]) -> Any:
+        def run() -> None:
+            for a, b in zip(ts, ts[1:]):
+                torch.add(a, b)
+        return run
+
+    dist.barrier()
+    took = _median_seconds(adds(tensors), reps, sync) / (count - 1)
+    dist.barrier()
+    dispatch = _median_seconds(adds(tiny), reps, sync) / (count - 1)
+    return 3 * size / max(took - dispatch, took * 0.05)
+
+
 def _op_overheads(device: torch.device, sync: Any, reps: int) -> tuple[float, float]:
     """Seconds per tiny op (the framework's own time), and what an op on a DTensor adds (sharding propagation)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -182,16 +207,10 @@ def _op_overheads(device: torch.device, sync: Any, reps: int) -> tuple[float, fl
     return per_op, max(0.0, _median_seconds(on_dtensor, reps, sync) / k - per_op)
 
 
-def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    dist.init_process_group(backend, rank=rank, world_size=n)
-    sync = (lambda: torch.cuda.synchronize()) if device_type == "cuda" else (lambda: None)  # noqa: E731
+def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool,
+             groups: dict[int, Any]) -> tuple[list[float], dict[str, dict[str, dict[str, float]]]]:
+    """One round of every measurement (see the module docstring): this rank's figures, and each collective kind's
+    link per group size."""
     reps = 3 if quick else 7
     size = 256 if quick else 1024
     flops = {}
@@ -199,14 +218,9 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
         a = torch.randn(size, size, device=device, dtype=dtype)
         dist.barrier()
         flops[name] = 2 * size ** 3 / _median_seconds(lambda: a @ a, reps, sync)
-    big = torch.empty((4 if quick else 64) * 2**20 // 4, device=device)
-    copy = torch.empty_like(big)
-    dist.barrier()
-    memory = 2 * big.numel() * 4 / _median_seconds(lambda: copy.copy_(big), reps, sync)
+    memory = _memory(device, sync, reps, quick)
     kinds: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in KINDS}
-    for size in [d for d in range(2, n + 1) if n % d == 0]:  # each group size, every group of it at once
-        groups = [dist.new_group(list(range(start, start + size))) for start in range(0, n, size)]
-        group = groups[rank // size]
+    for size, group in groups.items():  # each group size, every group of it at once
         small, large = size * 256, size * ((2**18) if quick else (2**22))  # fp32: 1 KiB x size; 1 or 16 MiB x size
         for kind in KINDS:
             factor, steps = ring(kind, size)
@@ -219,15 +233,37 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             kinds[kind][str(size)] = {"latency_s": latency,
                                       "bandwidth": moved / max(t_large - steps * latency, t_large * 0.05)}
     overlap = _overlap(device, sync, reps, quick)
-    wait, functional_wait = _interleaved_wait(device, sync, reps, quick)
+    wait, functional_wait = _interleaved_wait(device, sync, 3 * reps, quick)  # differences of runs: more of them
     per_op, per_dtensor_op = _op_overheads(device, sync, reps)
+    # rates, and times negated: the slowest rank is each figure's minimum
+    return [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op, -functional_wait], kinds
+
+
+def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: str, repeat: int = 1) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    dist.init_process_group(backend, rank=rank, world_size=n)
+    sync = (lambda: torch.cuda.synchronize()) if device_type == "cuda" else (lambda: None)  # noqa: E731
+    groups = {}
+    for size in [d for d in range(2, n + 1) if n % d == 0]:
+        made = [dist.new_group(list(range(start, start + size))) for start in range(0, n, size)]
+        groups[size] = made[rank // size]
+    rounds = [_measure(rank, n, device, sync, quick, groups) for _ in range(repeat)]
+    # each figure's median over the rounds: a shared machine's moments of load fall on one round, not on the profile
+    mine = [statistics.median(r[0][i] for r in rounds) for i in range(len(rounds[0][0]))]
+    kinds = {kind: {size: {field: statistics.median(r[1][kind][size][field] for r in rounds) for field in link}
+                    for size, link in by_size.items()} for kind, by_size in rounds[0][1].items()}
     everyone: list[Any] = [None] * n
-    dist.all_gather_object(everyone, [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op,
-                                      -functional_wait])
+    dist.all_gather_object(everyone, mine)
     threads = 1 if device_type == "cuda" else torch.get_num_threads()
     shared = max(1.0, n * threads / (os.cpu_count() or 1)) if device_type == "cpu" else 1.0
     if rank == 0:
-        slowest = [min(r[i] for r in everyone) for i in range(8)]  # the slowest rank sets a synchronous job's pace
+        slowest = [min(r[i] for r in everyone) for i in range(len(mine))]  # the slowest rank sets the job's pace
         host = kinds["all_reduce"][str(n)]
         profile = DeviceProfile(
             name=f"calibrated-{socket.gethostname()}-{n}",
@@ -235,7 +271,8 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
                         + (f" with {torch.cuda.get_device_name(0)}" if device_type == "cuda" else
                            f" of {os.cpu_count()} cores"),
             measured=True,
-            sources=[f"vemesh calibrate --nproc {n}{' --quick' if quick else ''}, "
+            sources=[f"vemesh calibrate --nproc {n}{' --quick' if quick else ''}"
+                     f"{f' --repeat {repeat}' if repeat > 1 else ''}, "
                      f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}, torch {torch.__version__}"],
             assumptions=["network: one machine has one link class, so the network link is the host's measured "
                          "all-reduce; edit it (or take a built-in profile) to predict a job across hosts",
@@ -261,8 +298,10 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
     dist.destroy_process_group()
 
 
-def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool = False) -> DeviceProfile:
-    """Measure this machine with ``nproc`` processes and write the profile to ``output``; return it."""
+def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool = False,
+              repeat: int = 1) -> DeviceProfile:
+    """Measure this machine with ``nproc`` processes and write the profile to ``output``; return it. ``repeat``
+    rounds of every measurement give each figure as its median over them."""
     import torch.multiprocessing as mp
 
     if device_type == "cuda" and torch.cuda.device_count() < nproc:
@@ -270,6 +309,8 @@ def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(nproc, port, device_type, quick, output), nprocs=nproc, join=True,
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1; got {repeat}")
+    mp.start_processes(_worker, args=(nproc, port, device_type, quick, output, repeat), nprocs=nproc, join=True,
                        start_method="spawn")
     return load_profile(output)
