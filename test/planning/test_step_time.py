@@ -230,7 +230,7 @@ def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     assert all(set(sizes) == {"2"} for sizes in p.collectives.values()) and 0 <= p.overlap <= 1
     assert p.flops("fp32") > 0 and p.memory_bandwidth > 0 and p.op_overhead_s > 0
     assert p.shared_compute == max(1.0, 2 / (os.cpu_count() or 1))  # 2 ranks of 1 thread each
-    assert "--repeat 2" in p.sources[0]  # each figure the median of 2 rounds
+    assert "--repeat 2" in p.sources[0] and p.backend == "gloo"  # each figure the median of 2 rounds
     timed = answer(PlanRequest(world_size=2, model=llama_jobs.make_dense, parallelize=llama_jobs.parallelize_ddp,
                                step=llama_jobs.step, global_batch_size=4, device_profile=str(out)))
     assert timed.document()["step_time"] > 0 and timed.document()["device_profile"]["measured"] is True
@@ -240,6 +240,35 @@ def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     bad = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "2", "--repeat", "0", "--output",
                           str(out)], capture_output=True, text=True)
     assert bad.returncode == 2 and "--repeat: invalid value '0': expected a positive integer" in bad.stderr
+
+
+def test_zero1s_gather_is_timed_as_the_profiles_backend_runs_it() -> None:
+    """A plan traces ZeRO-1's gather as one all-gather per buffer; on gloo vemesh broadcasts each rank's slice instead
+    (all at once, then waits): a gloo profile times n broadcasts of a slice and one wait, an nccl one the all-gather.
+    The gradient all-reduce, and a DDP mesh's collectives, are timed as before."""
+    from vemesh.planning.estimate import RankMemory
+    from vemesh.planning.results import MeshFit, RankClass
+    from vemesh.planning.step_time import step_time
+
+    ops = {"DP": {"_allgather_base_": (4_000_000, 1), "allreduce_": (4_000_000, 1)}}
+    fit = MeshFit({"PP": 1, "DP": 4, "CP": 1, "TP": 1, "EP": 1},
+                  [RankClass("every rank", RankMemory("every rank", 1, 1, 1, 0), 1, 0, {"DP": 8}, flops=1,
+                             collectives=ops)], 1, 1)
+    nccl = load_profile("h100-sxm").model_copy(update={"collective_wait_s": 1e-3})
+    gloo = nccl.model_copy(update={"backend": "gloo"})
+
+    def dp_seconds(profile, dp_mode):
+        return step_time(fit, profile, dtype="fp32", dp_mode=dp_mode, grad_dims=("DP",), sizes={"DP": 4},
+                         links={"DP": "host"})[0].dims["DP"].seconds
+
+    reduce = collective_seconds("allreduce_", 4_000_000, 1, 4, nccl.host) + 1e-3
+    assert dp_seconds(nccl, "zero1") == pytest.approx(
+        reduce + collective_seconds("all_gather", 4_000_000, 1, 4, nccl.host) + 1e-3)
+    assert dp_seconds(gloo, "zero1") == pytest.approx(
+        reduce + 4 * nccl.host.latency_s + 4_000_000 / nccl.host.bandwidth + 1e-3)
+    assert dp_seconds(gloo, "ddp") == dp_seconds(nccl, "ddp") == pytest.approx(
+        reduce + collective_seconds("all_gather", 4_000_000, 1, 4, nccl.host) + 1e-3)
+    assert load_profile("h100-sxm").backend == "nccl"
 
 
 def test_a_plan_traced_without_timing_is_refused_not_timed_as_zero() -> None:

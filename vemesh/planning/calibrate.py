@@ -283,6 +283,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             memory_bandwidth=slowest[2],
             overlap=slowest[3],
             shared_compute=shared,
+            backend=backend,
             collective_wait_s=-slowest[4],
             functional_wait_s=-slowest[7],
             op_overhead_s=-slowest[5],

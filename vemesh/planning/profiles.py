@@ -65,6 +65,9 @@ class DeviceProfile(BaseModel):
     #: N / C for N ranks on C < N CPU cores (``vemesh calibrate`` writes it). The matmul and memory figures are per
     #: rank with every rank running; a rank that waits in a pipeline bubble leaves its share to the ranks that compute
     shared_compute: float = Field(1.0, ge=1)
+    #: the collective library the links were measured with or published for; where a job's own collectives
+    #: depend on it (ZeRO-1's gather: one broadcast per rank on gloo, an all-gather elsewhere), the time follows it
+    backend: Literal["nccl", "gloo"] = "nccl"
     host: Link
     network: Link
     #: optional racks: ``hosts_per_rack`` hosts share a rack, and ``rack`` is the link a group crosses when its ranks

@@ -14,7 +14,8 @@ For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass
   for an all-gather, a reduce-scatter and an all-to-all, the whole tensor for a broadcast or a send; and one
   latency per ring step (``2(n-1)`` for an all-reduce, ``n-1`` for the others, 1 for a send), and per call the
   profile's ``collective_wait_s`` (the ranks reach a collective at different moments), and per call of torch's
-  functional collectives (DTensor's redistributions: TP, SP, CP) its ``functional_wait_s`` on top;
+  functional collectives (DTensor's redistributions: TP, SP, CP) its ``functional_wait_s`` on top. ZeRO-1's gather
+  of the updated shards is timed as the profile's ``backend`` runs it (:func:`_gather_seconds`);
 * **overlap**: what runs behind compute. The data-parallel gradient reduction (vemesh DDP's buckets, ZeRO-1's
   all-reduce) runs during backward, so it hides behind up to the backward's compute (2/3 of the step's); FSDP2
   prefetches its all-gathers and reduce-scatters behind the whole step's compute; the profile's ``overlap`` says
@@ -86,6 +87,21 @@ def _wait(op: str, profile: DeviceProfile) -> float:
     return profile.collective_wait_s + (profile.functional_wait_s if functional else 0.0)
 
 
+def _gather_seconds(nbytes: float, calls: int, n: int, profile: DeviceProfile, link_name: str) -> float:
+    """ZeRO-1's gather of the updated shards, ``calls`` gathers of ``nbytes`` in all (as traced, an all-gather per
+    buffer), as the job's backend runs it (``vemesh.parallel.optim.param_buffer``, the one rule): on gloo one
+    broadcast per rank of its slice, all issued at once and then waited for, so ``n`` broadcasts of ``1/n`` of each
+    buffer and one wait per buffer; elsewhere the all-gather."""
+    from vemesh.parallel.optim.param_buffer import param_gather_for_backend  # torch: only when a ZeRO-1 plan is timed
+
+    if n <= 1:
+        return 0.0
+    wait = calls * _wait("all_gather", profile)
+    if param_gather_for_backend(profile.backend) == "broadcast":
+        return collective_seconds("broadcast", nbytes, n * calls, n, profile.link(link_name, "broadcast", n)) + wait
+    return collective_seconds("all_gather", nbytes, calls, n, profile.link(link_name, "all_gather", n)) + wait
+
+
 def collective_seconds(op: str, nbytes: float, calls: int, n: int, link: Link) -> float:
     """Seconds that ``calls`` collectives ``op`` of ``nbytes`` in all (nccl-tests' size) take over ``n`` ranks."""
     if n <= 1 or nbytes <= 0:
@@ -147,7 +163,9 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
         for dim, ops in sorted(c.collectives.items()):
             link_name = links.get(dim, "host")
             n = sizes.get(dim, 1)
-            each = {op: collective_seconds(op, b, calls, n, profile.link(link_name, _kind(op), n))
+            each = {op: _gather_seconds(b, calls, n, profile, link_name)
+                    if dim in grad_dims and dp_mode == "zero1" and _kind(op) == "all_gather"
+                    else collective_seconds(op, b, calls, n, profile.link(link_name, _kind(op), n))
                     + (calls * _wait(op, profile) if n > 1 else 0.0) for op, (b, calls) in ops.items()}
             seconds = sum(each.values())
             if dim in grad_dims and dp_mode == "fsdp":
