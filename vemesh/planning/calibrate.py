@@ -305,13 +305,13 @@ def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool 
     rounds of every measurement give each figure as its median over them."""
     import torch.multiprocessing as mp
 
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1; got {repeat}")
     if device_type == "cuda" and torch.cuda.device_count() < nproc:
         raise ValueError(f"--nproc {nproc} on cuda needs {nproc} GPUs; this machine sees {torch.cuda.device_count()}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if repeat < 1:
-        raise ValueError(f"--repeat must be at least 1; got {repeat}")
     mp.start_processes(_worker, args=(nproc, port, device_type, quick, output, repeat), nprocs=nproc, join=True,
                        start_method="spawn")
     return load_profile(output)

@@ -223,23 +223,24 @@ def pipeline_bubbles(schedule: str, pp: int, n_microbatches: int, busy: list[flo
         # a backward waits for the next stage's backward or its input pass, whichever it ran
         return all(d in done or (d[1] == "B" and (d[0], "I", d[2]) in done) for d in deps)
 
-    at, left = [0] * pp, [None] * pp  # each rank's next action, and the work its current one has left
+    at = [0] * pp  # each rank's next action
+    left: dict[int, float] = {}  # the ranks computing now: the work their action has left
     now, finished = 0.0, [0.0] * pp
     while any(at[r] < len(order[r]) for r in range(pp)):
         for r in range(pp):
-            if left[r] is None and at[r] < len(order[r]) and ready(*order[r][at[r]]):
+            if r not in left and at[r] < len(order[r]) and ready(*order[r][at[r]]):
                 left[r] = _WEIGHT[order[r][at[r]][1]] * unit[r]
-        active = [r for r in range(pp) if left[r] is not None]
-        if not active:
+        if not left:
             raise RuntimeError(f"the {schedule} action list over {pp} ranks does not complete (a wait with no end)")
-        speed = min(shared, pp / len(active))
-        step = min(left[r] for r in active) / speed
+        speed = min(shared, pp / len(left))
+        step = min(left.values()) / speed
         now += step
-        for r in active:
+        for r in list(left):
             left[r] -= step * speed
             if left[r] <= 1e-12 * max(1.0, unit[r]):
                 done[order[r][at[r]]] = finished[r] = now
-                at[r], left[r] = at[r] + 1, None
+                at[r] += 1
+                del left[r]
     span = max(finished)
     return [max(0.0, span - b) for b in busy]
 
