@@ -50,6 +50,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def dp_mean(value: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
     """The mean of a scalar over the DP ranks (every DP rank holds an equal share of the batch)."""
+    if dist.get_world_size(dp_group) == 1:  # no other rank holds a share (the planner's GPT preset skips it too)
+        return value.item()
     value = value.detach().float().clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dp_group)  # gloo has no AVG
     return value.item() / dist.get_world_size(dp_group)

@@ -133,7 +133,7 @@ def train(job: Job, start_step: int) -> int:
         loop.step += 1
         t0 = time.perf_counter()
         VESCALE_DEVICE_MESH.mark_step(loop.step)  # the step of each collective, in a hang report
-        if job.meter is not None:  # --memory-report: count the collectives of the step, from zero_grad to step
+        if job.meter is not None:  # --memory-report: count the collectives of the step, zero_grad to the mean loss
             job.meter.begin_step()
         job.optimizer.zero_grad()  # with --ft-replica-id, first this step's quorum: a replica that is behind heals here
         done = train_step(job, loop)
@@ -165,6 +165,8 @@ def train_step(job: Job, loop: Loop) -> Step:
         job.optimizer.zero_grad()  # the weights stay as they were; the step still counts
     else:
         job.optimizer.step()
+    if done.loss is not None:  # the batch's mean loss, within the step (the planner's GPT preset counts it there too)
+        done.mean_loss = dp_mean(done.loss, job.dp_group)
     return done
 
 

@@ -119,6 +119,18 @@ def parallelize_checkpointed(model: llama.Llama, mesh) -> nn.Module:
     return fully_shard(model)
 
 
+def before_optimizer(model: nn.Module) -> None:
+    """What a training loop does between the last backward and ``optimizer.step()``: clip the gradients' global
+    norm (vemesh's ``clip_grad_norm_``, for DTensor and plain gradients alike), and all-reduce the loss over every
+    rank for the log (``--before-optimizer``)."""
+    import torch.distributed as dist
+
+    from vemesh.optim import clip_grad_norm_
+
+    clip_grad_norm_(model.parameters(), 1.0)
+    dist.all_reduce(torch.zeros(()))
+
+
 def _core(model: nn.Module) -> llama.Llama:
     return model.module if isinstance(model, DistributedDataParallel) else model
 

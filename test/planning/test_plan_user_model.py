@@ -305,3 +305,28 @@ def test_a_model_initialised_with_trunc_normal_is_planned_like_the_same_model_wi
     from vemesh import VESCALE_DEVICE_MESH
 
     assert not dist.is_initialized() and not VESCALE_DEVICE_MESH.is_initialized()
+
+
+def test_the_loops_end_of_a_step_is_counted_and_timed(capsys) -> None:
+    """``--before-optimizer``: the user's clipping and loss all-reduce run between the last backward and the
+    optimizer's step; torch's default group is ``world``, timed on the link a group of every rank crosses."""
+    base = ["--model", f"module:{JOBS}:make_dense", "--parallelize", f"{JOBS}:parallelize_ddp", "--step",
+            f"{JOBS}:step", "--world-size", "4", "--tp", "2", "--global-batch-size", "4", "--device-profile",
+            "h100-sxm", "--json"]
+    docs = []
+    for extra in ([], ["--before-optimizer", f"{JOBS}:before_optimizer"]):
+        code, out, err = _cli(capsys, *base, *extra)
+        assert code == 0, err
+        docs.append(json.loads(out))
+    without, with_end = (d["classes"][0]["calls_per_step"] for d in docs)
+    assert "world" not in without and with_end["world"] == 1  # the loss's all-reduce, over every rank
+    assert with_end["TP"] > without["TP"]  # the norm of the TP-sharded gradients: over TP
+    assert with_end["DP"] == without["DP"]  # DP ranks hold the same averaged gradients: no DP collective
+    parts = docs[1]["time"]["communication"]
+    assert parts["world"]["link"] == "host" and parts["world"]["seconds"] > 0
+    assert docs[1]["step_time"] > docs[0]["step_time"]
+    code, out, err = _cli(capsys, "--model", "gpt:n_layer=2,n_embd=64,n_head=4,vocab=256,seq_len=32", "--world-size",
+                          "2", "--before-optimizer", f"{JOBS}:before_optimizer")
+    assert code == 2 and "--before-optimizer is your loop's end of a step, for your own functions" in err, err
+    code, out, err = _cli(capsys, *base, "--before-optimizer", f"{JOBS}:no_such_function")
+    assert code == 2 and "has no 'no_such_function'" in err and err.count("\n") == 1, err

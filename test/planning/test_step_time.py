@@ -35,6 +35,39 @@ LINK = Link(latency_s=1e-5, bandwidth=1e9)
 def test_a_collective_costs_its_ring_steps_and_its_bus_bytes(op, n, want) -> None:
     assert collective_seconds(op, 1e6, 1, n, LINK) == pytest.approx(want)
     assert collective_seconds(op, 1e6, 1, 1, LINK) == 0.0  # a group of one moves nothing
+    assert collective_seconds(op, 1e6, 1, n, LINK, "gloo") == pytest.approx(want)  # a buffer of many values
+
+
+def test_a_scalar_all_reduce_on_gloo_takes_the_steps_of_its_segments_that_hold_values() -> None:
+    """gloo's ring cuts a buffer into at least 2n segments and sends only those that hold values: one fp32 value
+    over 4 ranks is 1/8 of the ring's 6 latency steps, 8 values or more all of them; nccl runs every step."""
+    assert collective_seconds("allreduce_[1]", 4, 1, 4, LINK, "gloo") == pytest.approx(6 / 8 * 1e-5 + 1.5 * 4 / 1e9)
+    assert collective_seconds("all_reduce[2]", 16, 2, 4, LINK, "gloo") == pytest.approx(2 * 6 * 2 / 8 * 1e-5 + 1.5 * 16 / 1e9)
+    assert collective_seconds("allreduce_[1]", 4, 1, 4, LINK) == pytest.approx(6 * 1e-5 + 1.5 * 4 / 1e9)  # nccl
+    assert collective_seconds("allreduce_", 4, 1, 4, LINK, "gloo") == collective_seconds("allreduce_", 4, 1, 4, LINK)
+
+
+def test_a_trace_keys_an_all_reduce_of_few_values_apart() -> None:
+    """The counter keys an all-reduce of fewer values than twice its group's ranks with its count of values."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.planning.measure import CollectiveBytes
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        counter = CollectiveBytes()
+        counter.counting = True
+        with counter:
+            dist.all_reduce(torch.zeros(()))
+            dist.all_reduce(torch.zeros(7))
+            dist.all_reduce(torch.zeros(8))
+            dist.all_reduce(torch.zeros(1000))
+        by_op = counter.by_op[dist.group.WORLD.group_name]
+        assert dict(by_op) == {"allreduce_[1]": [4, 1], "allreduce_[7]": [28, 1], "allreduce_": [32 + 4000, 2]}
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_grouped_mm_counts_the_flops_of_its_groups_matmuls_forward_and_backward() -> None:
@@ -186,11 +219,12 @@ def test_the_gpt_preset_is_traced_and_timed_with_its_pipeline_bubble() -> None:
     rank), so every mesh is timed; a pipeline adds its bubble, from the schedule's own action list."""
     doc = answer(PlanRequest(world_size=4, model="gpt:n_layer=2,n_embd=64,n_head=4", tp=2, global_batch_size=8,
                              dp_mode="ddp", device_profile="h100-sxm")).document()
-    assert doc["step_time"] > 0 and set(doc["time"]["communication"]) == {"DP", "TP"}
+    # "world": the example's agreement on a finite step, over every rank (the preset's before_optimizer)
+    assert doc["step_time"] > 0 and set(doc["time"]["communication"]) == {"DP", "TP", "world"}
     assert 0 < doc["mfu"] < 1 and doc["time"]["bubble"] == 0
     pp = answer(PlanRequest(world_size=4, model="gpt:n_layer=4,n_embd=64,n_head=4", pp=2, global_batch_size=8,
                             dp_mode="ddp", device_profile="h100-sxm")).document()
-    assert pp["time"]["bubble"] > 0 and set(pp["time"]["communication"]) == {"DP", "PP"}
+    assert pp["time"]["bubble"] > 0 and set(pp["time"]["communication"]) == {"DP", "PP", "world"}
 
 
 @pytest.mark.parametrize("schedule, fraction", [("gpipe", 3 / 8), ("1f1b", 3 / 8), ("interleaved-1f1b", 3 / 16)])

@@ -23,7 +23,7 @@ from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import Placement, place
 from vemesh.planning.profiles import DeviceProfile, load_profile
 from vemesh.planning.request import PlanRequest
-from vemesh.planning.step_time import StepTime, step_time
+from vemesh.planning.step_time import WORLD, StepTime, step_time
 
 __all__ = ["Answer", "answer", "hosts_of", "mesh_of", "model_document", "plan", "verdict", "whole_hosts"]
 
@@ -133,10 +133,12 @@ def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any) -> list[
     used = {dim for c in fit.classes for dim in c.collectives}
     sizes, links = {}, {}
     for dim in used:
-        if dim == "other" or not layout.has(dim):
+        if dim != WORLD and (dim == "other" or not layout.has(dim)):
             raise ValueError(f"the step ran collectives on a group that is no mesh dim ({dim}); the time model times "
                              "each collective by its mesh dim's link")
-        sizes[dim], links[dim] = layout.group_size(dim), link_of(layout, dim, per_host, profile.hosts_per_rack)
+        dims = layout.dim_names if dim == WORLD else dim  # the default group: every rank, all the dims at once
+        sizes[dim] = layout.world_size if dim == WORLD else layout.group_size(dim)
+        links[dim] = link_of(layout, dims, per_host, profile.hosts_per_rack)
     return step_time(fit, profile, dtype=job.dtype, dp_mode=fit.dp_mode or job.mode, grad_dims=grad, sizes=sizes,
                      links=links)
 

@@ -55,6 +55,7 @@ class Job:
     parallelize: Any = None  #: ``--parallelize MODULE:FUNCTION`` (or the function): the user's own, run on the mesh
     step: Any = None  #: ``--step MODULE:FUNCTION`` (or the function): one forward and backward of a micro-batch
     loss: Any = None  #: ``--loss MODULE:FUNCTION`` (or the function): with PP, the schedule's ``loss_fn``
+    before_optimizer: Any = None  #: ``--before-optimizer MODULE:FUNCTION`` (or the function): the loop's end of a step
     moe_load_factor: float = 1.0  #: the busiest EP rank's share of the slots over the balanced share
     timed: bool = False  #: count what a step-time prediction needs (FLOPs, memory-bound bytes, ops) while tracing
 
@@ -91,7 +92,9 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
     return UserFunctions(_preset_factory(spec),
                          gpt_planned.parallelize_for(mode, dtype, sequence_parallel, checkpointed, pp_schedule), step,
                          (spec, "vemesh.models.gpt.parallelize", f"vemesh.models.gpt.planned.{step.__qualname__}"),
-                         keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule)
+                         keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule,
+                         before_optimizer=gpt_planned.before_optimizer_for(pp_schedule),
+                         before_optimizer_name=f"vemesh.models.gpt.planned.before_optimizer[{pp_schedule}]")
 
 
 @functools.lru_cache(maxsize=64)  # a search asked again (another device memory, placement or ranking) traces nothing
@@ -120,7 +123,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
 
         if job.dp_mode is not None and job.dp_mode not in ("ddp", "zero1", "fsdp"):
             raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {job.dp_mode!r}")
-        fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule)
+        fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
         return (predict_pipeline if pp > 1 else predict_user)(fns, world_size=pp * dp * cp * tp,
                             degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, dp_replicate=dp_replicate,
                             global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
@@ -248,7 +251,7 @@ def _user_stages(job: Job, world_size: int) -> int:
     what they cannot cut, one line per mesh)."""
     if job.loss is None:
         return 1
-    fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule)
+    fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
     found = blocks_of(fns.factory, fns.names[0])
     return found[1] if found is not None else world_size
 

@@ -51,7 +51,8 @@ def _unit(n: float) -> tuple[float, str]:
 def _class_row(c: Any) -> dict[str, Any]:
     s = c.static
     return {"name": c.name, "params": s.params, "grads": s.grads, "optimizer": s.optimizer, "masters": s.masters,
-            "activations": c.activations, "buffers": c.extra, "peak": c.peak, "bytes_per_step": c.sent}
+            "activations": c.activations, "buffers": c.extra, "peak": c.peak, "bytes_per_step": c.sent,
+            "calls_per_step": {dim: sum(calls for _, calls in ops.values()) for dim, ops in sorted(c.collectives.items())}}
 
 
 def _name(ref: Any) -> str | None:
@@ -227,6 +228,9 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--loss", metavar="MODULE:FUNCTION", help="with --pp and your functions: loss_fn(output, target), "
                      "as torch's schedule takes it (your --parallelize returns the PipelineStages, your --step gets "
                      "the schedule and the batch size); in a search, PP meshes are tried too")
+    job.add_argument("--before-optimizer", metavar="MODULE:FUNCTION", help="with your functions: FUNCTION(model) "
+                     "after the last micro-batch's backward and before optimizer.step(), on what --parallelize "
+                     "returned: your loop's clip_grad_norm_, its all-reduce of the loss (timed and counted in the step)")
     job.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
     job.add_argument("--activation-checkpointing", action="store_true",
                      help="recompute each block in backward, keeping only its input")

@@ -37,6 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from vemesh.planning.step_time import WORLD
+
 __all__ = ["CollectiveBytes", "MemoryBoundBytes", "NoModules", "RunMeter", "by_mesh_name", "mesh_names",
            "ops_by_mesh_name", "payload_bytes", "step_counters"]
 
@@ -81,6 +83,16 @@ def payload_bytes(func: Any, args: tuple, result: Any) -> int:
     return _nbytes(args[0])
 
 
+def _few_values(op: str, args: tuple, n: int) -> int | None:
+    """The values of an all-reduce of fewer than ``2n`` of them over ``n`` ranks (a loss, a norm, a flag), else None:
+    gloo's ring sends only its segments that hold values, so such a call pays part of the ring's latency."""
+    if op not in ("allreduce_", "all_reduce"):
+        return None
+    first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
+    values = first.numel() if isinstance(first, torch.Tensor) else None
+    return values if values is not None and values < 2 * n else None
+
+
 def _on_meta(args: tuple) -> bool:
     """A collective on meta tensors (a pipeline stage's shape inference) moves no bytes."""
     first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
@@ -98,7 +110,8 @@ class CollectiveBytes(TorchDispatchMode):
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.ops: dict[str, set[str]] = defaultdict(set)  #: the ops run on each group (by ``group_name``)
-        #: ``[bytes, calls]`` by ``group_name`` and op (what a step-time prediction times)
+        #: ``[bytes, calls]`` by ``group_name`` and op (what a step-time prediction times); an all-reduce of fewer
+        #: values than twice its group's ranks is keyed apart, ``allreduce_[1]``, with its count of values
         self.by_op: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.counting = False
@@ -115,8 +128,10 @@ class CollectiveBytes(TorchDispatchMode):
             self.bytes[name] += size
             self.calls[name] += 1
             self.ops[name].add(op)
-            self.by_op[name][op][0] += size
-            self.by_op[name][op][1] += 1
+            few = _few_values(op, args, dist.get_world_size(group))
+            key = op if few is None else f"{op}[{few}]"  # a loss or a norm: timed apart (step_time.collective_seconds)
+            self.by_op[name][key][0] += size
+            self.by_op[name][key][1] += 1
             self.groups[name] = group
         return result
 
@@ -147,7 +162,8 @@ class MemoryBoundBytes(TorchDispatchMode):
 
 
 def mesh_names(mesh: Any) -> dict[str, str]:
-    """Each group's ``group_name`` to the mesh name whose group it is (see :func:`by_mesh_name`)."""
+    """Each group's ``group_name`` to the mesh name whose group it is (see :func:`by_mesh_name`); torch's default
+    group is ``"world"`` unless a mesh name's group is every rank (a training loop's own all-reduce of its loss)."""
     names: dict[str, str] = {}
     for name in mesh.layout.names:
         try:
@@ -155,6 +171,8 @@ def mesh_names(mesh: Any) -> dict[str, str]:
         except (ValueError, RuntimeError, KeyError):
             continue
         names.setdefault(group.group_name, name)
+    if dist.is_initialized():
+        names.setdefault(dist.group.WORLD.group_name, WORLD)
     return names
 
 
@@ -376,6 +394,7 @@ def report(meter: RunMeter, mesh: Any, rank_class: str, path: str | None = None)
             "ranks": [r["rank"] for r in members],
             "peak": max(r["peak"] for r in members),
             "bytes_per_step": {d: sum(r["bytes_per_step"].get(d, 0) for r in members) / len(members) for d in dims},
+            "calls_per_step": {d: sum(r["calls_per_step"].get(d, 0) for r in members) / len(members) for d in dims},
         }
     if path:
         with open(path, "w") as f:

@@ -88,8 +88,8 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
                           collectives=ops)
         classes.append(RankClass(name, static, activations, extra, {d: nbytes(o) for d, o in ops.items()}, **timing))
     notes = (f"pipeline estimated, not traced (a search): one micro-batch per stage traced, times the chunks in "
-             f"flight along torch's {job.pp_schedule} action list; plan this mesh with --pp {pp} to trace the "
-             "schedule",)
+             f"flight along torch's {job.pp_schedule} action list, without the example's end of a step (its "
+             f"clipping and the loss's all-reduces); plan this mesh with --pp {pp} to trace the schedule",)
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs, notes=notes,
                    dp_mode=job.mode, pp_schedule=job.pp_schedule)
 

@@ -18,7 +18,7 @@ CHOICES = ("micro-batch-size", "activation-checkpointing")
 
 #: The fields that describe a job: given without a model they would be ignored, so they are refused.
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
-                              "pp_schedule", "rank_by", "parallelize", "step", "loss", "moe_load_factor",
+                              "pp_schedule", "rank_by", "parallelize", "step", "loss", "before_optimizer", "moe_load_factor",
                               "sequence_parallel",
                               "activation_checkpointing", "device_profile", "choose")
 
@@ -45,6 +45,8 @@ class PlanRequest:
     parallelize: Any = None
     step: Any = None
     loss: Any = None  #: with PP and the user's functions: ``loss_fn(output, target)`` for torch's schedule
+    #: with the user's functions: ``FUNCTION(model)`` between the last backward and ``optimizer.step()`` (clipping)
+    before_optimizer: Any = None
     # the mesh
     pp: int | str | None = None
     dp: int | str | None = None
@@ -85,6 +87,9 @@ class PlanRequest:
                             ("--activation-checkpointing", self.activation_checkpointing)):
             if value and user:
                 raise ValueError(f"{flag} is the GPT preset's; with --parallelize your function decides it")
+        if self.before_optimizer is not None and not user:
+            raise ValueError("--before-optimizer is your loop's end of a step, for your own functions (--parallelize, "
+                             "--step); the GPT preset runs the example's (its clipping and loss all-reduces)")
         if self.loss is not None and not user:
             raise ValueError("--loss is your pipeline's loss_fn, for your own functions (--parallelize, --step); the "
                              "GPT preset has its own")
@@ -148,7 +153,8 @@ class PlanRequest:
         return Job(self.model, self.global_batch_size or 32, dtype=self.dtype or "fp32", dp_mode=self.dp_mode,
                    micro_batch_size=micro, pp_schedule=self.pp_schedule or "1f1b",
                    sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
-                   parallelize=self.parallelize, step=self.step, loss=self.loss, moe_load_factor=factor,
+                   parallelize=self.parallelize, step=self.step, loss=self.loss,
+                   before_optimizer=self.before_optimizer, moe_load_factor=factor,
                    timed=self.device_profile is not None)
 
     @classmethod

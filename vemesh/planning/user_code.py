@@ -1,4 +1,4 @@
-"""The user's code as the planner calls it: ``MODULE:FUNCTION`` references resolved, the three (or four) functions
+"""The user's code as the planner calls it: ``MODULE:FUNCTION`` references resolved, the three (to five) functions
 of a plan, and each call's failure worded as one line that names the function and the user's own frame.
 """
 
@@ -36,7 +36,7 @@ def resolve(ref: Any, flag: str) -> tuple[Callable[..., Any], str]:
 
 @dataclass(frozen=True)
 class UserFunctions:
-    """The user's three functions and the names they were given by."""
+    """The user's functions (three, and with PP the loss, and the step's end) and the names they were given by."""
 
     factory: Callable[[], nn.Module]
     parallelize: Callable[[nn.Module, Any], nn.Module] | None
@@ -47,17 +47,23 @@ class UserFunctions:
     #: with PP: ``loss_fn(output, target)`` as torch's schedules take it, and the schedule's name
     loss: Callable[..., Any] | None = None
     pp_schedule: str = "1f1b"
+    #: ``FUNCTION(model)`` after the last micro-batch's backward, before ``optimizer.step()``, on what the
+    #: parallelize function returned: what the training loop does there (torch's ``clip_grad_norm_``, an
+    #: all-reduce of the loss), so that its work and its collectives are in the step
+    before_optimizer: Callable[[Any], Any] | None = None
+    before_optimizer_name: str = ""
 
     @classmethod
-    def of(cls, model: Any, parallelize: Any, step: Any, loss: Any = None, pp_schedule: str | None = None
-           ) -> UserFunctions:
+    def of(cls, model: Any, parallelize: Any, step: Any, loss: Any = None, pp_schedule: str | None = None,
+           before_optimizer: Any = None) -> UserFunctions:
         if step is None:
             raise ValueError("--parallelize needs --step MODULE:FUNCTION too: the planner runs your step (one forward "
                              "and backward of a micro-batch) to count the activations")
         (f, fn), (p, pn), (s, sn) = resolve(model, "--model"), (resolve(parallelize, "--parallelize") if parallelize
                                                                 else (None, "")), resolve(step, "--step")
+        b, bn = resolve(before_optimizer, "--before-optimizer") if before_optimizer is not None else (None, "")
         return cls(f, p, s, (fn, pn, sn), loss=resolve(loss, "--loss")[0] if loss is not None else None,
-                   pp_schedule=pp_schedule or "1f1b")
+                   pp_schedule=pp_schedule or "1f1b", before_optimizer=b, before_optimizer_name=bn)
 
 
 def user_frame(error: BaseException) -> str:

@@ -11,11 +11,12 @@ answers with what the user's code does, not with a model of it:
    ``context_parallel`` in the step, ``ExpertParallel``, activation checkpointing, FSDP2 or vemesh DDP);
 3. the optimizer ``--dp-mode`` names on what the function returned (torch's AdamW, or vemesh's ZeRO-1
    ``DistributedOptimizer`` over the DDP model), and training steps: ``zero_grad``, ``STEP(model, micro_batch_size)``
-   per micro-batch (``no_sync`` / FSDP2's gradient sync off but the last), ``optimizer.step()``;
+   per micro-batch (``no_sync`` / FSDP2's gradient sync off but the last), ``BEFORE_OPTIMIZER(model)`` when given
+   (``--before-optimizer``: the loop's clipping, its loss all-reduce), ``optimizer.step()``;
 4. torch's ``MemTracker`` holds every storage the steps touch (each parameter's local shard, whatever made it; the
    gradients; the optimizer state; the activations) and the peak is taken during the steps, as
    :class:`~vemesh.planning.measure.RunMeter` measures a run; every collective is counted at the dispatcher by the
-   mesh name of its group.
+   mesh name of its group (torch's default group as ``world``).
 
 A model of 6 or more identical blocks (the largest ``ModuleList``/``ModuleDict`` of equal children) is traced with 2
 and with 3 of them, and the rest is added by difference, so an 80-layer model costs what 3 layers cost (fewer blocks
@@ -45,7 +46,7 @@ from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.fake_world import (CpuKernelShapes, Held, chunks_on_demand, copies_in_mode, fake_world,
                                        give_storage, local_shards, real_mesh_tensors, to_bf16)
-from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, step_counters,
+from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, mesh_names, step_counters,
                                     ops_by_mesh_name)
 from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
 from vemesh.planning.results import Counted, MeshFit, RankClass, more_ops
@@ -144,19 +145,16 @@ def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[
 
 def _unknown(counter: Any, mesh: Any) -> str | None:
     """One line for collectives on groups that are none of the mesh's names, or None."""
-    known = set()
-    for n in mesh.layout.names:
-        with contextlib.suppress(ValueError, RuntimeError, KeyError):
-            known.add(mesh.get_group(n).group_name)
+    known = mesh_names(mesh)  # the mesh's names, and torch's default group
     strange = [g for g in counter.bytes if g not in known]
     if not strange:
         return None
     g = strange[0]
     ranks = dist.get_process_group_ranks(counter.groups[g])
     return (f"the step ran {', '.join(sorted(counter.ops[g]))} on a group of ranks {ranks[:8]}"
-            f"{'...' if len(ranks) > 8 else ''} that is none of the mesh's dims ({', '.join(mesh.layout.names)}); "
+            f"{'...' if len(ranks) > 8 else ''} that is none of the mesh's dims ({', '.join(mesh.layout.names)}) nor the world; "
             "the planner names each collective by its mesh dim: take groups from VESCALE_DEVICE_MESH "
-            "(mesh.get_group(name), mesh[name])")
+            "(mesh.get_group(name), mesh[name]), or torch's default group")
 
 
 def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], dp_replicate: int = 1,
@@ -226,6 +224,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                         for i in range(n if pp == 1 else 0):
                             with _no_sync(wrapped, i == n - 1):
                                 call("--step", step_name, fns.step, wrapped, micro_batch_size)
+                        if fns.before_optimizer is not None:  # the loop's own end of the step: clipping, a loss
+                            call("--before-optimizer", fns.before_optimizer_name, fns.before_optimizer, wrapped)
                         before = memory_bound.bytes
                         tracker.phase = first + "optimizer"
                         optimizer.step()

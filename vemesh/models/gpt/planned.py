@@ -6,29 +6,34 @@ preset is planned by the same engine as any user model: the factory builds ``GPT
 function is :func:`vemesh.models.gpt.parallelize` with the job's options (TP with or without sequence parallelism,
 EP, activation checkpointing, FSDP2 with the example's mixed precision, or vemesh DDP); the step is the example's
 micro-batch (random tokens, the fp32 cross-entropy, backward), inside ``context_parallel`` with the tokens, the
-labels and the position buffer when the mesh has CP.
+labels and the position buffer when the mesh has CP; and what the example does between the last backward and
+``optimizer.step()``, and after it, in the step it times (:func:`before_optimizer_for`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vemesh import VESCALE_DEVICE_MESH
 from vemesh.ddp import DistributedDataParallel
+from vemesh.layout.data_dims import data_dims
 from vemesh.models.gpt.model import GPT, GPTConfig
 from vemesh.models.gpt.parallelize import parallelize
 from vemesh.models.gpt.stages import cut_stage
+from vemesh.optim import clip_grad_norm_
 from vemesh.parallel import context_parallel
 from vemesh.parallel.schedules import run_schedule, stage_indices, stages_per_rank
 
-__all__ = ["factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step"]
+__all__ = ["before_optimizer_for", "factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step"]
 
 
 def factory(config: GPTConfig) -> Any:
@@ -117,3 +122,29 @@ def pipeline_step_for(pp_schedule: str) -> Any:
 
     pipeline_step.__qualname__ = f"pipeline_step[{pp_schedule}]"
     return pipeline_step
+
+
+@functools.lru_cache(maxsize=8)
+def before_optimizer_for(pp_schedule: str = "1f1b", max_norm: float = 1.0) -> Any:
+    """``BEFORE_OPTIMIZER(model)`` for the planner: the example's own work around ``optimizer.step()`` in a step
+    (``examples/gpt/train.py``): ``compute``'s ``clip_grad_norm_`` over every chunk's parameters (summed over the
+    pipeline's stages with PP; a DTensor's norm over its mesh), ``agree``'s all-reduce of two flags over every rank
+    (a non-finite step, a stop), and ``after_step``'s mean of the loss over the gradient dim on the ranks that hold
+    it (the last stage's with PP). The test of the example's memory report holds the calls per dim equal."""
+
+    def before_optimizer(model: Any) -> None:
+        mesh = VESCALE_DEVICE_MESH
+        parts = model if isinstance(model, (list, tuple)) else [model]
+        params = [p for part in parts for p in getattr(part, "submod", part).parameters()]
+        pp = mesh.get_strategy_size("PP")
+        norm = clip_grad_norm_(params, max_norm or math.inf, groups=[mesh.get_group("PP")] if pp > 1 else [])
+        flags = torch.stack([torch.isfinite(norm).logical_not().float(), torch.zeros((), device=norm.device)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        n_stages = pp * stages_per_rank(pp_schedule)
+        grad = data_dims(mesh.layout).grad
+        holds_loss = pp == 1 or n_stages - 1 in stage_indices(mesh.lookup_rank("PP"), pp, pp_schedule)
+        if holds_loss and grad is not None and mesh.get_strategy_size(grad) > 1:  # job.dp_mean's all-reduce
+            dist.all_reduce(torch.zeros((), device=norm.device), group=mesh.get_group(grad))
+
+    before_optimizer.__qualname__ = f"before_optimizer[{pp_schedule}]"
+    return before_optimizer
