@@ -225,7 +225,12 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                             with _no_sync(wrapped, i == n - 1):
                                 call("--step", step_name, fns.step, wrapped, micro_batch_size)
                         if fns.before_optimizer is not None:  # the loop's own end of the step: clipping, a loss
+                            # not held to the peak in the warm-up: DTensor's first sharding propagation of a foreach
+                            # op (a norm of every gradient) runs it on fake tensors of every global shape at once,
+                            # which a real run's propagation keeps off the device; the steps after it are held
+                            tracker.in_step = index > 0
                             call("--before-optimizer", fns.before_optimizer_name, fns.before_optimizer, wrapped)
+                            tracker.in_step = True
                         before = memory_bound.bytes
                         tracker.phase = first + "optimizer"
                         optimizer.step()

@@ -156,3 +156,23 @@ def test_a_preset_mesh_whose_weights_alone_do_not_fit_is_rejected_without_a_trac
     static = [f for f in rejected if f.reason and "not traced" in f.reason]
     assert [f.degrees["TP"] for f in static if f.degrees["PP"] == 1] == [1]
     assert static[0].reason.startswith("static ") and (4, 1) not in traced and traced
+
+
+def test_the_examples_end_of_a_step_adds_no_memory_of_its_own(monkeypatch) -> None:
+    """The preset's before_optimizer (the example's clipping) over TP-sharded gradients: DTensor's first sharding
+    propagation of the norm runs it on fake tensors of every global shape at once, which a real run keeps off the
+    device; the warm-up step's end is not held to the peak, so the plan's peak is the plan's without it."""
+    import dataclasses
+
+    import vemesh.planning.fit as fit
+
+    job = Job("gpt:n_layer=2,n_embd=4096,n_head=32,vocab=128256,seq_len=256", 2, dtype="bf16", micro_batch_size=1)
+    with_end = predict(job, dp=2, tp=8).classes[0]
+    preset = fit._preset_functions
+    monkeypatch.setattr(fit, "_preset_functions", lambda *a: dataclasses.replace(preset(*a), before_optimizer=None))
+    fit._traced_preset.cache_clear()
+    try:
+        without = predict(job, dp=2, tp=8).classes[0]
+    finally:
+        fit._traced_preset.cache_clear()
+    assert with_end.peak == without.peak and with_end.collectives["TP"] != without.collectives["TP"]
