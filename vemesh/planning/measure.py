@@ -3,21 +3,18 @@
 :class:`RunMeter` wraps a stretch of training in two of torch's dispatch-level tools and reports
 per rank:
 
-* **peak memory**: torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which sees
-  every tensor storage that an op creates inside its context, with its category (parameter,
-  gradient, optimizer state, activation, temporary). Enter the meter before the model is built
-  and everything the run allocates is counted, on CPU as on CUDA;
-* **bytes per mesh dim**: every collective on the dispatcher (``c10d`` ops of ``torch.distributed``
-  calls, the functional collectives of DTensor, FSDP2 and pipelining), attributed to the mesh name
-  whose process group it ran on, through torch's own ``CollectiveOp.get_process_group``.
+* **peak memory**: torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which sees every tensor
+  storage that an op creates inside its context, with its category (parameter, gradient, optimizer state,
+  activation, temporary). Enter the meter before the model is built and everything the run allocates is counted;
+* **bytes and calls per mesh dim**: every collective on the dispatcher (``c10d`` ops of ``torch.distributed``
+  calls, the functional collectives of DTensor, FSDP2 and pipelining), attributed to the mesh name whose process
+  group it ran on, through torch's own ``CollectiveOp.get_process_group`` (torch's default group: ``world``).
 
-The bytes of one collective are the size of its tensor, as nccl-tests counts it: an all-reduce
-its buffer, an all-gather the gathered output, a reduce-scatter its full input, an all-to-all its
-input, a broadcast its tensor, a point-to-point transfer the bytes this rank sends (receives are
-not counted, so a PP send is counted once, by its sender). Collectives on meta tensors (a pipeline
-stage's shape inference) move nothing and are not counted; the bytes per step are counted from the
-second step on, since the first also runs one-time work (a pipeline's shape inference on real tensors). :mod:`vemesh.planning.fit` predicts the same
-figures by the same rules.
+The bytes of one collective are the size of its tensor, as nccl-tests counts it: an all-reduce its buffer, an
+all-gather the gathered output, a reduce-scatter its full input, an all-to-all its input, a broadcast its tensor,
+a point-to-point transfer the bytes this rank sends (a PP send is counted once, by its sender). Collectives on meta
+tensors (a pipeline stage's shape inference) are not counted; the bytes per step are counted from the second step
+on, since the first also runs one-time work. :mod:`vemesh.planning.fit` predicts the same figures by the same rules.
 """
 
 from __future__ import annotations
@@ -84,13 +81,10 @@ def payload_bytes(func: Any, args: tuple, result: Any) -> int:
 
 
 def _few_values(op: str, args: tuple, n: int) -> int | None:
-    """The values of an all-reduce of fewer than ``2n`` of them over ``n`` ranks (a loss, a norm, a flag), else None:
-    gloo's ring sends only its segments that hold values, so such a call pays part of the ring's latency."""
-    if op not in ("allreduce_", "all_reduce"):
-        return None
+    """The values of an all-reduce of fewer than ``2n`` over ``n`` ranks (a loss, a norm), else None (see step_time)."""
     first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
-    values = first.numel() if isinstance(first, torch.Tensor) else None
-    return values if values is not None and values < 2 * n else None
+    few = op in ("allreduce_", "all_reduce") and isinstance(first, torch.Tensor) and first.numel() < 2 * n
+    return first.numel() if few else None
 
 
 def _on_meta(args: tuple) -> bool:

@@ -127,7 +127,7 @@ def pipeline_step_for(pp_schedule: str) -> Any:
 @functools.lru_cache(maxsize=8)
 def before_optimizer_for(pp_schedule: str = "1f1b", max_norm: float = 1.0) -> Any:
     """``BEFORE_OPTIMIZER(model)`` for the planner: the example's own work around ``optimizer.step()`` in a step
-    (``examples/gpt/train.py``): ``compute``'s ``clip_grad_norm_`` over every chunk's parameters (summed over the
+    (the GPT example's ``train.py``): ``compute``'s ``clip_grad_norm_`` over every chunk's parameters (summed over the
     pipeline's stages with PP; a DTensor's norm over its mesh), ``agree``'s all-reduce of two flags over every rank
     (a non-finite step, a stop), and ``after_step``'s mean of the loss over the gradient dim on the ranks that hold
     it (the last stage's with PP). The test of the example's memory report holds the calls per dim equal."""
