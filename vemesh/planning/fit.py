@@ -94,7 +94,7 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
                          (spec, "vemesh.models.gpt.parallelize", f"vemesh.models.gpt.planned.{step.__qualname__}"),
                          keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule,
                          before_optimizer=gpt_planned.before_optimizer_for(pp_schedule),
-                         before_optimizer_name=f"vemesh.models.gpt.planned.before_optimizer[{pp_schedule}]")
+                         before_optimizer_name=f"vemesh.models.gpt.planned.before_optimizer_for({pp_schedule!r})")
 
 
 @functools.lru_cache(maxsize=64)  # a search asked again (another device memory, placement or ranking) traces nothing
