@@ -334,8 +334,9 @@ def test_a_search_by_time_times_its_pipeline_meshes_with_their_bubble() -> None:
 @pytest.mark.parametrize("schedule, mode", [("1f1b", "zero1"), ("interleaved-1f1b", "fsdp")])
 def test_a_searchs_pipeline_estimate_is_timed_near_its_traced_plan(schedule, mode) -> None:
     """The estimate a search makes of a PP mesh against the plan that traces torch's schedule on every PP rank, on
-    the same profile: FLOPs equal, and the step within 12% (measured 0.938 and 0.892 at this width, 0.98 at width
-    1024: a stage trace misses the wrappers' and the schedule's own ops, which a small model's step is made of)."""
+    the same profile: FLOPs equal, and the step within 15% (measured 0.910 and 0.876 at this width, 0.969 and 0.954
+    at width 1024: a stage trace misses the wrappers' and the schedule's own ops, which a small model's step is made
+    of, and the example's end of a step, its clipping and loss all-reduces, which the traced plan runs)."""
     from vemesh.planning.api import time_of
     from vemesh.planning.fit import Job, predict
     from vemesh.planning.mesh_plan import plan_mesh
@@ -347,7 +348,7 @@ def test_a_searchs_pipeline_estimate_is_timed_near_its_traced_plan(schedule, mod
     mesh, profile = plan_mesh(4, pp=2, dp=2, cp=1, tp=1, ep=1), load_profile("h100-sxm")
     ratio = (max(t.total for t in time_of(estimated, mesh, profile, job))
              / max(t.total for t in time_of(traced, mesh, profile, job)))
-    assert 0.88 <= ratio <= 1.0, ratio
+    assert 0.85 <= ratio <= 1.0, ratio
 
 
 SMALL_GPT = "gpt:n_layer=2,n_embd=64,n_head=4,seq_len=64"
