@@ -27,7 +27,7 @@ def resolve(ref: Any, flag: str) -> tuple[Callable[..., Any], str]:
     body = text.removeprefix("module:") if flag == "--model" else text
     module, colon, name = body.rpartition(":")
     if not colon or not module or not name:
-        example = "module:mymodel:make" if flag == "--model" else f"mymodel:{flag.strip('-')}"
+        example = "module:mymodel:make" if flag == "--model" else f"mymodel:{flag.strip('-').replace('-', '_')}"
         raise ValueError(f"{flag} {text!r}: expected {'module:' if flag == '--model' else ''}MODULE:FUNCTION, a "
                          f"dotted module importable from the current directory or a file path (e.g. {example}, "
                          f"./mymodel.py:{example.rsplit(':', 1)[1]})")
