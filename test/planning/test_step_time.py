@@ -276,6 +276,23 @@ def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     assert bad.returncode == 2 and "--repeat: invalid value '0': expected a positive integer" in bad.stderr
 
 
+def test_a_calibrations_tp_figures_add_up_to_what_its_reference_tp_step_paid() -> None:
+    """``vemesh calibrate`` times a reference TP step (an MLP on pairs under ``parallelize_module``) and keeps as the
+    functional collective's own wait what the step time does not count apart, so that however the latency, the
+    c10d wait and the DTensor op time moved in a calibration, one TP collective of the reference costs, in the
+    step time's terms, what the reference paid; a reference cheaper than its parts gives 0, never less."""
+    from vemesh.planning.calibrate import functional_wait
+    from vemesh.planning.step_time import collective_seconds
+
+    nbytes = 8 * 64 * 192 * 4  # the reference's activations: the GPT example's tokens and width, fp32
+    for lat, wait, per_op in ((1.4e-3, 0.3e-3, 38e-6), (0.2e-3, 0.8e-3, 90e-6)):  # two calibrations' parts
+        pair = Link(latency_s=lat, bandwidth=0.9e9)
+        own = functional_wait(5e-3, 12, pair, wait, per_op, "gloo")
+        total = collective_seconds("all_reduce", nbytes, 1, 2, pair, "gloo") + wait + own + 12 * per_op
+        assert own > 0 and total == pytest.approx(5e-3)
+    assert functional_wait(1e-3, 12, Link(latency_s=1e-3, bandwidth=1e9), 1e-3, 1e-4, "gloo") == 0.0
+
+
 def test_zero1s_gather_is_timed_as_the_profiles_backend_runs_it() -> None:
     """A plan traces ZeRO-1's gather as one all-gather per buffer; on gloo vemesh broadcasts each rank's slice instead
     (all at once, then waits): a gloo profile times n broadcasts of a slice and one wait, an nccl one the all-gather.

@@ -9,9 +9,13 @@ ranks of a job share the machine:
 * **overlap**: an all-reduce started asynchronously under matmuls, against each alone: the fraction of the shorter
   that ran at the same time (a CPU whose cores the ranks share has little to spare);
 * **collective wait**: small all-reduces between stretches of compute, against the same run back to back: what
-  each call costs on top, since the ranks reach it at different moments; and the same all-reduce as TP runs it
-  (a DTensor's ``Partial`` redistributed to ``Replicate``: torch's functional collective, waited for when the
-  result is used), against c10d's: what such a call costs on top of that;
+  each call costs on top, since the ranks reach it at different moments; and a reference TP step (an MLP of the
+  GPT example's width under torch's ``parallelize_module`` on pairs of ranks, forward and backward, against its
+  local compute alone, each sample started after a barrier): what one TP collective costs in all. Of that, what a
+  step time does not count apart (the all-reduce's latency and bytes on pairs, the wait above, its DTensor ops)
+  is a functional collective's own wait, so that the figures add up to what the reference paid however their
+  parts moved (short differences of runs read 2 to 3x apart from one launch to the next here; the reference
+  moves by 10%);
 * **shared compute**: with more ranks than cores (times each rank's threads), how many ranks share a core: the
   ranks that compute while others wait in a pipeline bubble run that much faster at most;
 * **op overheads**: a tiny op's time (the framework's own, per op dispatched), and what the same op on a DTensor
@@ -40,10 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vemesh.planning.profiles import DeviceProfile, load_profile
-from vemesh.planning.step_time import ring
+from vemesh.planning.profiles import DeviceProfile, Link, load_profile
+from vemesh.planning.step_time import collective_seconds, ring
 
-__all__ = ["KINDS", "calibrate"]
+__all__ = ["KINDS", "calibrate", "functional_wait"]
 
 #: The collective kinds measured, as the step-time model names them.
 KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -107,22 +111,13 @@ def _overlap(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
     return min(1.0, max(0.0, (alone + talking - together) / min(alone, talking)))
 
 
-def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool) -> tuple[float, float]:
+def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
     """Seconds a small all-reduce costs between stretches of compute (a few ms each, as a layer's forward is)
     beyond what the compute and the all-reduces cost apart: the ranks reach it at different moments, and on a CPU
-    whose cores they share, each waits for a peer the OS has not run yet. Measured on groups of 2 (TP's size).
-
-    And what the same all-reduce costs on top of that when TP runs it: a DTensor's ``Partial`` redistributed to
-    ``Replicate`` (torch's functional collective, its wrapper, its wait when the result is used)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
+    whose cores they share, each waits for a peer the OS has not run yet. Measured on groups of 2 (TP's size)."""
     a = torch.randn(256, 256, device=device)
     t = torch.ones(256, device=device)
-    n = dist.get_world_size()
-    groups = [dist.new_group([r, r + 1]) for r in range(0, n - n % 2, 2)]
-    group = groups[dist.get_rank() // 2] if dist.get_rank() < n - n % 2 else None
-    pair = DeviceMesh.from_group(group, device.type) if group is not None else None
+    group = _pair(device)[0]
     k = 5 if quick else 20
 
     def stretch() -> None:
@@ -144,19 +139,76 @@ def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool) -
             if group is not None:
                 dist.all_reduce(t, group=group)
 
-    def as_tp() -> None:
-        for _ in range(k):
-            stretch()
-            if pair is not None:
-                DTensor.from_local(t, pair, [Partial()]).redistribute(pair, [Replicate()]).to_local().add_(0)
-
     dist.barrier()
     alone = _median_seconds(compute, reps, sync) + _median_seconds(comm, reps, sync)
     dist.barrier()
     c10d = _median_seconds(interleaved, reps, sync)
-    dist.barrier()
-    functional = _median_seconds(as_tp, reps, sync)
-    return max(0.0, (c10d - alone) / k), max(0.0, (functional - c10d) / k)
+    return max(0.0, (c10d - alone) / k)
+
+
+def _pair(device: torch.device) -> tuple[Any, Any]:
+    """This rank's group of 2 ranks (TP's size) and its DeviceMesh, or ``(None, None)`` for an odd rank out."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group([r, r + 1]) for r in range(0, n - n % 2, 2)]  # every rank makes every group
+    group = groups[rank // 2] if rank < n - n % 2 else None
+    return group, DeviceMesh.from_group(group, device.type) if group is not None else None
+
+
+#: The reference TP job: an MLP of the GPT example's width over its tokens, ColwiseParallel then RowwiseParallel.
+_TP_WIDTH, _TP_TOKENS = 192, 8 * 64
+
+
+def _tp_reference(device: torch.device, sync: Any, reps: int, quick: bool) -> tuple[float, int]:
+    """What one TP collective costs in a TP step, all in (its waits, its wrapper, DTensor's work around it), and the
+    DTensor ops it comes with: an MLP under torch's ``parallelize_module`` on groups of 2, forward and backward (two
+    all-reduces: the output's, the input gradient's), against the same local compute without TP, every sample
+    started together after a barrier, as a step starts its layers."""
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from vemesh.planning.measure import MemoryBoundBytes
+
+    w, k = _TP_WIDTH, 3 if quick else 10
+    pair = _pair(device)[1]
+
+    def mlp(hidden: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(w, hidden), nn.GELU(), nn.Linear(hidden, w)).to(device)
+
+    x = torch.randn(_TP_TOKENS, w, device=device, requires_grad=True)
+    local = mlp(2 * w)  # a TP rank's share of the 4w hidden width
+    tp = parallelize_module(mlp(4 * w), pair, {"0": ColwiseParallel(), "2": RowwiseParallel()}) \
+        if pair is not None else local
+
+    def seconds(model: nn.Module) -> float:
+        model(x).sum().backward()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(k):
+                model(x).sum().backward()
+            sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    counted = MemoryBoundBytes()
+    with counted:
+        tp(x).sum().backward()
+    with_tp, without = seconds(tp), seconds(local)
+    return max(0.0, (with_tp - without) / (2 * k)), counted.dtensor_ops // 2
+
+
+def functional_wait(tp_call: float, dtensor_ops: int, pair: Link, wait: float, per_dtensor_op: float,
+                    backend: str) -> float:
+    """A functional collective's own wait: what the reference TP step paid per collective (``tp_call``), less what
+    a step time counts apart for such a call (the all-reduce's latency and bytes on ``pair``, the c10d ``wait``, its
+    ``dtensor_ops`` at ``per_dtensor_op``), so that the profile's figures add up to what the reference paid,
+    however their parts moved; never below 0."""
+    counted = (collective_seconds("all_reduce", _TP_TOKENS * _TP_WIDTH * 4, 1, 2, pair, backend) + wait
+               + dtensor_ops * per_dtensor_op)
+    return max(0.0, tp_call - counted)
 
 
 def _memory(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
@@ -233,10 +285,12 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool,
             kinds[kind][str(size)] = {"latency_s": latency,
                                       "bandwidth": moved / max(t_large - steps * latency, t_large * 0.05)}
     overlap = _overlap(device, sync, reps, quick)
-    wait, functional_wait = _interleaved_wait(device, sync, 3 * reps, quick)  # differences of runs: more of them
+    wait = _interleaved_wait(device, sync, 3 * reps, quick)  # differences of runs: more of them
     per_op, per_dtensor_op = _op_overheads(device, sync, reps)
+    tp_call, tp_dtensor_ops = _tp_reference(device, sync, 3 * reps, quick)
     # rates, and times negated: the slowest rank is each figure's minimum
-    return [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op, -functional_wait], kinds
+    return [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op, -tp_call,
+            -tp_dtensor_ops], kinds
 
 
 def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: str, repeat: int = 1) -> None:
@@ -265,6 +319,8 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
     if rank == 0:
         slowest = [min(r[i] for r in everyone) for i in range(len(mine))]  # the slowest rank sets the job's pace
         host = kinds["all_reduce"][str(n)]
+        wait, per_dtensor_op, tp_call, tp_dtensor_ops = -slowest[4], -slowest[6], -slowest[7], -slowest[8]
+        pair = Link(**kinds["all_reduce"].get("2", host))
         profile = DeviceProfile(
             name=f"calibrated-{socket.gethostname()}-{n}",
             description=f"measured by vemesh calibrate: {n} {backend} processes on one {platform.machine()} host"
@@ -284,10 +340,10 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             overlap=slowest[3],
             shared_compute=shared,
             backend=backend,
-            collective_wait_s=-slowest[4],
-            functional_wait_s=-slowest[7],
+            collective_wait_s=wait,
+            functional_wait_s=functional_wait(tp_call, tp_dtensor_ops, pair, wait, per_dtensor_op, backend),
             op_overhead_s=-slowest[5],
-            dtensor_op_overhead_s=-slowest[6],
+            dtensor_op_overhead_s=per_dtensor_op,
             host=dict(latency_s=host["latency_s"], bandwidth=host["bandwidth"]),
             network=dict(latency_s=host["latency_s"], bandwidth=host["bandwidth"]),
             collectives=kinds,
