@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vemesh.planning.measure import MemoryBoundBytes
 from vemesh.planning.profiles import DeviceProfile, Link, load_profile
 from vemesh.planning.step_time import collective_seconds, ring
 
@@ -167,8 +168,6 @@ def _tp_reference(device: torch.device, sync: Any, reps: int, quick: bool) -> tu
     started together after a barrier, as a step starts its layers."""
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from vemesh.planning.measure import MemoryBoundBytes
 
     w, k = _TP_WIDTH, 3 if quick else 10
     pair = _pair(device)[1]
