@@ -112,13 +112,12 @@ def _overlap(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
     return min(1.0, max(0.0, (alone + talking - together) / min(alone, talking)))
 
 
-def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
+def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool, group: Any) -> float:
     """Seconds a small all-reduce costs between stretches of compute (a few ms each, as a layer's forward is)
     beyond what the compute and the all-reduces cost apart: the ranks reach it at different moments, and on a CPU
     whose cores they share, each waits for a peer the OS has not run yet. Measured on groups of 2 (TP's size)."""
     a = torch.randn(256, 256, device=device)
     t = torch.ones(256, device=device)
-    group = _pair(device)[0]
     k = 5 if quick else 20
 
     def stretch() -> None:
@@ -161,7 +160,7 @@ def _pair(device: torch.device) -> tuple[Any, Any]:
 _TP_WIDTH, _TP_TOKENS = 192, 8 * 64
 
 
-def _tp_reference(device: torch.device, sync: Any, reps: int, quick: bool) -> tuple[float, int]:
+def _tp_reference(device: torch.device, sync: Any, reps: int, quick: bool, pair: Any) -> tuple[float, int]:
     """What one TP collective costs in a TP step, all in (its waits, its wrapper, DTensor's work around it), and the
     DTensor ops it comes with: an MLP under torch's ``parallelize_module`` on groups of 2, forward and backward (two
     all-reduces: the output's, the input gradient's), against the same local compute without TP, every sample
@@ -170,7 +169,6 @@ def _tp_reference(device: torch.device, sync: Any, reps: int, quick: bool) -> tu
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     w, k = _TP_WIDTH, 3 if quick else 10
-    pair = _pair(device)[1]
 
     def mlp(hidden: int) -> nn.Module:
         return nn.Sequential(nn.Linear(w, hidden), nn.GELU(), nn.Linear(hidden, w)).to(device)
@@ -258,10 +256,10 @@ def _op_overheads(device: torch.device, sync: Any, reps: int) -> tuple[float, fl
     return per_op, max(0.0, _median_seconds(on_dtensor, reps, sync) / k - per_op)
 
 
-def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool,
-             groups: dict[int, Any]) -> tuple[list[float], dict[str, dict[str, dict[str, float]]]]:
+def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, groups: dict[int, Any],
+             pairs: tuple[Any, Any]) -> tuple[list[float], dict[str, dict[str, dict[str, float]]]]:
     """One round of every measurement (see the module docstring): this rank's figures, and each collective kind's
-    link per group size."""
+    link per group size; ``pairs`` is this rank's group of 2 and its DeviceMesh (:func:`_pair`, made once)."""
     reps = 3 if quick else 7
     size = 256 if quick else 1024
     flops = {}
@@ -284,9 +282,9 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool,
             kinds[kind][str(size)] = {"latency_s": latency,
                                       "bandwidth": moved / max(t_large - steps * latency, t_large * 0.05)}
     overlap = _overlap(device, sync, reps, quick)
-    wait = _interleaved_wait(device, sync, 3 * reps, quick)  # differences of runs: more of them
+    wait = _interleaved_wait(device, sync, 3 * reps, quick, pairs[0])  # differences of runs: more of them
     per_op, per_dtensor_op = _op_overheads(device, sync, reps)
-    tp_call, tp_dtensor_ops = _tp_reference(device, sync, 3 * reps, quick)
+    tp_call, tp_dtensor_ops = _tp_reference(device, sync, 3 * reps, quick, pairs[1])
     # rates, and times negated: the slowest rank is each figure's minimum
     return [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op, -tp_call,
             -tp_dtensor_ops], kinds
@@ -306,7 +304,8 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
     for size in [d for d in range(2, n + 1) if n % d == 0]:
         made = [dist.new_group(list(range(start, start + size))) for start in range(0, n, size)]
         groups[size] = made[rank // size]
-    rounds = [_measure(rank, n, device, sync, quick, groups) for _ in range(repeat)]
+    pairs = _pair(device)
+    rounds = [_measure(rank, n, device, sync, quick, groups, pairs) for _ in range(repeat)]
     # each figure's median over the rounds: a shared machine's moments of load fall on one round, not on the profile
     mine = [statistics.median(r[0][i] for r in rounds) for i in range(len(rounds[0][0]))]
     kinds = {kind: {size: {field: statistics.median(r[1][kind][size][field] for r in rounds) for field in link}
