@@ -5,6 +5,10 @@
 and backward of a micro-batch. Plan it from this folder:
 
     vemesh plan --model module:mymodel:make --parallelize mymodel:parallelize --step mymodel:step --world-size 8 --tp 2
+
+and check that the plan computes what one process does (one step, module by module):
+
+    vemesh check --model module:mymodel:make --parallelize mymodel:parallelize --step mymodel:step --world-size 4 --tp 2
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from vemesh.parallel import fully_shard
+from vemesh.parallel import FusedColwiseParallel, fully_shard
 
 VOCAB, DIM, HEADS, LAYERS, SEQ = 1024, 256, 8, 6, 256
 
@@ -53,9 +57,16 @@ def make() -> Model:
 
 
 def parallelize(model: Model, mesh) -> nn.Module:
-    """TP inside each block when the mesh has TP (qkv and up column-wise, proj and down row-wise), then FSDP2."""
+    """TP inside each block when the mesh has TP (qkv and up column-wise, proj and down row-wise), then FSDP2.
+
+    ``qkv`` is one Linear whose rows are ``[q | k | v]``: ``FusedColwiseParallel(3)`` gives each TP rank its own heads'
+    q, k and v (``[q_r | k_r | v_r]``), which the forward's ``view(B, T, 3, -1, head_dim)`` reads as local heads.
+    torch's ``ColwiseParallel`` would give TP rank 0 all of q and half of k at TP 2: another model, which trains.
+    ``vemesh check`` compares this plan with one process (docs/checking.md).
+    """
     if mesh.get_strategy_size("TP") > 1:
-        plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+        plan = {"qkv": FusedColwiseParallel(3), "proj": RowwiseParallel(), "up": ColwiseParallel(),
+                "down": RowwiseParallel()}
         for block in model.blocks:
             parallelize_module(block, mesh["TP"], plan)
     for block in model.blocks:

@@ -5,6 +5,8 @@ No process group, no GPU, no torch: it is the arithmetic of :mod:`vemesh.layout`
     vemesh show --shape 2,2,2 [--names PP,DP,TP] [--devices-per-host 4] [--rank 5] [--flatten NAME=A,B]
                 [--split DIM=A:2,B:4] [--derived [--ep N] [--dp-replicate N]] [--json]
     vemesh plan --world-size 64 --devices-per-host 8 --tp 8 --pp 2 [--cp N] [--dp N|auto] [--json]
+    vemesh check --model module:MODULE:FACTORY --parallelize MODULE:FUNCTION --step MODULE:FUNCTION --world-size N
+                 [--dp N] [--tp N] [--cp N] [--ep N] [--model-kwargs K=V,...] [--json]
     vemesh diagnose DIR [--stragglers] [--shape 2,2 --dim-names dp,tp] [--json]
 
 ``python -m vemesh`` is the same. ``show`` prints the rank grid (hosts marked),
@@ -29,6 +31,7 @@ from typing import NoReturn
 
 from vemesh.cli.common import MAX_WORLD, UsageError, positive
 from vemesh.cli.calibrate import add_calibrate
+from vemesh.cli.check import add_check
 from vemesh.cli.diagnose import add_diagnose
 from vemesh.cli.plan import add_plan
 from vemesh.cli.show import add_show
@@ -53,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         message = " ".join(str(e).split())  # one line, whatever the source
         if message.endswith("required: command"):
-            message += " (choose from 'show', 'plan', 'diagnose')"
+            message += " (choose from 'show', 'plan', 'check', 'diagnose', 'calibrate')"
         print(f"vemesh: error: {message}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help
@@ -90,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     show, plan = add_show(commands), add_plan(commands)
     add_diagnose(commands)
     add_calibrate(commands)
+    add_check(commands)
     for sub in (show, plan):
         sub.add_argument("--devices-per-host", type=positive, metavar="N",
                          help="ranks per host (torchrun --nproc-per-node), to mark hosts and check groups")

@@ -8,6 +8,10 @@
 * :class:`ExpertParallel` (:mod:`~vemesh.parallel.experts`): a torch ``ParallelStyle`` for grouped experts over EP;
   :class:`ExpertTensorParallel`, each expert also split over TP (on ``mesh["EP", "TP"]``);
 * :func:`fully_shard` (:mod:`~vemesh.parallel.fsdp`): torch's FSDP2 on the mesh's FSDP dims, experts on EDP;
+* :class:`FusedColwiseParallel` (:mod:`~vemesh.parallel.fused`): a fused ``[q|k|v]`` or ``[gate|up]`` Linear
+  sharded by whole chunks, each TP rank its own heads' q, k and v;
+* :func:`parallelize_module` (:mod:`~vemesh.parallel.ties`): torch's, keeping tied parameters one parameter;
+  vemesh's DDP, ZeRO-1 and ``fully_shard`` refuse a model whose tie was broken (:func:`check_ties`);
 * :func:`~vemesh.parallel.attention.shard_cpu_attention`: torch's CPU attention kernel sharded over heads or batch on
   DTensors, as torch shards its CUDA ones (registered on import, where torch has no rule of its own).
 """
@@ -17,7 +21,10 @@ from vemesh.parallel.context import context_parallel
 from vemesh.parallel.experts import ExpertParallel, ExpertTensorParallel
 from vemesh.parallel.fsdp import fully_shard
 from vemesh.parallel.attention import shard_cpu_attention
+from vemesh.parallel.fused import FusedColwiseParallel
+from vemesh.parallel.ties import check_ties, parallelize_module, track_ties
 
 shard_cpu_attention()
+track_ties()
 
-__all__ = ["ExpertParallel", "ExpertTensorParallel", "ParallelDims", "context_parallel", "fully_shard"]
+__all__ = ["ExpertParallel", "FusedColwiseParallel", "check_ties", "parallelize_module", "ExpertTensorParallel", "ParallelDims", "context_parallel", "fully_shard"]

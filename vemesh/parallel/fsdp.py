@@ -27,6 +27,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from vemesh.layout.data_dims import data_dims
 from vemesh.mesh import VESCALE_DEVICE_MESH
 from vemesh.parallel.experts.style import expert_modules
+from vemesh.parallel.fused import fsdp_placement
+from vemesh.parallel.ties import check_ties
 from vemesh.parallel.tp_replicas import check_tp_gradients, tp_group_beside
 
 __all__ = ["fully_shard"]
@@ -47,6 +49,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, check_tp_gradients: bool
     experts (EP rank 1's half) over EDP ``[1, 3]``.
     """
     mesh = VESCALE_DEVICE_MESH if mesh is None else mesh
+    check_ties(module, "vemesh.parallel.fully_shard")
     data = data_dims(mesh.layout)
     if not data.batch:
         raise ValueError(f"vemesh.parallel.fully_shard: the mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} has no "
@@ -59,11 +62,23 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, check_tp_gradients: bool
             if mesh.size("EDP") > 1:  # sum over EDP, then divide (gloo has no PREMUL_SUM; on one rank
                 experts.set_force_sum_reduction_for_comms(True)  # torch 2.13 would divide twice)
     fsdp_mesh = mesh[data.fsdp]
+    if any(fsdp_placement(p) is not None for p in module.parameters()):
+        kwargs["shard_placement_fn"] = _with_fused(kwargs.get("shard_placement_fn"))
     sharded = torch_fully_shard(module, mesh=fsdp_mesh, **kwargs)
     tp = tp_group_beside(set(fsdp_mesh.mesh.flatten().tolist())) if check_tp_gradients else None
     if tp is not None:
         _check_at_first_step(sharded, tp, fsdp_mesh.get_all_groups())
     return sharded
+
+
+def _with_fused(user: Any) -> Any:
+    """The user's ``shard_placement_fn``, and where it says nothing, a fused weight's input dim (Shard(1)): FSDP2's
+    rows would mislabel its strided TP shard (:mod:`vemesh.parallel.fused`)."""
+    def placement(param: nn.Parameter) -> Any:
+        chosen = user(param) if user is not None else None
+        return chosen if chosen is not None else fsdp_placement(param)
+
+    return placement
 
 
 #: the sharded roots whose replicas over TP the first optimizer step checks: (module, TP group, data groups)

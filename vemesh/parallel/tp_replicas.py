@@ -17,7 +17,11 @@ import torch.distributed as dist
 
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 
-__all__ = ["check_tp_gradients", "tp_group_beside"]
+__all__ = ["TPReplicaError", "check_tp_gradients", "tp_group_beside"]
+
+
+class TPReplicaError(RuntimeError):
+    """A replica over TP has the same values on every TP rank but not the same gradient."""
 
 
 def tp_group_beside(data_ranks: set[int]) -> dist.ProcessGroup | None:
@@ -70,11 +74,15 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
     if verdict.item():
         names = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "") if bad else \
             "(on another TP group of the data ranks)"
-        raise RuntimeError(
+        raise TPReplicaError(
             f"the gradient of {names} differs across the TP ranks {dist.get_process_group_ranks(tp)}, while the "
-            "parameter is the same on each: a replica over TP whose computation sees only this rank's part of the "
-            "activations, so each TP rank would step it with its own part of the gradient. Make it a replicated "
-            "DTensor whose gradient torch sums over TP: SequenceParallel(sequence_dim=...) on the module for a "
-            "norm over sharded heads or a sequence-parallel region (as torchtitan shards Qwen3's q/k norms). Or the "
-            "TP ranks were given different inputs: every TP rank of a data-parallel rank must see the same batch. If "
-            f"the parameter is meant to differ by TP rank, {opt_out}")
+            "parameter is the same on each.\n"
+            "Likeliest: the TP ranks were given different batches; every TP rank of a DP rank must see the same one "
+            "(seed the data by the DP rank, not the global rank).\n"
+            "Else the module's input is this rank's part only (a norm over its own heads, or between sequence-"
+            "parallel regions): give it SequenceParallel; `vemesh check` names the module.\n"
+            "Details: such a replica over TP is a plain tensor (or one sharded over the data dims only), and nothing "
+            "sums its gradient over TP, so each TP rank would step it with its own part and the replicas drift apart. "
+            "Make it a replicated DTensor whose gradient torch sums over TP: SequenceParallel(sequence_dim=...) on the "
+            "module (as torchtitan shards Qwen3's q/k norms). If the parameter is meant to differ by TP rank, "
+            f"{opt_out}")

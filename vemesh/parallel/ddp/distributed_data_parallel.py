@@ -25,6 +25,7 @@ from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over
 from vemesh.parallel.ddp.support import (PipelineReducer, broadcast_from_first, check_bucket_size, check_experts,
                                         check_params_kept, check_placement, like, release_params, step_guard,
                                         tp_gradients_checked, weak_method, weak_param_hook)
+from vemesh.parallel.ties import check_ties
 from vemesh.parallel.tp_replicas import tp_group_beside
 
 __all__ = ["DistributedDataParallel"]
@@ -104,6 +105,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise ValueError(f"module is already wrapped in {type(module).__name__}; wrap the inner module once")
         group, described = resolve_group(data_pg_or_device_mesh)
+        check_ties(module, "vemesh DistributedDataParallel")
         bucket_size = check_bucket_size(bucket_size)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:

@@ -1,0 +1,166 @@
+"""What one run of ``vemesh check`` records: every module's outputs in forward order and every gradient by name.
+
+The same code records the one-process run and each rank of the parallel run, so that the two are keyed alike:
+
+* a module's name is its name in the model as built: wrappers that parallelizing adds (torch's and vemesh's DDP
+  ``module.``, ``torch.compile``'s ``_orig_mod.``, activation checkpointing's ``_checkpoint_wrapped_module.``) are
+  left out of it (:func:`plain_name`);
+* an output is keyed ``(module, call, index)``: the module's ``call``-th forward of the step, the ``index``-th tensor
+  of what it returned. A DTensor is gathered whole (``full_tensor()``, a collective every rank of its mesh runs in
+  the same order); a plain tensor is kept as this rank's (a TP shard is joined with its peers' when compared).
+  Forwards run again in the backward (activation checkpointing's recompute) are not recorded;
+* a gradient is gathered whole the same way (TP's and FSDP2's DTensors), under every name the parameter has.
+
+:class:`Deterministic` makes the step's dropout draw nothing in either run (``p`` taken as 0, counted), and
+records any other random op that a module's forward draws, so that a difference it causes is named as its cause.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["Deterministic", "Recorder", "gradients", "plain_name", "unwrap"]
+
+_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under torch's or vemesh's DDP (``.module``) and ``torch.compile`` (``._orig_mod``)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def plain_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.clone()
+
+
+def _column_shard(module: nn.Module, t: torch.Tensor) -> torch.Tensor | None:
+    """A column-wise Linear's (or Embedding's) local output, as the DTensor it is a shard of; None otherwise.
+
+    torch's ``ColwiseParallel`` and vemesh's ``FusedColwiseParallel`` return the local shard by default: its
+    placement is the weight's output rows' (``Shard(0)`` rows give ``Shard(-1)`` outputs, a strided shard of the
+    rows a strided shard of the outputs), on the weight's TP mesh."""
+    w = getattr(module, "weight", None)
+    if isinstance(t, DTensor) or not isinstance(w, DTensor) or w.device_mesh.ndim != 1 or t.dim() == 0:
+        return None
+    (p,) = w.placements
+    rows = 0 if isinstance(module, nn.Linear) else 1 if isinstance(module, nn.Embedding) else None
+    if rows is None or not isinstance(p, (Shard, _StridedShard)) or p.dim != rows or \
+            t.shape[-1] != w.to_local().shape[rows]:
+        return None
+    out = _StridedShard(t.dim() - 1, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(t.dim() - 1)
+    return DTensor.from_local(t.detach(), w.device_mesh, [out], run_check=False)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Recorder:
+    """Record ``model``'s module outputs while active (a context manager), in the order the modules finish."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {id(m): plain_name(n) for n, m in unwrap(model).named_modules(remove_duplicate=False)}
+        #: ``(module name, call, index) -> tensor``, in the order the outputs were produced
+        self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.calls: dict[str, int] = {}
+        #: the modules whose forward is running now (innermost last), for :class:`Deterministic`
+        self.stack: list[str] = []
+        self._handles: list[Any] = []
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        name = self.names.get(id(module))
+        if name is not None and not _in_backward():
+            self.stack.append(name)
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self.names.get(id(module))
+        if name is None or _in_backward():
+            return
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        leaves, _ = tree_flatten(output)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not tensors and hasattr(output, "values"):  # HF's ModelOutput is a dict the pytree does not open
+            tensors = [t for t in output.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        for i, t in enumerate(tensors):
+            shard = _column_shard(module, t) if i == 0 and len(tensors) == 1 else None
+            self.outputs[(name, call, i)] = _whole(t if shard is None else shard)
+
+    def __enter__(self) -> Recorder:
+        self._handles = [nn.modules.module.register_module_forward_pre_hook(self._pre),
+                         nn.modules.module.register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Each parameter's whole gradient (None: none) under each of its names; collective for DTensors."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in unwrap(model).named_parameters(remove_duplicate=False):
+        out[plain_name(name)] = None if p.grad is None else _whole(p.grad)
+    return out
+
+
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+_RANDOM = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+           torch.bernoulli, torch.normal, torch.multinomial, torch.randperm, torch.poisson,
+           torch.Tensor.bernoulli_, torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_,
+           torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_}
+
+
+class Deterministic(TorchFunctionMode):
+    """Dropout draws nothing (``p`` taken as 0: the same function in both runs); other random ops in a module's
+    forward are recorded in :attr:`random_ops` as ``(module, op)``. Random ops outside every module (the step
+    drawing its tokens) are the step's inputs, drawn from the same seed in both runs, and left alone."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.dropouts = 0
+        self.random_ops: list[tuple[str, str]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUTS:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if training and p > 0:
+                self.dropouts += 1
+                return args[0]  # dropout with p = 0: the input itself
+        elif func is F.scaled_dot_product_attention:
+            p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            if p:
+                self.dropouts += 1
+                args = tuple(args[:4]) + ((0.0,) + tuple(args[5:]) if len(args) > 4 else ())
+                if "dropout_p" in kwargs:
+                    kwargs["dropout_p"] = 0.0
+        elif func in _RANDOM and self.recorder.stack and not _in_backward():
+            self.random_ops.append((self.recorder.stack[-1], getattr(func, "__name__", str(func))))
+        return func(*args, **kwargs)

@@ -1,0 +1,138 @@
+"""Tied parameters under TP: parallelizing never unties silently.
+
+A tied embedding (nanoGPT's and GPT-2's ``wte.weight is lm_head.weight``, HF's ``tie_word_embeddings``) is one
+``nn.Parameter`` held by two modules. torch's ``parallelize_module`` replaces a module's parameter with a new
+DTensor parameter, module by module: after it, the two ends are two parameters (one sharded, the other the old
+plain tensor, or two DTensors), each gets half the gradient, the optimizer steps them apart, and the model trains
+as another model without a word.
+
+Two things keep that from happening:
+
+* Lineage. On import, :mod:`vemesh.parallel` registers torch's global parameter-registration hook: when a module's
+  parameter is replaced by another (as ``parallelize_module`` does), the new one inherits the old one's lineage
+  token. Two different parameter objects in one model with the same lineage are the ends of a tie that was broken.
+  :func:`check_ties` raises then, naming the pair; vemesh's DDP, ZeRO-1 (through DDP) and ``fully_shard`` call it.
+* :func:`parallelize_module`, torch's with the same arguments, re-ties after it: when every end of a tie was
+  sharded the same way (an embedding ``RowwiseParallel`` and its head ``ColwiseParallel``: both ``Shard(0)`` of the
+  ``[vocab, dim]`` weight), the ends become one DTensor parameter again, sharded once, whose gradient sums both
+  uses as in one process. Ends sharded differently, or one end left whole, raise with the recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
+
+__all__ = ["BrokenTieError", "check_ties", "parallelize_module", "tie_groups", "track_ties"]
+
+_ATTR = "_vemesh_lineage"
+_HANDLE: list[Any] = []
+
+
+class BrokenTieError(ValueError):
+    """A tied parameter is several parameters after parallelizing."""
+
+
+class _Lineage:
+    """One token per parameter that was ever replaced; shared by everything that replaced it."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _on_register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    old = module._parameters.get(name)
+    if old is None or param is None or old is param:
+        return
+    token = old.__dict__.get(_ATTR)
+    if token is None:
+        token = _Lineage()
+        old.__dict__[_ATTR] = token
+    if param.__dict__.get(_ATTR) is None:
+        param.__dict__[_ATTR] = token
+
+
+def track_ties() -> None:
+    """Register the lineage hook once (``vemesh.parallel`` calls it on import)."""
+    if not _HANDLE:
+        _HANDLE.append(nn.modules.module.register_module_parameter_registration_hook(_on_register))
+
+
+def tie_groups(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter held under more than one name (a tie), in ``named_parameters`` order."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return [ns for ns in names.values() if len(ns) > 1]
+
+
+def broken_ties(module: nn.Module) -> list[list[list[str]]]:
+    """Each broken tie: the names of each of its now-separate parameters (one list per parameter object)."""
+    by_token: dict[int, dict[int, list[str]]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        token = p.__dict__.get(_ATTR)
+        if token is not None:
+            by_token.setdefault(id(token), {}).setdefault(id(p), []).append(n)
+    return [list(objs.values()) for objs in by_token.values() if len(objs) > 1]
+
+
+def _describe(p: torch.Tensor) -> str:
+    if isinstance(p, DTensor):
+        return f"a DTensor {tuple(p.placements)} on {p.device_mesh.mesh_dim_names or 'a mesh'}"
+    return "a plain tensor"
+
+
+def check_ties(module: nn.Module, who: str) -> None:
+    """Raise when a parameter tied in the model as built (one object) is now several after parallelizing."""
+    broken = broken_ties(module)
+    if not broken:
+        return
+    params = dict(module.named_parameters(remove_duplicate=False))
+    ends = broken[0]
+    listed = "; ".join(f"{' = '.join(names)} is {_describe(params[names[0]])}" for names in ends)
+    raise BrokenTieError(
+        f"{who}: the tied parameter {' and '.join(names[0] for names in ends)} was one parameter and is now "
+        f"{len(ends)} ({listed}): parallelizing untied it, so each end would get part of the gradient and the "
+        "optimizer would step them apart. Parallelize with vemesh.parallel.parallelize_module (torch's, which "
+        "re-ties ends sharded the same way: an embedding RowwiseParallel(input_layouts=Replicate()) and its head "
+        "ColwiseParallel, both Shard(0)), or re-tie by hand after parallelizing (lm_head.weight = wte.weight)"
+        + (f"; {len(broken) - 1} more broken tie(s)" if len(broken) > 1 else ""))
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), leaf
+
+
+def parallelize_module(module: nn.Module, device_mesh: Any = None, parallelize_plan: Any = None,
+                       **kwargs: Any) -> nn.Module:
+    """torch's ``parallelize_module(module, device_mesh, parallelize_plan)``, keeping the module's ties.
+
+    Each tie of ``module`` whose ends the plan sharded the same way (the same mesh, placements and shape) is one
+    DTensor parameter again afterwards. A tie whose ends were sharded differently, or with one end left whole,
+    raises with the ends' placements: shard every end the same way, or none.
+    """
+    before = tie_groups(module)
+    out = torch_parallelize_module(module, device_mesh, parallelize_plan, **kwargs)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for names in before:
+        ends = [params[n] for n in names]
+        first = ends[0]
+        if all(p is first for p in ends):
+            continue
+        same = all(isinstance(p, DTensor) and p.device_mesh == first.device_mesh and p.placements == first.placements
+                   and p.shape == first.shape for p in ends) if isinstance(first, DTensor) else False
+        if not same:
+            listed = "; ".join(f"{n} is {_describe(p)}" for n, p in zip(names, ends))
+            raise BrokenTieError(
+                f"vemesh.parallel.parallelize_module: {' and '.join(names)} are one tied parameter, and the plan "
+                f"sharded its ends differently ({listed}). Shard every end the same way (an embedding "
+                "RowwiseParallel(input_layouts=Replicate()) and its head ColwiseParallel: both Shard(0) of "
+                "[vocab, dim]), or leave both whole")
+        for n in names[1:]:
+            owner, leaf = _owner(module, n)
+            setattr(owner, leaf, first)
+    return out
