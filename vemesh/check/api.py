@@ -115,6 +115,10 @@ class CheckResult:
                          f"{fm['call'] + 1}, DP rank {fm['dp_rank']}): relative difference {fm['difference']:.3g}")
             if self.matched_before:
                 lines.append(f"  the modules just before it match: {', '.join(self.matched_before)}")
+        if self.gradients and self.first_module is None and not self.broken_ties and not self.error:
+            lines.append("  every output matches but gradients differ: a parameter whose gradient is each TP rank's "
+                         "part only (a norm over its own heads, or between sequence-parallel regions, without "
+                         "SequenceParallel), or a gradient that DP does not average")
         if self.gradients:
             lines.append(f"  gradients that differ ({len(self.gradients)}), worst first:")
             lines += [f"    {name}: {diff:.3g}" for name, diff in self.gradients[:12]]
@@ -224,6 +228,7 @@ def _worker(rank: int, spec: _Spec, port: int, out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     # gathering a 2-D (FSDP2 x TP) gradient whole warns that it takes two all-gathers: the check's own, not the user's
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # a wrong plan's shape error: ours
     os.chdir(spec.cwd)
     try:
         factory, parallelize, step, names = _functions(spec)
@@ -244,7 +249,12 @@ def _worker(rank: int, spec: _Spec, port: int, out: str) -> None:
         data_rank = mesh.get_local_rank("DP") if mesh.layout.has("DP") else 0
         torch.manual_seed(SEED + 1 + data_rank)
         with Recorder(model) as rec, Deterministic(rec) as det:
-            _call("--step", names[2], step, model, spec.micro_batch_size)
+            try:
+                _call("--step", names[2], step, model, spec.micro_batch_size)
+            except _UserError as e:
+                if not rec.stack:
+                    raise
+                raise _UserError(f"{e} (in the forward of {rec.stack[-1] or 'the root'})") from e.__cause__
         grads = gradients(model)
         coords = {n: mesh.get_local_rank(n) for n in mesh.layout.dim_names}
         torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
@@ -269,6 +279,7 @@ def _run_parallel(spec: _Spec, out: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "terminating process": ours
     context = mp.start_processes(_worker, args=(spec, port, out), nprocs=spec.world_size, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + spec.timeout_s + 60

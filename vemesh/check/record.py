@@ -80,11 +80,13 @@ class Recorder:
     """Record ``model``'s module outputs while active (a context manager), in the order the modules finish."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.names = {id(m): plain_name(n) for n, m in unwrap(model).named_modules(remove_duplicate=False)}
+        self.modules = list(unwrap(model).named_modules(remove_duplicate=False))
+        self.names = {id(m): plain_name(n) for n, m in self.modules}
         #: ``(module name, call, index) -> tensor``, in the order the outputs were produced
         self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
         self.calls: dict[str, int] = {}
-        #: the modules whose forward is running now (innermost last), for :class:`Deterministic`
+        #: the modules whose forward is running now (innermost last), for :class:`Deterministic`; after a forward
+        #: raised, the modules it raised in
         self.stack: list[str] = []
         self._handles: list[Any] = []
 
@@ -110,8 +112,12 @@ class Recorder:
             self.outputs[(name, call, i)] = _whole(t if shard is None else shard)
 
     def __enter__(self) -> Recorder:
-        self._handles = [nn.modules.module.register_module_forward_pre_hook(self._pre),
-                         nn.modules.module.register_module_forward_hook(self._post, always_call=True)]
+        # each module's own hooks, after those that parallelizing put there (a TP style's output redistribution
+        # runs first, so the output recorded is the one the next module gets; an embedding's masked partial sum is
+        # reduced by its style, not by the recording)
+        for _, m in {id(m): (n, m) for n, m in self.modules}.values():
+            self._handles += [m.register_forward_pre_hook(self._pre, prepend=True),
+                              m.register_forward_hook(self._post)]
         return self
 
     def __exit__(self, *exc: Any) -> None:
