@@ -24,6 +24,7 @@ step, a learning-rate schedule), CUDA kernels, or a PP schedule (PP > 1 is refus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -188,17 +190,57 @@ def _tolerance(rtol: float | None, dtypes: set[torch.dtype]) -> float:
     return 2e-2 if dtypes & {torch.bfloat16, torch.float16} else 1e-4
 
 
-def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b| / max |b|`` in fp64 (``inf`` when one has non-finite values the other has not)."""
+#: a tensor is measured against its own largest value, but never against less than this share of the median
+#: tensor's largest value: a gradient that is zero in exact arithmetic (the key bias's: softmax ignores a constant
+#: per query) is rounding in both runs, and its "relative" difference would be 1
+FLOOR = 1e-2
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """``max |a - b| / max(max |b|, floor)`` in fp64 (``inf`` when one has non-finite values the other has not)."""
     a, b = a.double(), b.double()
     if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
         return math.inf
     a, b = torch.nan_to_num(a), torch.nan_to_num(b)
     scale = b.abs().max().item() if b.numel() else 0.0
-    return (a - b).abs().max().item() / max(scale, 1e-30) if b.numel() else 0.0
+    return (a - b).abs().max().item() / max(scale, floor, 1e-30) if b.numel() else 0.0
+
+
+def _floor(tensors: list[torch.Tensor]) -> float:
+    """:data:`FLOOR` times the median of the tensors' largest absolute values."""
+    peaks = sorted(t.detach().abs().max().item() for t in tensors if t is not None and t.numel())
+    return FLOOR * peaks[len(peaks) // 2] if peaks else 0.0
+
+
+@contextlib.contextmanager
+def _one_rank_world() -> Iterator[None]:
+    """A world of one gloo rank with ``VESCALE_DEVICE_MESH`` built on it, for a step that asks the mesh (its CP
+    degree, its groups): every degree is 1 there. Undone after."""
+    import torch.distributed as dist
+
+    from vemesh.layout.parallel_dims import ParallelDims
+    from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+    from vemesh.planning.fake_world import _forget_meshes
+
+    if dist.is_initialized():
+        raise CheckInputError("vemesh check runs both worlds itself: call it before init_process_group (or from "
+                              "another process), not inside a distributed job")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        ParallelDims(1).build("cpu", mesh)
+        yield
+    finally:
+        mesh.reset()
+        dist.destroy_process_group()
+        _forget_meshes()
 
 
 def _reference(spec: _Spec, factory: Any, parallelize_name: str, step: Any, names: tuple[str, str, str]) -> dict:
+    with _one_rank_world():
+        return _reference_run(spec, factory, step, names)
+
+
+def _reference_run(spec: _Spec, factory: Any, step: Any, names: tuple[str, str, str]) -> dict:
     torch.manual_seed(SEED)
     model = _call("--model", names[0], factory, **spec.model_kwargs)
     if not isinstance(model, torch.nn.Module):
@@ -333,6 +375,7 @@ def _compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> N
 
     # module outputs, in the one-process run's forward order, DP rank by DP rank
     for d, ref_out in enumerate(ref["outputs"]):
+        floor = _floor(list(ref_out.values()))
         mine = [r for r in ranks if r["data_rank"] == d]
         first_group = [r for r in mine if all(r["coords"].get(k, 0) == 0 for k in r["coords"] if k not in ("TP", "DP"))]
         first_group.sort(key=lambda r: r["coords"].get("TP", 0))
@@ -344,14 +387,14 @@ def _compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> N
                 continue
             same = [g for g in got if g.shape == want.shape]
             if same:
-                diff = max(_difference(g, want) for g in same)
+                diff = max(_difference(g, want, floor) for g in same)
             else:
                 peers = [r["outputs"].get(key) for r in first_group]
                 joined = _joined(peers, want.shape) if all(p is not None for p in peers) else None
                 if joined is None:
                     result.outputs_not_comparable += 1
                     continue
-                diff = _difference(joined, want)
+                diff = _difference(joined, want, floor)
             result.outputs_compared += 1
             seen(diff, f"{key[0] or 'the root'}'s output")
             if diff > tol and result.first_module is None:
@@ -361,6 +404,7 @@ def _compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> N
                 matched.append(key[0] or "(the root)")
     # gradients, by name, on every rank
     bad = []
+    floor = _floor(list(ref["grads"].values()))
     for name, want in ref["grads"].items():
         diffs = []
         for r in ranks:
@@ -370,7 +414,7 @@ def _compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> N
             if (got is None) != (want is None):
                 diffs.append(math.inf)
             elif got is not None and want is not None:
-                diffs.append(_difference(got, want) if got.shape == want.shape else math.inf)
+                diffs.append(_difference(got, want, floor) if got.shape == want.shape else math.inf)
         if not diffs:
             continue
         result.gradients_compared += 1
@@ -394,8 +438,8 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
         step: ``MODULE:FUNCTION``: ``step(model, micro_batch_size)``, one forward and backward.
         world_size, dp, tp, cp, ep, dp_replicate: the degrees, as ``vemesh plan`` takes them (``dp`` fills the rest).
         model_kwargs: given to the factory: a small configuration of the same code (``n_layer=2``).
-        rtol: the largest relative difference (``max |a - b| / max |b|``) called exact; default 1e-4 (2e-2 when
-            the model holds bf16 or fp16 parameters).
+        rtol: the largest relative difference (``max |a - b| / max |b|``, with ``max |b|`` at least 1% of the
+            median tensor's: :data:`FLOOR`) called exact; default 1e-4 (2e-2 with bf16 or fp16 parameters).
 
     Raises:
         CheckInputError: a bad reference or degree, a model too large for this machine, or a step that raises in

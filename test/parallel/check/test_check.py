@@ -161,3 +161,19 @@ def test_bad_input_is_one_line_naming_the_value(argv: list[str], message: str,
 def test_a_step_that_raises_in_one_process_is_bad_input() -> None:
     with pytest.raises(CheckInputError, match=r"in one process, before any parallelizing"):
         check(f"module:{nano('make')}", nano("parallelize"), nano("make"), world_size=2, tp=2)
+
+
+GPT = str(ROOT / "test" / "models" / "gpt_check_jobs.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelize, kwargs", [
+    ("parallelize_ddp", {}),
+    ("parallelize_fsdp_sp", {}),
+    ("parallelize_ddp", {"moe_experts": 4}),
+])
+def test_the_examples_gpt_is_exact_with_its_own_parallelize(parallelize: str, kwargs: dict) -> None:
+    """examples/gpt's model and plans (TP, SP, DDP, FSDP2, and EP when the model has experts), DP 2 x TP 2."""
+    result = check(f"module:{GPT}:make", f"{GPT}:{parallelize}", f"{GPT}:step", world_size=4, tp=2,
+                   ep=2 if kwargs else 1, model_kwargs=kwargs)
+    assert result.exact, result.render()
