@@ -37,13 +37,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["FusedColwiseParallel", "fsdp_placement"]
+__all__ = ["FusedColwiseParallel", "for_checkpoint", "fsdp_placement"]
 
 
 def fsdp_placement(param: nn.Parameter) -> Shard | None:
@@ -131,3 +133,61 @@ class FusedColwiseParallel(ColwiseParallel):
         if self.gather_output:
             outputs = outputs.redistribute(placements=[Replicate()])
         return outputs.to_local() if use_local_output else outputs
+
+
+def _strided_chunks(t: DTensor) -> list[tuple[list[int], list[int], slice]] | None:
+    """``(global offsets, sizes, local rows)`` of each contiguous block of ``t``'s rows when a fused style's strided
+    shard of dim 0 is its only sharding of dim 0 (its other mesh dims replicate it or shard other dims); None for
+    every other DTensor (FSDP2 over TP's own strided shard included, which torch's DCP writes as it is)."""
+    strided = [(i, p) for i, p in enumerate(t.placements) if isinstance(p, _StridedShard)]
+    if len(strided) != 1 or strided[0][1].dim != 0:
+        return None
+    i, p = strided[0]
+    if any(j != i and isinstance(q, Shard) and q.dim == 0 for j, q in enumerate(t.placements)):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    rest = [Replicate() if j == i else q for j, q in enumerate(t.placements)]
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, rest)
+    n, coord = t.device_mesh.size(i), t.device_mesh.get_local_rank(i)
+    rows, sf = t.shape[0], p.split_factor
+    if rows % (sf * n):
+        return None
+    piece = rows // (sf * n)
+    return [([c * (rows // sf) + coord * piece, *offset[1:]], [piece, *shape[1:]], slice(c * piece, (c + 1) * piece))
+            for c in range(sf)]
+
+
+def for_checkpoint(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as DCP can write and read it: a fused weight's strided shard (and its optimizer state, placed alike) as
+    one chunk per block of rows, which DCP's default (one chunk per rank) cannot describe; anything else as it is.
+
+    The result shares ``t``'s storage: DCP's load writes into ``t``. vemesh's checkpoints call it on every tensor.
+    """
+    chunks = _strided_chunks(t) if isinstance(t, DTensor) else None
+    if chunks is None:
+        return t
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    local = t._local_tensor.view(t._local_tensor.shape)  # a new object on the same storage, to carry the hooks
+
+    def metadata() -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in chunks]
+
+    def write_items(fqn: str, obj: object) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, m.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=m, properties=TensorProperties.create_from_tensor(local),
+                                                      size=t.size()))
+                for m in metadata()]
+
+    def shard(index: MetadataIndex) -> torch.Tensor:
+        for o, _, rows in chunks:
+            if index.offset is not None and list(index.offset) == o:
+                return local[rows]
+        raise ValueError(f"no block of this rank's rows starts at {index.offset} ({index.fqn})")
+
+    local.__create_write_items__ = write_items  # type: ignore[attr-defined]
+    local.__create_chunk_list__ = metadata  # type: ignore[attr-defined]
+    local.__get_tensor_shard__ = shard  # type: ignore[attr-defined]
+    return DTensor(local, t._spec, requires_grad=False)

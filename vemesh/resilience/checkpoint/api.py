@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import vemesh.resilience.checkpoint.errors as errors
 import vemesh.resilience.checkpoint.lock as lock
 from vemesh.mesh.manager import VESCALE_DEVICE_MESH
+from vemesh.parallel.fused import for_checkpoint
 from vemesh.resilience.checkpoint.errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -117,7 +118,7 @@ def save(
     _decide_on_rank0(prepare)
     try:
         try:
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False), no_dist=_no_dist())
+            dcp.save({k: for_checkpoint(v) for k, v in tensors.items()}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False), no_dist=_no_dist())
         except CheckpointException as e:
             raise CheckpointError(f"saving step {step} into '{tmp}' failed: {_summary(e)}") from None
         # every rank checksums its share of the files, in parallel; rank 0 records them all
@@ -222,7 +223,7 @@ def load(
     _verify_checksums(path, manifest)
     template, apply_optimizer_state = load_state(model, optimizer, entries, manifest.get("optimizer"), str(path), strict)
     try:
-        dcp.load(template, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=_no_dist())
+        dcp.load({k: for_checkpoint(v) for k, v in template.items()}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=_no_dist())
     except CheckpointException as e:
         raise DamagedCheckpointError(f"checkpoint '{path}' could not be read: {_summary(e)}") from None
     apply_optimizer_state()

@@ -1,0 +1,126 @@
+"""Ties and fused projections on torch's fake backend (every rank's view in one process), and the strided shard's
+values on 2 real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from vemesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.ddp import DistributedDataParallel
+from vemesh.parallel import FusedColwiseParallel, ParallelDims, check_ties, fully_shard, parallelize_module
+from vemesh.parallel.fused import fsdp_placement
+from vemesh.parallel.ties import BrokenTieError, tie_groups
+from vemesh.planning.fake_world import _forget_meshes
+
+
+@pytest.fixture
+def world():  # type: ignore[no-untyped-def]
+    def build(n: int, rank: int = 0, tp: int = 2):  # type: ignore[no-untyped-def]
+        dist.init_process_group("fake", rank=rank, world_size=n, store=FakeStore())
+        ParallelDims(n, tp=tp).build("cpu")
+        return mesh
+    yield build
+    mesh.reset()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _forget_meshes()  # DTensor's caches are keyed by meshes that compare equal across fake worlds
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, 16)
+        self.mid = nn.Linear(16, 16)
+        self.lm_head = nn.Linear(16, 64, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.mid(self.wte(idx)))
+
+
+ENDS = {"wte": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Replicate())}
+
+
+def test_tie_groups_names_every_end() -> None:
+    assert tie_groups(Tied()) == [["wte.weight", "lm_head.weight"]]
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_torch_parallelize_module_breaks_the_tie_and_ddp_and_fully_shard_refuse(world, rank: int) -> None:  # type: ignore[no-untyped-def]
+    world(4, rank)
+    model = Tied()
+    torch_parallelize_module(model, mesh["TP"], ENDS)
+    assert model.wte.weight is not model.lm_head.weight  # what torch does: two parameters where there was one
+    with pytest.raises(BrokenTieError, match=r"vemesh DistributedDataParallel: the tied parameter wte.weight and "
+                                             r"lm_head.weight was one parameter and is now 2"):
+        DistributedDataParallel(model)
+    with pytest.raises(BrokenTieError, match=r"vemesh.parallel.fully_shard: the tied parameter wte.weight"):
+        fully_shard(model)
+
+
+def test_one_end_sharded_is_a_broken_tie_too(world) -> None:  # type: ignore[no-untyped-def]
+    world(2)
+    model = Tied()
+    torch_parallelize_module(model, mesh["TP"], {"lm_head": ColwiseParallel()})
+    with pytest.raises(BrokenTieError, match=r"wte.weight is a plain tensor; lm_head.weight is a DTensor"):
+        check_ties(model, "here")
+    model = Tied()
+    with pytest.raises(BrokenTieError, match=r"sharded its ends differently \(wte.weight is a plain tensor"):
+        parallelize_module(model, mesh["TP"], {"lm_head": ColwiseParallel()})
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_vemesh_parallelize_module_keeps_one_parameter_sharded_once(world, rank: int) -> None:  # type: ignore[no-untyped-def]
+    world(4, rank)
+    model = Tied()
+    parallelize_module(model, mesh["TP"], ENDS)
+    assert model.wte.weight is model.lm_head.weight
+    assert model.wte.weight.placements == (Shard(0),) and model.wte.weight.to_local().shape == (32, 16)
+    assert len(list(model.parameters())) == 3  # wte/lm_head once, mid's weight and bias
+    check_ties(model, "here")  # nothing to say
+    DistributedDataParallel(model)  # accepted
+
+
+def test_a_re_tie_by_hand_is_accepted(world) -> None:  # type: ignore[no-untyped-def]
+    world(2)
+    model = Tied()
+    torch_parallelize_module(model, mesh["TP"], ENDS)
+    model.lm_head.weight = model.wte.weight
+    check_ties(model, "here")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fused_style_shards_each_chunk_and_replicates_the_bias(world, rank: int) -> None:  # type: ignore[no-untyped-def]
+    world(2, rank)
+    lin = nn.Linear(8, 24)
+    torch_parallelize_module(lin, mesh["TP"], FusedColwiseParallel(3))
+    assert lin.weight.placements == (_StridedShard(0, split_factor=3),) and lin.weight.to_local().shape == (12, 8)
+    assert lin.bias.placements == (Replicate(),)
+    assert fsdp_placement(lin.weight) == Shard(1) and fsdp_placement(lin.bias) is None
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: FusedColwiseParallel([32, 8, 8]), r"chunks \[32, 8, 8\] are unequal \(GQA's q and kv parts\?\)"),
+    (lambda: FusedColwiseParallel(0), r"chunks must be at least 1, got 0"),
+    (lambda: FusedColwiseParallel("3"), r"chunks must be a positive int or a list of positive sizes, got '3'"),
+    (lambda: FusedColwiseParallel(3, output_layouts=Shard(1)), r"output_layouts must be None .* or Replicate\(\)"),
+])
+def test_fused_style_bad_arguments(make, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_fused_style_refuses_rows_that_do_not_split_into_whole_chunks(world) -> None:  # type: ignore[no-untyped-def]
+    world(4, tp=4)
+    with pytest.raises(ValueError, match=r"has 18 rows, which 3 chunks over 4 TP ranks cannot split evenly"):
+        torch_parallelize_module(nn.Linear(8, 18), mesh["TP"], FusedColwiseParallel(3))
+    with pytest.raises(ValueError, match=r"shards an nn.Linear, got Embedding"):
+        torch_parallelize_module(nn.Embedding(8, 12), mesh["TP"], FusedColwiseParallel(3))
