@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel" / "ddp_optim"))
 from ddp_optim_harness import TP_PLAN, batch, make_net, max_param_diff, reference_run, tp_model  # noqa: E402

@@ -109,6 +109,9 @@ def render_fit(job: Job, fit: MeshFit) -> str:
         if not fit.traced:
             cells[4] = f"{'-':>12}"
         lines.append(f"  {c.name:{width}}" + "".join(cells))
+    if (fit.dp_mode or job.mode) == "zero1" and d["DP"] > 1:
+        lines.append("  (ZeRO-1: params is the whole TP shard on every DP rank; the optimizer's state and the fp32 "
+                     "masters are split over DP)")
     dims = sorted({k for c in fit.classes for k in c.sent})
     if dims:
         sdiv, sunit = _unit(max(max(c.sent.values(), default=0) for c in fit.classes))
@@ -131,13 +134,16 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
     memory = (f", {device_memory / 2**30:.1f} GiB per device" if device_memory >= 2**30 else
               f", {device_memory / 2**20:.1f} MiB per device") if device_memory else ""
     hosts = f", {devices_per_host} devices per host" if devices_per_host else ""
+    chosen = any(f.activation_checkpointing is not None for f in fits)  # --choose: each mesh's own mbs and AC
     lines = [f"plan: {job.name}" + (f" through {_name(job.parallelize)}" if job.parallelize else ""),
              f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
-             f"{job.dtype}, {job.dp_mode or ('as the function applies' if job.user else 'zero1')}; ranked by {cost}",
+             + ("each mesh's own micro-batch (the mbs column), " if chosen else
+                f"micro-batch {job.micro_batch_size} (--micro-batch-size B sets it), " if job.micro_batch_size else
+                "micro-batches of 2 x PP per DP rank, ")
+             + f"{job.dtype}, {job.dp_mode or ('as the function applies' if job.user else 'zero1')}; ranked by {cost}",
              f"{len(fits) + len(rejected)} meshes considered (" + _considered(job, world_size) + f"); {len(fits)} fit"
              + (f"; the best {min(top, len(fits))}:" if fits else "")]
     timed = any(f.times for f in fits)
-    chosen = any(f.activation_checkpointing is not None for f in fits)  # --choose: each mesh's own mbs and AC
     if fits:
         lines.append(f"  {'#':>3}  {'mesh (outermost first)':28} " + ("  mbs  AC  " if chosen else "")
                      + f"{'peak':>10}  {'between hosts':>15}  "
