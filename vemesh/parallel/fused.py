@@ -20,7 +20,7 @@ checkpoint or ``full_tensor()`` of it would be silently wrong. torch's own ``ful
 The output:
 
 * ``use_local_output=True`` (the default): the local ``[q_r | k_r | v_r]``, for a forward that reshapes with
-  ``-1`` heads or local sizes (HF's, Megatron's, ``examples/my_model``);
+  ``-1`` heads or local sizes (HF's, Megatron's, the planner docs' own model);
 * ``use_local_output=False``: a DTensor of the global shape, for a forward written with global sizes
   (nanoGPT's ``split(n_embd, dim=2)`` then ``view(B, T, n_head, hs)``). torch's ``split`` of a strided shard
   gathers it first, so q, k and v are replicated and the attention after them runs every head on every rank:

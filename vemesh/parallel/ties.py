@@ -20,6 +20,7 @@ Two things keep that from happening:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -69,10 +70,16 @@ def tie_groups(module: nn.Module) -> list[list[str]]:
     return [ns for ns in names.values() if len(ns) > 1]
 
 
-def broken_ties(module: nn.Module) -> list[list[list[str]]]:
+def _named(module: nn.Module | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(module, nn.Module):
+        return list(module.named_parameters(remove_duplicate=False))
+    return list(module)
+
+
+def broken_ties(module: nn.Module | Iterable[tuple[str, torch.Tensor]]) -> list[list[list[str]]]:
     """Each broken tie: the names of each of its now-separate parameters (one list per parameter object)."""
     by_token: dict[int, dict[int, list[str]]] = {}
-    for n, p in module.named_parameters(remove_duplicate=False):
+    for n, p in _named(module):
         token = p.__dict__.get(_ATTR)
         if token is not None:
             by_token.setdefault(id(token), {}).setdefault(id(p), []).append(n)
@@ -85,12 +92,15 @@ def _describe(p: torch.Tensor) -> str:
     return "a plain tensor"
 
 
-def check_ties(module: nn.Module, who: str) -> None:
-    """Raise when a parameter tied in the model as built (one object) is now several after parallelizing."""
-    broken = broken_ties(module)
+def check_ties(module: nn.Module | Iterable[tuple[str, torch.Tensor]], who: str) -> None:
+    """Raise when a parameter tied in the model as built (one object) is now several after parallelizing.
+
+    ``module``: the model, or its ``(name, parameter)`` pairs (``named_parameters()``)."""
+    named = _named(module)
+    broken = broken_ties(named)
     if not broken:
         return
-    params = dict(module.named_parameters(remove_duplicate=False))
+    params = dict(named)
     ends = broken[0]
     listed = "; ".join(f"{' = '.join(names)} is {_describe(params[names[0]])}" for names in ends)
     raise BrokenTieError(

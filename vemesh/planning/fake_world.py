@@ -77,9 +77,12 @@ def _forget_meshes() -> None:
 def real_mesh_tensors() -> Iterator[None]:
     """torch's DeviceMesh computes with its rank tensor (``nonzero``, ``tolist``); under FakeTensorMode that tensor
     would be fake. DeviceMesh never touches the model's tensors, so every method of it runs with real tensors here
-    (FSDP2 builds a mesh while sharding a TP model; vemesh DDP reads a DTensor's mesh)."""
+    (FSDP2 builds a mesh while sharding a TP model; vemesh DDP reads a DTensor's mesh). So does torch's strided
+    shard's index arithmetic (``_StridedShard.local_shard_size_and_offset``: an ``arange`` of a dim's size, then
+    ``tolist``), which gathering one (a fused projection's, ``vemesh.parallel.FusedColwiseParallel``) runs."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     def real(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -103,11 +106,14 @@ def real_mesh_tensors() -> Iterator[None]:
         else:
             continue
         setattr(DeviceMesh, name, new)
+    strided = vars(_StridedShard)["local_shard_size_and_offset"]
+    _StridedShard.local_shard_size_and_offset = real(strided)
     try:
         yield
     finally:
         for name, attr in saved.items():
             setattr(DeviceMesh, name, attr)
+        _StridedShard.local_shard_size_and_offset = strided
 
 
 @contextlib.contextmanager

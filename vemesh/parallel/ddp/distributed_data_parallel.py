@@ -25,7 +25,6 @@ from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over
 from vemesh.parallel.ddp.support import (PipelineReducer, broadcast_from_first, check_bucket_size, check_experts,
                                         check_params_kept, check_placement, like, release_params, step_guard,
                                         tp_gradients_checked, weak_method, weak_param_hook)
-from vemesh.parallel.ties import check_ties
 from vemesh.parallel.tp_replicas import tp_group_beside
 
 __all__ = ["DistributedDataParallel"]
@@ -105,7 +104,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise ValueError(f"module is already wrapped in {type(module).__name__}; wrap the inner module once")
         group, described = resolve_group(data_pg_or_device_mesh)
-        check_ties(module, "vemesh DistributedDataParallel")
         bucket_size = check_bucket_size(bucket_size)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -160,7 +158,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.replicas = replicas
         self._tp_to_check = tp_group_beside(set(dist.get_process_group_ranks(group))) if check_tp_gradients else None
 
-        check_placement(list(module.named_parameters()), experts, group, expert_group)  # names and shapes agree
+        check_placement(list(module.named_parameters()), experts, group, expert_group)  # ties kept; names, shapes agree
         if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
             dense = [local_tensor(p) for p in module.parameters() if id(p) not in experts]
             broadcast_from_first(dense + self._module_buffers(), group)

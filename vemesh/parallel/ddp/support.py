@@ -17,6 +17,7 @@ from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
 from vemesh.parallel.ddp.grad_buffer import local_tensor
 from vemesh.parallel.ddp.groups import resolve_group
 from vemesh.parallel.experts.style import is_expert
+from vemesh.parallel.ties import check_ties
 from vemesh.parallel.tp_replicas import check_tp_gradients
 
 __all__ = ["check_bucket_size", "broadcast_from_first",
@@ -241,7 +242,9 @@ def check_replicas(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGro
 
 def check_placement(named: list[tuple[str, torch.Tensor]], experts: frozenset[int], group: dist.ProcessGroup,
                     expert_group: dist.ProcessGroup | None) -> None:
-    """The dense parameters are replicas over the DP group, the experts over the EDP group (see :func:`check_replicas`)."""
+    """No tie was broken (:func:`~vemesh.parallel.ties.check_ties`); the dense parameters are replicas over the DP
+    group, the experts over the EDP group (see :func:`check_replicas`)."""
+    check_ties(named, "vemesh DistributedDataParallel")
     check_replicas([(n, p) for n, p in named if id(p) not in experts], group, "data-parallel",
                    "parameters that differ by rank, such as the experts of expert parallelism, go in "
                    "expert_parameters, with expert_data_parallel")

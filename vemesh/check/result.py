@@ -1,0 +1,92 @@
+"""What ``vemesh check`` found (:class:`CheckResult`: its verdict, the text it prints and its JSON), and its input error."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["CheckInputError", "CheckResult"]
+
+
+class CheckInputError(ValueError):
+    """Bad input to the check (a reference, a degree, a step that raises in one process): one line, exit 2."""
+
+
+@dataclass
+class CheckResult:
+    """What ``vemesh check`` found; :meth:`render` is the text it prints, :meth:`to_json` its ``--json``."""
+
+    #: ``"exact"``, ``"differs"`` (a wrong plan), or ``"random"`` (a random op in the forward makes them differ)
+    verdict: str
+    degrees: dict[str, int]
+    world_size: int
+    micro_batch_size: int
+    rtol: float
+    #: the largest relative difference over everything compared, and where it was
+    largest: float = 0.0
+    largest_at: str = ""
+    outputs_compared: int = 0
+    gradients_compared: int = 0
+    #: outputs the parallel run made in another shape that no join over TP gives (left out, counted)
+    outputs_not_comparable: int = 0
+    #: the first module whose output differs: name, call, DP rank, relative difference; and the modules before it
+    first_module: dict[str, Any] | None = None
+    matched_before: list[str] = field(default_factory=list)
+    #: ``(parameter, relative difference)`` of the gradients that differ, worst first
+    gradients: list[tuple[str, float]] = field(default_factory=list)
+    broken_ties: list[list[str]] = field(default_factory=list)
+    #: the parallel run raised where one process did not (the plan's error, or vemesh's tie or TP-replica check)
+    error: str = ""
+    dropouts: int = 0
+    random_ops: list[tuple[str, str]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def exact(self) -> bool:
+        return self.verdict == "exact"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"exact": self.exact}
+
+    def render(self) -> str:
+        mesh = " x ".join(f"{k} {v}" for k, v in self.degrees.items() if v > 1) or "one rank"
+        head = (f"{mesh} on {self.world_size} gloo processes against one process, micro-batch "
+                f"{self.micro_batch_size}: {self.outputs_compared} module outputs and {self.gradients_compared} "
+                "gradients compared")
+        lines = []
+        if self.exact:
+            lines.append(f"vemesh check: exact. {head}; largest relative difference {self.largest:.1e}"
+                         + (f" ({self.largest_at})" if self.largest_at else "") + f", within {self.rtol:g}")
+        elif self.verdict == "random":
+            lines.append(f"vemesh check: not comparable: random numbers drawn in the forward. {head}")
+            ops = ", ".join(sorted({f"{op} in {m or 'the root'}" for m, op in self.random_ops}))
+            lines.append(f"  {ops}: the two runs draw them differently, so they differ (not a verdict on the plan). "
+                         "Make the forward deterministic for the check (a factory argument), and check again")
+        else:
+            lines.append(f"vemesh check: DIFFERS from one process. {head}")
+        for names in self.broken_ties:
+            lines.append(f"  tie broken: {' and '.join(names)} are one parameter in the model as built and several "
+                         "after parallelize: shard both ends the same way with vemesh.parallel.parallelize_module, "
+                         "or re-tie them")
+        if self.error:
+            lines.append(f"  the parallel run raised where one process did not: {self.error}")
+        if self.first_module is not None:
+            fm = self.first_module
+            lines.append(f"  first module whose output differs: {fm['module'] or '(the root)'} (forward call "
+                         f"{fm['call'] + 1}, DP rank {fm['dp_rank']}): relative difference {fm['difference']:.3g}")
+            if self.matched_before:
+                lines.append(f"  the modules just before it match: {', '.join(self.matched_before)}")
+        if self.gradients and self.first_module is None and not self.broken_ties and not self.error:
+            lines.append("  every output matches but gradients differ: a parameter whose gradient is each TP rank's "
+                         "part only (a norm over its own heads, or between sequence-parallel regions, without "
+                         "SequenceParallel), or a gradient that DP does not average")
+        if self.gradients:
+            lines.append(f"  gradients that differ ({len(self.gradients)}), worst first:")
+            lines += [f"    {name}: {diff:.3g}" for name, diff in self.gradients[:12]]
+            if len(self.gradients) > 12:
+                lines.append(f"    and {len(self.gradients) - 12} more")
+        if self.dropouts:
+            lines.append(f"  dropout: {self.dropouts} calls drew nothing in either run (p taken as 0)")
+        if self.seconds:
+            lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
+        return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""The two runs of ``vemesh check``: one process (:func:`reference`), and N gloo processes it starts itself
+(:func:`run_parallel`, each rank :func:`_worker`), from the same seeds; what each records goes back to the caller
+(the parallel ranks' through files in a temporary directory)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vemesh.check.record import Deterministic, Recorder, gradients, plain_name, unwrap
+from vemesh.check.result import CheckInputError
+from vemesh.layout.parallel_dims import ParallelDims
+from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.parallel.ties import BrokenTieError, tie_groups
+from vemesh.parallel.tp_replicas import TPReplicaError
+from vemesh.planning.fake_world import _forget_meshes
+from vemesh.planning.user_code import UserFunctions, user_frame
+
+__all__ = ["SEED", "Spec", "Timeout", "UserError", "dims", "errors", "functions", "reference", "run_parallel"]
+
+#: the first seed: the model's weights; DP rank ``d``'s inputs are drawn from ``seed + 1 + d``
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What every process of the check needs, picklable: references (or module-level callables) and sizes."""
+
+    model: Any
+    parallelize: Any
+    step: Any
+    model_kwargs: dict[str, Any]
+    world_size: int
+    degrees: dict[str, int]
+    dp_replicate: int
+    micro_batch_size: int
+    cwd: str
+    timeout_s: float
+
+
+def functions(spec: Spec) -> tuple[Any, Any, Any, tuple[str, str, str]]:
+    if spec.parallelize is None:
+        raise CheckInputError("--parallelize MODULE:FUNCTION is required: the check compares what it builds with "
+                              "one process")
+    try:
+        fns = UserFunctions.of(spec.model, spec.parallelize, spec.step)
+    except ValueError as e:
+        raise CheckInputError(str(e)) from None
+    return fns.factory, fns.parallelize, fns.step, fns.names
+
+
+def _call(what: str, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise UserError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:400]}") from e
+
+
+class UserError(Exception):
+    """A user's function raised: one line naming it."""
+
+
+def dims(world_size: int, degrees: dict[str, int], dp_replicate: int) -> Any:
+    names = tuple(n for n in ("DP", "CP", "TP") if degrees[n] > 1) or None
+    return ParallelDims(world_size, dp_replicate=dp_replicate, cp=degrees["CP"], tp=degrees["TP"], ep=degrees["EP"],
+                        mesh_dims=names)
+
+
+@contextlib.contextmanager
+def _one_rank_world() -> Iterator[None]:
+    """A world of one gloo rank with ``VESCALE_DEVICE_MESH`` built on it, for a step that asks the mesh (its CP
+    degree, its groups): every degree is 1 there. Undone after."""
+
+    if dist.is_initialized():
+        raise CheckInputError("vemesh check runs both worlds itself: call it before init_process_group (or from "
+                              "another process), not inside a distributed job")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        ParallelDims(1).build("cpu", mesh)
+        yield
+    finally:
+        mesh.reset()
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def reference(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) -> dict:
+    """The one-process run, on one thread as each rank of the parallel run is (a kernel's rounding depends on its
+    threads: the figures are the same run after run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _one_rank_world():
+            return _reference_run(spec, factory, step, names)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) -> dict:
+    torch.manual_seed(SEED)
+    model = _call("--model", names[0], factory, **spec.model_kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise CheckInputError(f"--model {names[0]} returned {type(model).__name__}, not an nn.Module")
+    dp = spec.degrees["DP"]
+    outputs, dropouts, random_ops = [], 0, []
+    for d in range(dp):
+        torch.manual_seed(SEED + 1 + d)
+        with Recorder(model) as rec, Deterministic(rec) as det:
+            _call("--step", names[2], step, model, spec.micro_batch_size)
+        outputs.append(rec.outputs)
+        dropouts += det.dropouts
+        random_ops += det.random_ops
+    grads = {n: None if g is None else g / dp for n, g in gradients(model).items()}
+    dtypes = {p.dtype for p in model.parameters()}
+    return {"outputs": outputs, "grads": grads, "dropouts": dropouts, "random_ops": random_ops, "dtypes": dtypes}
+
+
+def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(spec.world_size), LOCAL_WORLD_SIZE=str(spec.world_size))
+    torch.set_num_threads(1)  # as the one-process run: the same kernels, the same figures run after run
+    # gathering a 2-D (FSDP2 x TP) gradient whole warns that it takes two all-gathers: the check's own, not the user's
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # a wrong plan's shape error: ours
+    os.chdir(spec.cwd)
+    try:
+        factory, parallelize, step, names = functions(spec)
+        dist.init_process_group("gloo", rank=rank, world_size=spec.world_size,
+                                timeout=timedelta(seconds=spec.timeout_s))
+    
+        dims(spec.world_size, spec.degrees, spec.dp_replicate).build("cpu", mesh)
+        torch.manual_seed(SEED)
+        model = _call("--model", names[0], factory, **spec.model_kwargs)
+        ties = tie_groups(model)
+        model = _call("--parallelize", names[1], parallelize, model, mesh)
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
+        params = {plain_name(n): p for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
+        broken = [[plain_name(n) for n in group] for group in ties
+                  if len({id(params.get(plain_name(n))) for n in group}) > 1]
+        data_rank = mesh.get_local_rank("DP") if mesh.layout.has("DP") else 0
+        torch.manual_seed(SEED + 1 + data_rank)
+        with Recorder(model) as rec, Deterministic(rec) as det:
+            try:
+                _call("--step", names[2], step, model, spec.micro_batch_size)
+            except UserError as e:
+                if not rec.stack:
+                    raise
+                raise UserError(f"{e} (in the forward of {rec.stack[-1] or 'the root'})") from e.__cause__
+        grads = gradients(model)
+        coords = {n: mesh.get_local_rank(n) for n in mesh.layout.dim_names}
+        torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
+                    "broken": broken, "dropouts": det.dropouts, "random_ops": det.random_ops},
+                   os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 -- written for the parent, then raised so that the others stop
+        cause = e.__cause__ if isinstance(e, UserError) and e.__cause__ is not None else e
+        kind = ("tie" if isinstance(cause, BrokenTieError) else "tp_replicas" if isinstance(cause, TPReplicaError)
+                else "input" if isinstance(e, CheckInputError) else "user" if isinstance(e, UserError) else "other")
+        text = str(e) if isinstance(e, (UserError, CheckInputError)) else f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"error{rank}.json"), "w") as f:
+            json.dump({"kind": kind, "message": " ".join(text.split()),
+                       "trace": traceback.format_exc(limit=-6)}, f)
+        raise
+
+
+def run_parallel(spec: Spec, out: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "terminating process": ours
+    context = mp.start_processes(_worker, args=(spec, port, out), nprocs=spec.world_size, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + spec.timeout_s + 60
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise Timeout(f"the parallel run did not finish in {spec.timeout_s + 60:.0f} s (a hang in the plan "
+                               "or the step?); rerun with a longer --timeout, or see docs/debugging-hangs.md")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        pass  # the error files say what
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in context.processes:
+            p.join(5)
+
+
+class Timeout(Exception):
+    pass
+
+
+def errors(out: str) -> list[dict[str, str]]:
+    found = []
+    for path in sorted(Path(out).glob("error*.json")):
+        found.append(json.loads(path.read_text()))
+    order = {"tie": 0, "tp_replicas": 1, "input": 2, "user": 3, "other": 4}
+    noise = ("Connection reset", "Connection closed", "Broken pipe", "NCCL", "gloo")
+    return sorted(found, key=lambda e: (order[e["kind"]], any(n in e["message"] for n in noise)))
