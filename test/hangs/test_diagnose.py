@@ -191,3 +191,33 @@ def test_json_gives_what_the_text_says(tmp_path, capsys):
     assert (first["dim"], first["group"], first["entered"], first["missing"]) == ("DP", [0, 2], [0, 2], [])
     assert main(["diagnose", str(tmp_path), "--stragglers", "--json"]) == 0
     assert "stragglers" in json.loads(capsys.readouterr().out)
+
+
+class _RunsCode:
+    """What an attacker pickles: unpickling it calls ``Path.touch`` on the marker."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def test_a_pickle_that_would_run_code_is_refused_in_one_line_and_nothing_runs(tmp_path, capsys):
+    """Issue 50: torch's dumps are read with an unpickler that resolves no global, so a crafted file dropped into a
+    shared hang directory is named and refused, and its code never runs."""
+    from vemesh.cli import main
+
+    for r in range(2):
+        own = [entry("TP", 1, 10 * MS)]
+        (tmp_path / f"fr_{r}").write_bytes(pickle.dumps({"version": "2.10", "pg_config": {}, "entries": own}))
+    marker = tmp_path.parent / f"{tmp_path.name}-ran"
+    (tmp_path / "fr_7").write_bytes(pickle.dumps({"entries": [_RunsCode(str(marker))]}))
+    code = main(["diagnose", str(tmp_path), "--shape", "2", "--dim-names", "tp"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"refusing to read {tmp_path / 'fr_7'}: it is a pickle that refers to pathlib" in err, err
+    assert "nothing in it was run" in err
+    assert not marker.exists()

@@ -37,3 +37,29 @@ def test_close_gives_back_every_hook_thread_and_file(tmp_path, monkeypatch) -> N
         hangs.close()  # twice is fine
     finally:
         dist.destroy_process_group()
+
+
+def test_an_exception_in_another_thread_goes_to_the_previous_hook_and_the_job_goes_on(tmp_path, monkeypatch) -> None:
+    """Issue 50: a data-loader thread that raises dies as it would without the watch; only the training thread's
+    exception ends the job (the watch's report and exit)."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    seen: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(f"{args.thread.name}: {args.exc_value}"))
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        hangs = Hangs()
+        watch = hangs.start(tmp_path, 60.0, lambda: {"mesh": "one rank"})
+        ended: list[str] = []
+        monkeypatch.setattr(watch, "_end", lambda reporter: ended.append(reporter))
+
+        def prefetch() -> None:
+            raise RuntimeError("the prefetch failed")
+
+        worker = threading.Thread(target=prefetch, name="prefetch")
+        worker.start()
+        worker.join()
+        assert seen == ["prefetch: the prefetch failed"] and ended == [] and watch._thread.is_alive()
+        assert not watch.closed
+        hangs.close()
+    finally:
+        dist.destroy_process_group()

@@ -10,6 +10,7 @@ groups ``mesh_<dim>``.
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import re
@@ -196,6 +197,35 @@ def rank_dump(doc: dict[str, Any], known: RankDump | None = None) -> RankDump:
     return dump
 
 
+class UnsafeDumpError(ValueError):
+    """A file in the hang directory is a pickle that would import or call something: refused, nothing run."""
+
+
+class _DumpUnpickler(pickle.Unpickler):
+    """torch's Flight Recorder dump is a pickle of plain containers (dicts, lists, tuples, strings, numbers, None:
+    checked on torch 2.13's ``_dump_fr_trace``), so no global may be resolved: a pickle that names one (``os.system``,
+    ``builtins.eval``, a class to build) is refused before anything in it runs."""
+
+    def __init__(self, file: Any, source: Path) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafeDumpError(
+            f"refusing to read {self.source}: it is a pickle that refers to {module}.{name}, and torch's Flight Recorder "
+            "dumps hold only dicts, lists, strings and numbers; nothing in it was run. Remove it from the hang directory "
+            "(it is corrupt, or someone put it there)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeDumpError(f"refusing to read {self.source}: it is a pickle with persistent references, which "
+                              "torch's Flight Recorder dumps never hold; nothing in it was run")
+
+
+def read_torch_dump(path: Path) -> Any:
+    """A Flight Recorder dump unpickled safely (:class:`_DumpUnpickler`)."""
+    return _DumpUnpickler(io.BytesIO(path.read_bytes()), path).load()
+
+
 def load(directory: str | Path, shape: tuple[int, ...] | None = None, dim_names: tuple[str, ...] | None = None) -> Job:
     """Read every rank's dump under ``directory``; ``shape`` and ``dim_names`` map torch's own dumps to the mesh."""
     directory = Path(directory)
@@ -237,8 +267,10 @@ def load(directory: str | Path, shape: tuple[int, ...] | None = None, dim_names:
         m = re.search(r"(\d+)$", path.name)
         if m is None or path.suffix in (".json", ".txt", ".tmp"):
             continue
-        try:  # torch's own dump: a pickle (TORCH_FR_DUMP_TEMP_FILE<rank>)
-            fr = pickle.loads(path.read_bytes())
+        try:  # torch's own dump: a pickle (TORCH_FR_DUMP_TEMP_FILE<rank>), read without running anything in it
+            fr = read_torch_dump(path)
+        except UnsafeDumpError:
+            raise
         except Exception:
             continue
         if not isinstance(fr, dict) or "entries" not in fr:

@@ -60,6 +60,8 @@ class HangWatch:
         faulthandler.enable(self._fatal, all_threads=True)
         self._signals = self._catch_sigterm()
         self._hooks = (sys.excepthook, threading.excepthook)
+        #: the thread that trains (the one that started the watch): only its uncaught exception ends the job
+        self.training_thread = threading.current_thread()
         sys.excepthook = self._on_exception
         threading.excepthook = lambda args: self._on_exception(args.exc_type, args.exc_value, args.exc_traceback, args)
         self._thread = threading.Thread(target=self._run, name="vemesh-hang-watch", daemon=True)
@@ -84,9 +86,13 @@ class HangWatch:
         return reader
 
     def _on_exception(self, kind: type, value: BaseException, tb: Any, thread_args: Any = None) -> None:
-        """A rank whose script raised (a peer died mid-collective, ...): every rank dumps, then the report."""
+        """A rank whose training thread raised (a peer died mid-collective, ...): every rank dumps, then the report.
+
+        An uncaught exception in any other thread of the process (a data-loader prefetch thread, a metrics uploader)
+        goes to the hook that was there before, as without the watch: that thread dies, and training goes on."""
         hook = self._hooks[1] if thread_args is not None else self._hooks[0]
-        if kind is KeyboardInterrupt or self._stop.is_set() or (thread_args is not None and thread_args.thread is self._thread):
+        elsewhere = thread_args is not None and thread_args.thread is not self.training_thread
+        if kind is KeyboardInterrupt or self._stop.is_set() or elsewhere:
             return hook(thread_args) if thread_args is not None else hook(kind, value, tb)
         self.exception = "".join(traceback.format_exception(kind, value, tb))
         print(self.exception, file=sys.stderr, flush=True)
