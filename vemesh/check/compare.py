@@ -51,6 +51,20 @@ def _joined(values: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | Non
     return joined if joined.shape == shape else None
 
 
+def _cp_joins(values: list[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
+    """The CP ranks' sequence shards (in CP order) joined both ways torch's ``context_parallel`` cuts a sequence:
+    in order, and load-balanced (rank ``r`` holds chunks ``r`` and ``2 x CP - 1 - r`` of ``2 x CP``)."""
+    plain = _joined(values, shape)
+    if plain is None:
+        return []
+    dim = next(i for i in range(len(shape)) if values[0].shape[i] != shape[i])
+    halves = [v.chunk(2, dim=dim) for v in values]
+    if any(len(h) != 2 for h in halves):
+        return [plain]
+    balanced = torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+    return [plain, balanced]
+
+
 def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> None:
     worst = (0.0, "")
 
@@ -65,6 +79,7 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
         mine = [r for r in ranks if r["data_rank"] == d]
         first_group = [r for r in mine if all(r["coords"].get(k, 0) == 0 for k in r["coords"] if k not in ("TP", "DP"))]
         first_group.sort(key=lambda r: r["coords"].get("TP", 0))
+        cp_group = sorted((r for r in mine if r["coords"].get("TP", 0) == 0), key=lambda r: r["coords"].get("CP", 0))
         matched: list[str] = []
         for key, want in ref_out.items():
             got = [r["outputs"].get(key) for r in mine]
@@ -76,11 +91,15 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
                 diff = max(_difference(g, want, floor) for g in same)
             else:
                 peers = [r["outputs"].get(key) for r in first_group]
-                joined = _joined(peers, want.shape) if all(p is not None for p in peers) else None
-                if joined is None:
+                joined = [_joined(peers, want.shape)] if all(p is not None for p in peers) else []
+                seq = [r["outputs"].get(key) for r in cp_group]
+                if joined == [None] and len(cp_group) > 1 and all(p is not None for p in seq):
+                    joined = _cp_joins(seq, want.shape)
+                joined = [j for j in joined if j is not None]
+                if not joined:
                     result.outputs_not_comparable += 1
                     continue
-                diff = _difference(joined, want, floor)
+                diff = min(_difference(j, want, floor) for j in joined)
             result.outputs_compared += 1
             seen(diff, f"{key[0] or 'the root'}'s output")
             if diff > tol and result.first_module is None:

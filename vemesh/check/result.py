@@ -52,7 +52,8 @@ class CheckResult:
         mesh = " x ".join(f"{k} {v}" for k, v in self.degrees.items() if v > 1) or "one rank"
         head = (f"{mesh} on {self.world_size} gloo processes against one process, micro-batch "
                 f"{self.micro_batch_size}: {self.outputs_compared} module outputs and {self.gradients_compared} "
-                "gradients compared")
+                "gradients compared" + (f" ({self.outputs_not_comparable} outputs of another shape that no join of "
+                                        "TP or CP shards explains left out)" if self.outputs_not_comparable else ""))
         lines = []
         if self.exact:
             lines.append(f"vemesh check: exact. {head}; largest relative difference {self.largest:.1e}"

@@ -167,13 +167,15 @@ GPT = str(ROOT / "test" / "models" / "gpt_check_jobs.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallelize, kwargs", [
-    ("parallelize_ddp", {}),
-    ("parallelize_fsdp_sp", {}),
-    ("parallelize_ddp", {"moe_experts": 4}),
+@pytest.mark.parametrize("parallelize, kwargs, degrees", [
+    ("parallelize_ddp", {}, dict(world_size=4, tp=2)),
+    ("parallelize_fsdp_sp", {}, dict(world_size=4, tp=2)),
+    ("parallelize_ddp", {"moe_experts": 4}, dict(world_size=4, tp=2, ep=2)),
+    ("parallelize_ddp", {}, dict(world_size=2, cp=2)),
 ])
-def test_the_examples_gpt_is_exact_with_its_own_parallelize(parallelize: str, kwargs: dict) -> None:
-    """examples/gpt's model and plans (TP, SP, DDP, FSDP2, and EP when the model has experts), DP 2 x TP 2."""
-    result = check(f"module:{GPT}:make", f"{GPT}:{parallelize}", f"{GPT}:step", world_size=4, tp=2,
-                   ep=2 if kwargs else 1, model_kwargs=kwargs)
+def test_the_examples_gpt_is_exact_with_its_own_parallelize(parallelize: str, kwargs: dict, degrees: dict) -> None:
+    """examples/gpt's model and plans (TP, SP, DDP, FSDP2, EP when the model has experts, and CP: its sequence
+    shards joined as context_parallel cuts them)."""
+    result = check(f"module:{GPT}:make", f"{GPT}:{parallelize}", f"{GPT}:step", model_kwargs=kwargs, **degrees)
     assert result.exact, result.render()
+    assert result.outputs_not_comparable == 0 and result.outputs_compared > 30
