@@ -91,7 +91,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     except UserError as e:
         raise CheckInputError(f"{e} (in one process, before any parallelizing)") from None
     result.rtol = tol = tolerance(rtol, ref["dtypes"])
-    t1 = time.monotonic()
+    t1, launched = time.monotonic(), time.time()
     with tempfile.TemporaryDirectory(prefix="vemesh-check-") as out:
         try:
             run_parallel(spec, out)
@@ -113,9 +113,19 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
         compare(result, ref, ranks, tol)
         if result.first_module is not None or result.gradients or result.broken_ties:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
-    result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1, "compare": time.monotonic() - t2,
-                      "in all": time.monotonic() - started}
+    result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1, **_phases(ranks, launched),
+                      "compare": time.monotonic() - t2, "in all": time.monotonic() - started}
     return result
+
+
+def _phases(ranks: list[dict], launched: float) -> dict[str, float]:
+    """Where the parallel run's time went, on its slowest rank at each mark (after the first process started)."""
+    if not ranks:
+        return {}
+    at = {k: max(r["marks"][k] for r in ranks) for k in ranks[0]["marks"]}
+    return {"processes start": at["started"] - launched, "mesh": at["mesh"] - at["started"],
+            "build and parallelize": at["parallelized"] - at["mesh"], "step": at["stepped"] - at["parallelized"],
+            "gather": at["gathered"] - at["stepped"]}
 
 
 def _check_size(factory: Any, spec: Spec, names: tuple[str, str, str]) -> None:

@@ -7,6 +7,9 @@ from typing import Any
 
 __all__ = ["CheckInputError", "CheckResult"]
 
+#: the parallel run's phases in :attr:`CheckResult.seconds`, on its slowest rank
+_PHASES = ("processes start", "mesh", "build and parallelize", "step", "gather")
+
 
 class CheckInputError(ValueError):
     """Bad input to the check (a reference, a degree, a step that raises in one process): one line, exit 2."""
@@ -89,5 +92,11 @@ class CheckResult:
         if self.dropouts:
             lines.append(f"  dropout: {self.dropouts} calls drew nothing in either run (p taken as 0)")
         if self.seconds:
-            lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
+            parts = [f"{k} {v:.1f}s" for k, v in self.seconds.items()]
+            inner = [p for p, k in zip(parts, self.seconds) if k in _PHASES]
+            outer = [p for p, k in zip(parts, self.seconds) if k not in _PHASES]
+            if inner:  # the parallel run's phases, in brackets after it
+                at = next(i for i, k in enumerate(k for k in self.seconds if k not in _PHASES) if k == "parallel run")
+                outer[at] += f" ({', '.join(inner)})"
+            lines.append("  time: " + ", ".join(outer))
         return "\n".join(lines)

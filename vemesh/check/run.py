@@ -131,7 +131,7 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
 
 
 def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
-
+    marks = {"started": time.time()}  # after the spawn and the imports it took to get here
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(spec.world_size), LOCAL_WORLD_SIZE=str(spec.world_size))
     torch.set_num_threads(1)  # as the one-process run: the same kernels, the same figures run after run
@@ -143,8 +143,8 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         factory, parallelize, step, names = functions(spec)
         dist.init_process_group("gloo", rank=rank, world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.timeout_s))
-    
         dims(spec.world_size, spec.degrees, spec.dp_replicate).build("cpu", mesh)
+        marks["mesh"] = time.time()
         torch.manual_seed(SEED)
         model = _call("--model", names[0], factory, **spec.model_kwargs)
         ties = tie_groups(model)
@@ -155,6 +155,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         broken = [[plain_name(n) for n in group] for group in ties
                   if len({id(params.get(plain_name(n))) for n in group}) > 1]
         data_rank = mesh.get_local_rank("DP") if mesh.layout.has("DP") else 0
+        marks["parallelized"] = time.time()
         torch.manual_seed(SEED + 1 + data_rank)
         with Recorder(model) as rec, Deterministic(rec) as det:
             try:
@@ -163,10 +164,12 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
                 if not rec.stack:
                     raise
                 raise UserError(f"{e} (in the forward of {rec.stack[-1] or 'the root'})") from e.__cause__
+        marks["stepped"] = time.time()
         grads = gradients(model)
         coords = {n: mesh.get_local_rank(n) for n in mesh.layout.dim_names}
+        marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
-                    "broken": broken, "dropouts": det.dropouts, "random_ops": det.random_ops},
+                    "broken": broken, "dropouts": det.dropouts, "random_ops": det.random_ops, "marks": marks},
                    os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
