@@ -5,11 +5,14 @@ one fault injected (argv[1]):
 * ``skip``: rank 3 skips its DP all-reduce at step 3;
 * ``size``: rank 1 enters the TP all-reduce at step 3 with the wrong size;
 * ``slow``: rank 2 sleeps 50 ms before every DP all-reduce, 30 steps (a straggler, no hang);
+* ``kill``: rank 2 kills itself with SIGKILL at step 3 (no dump, no fatal-error file: as the OOM killer does);
+* ``exit137``: rank 2 exits with code 137 at step 3, skipping every exit handler;
 * ``torch``: no vemesh at all: torch's own mesh, rank 3 withheld from a DP all-reduce, every rank
   writes torch's Flight Recorder dump (``TORCH_FR_DUMP_TEMP_FILE<rank>``) once every rank waits.
 """
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -19,6 +22,9 @@ import torch.distributed as dist
 
 
 def compute(x: torch.Tensor, rank: int, step: int, fault: str) -> torch.Tensor:
+    if fault in ("kill", "exit137") and rank == 2 and step == 3:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL) if fault == "kill" else os._exit(137)
     if fault == "sleep" and rank == 3 and step == 3:
         time.sleep(600)  # stuck in compute: the line the diagnosis must name
     if fault == "slow" and rank == 2:

@@ -50,6 +50,19 @@ def test_a_wrong_sized_tp_all_reduce_is_named(tmp_path):
     assert "in the TP group [0, 1] (DP=0), rank 1 last entered TP all-reduce #3 of [1000] float" in text, text
 
 
+@pytest.mark.parametrize("fault", ["kill", "exit137"])
+def test_a_dead_rank_is_named_with_its_groups_within_seconds(tmp_path, fault):
+    """Issue 50: rank 2 dies at step 3 (SIGKILL, or exit code 137) while its peers wait on it; torchrun ends the job
+    with SIGTERM; the ranks that answer it are alive, and rank 2, silent with a stale heartbeat, is named dead,
+    long before the hang threshold (50 s here)."""
+    code, took, out = torchrun(4, [str(JOB), fault], tmp_path, after_s=50)
+    text = report(out)
+    assert code != 0 and took < 30, (took, out[-3000:])
+    assert "DEAD: rank 2 (DP=1, TP=0): its heartbeat stopped and it left no dump (killed, OOM-killed, or it exited); "\
+           "its groups: DP [0, 2], TP [2, 3]" in text, text
+    assert "vemesh: rank 2 died" in out, out[-3000:]
+
+
 def test_torchs_own_dumps_name_the_dim_and_the_missing_rank(tmp_path):
     """No vemesh in the job: torch's init_device_mesh, torch's recorder, torch's dump files."""
     dumps = tmp_path / "torch"

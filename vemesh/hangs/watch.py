@@ -29,11 +29,16 @@ from typing import Any
 import torch.distributed as dist
 
 from vemesh.hangs.diagnose import diagnose, load
+from vemesh.hangs.dumps import Layout
 from vemesh.hangs.record import ENV_DIR, EXIT_CODE, hang_after, prepare, recorder_json, stacks
 
 __all__ = ["HANGS", "HangWatch", "Hangs"]
 
 _POLL_S = 0.5
+#: seconds between a rank's heartbeats in the job's store (one small write per rank: 1,024 ranks make 1,024 a second)
+_BEAT_S = 1.0
+#: how long, after the launcher's SIGTERM, a rank is given to answer before it is called dead
+_DEAD_WINDOW_S = 6.0
 _PREFIX = "vemesh_hang/"
 
 
@@ -123,6 +128,7 @@ class HangWatch:
 
     # ------------------------------------------------------------ the loop
     def _run(self) -> None:
+        beat = 0.0
         while not self._stop.is_set():
             terminated = False
             if self._signals is not None:
@@ -131,11 +137,13 @@ class HangWatch:
             else:
                 time.sleep(_POLL_S)
             try:
+                if time.monotonic() - beat >= _BEAT_S:  # the heartbeat: a rank whose beat stops is dead
+                    self.store.set(self.keys + f"beat/{self.rank}", repr(time.time()))
+                    beat = time.monotonic()
                 if self.store.check([self.keys + "fired"]):
                     self._end(reporter=False)
                 if terminated and self._own_term and signal.getsignal(signal.SIGTERM) is self._term_handler:
-                    sys.stderr.flush()
-                    os._exit(128 + signal.SIGTERM)
+                    self._on_sigterm()
                 late = self._late()
                 if late is not None and self._claim(late):
                     self._end(reporter=True)
@@ -144,6 +152,49 @@ class HangWatch:
                     return
                 print(f"vemesh hang watch, rank {self.rank}: {type(e).__name__}: {e}", file=sys.stderr)
                 return
+
+    def _on_sigterm(self) -> None:
+        """The launcher ends the job (torchrun sends SIGTERM to every rank when one exits). A rank already ending
+        (the training thread raised, a peer reported) finishes its report first; otherwise one rank looks for the
+        dead: ranks that neither got the SIGTERM nor dumped, and whose heartbeat stopped. A dead rank is reported,
+        with what its peers were doing; a job ended with every rank alive (an elastic restart, a user's kill) just
+        exits, as without the watch."""
+        if self._ending.locked():  # _end runs on the training thread and exits the process after the report
+            return
+        self.store.set(self.keys + f"term/{self.rank}", "1")
+        if self.store.compare_set(self.keys + "scan", "", str(self.rank)).decode() == str(self.rank):
+            dead = self._dead_ranks()
+            if dead and self._claim(f"rank {dead[0]} died: the launcher ended the job"):
+                self._end(reporter=True, dead=dead)
+            self.store.set(self.keys + "clean", "1")
+        else:
+            end = time.monotonic() + _DEAD_WINDOW_S + 5
+            while time.monotonic() < end and not self.store.check([self.keys + "clean"]):
+                if self.store.check([self.keys + "fired"]):
+                    self._end(reporter=False)
+                time.sleep(0.2)
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
+
+    def _dead_ranks(self) -> list[int]:
+        """The ranks that neither got the launcher's SIGTERM nor dumped, and whose heartbeat is stale, after up to
+        :data:`_DEAD_WINDOW_S` (a loaded machine delays a live rank's answer, so a silent rank gets the whole
+        window); none as soon as every rank has answered."""
+        end = time.monotonic() + _DEAD_WINDOW_S
+        while True:
+            waiting, silent = False, []
+            for r in range(self.world_size):
+                if self.store.check([self.keys + f"term/{r}"]) or self.store.check([self.keys + f"dumped/{r}"]):
+                    continue  # it answered: alive
+                if self._silent(r):
+                    silent.append(r)
+                else:
+                    waiting = True  # beating, not answered yet
+            if not silent and not waiting:
+                return []
+            if time.monotonic() >= end:
+                return silent
+            time.sleep(0.2)
 
     def _late(self) -> str | None:
         """A collective this rank has waited on for ``after_s``, said in the recorder's terms, or None."""
@@ -167,8 +218,9 @@ class HangWatch:
         mine = f"{self.rank}|{reason}"
         return self.store.compare_set(self.keys + "fired", "", mine).decode() == mine
 
-    def _end(self, reporter: bool) -> None:
-        """Dump, then (the reporter) wait for every dump and print the diagnosis; every rank exits."""
+    def _end(self, reporter: bool, dead: Sequence[int] = ()) -> None:
+        """Dump, then (the reporter) wait for every dump and print the diagnosis; every rank exits. ``dead``: the
+        ranks found dead (no heartbeat, no dump): named first, with their groups."""
         if not self._ending.acquire(blocking=False):  # the other thread is ending the process already
             while True:
                 time.sleep(60)
@@ -177,15 +229,19 @@ class HangWatch:
         if reporter:
             end = time.monotonic() + 15  # a rank gloo aborted never dumps: its fatal-error file says so
             while time.monotonic() < end and not all(
-                self.store.check([self.keys + f"dumped/{r}"]) or self._died(r) for r in range(self.world_size)
+                self.store.check([self.keys + f"dumped/{r}"]) or self._died(r) or r in dead for r in range(self.world_size)
             ):
                 time.sleep(0.2)
             try:
                 text = diagnose(load(self.directory)).text()
             except Exception as e:  # the report must not hide the hang
                 text = f"vemesh: could not diagnose {self.directory}: {type(e).__name__}: {e}"
+            dead = sorted(set(dead) | {r for r in range(self.world_size) if self._silent(r)})
+            text = "".join(self._dead_line(r) for r in dead) + text
             fired = self.store.get(self.keys + "fired").decode().partition("|")[2]
-            what = fired if " raised " in fired else "a hang was found"
+            what = fired if " raised " in fired or " died" in fired else "a hang was found"
+            if dead and " died" not in fired:  # a peer's connection error is what the rank's death looked like
+                what = f"rank {', '.join(map(str, dead))} died ({what})"
             print(f"\nvemesh: {what}; every rank wrote its dump to {self.directory}\n{text}\n"
                   f"(again: vemesh diagnose {self.directory})", file=sys.stderr, flush=True)
             self.store.set(self.keys + "reported", "1")
@@ -198,6 +254,27 @@ class HangWatch:
         self._fatal.close()
         self.drop_empty_fatal()
         os._exit(EXIT_CODE)
+
+    def _silent(self, rank: int) -> bool:
+        """No dump, no fatal-error file, and a heartbeat older than two beats: a rank that is gone."""
+        if self.store.check([self.keys + f"dumped/{rank}"]) or self._died(rank):
+            return False
+        key = self.keys + f"beat/{rank}"
+        beat = float(self.store.get(key).decode()) if self.store.check([key]) else 0.0
+        return time.time() - beat > 2 * _BEAT_S
+
+    def _dead_line(self, rank: int) -> str:
+        """``DEAD: rank R (coordinates): ...; its groups: ...`` from this rank's view of the mesh."""
+        mesh = self.describe() or {}
+        try:
+            layout = Layout(tuple(mesh["shape"]), tuple(mesh["dim_names"]), tuple(mesh["strides"]),
+                            mesh.get("first_rank", 0))
+            where = ", ".join(f"{d}={c}" for d, c in layout.coordinate(rank).items())
+            groups = "; its groups: " + ", ".join(f"{d} {layout.group(rank, (d,))}" for d in layout.dim_names)
+        except (KeyError, TypeError, ValueError):
+            where, groups = "", ""
+        return (f"DEAD: rank {rank}{f' ({where})' if where else ''}: its heartbeat stopped and it left no dump "
+                f"(killed, OOM-killed, or it exited){groups}\n")
 
     def drop_empty_fatal(self) -> None:
         """Remove this rank's fatal-error file if faulthandler wrote nothing to it (the rank did not crash)."""
