@@ -46,12 +46,15 @@ class CheckResult:
 
     @property
     def exact(self) -> bool:
+        """The parallel run computes what one process does (within :attr:`rtol`), and no tie was broken."""
         return self.verdict == "exact"
 
     def to_json(self) -> dict[str, Any]:
+        """Every field, and ``exact``: what ``--json`` prints."""
         return asdict(self) | {"exact": self.exact}
 
     def render(self) -> str:
+        """The verdict in words: what ``vemesh check`` prints."""
         mesh = " x ".join(f"{k} {v}" for k, v in self.degrees.items() if v > 1) or "one rank"
         head = (f"{mesh} on {self.world_size} gloo processes against one process, micro-batch "
                 f"{self.micro_batch_size}: {self.outputs_compared} module outputs and {self.gradients_compared} "

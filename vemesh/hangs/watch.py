@@ -173,6 +173,8 @@ class HangWatch:
                 if self.store.check([self.keys + "fired"]):
                     self._end(reporter=False)
                 time.sleep(0.2)
+        if self._ending.locked():  # the training thread raised meanwhile: its _end reports and exits
+            return
         sys.stderr.flush()
         os._exit(128 + signal.SIGTERM)
 
