@@ -84,8 +84,35 @@ def torch_job() -> None:
     time.sleep(30)
 
 
+def paced_job(fault: str) -> None:
+    """The watch's defaults (no VEMESH_HANG_AFTER, a 60 s collective timeout: 30 s before the warm-up), 30 steps of
+    about 0.1 s; ``paced-sleep``: rank 3 sleeps in compute at step 20, after the warm-up (a hang, named by the pace);
+    ``paced-pause``: rank 0 declares a pause (vemesh.hangs.paused) of 8 s at step 20, its peers waiting on it (no hang);
+    ``paced-slow-start``: rank 0 takes 12 s before its first collective, as a checkpoint load does (no hang)."""
+    from vemesh import VESCALE_DEVICE_MESH as mesh
+    from vemesh.hangs import paused
+
+    mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"), timeout=60)
+    rank = dist.get_rank()
+    if fault == "paced-slow-start" and rank == 0:
+        time.sleep(12)
+    x = torch.ones(1024)
+    for step in range(1, 31):
+        mesh.mark_step(step)
+        time.sleep(0.1)
+        if step == 20 and fault == "paced-sleep" and rank == 3:
+            print(f"rank 3 sleeps at {time.time():.3f}", flush=True)
+            time.sleep(600)
+        if step == 20 and fault == "paced-pause" and rank == 0:
+            with paused():
+                time.sleep(8)
+        dist.all_reduce(x, group=mesh.get_group("DP"))
+        dist.all_reduce(x, group=mesh.get_group("TP"))
+    dist.barrier()
+
+
 if __name__ == "__main__":
     fault = sys.argv[1]
-    torch_job() if fault == "torch" else vemesh_job(fault)
+    torch_job() if fault == "torch" else paced_job(fault) if fault.startswith("paced") else vemesh_job(fault)
     sys.stdout.flush()
     os._exit(0)

@@ -13,10 +13,14 @@ TIMEOUT_S = 60
 
 
 
-def torchrun(nproc: int, args: list[str], tmp: Path, after_s: int, **env: str) -> tuple[int, float, str]:
-    """Run ``args`` under torchrun with the hang watch on; (exit code, seconds, everything it printed)."""
-    environ = dict(os.environ, OMP_NUM_THREADS="1", VEMESH_HANG_DIR=str(tmp / "dumps"), VEMESH_HANG_AFTER=str(after_s),
+def torchrun(nproc: int, args: list[str], tmp: Path, after_s: int | None, **env: str) -> tuple[int, float, str]:
+    """Run ``args`` under torchrun with the hang watch on (``after_s`` None: the watch's defaults, no
+    VEMESH_HANG_AFTER); (exit code, seconds, everything it printed)."""
+    environ = dict(os.environ, OMP_NUM_THREADS="1", VEMESH_HANG_DIR=str(tmp / "dumps"),
                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env)
+    environ.pop("VEMESH_HANG_AFTER", None)
+    if after_s is not None:
+        environ["VEMESH_HANG_AFTER"] = str(after_s)
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                           *args], cwd=REPO, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S + 30)

@@ -67,6 +67,28 @@ def test_a_dead_rank_is_named_with_its_groups_within_seconds(tmp_path, fault):
     assert "vemesh: rank 2 died" in out, out[-3000:]
 
 
+def test_with_the_defaults_a_rank_asleep_after_the_warm_up_is_named_by_the_jobs_pace(tmp_path):
+    """Issue 50: no VEMESH_HANG_AFTER and a 60 s timeout (30 s before the warm-up); steps of 0.1 s, so after the
+    warm-up a wait over the 4 s floor with every rank stopped is a hang: rank 3, asleep at step 20, is named within
+    15 s of falling asleep (every rank's dump written by then)."""
+    code, took, out = torchrun(4, [str(JOB), "paced-sleep"], tmp_path, after_s=None)
+    text = report(out)
+    assert code != 0, out[-3000:]
+    assert "never entered: rank 3 (DP=1, TP=1)" in text and "hang_job.py" in text, text
+    slept = float(out.split("rank 3 sleeps at ", 1)[1].split()[0])
+    dumped = max(json.loads(p.read_text())["time_ns"] / 1e9 for p in (tmp_path / "dumps").glob("rank-*.json"))
+    assert dumped - slept < 15, (dumped - slept, out[-3000:])  # the conservative threshold would be 30 s
+
+
+@pytest.mark.parametrize("fault", ["paced-pause", "paced-slow-start"])
+def test_with_the_defaults_a_declared_pause_and_a_slow_start_are_not_hangs(tmp_path, fault):
+    """A rank in vemesh.hangs.paused() for 8 s after the warm-up (twice the 4 s floor) while its peers wait on it,
+    and a rank that takes 12 s before its first collective (before the warm-up: the conservative 30 s): no report,
+    the job ends well."""
+    code, _, out = torchrun(4, [str(JOB), fault], tmp_path, after_s=None)
+    assert code == 0 and "every rank wrote its dump" not in out, out[-3000:]
+
+
 def test_torchs_own_dumps_name_the_dim_and_the_missing_rank(tmp_path):
     """No vemesh in the job: torch's init_device_mesh, torch's recorder, torch's dump files."""
     dumps = tmp_path / "torch"

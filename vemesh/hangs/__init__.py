@@ -13,7 +13,17 @@ from typing import Any
 
 from vemesh.hangs.record import ENV_AFTER, ENV_DIR, EXIT_CODE
 
-__all__ = ["ENV_AFTER", "ENV_DIR", "EXIT_CODE", "dump", "straggler_summary"]
+__all__ = ["ENV_AFTER", "ENV_DIR", "EXIT_CODE", "dump", "paused", "straggler_summary"]
+
+
+def paused() -> Any:
+    """A context manager: a stretch in which this rank may not move for long (an evaluation on one rank, a long save
+    of your own). While it lasts, no rank's watch calls a wait on it a hang by the job's pace; the conservative
+    threshold (half the collective timeout, or ``VEMESH_HANG_AFTER``) still holds. vemesh's checkpoints declare
+    theirs. ``with vemesh.hangs.paused(): evaluate(model)``."""
+    from vemesh.hangs.watch import HANGS  # torch.distributed on first use: `vemesh diagnose` starts fast
+
+    return HANGS.progress.paused()
 
 
 def dump() -> "Path | None":

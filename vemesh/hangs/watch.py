@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from vemesh.hangs.diagnose import diagnose, load
 from vemesh.hangs.dumps import Layout
-from vemesh.hangs.record import ENV_DIR, EXIT_CODE, hang_after, prepare, recorder_json, stacks
+from vemesh.hangs.pace import Progress, parse_beat, step_pace, threshold
+from vemesh.hangs.record import ENV_AFTER, ENV_DIR, EXIT_CODE, hang_after, prepare, recorder_json, stacks
 
 __all__ = ["HANGS", "HangWatch", "Hangs"]
 
@@ -48,8 +49,13 @@ class HangWatch:
     ``describe()`` gives the mesh part of the dump (no collective in it)."""
 
     def __init__(self, directory: str | os.PathLike, after_s: float, describe: Callable[[], dict[str, Any]],
-                 store: Any, rank: int, world_size: int, number: int, steps: Sequence[tuple[int, int]]) -> None:
+                 store: Any, rank: int, world_size: int, number: int, steps: Sequence[tuple[int, int]],
+                 progress: Progress | None = None) -> None:
         self.directory, self.after_s, self.describe = Path(directory), after_s, describe
+        #: with VEMESH_HANG_AFTER unset, the threshold follows the job's pace after the warm-up (vemesh.hangs.pace)
+        self.paced = not os.environ.get(ENV_AFTER)
+        self.progress = Progress() if progress is None else progress
+        self._finished = 0
         self.store, self.rank, self.world_size, self.steps = store, rank, world_size, steps
         # the store's keys of this watch: a torchrun restart after a hang, or a second init_device_mesh, starts
         # clean (every rank starts its watches in the same order, ``number``: init_device_mesh is called by all)
@@ -138,7 +144,8 @@ class HangWatch:
                 time.sleep(_POLL_S)
             try:
                 if time.monotonic() - beat >= _BEAT_S:  # the heartbeat: a rank whose beat stops is dead
-                    self.store.set(self.keys + f"beat/{self.rank}", repr(time.time()))
+                    self.progress.update(self.steps[-1][1] if self.steps else -1, self._finished)
+                    self.store.set(self.keys + f"beat/{self.rank}", self.progress.beat())
                     beat = time.monotonic()
                 if self.store.check([self.keys + "fired"]):
                     self._end(reporter=False)
@@ -199,11 +206,16 @@ class HangWatch:
             time.sleep(0.2)
 
     def _late(self) -> str | None:
-        """A collective this rank has waited on for ``after_s``, said in the recorder's terms, or None."""
+        """A collective this rank has waited on for the threshold, said in the recorder's terms, or None. After the
+        warm-up (with VEMESH_HANG_AFTER unset) the threshold is the job's pace, and a wait is a hang only when every
+        other rank has stopped that long too (:mod:`vemesh.hangs.pace`)."""
         now = time.monotonic()
         status = recorder_json(entries=False).get("pg_status", {})
+        limit, paced = threshold(self.steps, self.after_s) if self.paced else (self.after_s, False)
+        finished = 0
         for pg, st in status.items():
             done, queued = int(st.get("last_completed_collective", -1)), int(st.get("last_enqueued_collective", -1))
+            finished += done + 1
             if queued <= done:
                 self._pending.pop(pg, None)
                 continue
@@ -211,9 +223,23 @@ class HangWatch:
             if seq != done + 1:
                 seq, since = done + 1, now
             self._pending[pg] = (seq, since)
-            if now - since >= self.after_s:
-                return f"rank {self.rank} waited {now - since:.0f} s on collective #{seq} of process group {pg}"
+            if now - since >= limit and (not paced or self._all_stopped(limit)):
+                pace = f" (this job's steps take {step_pace(self.steps):.3g} s at p99)" if paced else ""
+                return f"rank {self.rank} waited {now - since:.0f} s on collective #{seq} of process group {pg}{pace}"
+        self._finished = finished
         return None
+
+    def _all_stopped(self, limit: float) -> bool:
+        """Every other rank's heartbeat says it has not moved for ``limit`` seconds and is in no declared pause."""
+        now = time.time()
+        for r in range(self.world_size):
+            key = self.keys + f"beat/{r}"
+            if r == self.rank or not self.store.check([key]):
+                continue
+            _, moved, paused = parse_beat(self.store.get(key).decode())
+            if paused or now - moved < limit:
+                return False
+        return True
 
     def _claim(self, reason: str) -> bool:
         """Whether this rank is the first to report (the store's compare-and-set decides)."""
@@ -262,7 +288,7 @@ class HangWatch:
         if self.store.check([self.keys + f"dumped/{rank}"]) or self._died(rank):
             return False
         key = self.keys + f"beat/{rank}"
-        beat = float(self.store.get(key).decode()) if self.store.check([key]) else 0.0
+        beat = parse_beat(self.store.get(key).decode())[0] if self.store.check([key]) else 0.0
         return time.time() - beat > 2 * _BEAT_S
 
     def _dead_line(self, rank: int) -> str:
@@ -318,6 +344,8 @@ class Hangs:
 
     def __init__(self) -> None:
         self.steps: collections.deque[tuple[int, int]] = collections.deque(maxlen=1024)
+        #: this rank's progress and declared pauses, for the heartbeat (kept across watches)
+        self.progress = Progress()
         self.watch: HangWatch | None = None
         self._started = 0  # watches started in this process: each has its own store keys
         self._at_exit = False
@@ -336,7 +364,7 @@ class Hangs:
         self._started += 1
         store = dist.distributed_c10d._get_default_store()
         self.watch = HangWatch(directory, hang_after(timeout_s), describe, store, dist.get_rank(), dist.get_world_size(),
-                               self._started, self.steps)
+                               self._started, self.steps, self.progress)
         if not self._at_exit:
             atexit.register(self._dump_at_exit)
             self._at_exit = True

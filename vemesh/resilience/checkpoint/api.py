@@ -10,6 +10,7 @@ waiting in a collective that another rank skipped.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -59,6 +60,19 @@ __all__ = ["save", "load", "load_latest", "acquire_lock", "release_lock"]
 T = TypeVar("T")
 
 
+def _declared_pause(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` inside the hang watch's declared pause (:func:`vemesh.hangs.paused`): a save or a load waits on the
+    slowest rank's files, which is no hang by the job's pace."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        from vemesh.hangs import paused  # the watch imports torch.distributed's internals: on first use
+
+        with paused():
+            return fn(*args, **kwargs)
+    return run
+
+
+@_declared_pause
 def save(
     checkpoint_dir: str | os.PathLike,
     *,
@@ -182,6 +196,7 @@ def release_lock(checkpoint_dir: str | os.PathLike) -> None:
     _decide_on_rank0(lambda: lock.release(Path(checkpoint_dir)))
 
 
+@_declared_pause
 def load(
     checkpoint: str | os.PathLike,
     *,
