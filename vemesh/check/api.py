@@ -81,7 +81,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
         raise CheckInputError("--world-size 1: a parallel run needs at least 2 ranks; give --world-size 2 or more "
                               "with the degrees to check")
     spec = Spec(model, parallelize, step, dict(model_kwargs or {}), world_size, degrees, dp_replicate,
-                 micro_batch_size, os.getcwd(), float(timeout_s))
+                micro_batch_size, os.getcwd(), float(timeout_s))
     factory, _, step_fn, names = functions(spec)
     _check_size(factory, spec, names)
     result = CheckResult("exact", degrees, world_size, micro_batch_size, 0.0)
@@ -99,8 +99,13 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
             result.verdict, result.error = "differs", str(e)
         t2 = time.monotonic()
         failed = errors(out)
-        ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)] \
-            if not failed and not result.error else []
+        files = [os.path.join(out, f"rank{r}.pt") for r in range(world_size)]
+        missing = [r for r, f in enumerate(files) if not os.path.exists(f)]
+        if missing and not failed and not result.error:  # a process gone without a word: the kernel's kill, an abort
+            result.verdict, result.error = "differs", (
+                f"rank(s) {missing} of the parallel run ended without a result or an error (killed, out of memory, "
+                "or aborted by gloo: a collective of another size on each rank?)")
+        ranks = [torch.load(f, weights_only=False) for f in files] if not failed and not result.error else []
     if failed:
         e = failed[0]
         if e["kind"] == "input":
