@@ -101,16 +101,17 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
         failed = errors(out)
         files = [os.path.join(out, f"rank{r}.pt") for r in range(world_size)]
         missing = [r for r, f in enumerate(files) if not os.path.exists(f)]
-        if missing and not failed and not result.error:  # a process gone without a word: the kernel's kill, an abort
-            result.verdict, result.error = "differs", (
-                f"rank(s) {missing} of the parallel run ended without a result or an error (killed, out of memory, "
-                "or aborted by gloo: a collective of another size on each rank?)")
-        ranks = [torch.load(f, weights_only=False) for f in files] if not failed and not result.error else []
-    if failed:
-        e = failed[0]
-        if e["kind"] == "input":
-            raise CheckInputError(e["message"])
-        result.verdict, result.error = "differs", e["message"]
+        gone = [r for r in missing if not os.path.exists(os.path.join(out, f"error{r}.json"))]
+        ranks = [torch.load(f, weights_only=False) for f in files] if not (failed or missing or result.error) else []
+    if failed and failed[0]["kind"] == "input":
+        raise CheckInputError(failed[0]["message"])
+    if gone and not result.error:  # a process gone without a word: the kernel's kill, or gloo's abort
+        result.verdict, result.error = "differs", (
+            f"rank(s) {gone} of the parallel run ended without a result or an error (killed, out of memory, or "
+            "aborted by gloo: a collective of another size on each rank?)"
+            + (f"; the others: {failed[0]['message']}" if failed else ""))
+    elif failed:
+        result.verdict, result.error = "differs", failed[0]["message"]
     result.dropouts = ref["dropouts"]
     result.random_ops = ref["random_ops"] + [op for r in ranks for op in r["random_ops"]]
     if ranks:

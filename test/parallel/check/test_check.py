@@ -187,3 +187,11 @@ def test_torchtitans_llama3_with_its_tp_plan_is_exact_under_its_extra() -> None:
     result = check(f"module:{TITAN}:make_llama3", f"{TITAN}:parallelize_llama3_ddp", f"{TITAN}:step_llama3",
                    world_size=4, tp=2, micro_batch_size=1)
     assert result.exact, result.render()
+
+
+@pytest.mark.slow
+def test_a_rank_aborted_by_gloo_is_said_so() -> None:
+    jobs = str(ROOT / "test" / "models" / "mismatch_jobs.py")
+    result = check(f"module:{jobs}:make", f"{jobs}:parallelize", f"{jobs}:step", world_size=2, tp=2)
+    assert result.verdict == "differs"
+    assert "of the parallel run ended without a result or an error" in result.error, result.render()
