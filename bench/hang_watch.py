@@ -5,6 +5,7 @@ Run (BENCHMARKS.md's "Hang watch" figure comes from it):
 
     python bench/hang_watch.py --json bench/results/hang_watch.json
     python bench/hang_watch.py --rounds 1 --steps 8      # a smoke run
+    python bench/hang_watch.py --detection --json bench/results/hang_detection.json   # detection, not cost
 
 Each round runs the example twice on 2 gloo ranks, (DP=1, TP=2): a core each, so that the machine adds the least noise; watch off and on, in an order that
 alternates between rounds; a run's step time is the median over its steps after the first 5 (start-up
@@ -83,9 +84,56 @@ def collectives(watch: bool, tmp: Path, n: int = 5000) -> float:
     return float(line.split()[1])
 
 
+def detection(runs: int, stragglers: int) -> dict:
+    """With the watch's defaults (no VEMESH_HANG_AFTER; test/hangs/hang_job.py's 60 s timeout, 0.1 s steps): the
+    latency from a rank falling asleep (at steps 12 to 30) to the last rank's dump, over ``runs`` runs; and the hang
+    reports over ``stragglers`` runs of each straggler factor (1.5x, 2x, 4x from step 12), which must be none."""
+    sys.path.insert(0, str(REPO / "test" / "hangs"))
+    from hang_runs import torchrun  # the test suite's runner: torchrun with the watch on
+
+    job = str(REPO / "test" / "hangs" / "hang_job.py")
+    latencies, false = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            at = 12 + (18 * i) // max(1, runs - 1)
+            where = Path(tmp) / f"sleep{i}"
+            where.mkdir()
+            _, _, out = torchrun(4, [job, "paced-sleep"], where, after_s=None, HANG_AT_STEP=str(at))
+            slept = float(out.split("rank 3 sleeps at ", 1)[1].split()[0])
+            dumped = max(json.loads(p.read_text())["time_ns"] / 1e9 for p in (where / "dumps").glob("rank-*.json"))
+            latencies.append({"step": at, "seconds": dumped - slept})
+            print(f"asleep at step {at}: named, every dump written, {dumped - slept:.2f} s after", flush=True)
+        for factor in (1.5, 2.0, 4.0):
+            reports = 0
+            for i in range(stragglers):
+                where = Path(tmp) / f"straggle{factor}_{i}"
+                where.mkdir()
+                code, _, out = torchrun(4, [job, "paced-straggle"], where, after_s=None, STRAGGLE_FACTOR=str(factor))
+                reports += int(code != 0 or "every rank wrote its dump" in out)
+            false[str(factor)] = reports
+            print(f"straggler {factor}x: {reports} hang reports in {stragglers} runs", flush=True)
+    seconds = [x["seconds"] for x in latencies]
+    print(f"detection with the defaults: median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s over "
+          f"{runs} runs (target: median <= 10 s, every run <= 15 s; torch alone: its timeout, 600 s by default; "
+          f"vemesh's conservative threshold: half of it; NVIDIA's resiliency extension: 60 s); false hangs over "
+          f"{3 * stragglers} straggler runs: {sum(false.values())}")
+    return {"latency": latencies, "straggler_reports": false}
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         return collectives_worker(int(sys.argv[2]))
+    if "--detection" in sys.argv:
+        parser = argparse.ArgumentParser(description="the hang watch's detection with its defaults")
+        parser.add_argument("--detection", action="store_true")
+        parser.add_argument("--runs", type=int, default=10)
+        parser.add_argument("--stragglers", type=int, default=10, help="runs of each factor (1.5x, 2x, 4x)")
+        parser.add_argument("--json", help="write the figures here")
+        a = parser.parse_args()
+        found = detection(a.runs, a.stragglers)
+        if a.json:
+            Path(a.json).write_text(json.dumps(found, indent=2) + "\n")
+        return None
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=60)

@@ -88,7 +88,9 @@ def paced_job(fault: str) -> None:
     """The watch's defaults (no VEMESH_HANG_AFTER, a 60 s collective timeout: 30 s before the warm-up), 30 steps of
     about 0.1 s; ``paced-sleep``: rank 3 sleeps in compute at step 20, after the warm-up (a hang, named by the pace);
     ``paced-pause``: rank 0 declares a pause (vemesh.hangs.paused) of 8 s at step 20, its peers waiting on it (no hang);
-    ``paced-slow-start``: rank 0 takes 12 s before its first collective, as a checkpoint load does (no hang)."""
+    ``paced-slow-start``: rank 0 takes 12 s before its first collective, as a checkpoint load does (no hang);
+    ``paced-straggle``: rank 2's steps take STRAGGLE_FACTOR times as long from step 12 on (a straggler, no hang).
+    HANG_AT_STEP moves the sleep and the pause (default 20; bench/hang_watch.py --detection)."""
     from vemesh import VESCALE_DEVICE_MESH as mesh
     from vemesh.hangs import paused
 
@@ -97,13 +99,14 @@ def paced_job(fault: str) -> None:
     if fault == "paced-slow-start" and rank == 0:
         time.sleep(12)
     x = torch.ones(1024)
+    at, factor = int(os.environ.get("HANG_AT_STEP", "20")), float(os.environ.get("STRAGGLE_FACTOR", "1"))
     for step in range(1, 31):
         mesh.mark_step(step)
-        time.sleep(0.1)
-        if step == 20 and fault == "paced-sleep" and rank == 3:
+        time.sleep(0.1 * (factor if fault == "paced-straggle" and rank == 2 and step >= 12 else 1))
+        if step == at and fault == "paced-sleep" and rank == 3:
             print(f"rank 3 sleeps at {time.time():.3f}", flush=True)
             time.sleep(600)
-        if step == 20 and fault == "paced-pause" and rank == 0:
+        if step == at and fault == "paced-pause" and rank == 0:
             with paused():
                 time.sleep(8)
         dist.all_reduce(x, group=mesh.get_group("DP"))
