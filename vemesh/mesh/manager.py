@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import vemesh.mesh.debug as debug
+from vemesh.mesh.lineage import track as track_ties
 from vemesh.layout.mesh_layout import Dims, MeshLayout
 from vemesh.mesh.queries import LayoutQueries
 from vemesh.mesh.startup import apply_timeout, build_mesh
@@ -382,3 +383,5 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
 
 #: The process-wide mesh manager.
 VESCALE_DEVICE_MESH = VeDeviceMesh()
+
+track_ties()  # before any parallelize_module, which needs the mesh: a tie it breaks is then known (parallel/ties.py)

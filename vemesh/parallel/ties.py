@@ -8,7 +8,7 @@ as another model without a word.
 
 Two things keep that from happening:
 
-* Lineage. On import, :mod:`vemesh.parallel` registers torch's global parameter-registration hook: when a module's
+* Lineage. On import, the mesh (:mod:`vemesh.mesh.lineage`) registers torch's global parameter-registration hook: when a module's
   parameter is replaced by another (as ``parallelize_module`` does), the new one inherits the old one's lineage
   token. Two different parameter objects in one model with the same lineage are the ends of a tie that was broken.
   :func:`check_ties` raises then, naming the pair; vemesh's DDP, ZeRO-1 (through DDP) and ``fully_shard`` call it.
@@ -28,38 +28,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 
-__all__ = ["BrokenTieError", "check_ties", "parallelize_module", "tie_groups", "track_ties"]
+from vemesh.mesh.lineage import LINEAGE, track
 
-_ATTR = "_vemesh_lineage"
-_HANDLE: list[Any] = []
+__all__ = ["BrokenTieError", "check_ties", "parallelize_module", "tie_groups", "track_ties"]
 
 
 class BrokenTieError(ValueError):
     """A tied parameter is several parameters after parallelizing."""
 
 
-class _Lineage:
-    """One token per parameter that was ever replaced; shared by everything that replaced it."""
-
-    __slots__ = ("__weakref__",)
-
-
-def _on_register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    old = module._parameters.get(name)
-    if old is None or param is None or old is param:
-        return
-    token = old.__dict__.get(_ATTR)
-    if token is None:
-        token = _Lineage()
-        old.__dict__[_ATTR] = token
-    if param.__dict__.get(_ATTR) is None:
-        param.__dict__[_ATTR] = token
-
-
 def track_ties() -> None:
-    """Register the lineage hook once (``vemesh.parallel`` calls it on import)."""
-    if not _HANDLE:
-        _HANDLE.append(nn.modules.module.register_module_parameter_registration_hook(_on_register))
+    """Register the lineage hook once (the mesh does on import; ``vemesh.parallel`` too)."""
+    track()
 
 
 def tie_groups(module: nn.Module) -> list[list[str]]:
@@ -80,7 +60,7 @@ def broken_ties(module: nn.Module | Iterable[tuple[str, torch.Tensor]]) -> list[
     """Each broken tie: the names of each of its now-separate parameters (one list per parameter object)."""
     by_token: dict[int, dict[int, list[str]]] = {}
     for n, p in _named(module):
-        token = p.__dict__.get(_ATTR)
+        token = p.__dict__.get(LINEAGE)
         if token is not None:
             by_token.setdefault(id(token), {}).setdefault(id(p), []).append(n)
     return [list(objs.values()) for objs in by_token.values() if len(objs) > 1]

@@ -124,3 +124,33 @@ def test_fused_style_refuses_rows_that_do_not_split_into_whole_chunks(world) -> 
         torch_parallelize_module(nn.Linear(8, 18), mesh["TP"], FusedColwiseParallel(3))
     with pytest.raises(ValueError, match=r"shards an nn.Linear, got Embedding"):
         torch_parallelize_module(nn.Embedding(8, 12), mesh["TP"], FusedColwiseParallel(3))
+
+
+def test_the_lineage_is_tracked_by_the_mesh_before_vemesh_parallel_is_imported(tmp_path) -> None:
+    """A script that imports only the mesh, parallelizes with torch, and imports vemesh's DDP afterwards: the tie
+    torch broke is still refused (the mesh registers the hook; parallelize_module needs the mesh first)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "from torch import nn\n"
+        "from torch.distributed.tensor import Replicate\n"
+        "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "from vemesh import VESCALE_DEVICE_MESH as mesh\n"
+        "import sys\n"
+        "assert 'vemesh.parallel' not in sys.modules, 'the test needs vemesh.parallel unimported here'\n"
+        "dist.init_process_group('fake', rank=0, world_size=4, store=FakeStore())\n"
+        "mesh.init_device_mesh('cpu', (2, 2), mesh_dim_names=('DP', 'TP'))\n"
+        "m = nn.Module(); m.wte = nn.Embedding(8, 4); m.head = nn.Linear(4, 8, bias=False); m.wte.weight = m.head.weight\n"
+        "parallelize_module(m, mesh['TP'], {'wte': RowwiseParallel(input_layouts=Replicate()), 'head': ColwiseParallel()})\n"
+        "from vemesh.ddp import DistributedDataParallel\n"
+        "try:\n"
+        "    DistributedDataParallel(m)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "refused: vemesh DistributedDataParallel: the tied parameter wte.weight and head.weight" in out.stdout, \
+        out.stdout + out.stderr[-2000:]
