@@ -6,6 +6,8 @@ Run (BENCHMARKS.md's "Hang watch" figure comes from it):
     python bench/hang_watch.py --json bench/results/hang_watch.json
     python bench/hang_watch.py --rounds 1 --steps 8      # a smoke run
     python bench/hang_watch.py --detection --json bench/results/hang_detection.json   # detection, not cost
+    python bench/hang_watch.py --detection --burners 2 --runs 0 --stragglers 0 --slow-starts 0 --dead 20 \
+        --json bench/results/hang_dead_loaded.json   # dead ranks, with two CPU burners on the machine
 
 Each round runs the example twice on 2 gloo ranks, (DP=1, TP=2): a core each, so that the machine adds the least noise; watch off and on, in an order that
 alternates between rounds; a run's step time is the median over its steps after the first 5 (start-up
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,40 +87,92 @@ def collectives(watch: bool, tmp: Path, n: int = 5000) -> float:
     return float(line.split()[1])
 
 
-def detection(runs: int, stragglers: int) -> dict:
-    """With the watch's defaults (no VEMESH_HANG_AFTER; test/hangs/hang_job.py's 60 s timeout, 0.1 s steps): the
-    latency from a rank falling asleep (at steps 12 to 30) to the last rank's dump, over ``runs`` runs; and the hang
-    reports over ``stragglers`` runs of each straggler factor (1.5x, 2x, 4x from step 12), which must be none."""
+def detection(runs: int, stragglers: int, slow_starts: int = 0, dead: int = 0) -> dict:
+    """With the watch's defaults (no VEMESH_HANG_AFTER; test/hangs/hang_job.py's 60 s timeout, 0.1 s steps):
+
+    * the latency from a rank falling asleep (at steps 12 to 30) to the last rank's dump, over ``runs`` runs;
+    * over ``stragglers`` runs of each straggler factor (1.5x, 2x, 4x from step 12, 50 steps, a 2 s straggler
+      window): the hang reports, which must be none, and the runs whose straggler lines name rank 2, with the median
+      factor they gave;
+    * over ``slow_starts`` runs of a rank taking 25 s before its first collective: the hang reports (none);
+    * over ``dead`` runs of each death (SIGKILL, exit code 137, gloo's abort on a wrong size): the runs in which the
+      dead rank is named, and the seconds from its death until the report is printed and every process is gone
+      (target: named within 15 s)."""
     sys.path.insert(0, str(REPO / "test" / "hangs"))
     from hang_runs import torchrun  # the test suite's runner: torchrun with the watch on
 
     job = str(REPO / "test" / "hangs" / "hang_job.py")
-    latencies, false = [], {}
+    latencies, false, named, slow, deaths = [], {}, {}, 0, {}
     with tempfile.TemporaryDirectory() as tmp:
+        def fresh(name: str) -> Path:
+            where = Path(tmp) / name
+            where.mkdir()
+            return where
+
+        def last_dump(where: Path) -> float:
+            return max(json.loads(p.read_text())["time_ns"] / 1e9 for p in (where / "dumps").glob("rank-*.json"))
+
         for i in range(runs):
             at = 12 + (18 * i) // max(1, runs - 1)
-            where = Path(tmp) / f"sleep{i}"
-            where.mkdir()
+            where = fresh(f"sleep{i}")
             _, _, out = torchrun(4, [job, "paced-sleep"], where, after_s=None, HANG_AT_STEP=str(at))
             slept = float(out.split("rank 3 sleeps at ", 1)[1].split()[0])
-            dumped = max(json.loads(p.read_text())["time_ns"] / 1e9 for p in (where / "dumps").glob("rank-*.json"))
-            latencies.append({"step": at, "seconds": dumped - slept})
-            print(f"asleep at step {at}: named, every dump written, {dumped - slept:.2f} s after", flush=True)
-        for factor in (1.5, 2.0, 4.0):
-            reports = 0
+            latencies.append({"step": at, "seconds": last_dump(where) - slept})
+            print(f"asleep at step {at}: named, every dump written, {latencies[-1]['seconds']:.2f} s after", flush=True)
+        for factor in (1.5, 2.0, 4.0) if stragglers else ():
+            reports, factors = 0, []
             for i in range(stragglers):
-                where = Path(tmp) / f"straggle{factor}_{i}"
-                where.mkdir()
-                code, _, out = torchrun(4, [job, "paced-straggle"], where, after_s=None, STRAGGLE_FACTOR=str(factor))
+                where = fresh(f"straggle{factor}_{i}")
+                code, _, out = torchrun(4, [job, "paced-straggle"], where, after_s=None, STRAGGLE_FACTOR=str(factor),
+                                        STEPS="50", VEMESH_STRAGGLER_WINDOW="2")
                 reports += int(code != 0 or "every rank wrote its dump" in out)
+                lines = [x for x in out.splitlines() if x.startswith("vemesh: straggler: rank 2 ")]
+                if lines:
+                    said = sorted(float(x.split(" is ", 1)[1].split("x slower")[0]) for x in lines)
+                    factors.append(said[len(said) // 2])
             false[str(factor)] = reports
-            print(f"straggler {factor}x: {reports} hang reports in {stragglers} runs", flush=True)
-    seconds = [x["seconds"] for x in latencies]
-    print(f"detection with the defaults: median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s over "
-          f"{runs} runs (target: median <= 10 s, every run <= 15 s; torch alone: its timeout, 600 s by default; "
-          f"vemesh's conservative threshold: half of it; NVIDIA's resiliency extension: 60 s); false hangs over "
-          f"{3 * stragglers} straggler runs: {sum(false.values())}")
-    return {"latency": latencies, "straggler_reports": false}
+            named[str(factor)] = {"named": len(factors), "median_factor": statistics.median(factors) if factors else None}
+            print(f"straggler {factor}x: {reports} hang reports in {stragglers} runs; rank 2 named in {len(factors)}, "
+                  f"median factor {named[str(factor)]['median_factor']}", flush=True)
+        for i in range(slow_starts):
+            code, _, out = torchrun(4, [job, "paced-slow-start"], fresh(f"slow{i}"), after_s=None, SLOW_START_S="25")
+            slow += int(code != 0 or "every rank wrote its dump" in out)
+        if slow_starts:
+            print(f"slow start of 25 s: {slow} hang reports in {slow_starts} runs", flush=True)
+        for fault, mark, line in (("kill", "rank 2 dies at ", "DEAD: rank 2 (DP=1, TP=0)"),
+                                  ("exit137", "rank 2 dies at ", "DEAD: rank 2 (DP=1, TP=0)"),
+                                  ("size", "rank 1 sends the wrong size at ", "DIED: rank 0 (DP=0, TP=0)")):
+            seconds, wrong = [], 0
+            for i in range(dead):
+                where = fresh(f"{fault}{i}")
+                _, _, out = torchrun(4, [job, fault], where, after_s=None)
+                gone = time.time()  # the report printed and every process gone: the strictest end to measure to
+                named_dead = {x.split(" (")[0].split(": ")[1] for x in out.splitlines() if x.startswith(("DEAD: ", "DIED: "))}
+                wrong += int(named_dead != {line.split(" (")[0].split(": ")[1]})  # a live rank called dead
+                if line in out and mark in out:
+                    seconds.append(gone - float(out.split(mark, 1)[1].split()[0]))
+                else:
+                    print(f"{fault} run {i}: not named\n{out[-2000:]}", flush=True)
+            if dead:
+                deaths[fault] = {"runs": dead, "named": len(seconds), "max_s": max(seconds, default=None),
+                                 "within_15_s": sum(x <= 15 for x in seconds), "live_ranks_called_dead": wrong}
+                print(f"dead rank ({fault}): named in {len(seconds)} of {dead} runs, within 15 s in "
+                      f"{deaths[fault]['within_15_s']}, at most {max(seconds, default=float('nan')):.2f} s; runs naming another "
+                      f"rank dead: {wrong}", flush=True)
+    if latencies:
+        seconds = [x["seconds"] for x in latencies]
+        print(f"detection with the defaults: median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s over "
+              f"{runs} runs (target: median <= 10 s, every run <= 15 s; torch alone: its timeout, 600 s by default; "
+              f"vemesh's conservative threshold: half of it; NVIDIA's resiliency extension: 60 s)")
+    if stragglers:
+        print(f"false hangs over {3 * stragglers} straggler runs: {sum(false.values())}")
+    return {"latency": latencies, "straggler_reports": false, "stragglers_named": named,
+            "slow_start_reports": slow, "slow_starts": slow_starts, "dead": deaths}
+
+
+def burn(n: int) -> list[subprocess.Popen]:
+    """``n`` CPU burners (a busy loop each) for the whole run: the load of a shared machine."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def main() -> None:
@@ -128,9 +183,18 @@ def main() -> None:
         parser.add_argument("--detection", action="store_true")
         parser.add_argument("--runs", type=int, default=10)
         parser.add_argument("--stragglers", type=int, default=10, help="runs of each factor (1.5x, 2x, 4x)")
+        parser.add_argument("--slow-starts", type=int, default=3, help="runs of a 25 s start")
+        parser.add_argument("--dead", type=int, default=0, help="runs of each death (kill, exit 137, gloo's abort)")
+        parser.add_argument("--burners", type=int, default=0, help="CPU burners running meanwhile")
         parser.add_argument("--json", help="write the figures here")
         a = parser.parse_args()
-        found = detection(a.runs, a.stragglers)
+        burners = burn(a.burners)
+        try:
+            found = detection(a.runs, a.stragglers, a.slow_starts, a.dead)
+        finally:
+            for b in burners:
+                b.kill()
+        found["burners"] = a.burners
         if a.json:
             Path(a.json).write_text(json.dumps(found, indent=2) + "\n")
         return None

@@ -40,7 +40,10 @@ def vemesh_job(fault: str) -> None:
     x = torch.ones(1024)
     for step in range(1, 31 if fault == "slow" else 6):
         mesh.mark_step(step)
-        y = torch.ones(1000 if (fault == "size" and rank == 1 and step == 3) else 256)
+        wrong = fault == "size" and rank == 1 and step == 3
+        if wrong:
+            print(f"rank 1 sends the wrong size at {time.time():.3f}", flush=True)  # bench/hang_watch.py --dead
+        y = torch.ones(1000 if wrong else 256)
         dist.all_reduce(y, group=mesh.get_group("TP"))
         x = compute(x, rank, step, fault)
         if not (fault == "skip" and rank == 3 and step == 3):
@@ -88,19 +91,21 @@ def paced_job(fault: str) -> None:
     """The watch's defaults (no VEMESH_HANG_AFTER, a 60 s collective timeout: 30 s before the warm-up), 30 steps of
     about 0.1 s; ``paced-sleep``: rank 3 sleeps in compute at step 20, after the warm-up (a hang, named by the pace);
     ``paced-pause``: rank 0 declares a pause (vemesh.hangs.paused) of 8 s at step 20, its peers waiting on it (no hang);
-    ``paced-slow-start``: rank 0 takes 12 s before its first collective, as a checkpoint load does (no hang);
+    ``paced-slow-start``: rank 0 takes 12 s (SLOW_START_S) before its first collective, as a checkpoint load does (no
+    hang);
     ``paced-straggle``: rank 2's steps take STRAGGLE_FACTOR times as long from step 12 on (a straggler, no hang).
-    HANG_AT_STEP moves the sleep and the pause (default 20; bench/hang_watch.py --detection)."""
+    HANG_AT_STEP moves the sleep and the pause (default 20; bench/hang_watch.py --detection); STEPS sets the number of
+    steps (default 30)."""
     from vemesh import VESCALE_DEVICE_MESH as mesh
     from vemesh.hangs import paused
 
     mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"), timeout=60)
     rank = dist.get_rank()
     if fault == "paced-slow-start" and rank == 0:
-        time.sleep(12)
+        time.sleep(float(os.environ.get("SLOW_START_S", "12")))
     x = torch.ones(1024)
     at, factor = int(os.environ.get("HANG_AT_STEP", "20")), float(os.environ.get("STRAGGLE_FACTOR", "1"))
-    for step in range(1, 31):
+    for step in range(1, int(os.environ.get("STEPS", "30")) + 1):
         mesh.mark_step(step)
         time.sleep(0.1 * (factor if fault == "paced-straggle" and rank == 2 and step >= 12 else 1))
         if step == at and fault == "paced-sleep" and rank == 3:

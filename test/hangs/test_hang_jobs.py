@@ -47,7 +47,7 @@ def test_a_wrong_sized_tp_all_reduce_is_named(tmp_path):
     text = report(out)
     assert code != 0 and took < TIMEOUT_S + 30
     assert "DIED: rank 0 (DP=0, TP=0): Fatal Python error: Aborted" in text, text
-    assert "it was at test/hangs/hang_job.py:44 in vemesh_job" in text, text
+    assert "it was at test/hangs/hang_job.py:47 in vemesh_job" in text, text
     assert "in the TP group [0, 1] (DP=0), rank 1 last entered TP all-reduce #3 of [1000] float" in text, text
 
 
@@ -87,6 +87,20 @@ def test_with_the_defaults_a_declared_pause_and_a_slow_start_are_not_hangs(tmp_p
     the job ends well."""
     code, _, out = torchrun(4, [str(JOB), fault], tmp_path, after_s=None)
     assert code == 0 and "every rank wrote its dump" not in out, out[-3000:]
+
+
+def test_a_straggler_is_named_live_with_its_factor_and_the_job_goes_on(tmp_path):
+    """Issue 50: rank 2's steps take twice as long from step 12 on. Rank 0's watch names it from the heartbeats' busy
+    shares, once per window (2 s here, 60 s by default), with a factor near 2; no hang is reported and the job ends
+    well."""
+    code, _, out = torchrun(4, [str(JOB), "paced-straggle"], tmp_path, after_s=None, STRAGGLE_FACTOR="2", STEPS="50",
+                            VEMESH_STRAGGLER_WINDOW="2")
+    assert code == 0 and "every rank wrote its dump" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("vemesh: straggler: ")]
+    assert lines and all(line.startswith("vemesh: straggler: rank 2 (DP=1, TP=0) is ") for line in lines), out[-3000:]
+    factors = sorted(float(line.split(" is ", 1)[1].split("x slower")[0]) for line in lines)
+    assert 1.6 <= factors[len(factors) // 2] <= 2.5, lines
+    assert "; its groups: DP [0, 2], TP [2, 3]; not a hang, the job goes on" in lines[-1]
 
 
 def test_torchs_own_dumps_name_the_dim_and_the_missing_rank(tmp_path):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Entry", "Group", "Job", "Layout", "RankDump", "load"]
+__all__ = ["Entry", "Group", "Job", "Layout", "RankDump", "dead_line", "load", "rank_place"]
 
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                 "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1, "ComplexFloat": 8}
@@ -76,6 +76,23 @@ class Layout:
                 if rest is not None:
                     return (name[:i], *rest)
         return None
+
+
+def rank_place(mesh: dict[str, Any], rank: int) -> tuple[str, str]:
+    """``("DP=1, TP=0", "; its groups: DP [0, 2], TP [2, 3]")`` for ``rank`` in a dump's mesh description (empty
+    strings when the description lacks the layout)."""
+    try:
+        layout = Layout(tuple(mesh["shape"]), tuple(mesh["dim_names"]), tuple(mesh["strides"]), mesh.get("first_rank", 0))
+        where = ", ".join(f"{d}={c}" for d, c in layout.coordinate(rank).items())
+        return where, "; its groups: " + ", ".join(f"{d} {layout.group(rank, (d,))}" for d in layout.dim_names)
+    except (KeyError, TypeError, ValueError):
+        return "", ""
+
+
+def dead_line(rank: int, where: str, groups: str) -> str:
+    """``DEAD: rank R (coordinates): ...; its groups: ...`` (:func:`rank_place`'s two strings)."""
+    return (f"DEAD: rank {rank}{f' ({where})' if where else ''}: its heartbeat stopped and it left no dump "
+            f"(killed, OOM-killed, or it exited){groups}\n")
 
 
 @dataclass

@@ -28,7 +28,9 @@ import threading
 import traceback
 from typing import Any
 
-ENV_DIR, ENV_AFTER = "VEMESH_HANG_DIR", "VEMESH_HANG_AFTER"
+ENV_DIR, ENV_AFTER, ENV_WINDOW = "VEMESH_HANG_DIR", "VEMESH_HANG_AFTER", "VEMESH_STRAGGLER_WINDOW"
+#: Seconds over which a rank's busy share is measured, and between two straggler lines (``VEMESH_STRAGGLER_WINDOW``).
+WINDOW_S = 60.0
 #: The recorder's ring of entries per process, when the user set no ``TORCH_FR_BUFFER_SIZE``.
 BUFFER_SIZE = 20000
 #: Without ``VEMESH_HANG_AFTER``, the watchdog fires at this fraction of the collective timeout.
@@ -64,6 +66,18 @@ def hang_after(timeout_s: float, env: dict[str, str] | None = None) -> float:
             "or torch's timeout ends the job before the watch can name the hang; raise init_device_mesh's timeout="
         )
     return after
+
+
+def straggler_window(env: dict[str, str] | None = None) -> float:
+    """``VEMESH_STRAGGLER_WINDOW`` seconds (default :data:`WINDOW_S`); 0 turns the straggler lines off."""
+    raw = (os.environ if env is None else env).get(ENV_WINDOW, "")
+    try:
+        window = float(raw) if raw else WINDOW_S
+    except ValueError:
+        raise ValueError(f"{ENV_WINDOW}={raw!r} is not a number of seconds (0 turns straggler lines off)") from None
+    if window < 0:
+        raise ValueError(f"{ENV_WINDOW}={raw} must be 0 (off) or a positive number of seconds")
+    return window
 
 
 def stacks() -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import collections
 import faulthandler
 import json
 import os
+import random
 import select
 import signal
 import socket
@@ -29,9 +30,11 @@ from typing import Any
 import torch.distributed as dist
 
 from vemesh.hangs.diagnose import diagnose, load
-from vemesh.hangs.dumps import Layout
-from vemesh.hangs.pace import Progress, parse_beat, step_pace, threshold
-from vemesh.hangs.record import ENV_AFTER, ENV_DIR, EXIT_CODE, hang_after, prepare, recorder_json, stacks
+from vemesh.hangs.dumps import dead_line, rank_place
+from vemesh.hangs.pace import (SAMPLE_S, Busy, Progress, parse_beat, step_pace, straggler, straggler_line,
+                               threshold)
+from vemesh.hangs.record import (ENV_AFTER, ENV_DIR, EXIT_CODE, hang_after, prepare, recorder_json, stacks,
+                                 straggler_window)
 
 __all__ = ["HANGS", "HangWatch", "Hangs"]
 
@@ -55,8 +58,9 @@ class HangWatch:
         #: with VEMESH_HANG_AFTER unset, the threshold follows the job's pace after the warm-up (vemesh.hangs.pace)
         self.paced = not os.environ.get(ENV_AFTER)
         self.progress = Progress() if progress is None else progress
-        self._finished = 0
-        self.store, self.rank, self.world_size, self.steps = store, rank, world_size, steps
+        self.window = straggler_window()
+        self.busy = Busy(self.window or 60.0)  # this rank's share of time outside collectives, for its heartbeat
+        self._finished, self.store, self.rank, self.world_size, self.steps = 0, store, rank, world_size, steps
         # the store's keys of this watch: a torchrun restart after a hang, or a second init_device_mesh, starts
         # clean (every rank starts its watches in the same order, ``number``: init_device_mesh is called by all)
         self.keys = f"{_PREFIX}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{number}/"
@@ -75,6 +79,7 @@ class HangWatch:
         self.training_thread = threading.current_thread()
         sys.excepthook = self._on_exception
         threading.excepthook = lambda args: self._on_exception(args.exc_type, args.exc_value, args.exc_traceback, args)
+        self.store.set(self.keys + f"beat/{rank}", self.progress.beat())  # the first beat before the first collective
         self._thread = threading.Thread(target=self._run, name="vemesh-hang-watch", daemon=True)
         self._thread.start()
 
@@ -97,10 +102,8 @@ class HangWatch:
         return reader
 
     def _on_exception(self, kind: type, value: BaseException, tb: Any, thread_args: Any = None) -> None:
-        """A rank whose training thread raised (a peer died mid-collective, ...): every rank dumps, then the report.
-
-        An uncaught exception in any other thread of the process (a data-loader prefetch thread, a metrics uploader)
-        goes to the hook that was there before, as without the watch: that thread dies, and training goes on."""
+        """The training thread raised (a peer died mid-collective, ...): every rank dumps, then the report. Any other
+        thread's exception (a prefetch thread, a metrics uploader) goes to the earlier hook: it dies, training goes on."""
         hook = self._hooks[1] if thread_args is not None else self._hooks[0]
         elsewhere = thread_args is not None and thread_args.thread is not self.training_thread
         if kind is KeyboardInterrupt or self._stop.is_set() or elsewhere:
@@ -132,33 +135,58 @@ class HangWatch:
         self._fatal.close()
         self.drop_empty_fatal()
 
-    # ------------------------------------------------------------ the loop
     def _run(self) -> None:
-        beat = 0.0
+        beat = duties = 0.0
+        named = time.monotonic()  # the last straggler check (rank 0's): one per window
         while not self._stop.is_set():
-            terminated = False
+            terminated, wait = False, random.uniform(0.5, 1.5) * SAMPLE_S  # jittered: no phase-locked sampling
             if self._signals is not None:
-                if select.select([self._signals], [], [], _POLL_S)[0]:
+                if select.select([self._signals], [], [], wait)[0]:
                     terminated = signal.SIGTERM in self._signals.recv(64)
             else:
-                time.sleep(_POLL_S)
+                time.sleep(wait)
             try:
-                if time.monotonic() - beat >= _BEAT_S:  # the heartbeat: a rank whose beat stops is dead
+                status = recorder_json(entries=False).get("pg_status", {})
+                self.busy.add(any(int(st.get("last_enqueued_collective", -1)) > int(st.get("last_completed_collective", -1))
+                                  for st in status.values()))
+                if not terminated and time.monotonic() - duties < _POLL_S:
+                    continue
+                duties = time.monotonic()
+                if duties - beat >= _BEAT_S:  # the heartbeat: a rank whose beat stops is dead
                     self.progress.update(self.steps[-1][1] if self.steps else -1, self._finished)
-                    self.store.set(self.keys + f"beat/{self.rank}", self.progress.beat())
-                    beat = time.monotonic()
+                    self.store.set(self.keys + f"beat/{self.rank}", self.progress.beat(self.busy.share()))
+                    beat = duties
                 if self.store.check([self.keys + "fired"]):
                     self._end(reporter=False)
                 if terminated and self._own_term and signal.getsignal(signal.SIGTERM) is self._term_handler:
                     self._on_sigterm()
-                late = self._late()
+                late = self._late(status)
                 if late is not None and self._claim(late):
                     self._end(reporter=True)
+                if self.rank == 0 and self.window and duties - named >= self.window:
+                    named = duties
+                    self._name_straggler()
             except Exception as e:  # the store went away (the job is ending): nothing left to watch
                 if self._stop.is_set():
                     return
                 print(f"vemesh hang watch, rank {self.rank}: {type(e).__name__}: {e}", file=sys.stderr)
                 return
+
+    def _name_straggler(self) -> None:
+        """Rank 0, once per window: a straggler by the heartbeats' busy shares (:func:`vemesh.hangs.pace.straggler`),
+        named with its factor on stderr; not while a rank is in a declared pause or a share is unknown. No ending."""
+        keys = [self.keys + f"beat/{r}" for r in range(self.world_size)]
+        if self.world_size < 2 or not self.store.check(keys):
+            return
+        beats = [parse_beat(v.decode()) for v in self.store.multi_get(keys)]
+        if any(paused or busy is None for _, _, paused, busy in beats):
+            return
+        found = straggler({r: b[3] for r, b in enumerate(beats)})
+        if found is not None:
+            rank, factor, median = found
+            where, groups = rank_place(self.describe() or {}, rank)
+            print(straggler_line(rank, where, groups, factor, beats[rank][3], median, self.window), file=sys.stderr,
+                  flush=True)
 
     def _on_sigterm(self) -> None:
         """The launcher ends the job (torchrun sends SIGTERM to every rank when one exits). A rank already ending
@@ -205,12 +233,11 @@ class HangWatch:
                 return silent
             time.sleep(0.2)
 
-    def _late(self) -> str | None:
+    def _late(self, status: dict[str, Any]) -> str | None:
         """A collective this rank has waited on for the threshold, said in the recorder's terms, or None. After the
         warm-up (with VEMESH_HANG_AFTER unset) the threshold is the job's pace, and a wait is a hang only when every
         other rank has stopped that long too (:mod:`vemesh.hangs.pace`)."""
         now = time.monotonic()
-        status = recorder_json(entries=False).get("pg_status", {})
         limit, paced = threshold(self.steps, self.after_s) if self.paced else (self.after_s, False)
         finished = 0
         for pg, st in status.items():
@@ -236,7 +263,7 @@ class HangWatch:
             key = self.keys + f"beat/{r}"
             if r == self.rank or not self.store.check([key]):
                 continue
-            _, moved, paused = parse_beat(self.store.get(key).decode())
+            _, moved, paused, _ = parse_beat(self.store.get(key).decode())
             if paused or now - moved < limit:
                 return False
         return True
@@ -255,17 +282,16 @@ class HangWatch:
         self.dump()
         self.store.set(self.keys + f"dumped/{self.rank}", "1")
         if reporter:
-            end = time.monotonic() + 15  # a rank gloo aborted never dumps: its fatal-error file says so
-            while time.monotonic() < end and not all(
-                self.store.check([self.keys + f"dumped/{r}"]) or self._died(r) or r in dead for r in range(self.world_size)
-            ):
+            end = time.monotonic() + 15  # while a rank beats without a dump (gloo's aborted ranks leave a fatal file)
+            while time.monotonic() < end and any(r not in dead and self._silent(r, 4 * _BEAT_S) is False
+                                                 for r in range(self.world_size)):
                 time.sleep(0.2)
             try:
                 text = diagnose(load(self.directory)).text()
             except Exception as e:  # the report must not hide the hang
                 text = f"vemesh: could not diagnose {self.directory}: {type(e).__name__}: {e}"
             dead = sorted(set(dead) | {r for r in range(self.world_size) if self._silent(r)})
-            text = "".join(self._dead_line(r) for r in dead) + text
+            text = "".join(dead_line(r, *rank_place(self.describe() or {}, r)) for r in dead) + text
             fired = self.store.get(self.keys + "fired").decode().partition("|")[2]
             what = fired if " raised " in fired or " died" in fired else "a hang was found"
             if dead and " died" not in fired:  # a peer's connection error is what the rank's death looked like
@@ -283,26 +309,14 @@ class HangWatch:
         self.drop_empty_fatal()
         os._exit(EXIT_CODE)
 
-    def _silent(self, rank: int) -> bool:
-        """No dump, no fatal-error file, and a heartbeat older than two beats: a rank that is gone."""
+    def _silent(self, rank: int, stale_s: float = 2 * _BEAT_S) -> bool | None:
+        """No dump, no fatal-error file, and a heartbeat older than ``stale_s`` (two beats): a rank that is gone.
+        None (falsy) for a rank that dumped or wrote its fatal-error file: accounted for."""
         if self.store.check([self.keys + f"dumped/{rank}"]) or self._died(rank):
-            return False
+            return None
         key = self.keys + f"beat/{rank}"
         beat = parse_beat(self.store.get(key).decode())[0] if self.store.check([key]) else 0.0
-        return time.time() - beat > 2 * _BEAT_S
-
-    def _dead_line(self, rank: int) -> str:
-        """``DEAD: rank R (coordinates): ...; its groups: ...`` from this rank's view of the mesh."""
-        mesh = self.describe() or {}
-        try:
-            layout = Layout(tuple(mesh["shape"]), tuple(mesh["dim_names"]), tuple(mesh["strides"]),
-                            mesh.get("first_rank", 0))
-            where = ", ".join(f"{d}={c}" for d, c in layout.coordinate(rank).items())
-            groups = "; its groups: " + ", ".join(f"{d} {layout.group(rank, (d,))}" for d in layout.dim_names)
-        except (KeyError, TypeError, ValueError):
-            where, groups = "", ""
-        return (f"DEAD: rank {rank}{f' ({where})' if where else ''}: its heartbeat stopped and it left no dump "
-                f"(killed, OOM-killed, or it exited){groups}\n")
+        return time.time() - beat > stale_s
 
     def drop_empty_fatal(self) -> None:
         """Remove this rank's fatal-error file if faulthandler wrote nothing to it (the rank did not crash)."""
@@ -375,10 +389,7 @@ class Hangs:
             self.dump()
 
     def dump(self) -> Path | None:
-        """Write this rank's dump now (a healthy run's, for ``vemesh diagnose --stragglers``); None when no watch runs.
-
-        The watch does it at a normal interpreter exit too; call it in scripts that end with ``os._exit``.
-        """
+        """Write this rank's dump now (:func:`vemesh.hangs.dump`); None when no watch runs."""
         if self.watch is None:
             return None
         path = self.watch.dump()
