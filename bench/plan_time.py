@@ -16,11 +16,9 @@
    within 25% of its measurement, a rank correlation of at least 0.8, the predicted fastest within 10%.
 
 4. ``--published``: the placement of the dims on 8-GPU hosts at 64 and 1024 ranks (the chosen order, torchtitan's
-   and the chosen one reversed: the bytes between hosts, the exposed communication); and the built-in H100 profile's
-   prediction (published specifications, not measured here) beside the
-   throughput torchtitan publishes for the same model, mesh and batch on H100s, each cited. The model is the
-   Llama-style test model at Llama 3.1's shapes (``make_8b``, ``make_70b``) with torchtitan's recipe as a user writes
-   it (``parallelize_checkpointed``: TP with sequence parallelism, full activation checkpointing, FSDP2).
+   and the chosen one reversed: the bytes between hosts, the exposed communication) on the built-in H100 profile.
+   The Llama-style test model at Llama 3.1's shapes (``make_8b``, ``make_70b``) with torchtitan's recipe as a user
+   writes it (``parallelize_checkpointed``). torchtitan's published table is ``bench/plan_published.py``'s.
 
 The GPT example's configurations (``GPT_CONFIGS``) are planned through the preset's own parallelize function and
 step (the traced engine) and measured by the example's own timing of each step (its metrics' ``tokens_per_s``).
@@ -53,46 +51,6 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "dp2-tp2-ddp": ("parallelize_ddp", ["--tp", "2", "--dp-mode", "ddp"]),
     "dp2-tp2-fsdp2": ("parallelize_fsdp", ["--tp", "2", "--dp-mode", "fsdp"]),
 }
-
-
-#: torchtitan's published H100 throughput (tokens per second per GPU): name -> (factory, world size, plan flags,
-#: published TPS/GPU, what differs from the plan, source).
-TITAN = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (docs/performance.md): H100 SXM 96 GB, "
-         "8 per host with NVLink, 400 Gb/s RDMA per GPU, 500 W")
-PUBLISHED: dict[str, tuple[str, int, list[str], float, str, str]] = {
-    "llama3.1-8b-fsdp8": ("make_8b", 8, ["--global-batch-size", "16"], 5762.0,
-                          "selective AC published; the plan recomputes every block (full AC)", f"{TITAN}, Table 1 (FSDP)"),
-    "llama3.1-8b-fsdp128": ("make_8b", 128, ["--global-batch-size", "256"], 5605.0,
-                            "selective AC published; the plan recomputes every block (full AC)",
-                            f"{TITAN}, Table 3 (FSDP)"),
-    "llama3.1-70b-fsdp32-tp8": ("make_70b", 256, ["--tp", "8", "--global-batch-size", "512"], 829.0,
-                                "published with torch.compile and Float8 matmuls; the plan is bf16 eager",
-                                f"{TITAN}, Table 4 (2D)"),
-}
-
-
-def published() -> list[dict[str, Any]]:
-    """Each PUBLISHED configuration planned on the built-in h100-sxm profile, beside the published tokens/s/GPU."""
-    rows = []
-    print("| configuration | predicted tokens/s/GPU | published | predicted / published | predicted MFU | differs |")
-    print("|---|---:|---:|---:|---:|---|")
-    for name, (factory, world, flags, tps, differs, source) in PUBLISHED.items():
-        cmd = [sys.executable, "-m", "vemesh", "plan", "--model", f"module:{JOBS}:{factory}", "--parallelize",
-               f"{JOBS}:parallelize_checkpointed", "--step", f"{JOBS}:step", "--world-size", str(world),
-               "--dtype", "bf16", "--devices-per-host", "8", "--device-profile", "h100-sxm", *flags, "--json"]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env())
-        if out.returncode:
-            raise SystemExit(f"{' '.join(cmd)}\n{out.stderr}")
-        plan = json.loads(out.stdout[: out.stdout.rindex("}") + 1])
-        batch = int(flags[flags.index("--global-batch-size") + 1])
-        predicted_tps = batch * 8192 / plan["step_time"] / world
-        rows.append({"name": name, "predicted_tps_per_gpu": predicted_tps, "published_tps_per_gpu": tps,
-                     "ratio": predicted_tps / tps, "mfu": plan["mfu"], "step_time": plan["step_time"],
-                     "time": plan["time"], "placement": plan.get("placement", {}).get("order"), "differs": differs,
-                     "source": source})
-        print(f"| {name} | {predicted_tps:,.0f} | {tps:,.0f} | {predicted_tps / tps:.2f} | {plan['mfu'] * 100:.1f}% | "
-              f"{differs} |", flush=True)
-    return rows
 
 
 #: Placement on a simulated cluster of 8-GPU hosts (h100-sxm): name -> (factory, world size, plan flags).
@@ -148,11 +106,24 @@ GPT_CONFIGS: dict[str, tuple[list[str], list[str]]] = {
                                  "--microbatches", "4"],
                                 ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--micro-batch-size", "4"]),
 }
+#: A second GPT size (issue 51), which no figure of the profile was fitted on: 4 blocks of width 256, sequences of 128.
+WIDER = ["--n-layer", "4", "--n-embd", "256", "--seq-len", "128"]
+GPT_CONFIGS.update({
+    "gpt256-dp4-zero1": ([*WIDER, "--mesh-shape", "4,1"], ["--dp-mode", "zero1"]),
+    "gpt256-dp2-tp2": ([*WIDER, "--mesh-shape", "2,2"], ["--tp", "2"]),
+    "gpt256-dp2-cp2": ([*WIDER, "--mesh-dims", "DP,CP", "--mesh-shape", "2,2"], ["--cp", "2"]),
+    "gpt256-pp2-dp2-1f1b": ([*WIDER, "--mesh-shape", "2,2,1", "--pp-schedule", "1f1b", "--microbatches", "4"],
+                            ["--pp", "2", "--pp-schedule", "1f1b", "--micro-batch-size", "4"]),
+})
+
+
+def _example(example: list[str], flag: str, default: int) -> int:
+    return int(example[example.index(flag) + 1]) if flag in example else default
 
 
 def gpt_predicted(flags: list[str], profile: str, example: list[str] = ()) -> dict[str, Any]:
-    model = GPT.replace("n_layer=2", f"n_layer={example[example.index('--n-layer') + 1]}") \
-        if "--n-layer" in example else GPT
+    model = (f"gpt:n_layer={_example(example, '--n-layer', 2)},n_embd={_example(example, '--n-embd', 192)},n_head=4,"
+             f"vocab=256,seq_len={_example(example, '--seq-len', 64)}")
     cmd = [sys.executable, "-m", "vemesh", "plan", "--model", model, "--world-size", "4", "--global-batch-size", "32",
            "--device-profile", profile, *flags, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env())
@@ -172,7 +143,7 @@ def gpt_measured(flags: list[str]) -> float:
         if out.returncode or not metrics.exists():
             raise SystemExit(f"{' '.join(cmd)}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
         steps = [json.loads(line) for line in metrics.read_text().splitlines()][3:]
-        seconds = sorted(32 * 64 / r["tokens_per_s"] for r in steps)
+        seconds = sorted(32 * _example(flags, "--seq-len", 64) / r["tokens_per_s"] for r in steps)
         return seconds[len(seconds) // 2]
 
 
@@ -218,16 +189,16 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each configuration, in alternating order; "
                         "its measured step is the median of the runs' medians (default 2)")
-    parser.add_argument("--published", action="store_true", help="only the built-in H100 profile's tables (no "
-                        "calibration, no runs): against torchtitan's published figures, and the placement on 8-GPU "
-                        "hosts at 64 and 1024 ranks")
+    parser.add_argument("--published", action="store_true", help="only the built-in H100 profile's placement on "
+                        "8-GPU hosts at 64 and 1024 ranks (no calibration, no runs; torchtitan's published table is "
+                        "bench/plan_published.py)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1; got {args.rounds}")
     if args.published:
-        rows, placed = published(), placement()
+        placed = placement()
         if args.json:
-            Path(args.json).write_text(json.dumps({"published": rows, "placement": placed}, indent=2) + "\n")
+            Path(args.json).write_text(json.dumps({"placement": placed}, indent=2) + "\n")
         return
     profile = args.profile
     if profile is None:

@@ -257,7 +257,6 @@ class TrainConfig(BaseModel):
         self._check_moe()
         self._check_ft()
         self._check_model_and_batch()
-        self._check_memory()
         self._check_checkpoints_and_faults()
         replicate = self.dp_replicate if self.fsdp else 1  # HSDP's split, and EP over DP x CP: checked above by flag
         self._dims = replace(self._dims, dp_replicate=replicate, dp_shard=self._dims.dp // replicate, ep=self.ep)
@@ -394,18 +393,6 @@ class TrainConfig(BaseModel):
                     f"(--global-batch-size {self.global_batch_size} / DP {dp})"
                 )
 
-    def _check_memory(self) -> None:
-        """The run fits in each process's share of this host's memory (roughly: see memory_estimate)."""
-        dp = self.dp_size
-        need, have = self.memory_estimate()
-        if need > have:
-            raise ValueError(
-                f"this run needs about {need / 2**30:.1f} GiB per process (parameters, gradients and AdamW state of "
-                f"{self.n_params() / 1e6:.1f}M parameters, and the activations of {self.global_batch_size // dp} sequences "
-                f"of --seq-len {self.seq_len}), but each of this host's {self.local_world_size} processes has "
-                f"{have / 2**30:.1f} GiB; lower --global-batch-size, --seq-len or the model size"
-            )
-
     def _check_checkpoints_and_faults(self) -> None:
         """Checkpoint flags need --checkpoint-dir; fault injections land on a step that runs."""
         pp = self.pp_size
@@ -497,27 +484,6 @@ class TrainConfig(BaseModel):
         dense = L * (12 * C * C + 13 * C) + 2 * V * C + self.seq_len * C + 2 * C
         moe_layers = len(range(0, L, self.moe_every)) if self.moe_experts else 0  # each: E - 1 more MLPs, a router
         return dense + moe_layers * ((self.moe_experts - 1) * (8 * C * C + 5 * C) + self.moe_experts * C)
-
-    def memory_estimate(self) -> tuple[int, int]:
-        """(bytes one process needs at most, bytes of memory per process on this host), roughly.
-
-        Needs: every parameter with its gradient and two AdamW moments in fp32 (16 bytes; no
-        sharding credited), plus the activations kept for backward: per layer ``34 * b * T * C``
-        bytes for this DP rank's ``b`` sequences in 16-bit activations (Megatron's count; twice that
-        in fp32). Attention keeps no ``T x T`` scores: SDPA's fused kernels (flash, memory-efficient)
-        run it, on CUDA and CPU, but with attention dropout, where the ``5 * b * H * T^2`` of
-        Megatron's count is added. On CUDA the device's memory is the limit, else the host's RAM.
-        Measured on an H200 (12 x 768, 16 x 1024 tokens, bf16): 6.5 GB estimated, 6.9 GB peak.
-        """
-        b, T, C, H, L = self.global_batch_size // self.dp_size, self.seq_len // self.cp_size, self.n_embd, self.n_head, self.n_layer
-        half = 1 if self.dtype == "bf16" else 2  # Megatron counts bytes of 16-bit activations
-        scores = 5 * b * H * T * T if self.dropout else 0
-        need = 16 * self.n_params() + half * L * (34 * b * T * C + scores)
-        if self.device == "cuda":
-            have = torch.cuda.get_device_properties(0).total_memory
-        else:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, self.local_world_size)
-        return need, have
 
     @property
     def dims(self) -> ParallelDims:

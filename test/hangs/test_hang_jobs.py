@@ -97,8 +97,11 @@ def test_a_straggler_is_named_live_with_its_factor_and_the_job_goes_on(tmp_path)
                             VEMESH_STRAGGLER_WINDOW="2")
     assert code == 0 and "every rank wrote its dump" not in out, out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("vemesh: straggler: ")]
-    assert lines and all(line.startswith("vemesh: straggler: rank 2 (DP=1, TP=0) is ") for line in lines), out[-3000:]
-    factors = sorted(float(line.split(" is ", 1)[1].split("x slower")[0]) for line in lines)
+    # a loaded machine may slow another rank for a window (it is then a straggler too, and said so): rank 2 holds
+    # most windows and the last
+    mine = [line for line in lines if line.startswith("vemesh: straggler: rank 2 (DP=1, TP=0) is ")]
+    assert lines and 2 * len(mine) > len(lines) and lines[-1] in mine, out[-3000:]
+    factors = sorted(float(line.split(" is ", 1)[1].split("x slower")[0]) for line in mine)
     assert 1.6 <= factors[len(factors) // 2] <= 2.5, lines
     assert "; its groups: DP [0, 2], TP [2, 3]; not a hang, the job goes on" in lines[-1]
 

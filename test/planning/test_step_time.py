@@ -77,7 +77,8 @@ def test_a_grouped_mm_counts_the_flops_of_its_groups_matmuls_forward_and_backwar
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vemesh.planning.measure import FLOP_FORMULAS, MemoryBoundBytes
+    from vemesh.planning.fusion import MemoryBoundBytes
+    from vemesh.planning.measure import FLOP_FORMULAS
 
     counts = [5, 0, 7, 4]  # tokens per expert, one expert with none
     x = torch.randn(sum(counts), 16, requires_grad=True)

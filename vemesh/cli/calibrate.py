@@ -32,15 +32,17 @@ def add_calibrate(commands: Any) -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from vemesh.planning.calibrate import calibrate  # torch only when calibrating: `vemesh show` starts fast
 
-    if args.nproc < 2:
-        raise UsageError(f"argument --nproc: {args.nproc}: collectives need at least 2 processes; choose 2 or more")
+    if args.nproc < 2 and args.device != "cuda":
+        raise UsageError(f"argument --nproc: {args.nproc}: collectives need at least 2 processes; choose 2 or more "
+                         "(one process measures one GPU: --device cuda --nproc 1)")
     try:
         profile = calibrate(args.nproc, args.output, device_type=args.device, quick=args.quick, repeat=args.repeat)
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
     ar = profile.host
     print(f"wrote {args.output}: {profile.name}, {args.nproc} processes; matmul fp32 "
-          f"{profile.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 {profile.matmul_flops['bf16'] / 1e9:.1f} GFLOP/s "
+          f"{profile.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 {profile.matmul_flops['bf16'] / 1e9:.1f} GFLOP/s"
+          + (f", fp8 {profile.matmul_flops['fp8'] / 1e9:.1f} GFLOP/s" if "fp8" in profile.matmul_flops else "") + " "
           f"per rank; memory {profile.memory_bandwidth / 1e9:.1f} GB/s; all-reduce {ar.latency_s * 1e6:.0f} us per "
           f"step, {ar.bandwidth / 1e9:.2f} GB/s bus bandwidth")
     return 0

@@ -80,6 +80,18 @@ def straggler_window(env: dict[str, str] | None = None) -> float:
     return window
 
 
+def fatal_file(path: "os.PathLike[str] | str", drop_empty: bool = False) -> bool:
+    """Whether a rank's fatal-error file holds something (faulthandler wrote: the rank crashed); ``drop_empty``
+    removes it when it is empty."""
+    import pathlib
+
+    path = pathlib.Path(path)
+    size = path.stat().st_size if path.exists() else -1
+    if drop_empty and size == 0:
+        path.unlink()
+    return size > 0
+
+
 def stacks() -> list[dict[str, Any]]:
     """The Python stack of each thread of this process, innermost frame last (the watchdog's own left out)."""
     names = {t.ident: t.name for t in threading.enumerate()}

@@ -33,8 +33,8 @@ from vemesh.hangs.diagnose import diagnose, load
 from vemesh.hangs.dumps import dead_line, rank_place
 from vemesh.hangs.pace import (SAMPLE_S, Busy, Progress, parse_beat, step_pace, straggler, straggler_line,
                                threshold)
-from vemesh.hangs.record import (ENV_AFTER, ENV_DIR, EXIT_CODE, hang_after, prepare, recorder_json, stacks,
-                                 straggler_window)
+from vemesh.hangs.record import (ENV_AFTER, ENV_DIR, EXIT_CODE, fatal_file, hang_after, prepare, recorder_json,
+                                 stacks, straggler_window)
 
 __all__ = ["HANGS", "HangWatch", "Hangs"]
 
@@ -221,7 +221,7 @@ class HangWatch:
         while True:
             waiting, silent = False, []
             for r in range(self.world_size):
-                if self.store.check([self.keys + f"term/{r}"]) or self.store.check([self.keys + f"dumped/{r}"]):
+                if any(self.store.check([self.keys + f"{k}/{r}"]) for k in ("term", "dumped", "ending")):
                     continue  # it answered: alive
                 if self._silent(r):
                     silent.append(r)
@@ -279,6 +279,7 @@ class HangWatch:
         if not self._ending.acquire(blocking=False):  # the other thread is ending the process already
             while True:
                 time.sleep(60)
+        self.store.set(self.keys + f"ending/{self.rank}", "1")  # alive: its heartbeat may stop while it dumps
         self.dump()
         self.store.set(self.keys + f"dumped/{self.rank}", "1")
         if reporter:
@@ -290,7 +291,8 @@ class HangWatch:
                 text = diagnose(load(self.directory)).text()
             except Exception as e:  # the report must not hide the hang
                 text = f"vemesh: could not diagnose {self.directory}: {type(e).__name__}: {e}"
-            dead = sorted(set(dead) | {r for r in range(self.world_size) if self._silent(r)})
+            late = time.monotonic() >= end  # a rank still "ending" without a dump by now died while dumping
+            dead = sorted(set(dead) | {r for r in range(self.world_size) if self._silent(r, ending_alive=not late)})
             text = "".join(dead_line(r, *rank_place(self.describe() or {}, r)) for r in dead) + text
             fired = self.store.get(self.keys + "fired").decode().partition("|")[2]
             what = fired if " raised " in fired or " died" in fired else "a hang was found"
@@ -309,24 +311,21 @@ class HangWatch:
         self.drop_empty_fatal()
         os._exit(EXIT_CODE)
 
-    def _silent(self, rank: int, stale_s: float = 2 * _BEAT_S) -> bool | None:
+    def _silent(self, rank: int, stale_s: float = 2 * _BEAT_S, ending_alive: bool = True) -> bool | None:
         """No dump, no fatal-error file, and a heartbeat older than ``stale_s`` (two beats): a rank that is gone.
-        None (falsy) for a rank that dumped or wrote its fatal-error file: accounted for."""
-        if self.store.check([self.keys + f"dumped/{rank}"]) or self._died(rank):
+        None (falsy) for a rank that dumped or wrote its fatal-error file: accounted for. A rank that said it is
+        ending (dumping) is alive while ``ending_alive``."""
+        if self.store.check([self.keys + f"dumped/{rank}"]) or fatal_file(self.directory / f"rank-{rank}.fatal.txt"):
             return None
+        if ending_alive and self.store.check([self.keys + f"ending/{rank}"]):
+            return False
         key = self.keys + f"beat/{rank}"
         beat = parse_beat(self.store.get(key).decode())[0] if self.store.check([key]) else 0.0
         return time.time() - beat > stale_s
 
     def drop_empty_fatal(self) -> None:
         """Remove this rank's fatal-error file if faulthandler wrote nothing to it (the rank did not crash)."""
-        path = Path(self._fatal.name)
-        if path.exists() and path.stat().st_size == 0:
-            path.unlink()
-
-    def _died(self, rank: int) -> bool:
-        path = self.directory / f"rank-{rank}.fatal.txt"
-        return path.exists() and path.stat().st_size > 0
+        fatal_file(Path(self._fatal.name), drop_empty=True)
 
     def dump(self) -> Path:
         """Write this rank's dump (recorder, stacks, mesh, steps) and return its path."""

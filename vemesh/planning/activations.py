@@ -34,7 +34,8 @@ from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import apply_tp
 from vemesh.parallel import ExpertParallel, context_parallel
 from vemesh.planning.fake_world import local_shards
-from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name, ops_by_mesh_name, step_counters
+from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name, ops_by_mesh_name
+from vemesh.planning.fusion import step_counters
 from vemesh.planning.routing import routing
 
 __all__ = ["ROLES", "Trace", "add_ops", "trace_stage"]

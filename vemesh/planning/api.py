@@ -140,7 +140,37 @@ def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any) -> list[
         sizes[dim] = layout.world_size if dim == WORLD else layout.group_size(dim)
         links[dim] = link_of(layout, dims, per_host, profile.hosts_per_rack)
     return step_time(fit, profile, dtype=job.dtype, dp_mode=fit.dp_mode or job.mode, grad_dims=grad, sizes=sizes,
-                     links=links)
+                     links=links, speed=speedups_of(job, fit))
+
+
+def speedups_of(job: Any, fit: Any) -> Any:
+    """The job's switches (:class:`~vemesh.planning.speedups.Speedups`) for ``fit``: under Float8 the Llama 3 preset's
+    output head stays bf16 on the rank class that holds it (torchtitan's rule), and FSDP2's Float8 share of the
+    gathered parameters is the preset's block Linear weights, or a user model's Linear weights but a head named
+    ``output`` or ``lm_head``."""
+    from dataclasses import replace
+
+    speed = job.speed
+    if speed is None:
+        return None
+    if job.llama3:
+        from vemesh.models.llama3.config import config_of, linear_share
+        from vemesh.parallel.schedules import stage_owner, stages_per_rank
+
+        cfg, d = config_of(job.model), fit.degrees
+        tokens = job.global_batch_size // d["DP"] * cfg.seq_len // d["CP"]
+        head = 6 * tokens * cfg.dim * cfg.vocab_size // d["TP"]  # forward 2, backward 4 FLOPs a weight and token
+        last = stage_owner(d["PP"] * stages_per_rank(job.pp_schedule) - 1, d["PP"], job.pp_schedule) if d["PP"] > 1 else 0
+        bf16 = tuple(head if d["PP"] == 1 or i == last else 0 for i in range(len(fit.classes)))
+        return replace(speed, bf16_flops=bf16, float8_share=linear_share(cfg))
+    if speed.float8_all_gather and job.user:
+        from vemesh.planning.speedups import linear_share
+        from vemesh.planning.user_code import UserFunctions
+        from vemesh.planning.user_model import _template
+
+        fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
+        return replace(speed, float8_share=linear_share(_template(fns.factory, fns.names[0]), ("output", "lm_head")))
+    return speed
 
 
 def time_document(times: tuple[StepTime, ...], profile: DeviceProfile, fit: Any, job: Any) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 It starts N processes (gloo on CPU, nccl on GPUs, one device each), and all of them measure at once, as the
 ranks of a job share the machine:
 
-* **matmul**: a square matmul per dtype (fp32, bf16), the median over repetitions, as FLOP/s per rank;
+* **matmul**: a square matmul per dtype (fp32, bf16, and on a GPU of compute capability 8.9 or more fp8 through
+  ``torch._scaled_mm``, as Float8 training runs its Linear layers), the median over repetitions, as FLOP/s per rank;
+* **one GPU** (``--device cuda --nproc 1``): the same device figures, and no collective; the links are the
+  built-in profile's of that GPU (H100, H200, A100: its published figures, said in the assumptions);
 * **memory**: an add of two 1 MiB tensors into a new one, as a step's memory-bound ops run (out of place, the
   inputs no longer in a cache), bytes read and written per second per rank;
 * **overlap**: an all-reduce started asynchronously under matmuls, against each alone: the fraction of the shorter
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vemesh.planning.measure import MemoryBoundBytes
+from vemesh.planning.fusion import MemoryBoundBytes
 from vemesh.planning.profiles import DeviceProfile, Link, load_profile
 from vemesh.planning.step_time import collective_seconds, ring
 
@@ -267,7 +270,16 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, gr
         a = torch.randn(size, size, device=device, dtype=dtype)
         dist.barrier()
         flops[name] = 2 * size ** 3 / _median_seconds(lambda: a @ a, reps, sync)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):  # fp8 tensor cores
+        big = 4 * size
+        a8, b8 = (torch.randn(big, big, device=device).to(torch.float8_e4m3fn) for _ in range(2))
+        one = torch.ones((), device=device)
+        flops["fp8"] = 2 * big ** 3 / _median_seconds(
+            lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps, sync)
     memory = _memory(device, sync, reps, quick)
+    if n == 1:  # one GPU: no collective to measure
+        return [flops["fp32"], flops["bf16"], memory, 1.0, 0.0, *(-x for x in _op_overheads(device, sync, reps)),
+                0.0, 0.0, flops.get("fp8", 0.0)], {}
     kinds: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in KINDS}
     for size, group in groups.items():  # each group size, every group of it at once
         small, large = size * 256, size * ((2**18) if quick else (2**22))  # fp32: 1 KiB x size; 1 or 16 MiB x size
@@ -287,7 +299,7 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, gr
     tp_call, tp_dtensor_ops = _tp_reference(device, sync, 3 * reps, quick, pairs[1])
     # rates, and times negated: the slowest rank is each figure's minimum
     return [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op, -tp_call,
-            -tp_dtensor_ops], kinds
+            -tp_dtensor_ops, flops.get("fp8", 0.0)], kinds
 
 
 def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: str, repeat: int = 1) -> None:
@@ -304,7 +316,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
     for size in [d for d in range(2, n + 1) if n % d == 0]:
         made = [dist.new_group(list(range(start, start + size))) for start in range(0, n, size)]
         groups[size] = made[rank // size]
-    pairs = _pair(device)
+    pairs = _pair(device) if n > 1 else (None, None)
     rounds = [_measure(rank, n, device, sync, quick, groups, pairs) for _ in range(repeat)]
     # each figure's median over the rounds: a shared machine's moments of load fall on one round, not on the profile
     mine = [statistics.median(r[0][i] for r in rounds) for i in range(len(rounds[0][0]))]
@@ -316,9 +328,10 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
     shared = max(1.0, n * threads / (os.cpu_count() or 1)) if device_type == "cpu" else 1.0
     if rank == 0:
         slowest = [min(r[i] for r in everyone) for i in range(len(mine))]  # the slowest rank sets the job's pace
-        host = kinds["all_reduce"][str(n)]
+        links = _published_links(torch.cuda.get_device_name(0)) if n == 1 else None
+        host = links.host.model_dump() if links is not None else kinds["all_reduce"][str(n)]
         wait, per_dtensor_op, tp_call, tp_dtensor_ops = -slowest[4], -slowest[6], -slowest[7], -slowest[8]
-        pair = Link(**kinds["all_reduce"].get("2", host))
+        pair = Link(**kinds["all_reduce"].get("2", host)) if n > 1 else Link(**host)
         profile = DeviceProfile(
             name=f"calibrated-{socket.gethostname()}-{n}",
             description=f"measured by vemesh calibrate: {n} {backend} processes on one {platform.machine()} host"
@@ -328,22 +341,26 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             sources=[f"vemesh calibrate --nproc {n}{' --quick' if quick else ''}"
                      f"{f' --repeat {repeat}' if repeat > 1 else ''}, "
                      f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}, torch {torch.__version__}"],
-            assumptions=["network: one machine has one link class, so the network link is the host's measured "
+            assumptions=[f"links: one GPU measures no collective; host and network are {links.name}'s published "
+                         "figures" if links is not None else
+                         "network: one machine has one link class, so the network link is the host's measured "
                          "all-reduce; edit it (or take a built-in profile) to predict a job across hosts",
                          "achievable: 1, since the matmul figures are measured throughput, not a peak"],
             devices_per_host=n,
-            matmul_flops={"fp32": slowest[0], "bf16": slowest[1]},
+            matmul_flops={"fp32": slowest[0], "bf16": slowest[1], **({"fp8": slowest[9]} if slowest[9] > 0 else {})},
             achievable=1.0,
             memory_bandwidth=slowest[2],
             overlap=slowest[3],
             shared_compute=shared,
             backend=backend,
             collective_wait_s=wait,
-            functional_wait_s=functional_wait(tp_call, tp_dtensor_ops, pair, wait, per_dtensor_op, backend),
+            functional_wait_s=functional_wait(tp_call, tp_dtensor_ops, pair, wait, per_dtensor_op, backend) if n > 1
+            else 0.0,
             op_overhead_s=-slowest[5],
             dtensor_op_overhead_s=per_dtensor_op,
             host=dict(latency_s=host["latency_s"], bandwidth=host["bandwidth"]),
-            network=dict(latency_s=host["latency_s"], bandwidth=host["bandwidth"]),
+            network=links.network.model_dump() if links is not None else dict(latency_s=host["latency_s"],
+                                                                               bandwidth=host["bandwidth"]),
             collectives=kinds,
         )
         with open(out, "w") as f:
@@ -351,6 +368,14 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             f.write("\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _published_links(device_name: str) -> DeviceProfile:
+    """The built-in profile whose GPU ``device_name`` is (its links stand in for one GPU's unmeasured ones)."""
+    for key, name in (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-sxm-80gb")):
+        if key in device_name:
+            return load_profile(name)
+    return load_profile("h100-sxm")
 
 
 def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool = False,

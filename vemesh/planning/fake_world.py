@@ -109,11 +109,35 @@ def real_mesh_tensors() -> Iterator[None]:
     strided = vars(_StridedShard)["local_shard_size_and_offset"]
     _StridedShard.local_shard_size_and_offset = real(strided)
     try:
-        yield
+        with quiet_sharding_propagation():
+            yield
     finally:
         for name, attr in saved.items():
             setattr(DeviceMesh, name, attr)
         _StridedShard.local_shard_size_and_offset = strided
+
+
+@contextlib.contextmanager
+def quiet_sharding_propagation() -> Iterator[None]:
+    """DTensor derives an op's output shape by running the op on fake tensors of the *global* shapes (its sharding
+    propagation, ``_propagate_tensor_meta_non_cached``). Under the planner's counters those would count as the
+    step's allocations, FLOPs and bytes: a vocabulary-parallel loss's logits at their full size, every time its
+    handlers propagate. They run here with every dispatch mode off (a fresh fake mode of their own)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    cls = type(DTensor._op_dispatcher.sharding_propagator)
+    original = cls._propagate_tensor_meta_non_cached
+
+    def quiet(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    cls._propagate_tensor_meta_non_cached = quiet
+    try:
+        yield
+    finally:
+        cls._propagate_tensor_meta_non_cached = original
 
 
 @contextlib.contextmanager

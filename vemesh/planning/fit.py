@@ -51,18 +51,27 @@ class Job:
     micro_batch_size: int | None = None  #: sequences per forward on a DP rank (default: PP's 2 x PP micro-batches)
     pp_schedule: str = "1f1b"
     sequence_parallel: bool = False
-    activation_checkpointing: bool = False  #: each block recomputed in backward (the example's flag)
+    #: ``none``/``full`` (the GPT preset: each block recomputed in backward), and for the Llama 3 preset
+    #: ``selective-op`` and ``selective-N`` too (:mod:`vemesh.models.llama3.parallelize`); a bool is none/full
+    activation_checkpointing: bool | str = False
     parallelize: Any = None  #: ``--parallelize MODULE:FUNCTION`` (or the function): the user's own, run on the mesh
     step: Any = None  #: ``--step MODULE:FUNCTION`` (or the function): one forward and backward of a micro-batch
     loss: Any = None  #: ``--loss MODULE:FUNCTION`` (or the function): with PP, the schedule's ``loss_fn``
     before_optimizer: Any = None  #: ``--before-optimizer MODULE:FUNCTION`` (or the function): the loop's end of a step
     moe_load_factor: float = 1.0  #: the busiest EP rank's share of the slots over the balanced share
     timed: bool = False  #: count what a step-time prediction needs (FLOPs, memory-bound bytes, ops) while tracing
+    #: what GPU users turn on, modelled on the traced step (:mod:`vemesh.planning.step_time`), not traced
+    speed: Any = None  #: :class:`vemesh.planning.speedups.Speedups` (compile, Float8, async TP), None for none
 
     @property
     def mode(self) -> str:
         """``dp_mode``, zero1 when not given."""
         return self.dp_mode or "zero1"
+
+    @property
+    def llama3(self) -> bool:
+        """Whether the model is the Llama 3 preset (``llama3:SIZE``)."""
+        return isinstance(self.model, str) and self.model.startswith("llama3:")
 
     @property
     def user(self) -> bool:
@@ -97,6 +106,36 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
                          before_optimizer_name=f"vemesh.models.gpt.planned.before_optimizer_for({pp_schedule!r})")
 
 
+@functools.lru_cache(maxsize=64)
+def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: str) -> UserFunctions:
+    """The Llama 3 preset's functions (:mod:`vemesh.models.llama3.planned`), the same objects for the same job."""
+    from vemesh.models.llama3 import config_of, planned
+
+    return UserFunctions(planned.factory(config_of(spec)), planned.parallelize_for(mode, dtype, ac, pp_schedule),
+                         planned.step, (spec, "vemesh.models.llama3.parallelize", "vemesh.models.llama3.planned.step"),
+                         loss=planned.loss_fn, pp_schedule=pp_schedule, before_optimizer=planned.before_optimizer,
+                         before_optimizer_name="vemesh.models.llama3.planned.before_optimizer")
+
+
+@functools.lru_cache(maxsize=64)
+def _traced_llama3(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_replicate: int) -> MeshFit:
+    """The Llama 3 preset traced like any user model: with PP its stages through torch's schedule (the step of a DP
+    rank's batch), else a micro-batch. FSDP2 keeps fp32 parameters and computes in the job's dtype."""
+    from vemesh.models.llama3 import planned
+    from vemesh.models.llama3.parallelize import check_ac
+
+    if ep > 1:
+        raise ValueError(f"EP {ep}: the Llama 3 preset is dense (no experts); plan it with --ep 1")
+    fns = _llama3_functions(job.model, job.mode, job.dtype, check_ac(job.activation_checkpointing), job.pp_schedule)
+    if pp > 1:
+        fns = replace(fns, step=planned.pipeline_step_for(job.pp_schedule),
+                      names=(fns.names[0], fns.names[1], f"vemesh.models.llama3.planned.pipeline_step[{job.pp_schedule}]"))
+    return (predict_pipeline if pp > 1 else predict_user)(
+        fns, world_size=pp * dp * cp * tp, degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
+        dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
+        dtype="fp32" if job.mode == "fsdp" else job.dtype, dp_mode=job.mode, load_factor=1.0, timed=job.timed)
+
+
 @functools.lru_cache(maxsize=64)  # a search asked again (another device memory, placement or ranking) traces nothing
 def _traced_preset(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_replicate: int) -> MeshFit:
     """The GPT preset traced like any user model (with PP through torch's schedule). FSDP2 keeps fp32 parameters and
@@ -128,6 +167,17 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                             degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, dp_replicate=dp_replicate,
                             global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
                             dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor, timed=job.timed)
+    if job.llama3:
+        from vemesh.models.llama3 import config_of
+
+        cfg = config_of(job.model)
+        if pp > 1:
+            schedule_class(job.pp_schedule)  # a ValueError names the schedules
+            n_stages = pp * stages_per_rank(job.pp_schedule)
+            if n_stages > cfg.n_layers:
+                raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; {job.model} has "
+                                 f"{cfg.n_layers}")
+        return _traced_llama3(job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
     if not isinstance(job.model, str):
         raise ValueError(f"a model given as {type(job.model).__name__} needs its step (step=...) to be traced; "
                          "without one, give --model as gpt:... or module:package.module:factory")
@@ -194,6 +244,11 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
     if job.user:  # the user's functions: every TP they take; PP too when they give the schedule's loss_fn
         limit = {"n_head": world_size}
         n_layer = _user_stages(job, world_size)
+    elif job.llama3:  # TP up to the KV heads, PP up to the blocks
+        from vemesh.models.llama3 import config_of
+
+        cfg = config_of(job.model)
+        limit, n_layer = {"n_head": cfg.n_kv_heads}, cfg.n_layers
     else:
         if not isinstance(job.model, str) or load_model(job.model).kind != "gpt":
             raise ValueError("searching needs the activations: give the GPT preset (--model gpt:...), or your model's "
@@ -209,7 +264,7 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             degrees = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}
             if tp > limit.get("n_head", 1) or pp > n_layer:
                 continue  # not even a candidate: more TP ranks than heads, more stages than blocks
-            if not job.user and pp == 1 and device_memory is not None:  # a trace saved where the weights cannot fit
+            if not job.user and not job.llama3 and pp == 1 and device_memory is not None:  # a trace saved where the weights cannot fit
                 over = _static_over(job, device_memory, dp=dp, tp=tp, cp=cp, ep=ep, degrees=degrees)
                 if over is not None:
                     rejected.append(over)
@@ -279,7 +334,7 @@ def _variants(job: Job, choose: tuple[str, ...], per_dp: int) -> list[Job]:
             size //= 2
         sizes += [size] + ([1] if size != 1 else [])
     checkpointing = [job.activation_checkpointing]
-    if "activation-checkpointing" in choose and not job.activation_checkpointing:
+    if "activation-checkpointing" in choose and job.activation_checkpointing in (False, "none"):
         checkpointing.append(True)
     return [replace(job, micro_batch_size=m, activation_checkpointing=ac) for ac in checkpointing for m in sizes]
 

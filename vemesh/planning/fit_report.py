@@ -65,7 +65,9 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
     """The JSON of one mesh's prediction."""
     return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
             "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
-            "dp_mode": fit.dp_mode or job.mode, "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing, "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
+            "dp_mode": fit.dp_mode or job.mode, "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
+            "speedups": ({k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")}
+                         if job.speed else None), "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
             "peak": fit.peak, "activations_traced": fit.traced, "notes": list(fit.notes), "classes": [_class_row(c) for c in fit.classes],
             "how": HOW if fit.notes and fit.notes[0].startswith("pipeline estimated") else HOW_USER}
 
@@ -92,8 +94,13 @@ def render_fit(job: Job, fit: MeshFit) -> str:
     per_dp = job.global_batch_size // d["DP"]
     batch = f"; global batch {job.global_batch_size}, {per_dp} sequences per DP rank in {fit.micro_batches} " \
         f"micro-batch{'es' if fit.micro_batches > 1 else ''} of {fit.micro_batch_size}" if fit.traced else ""
-    lines = [f"job: {job.name}, {job.dtype}, {fit.dp_mode or job.mode}" + (", activation checkpointing"
-             if job.activation_checkpointing else "") + batch + (f", {job.pp_schedule}" if d["PP"] > 1 else ""),
+    ac = job.activation_checkpointing
+    ac_text = "" if ac in (False, "none") else ", activation checkpointing" + (f" {ac}" if isinstance(ac, str) else "")
+    speed = job.speed
+    on = [n for n, v in (("compile", speed.compile), (f"float8 {speed.float8}", speed.float8),
+                         ("float8 all-gather", speed.float8_all_gather), ("async TP", speed.async_tp)) if v] if speed else []
+    lines = [f"job: {job.name}, {job.dtype}, {fit.dp_mode or job.mode}" + ac_text + batch
+             + (f", {job.pp_schedule}" if d["PP"] > 1 else "") + (f"; timed with {', '.join(on)}" if on else ""),
              f"memory per rank ({unit}):" if fit.traced else f"static memory per rank ({unit}); ACTIVATIONS ARE NOT "
              "INCLUDED: give your step (--step MODULE:FUNCTION) and the planner traces them:"]
     buffers = any(c.extra for c in fit.classes)
@@ -210,7 +217,8 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
         "will it fit? (with --model: memory per rank and bytes per dim; with --device-memory and no --pp/--tp/--dp: "
         "every mesh of the world size that fits, ranked)")
     job.add_argument("--model", metavar="SPEC", help="gpt:n_layer=N,n_embd=N,n_head=N[,vocab=N,seq_len=N] (the GPT "
-                     "preset) or module:MODULE:FACTORY, your own model (MODULE: a dotted module importable from the "
+                     "preset), llama3:8b|70b|405b[,seq_len=N] (Llama 3.1's shapes, torchtitan's parallelization, "
+                     "FSDP2 by default), or module:MODULE:FACTORY, your own model (MODULE: a dotted module importable from the "
                      "current directory, or a file path such as ./mymodel.py); without --step, static memory only")
     job.add_argument("--parallelize", metavar="MODULE:FUNCTION", help="your parallelize function, FUNCTION(model, "
                      "mesh) -> model (with --pp: this rank's torch PipelineStages), run on VESCALE_DEVICE_MESH built for the "
@@ -238,8 +246,20 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "after the last micro-batch's backward and before optimizer.step(), on what --parallelize "
                      "returned: your loop's clip_grad_norm_, its all-reduce of the loss (timed and counted in the step)")
     job.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
-    job.add_argument("--activation-checkpointing", action="store_true",
-                     help="recompute each block in backward, keeping only its input")
+    job.add_argument("--activation-checkpointing", nargs="?", const="full", default=False, metavar="MODE",
+                     help="none, full (the bare flag: recompute each block in backward, keeping only its input), and "
+                     "for the Llama 3 preset selective-op (torchtitan's per-op policy: keep the matmuls' and "
+                     "attention's outputs, but every second matmul's) or selective-N (every N-th block full)")
+    speed = plan.add_argument_group("what GPU users turn on, modelled on the traced step's time (needs --device-profile)")
+    speed.add_argument("--compile", action="store_true", help="torch.compile: the pointwise ops and the reductions "
+                       "beside them fuse into one kernel per run, paying only the bytes that leave it")
+    speed.add_argument("--float8", choices=("tensorwise", "rowwise"), help="torchao's Float8 training: the Linear "
+                       "matmuls (not the output head) at the profile's fp8 rate, their casts and scales paid in bytes "
+                       "(needs --dtype bf16)")
+    speed.add_argument("--float8-all-gather", action="store_true", help="FSDP2 gathers the Float8 weights in 1 byte "
+                       "an element")
+    speed.add_argument("--async-tp", action="store_true", help="TP's all-gathers and reduce-scatters overlap the "
+                       "matmuls they feed; only the rest is exposed")
     job.add_argument("--device-memory", metavar="SIZE", help="memory per device, with a unit: 80GiB, 24GB")
     job.add_argument("--choose", metavar="WHAT", help="a search by time chooses these for each mesh too, the fastest "
                      "that fits: micro-batch-size (the largest that fits without PP; every size with PP, whose "

@@ -31,13 +31,11 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning.step_time import WORLD
 
-__all__ = ["CollectiveBytes", "MemoryBoundBytes", "NoModules", "RunMeter", "by_mesh_name", "mesh_names",
-           "ops_by_mesh_name", "payload_bytes", "step_counters"]
+__all__ = ["CollectiveBytes", "NoModules", "RunMeter", "by_mesh_name", "mesh_names", "ops_by_mesh_name",
+           "payload_bytes"]
 
 _c10d = torch.ops.c10d
 _func = torch.ops._c10d_functional
@@ -57,8 +55,31 @@ def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = N
     return 2 * a_shape[-1] * math.prod(out_shape)
 
 
+def _attention_flops(q: Any, k: Any, causal: bool, matmuls: int) -> int:
+    """``matmuls`` products of ``[T, d] x [d, S]`` per batch and query head (grouped KV heads serve several query
+    heads: the work is per query head), half of it under a causal mask (flash attention skips the masked blocks)."""
+    b, h, t, d = q
+    flops = 2 * matmuls * b * h * t * k[2] * d
+    return flops // 2 if causal else flops
+
+
+def _cpu_flash_flops(q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal: bool = False, *args: Any,
+                     out_shape: Any = None, **kwargs: Any) -> int:
+    """The planner's attention on CPU fake tensors (``_scaled_dot_product_flash_attention_for_cpu``, which torch's
+    counter does not know): Q K^T and P V."""
+    return _attention_flops(q, k, is_causal, 2)
+
+
+def _cpu_flash_backward_flops(grad: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dropout_p: float = 0.0,
+                              is_causal: bool = False, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """Its backward, as flash attention's: Q K^T again, and dV, dP, dQ, dK."""
+    return _attention_flops(q, k, is_causal, 5)
+
+
 #: FLOP formulas for the ops torch's FlopCounterMode does not count (by overload packet, in its shape convention)
-FLOP_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+FLOP_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops}
 
 
 def _nbytes(value: Any) -> int:
@@ -130,31 +151,6 @@ class CollectiveBytes(TorchDispatchMode):
         return result
 
 
-class MemoryBoundBytes(TorchDispatchMode):
-    """The bytes the step's memory-bound ops move: every op but the matmuls (which ``FlopCounterMode`` counts),
-    the views (which move nothing) and the collectives (which :class:`CollectiveBytes` counts) reads its tensor
-    inputs and writes its outputs once. What a step-time prediction charges at the memory bandwidth."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.skip = set(FlopCounterMode(custom_mapping=FLOP_FORMULAS).flop_registry)  # matmuls: timed by FLOPs
-        self.bytes = 0
-        self.ops = 0  #: every op dispatched (each costs the framework's per-op time, whatever it computes)
-        self.dtensor_ops = 0  #: the ops on DTensors (each also costs DTensor's sharding propagation)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if any(t is DTensor for t in types):
-            self.dtensor_ops += 1
-            return NotImplemented
-        self.ops += 1
-        result = func(*args, **(kwargs or {}))
-        packet = func.overloadpacket
-        if packet not in self.skip and not func.is_view and func not in collective_ops:
-            tensors = [t for t in tree_leaves((args, kwargs or {}, result)) if isinstance(t, torch.Tensor)]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return result
-
-
 def mesh_names(mesh: Any) -> dict[str, str]:
     """Each group's ``group_name`` to the mesh name whose group it is (see :func:`by_mesh_name`); torch's default
     group is ``"world"`` unless a mesh name's group is every rank (a training loop's own all-reduce of its loss)."""
@@ -213,28 +209,6 @@ class NoModules:
 
     def __exit__(self, *exc: Any) -> None:
         pass
-
-
-@contextmanager
-def step_counters(timed: bool) -> Iterator[tuple[Any, Any]]:
-    """``(flops, moved)``: torch's ``FlopCounterMode`` and :class:`MemoryBoundBytes` over a step a step-time
-    prediction will time (``timed``); counters of nothing otherwise (an untimed trace runs faster)."""
-    if not timed:
-        yield _Nothing(), _Nothing()
-        return
-    flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
-    flops.mod_tracker = NoModules()  # its module hooks refuse autograd.grad, which a pipeline stage's backward runs
-    with flops, MemoryBoundBytes() as moved:
-        yield flops, moved
-
-
-class _Nothing:
-    """What an untimed trace counts: nothing."""
-
-    bytes = ops = dtensor_ops = 0
-
-    def get_total_flops(self) -> int:
-        return 0
 
 
 class StepTracker(MemTracker):

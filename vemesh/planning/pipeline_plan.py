@@ -27,7 +27,8 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
     the whole trace:
 
     * a model of ``n`` identical blocks (:func:`~vemesh.planning.user_model.repeated_blocks`), ``n`` a multiple of
-      the stages ``S``, is traced with ``3 S`` and ``4 S`` of them (3 and 4 per stage; with 2 the first stage's
+      the stages ``S`` (or with ``r`` more, held by the first ``r`` stages), is traced with ``3 S`` and ``4 S`` of
+      them (``+ r``) (3 and 4 per stage; with 2 the first stage's
       peak falls at another moment of the step than with many, and the difference misses it) and the rest added
       by difference, a block per stage at a time, each part of the step on its own (:meth:`Counted.scaled`);
     * under a one-stage schedule (GPipe, 1F1B) many micro-batches are traced as ``m mod PP + 2 PP`` and ``+ 3 PP``
@@ -45,13 +46,14 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
              f"{kwargs['micro_batch_size']}; every PP rank traced"]
     found = blocks_of(fns.factory, fns.names[0])
     counted = None
-    if found is not None and found[1] % n_stages == 0 and found[1] > LOW_HIGH[1] * n_stages:
+    if found is not None and found[1] > LOW_HIGH[1] * n_stages:
         path, n = found
+        extra = n % n_stages  # the first ``extra`` stages hold a block more (vemesh.models.gpt.stages.split_layers)
         try:
-            low, high = (_micro_batches(fns, dict(kwargs, blocks=(path, k * n_stages)), notes) for k in LOW_HIGH)
+            low, high = (_micro_batches(fns, dict(kwargs, blocks=(path, k * n_stages + extra)), notes) for k in LOW_HIGH)
             counted = {r: high[r].scaled(low[r], n // n_stages - LOW_HIGH[1]) for r in range(pp)}
-            notes.append(f"blocks: {path} holds {n} identical blocks, {n // n_stages} per stage; {LOW_HIGH[0]} and "
-                         f"{LOW_HIGH[1]} per stage traced, the rest added by difference")
+            notes.append(f"blocks: {path} holds {n} identical blocks, {n // n_stages}{'+1' if extra else ''} per stage; "
+                         f"{LOW_HIGH[0]} and {LOW_HIGH[1]} per stage traced, the rest added by difference")
         except ValueError as e:  # a parallelize function that cuts its stages by the model's configured depth
             if not isinstance(e.__cause__, (IndexError, KeyError)):
                 raise
@@ -65,7 +67,7 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
         c = counted[rank]
         static = RankMemory(f"PP rank {rank}", c.held["params"], c.held["grads"], c.held["optimizer"], 0)
         classes.append(RankClass(f"PP rank {rank}", static, c.held["activations"], 0, c.sent, c.flops,
-                                 c.memory_bytes, c.optimizer_bytes, c.ops, c.dtensor_ops, c.by_op))
+                                 c.memory_bytes, c.optimizer_bytes, c.ops, c.dtensor_ops, c.by_op, c.counts))
     return MeshFit(dict(degrees), classes, m, kwargs["micro_batch_size"], notes=tuple(dict.fromkeys(notes)),
                    dp_mode=counted[0].dp_mode, pp_schedule=fns.pp_schedule)
 

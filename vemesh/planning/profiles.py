@@ -44,8 +44,10 @@ class DeviceProfile(BaseModel):
     sources: list[str] = Field(min_length=1)
     assumptions: list[str] = []
     devices_per_host: int = Field(gt=0)
-    matmul_flops: dict[Literal["fp32", "bf16"], float] = Field(min_length=1)
+    matmul_flops: dict[Literal["fp32", "bf16", "fp8"], float] = Field(min_length=1)
     achievable: float = Field(gt=0, le=1)
+    #: the fraction of the peak that attention's fused kernels reach (flash attention's; None: ``achievable``)
+    attention_achievable: float | None = Field(None, gt=0, le=1)
     memory_bandwidth: float = Field(gt=0)
     #: the fraction of a collective that can run behind compute (1: a GPU's copy engines; a CPU whose cores the
     #: ranks already share has little to spare, and ``vemesh calibrate`` measures it)

@@ -19,8 +19,8 @@ CHOICES = ("micro-batch-size", "activation-checkpointing")
 #: The fields that describe a job: given without a model they would be ignored, so they are refused.
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
                               "pp_schedule", "rank_by", "parallelize", "step", "loss", "before_optimizer", "moe_load_factor",
-                              "sequence_parallel",
-                              "activation_checkpointing", "device_profile", "choose")
+                              "sequence_parallel", "activation_checkpointing", "device_profile", "choose", "compile",
+                              "float8", "float8_all_gather", "async_tp")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class PlanRequest:
     With ``model`` and ``device_memory`` and none of ``pp``/``dp``/``tp``, every mesh of ``world_size`` is tried and
     those that fit are ranked by ``rank_by`` (:attr:`searches`).
 
-    The job: ``model`` is the GPT preset (``"gpt:n_layer=..."``), ``"module:MODULE:FACTORY"``, or the factory;
+    The job: ``model`` is the GPT preset (``"gpt:n_layer=..."``), the Llama 3 preset (``"llama3:8b"``),
+    ``"module:MODULE:FACTORY"``, or the factory;
     ``parallelize`` and ``step`` are ``"MODULE:FUNCTION"`` or the functions (they trace the user's own model); with PP
     ``loss`` is the schedule's ``loss_fn`` and ``pp_schedule`` names torch's schedule for both. A field left ``None``
     takes the default the CLI documents; the preset's own flags (``sequence_parallel``,
@@ -63,8 +64,14 @@ class PlanRequest:
     dp_mode: str | None = None
     pp_schedule: str | None = None
     sequence_parallel: bool = False
-    activation_checkpointing: bool = False
+    #: ``none``, ``full`` (``True``), and for the Llama 3 preset ``selective-op`` or ``selective-N``
+    activation_checkpointing: bool | str = False
     moe_load_factor: float | str | None = None
+    # what GPU users turn on for speed (vemesh.planning.speedups): rules on the traced step's time
+    compile: bool = False
+    float8: str | None = None  #: ``tensorwise`` or ``rowwise``
+    float8_all_gather: bool = False
+    async_tp: bool = False
     # the question
     device_memory: int | str | None = None
     rank_by: str | None = None
@@ -82,20 +89,33 @@ class PlanRequest:
         user = self.parallelize is not None or self.step is not None
         if user and isinstance(self.model, str) and not self.model.startswith("module:"):
             raise ValueError(f"--parallelize and --step trace your own model, given as --model module:MODULE:FACTORY; "
-                             f"got --model {self.model} (the GPT preset is parallelized by vemesh.models.gpt)")
-        for flag, value in (("--sequence-parallel", self.sequence_parallel),
-                            ("--activation-checkpointing", self.activation_checkpointing)):
+                             f"got --model {self.model} (the presets are parallelized by vemesh.models)")
+        from vemesh.models.llama3.config import check_ac, config_of  # pure Python
+
+        ac = check_ac(self.activation_checkpointing)
+        llama3 = isinstance(self.model, str) and self.model.startswith("llama3:")
+        if llama3:
+            config_of(self.model)  # an unknown size or key: one line
+        for flag, value, whose in (("--sequence-parallel", self.sequence_parallel, "the GPT preset's"),
+                                   ("--activation-checkpointing", ac != "none", "the presets'")):
             if value and user:
-                raise ValueError(f"{flag} is the GPT preset's; with --parallelize your function decides it")
+                raise ValueError(f"{flag} is {whose}; with --parallelize your function decides it")
+        if ac.startswith("selective") and not llama3:
+            raise ValueError(f"--activation-checkpointing {ac}: the GPT preset recomputes whole blocks (full) or "
+                             "none; selective-op and selective-N are the Llama 3 preset's (--model llama3:8b)")
+        if self.sequence_parallel and llama3:
+            raise ValueError("--sequence-parallel: the Llama 3 preset always runs TP with sequence parallelism, as "
+                             "torchtitan does")
+        self._check_speedups()
         if self.before_optimizer is not None and not user:
             raise ValueError("--before-optimizer is your loop's end of a step, for your own functions (--parallelize, "
                              "--step); the GPT preset runs the example's (its clipping and loss all-reduces)")
         if self.loss is not None and not user:
             raise ValueError("--loss is your pipeline's loss_fn, for your own functions (--parallelize, --step); the "
                              "GPT preset has its own")
-        if self.device_profile is not None and not user and not str(self.model).startswith("gpt:"):
+        if self.device_profile is not None and not user and not str(self.model).startswith(("gpt:", "llama3:")):
             raise ValueError("--device-profile times a traced step: give your model's step too (--step MODULE:FUNCTION, "
-                             "with --parallelize for TP, CP or EP), or the GPT preset (--model gpt:...)")
+                             "with --parallelize for TP, CP or EP), or a preset (--model gpt:... or llama3:...)")
         if self.rank_by == "time" and self.device_profile is None:
             raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
         for choice in self.choices:
@@ -109,10 +129,36 @@ class PlanRequest:
             if "micro-batch-size" in self.choices and self.micro_batch_size is not None:
                 raise ValueError(f"--choose micro-batch-size and --micro-batch-size {self.micro_batch_size}: fix it or "
                                  "let the search choose it, not both")
-            if "activation-checkpointing" in self.choices and (user or self.activation_checkpointing):
+            if "activation-checkpointing" in self.choices and (user or ac != "none"):
                 raise ValueError("--choose activation-checkpointing is the GPT preset's choice, made without "
                                  "--activation-checkpointing" + ("; with --parallelize your function decides it: "
                                  "plan one function with it and one without to compare" if user else ""))
+
+    def _check_speedups(self) -> None:
+        """--compile, --float8, --float8-all-gather and --async-tp: what they need, each in one line."""
+        from vemesh.planning.speedups import FLOAT8  # pure Python
+
+        given = [f for f, v in (("--compile", self.compile), ("--float8", self.float8), ("--async-tp", self.async_tp),
+                                ("--float8-all-gather", self.float8_all_gather)) if v]
+        if given and self.device_profile is None:
+            raise ValueError(f"{given[0]} changes the predicted step time only (the peak is the eager trace's): give "
+                             "--device-profile NAME|FILE too")
+        if self.float8 is not None:
+            if self.float8 not in FLOAT8:
+                raise ValueError(f"--float8 {self.float8!r}: choose one of {', '.join(FLOAT8)}")
+            if (self.dtype or "fp32") != "bf16":
+                raise ValueError(f"--float8 {self.float8} runs the Linear matmuls in float8 in place of bf16 ones "
+                                 f"(torchao's training recipe): give --dtype bf16; got {self.dtype or 'fp32'}")
+        if self.float8_all_gather:
+            if self.float8 is None:
+                raise ValueError(f"--float8-all-gather sends FSDP2's Float8 weights in 1 byte: give --float8 "
+                                 f"{'|'.join(FLOAT8)} too")
+            if (self.dp_mode or ("fsdp" if str(self.model).startswith("llama3:") else "zero1")) != "fsdp":
+                raise ValueError(f"--float8-all-gather is FSDP2's parameter all-gather: give --dp-mode fsdp; got "
+                                 f"{self.dp_mode or 'zero1'}")
+        if self.async_tp and not self.searches and self.tp in (None, 1, "1"):
+            raise ValueError("--async-tp overlaps TP's all-gathers and reduce-scatters with the matmuls they feed, "
+                             f"but the mesh has no TP (--tp {self.tp or 1}): give --tp N, or leave --async-tp out")
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -148,14 +194,20 @@ class PlanRequest:
         from vemesh.planning.fit import Job  # torch: the request itself stays importable without it
         from vemesh.planning.routing import check_load_factor  # torch: the request itself stays importable without it
 
+        from vemesh.models.llama3.config import check_ac  # pure Python
+        from vemesh.planning.speedups import Speedups  # pure Python
+
         factor = check_load_factor(self.moe_load_factor) if self.moe_load_factor is not None else 1.0
         micro = self.micro_batch_size if self.micro_batch_size is not None or not self.searches else 1
-        return Job(self.model, self.global_batch_size or 32, dtype=self.dtype or "fp32", dp_mode=self.dp_mode,
-                   micro_batch_size=micro, pp_schedule=self.pp_schedule or "1f1b",
-                   sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
-                   parallelize=self.parallelize, step=self.step, loss=self.loss,
-                   before_optimizer=self.before_optimizer, moe_load_factor=factor,
-                   timed=self.device_profile is not None)
+        llama3 = isinstance(self.model, str) and self.model.startswith("llama3:")
+        ac = check_ac(self.activation_checkpointing)
+        speed = Speedups(self.compile, self.float8, self.float8_all_gather, self.async_tp)
+        return Job(self.model, self.global_batch_size or 32, dtype=self.dtype or "fp32",
+                   dp_mode=self.dp_mode or ("fsdp" if llama3 else None), micro_batch_size=micro,
+                   pp_schedule=self.pp_schedule or "1f1b", sequence_parallel=self.sequence_parallel,
+                   activation_checkpointing=ac if llama3 else ac == "full", parallelize=self.parallelize,
+                   step=self.step, loss=self.loss, before_optimizer=self.before_optimizer, moe_load_factor=factor,
+                   timed=self.device_profile is not None, speed=speed if speed.any else None)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanRequest:

@@ -11,7 +11,7 @@ from typing import Any
 
 from vemesh.planning.estimate import RankMemory
 
-__all__ = ["Counted", "MeshFit", "RankClass", "more_ops"]
+__all__ = ["Counted", "MeshFit", "RankClass", "more_counts", "more_ops"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class RankClass:
     dtensor_ops: int = 0  #: of them, ops on DTensors
     #: per step, by mesh name and collective op: ``(bytes, calls)`` (what a step-time prediction times)
     collectives: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    #: what compile and Float8 change, per step (:class:`vemesh.planning.fusion.Fusion`'s counts)
+    counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -88,12 +90,13 @@ class Counted:
     #: each part of the step ("step": forward and backward, "optimizer") with its own peak and what it held there;
     #: ``peak`` and ``held`` are the highest part's
     phases: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  #: :class:`vemesh.planning.fusion.Fusion`'s counts
 
     @classmethod
-    def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any) -> Counted:
+    def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:
         """The count whose peak is the highest of ``phases``' (each ``(peak, held)``)."""
         peak, held = max(phases.values(), key=lambda p: p[0])
-        return cls(held, peak, *rest, phases=phases)
+        return cls(held, peak, *rest, phases=phases, counts=counts)
 
     def scaled(self, smaller: Counted, times: int) -> Counted:
         """This trace plus ``times`` x (this - ``smaller``): more blocks or micro-batches, by difference. Each part of
@@ -109,7 +112,13 @@ class Counted:
                        optimizer_bytes=self.optimizer_bytes + times * (self.optimizer_bytes - smaller.optimizer_bytes),
                        ops=self.ops + times * (self.ops - smaller.ops),
                        dtensor_ops=self.dtensor_ops + times * (self.dtensor_ops - smaller.dtensor_ops),
-                       by_op=more_ops(self.by_op, smaller.by_op, times))
+                       by_op=more_ops(self.by_op, smaller.by_op, times),
+                       counts=_more(self.counts, smaller.counts, times))
+
+
+def more_counts(a: dict[str, int], b: dict[str, int], times: int) -> dict[str, int]:
+    """``a + times x (a - b)``, key by key (the counts of more blocks or micro-batches, by difference)."""
+    return _more(a, b, times)
 
 
 def _more(a: dict[str, int], b: dict[str, int], times: int) -> dict[str, int]:

@@ -164,29 +164,33 @@ class StepTime:
 
 
 def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, grad_dims: tuple[str, ...],
-              sizes: dict[str, int], links: dict[str, str]) -> list[StepTime]:
+              sizes: dict[str, int], links: dict[str, str], speed: Any = None) -> list[StepTime]:
     """Each rank class's :class:`StepTime` of a traced ``fit`` (see the module docstring).
 
     Args:
         grad_dims: the dims gradients reduce over (the data dims' gradient dim, and EDP for experts).
         sizes: each dim's group size; ``links``: the link class its groups cross (``host``, ``network``, ``rack``).
+        speed: a :class:`~vemesh.planning.speedups.Speedups` (compile, Float8, async TP), its rules applied.
     """
-    flops = profile.flops(dtype)
+    from vemesh.planning.speedups import Speedups
+
+    speed = speed or Speedups()
     out = []
-    for c in fit.classes:
+    for index, c in enumerate(fit.classes):
         if not c.flops:  # an untimed trace (Job.timed false) counted nothing: a step of 0 s would be silently wrong
             raise ValueError(f"{c.name}: the plan counted no FLOPs (traced without timing, or not traced); a step "
                              "time needs a traced step planned with a device profile (Job(..., timed=True))")
-        compute = (c.flops / (flops * profile.achievable) + (c.memory_bytes - c.optimizer_bytes) / profile.memory_bandwidth
-                   + c.ops * profile.op_overhead_s + c.dtensor_ops * profile.dtensor_op_overhead_s)
+        compute = speed.compute_seconds(c, index, profile, dtype)
         backward = compute * 2 / 3
         dims: dict[str, DimTime] = {}
         for dim, ops in sorted(c.collectives.items()):
             link_name = links.get(dim, "host")
             n = sizes.get(dim, 1)
+            fsdp_gather = dim in grad_dims and dp_mode == "fsdp"
             each = {op: _gather_seconds(b, calls, n, profile, link_name)
                     if dim in grad_dims and dp_mode == "zero1" and _kind(op) == "all_gather"
-                    else collective_seconds(op, b, calls, n, profile.link(link_name, _kind(op), n), profile.backend)
+                    else collective_seconds(op, speed.gathered_bytes(b) if fsdp_gather and _kind(op) == "all_gather"
+                                            else b, calls, n, profile.link(link_name, _kind(op), n), profile.backend)
                     + (calls * _wait(op, profile) if n > 1 else 0.0) for op, (b, calls) in ops.items()}
             seconds = sum(each.values())
             if dim in grad_dims and dp_mode == "fsdp":
@@ -195,6 +199,9 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
             elif dim in grad_dims:  # the gradient reduction in backward; ZeRO-1's gather after the step is exposed
                 hidable = sum(t for op, t in each.items() if _kind(op) not in _GATHERS)
                 cover = backward
+            elif dim == "TP" and speed.async_tp:  # SP's all-gathers and reduce-scatters behind the matmuls they feed
+                hidable = sum(t for op, t in each.items() if _kind(op) in ("all_gather", "reduce_scatter"))
+                cover = speed.linear_seconds(c, index, profile, dtype)
             else:
                 hidable, cover = 0.0, 0.0
             dims[dim] = DimTime(link_name, seconds, profile.overlap * min(hidable, cover))

@@ -46,10 +46,11 @@ from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.fake_world import (CpuKernelShapes, Held, chunks_on_demand, copies_in_mode, fake_world,
                                        give_storage, local_shards, real_mesh_tensors, to_bf16)
-from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, mesh_names, step_counters,
+from vemesh.planning.fusion import step_counters
+from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, mesh_names,
                                     ops_by_mesh_name)
 from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
-from vemesh.planning.results import Counted, MeshFit, RankClass, more_ops
+from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, more_ops
 from vemesh.planning.routing import routing
 from vemesh.planning.user_code import UserFunctions, call
 
@@ -211,6 +212,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 moved: list[int] = []
                 stepped: list[int] = []
                 dispatched: list[tuple[int, int]] = []
+                counts: list[dict[str, int]] = []
                 for index, n in enumerate(steps):
                     first = "first " if index == 0 else ""  # the first step's own work (shapes, state) is a part too
                     counter.bytes.clear()
@@ -242,6 +244,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                     flops.append(flop_counter.get_total_flops())
                     moved.append(memory_bound.bytes)
                     dispatched.append((memory_bound.ops, memory_bound.dtensor_ops))
+                    counts.append(memory_bound.counts())
                     if (line := _unknown(counter, mesh)) is not None:
                         raise ValueError(line)
     phases = {}
@@ -250,14 +253,15 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         held["activations"] = peak - sum(held.values())
         phases[phase] = (peak, held)
     one = Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1], *dispatched[1],
-                            ops[1])
+                            ops[1], counts=counts[1])
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
                       flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
                       memory_bytes=moved[1] + (passes - 1) * (moved[2] - moved[1]),
                       ops=dispatched[1][0] + (passes - 1) * (dispatched[2][0] - dispatched[1][0]),
                       dtensor_ops=dispatched[1][1] + (passes - 1) * (dispatched[2][1] - dispatched[1][1]),
-                      by_op=more_ops(ops[2], ops[1], passes - 2) if passes > 2 else ops[2])
+                      by_op=more_ops(ops[2], ops[1], passes - 2) if passes > 2 else ops[2],
+                      counts=more_counts(counts[2], counts[1], passes - 2))
     return one
 
 
@@ -379,7 +383,7 @@ def predict_user(fns: UserFunctions, **job: Any) -> Any:
     static = RankMemory("every rank", held["params"], held["grads"], held["optimizer"], 0)
     return MeshFit(dict(degrees), [RankClass("every rank", static, held["activations"], 0, counted.sent, counted.flops,
                                              counted.memory_bytes, counted.optimizer_bytes, counted.ops,
-                                             counted.dtensor_ops, counted.by_op)],
+                                             counted.dtensor_ops, counted.by_op, counted.counts)],
                    kwargs["passes"], mbs, notes=tuple(notes), dp_mode=counted.dp_mode)
 
 

@@ -1,0 +1,124 @@
+"""The planner against torchtitan's published Llama 3.1 table: every row, on the built-in H100 profile.
+
+    python bench/plan_published.py --json bench/results/plan_published.json
+    python bench/plan_published.py --only t1-fsdp,t4-2d          # some rows
+
+Each row of pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (18 rows in 6 tables) is planned with
+``vemesh plan --model llama3:SIZE[,seq_len=N]`` on ``--device-profile h100-sxm`` (published specifications, not
+measured), with the row's mesh, batch, activation checkpointing and switches (``--compile``, ``--float8
+tensorwise``, ``--async-tp``) and hosts of 8. The predicted tokens/s/GPU is the global batch's tokens over the step
+over the GPUs; the predicted memory is the plan's peak (the largest rank class). Printed beside the published
+figures, with each ratio, and per table whether the order of the rows by throughput is the published one.
+
+torchtitan's hardware (its page): H100 SXM with 96 GB HBM2e at 2.4 TB/s, power-limited to 500 W ("the actual peak
+TFLOPs number is between SXM and NVL"), 8 per host with NVLink, 400 Gb/s RDMA per GPU. Its memory column is
+read at the 90th step; the plan's peak is the tensors a step holds (no allocator cache, no NCCL buffers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+COMPILE_F8 = ["--compile", "--float8", "tensorwise"]
+
+#: (table, row name, model, world, flags, global batch, published TPS/GPU, published memory GiB)
+ROWS: list[tuple[str, str, str, int, list[str], int, float, float]] = [
+    # Table 1: 8B, FSDP 8, local batch 2, selective activation checkpointing
+    ("1", "t1-fsdp", "llama3:8b", 8, ["--activation-checkpointing", "selective-op"], 16, 5762, 82.4),
+    ("1", "t1-fsdp-compile", "llama3:8b", 8, ["--activation-checkpointing", "selective-op", "--compile"], 16, 6667, 77.0),
+    ("1", "t1-fsdp-compile-float8", "llama3:8b", 8, ["--activation-checkpointing", "selective-op", *COMPILE_F8], 16,
+     8532, 76.8),
+    # Table 2: 8B, FSDP x CP on 8 GPUs, compile + Float8, local batch 1, full activation checkpointing
+    ("2", "t2-fsdp8-cp1-32k", "llama3:8b,seq_len=32768", 8, ["--cp", "1", "--activation-checkpointing", "full",
+                                                            *COMPILE_F8], 8, 3890, 83.9),
+    ("2", "t2-fsdp4-cp2-64k", "llama3:8b,seq_len=65536", 8, ["--cp", "2", "--activation-checkpointing", "full",
+                                                            *COMPILE_F8], 4, 2540, 84.2),
+    ("2", "t2-fsdp2-cp4-128k", "llama3:8b,seq_len=131072", 8, ["--cp", "4", "--activation-checkpointing", "full",
+                                                              *COMPILE_F8], 2, 1071, 84.0),
+    ("2", "t2-fsdp1-cp8-256k", "llama3:8b,seq_len=262144", 8, ["--cp", "8", "--activation-checkpointing", "full",
+                                                              *COMPILE_F8], 1, 548, 84.5),
+    # Table 3: 8B, FSDP 128, local batch 2, selective activation checkpointing
+    ("3", "t3-fsdp", "llama3:8b", 128, ["--activation-checkpointing", "selective-op"], 256, 5605, 67.0),
+    ("3", "t3-fsdp-compile", "llama3:8b", 128, ["--activation-checkpointing", "selective-op", "--compile"], 256, 6514,
+     62.0),
+    ("3", "t3-fsdp-compile-float8", "llama3:8b", 128, ["--activation-checkpointing", "selective-op", *COMPILE_F8], 256,
+     8380, 61.8),
+    # Table 4: 70B, FSDP 32 x TP 8, compile + Float8, local batch 16, full activation checkpointing
+    ("4", "t4-2d", "llama3:70b", 256, ["--tp", "8", "--activation-checkpointing", "full", *COMPILE_F8], 512, 829, 71.9),
+    ("4", "t4-2d-async-tp", "llama3:70b", 256, ["--tp", "8", "--activation-checkpointing", "full", *COMPILE_F8,
+                                                "--async-tp"], 512, 876, 67.6),
+    # Table 5: 405B, FSDP 8 x TP 8 x PP 8, compile + Float8 + async TP, local batch 32, full activation checkpointing
+    ("5", "t5-1f1b", "llama3:405b", 512, ["--tp", "8", "--pp", "8", "--pp-schedule", "1f1b", "--micro-batch-size",
+                                         "1", "--activation-checkpointing", "full", *COMPILE_F8, "--async-tp"], 256,
+     100, 82.5),
+    ("5", "t5-interleaved-1f1b", "llama3:405b", 512, ["--tp", "8", "--pp", "8", "--pp-schedule", "interleaved-1f1b",
+                                                     "--micro-batch-size", "1", "--activation-checkpointing", "full",
+                                                     *COMPILE_F8, "--async-tp"], 256, 128, 72.7),
+    # Table 6: 405B, TP 8 x PP 8 x FSDP x CP, compile + Float8 + async TP + 1F1B, local batch 8, full AC
+    *[("6", f"t6-fsdp{8 // cp}-cp{cp}-{32 * cp}k", f"llama3:405b,seq_len={32768 * cp}", 512,
+       ["--tp", "8", "--pp", "8", "--cp", str(cp), "--pp-schedule", "1f1b", "--micro-batch-size", "1",
+        "--activation-checkpointing", "full", *COMPILE_F8, "--async-tp"], 8 * (8 // cp), tps, mem)
+      for cp, tps, mem in ((1, 76, 75.3), (2, 47, 75.9), (4, 31, 77.1), (8, 16, 84.9))],
+]
+
+
+def plan(model: str, world: int, flags: list[str], batch: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "vemesh", "plan", "--model", model, "--world-size", str(world), "--dtype", "bf16",
+           "--dp-mode", "fsdp", "--devices-per-host", "8", "--device-profile", "h100-sxm", "--global-batch-size",
+           str(batch), *flags, "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)}\n{out.stderr}")
+    return json.loads(out.stdout[: out.stdout.rindex("}") + 1])
+
+
+def same_order(a: list[float], b: list[float]) -> bool:
+    return sorted(range(len(a)), key=a.__getitem__) == sorted(range(len(b)), key=b.__getitem__)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated row names")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    rows = []
+    print("| table | row | predicted tokens/s/GPU | published | ratio | predicted GiB | published GiB | ratio | plan s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for table, name, model, world, flags, batch, tps, mem in ROWS:
+        if only is not None and name not in only:
+            continue
+        start = time.monotonic()
+        doc = plan(model, world, flags, batch)
+        seq = int(model.split("seq_len=")[1]) if "seq_len=" in model else 8192
+        got = batch * seq / doc["step_time"] / world
+        peak = doc["peak"] / 2**30
+        rows.append({"table": table, "name": name, "model": model, "world_size": world, "flags": flags,
+                     "global_batch_size": batch, "predicted_tps_per_gpu": got, "published_tps_per_gpu": tps,
+                     "tps_ratio": got / tps, "predicted_gib": peak, "published_gib": mem, "memory_ratio": peak / mem,
+                     "step_time": doc["step_time"], "time": doc["time"], "plan_seconds": time.monotonic() - start})
+        print(f"| {table} | {name} | {got:,.0f} | {tps:,.0f} | {got / tps:.2f} | {peak:.1f} | {mem:.1f} | "
+              f"{peak / mem:.2f} | {rows[-1]['plan_seconds']:.0f} |", flush=True)
+    orders = {}
+    for table in dict.fromkeys(r["table"] for r in rows):
+        mine = [r for r in rows if r["table"] == table]
+        orders[table] = same_order([r["predicted_tps_per_gpu"] for r in mine], [r["published_tps_per_gpu"] for r in mine])
+        print(f"table {table}: the order by throughput is {'the published one' if orders[table] else 'NOT the published one'}")
+    within = sum(0.8 <= r["tps_ratio"] <= 1.2 for r in rows), sum(0.8 <= r["memory_ratio"] <= 1.2 for r in rows)
+    print(f"within 20%: throughput {within[0]} of {len(rows)}, memory {within[1]} of {len(rows)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"source": SOURCE, "rows": rows, "orders": orders}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

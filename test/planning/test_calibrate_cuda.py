@@ -1,0 +1,43 @@
+"""``vemesh calibrate --device cuda`` on one GPU (issue 51): matmul throughput per dtype (fp8 where the device has
+it), memory bandwidth, the built-in links of that GPU; and ``vemesh plan`` reads the profile. Runs wherever a GPU is
+lent (``-m cuda``); on a machine without one, only the refusals run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vemesh.cli import main
+from vemesh.planning.profiles import load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_one_process_is_refused_on_cpu_with_the_gpu_way_named(capsys) -> None:
+    assert main(["calibrate", "--nproc", "1", "--output", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert "collectives need at least 2 processes; choose 2 or more (one process measures one GPU: --device cuda " \
+           "--nproc 1)" in err, err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calibrate_one_gpu_writes_a_profile_that_plan_reads(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--device", "cuda", "--nproc", "1", "--quick",
+                           "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    profile = load_profile(out)
+    assert profile.measured and profile.matmul_flops["bf16"] > profile.matmul_flops["fp32"] > 0
+    assert ("fp8" in profile.matmul_flops) == (torch.cuda.get_device_capability(0) >= (8, 9))
+    assert profile.memory_bandwidth > 1e11 and "published figures" in profile.assumptions[0]
+    plan = subprocess.run([sys.executable, "-m", "vemesh", "plan", "--model", "gpt:n_layer=2,n_embd=256,n_head=4",
+                           "--world-size", "1", "--dtype", "bf16", "--device-profile", str(out), "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["step_time"] > 0

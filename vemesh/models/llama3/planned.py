@@ -1,0 +1,121 @@
+"""The Llama 3 preset as the planner traces it (``vemesh plan --model llama3:8b``): a factory, a parallelize function,
+a step and, with PP, the schedule's loss and step: the functions a user of torchtitan would write, so the preset is
+planned by the same engine as any user model (:mod:`vemesh.planning.user_model`, :mod:`vemesh.planning.pipeline_plan`).
+
+The step draws a micro-batch of ``seq_len`` tokens, runs the model, and the fp32 cross-entropy (under TP inside
+torch's ``loss_parallel``, the logits sharded on the vocabulary), then backward; with CP inside ``context_parallel``
+with the tokens, the labels and RoPE's tables. Between the last backward and ``optimizer.step()`` it clips the
+gradients' global norm, as torchtitan's loop does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from vemesh import VESCALE_DEVICE_MESH
+from vemesh.models.llama3.model import Llama3, Llama3Config, loss_fn
+from vemesh.models.llama3.parallelize import check_ac, cut_stage, parallelize
+from vemesh.parallel.schedules import run_schedule, stage_indices, stages_per_rank
+
+__all__ = ["before_optimizer", "factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step"]
+
+
+def factory(config: Llama3Config) -> Any:
+    """``FACTORY()``: a new ``Llama3(config)`` per call (the same callable for one config)."""
+    return functools.partial(Llama3, config)
+
+
+@functools.lru_cache(maxsize=64)
+def parallelize_for(mode: str, dtype: str, ac: str, pp_schedule: str = "1f1b") -> Any:
+    """``FUNCTION(model, mesh)``: :func:`vemesh.models.llama3.parallelize.parallelize` for the job's options; with PP
+    in the mesh, this rank's stages (:func:`cut_stage`), each parallelized and a torch ``PipelineStage`` on the group
+    of ``mesh["PP"]``."""
+    ac = check_ac(ac)
+    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+
+    def one(part: nn.Module, mesh: Any) -> nn.Module:
+        return parallelize(part, mesh, dp_mode=mode, ac=ac, param_dtype=compute)
+
+    def llama3_parallelize(model: nn.Module, mesh: Any) -> Any:
+        pp = mesh.get_strategy_size("PP")
+        if pp == 1:
+            return one(model, mesh)
+        from torch.distributed.pipelining import PipelineStage
+
+        n_stages = pp * stages_per_rank(pp_schedule)
+        mine = stage_indices(mesh.lookup_rank("PP"), pp, pp_schedule)
+        parts = [cut_stage(model, s, n_stages) for s in mine]
+        del model
+        return [PipelineStage(one(part, mesh), s, n_stages, torch.device("cpu"), group=mesh["PP"].get_group())
+                for part, s in zip(parts, mine)]
+
+    llama3_parallelize.__qualname__ = f"parallelize[{mode}, ac={ac}]"
+    return llama3_parallelize
+
+
+def _loss_context() -> Any:
+    """torch's ``loss_parallel`` where the mesh has TP (the head's logits are sharded on the vocabulary)."""
+    if VESCALE_DEVICE_MESH.get_strategy_size("TP") > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def _cp_context(tensors: list[torch.Tensor], seq_dims: list[int]) -> Any:
+    if VESCALE_DEVICE_MESH.get_strategy_size("CP") > 1:
+        from vemesh.parallel import context_parallel
+
+        return context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=tensors, buffer_seq_dims=seq_dims)
+    return contextlib.nullcontext()
+
+
+def _core(model: nn.Module) -> Llama3:
+    return getattr(model, "module", model)
+
+
+def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """One micro-batch: tokens and labels, the model, the fp32 cross-entropy, backward (see the module docstring)."""
+    core = _core(model)
+    cfg = core.cfg
+    x = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len))
+    with _cp_context([x, y, core.rope_cos, core.rope_sin], [1, 1, 0, 0]), _loss_context():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+    return loss.detach()
+
+
+@functools.lru_cache(maxsize=16)
+def pipeline_step_for(pp_schedule: str) -> Any:
+    """``STEP(schedule, batch_size)``: a DP rank's batch through torch's schedule (tokens on the first stage, labels
+    and losses on the last), inside ``context_parallel`` and ``loss_parallel`` where the mesh has CP and TP."""
+
+    def pipeline_step(schedule: Any, batch_size: int) -> None:
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        chunks = [s.submod for s in stages]
+        cores = [_core(c) for c in chunks]
+        cfg = cores[0].cfg
+        x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+        y = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+        tables = [t for c in cores for t in (c.rope_cos, c.rope_sin)]
+        with _cp_context([x, y, *tables], [1, 1] + [0] * len(tables)), _loss_context():
+            run_schedule(schedule, pp_schedule, chunks, x, target=y, losses=[], return_outputs=False)
+
+    pipeline_step.__qualname__ = f"pipeline_step[{pp_schedule}]"
+    return pipeline_step
+
+
+def before_optimizer(model: Any) -> None:
+    """torchtitan's clipping of the gradients' global norm over every chunk's parameters (over the PP group too)."""
+    from vemesh.optim import clip_grad_norm_
+
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    params = [p for part in parts for p in getattr(part, "submod", part).parameters()]
+    pp = VESCALE_DEVICE_MESH.get_strategy_size("PP")
+    clip_grad_norm_(params, 1.0, groups=[VESCALE_DEVICE_MESH.get_group("PP")] if pp > 1 else [])

@@ -1,0 +1,191 @@
+"""What ``torch.compile`` and Float8 change in a step, counted on the eager trace (``vemesh plan --compile``,
+``--float8``): the rules :mod:`vemesh.planning.step_time` times.
+
+**Compile: which ops fuse.** Inductor fuses runs of pointwise ops and the reductions beside them (norms, softmax,
+SwiGLU's ``silu * x``, RoPE's rotations, dtype casts) into one kernel each; it does not fuse matmuls, attention,
+collectives, embeddings, the loss, or (torchtitan compiles the blocks, not the optimizer) the optimizer's foreach
+ops. :class:`Fusion` replays that on the trace's ops in order: consecutive fusible ops (views in between do not
+break a run) are one *region*, one kernel. Inside a region a read of a tensor the region wrote is free; a region's
+write is paid only when something outside the region reads it later (the next matmul, the backward that saved it);
+a write nobody reads again is never made. Every other memory-bound op pays its reads and writes as in eager. What
+it gives: ``fused_bytes`` (the memory-bound bytes under compile) and ``kernels`` (the launches: each region one,
+every other op one), in place of eager's bytes and ops. What it does not model: inductor's own recomputation
+choices in backward (its min-cut partitioner), and so the activation memory a compiled step saves: the plan's
+peak stays eager's.
+
+**Attention** (``attention_flops``): the FLOPs of the fused attention kernels, which a profile may time at their
+own fraction of the peak (``attention_achievable``: flash attention reaches less of it than a large matmul).
+
+**Float8: which matmuls.** ``linear_flops`` are the FLOPs of ``aten.mm``/``aten.addmm`` (``nn.Linear``'s three
+matmuls a forward and backward: torchao's training recipe runs all three in float8), ``linear_elements`` the
+elements of their two operands (each cast to float8 and scaled). Attention, batched matmuls and the rest stay in
+the job's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed._tools.fake_collectives import collective_ops
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from vemesh.planning.measure import FLOP_FORMULAS, NoModules
+
+__all__ = ["Fusion", "MemoryBoundBytes", "moves_data", "step_counters"]
+
+_aten = torch.ops.aten
+#: reductions inductor fuses with the pointwise ops around them (norms, softmax), and casts
+_FUSIBLE = {_aten.sum, _aten.mean, _aten.amax, _aten.amin, _aten.var_mean, _aten._softmax, _aten._log_softmax,
+            _aten._softmax_backward_data, _aten._log_softmax_backward_data, _aten._to_copy, _aten.copy_, _aten.clone}
+_LINEAR = {_aten.mm, _aten.addmm}
+#: attention's fused kernels as the planner traces them (CPU fake tensors), forward and backward
+_ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention_for_cpu_backward}
+#: ops that move no data: a query (``prim.device``), allocations (what an op writes later is its own), views that
+#: torch does not tag as views, and detach
+_NO_TRAFFIC = {torch.ops.prim.device, _aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided,
+               _aten.empty_like, _aten._unsafe_view, _aten.detach, _aten.alias, _aten.lift_fresh}
+
+
+def moves_data(func: Any) -> bool:
+    """Whether ``func`` reads or writes tensor data (not a view, a query or an allocation)."""
+    return not func.is_view and func.overloadpacket not in _NO_TRAFFIC
+
+
+def _fusible(func: Any) -> bool:
+    name = func.overloadpacket.__name__
+    if name.startswith(("_foreach", "_fused_")):
+        return False
+    return torch.Tag.pointwise in func.tags or func.overloadpacket in _FUSIBLE
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Fusion:
+    """The compile and Float8 counts of one step's ops, fed in order by :class:`~vemesh.planning.measure.MemoryBoundBytes`
+    (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.region = 0
+        self._open = False
+        self._producer: dict[int, int] = {}  # storage -> the fusible region that wrote it last (-1: another op)
+        self._pending: dict[int, int] = {}  # storage -> bytes a region wrote that nothing outside it has read yet
+        self.fused_bytes = 0
+        self.kernels = 0
+        self.linear_flops = 0
+        self.linear_elements = 0
+        self.attention_flops = 0
+
+    def counts(self) -> dict[str, int]:
+        return {"fused_bytes": self.fused_bytes, "kernels": self.kernels, "linear_flops": self.linear_flops,
+                "linear_elements": self.linear_elements, "attention_flops": self.attention_flops}
+
+    def _escape(self, key: int) -> None:
+        self.fused_bytes += self._pending.pop(key, 0)
+
+    def see(self, func: Any, args: Any, kwargs: Any, result: Any, *, matmul: bool, collective: bool) -> None:
+        """One op (not on DTensors) after it ran."""
+        if not moves_data(func):
+            return
+        reads = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        writes = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if func.overloadpacket in _LINEAR:
+            a, b = reads[-2], reads[-1]
+            self.linear_flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            self.linear_elements += a.numel() + b.numel()
+        elif func.overloadpacket in _ATTENTION:  # timed at the profile's attention_achievable
+            shapes = [x.shape if isinstance(x, torch.Tensor) else x for x in args]
+            self.attention_flops += FLOP_FORMULAS[func.overloadpacket](*shapes, **(kwargs or {}))
+        if _fusible(func):
+            if not self._open:
+                self.region, self._open = self.region + 1, True
+                self.kernels += 1
+            for t in reads:
+                key = _key(t)
+                if self._producer.get(key) != self.region:
+                    self._escape(key)
+                    self.fused_bytes += _nbytes(t)
+            for t in writes:
+                key = _key(t)
+                self._producer[key] = self.region
+                self._pending[key] = _nbytes(t)
+            return
+        self._open = False
+        if not collective:
+            self.kernels += 1
+        for t in reads:
+            self._escape(_key(t))
+        if not matmul and not collective:
+            self.fused_bytes += sum(_nbytes(t) for t in (*reads, *writes))
+        for t in writes:
+            key = _key(t)
+            self._producer[key] = -1
+            self._pending.pop(key, None)
+
+
+class MemoryBoundBytes(TorchDispatchMode):
+    """The bytes the step's memory-bound ops move: every op but the matmuls (which ``FlopCounterMode`` counts),
+    the views, queries and allocations (which move nothing: :func:`moves_data`) and the collectives (which :class:`CollectiveBytes` counts) reads its tensor
+    inputs and writes its outputs once. What a step-time prediction charges at the memory bandwidth; and the same
+    ops under ``torch.compile``'s fusion and Float8 (:class:`Fusion`, :meth:`counts`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skip = set(FlopCounterMode(custom_mapping=FLOP_FORMULAS).flop_registry)  # matmuls: timed by FLOPs
+        self.bytes = 0
+        self.ops = 0  #: every op dispatched (each costs the framework's per-op time, whatever it computes)
+        self.dtensor_ops = 0  #: the ops on DTensors (each also costs DTensor's sharding propagation)
+        self.fusion = Fusion()
+
+    def counts(self) -> dict[str, int]:
+        """What compile and Float8 change (:meth:`vemesh.planning.fusion.Fusion.counts`)."""
+        return self.fusion.counts()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(t is DTensor for t in types):
+            self.dtensor_ops += 1
+            return NotImplemented
+        self.ops += 1
+        result = func(*args, **(kwargs or {}))
+        packet, collective = func.overloadpacket, func in collective_ops
+        if packet not in self.skip and moves_data(func) and not collective:
+            tensors = [t for t in tree_leaves((args, kwargs or {}, result)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.fusion.see(func, args, kwargs, result, matmul=packet in self.skip, collective=collective)
+        return result
+
+
+@contextmanager
+def step_counters(timed: bool) -> Iterator[tuple[Any, Any]]:
+    """``(flops, moved)``: torch's ``FlopCounterMode`` and :class:`MemoryBoundBytes` over a step a step-time
+    prediction will time (``timed``); counters of nothing otherwise (an untimed trace runs faster)."""
+    if not timed:
+        yield _Nothing(), _Nothing()
+        return
+    flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
+    flops.mod_tracker = NoModules()  # its module hooks refuse autograd.grad, which a pipeline stage's backward runs
+    with flops, MemoryBoundBytes() as moved:
+        yield flops, moved
+
+
+class _Nothing:
+    """What an untimed trace counts: nothing."""
+
+    bytes = ops = dtensor_ops = 0
+
+    def counts(self) -> dict[str, int]:
+        return {}
+
+    def get_total_flops(self) -> int:
+        return 0

@@ -1,0 +1,100 @@
+"""What GPU users turn on for speed, as rules on the traced step (``vemesh plan --compile``, ``--float8``,
+``--float8-all-gather``, ``--async-tp``): the trace stays eager and bf16; :mod:`vemesh.planning.step_time` times
+its counts (:mod:`vemesh.planning.fusion`) by these rules.
+
+* **attention** (always): the fused attention kernels' FLOPs at the profile's ``attention_achievable`` fraction of
+  the peak where it has one (flash attention reaches less of it than a large matmul), the other FLOPs at
+  ``achievable``.
+* **compile**: the memory-bound ops pay the bytes of :class:`~vemesh.planning.fusion.Fusion`'s fused regions, and
+  the framework's time per op is paid per kernel (a region is one); DTensor's per-op dispatch is compiled away.
+* **Float8** (``tensorwise`` or ``rowwise``, torchao's recipes): ``nn.Linear``'s matmuls run at the profile's
+  ``fp8`` rate, but the output head (torchtitan keeps ``output`` in bf16; :attr:`Speedups.bf16_flops`). Each
+  operand of each Float8 matmul is cast and scaled: eager reads it twice (the scale's amax, the cast) in the job's
+  dtype and writes it in 1 byte; compiled, the amax and the cast fuse into the op that made it, which writes the
+  1-byte copy too. ``rowwise`` pays the same bytes and runs at the same rate (its scales are per row).
+* **Float8 all-gather**: FSDP2's parameter all-gather moves the Float8 Linear weights in 1 byte an element instead
+  of the compute dtype's 2 (:attr:`Speedups.float8_share`: their share of the gathered parameters).
+* **async TP**: TP's all-gathers and reduce-scatters (sequence parallelism's) overlap the matmuls they feed:
+  they hide behind up to the step's Linear matmul time, and only the rest is exposed.
+
+None of these changes the predicted peak: the trace is eager (a compiled step saves less for backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FLOAT8", "Speedups", "linear_share"]
+
+#: ``--float8``'s recipes (torchao's ``Float8LinearConfig.from_recipe_name``).
+FLOAT8 = ("tensorwise", "rowwise")
+#: bytes per element of a Float8 operand's cast and scale: (eager, compiled), the operand in a 2-byte dtype
+_CAST_BYTES = (2 + 2 + 1, 2 + 1)
+
+
+@dataclass(frozen=True)
+class Speedups:
+    compile: bool = False
+    float8: str | None = None
+    float8_all_gather: bool = False
+    async_tp: bool = False
+    #: per rank class, FLOPs of Linear matmuls that stay in bf16 under Float8 (the output head), in class order
+    bf16_flops: tuple[int, ...] = ()
+    #: the share of FSDP2's gathered parameters that are Float8 Linear weights (:func:`linear_share`)
+    float8_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.float8 is not None and self.float8 not in FLOAT8:
+            raise ValueError(f"--float8 {self.float8!r}: choose one of {', '.join(FLOAT8)}")
+        if self.float8_all_gather and self.float8 is None:
+            raise ValueError("--float8-all-gather sends FSDP2's Float8 weights in 1 byte: give --float8 "
+                             f"{'|'.join(FLOAT8)} too")
+
+    @property
+    def any(self) -> bool:
+        return self.compile or self.float8 is not None or self.async_tp
+
+    def compute_seconds(self, c: Any, index: int, profile: Any, dtype: str) -> float:
+        """A rank class's compute (matmuls, memory-bound bytes, per-op time) under these switches."""
+        counts, rate = getattr(c, "counts", None) or {}, profile.flops(dtype) * profile.achievable
+        attention = counts.get("attention_flops", 0)
+        matmul = (c.flops - attention) / rate + attention / (profile.flops(dtype) * (profile.attention_achievable
+                                                                                       or profile.achievable))
+        cast = 0.0
+        if self.float8 is not None:
+            linear = counts.get("linear_flops", 0)
+            fp8 = max(0, linear - (self.bf16_flops[index] if index < len(self.bf16_flops) else 0))
+            matmul += fp8 / (profile.flops("fp8") * profile.achievable) - fp8 / rate
+            elements = counts.get("linear_elements", 0) * (fp8 / linear if linear else 0)
+            cast = elements * _CAST_BYTES[self.compile]
+        if self.compile:
+            moved = counts.get("fused_bytes", c.memory_bytes) - c.optimizer_bytes + cast
+            return matmul + moved / profile.memory_bandwidth + counts.get("kernels", c.ops) * profile.op_overhead_s
+        moved = c.memory_bytes - c.optimizer_bytes + cast
+        return (matmul + moved / profile.memory_bandwidth + c.ops * profile.op_overhead_s
+                + c.dtensor_ops * profile.dtensor_op_overhead_s)
+
+    def linear_seconds(self, c: Any, index: int, profile: Any, dtype: str) -> float:
+        """The Linear matmuls' seconds (what async TP's collectives can hide behind)."""
+        linear = (getattr(c, "counts", None) or {}).get("linear_flops", 0)
+        if self.float8 is None:
+            return linear / (profile.flops(dtype) * profile.achievable)
+        keep = min(linear, self.bf16_flops[index] if index < len(self.bf16_flops) else 0)
+        return ((linear - keep) / (profile.flops("fp8") * profile.achievable)
+                + keep / (profile.flops(dtype) * profile.achievable))
+
+    def gathered_bytes(self, nbytes: float) -> float:
+        """FSDP2's all-gather bytes with the Float8 weights sent in 1 byte (half the 2-byte compute dtype's)."""
+        return nbytes * (1 - 0.5 * self.float8_share) if self.float8_all_gather else nbytes
+
+
+def linear_share(model: Any, skip: tuple[str, ...] = ("output",)) -> float:
+    """The share of ``model``'s parameters (meta is fine) in ``nn.Linear`` weights, those named in ``skip`` (the head)
+    left out: what Float8 gathers in 1 byte."""
+    from torch import nn
+
+    total = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in skip)
+    return linear / total if total else 0.0
