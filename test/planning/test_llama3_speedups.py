@@ -244,3 +244,14 @@ def test_the_request_turns_the_flags_into_the_job() -> None:
     assert PlanRequest(world_size=8, model="gpt:n_layer=2,n_embd=64,n_head=4",
                        activation_checkpointing="full").job().activation_checkpointing is True
     assert AC_MODES == ("none", "full", "selective-op", "selective-N")
+
+
+@pytest.mark.slow
+def test_a_search_of_the_llama3_preset_says_which_meshes_it_did_not_trace() -> None:
+    from vemesh.planning import plan
+
+    doc = plan(PlanRequest(world_size=8, model="llama3:8b", dtype="bf16", global_batch_size=8,
+                           device_memory="80GiB", activation_checkpointing="full"))
+    reasons = [r["reason"] for r in doc["rejected"]]
+    assert any("plan it with --pp 2" in r for r in reasons), reasons
+    assert doc["fits"] and all(f["degrees"]["PP"] == 1 for f in doc["fits"])

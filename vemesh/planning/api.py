@@ -79,7 +79,7 @@ class Answer:
 
 def answer(request: PlanRequest) -> Answer:
     """Plan ``request`` (which names a model): the search when it :attr:`~PlanRequest.searches`, else one mesh."""
-    from vemesh.planning.fit import predict, search  # torch: planning traces the model
+    from vemesh.planning.fit import predict, search, speedups_of  # torch: planning traces the model
     from vemesh.planning.user_model import forget_models  # torch, as above
 
     forget_models()  # this plan builds the user's model afresh: nothing from an earlier plan can be stale
@@ -91,7 +91,7 @@ def answer(request: PlanRequest) -> Answer:
         per_host = request.devices_per_host or (profile.devices_per_host if profile is not None else None)
         if per_host:
             whole_hosts(request.world_size, per_host)  # before any trace: a placement that cannot be is said at once
-        timed = (lambda f, m: time_of(f, m, profile, job)) if profile is not None else None
+        timed = (lambda f, m: time_of(f, m, profile, job, speedups_of)) if profile is not None else None
         fits, rejected = search(job, request.world_size, device_memory=memory, devices_per_host=per_host,
                                 cp=request.cp, ep=request.ep, rank_by=request.order, timed=timed,
                                 choose=request.choices)
@@ -101,7 +101,7 @@ def answer(request: PlanRequest) -> Answer:
         hosts_of(mesh, profile)  # before the trace: a placement that cannot be is said at once
     d = mesh.degrees
     fit = predict(job, dp=d["DP"], tp=d["TP"], pp=d["PP"], cp=d["CP"], ep=mesh.ep, dp_replicate=request.dp_replicate)
-    timed = (lambda f, m: time_of(f, m, profile, job)) if profile is not None else None
+    timed = (lambda f, m: time_of(f, m, profile, job, speedups_of)) if profile is not None else None
     if mesh.devices_per_host and mesh.world_size > mesh.devices_per_host:  # hosts: choose the order of the dims
         best, baselines = place(fit, mesh, mesh.devices_per_host, timed)
         return Answer(request, job, memory, mesh=best.mesh, fit=fit, times=best.times, profile=profile,
@@ -125,8 +125,9 @@ def whole_hosts(world: int, per_host: int) -> int:
     return per_host
 
 
-def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any) -> list[StepTime]:
-    """Each rank class's step time on ``profile``, the mesh placed on hosts of ``mesh.devices_per_host`` ranks."""
+def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any, speed_of: Any = None) -> list[StepTime]:
+    """Each rank class's step time on ``profile``, the mesh placed on hosts of ``mesh.devices_per_host`` ranks;
+    ``speed_of(job, fit)`` gives the job's switches (:func:`vemesh.planning.fit.speedups_of`)."""
     layout, per_host = mesh.layout, hosts_of(mesh, profile)
     found = data_dims(layout)
     grad = tuple(n for n in (found.grad, *(("EDP",) if found.expert else ())) if n)
@@ -140,37 +141,7 @@ def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any) -> list[
         sizes[dim] = layout.world_size if dim == WORLD else layout.group_size(dim)
         links[dim] = link_of(layout, dims, per_host, profile.hosts_per_rack)
     return step_time(fit, profile, dtype=job.dtype, dp_mode=fit.dp_mode or job.mode, grad_dims=grad, sizes=sizes,
-                     links=links, speed=speedups_of(job, fit))
-
-
-def speedups_of(job: Any, fit: Any) -> Any:
-    """The job's switches (:class:`~vemesh.planning.speedups.Speedups`) for ``fit``: under Float8 the Llama 3 preset's
-    output head stays bf16 on the rank class that holds it (torchtitan's rule), and FSDP2's Float8 share of the
-    gathered parameters is the preset's block Linear weights, or a user model's Linear weights but a head named
-    ``output`` or ``lm_head``."""
-    from dataclasses import replace
-
-    speed = job.speed
-    if speed is None:
-        return None
-    if job.llama3:
-        from vemesh.models.llama3.config import config_of, linear_share
-        from vemesh.parallel.schedules import stage_owner, stages_per_rank
-
-        cfg, d = config_of(job.model), fit.degrees
-        tokens = job.global_batch_size // d["DP"] * cfg.seq_len // d["CP"]
-        head = 6 * tokens * cfg.dim * cfg.vocab_size // d["TP"]  # forward 2, backward 4 FLOPs a weight and token
-        last = stage_owner(d["PP"] * stages_per_rank(job.pp_schedule) - 1, d["PP"], job.pp_schedule) if d["PP"] > 1 else 0
-        bf16 = tuple(head if d["PP"] == 1 or i == last else 0 for i in range(len(fit.classes)))
-        return replace(speed, bf16_flops=bf16, float8_share=linear_share(cfg))
-    if speed.float8_all_gather and job.user:
-        from vemesh.planning.speedups import linear_share
-        from vemesh.planning.user_code import UserFunctions
-        from vemesh.planning.user_model import _template
-
-        fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
-        return replace(speed, float8_share=linear_share(_template(fns.factory, fns.names[0]), ("output", "lm_head")))
-    return speed
+                     links=links, speed=speed_of(job, fit) if speed_of is not None else None)
 
 
 def time_document(times: tuple[StepTime, ...], profile: DeviceProfile, fit: Any, job: Any) -> dict[str, Any]:

@@ -23,17 +23,21 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vemesh.models.gpt import planned as gpt_planned
-from vemesh.parallel.schedules import schedule_class, stages_per_rank
+from vemesh.models.llama3 import planned as llama3_planned
+from vemesh.models.llama3.config import check_ac, config_of
+from vemesh.models.llama3.config import linear_share as llama3_linear_share
+from vemesh.parallel.schedules import schedule_class, stage_owner, stages_per_rank
 from vemesh.planning.estimate import Model, check_degrees, gpt_config, load_model, rank_static, stage_keys
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline
+from vemesh.planning.speedups import linear_share
 from vemesh.planning.user_code import UserFunctions
-from vemesh.planning.user_model import blocks_of, predict_user
+from vemesh.planning.user_model import blocks_of, predict_user, template_of
 
-__all__ = ["Job", "MeshFit", "RankClass", "predict", "search"]
+__all__ = ["Job", "MeshFit", "RankClass", "predict", "search", "speedups_of"]
 
 #: How a search ranks the meshes that fit.
 RANKINGS = ("time", "inter-host", "peak")
@@ -109,11 +113,11 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
 @functools.lru_cache(maxsize=64)
 def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: str) -> UserFunctions:
     """The Llama 3 preset's functions (:mod:`vemesh.models.llama3.planned`), the same objects for the same job."""
-    from vemesh.models.llama3 import config_of, planned
-
-    return UserFunctions(planned.factory(config_of(spec)), planned.parallelize_for(mode, dtype, ac, pp_schedule),
-                         planned.step, (spec, "vemesh.models.llama3.parallelize", "vemesh.models.llama3.planned.step"),
-                         loss=planned.loss_fn, pp_schedule=pp_schedule, before_optimizer=planned.before_optimizer,
+    return UserFunctions(llama3_planned.factory(config_of(spec)),
+                         llama3_planned.parallelize_for(mode, dtype, ac, pp_schedule), llama3_planned.step,
+                         (spec, "vemesh.models.llama3.parallelize", "vemesh.models.llama3.planned.step"),
+                         loss=llama3_planned.loss_fn, pp_schedule=pp_schedule,
+                         before_optimizer=llama3_planned.before_optimizer,
                          before_optimizer_name="vemesh.models.llama3.planned.before_optimizer")
 
 
@@ -121,15 +125,13 @@ def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: st
 def _traced_llama3(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_replicate: int) -> MeshFit:
     """The Llama 3 preset traced like any user model: with PP its stages through torch's schedule (the step of a DP
     rank's batch), else a micro-batch. FSDP2 keeps fp32 parameters and computes in the job's dtype."""
-    from vemesh.models.llama3 import planned
-    from vemesh.models.llama3.parallelize import check_ac
-
     if ep > 1:
         raise ValueError(f"EP {ep}: the Llama 3 preset is dense (no experts); plan it with --ep 1")
     fns = _llama3_functions(job.model, job.mode, job.dtype, check_ac(job.activation_checkpointing), job.pp_schedule)
     if pp > 1:
-        fns = replace(fns, step=planned.pipeline_step_for(job.pp_schedule),
-                      names=(fns.names[0], fns.names[1], f"vemesh.models.llama3.planned.pipeline_step[{job.pp_schedule}]"))
+        fns = replace(fns, step=llama3_planned.pipeline_step_for(job.pp_schedule),
+                      names=(fns.names[0], fns.names[1],
+                             f"vemesh.models.llama3.planned.pipeline_step_for({job.pp_schedule!r})"))
     return (predict_pipeline if pp > 1 else predict_user)(
         fns, world_size=pp * dp * cp * tp, degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
         dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
@@ -168,8 +170,6 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                             global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
                             dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor, timed=job.timed)
     if job.llama3:
-        from vemesh.models.llama3 import config_of
-
         cfg = config_of(job.model)
         if pp > 1:
             schedule_class(job.pp_schedule)  # a ValueError names the schedules
@@ -245,8 +245,6 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
         limit = {"n_head": world_size}
         n_layer = _user_stages(job, world_size)
     elif job.llama3:  # TP up to the KV heads, PP up to the blocks
-        from vemesh.models.llama3 import config_of
-
         cfg = config_of(job.model)
         limit, n_layer = {"n_head": cfg.n_kv_heads}, cfg.n_layers
     else:
@@ -264,6 +262,10 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             degrees = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}
             if tp > limit.get("n_head", 1) or pp > n_layer:
                 continue  # not even a candidate: more TP ranks than heads, more stages than blocks
+            if job.llama3 and pp > 1:  # no estimate stands in for the schedule's trace, which takes minutes a mesh
+                rejected.append(MeshFit(degrees, [], 0, 0, reason="not planned in a search: the Llama 3 preset's PP "
+                                        f"meshes are traced through torch's schedule (minutes each); plan it with --pp {pp}"))
+                continue
             if not job.user and not job.llama3 and pp == 1 and device_memory is not None:  # a trace saved where the weights cannot fit
                 over = _static_over(job, device_memory, dp=dp, tp=tp, cp=cp, ep=ep, degrees=degrees)
                 if over is not None:
@@ -364,3 +366,24 @@ def _divisors(n: int) -> list[int]:
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def speedups_of(job: Any, fit: Any) -> Any:
+    """The job's switches (:class:`~vemesh.planning.speedups.Speedups`) for ``fit``: under Float8 the Llama 3 preset's
+    output head stays bf16 on the rank class that holds it (torchtitan's rule), and FSDP2's Float8 share of the
+    gathered parameters is the preset's block Linear weights, or a user model's Linear weights but a head named
+    ``output`` or ``lm_head``."""
+    speed = job.speed
+    if speed is None:
+        return None
+    if job.llama3:
+        cfg, d = config_of(job.model), fit.degrees
+        tokens = job.global_batch_size // d["DP"] * cfg.seq_len // d["CP"]
+        head = 6 * tokens * cfg.dim * cfg.vocab_size // d["TP"]  # forward 2, backward 4 FLOPs a weight and token
+        last = stage_owner(d["PP"] * stages_per_rank(job.pp_schedule) - 1, d["PP"], job.pp_schedule) if d["PP"] > 1 else 0
+        bf16 = tuple(head if d["PP"] == 1 or i == last else 0 for i in range(len(fit.classes)))
+        return replace(speed, bf16_flops=bf16, float8_share=llama3_linear_share(cfg))
+    if speed.float8_all_gather and job.user:
+        fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
+        return replace(speed, float8_share=linear_share(template_of(fns), ("output", "lm_head")))
+    return speed

@@ -73,7 +73,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Fusion:
-    """The compile and Float8 counts of one step's ops, fed in order by :class:`~vemesh.planning.measure.MemoryBoundBytes`
+    """The compile and Float8 counts of one step's ops, fed in order by :class:`~vemesh.planning.fusion.MemoryBoundBytes`
     (see the module docstring)."""
 
     def __init__(self) -> None:

@@ -11,6 +11,9 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vemesh.models.llama3.config import check_ac, config_of
+from vemesh.planning.speedups import FLOAT8, Speedups
+
 __all__ = ["CHOICES", "JOB_FLAGS", "PlanRequest"]
 
 #: What a search by time may choose for each mesh (``--choose``), besides the mesh itself.
@@ -90,8 +93,6 @@ class PlanRequest:
         if user and isinstance(self.model, str) and not self.model.startswith("module:"):
             raise ValueError(f"--parallelize and --step trace your own model, given as --model module:MODULE:FACTORY; "
                              f"got --model {self.model} (the presets are parallelized by vemesh.models)")
-        from vemesh.models.llama3.config import check_ac, config_of  # pure Python
-
         ac = check_ac(self.activation_checkpointing)
         llama3 = isinstance(self.model, str) and self.model.startswith("llama3:")
         if llama3:
@@ -136,8 +137,6 @@ class PlanRequest:
 
     def _check_speedups(self) -> None:
         """--compile, --float8, --float8-all-gather and --async-tp: what they need, each in one line."""
-        from vemesh.planning.speedups import FLOAT8  # pure Python
-
         given = [f for f, v in (("--compile", self.compile), ("--float8", self.float8), ("--async-tp", self.async_tp),
                                 ("--float8-all-gather", self.float8_all_gather)) if v]
         if given and self.device_profile is None:
@@ -193,9 +192,6 @@ class PlanRequest:
         """The :class:`~vemesh.planning.fit.Job`: what is trained and how, every default filled in."""
         from vemesh.planning.fit import Job  # torch: the request itself stays importable without it
         from vemesh.planning.routing import check_load_factor  # torch: the request itself stays importable without it
-
-        from vemesh.models.llama3.config import check_ac  # pure Python
-        from vemesh.planning.speedups import Speedups  # pure Python
 
         factor = check_load_factor(self.moe_load_factor) if self.moe_load_factor is not None else 1.0
         micro = self.micro_batch_size if self.micro_batch_size is not None or not self.searches else 1

@@ -5,7 +5,7 @@ For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass
 * **compute**: the FLOPs torch's ``FlopCounterMode`` counted over the traced step (forward, backward, every
   micro-batch), at the profile's peak matmul throughput for the dtype times its ``achievable`` fraction; plus
   the bytes every other op (norms, activations, softmax, the optimizer's elementwise math) reads and writes,
-  at the memory bandwidth (:class:`~vemesh.planning.measure.MemoryBoundBytes`); plus the framework's time per op
+  at the memory bandwidth (:class:`~vemesh.planning.fusion.MemoryBoundBytes`); plus the framework's time per op
   dispatched, and per DTensor op on top (the profile's ``op_overhead_s``, ``dtensor_op_overhead_s``);
 * **communication**, per mesh dim and collective kind, a latency-bandwidth model of the link the dim's groups
   cross (``host`` when every group lies inside one host of ``devices_per_host`` ranks, else ``network``, or
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vemesh.planning.profiles import DeviceProfile, Link
+from vemesh.planning.speedups import Speedups
 
 __all__ = ["WORLD", "DimTime", "StepTime", "collective_seconds", "pipeline_bubbles", "render", "ring", "step_time"]
 
@@ -172,8 +173,6 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
         sizes: each dim's group size; ``links``: the link class its groups cross (``host``, ``network``, ``rack``).
         speed: a :class:`~vemesh.planning.speedups.Speedups` (compile, Float8, async TP), its rules applied.
     """
-    from vemesh.planning.speedups import Speedups
-
     speed = speed or Speedups()
     out = []
     for index, c in enumerate(fit.classes):

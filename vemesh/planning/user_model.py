@@ -301,6 +301,11 @@ def _template(factory: Callable[[], nn.Module], name: str) -> nn.Module:
     return model
 
 
+def template_of(fns: UserFunctions) -> nn.Module:
+    """The factory's model built once on the meta device (a plan's Float8 share of the parameters reads it)."""
+    return _template(fns.factory, fns.names[0])
+
+
 def forget_models() -> None:
     """Drop the factories' meta models: each plan builds its own, since a factory may read what has changed since
     the last plan (a config file, a global); within one plan, every mesh and trace copies one."""

@@ -12,14 +12,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from vemesh.ddp import DistributedDataParallel
 from vemesh.models.gpt.stages import split_layers
 from vemesh.models.llama3.config import AC_MODES, check_ac
 from vemesh.models.llama3.model import Llama3
+from vemesh.parallel import fully_shard
 
 __all__ = ["AC_MODES", "activation_checkpointing", "apply_tp", "check_ac", "cut_stage", "selective_op_policy"]
 
@@ -118,11 +121,6 @@ def parallelize(model: nn.Module, mesh: Any, *, dp_mode: str = "fsdp", ac: str =
     checkpointing, then FSDP2 on each block and the root (``dp_mode="fsdp"``, computing in ``param_dtype`` with fp32
     gradient reduction; HSDP where the mesh splits DP) or vemesh DDP (``"ddp"``, ``"zero1"``) where the mesh has
     data-parallel ranks."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from vemesh.ddp import DistributedDataParallel
-    from vemesh.parallel import fully_shard
-
     if mesh.get_strategy_size("TP") > 1:
         apply_tp(model, mesh["TP"], sequence_parallel=sequence_parallel)
     activation_checkpointing(model, ac)

@@ -20,6 +20,8 @@ from torch import nn
 from vemesh import VESCALE_DEVICE_MESH
 from vemesh.models.llama3.model import Llama3, Llama3Config, loss_fn
 from vemesh.models.llama3.parallelize import check_ac, cut_stage, parallelize
+from vemesh.optim import clip_grad_norm_
+from vemesh.parallel import context_parallel
 from vemesh.parallel.schedules import run_schedule, stage_indices, stages_per_rank
 
 __all__ = ["before_optimizer", "factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step"]
@@ -69,8 +71,6 @@ def _loss_context() -> Any:
 
 def _cp_context(tensors: list[torch.Tensor], seq_dims: list[int]) -> Any:
     if VESCALE_DEVICE_MESH.get_strategy_size("CP") > 1:
-        from vemesh.parallel import context_parallel
-
         return context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=tensors, buffer_seq_dims=seq_dims)
     return contextlib.nullcontext()
 
@@ -113,8 +113,6 @@ def pipeline_step_for(pp_schedule: str) -> Any:
 
 def before_optimizer(model: Any) -> None:
     """torchtitan's clipping of the gradients' global norm over every chunk's parameters (over the PP group too)."""
-    from vemesh.optim import clip_grad_norm_
-
     parts = model if isinstance(model, (list, tuple)) else [model]
     params = [p for part in parts for p in getattr(part, "submod", part).parameters()]
     pp = VESCALE_DEVICE_MESH.get_strategy_size("PP")
