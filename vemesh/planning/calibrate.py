@@ -7,7 +7,8 @@ ranks of a job share the machine:
   ``torch._scaled_mm``, as Float8 training runs its Linear layers), the median over repetitions, as FLOP/s per rank;
 * **one GPU** (``--device cuda --nproc 1``): the same device figures, and no collective; the links are the
   built-in profile's of that GPU (H100, H200, A100: its published figures, said in the assumptions);
-* **memory**: an add of two 1 MiB tensors into a new one, as a step's memory-bound ops run (out of place, the
+* **memory**: a cycle of a step's memory-bound ops on 1 MiB tensors, each into a new one (an add, a multiply, a GELU,
+  an exp: on a CPU the transcendental ones are slower per byte than an add), as a step runs them (out of place, the
   inputs no longer in a cache), bytes read and written per second per rank;
 * **overlap**: an all-reduce started asynchronously under matmuls, against each alone: the fraction of the shorter
   that ran at the same time (a CPU whose cores the ranks share has little to spare);
@@ -212,8 +213,8 @@ def functional_wait(tp_call: float, dtensor_ops: int, pair: Link, wait: float, p
 
 
 def _memory(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
-    """Bytes per second per rank of an add as a training step runs its memory-bound ops, every rank at once: two
-    1 MiB tensors read and a new one written (a step's ops move 128 KiB to 2 MiB each, most of their bytes), the
+    """Bytes per second per rank of a step's memory-bound ops (an add, a multiply, a GELU, an exp, in turn), every
+    rank at once: 1 MiB tensors read and a new one written (a step's ops move 128 KiB to 2 MiB each, most of their bytes), the
     inputs cycled through 64 MiB of tensors so that none is still in a core's cache from the add before. The same
     adds on 16 values are timed and taken off: the framework's time per op is the profile's ``op_overhead_s``,
     which a step time adds apart."""
@@ -222,17 +223,21 @@ def _memory(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
     tensors = [torch.rand(size // 4, device=device) for _ in range(count)]
     tiny = [torch.rand(16, device=device) for _ in range(count)]
 
+    ops = (lambda a, b: torch.add(a, b), lambda a, b: torch.mul(a, b), lambda a, b: torch.nn.functional.gelu(a),
+           lambda a, b: torch.exp(a))
+    moved = (3, 3, 2, 2)  # sizes each op reads and writes
+
     def adds(ts: list[torch.Tensor]) -> Any:
         def run() -> None:
-            for a, b in zip(ts, ts[1:]):
-                torch.add(a, b)
+            for i, (a, b) in enumerate(zip(ts, ts[1:])):
+                ops[i % len(ops)](a, b)
         return run
 
     dist.barrier()
     took = _median_seconds(adds(tensors), reps, sync) / (count - 1)
     dist.barrier()
     dispatch = _median_seconds(adds(tiny), reps, sync) / (count - 1)
-    return 3 * size / max(took - dispatch, took * 0.05)
+    return sum(moved) / len(moved) * size / max(took - dispatch, took * 0.05)
 
 
 def _op_overheads(device: torch.device, sync: Any, reps: int) -> tuple[float, float]:
