@@ -140,7 +140,6 @@ def example_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]]:
          f"is a checkpoint itself; pass the directory that holds the checkpoints, '{tmp / 'ckpt'}'"),
         ("ckpt-is-a-file", _config(["--checkpoint-dir", str(tmp / "a_file")]), ConfigError, "is a file, not a directory"),
         ("ckpt-under-a-file", _config(["--checkpoint-dir", str(tmp / "a_file" / "ckpt")]), ConfigError, "is not writable"),
-        ("memory", _config(["--seq-len", "8192", "--global-batch-size", "512"]), ConfigError, "GiB per process"),
         ("timeout-zero", _config(["--timeout-s", "0"]), ConfigError, "--timeout-s: Input should be greater than 0"),
         ("skip-negative", _config(["--skip-nonfinite", "-1"]), ConfigError, "--skip-nonfinite: Input should be greater than or equal to 0"),
         ("nan-with-pp", _config(["--mesh-shape", "2,1,1", "--n-layer", "2", "--nan-at-step", "1"], 2), ConfigError,
