@@ -44,6 +44,7 @@ def test_the_presets_shapes_are_llama_3_1s_and_the_sequence_is_set_by_the_spec()
     assert (SIZES["70b"].dim, SIZES["70b"].n_layers, SIZES["70b"].n_heads) == (8192, 80, 64)
     assert (SIZES["405b"].dim, SIZES["405b"].n_layers, SIZES["405b"].hidden_dim) == (16384, 126, 53248)
     assert config_of("llama3:8b").seq_len == 8192 and config_of("llama3:70b,seq_len=32768").seq_len == 32768
+    assert config_of("llama3:405B") == SIZES["405b"]  # torchtitan's flavor names are upper case
     assert 0.85 < linear_share(SIZES["8b"]) < 0.9  # the embedding and the head are ~13% of 8B's parameters
 
 

@@ -35,6 +35,7 @@ def config_of(spec: str) -> Llama3Config:
     """``llama3:SIZE[,seq_len=N]`` -> its config; ``ValueError`` names a bad size or key in one line."""
     body = spec.split(":", 1)[1] if spec.startswith("llama3:") else spec
     size, *rest = [p.strip() for p in body.split(",") if p.strip()] or [""]
+    size = size.lower() if size.lower() in SIZES else size  # torchtitan's flavors say "8B"
     if size not in SIZES:
         raise ValueError(f"--model llama3:{size}: unknown size {size!r}; choose one of {', '.join(SIZES)} "
                          "(llama3:8b[,seq_len=N])")
