@@ -127,3 +127,19 @@ def in_flight(name: str, pp: int, n_microbatches: int) -> list[int]:
                 held -= 1
         out.append(most)
     return out
+
+
+def build_stages(model: Any, mesh: Any, schedule: str, cut: Any, wrap: Any) -> list[Any]:
+    """This PP rank's stages of ``model`` under ``schedule``: each stage ``cut(model, stage, n_stages)`` (a copy that
+    holds that stage's blocks), wrapped by ``wrap(part, mesh)`` and given to torch's ``PipelineStage`` on the group of
+    ``mesh["PP"]`` (the presets' and the planner's way; a real run passes its own device)."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage  # here: the package adds about a second to start-up
+
+    pp = mesh.get_strategy_size("PP")
+    n_stages = pp * stages_per_rank(schedule)
+    mine = stage_indices(mesh.lookup_rank("PP"), pp, schedule)
+    parts = [cut(model, s, n_stages) for s in mine]
+    return [PipelineStage(wrap(part, mesh), s, n_stages, torch.device("cpu"), group=mesh["PP"].get_group())
+            for part, s in zip(parts, mine)]
+

@@ -31,7 +31,7 @@ from vemesh.models.gpt.parallelize import parallelize
 from vemesh.models.gpt.stages import cut_stage
 from vemesh.optim import clip_grad_norm_
 from vemesh.parallel import context_parallel
-from vemesh.parallel.schedules import run_schedule, stage_indices, stages_per_rank
+from vemesh.parallel.schedules import build_stages, run_schedule, stage_indices, stages_per_rank
 
 __all__ = ["before_optimizer_for", "factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step"]
 
@@ -65,14 +65,7 @@ def parallelize_for(mode: str, dtype: str, sequence_parallel: bool, activation_c
         pp = mesh.get_strategy_size("PP")
         if pp == 1:
             return one(model, mesh)
-        from torch.distributed.pipelining import PipelineStage
-
-        n_stages = pp * stages_per_rank(pp_schedule)
-        mine = stage_indices(mesh.lookup_rank("PP"), pp, pp_schedule)
-        parts = [cut_stage(model, s, n_stages) for s in mine]
-        del model
-        return [PipelineStage(one(part, mesh), s, n_stages, torch.device("cpu"), group=mesh["PP"].get_group())
-                for part, s in zip(parts, mine)]
+        return build_stages(model, mesh, pp_schedule, cut_stage, one)
 
     gpt_parallelize.__qualname__ = f"parallelize[{mode}{', sp' if sequence_parallel else ''}" \
                                    f"{', ac' if activation_checkpointing else ''}]"

@@ -22,7 +22,7 @@ from vemesh.models.llama3.model import Llama3, Llama3Config, loss_fn
 from vemesh.models.llama3.parallelize import check_ac, cut_stage, parallelize
 from vemesh.optim import clip_grad_norm_
 from vemesh.parallel import context_parallel
-from vemesh.parallel.schedules import run_schedule, stage_indices, stages_per_rank
+from vemesh.parallel.schedules import build_stages, run_schedule
 
 __all__ = ["before_optimizer", "factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step"]
 
@@ -47,14 +47,7 @@ def parallelize_for(mode: str, dtype: str, ac: str, pp_schedule: str = "1f1b") -
         pp = mesh.get_strategy_size("PP")
         if pp == 1:
             return one(model, mesh)
-        from torch.distributed.pipelining import PipelineStage
-
-        n_stages = pp * stages_per_rank(pp_schedule)
-        mine = stage_indices(mesh.lookup_rank("PP"), pp, pp_schedule)
-        parts = [cut_stage(model, s, n_stages) for s in mine]
-        del model
-        return [PipelineStage(one(part, mesh), s, n_stages, torch.device("cpu"), group=mesh["PP"].get_group())
-                for part, s in zip(parts, mine)]
+        return build_stages(model, mesh, pp_schedule, cut_stage, one)
 
     llama3_parallelize.__qualname__ = f"parallelize[{mode}, ac={ac}]"
     return llama3_parallelize
