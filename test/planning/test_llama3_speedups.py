@@ -19,6 +19,7 @@ from vemesh.cli import main
 from vemesh.models.llama3 import planned
 from vemesh.models.llama3.config import AC_MODES, SIZES, Llama3Config, check_ac, config_of, linear_share
 from vemesh.planning import PlanRequest
+from vemesh.planning.fit import _traced_llama3
 from vemesh.planning.fusion import Fusion, MemoryBoundBytes
 from vemesh.planning.measure import FLOP_FORMULAS
 from vemesh.planning.pipeline_plan import predict_pipeline, trace_pipeline
@@ -230,8 +231,11 @@ def test_the_llama3_8b_preset_is_planned_with_its_switches_in_the_json(capsys) -
             "--device-profile", "h100-sxm", "--activation-checkpointing", "selective-op", "--json"]
     assert main(argv) == 0
     eager = json.loads(capsys.readouterr().out)
+    traced = _traced_llama3.cache_info()
     assert main([*argv, "--compile", "--float8", "tensorwise", "--float8-all-gather"]) == 0
     fast = json.loads(capsys.readouterr().out)
+    # the switches change the time drawn from the trace, not the trace: the second plan traces nothing again
+    assert _traced_llama3.cache_info().misses == traced.misses and _traced_llama3.cache_info().hits > traced.hits
     assert fast["speedups"] == {"compile": True, "float8": "tensorwise", "float8_all_gather": True, "async_tp": False}
     assert eager["peak"] == fast["peak"] and 0 < fast["step_time"] < 0.8 * eager["step_time"]
     assert eager["activation_checkpointing"] == "selective-op" and eager["dp_mode"] == "fsdp"

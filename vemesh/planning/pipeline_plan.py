@@ -31,9 +31,9 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
       them (``+ r``) (3 and 4 per stage; with 2 the first stage's
       peak falls at another moment of the step than with many, and the difference misses it) and the rest added
       by difference, a block per stage at a time, each part of the step on its own (:meth:`Counted.scaled`);
-    * under a one-stage schedule (GPipe, 1F1B) many micro-batches are traced as ``m mod PP + 2 PP`` and ``+ 3 PP``
-      and the rest added by difference, a pipeline's worth at a time: those schedules are in their steady state by
-      then. The multi-stage schedules run every micro-batch: they wait on their sends only at the end of the step,
+    * under a one-stage schedule (GPipe, 1F1B) many micro-batches (more than the two traces run) are traced as
+      ``m mod PP + 2 PP`` and ``+ 3 PP`` and the rest added by difference, a pipeline's worth at a time: those
+      schedules are in their steady state by then. The multi-stage schedules run every micro-batch: they wait on their sends only at the end of the step,
       so what they hold grows with the micro-batches at a rate that changes along the way.
     """
     kwargs = trace_arguments(**job)
@@ -76,7 +76,7 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     """:func:`trace_pipeline` of every micro-batch, or of fewer and the rest by difference (see predict_pipeline)."""
     pp, m = kwargs["degrees"]["PP"], kwargs["passes"]
     short = m % pp + 2 * pp
-    if m < short + 2 * pp or fns.pp_schedule in MULTI_STAGE:
+    if short + (short + pp) >= m or fns.pp_schedule in MULTI_STAGE:  # the two traces would run as many micro-batches
         return trace_pipeline(fns, kwargs)
     two, three = (trace_pipeline(fns, dict(kwargs, passes=k)) for k in (short, short + pp))
     notes.append(f"micro-batches: {short} and {short + pp} traced, the other {m - short - pp} added by difference, "
