@@ -117,6 +117,29 @@ def test_compile_fuses_a_pointwise_run_into_one_kernel_paying_only_what_leaves_i
     assert counts["linear_flops"] == 2 * 64 * 64 * 64 and counts["linear_elements"] == 2 * 64 * 64
 
 
+def test_transcendental_ops_are_timed_at_their_own_rate_where_a_profile_has_one() -> None:
+    x = torch.randn(64, 64)
+    with MemoryBoundBytes() as moved:
+        y = torch.nn.functional.gelu(x)  # transcendental: its bytes counted apart
+        z = y + 1  # an add: not
+        torch.nn.functional.layer_norm(z, (64,))  # a normalization: apart
+    n = 64 * 64 * 4
+    counts = moved.counts()
+    assert moved.bytes == 2 * n + 2 * n + 2 * n + 2 * 64 * 4  # the norm also writes its rows' mean and rstd
+    assert counts["transcendental_bytes"] == 2 * n + 2 * n + 2 * 64 * 4
+    c = SimpleNamespace(flops=0, memory_bytes=moved.bytes, optimizer_bytes=0, ops=3, dtensor_ops=0, counts=counts)
+    gpu = load_profile("h100-sxm")  # no rate of its own: every memory-bound byte at the bandwidth
+    assert Speedups().compute_seconds(c, 0, gpu, "bf16") == pytest.approx(moved.bytes / gpu.memory_bandwidth)
+    cpu = gpu.model_copy(update={"transcendental_bandwidth": gpu.memory_bandwidth / 4, "op_overhead_s": 0.0})
+    want = (moved.bytes - counts["transcendental_bytes"]) / gpu.memory_bandwidth + \
+        counts["transcendental_bytes"] / cpu.transcendental_bandwidth
+    assert Speedups().compute_seconds(c, 0, cpu, "bf16") == pytest.approx(want)
+    # compiled, the fused regions' bytes at the bandwidth, and the arithmetic beyond them still paid
+    fused = counts["fused_bytes"] / gpu.memory_bandwidth + counts["transcendental_bytes"] * 3 / gpu.memory_bandwidth
+    assert Speedups(compile=True).compute_seconds(c, 0, cpu, "bf16") == pytest.approx(
+        fused + counts["kernels"] * cpu.op_overhead_s)
+
+
 def test_views_queries_and_allocations_move_no_bytes() -> None:
     x = torch.randn(32, 32)
     with MemoryBoundBytes() as moved:

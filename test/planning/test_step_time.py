@@ -263,7 +263,7 @@ def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     assert isinstance(p, DeviceProfile) and p.measured and p.devices_per_host == 2
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     assert all(set(sizes) == {"2"} for sizes in p.collectives.values()) and 0 <= p.overlap <= 1
-    assert p.flops("fp32") > 0 and p.memory_bandwidth > 0 and p.op_overhead_s > 0
+    assert p.flops("fp32") > 0 and p.memory_bandwidth > 0 and p.transcendental_bandwidth > 0 and p.op_overhead_s > 0
     assert p.shared_compute == max(1.0, 2 / (os.cpu_count() or 1))  # 2 ranks of 1 thread each
     assert "--repeat 2" in p.sources[0] and p.backend == "gloo"  # each figure the median of 2 rounds
     timed = answer(PlanRequest(world_size=2, model=llama_jobs.make_dense, parallelize=llama_jobs.parallelize_ddp,

@@ -43,6 +43,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: {profile.name}, {args.nproc} processes; matmul fp32 "
           f"{profile.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 {profile.matmul_flops['bf16'] / 1e9:.1f} GFLOP/s"
           + (f", fp8 {profile.matmul_flops['fp8'] / 1e9:.1f} GFLOP/s" if "fp8" in profile.matmul_flops else "") + " "
-          f"per rank; memory {profile.memory_bandwidth / 1e9:.1f} GB/s; all-reduce {ar.latency_s * 1e6:.0f} us per "
+          f"per rank; memory {profile.memory_bandwidth / 1e9:.1f} GB/s "
+          f"({(profile.transcendental_bandwidth or profile.memory_bandwidth) / 1e9:.1f} for transcendental ops); "
+          f"all-reduce {ar.latency_s * 1e6:.0f} us per "
           f"step, {ar.bandwidth / 1e9:.2f} GB/s bus bandwidth")
     return 0

@@ -7,9 +7,10 @@ ranks of a job share the machine:
   ``torch._scaled_mm``, as Float8 training runs its Linear layers), the median over repetitions, as FLOP/s per rank;
 * **one GPU** (``--device cuda --nproc 1``): the same device figures, and no collective; the links are the
   built-in profile's of that GPU (H100, H200, A100: its published figures, said in the assumptions);
-* **memory**: a cycle of a step's memory-bound ops on 1 MiB tensors, each into a new one (an add, a multiply, a GELU,
-  an exp: on a CPU the transcendental ones are slower per byte than an add), as a step runs them (out of place, the
-  inputs no longer in a cache), bytes read and written per second per rank;
+* **memory**: cycles of a step's memory-bound ops on 1 MiB tensors, each into a new one, as a step runs them (out
+  of place, the inputs no longer in a cache), bytes read and written per second per rank: adds and multiplies, and
+  apart the transcendental ones, a division or a normalization (GELU, exp, rsqrt, softmax, norms: on a CPU they
+  are slower per byte than an add);
 * **overlap**: an all-reduce started asynchronously under matmuls, against each alone: the fraction of the shorter
   that ran at the same time (a CPU whose cores the ranks share has little to spare);
 * **collective wait**: small all-reduces between stretches of compute, against the same run back to back: what
@@ -22,8 +23,9 @@ ranks of a job share the machine:
   moves by 10%);
 * **shared compute**: with more ranks than cores (times each rank's threads), how many ranks share a core: the
   ranks that compute while others wait in a pipeline bubble run that much faster at most;
-* **op overheads**: a tiny op's time (the framework's own, per op dispatched), and what the same op on a DTensor
-  adds (its sharding propagation);
+* **op overheads**: a small model's training step over the ops it dispatches (its compute is nothing: the
+  framework's time per op, modules, autograd and the optimizer included), and what an op on a DTensor adds (its
+  sharding propagation); these and the memory rates are :mod:`vemesh.planning.device_rates`;
 * **each collective kind** (all-reduce, all-gather, reduce-scatter, all-to-all, broadcast) on groups of each size
   that divides N (every group of that size at once, as a mesh dim's groups run), at a small size (its latency per
   ring step) and a large one (its bus bandwidth, nccl-tests' busbw with the latency taken off). The ``host``
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vemesh.planning.device_rates import median_seconds, memory_rates, op_overheads
 from vemesh.planning.fusion import MemoryBoundBytes
 from vemesh.planning.profiles import DeviceProfile, Link, load_profile
 from vemesh.planning.step_time import collective_seconds, ring
@@ -56,18 +59,6 @@ __all__ = ["KINDS", "calibrate", "functional_wait"]
 
 #: The collective kinds measured, as the step-time model names them.
 KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-
-
-def _median_seconds(fn: Any, reps: int, sync: Any) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _collective(kind: str, numel: int, n: int, device: torch.device, group: Any) -> Any:
@@ -108,11 +99,11 @@ def _overlap(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
         work.wait()
 
     dist.barrier()
-    alone = _median_seconds(compute, reps, sync)
+    alone = median_seconds(compute, reps, sync)
     dist.barrier()
-    talking = _median_seconds(comm, reps, sync)
+    talking = median_seconds(comm, reps, sync)
     dist.barrier()
-    together = _median_seconds(both, reps, sync)
+    together = median_seconds(both, reps, sync)
     return min(1.0, max(0.0, (alone + talking - together) / min(alone, talking)))
 
 
@@ -144,9 +135,9 @@ def _interleaved_wait(device: torch.device, sync: Any, reps: int, quick: bool, g
                 dist.all_reduce(t, group=group)
 
     dist.barrier()
-    alone = _median_seconds(compute, reps, sync) + _median_seconds(comm, reps, sync)
+    alone = median_seconds(compute, reps, sync) + median_seconds(comm, reps, sync)
     dist.barrier()
-    c10d = _median_seconds(interleaved, reps, sync)
+    c10d = median_seconds(interleaved, reps, sync)
     return max(0.0, (c10d - alone) / k)
 
 
@@ -212,58 +203,6 @@ def functional_wait(tp_call: float, dtensor_ops: int, pair: Link, wait: float, p
     return max(0.0, tp_call - counted)
 
 
-def _memory(device: torch.device, sync: Any, reps: int, quick: bool) -> float:
-    """Bytes per second per rank of a step's memory-bound ops (an add, a multiply, a GELU, an exp, in turn), every
-    rank at once: 1 MiB tensors read and a new one written (a step's ops move 128 KiB to 2 MiB each, most of their bytes), the
-    inputs cycled through 64 MiB of tensors so that none is still in a core's cache from the add before. The same
-    adds on 16 values are timed and taken off: the framework's time per op is the profile's ``op_overhead_s``,
-    which a step time adds apart."""
-    size, working_set = 2**20, (8 if quick else 64) * 2**20
-    count = working_set // size
-    tensors = [torch.rand(size // 4, device=device) for _ in range(count)]
-    tiny = [torch.rand(16, device=device) for _ in range(count)]
-
-    ops = (lambda a, b: torch.add(a, b), lambda a, b: torch.mul(a, b), lambda a, b: torch.nn.functional.gelu(a),
-           lambda a, b: torch.exp(a))
-    moved = (3, 3, 2, 2)  # sizes each op reads and writes
-
-    def adds(ts: list[torch.Tensor]) -> Any:
-        def run() -> None:
-            for i, (a, b) in enumerate(zip(ts, ts[1:])):
-                ops[i % len(ops)](a, b)
-        return run
-
-    dist.barrier()
-    took = _median_seconds(adds(tensors), reps, sync) / (count - 1)
-    dist.barrier()
-    dispatch = _median_seconds(adds(tiny), reps, sync) / (count - 1)
-    return sum(moved) / len(moved) * size / max(took - dispatch, took * 0.05)
-
-
-def _op_overheads(device: torch.device, sync: Any, reps: int) -> tuple[float, float]:
-    """Seconds per tiny op (the framework's own time), and what an op on a DTensor adds (sharding propagation)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    k = 200
-    x = torch.ones(16, device=device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    d = distribute_tensor(torch.ones(16, device=device), mesh, [Replicate()])
-
-    def plain() -> None:
-        for _ in range(k):
-            x.mul(1.0)
-
-    def on_dtensor() -> None:
-        for _ in range(k):
-            d.mul(1.0)
-
-    dist.barrier()
-    per_op = _median_seconds(plain, reps, sync) / k
-    dist.barrier()
-    return per_op, max(0.0, _median_seconds(on_dtensor, reps, sync) / k - per_op)
-
-
 def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, groups: dict[int, Any],
              pairs: tuple[Any, Any]) -> tuple[list[float], dict[str, dict[str, dict[str, float]]]]:
     """One round of every measurement (see the module docstring): this rank's figures, and each collective kind's
@@ -274,37 +213,37 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, gr
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.randn(size, size, device=device, dtype=dtype)
         dist.barrier()
-        flops[name] = 2 * size ** 3 / _median_seconds(lambda: a @ a, reps, sync)
+        flops[name] = 2 * size ** 3 / median_seconds(lambda: a @ a, reps, sync)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):  # fp8 tensor cores
         big = 4 * size
         a8, b8 = (torch.randn(big, big, device=device).to(torch.float8_e4m3fn) for _ in range(2))
         one = torch.ones((), device=device)
-        flops["fp8"] = 2 * big ** 3 / _median_seconds(
+        flops["fp8"] = 2 * big ** 3 / median_seconds(
             lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps, sync)
-    memory = _memory(device, sync, reps, quick)
+    memory, transcendental = memory_rates(device, sync, reps, quick)
     if n == 1:  # one GPU: no collective to measure
-        return [flops["fp32"], flops["bf16"], memory, 1.0, 0.0, *(-x for x in _op_overheads(device, sync, reps)),
-                0.0, 0.0, flops.get("fp8", 0.0)], {}
+        return [flops["fp32"], flops["bf16"], memory, 1.0, 0.0, *(-x for x in op_overheads(device, sync, reps)),
+                0.0, 0.0, flops.get("fp8", 0.0), transcendental], {}
     kinds: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in KINDS}
     for size, group in groups.items():  # each group size, every group of it at once
         small, large = size * 256, size * ((2**18) if quick else (2**22))  # fp32: 1 KiB x size; 1 or 16 MiB x size
         for kind in KINDS:
             factor, steps = ring(kind, size)
             dist.barrier()
-            t_small = _median_seconds(_collective(kind, small, size, device, group), reps, sync)
+            t_small = median_seconds(_collective(kind, small, size, device, group), reps, sync)
             dist.barrier()
-            t_large = _median_seconds(_collective(kind, large, size, device, group), reps, sync)
+            t_large = median_seconds(_collective(kind, large, size, device, group), reps, sync)
             latency = t_small / steps
             moved = factor * large * 4
             kinds[kind][str(size)] = {"latency_s": latency,
                                       "bandwidth": moved / max(t_large - steps * latency, t_large * 0.05)}
     overlap = _overlap(device, sync, reps, quick)
     wait = _interleaved_wait(device, sync, 3 * reps, quick, pairs[0])  # differences of runs: more of them
-    per_op, per_dtensor_op = _op_overheads(device, sync, reps)
+    per_op, per_dtensor_op = op_overheads(device, sync, reps)
     tp_call, tp_dtensor_ops = _tp_reference(device, sync, 3 * reps, quick, pairs[1])
     # rates, and times negated: the slowest rank is each figure's minimum
     return [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op, -tp_call,
-            -tp_dtensor_ops, flops.get("fp8", 0.0)], kinds
+            -tp_dtensor_ops, flops.get("fp8", 0.0), transcendental], kinds
 
 
 def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: str, repeat: int = 1) -> None:
@@ -355,6 +294,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             matmul_flops={"fp32": slowest[0], "bf16": slowest[1], **({"fp8": slowest[9]} if slowest[9] > 0 else {})},
             achievable=1.0,
             memory_bandwidth=slowest[2],
+            transcendental_bandwidth=slowest[10],
             overlap=slowest[3],
             shared_compute=shared,
             backend=backend,

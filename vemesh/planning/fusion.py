@@ -13,6 +13,11 @@ every other op one), in place of eager's bytes and ops. What it does not model: 
 choices in backward (its min-cut partitioner), and so the activation memory a compiled step saves: the plan's
 peak stays eager's.
 
+**Transcendental ops** (``transcendental_bytes``): eager's bytes of the memory-bound ops whose arithmetic is
+transcendental, a division or a normalization (exp, GELU, SiLU, tanh, rsqrt, softmax, layer and RMS norms). A GPU
+runs them at its memory bandwidth; a CPU's cores do not (GELU's backward at 6 GB/s where an add reaches 30, on this
+project's machine), and a profile may time them at their own rate (``transcendental_bandwidth``).
+
 **Attention** (``attention_flops``): the FLOPs of the fused attention kernels, which a profile may time at their
 own fraction of the peak (``attention_achievable``: flash attention reaches less of it than a large matmul).
 
@@ -52,6 +57,15 @@ _NO_TRAFFIC = {torch.ops.prim.device, _aten.empty, _aten.empty_strided, _aten.ne
                _aten.empty_like, _aten._unsafe_view, _aten.detach, _aten.alias, _aten.lift_fresh}
 
 
+#: memory-bound ops whose arithmetic is transcendental, a division or a normalization: on a GPU they run at the memory
+#: bandwidth as an add does; on a CPU's cores they are slower per byte (a profile's ``transcendental_bandwidth``)
+_TRANSCENDENTAL = {getattr(_aten, name) for name in (
+    "exp", "log", "log1p", "erf", "sin", "cos", "tanh", "tanh_backward", "sigmoid", "sigmoid_backward", "gelu",
+    "gelu_backward", "silu", "silu_backward", "rsqrt", "sqrt", "reciprocal", "div", "pow", "_softmax",
+    "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "native_layer_norm",
+    "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward") if hasattr(_aten, name)}
+
+
 def moves_data(func: Any) -> bool:
     """Whether ``func`` reads or writes tensor data (not a view, a query or an allocation)."""
     return not func.is_view and func.overloadpacket not in _NO_TRAFFIC
@@ -86,10 +100,12 @@ class Fusion:
         self.linear_flops = 0
         self.linear_elements = 0
         self.attention_flops = 0
+        self.transcendental_bytes = 0
 
     def counts(self) -> dict[str, int]:
         return {"fused_bytes": self.fused_bytes, "kernels": self.kernels, "linear_flops": self.linear_flops,
-                "linear_elements": self.linear_elements, "attention_flops": self.attention_flops}
+                "linear_elements": self.linear_elements, "attention_flops": self.attention_flops,
+                "transcendental_bytes": self.transcendental_bytes}
 
     def _escape(self, key: int) -> None:
         self.fused_bytes += self._pending.pop(key, 0)
@@ -107,6 +123,8 @@ class Fusion:
         elif func.overloadpacket in _ATTENTION:  # timed at the profile's attention_achievable
             shapes = [x.shape if isinstance(x, torch.Tensor) else x for x in args]
             self.attention_flops += FLOP_FORMULAS[func.overloadpacket](*shapes, **(kwargs or {}))
+        elif func.overloadpacket in _TRANSCENDENTAL:  # eager's bytes of these ops, timed at their own rate
+            self.transcendental_bytes += sum(_nbytes(t) for t in (*reads, *writes))
         if _fusible(func):
             if not self._open:
                 self.region, self._open = self.region + 1, True

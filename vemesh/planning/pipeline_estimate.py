@@ -85,7 +85,8 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
             timing = dict(flops=passes * sum(t.flops for t in traces), optimizer_bytes=optimizer,
                           memory_bytes=passes * sum(t.memory_bytes for t in traces) + optimizer,
                           ops=passes * sum(t.ops for t in traces), dtensor_ops=passes * sum(t.dtensor_ops for t in traces),
-                          collectives=ops)
+                          collectives=ops,
+                          counts={"transcendental_bytes": passes * sum(t.transcendental_bytes for t in traces)})
         classes.append(RankClass(name, static, activations, extra, {d: nbytes(o) for d, o in ops.items()}, **timing))
     notes = (f"pipeline estimated, not traced (a search): one micro-batch per stage traced, times the chunks in "
              f"flight along torch's {job.pp_schedule} action list, without the example's end of a step (its "

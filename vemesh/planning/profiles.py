@@ -49,6 +49,11 @@ class DeviceProfile(BaseModel):
     #: the fraction of the peak that attention's fused kernels reach (flash attention's; None: ``achievable``)
     attention_achievable: float | None = Field(None, gt=0, le=1)
     memory_bandwidth: float = Field(gt=0)
+    #: bytes per second of the memory-bound ops whose arithmetic is transcendental, a division or a normalization
+    #: (exp, GELU, SiLU, rsqrt, softmax, norms: :mod:`vemesh.planning.fusion`). None: ``memory_bandwidth`` (a GPU runs
+    #: them at its bandwidth, the built-in profiles); a CPU's cores are slower at them, and ``vemesh calibrate``
+    #: measures them apart
+    transcendental_bandwidth: float | None = Field(None, gt=0)
     #: the fraction of a collective that can run behind compute (1: a GPU's copy engines; a CPU whose cores the
     #: ranks already share has little to spare, and ``vemesh calibrate`` measures it)
     overlap: float = Field(1.0, ge=0, le=1)

@@ -5,6 +5,8 @@ its counts (:mod:`vemesh.planning.fusion`) by these rules.
 * **attention** (always): the fused attention kernels' FLOPs at the profile's ``attention_achievable`` fraction of
   the peak where it has one (flash attention reaches less of it than a large matmul), the other FLOPs at
   ``achievable``.
+* **transcendental ops** (always): their bytes at the profile's ``transcendental_bandwidth`` where it has one (a
+  CPU's), the others at ``memory_bandwidth``; compiled, their arithmetic beyond a fused region's bytes is still done.
 * **compile**: the memory-bound ops pay the bytes of :class:`~vemesh.planning.fusion.Fusion`'s fused regions, and
   the framework's time per op is paid per kernel (a region is one); DTensor's per-op dispatch is compiled away.
 * **Float8** (``tensorwise`` or ``rowwise``, torchao's recipes): ``nn.Linear``'s matmuls run at the profile's
@@ -68,11 +70,15 @@ class Speedups:
             matmul += fp8 / (profile.flops("fp8") * profile.achievable) - fp8 / rate
             elements = counts.get("linear_elements", 0) * (fp8 / linear if linear else 0)
             cast = elements * _CAST_BYTES[self.compile]
+        # the transcendental ops' arithmetic beyond what their bytes cost at the bandwidth (fused or not, it is done)
+        slow = getattr(profile, "transcendental_bandwidth", None) or profile.memory_bandwidth
+        arithmetic = counts.get("transcendental_bytes", 0) * max(0.0, 1 / slow - 1 / profile.memory_bandwidth)
         if self.compile:
             moved = counts.get("fused_bytes", c.memory_bytes) - c.optimizer_bytes + cast
-            return matmul + moved / profile.memory_bandwidth + counts.get("kernels", c.ops) * profile.op_overhead_s
+            return (matmul + arithmetic + moved / profile.memory_bandwidth
+                    + counts.get("kernels", c.ops) * profile.op_overhead_s)
         moved = c.memory_bytes - c.optimizer_bytes + cast
-        return (matmul + moved / profile.memory_bandwidth + c.ops * profile.op_overhead_s
+        return (matmul + arithmetic + moved / profile.memory_bandwidth + c.ops * profile.op_overhead_s
                 + c.dtensor_ops * profile.dtensor_op_overhead_s)
 
     def linear_seconds(self, c: Any, index: int, profile: Any, dtype: str) -> float:

@@ -1,0 +1,105 @@
+"""What ``vemesh calibrate`` times on each device alone (every rank at once, as a job shares the machine): the
+memory-bound ops' rates and the framework's time per op. :mod:`vemesh.planning.calibrate` runs them."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vemesh.planning.fusion import MemoryBoundBytes
+
+__all__ = ["median_seconds", "memory_rates", "op_overheads"]
+
+
+def median_seconds(fn: Any, reps: int, sync: Any) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_rates(device: torch.device, sync: Any, reps: int, quick: bool) -> tuple[float, float]:
+    """Bytes per second per rank of a step's memory-bound ops, every rank at once: ``(plain, transcendental)``, of
+    adds and multiplies, and of the ops :mod:`vemesh.planning.fusion` times apart (GELU and its backward, exp,
+    sigmoid, rsqrt, log-softmax and layer norm on rows of 256), in turn. 1 MiB tensors read and a new one written (a
+    step's ops move 128 KiB to 2 MiB each), the inputs cycled through 64 MiB so that none is still in a cache. The
+    same ops on 16 values are timed and taken off: the profile's ``op_overhead_s`` is the framework's time per op."""
+    size, count = 2**20, 8 if quick else 64  # 1 MiB each, 8 or 64 MiB in all
+    tensors, tiny = ([torch.rand(k, device=device) for _ in range(count)] for k in (size // 4, 16))
+    F = torch.nn.functional
+
+    def rows(a: torch.Tensor) -> torch.Tensor:
+        return a.view(-1, min(256, a.numel()))
+
+    plain = ((lambda a, b: torch.add(a, b), 3), (lambda a, b: torch.mul(a, b), 3))
+    transcendental = ((lambda a, b: F.gelu(a), 2), (lambda a, b: torch.ops.aten.gelu_backward(a, b), 3),
+                      (lambda a, b: torch.exp(a), 2), (lambda a, b: torch.sigmoid(a), 2),
+                      (lambda a, b: torch.rsqrt(a), 2), (lambda a, b: F.log_softmax(rows(a), -1), 2),
+                      (lambda a, b: F.layer_norm(rows(a), rows(a).shape[-1:]), 2))
+
+    def rate(ops: Any) -> float:
+        def cycle(ts: list[torch.Tensor]) -> Any:
+            def run() -> None:
+                for i, (a, b) in enumerate(zip(ts, ts[1:])):
+                    ops[i % len(ops)][0](a, b)
+            return run
+
+        dist.barrier()
+        took = median_seconds(cycle(tensors), reps, sync) / (count - 1)
+        dist.barrier()
+        dispatch = median_seconds(cycle(tiny), reps, sync) / (count - 1)
+        return sum(m for _, m in ops) / len(ops) * size / max(took - dispatch, took * 0.05)
+
+    return rate(plain), rate(transcendental)
+
+
+def op_overheads(device: torch.device, sync: Any, reps: int) -> tuple[float, float]:
+    """Seconds of framework time per op dispatched in a training step, and what an op on a DTensor adds (its sharding
+    propagation). The first is a small model's step (4 blocks of a layer norm, two Linears of width 16 and 64 and a
+    GELU; a cross-entropy; AdamW) over the ops it dispatches: its compute is nothing, so its time is the framework's,
+    modules, autograd and the optimizer's Python included (2.6x a bare op's on this project's machine, which
+    predicted steps short when it was the figure). The second, a multiply on a replicated DTensor against a plain
+    one, in a tight loop."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+                            for _ in range(4)]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x, y = torch.randn(8, 16, device=device), torch.randint(0, 16, (8,), device=device)
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step()
+    with MemoryBoundBytes() as counted:
+        step()
+    k = 200
+    plain = torch.ones(16, device=device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    d = distribute_tensor(torch.ones(16, device=device), mesh, [Replicate()])
+
+    def ops(t: Any) -> Any:
+        def run() -> None:
+            for _ in range(k):
+                t.mul(1.0)
+        return run
+
+    dist.barrier()
+    per_op = median_seconds(lambda: [step() for _ in range(10)], reps, sync) / (10 * counted.ops)
+    dist.barrier()
+    bare = median_seconds(ops(plain), reps, sync) / k
+    dist.barrier()
+    return per_op, max(0.0, median_seconds(ops(d), reps, sync) / k - bare)
