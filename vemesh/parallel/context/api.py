@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -61,7 +63,27 @@ class _Context:
         self.cp_mesh, self.load_balance, self.rotate = cp_mesh, load_balance, rotate
         self.seq_len, self.buffer_ids = seq_len, buffer_ids
         self.pending = 0  # ring calls whose backward has not run
-        self.checkpointed = 0  # of those, called where saved tensors are hooked (activation checkpointing)
+        #: of those, the calls under activation checkpointing (saved tensors hooked), each a weak reference to a
+        #: token its autograd node holds: a call whose graph is gone (a forward that torch's pipeline stage runs only
+        #: to infer shapes, then drops) owes no backward
+        self.checkpointed: list[weakref.ref] = []
+
+    def owed(self) -> int:
+        """The calls under activation checkpointing whose graph can still run backward and has not."""
+        def count() -> int:
+            return sum(1 for ref in self.checkpointed if (token := ref()) is not None and not token.done)
+
+        owed = count()
+        if owed:  # a graph in a reference cycle is gone only once collected
+            gc.collect()
+            owed = count()
+        return owed
+
+
+class _Owed:
+    """What a ring call's autograd node holds while its backward is owed."""
+
+    done = False
 
 
 def _ring_sdpa(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
@@ -75,10 +97,12 @@ def _ring_sdpa(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
                          rotate=ctx.rotate)
     if out.requires_grad and torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute in backward:
         # count the backward still owed, and whether a checkpoint will recompute this call
-        hooked = int(_checkpointing())
+        token = _Owed()
+        if _checkpointing() and out.grad_fn is not None:
+            out.grad_fn.metadata["vemesh_cp_owed"] = token  # lives as long as the graph that can still run backward
+            ctx.checkpointed.append(weakref.ref(token))
         ctx.pending += 1
-        ctx.checkpointed += hooked
-        out.register_hook(functools.partial(_owed, ctx, hooked))
+        out.register_hook(functools.partial(_owed, ctx, token))
     return out
 
 
@@ -115,10 +139,10 @@ class _RingSDPA(TorchFunctionMode):
         return _ring_sdpa(self.context, dict(zip(_PARAMS, args)) | (kwargs or {}))
 
 
-def _owed(ctx: _Context, hooked: int, grad: torch.Tensor) -> torch.Tensor:
+def _owed(ctx: _Context, token: _Owed, grad: torch.Tensor) -> torch.Tensor:
     """A ring call's backward has come: it is no longer owed."""
     ctx.pending -= 1
-    ctx.checkpointed -= hooked
+    token.done = True
     return grad
 
 
@@ -228,9 +252,10 @@ def context_parallel(
                 if old is not None:
                     b.resize_(old.shape)
                     b.copy_(old)
-    if context.checkpointed > 0:
+    owed = context.owed()
+    if owed:
         raise RuntimeError(
-            f"context_parallel exited with {context.checkpointed} ring attention call(s) under activation checkpointing "
+            f"context_parallel exited with {owed} ring attention call(s) under activation checkpointing "
             "still to go backward: the recompute would run SDPA outside the ring. Call loss.backward() inside the "
             "context"
         )
