@@ -177,7 +177,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
             if n_stages > cfg.n_layers:
                 raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; {job.model} has "
                                  f"{cfg.n_layers}")
-        return _traced_llama3(_untimed(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
+        return _traced_llama3(_as_traced(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
     if not isinstance(job.model, str):
         raise ValueError(f"a model given as {type(job.model).__name__} needs its step (step=...) to be traced; "
                          "without one, give --model as gpt:... or module:package.module:factory")
@@ -199,10 +199,10 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
             raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; the model has {model.n_layer}")
         if not trace_pipeline:
             return estimate_pipeline(job, model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-    return _traced_preset(_untimed(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
+    return _traced_preset(_as_traced(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
 
 
-def _untimed(job: Job) -> Job:
+def _as_traced(job: Job) -> Job:
     """``job`` as its trace sees it: the switches (``speed``) change only the step time drawn from the trace, so a
     plan that differs in them alone reuses the cached trace."""
     return replace(job, speed=None)
