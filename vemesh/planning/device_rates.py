@@ -32,7 +32,8 @@ def memory_rates(device: torch.device, sync: Any, reps: int, quick: bool) -> tup
     adds and multiplies, and of the ops :mod:`vemesh.planning.fusion` times apart (GELU and its backward, exp,
     sigmoid, rsqrt, log-softmax and layer norm on rows of 256), in turn. 1 MiB tensors read and a new one written (a
     step's ops move 128 KiB to 2 MiB each), the inputs cycled through 64 MiB so that none is still in a cache. The
-    same ops on 16 values are timed and taken off: the framework's time per op is counted apart (:func:`op_overheads`)."""
+    same ops on 16 values are timed and taken off: the framework's time per op is counted apart
+    (:func:`op_overheads`)."""
     size, count = 2**20, 8 if quick else 64  # 1 MiB each, 8 or 64 MiB in all
     tensors, tiny = ([torch.rand(k, device=device) for _ in range(count)] for k in (size // 4, 16))
     F = torch.nn.functional
