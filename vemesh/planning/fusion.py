@@ -66,9 +66,13 @@ _TRANSCENDENTAL = {getattr(_aten, name) for name in (
     "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward") if hasattr(_aten, name)}
 
 
+#: ops that make a new storage and write nothing into it
+_ALLOCATIONS = {_aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided, _aten.empty_like}
+
+
 def moves_data(func: Any) -> bool:
-    """Whether ``func`` reads or writes tensor data (not a view, a query or an allocation)."""
-    return not func.is_view and func.overloadpacket not in _NO_TRAFFIC
+    """Whether ``func`` reads or writes tensor data (not a view, a query, an allocation or a profiler mark)."""
+    return not func.is_view and func.overloadpacket not in _NO_TRAFFIC and func.namespace != "profiler"
 
 
 def _fusible(func: Any) -> bool:
@@ -113,6 +117,11 @@ class Fusion:
     def see(self, func: Any, args: Any, kwargs: Any, result: Any, *, matmul: bool, collective: bool) -> None:
         """One op (not on DTensors) after it ran."""
         if not moves_data(func):
+            if func.overloadpacket in _ALLOCATIONS:  # a new storage, perhaps at a dead one's address: not its writes
+                for t in tree_leaves(result):
+                    if isinstance(t, torch.Tensor):
+                        self._producer.pop(_key(t), None)
+                        self._pending.pop(_key(t), None)
             return
         reads = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
         writes = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]

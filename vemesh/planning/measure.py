@@ -236,6 +236,8 @@ class StepTracker(MemTracker):
         #: ``{phase: (bytes, categories at it, on_step_peak's parts at it)}``
         self.phase: str | None = None
         self.phase_peaks: dict[str, tuple[int, dict[str, int], dict[str, int]]] = {}
+        #: called with the bytes held (``Other`` left out) at each update (a replayed pipeline's window on its peak)
+        self.watch: Any = None
 
     def track_weights(self, module: torch.nn.Module) -> None:
         """Count ``module``'s parameters as parameters and their gradients as gradients (no module hooks needed)."""
@@ -243,6 +245,8 @@ class StepTracker(MemTracker):
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         super()._update_peak_stats(peak_state)
+        if self.watch is not None:
+            self.watch(sum(s["Total"] - s.get(_MemRefType.OTH, 0) for s in self._curr_mem_snap.values()))
         for snap in self._curr_mem_snap.values():
             total = snap["Total"]
             self.peak_besides_weights = max(self.peak_besides_weights,

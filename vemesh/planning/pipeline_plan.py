@@ -77,25 +77,31 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     pp, m = kwargs["degrees"]["PP"], kwargs["passes"]
     short = m % pp + 2 * pp
     if short + (short + pp) >= m or fns.pp_schedule in MULTI_STAGE:  # the two traces would run as many micro-batches
-        return trace_pipeline(fns, kwargs)
-    two, three = (trace_pipeline(fns, dict(kwargs, passes=k)) for k in (short, short + pp))
+        return trace_pipeline(fns, kwargs, notes)
+    two, three = (trace_pipeline(fns, dict(kwargs, passes=k), notes) for k in (short, short + pp))
     notes.append(f"micro-batches: {short} and {short + pp} traced, the other {m - short - pp} added by difference, "
                  f"{pp} at a time")
     return {r: three[r].scaled(two[r], (m - short - pp) // pp) for r in range(pp)}
 
 
-def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, Counted]:
+#: whether a pipeline's traces replay micro-batches seen twice alike (:mod:`vemesh.planning.pipeline_replay`)
+REPLAY = True
+
+
+def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str] | None = None) -> dict[int, Counted]:
     """Every PP rank traced (:func:`trace_user` with ``pp_rank``), in the order the stages' shapes allow: a rank whose
-    stage waits for another's activations is traced again after that one."""
+    stage waits for another's activations is traced again after that one. With :data:`REPLAY` a stage's micro-batches
+    seen twice alike are replayed (:mod:`vemesh.planning.pipeline_replay`); a rank whose replay meets a backward it
+    has no record of is traced again without."""
     pp = kwargs["degrees"]["PP"]
-    exchange = MetaExchange()
+    exchange = MetaExchange(replay=REPLAY)
     counted: dict[int, Counted] = {}
     pending = list(range(pp))
     while pending:
         waiting, known = [], len(exchange.forward)
         for rank in pending:
             try:
-                counted[rank] = trace_user(fns, pp_rank=rank, exchange=exchange, **kwargs)
+                counted[rank] = _trace_rank(fns, rank, exchange, kwargs)
             except MissingMeta:
                 waiting.append(rank)
         if len(waiting) == len(pending) and len(exchange.forward) == known:  # no stage got further
@@ -104,5 +110,23 @@ def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, Coun
         pending = waiting[::-1]  # the next round from the other end: a V sends back towards PP rank 0
     for stage in exchange.wrongly_derived():  # a stage's gradient shapes guessed wrongly: trace its rank again
         rank = next(r for r in range(pp) if stage in stage_indices(r, pp, fns.pp_schedule))
-        counted[rank] = trace_user(fns, pp_rank=rank, exchange=exchange, **kwargs)
+        counted[rank] = _trace_rank(fns, rank, exchange, kwargs)
+    replayed = sum(r.replayed for r in exchange.replays)
+    if notes is not None and replayed:
+        notes.append(f"micro-batches: {replayed} of {replayed + sum(r.traced for r in exchange.replays)} stage "
+                     "forwards and backwards replayed from two traced alike (vemesh.planning.pipeline_replay)")
     return counted
+
+
+def _trace_rank(fns: UserFunctions, rank: int, exchange: MetaExchange, kwargs: dict[str, Any]) -> Counted:
+    """PP rank ``rank`` traced; again without replay when a replayed forward's backward had no record."""
+    try:
+        return trace_user(fns, pp_rank=rank, exchange=exchange, **kwargs)
+    except ValueError:
+        if not (exchange.replays and exchange.replays[-1].missed):
+            raise
+    replay, exchange.replay = exchange.replay, False
+    try:
+        return trace_user(fns, pp_rank=rank, exchange=exchange, **kwargs)
+    finally:
+        exchange.replay = replay

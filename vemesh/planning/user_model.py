@@ -201,6 +201,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             optimizer = _optimizer(parts, mode, ddps)
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
+                replay = exchange.replay_for(stages, tracker, counter, fns.pp_schedule, pp, pp_rank, passes)
                 held_sends.enter_context(sends_hold_tensors())
                 steps = (passes, passes)  # a warm-up step (the stages infer their shapes), then the step
             else:
@@ -219,6 +220,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                     counter.by_op.clear()
                     counter.counting = tracker.in_step = True
                     with step_counters(timed) as (flop_counter, memory_bound):
+                        if pp > 1:  # replayed micro-batches advance this step's counters
+                            replay.begin_step(flop_counter, memory_bound)
                         optimizer.zero_grad()
                         tracker.phase = first + "step"
                         if pp > 1:  # the schedule splits the batch and runs every micro-batch

@@ -1,0 +1,373 @@
+"""Micro-batches replayed: a stage's forward or backward of a micro-batch, seen twice alike, is not traced again.
+
+In a pipeline step torch's schedule runs every micro-batch through each stage, and a trace dispatches every op of
+each (about half a millisecond an op on fake tensors under the planner's counters): the 405B pipelines of
+torchtitan's table took 5 to 19 minutes a plan. But a stage's forward of one micro-batch does to the step's figures
+what its forward of the next one does, once the step is past its first micro-batches. :class:`Replay` watches each
+stage's compute (``forward_maybe_with_nosync`` and ``backward_maybe_with_nosync`` of torch's ``PipelineStage``: the
+submodule's forward, its backward, and the data-parallel wrapper's work in them) and records its *effect*:
+
+* the memory: how far above its start the bytes held rose, and where they ended;
+* every counter's change: the collectives by group and op, the FLOPs by op, the memory-bound bytes, the ops
+  dispatched, and what compile's fusion counts (:mod:`vemesh.planning.fusion`);
+* the shapes of what it returned (the stage's outputs, its input gradients).
+
+An action is keyed by the step, the stage, forward or backward, the action the same stage ran before it (a
+data-parallel wrapper's state can depend on it), and whether it is the stage's last backward of the step. When two
+consecutive actions of one key had equal effects (and a forward's effect and its backward's add up: what the forward
+kept is what its backward frees), the key's next actions are *replayed*: the bytes allocated and freed as the
+record says (an empty storage the size of the rise, then one holding what the forward kept until its backward),
+the outputs made at their shapes, every counter advanced by the record. torch's schedule still runs every action:
+its receive buffers, sends and losses are real.
+
+What stays traced: every micro-batch of the stage that computes the loss (its backward starts in the loss), a stage
+whose outputs or input gradients are DTensors, the schedules that split the backward into input and weight passes
+(``interleaved-zb``, ``zbv``, ``dualpipev``), the last micro-batch of each stage (its backward reduces the
+gradients), and every action whose key has not been seen twice alike. A replayed forward whose backward meets a key
+not seen twice alike cannot be traced (its autograd graph was never built): the trace sets :attr:`Replay.missed`,
+and the caller traces the rank again without replay (:func:`vemesh.planning.pipeline_plan.trace_pipeline`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from vemesh.parallel.schedules import actions
+
+__all__ = ["REPLAYED_SCHEDULES", "Replay", "ReplayMiss"]
+
+#: the schedules whose backward is one pass per micro-batch (the others split it into input and weight passes)
+REPLAYED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+class ReplayMiss(Exception):
+    """A replayed forward's backward has no record: the rank is traced again without replay."""
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What one action did (see the module docstring)."""
+
+    rise: int  #: the highest bytes held during it, over those held at its start
+    net: int  #: the bytes held at its end, over those at its start
+    parts: tuple  #: the parameters' and gradients' bytes held at its start and end (``Held``), unchanged to replay
+    #: each FSDP2 unit's state (sharded, unsharded) at its start and end: an action that changes it is not replayed
+    #: (a replay runs no FSDP2 hook, so the next traced action would meet another state than the trace's)
+    state: tuple
+    counters: tuple  #: every counter's change
+    returned: tuple  #: (shape, stride, dtype, requires_grad) of each tensor returned (None: not a tensor)
+    single: bool  #: the forward returned one tensor, not a tuple
+    fusion: tuple  #: per returned tensor: (its producer region relative to the last, bytes pending) or None
+
+    def returned_bytes(self) -> int:
+        return sum(_size(*meta[:3]) for meta in self.returned if meta is not None)
+
+
+def _size(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
+    if not shape:
+        return torch.empty((), dtype=dtype, device="meta").element_size()
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    return span * torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+class Replay:
+    """Replays a pipeline trace's micro-batches (see the module docstring). ``tracker`` is the trace's
+    :class:`~vemesh.planning.measure.StepTracker`, ``collectives`` its
+    :class:`~vemesh.planning.measure.CollectiveBytes`; :meth:`begin_step` gives each step's FLOP and memory-bound
+    counters (:func:`vemesh.planning.fusion.step_counters`)."""
+
+    def __init__(self, tracker: Any, collectives: Any, schedule: str, pp: int, pp_rank: int, n_microbatches: int) -> None:
+        self.tracker, self.collectives, self.n = tracker, collectives, n_microbatches
+        #: (stage, micro-batch) -> the kind of the action its stage runs before its backward, in torch's action list
+        self.contexts = backward_contexts(schedule, pp, pp_rank, n_microbatches)
+        self.flops: Any = None
+        self.moved: Any = None
+        self.step = -1
+        self.seen: dict[tuple, list[Effect]] = {}  #: key -> the effects of its last two traced actions
+        self.previous: dict[int, str] = {}  #: stage -> the kind of its last action ("F", "B")
+        self.micro_batch: dict[int, int] = {}  #: stage -> the micro-batch its action runs now
+        self.kept: dict[tuple[int, int], Any] = {}  #: (stage, micro-batch) -> what a replayed forward keeps
+        self.units: dict[int, list[Any]] = {}  #: stage -> its FSDP2 parameter groups
+        self.replayed = 0  #: actions replayed (for the plan's note)
+        self.traced = 0  #: actions of the watched stages traced
+        self.missed = False
+
+    def begin_step(self, flops: Any, moved: Any) -> None:
+        """A new step: its counters; records of the step before are not used (its first actions differ)."""
+        self.flops, self.moved = flops, moved
+        self.step += 1
+        self.seen.clear()
+        self.previous.clear()
+
+    def attach(self, stages: list[Any]) -> None:
+        """Watch every stage but the one that computes the loss."""
+        for stage in stages:
+            if stage.is_last:
+                continue
+            self._attach(stage)
+
+    def _attach(self, stage: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        index = stage.stage_index
+        groups = (m._get_fsdp_state()._fsdp_param_group for m in stage.submod.modules() if isinstance(m, FSDPModule))
+        self.units[index] = [g for g in groups if g is not None]
+        forward_chunk, backward_chunk = stage.forward_one_chunk, stage.backward_one_chunk
+        forward, backward = stage.forward_maybe_with_nosync, stage.backward_maybe_with_nosync
+
+        def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.micro_batch[index] = fwd_chunk_id
+            return forward_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.micro_batch[index] = bwd_chunk_id
+            return backward_chunk(bwd_chunk_id, *args, **kwargs)
+
+        def forward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
+            mb = self.micro_batch[index]
+            key = (self.step, index, "F", self.previous.get(index), False, self._state(index))
+            back = (self.step, index, "B", self.contexts.get((index, mb)), False, self._state(index))
+            self.previous[index] = "F"
+            effect, undo = self._replayable(key), self._replayable(back)
+            if mb < self.n - 1 and effect is not None and undo is not None and _balanced(effect, undo):
+                return self._replay_forward(index, mb, effect)
+            return self._trace(key, lambda: forward(*args, **kwargs), forward=True)
+
+        def backward_maybe_with_nosync(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+            mb = self.micro_batch[index]
+            key = (self.step, index, "B", self.previous.get(index), last_backward, self._state(index))
+            self.previous[index] = "B"
+            if (index, mb) in self.kept:
+                effect = self._replayable(key)
+                if effect is None or backward_type != "full":
+                    self.missed = True
+                    raise ReplayMiss(f"stage {index}: the backward of replayed micro-batch {mb} ({key}) has no record")
+                return self._replay_backward(index, mb, effect)
+            return self._trace(key, lambda: backward(backward_type, bwd_kwargs, last_backward), forward=False)
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        stage.forward_maybe_with_nosync, stage.backward_maybe_with_nosync = forward_maybe_with_nosync, \
+            backward_maybe_with_nosync
+
+    # -- records ----------------------------------------------------------------------------------------------------
+
+    def _replayable(self, key: tuple) -> Effect | None:
+        seen = self.seen.get(key, [])
+        alike = len(seen) == 2 and _alike(seen[0], seen[1]) and seen[1].parts[0] == seen[1].parts[1] and \
+            seen[1].state[0] == seen[1].state[1]
+        return seen[1] if alike and seen[1].parts[0] == self._parts() else None
+
+    def _trace(self, key: tuple, run: Callable[[], Any], *, forward: bool) -> Any:
+        self.traced += 1
+        start, parts, before, state = self._held(), self._parts(), self._counters(), self._state(key[1])
+        window = _Window(start)
+        self.tracker.watch = window.see
+        try:
+            result = run()
+        finally:
+            self.tracker.watch = None
+        returned = result if forward else result[0]
+        single = isinstance(returned, torch.Tensor)
+        flat = (returned,) if single else tuple(returned) if isinstance(returned, (tuple, list)) else None
+        if flat is None or any(isinstance(t, DTensor) for t in flat):  # not a shape a replay can make: never replayed
+            self.seen[key] = []
+            return result
+        metas = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor)
+                      else None for t in flat)
+        effect = Effect(window.peak - start, self._held() - start, (parts, self._parts()), (state, self._state(key[1])),
+                        _minus(self._counters(), before), metas, single, self._fusion_of(flat))
+        self.seen[key] = [*self.seen.get(key, []), effect][-2:]
+        return result
+
+    # -- replays ----------------------------------------------------------------------------------------------------
+
+    def _replay_forward(self, index: int, mb: int, effect: Effect) -> Any:
+        kept_bytes = effect.net - effect.returned_bytes()
+        outputs, kept = self._play(effect, kept_bytes)
+        self.kept[(index, mb)] = kept
+        return outputs[0] if effect.single else tuple(outputs)
+
+    def _replay_backward(self, index: int, mb: int, effect: Effect) -> tuple[tuple, None]:
+        def release() -> None:
+            self.kept.pop((index, mb))  # what the forward kept for this backward is freed in it
+        grads, _ = self._play(effect, 0, release)
+        return tuple(grads), None
+
+    def _play(self, effect: Effect, kept_bytes: int, release: Callable[[], None] | None = None) -> tuple[list, Any]:
+        """Allocate and free as ``effect`` did; its counters advanced, none of the allocations counted."""
+        self.replayed += 1
+        before = self._counters()
+        device = self._device()
+        rise = torch.empty(effect.rise, dtype=torch.uint8, device=device)  # the peak: the start plus the rise
+        del rise
+        if release is not None:
+            release()
+        made = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
+                if (shape, stride, dtype, grad) != (None,) * 4 else None
+                for shape, stride, dtype, grad in (m if m is not None else (None,) * 4 for m in effect.returned)]
+        kept = torch.empty(kept_bytes, dtype=torch.uint8, device=device) if kept_bytes > 0 else None
+        self._restore(before)
+        self._advance(effect.counters)
+        self._pend(made, effect.fusion)
+        return made, kept
+
+    # -- what is measured -------------------------------------------------------------------------------------------
+
+    def _held(self) -> int:
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        return sum(s["Total"] - s.get(_MemRefType.OTH, 0) for s in self.tracker._curr_mem_snap.values())
+
+    def _parts(self) -> tuple:
+        held = self.tracker.on_step_peak() if self.tracker.on_step_peak is not None else {}
+        return tuple(sorted(held.items()))
+
+    def _state(self, index: int) -> tuple:
+        return tuple((g.is_sharded, g.is_sharded_post_forward, g.is_unsharded) for g in self.units.get(index, ()))
+
+    def _device(self) -> torch.device:
+        devices = list(self.tracker._curr_mem_snap)
+        return devices[0] if devices else torch.device("cpu")
+
+    def _counters(self) -> tuple:
+        c = self.collectives
+        flops = dict(self.flops.flop_counts.get("Global", {})) if hasattr(self.flops, "flop_counts") else {}
+        moved = (self.moved.bytes, self.moved.ops, self.moved.dtensor_ops)
+        fusion = getattr(self.moved, "fusion", None)
+        fused = (fusion.region, fusion._open, *fusion.counts().values()) if fusion is not None else ()
+        collectives = {g: (c.bytes.get(g, 0), c.calls.get(g, 0), {op: tuple(v) for op, v in c.by_op.get(g, {}).items()})
+                       for g in set(c.bytes) | set(c.by_op)}
+        return flops, moved, fused, collectives, {g: frozenset(s) for g, s in c.ops.items()}
+
+    def _restore(self, state: tuple) -> None:
+        """The counters as they were (the replay's own allocations are not the step's ops)."""
+        flops, moved, fused, collectives, ops = state
+        if hasattr(self.flops, "flop_counts"):
+            self.flops.flop_counts["Global"].clear()
+            self.flops.flop_counts["Global"].update(flops)
+        self.moved.bytes, self.moved.ops, self.moved.dtensor_ops = moved
+        fusion = getattr(self.moved, "fusion", None)
+        if fusion is not None:
+            fusion.region, fusion._open = fused[0], fused[1]
+            for name, value in zip(fusion.counts(), fused[2:]):
+                setattr(fusion, name, value)
+
+    def _advance(self, delta: tuple) -> None:
+        flops, moved, fused, collectives, ops = delta
+        if hasattr(self.flops, "flop_counts"):
+            for op, n in flops:
+                self.flops.flop_counts["Global"][op] += n
+        self.moved.bytes += moved[0]
+        self.moved.ops += moved[1]
+        self.moved.dtensor_ops += moved[2]
+        fusion = getattr(self.moved, "fusion", None)
+        if fusion is not None:
+            fusion.region += fused[0]
+            fusion._open = fused[1]
+            for name, value in zip(fusion.counts(), fused[2:]):
+                setattr(fusion, name, getattr(fusion, name) + value)
+        c = self.collectives
+        for g, (b, n, by_op) in collectives:
+            c.bytes[g] += b
+            c.calls[g] += n
+            for op, (ob, on) in by_op:
+                c.by_op[g][op][0] += ob
+                c.by_op[g][op][1] += on
+        for g, names in ops:
+            c.ops[g] |= names
+
+    def _fusion_of(self, flat: tuple) -> tuple:
+        fusion = getattr(self.moved, "fusion", None)
+        if fusion is None:
+            return ()
+        out = []
+        for t in flat:
+            if not isinstance(t, torch.Tensor):
+                out.append(None)
+                continue
+            key = t.untyped_storage()._cdata
+            producer = fusion._producer.get(key)
+            out.append(None if producer is None else (producer - fusion.region if producer >= 0 else None,
+                                                      fusion._pending.get(key)))
+        return tuple(out)
+
+    def _pend(self, made: list, fusion_of: tuple) -> None:
+        """What compile's fusion knows of the returned tensors: who wrote them, what of them is not paid yet."""
+        fusion = getattr(self.moved, "fusion", None)
+        if fusion is None:
+            return
+        for t, known in zip(made, fusion_of):
+            if t is None or known is None:
+                continue
+            key = t.untyped_storage()._cdata
+            relative, pending = known
+            fusion._producer[key] = fusion.region + relative if relative is not None else -1
+            if pending is not None:
+                fusion._pending[key] = pending
+
+
+def backward_contexts(schedule: str, pp: int, pp_rank: int, n_microbatches: int) -> dict[tuple[int, int], str]:
+    """``{(stage, micro-batch): kind}``: the kind ("F", "B") of the action each stage of PP rank ``pp_rank`` runs
+    just before its backward of each micro-batch, along torch's own action list of ``schedule``."""
+    out, last = {}, {}
+    for action in actions(schedule, pp, n_microbatches)[pp_rank]:
+        if action is None:
+            continue
+        kind = getattr(action.computation_type, "value", action.computation_type)
+        if kind == "B" and action.stage_index in last:
+            out[(action.stage_index, action.microbatch_index)] = last[action.stage_index]
+        if kind in ("F", "B"):
+            last[action.stage_index] = kind
+    return out
+
+
+def _alike(a: Effect, b: Effect) -> bool:
+    """Two effects equal but for the count of ops dispatched, which varies by a few an action with what is not the
+    step's: FakeTensor's device queries (``prim.device``, dispatched when its cache misses) and FSDP2's profiler marks
+    (``record_function``, as its state machine runs them); a replay adds the later count."""
+    def without_ops(e: Effect) -> Effect:
+        flops, moved, *rest = e.counters
+        return replace(e, counters=(flops, (moved[0], 0, moved[2]), *rest))
+    return without_ops(a) == without_ops(b)
+
+
+def _balanced(forward: Effect, backward: Effect) -> bool:
+    """A forward's record and its backward's add up: what the forward kept besides its outputs, the backward frees,
+    and it ends holding its input gradients."""
+    kept = forward.net - forward.returned_bytes()
+    return kept >= 0 and backward.net == backward.returned_bytes() - kept
+
+
+def _minus(after: tuple, before: tuple) -> tuple:
+    """The counters' change from ``before`` to ``after`` (:meth:`Replay._counters`), comparable and hashable."""
+    flops = tuple(sorted(((op, n - before[0].get(op, 0)) for op, n in after[0].items() if n != before[0].get(op, 0)),
+                         key=lambda item: str(item[0])))
+    moved = tuple(a - b for a, b in zip(after[1], before[1]))
+    fused = ((after[2][0] - before[2][0], after[2][1], *(a - b for a, b in zip(after[2][2:], before[2][2:])))
+             if after[2] else ())
+    collectives = []
+    for g, (b, n, by_op) in sorted(after[3].items()):
+        b0, n0, by0 = before[3].get(g, (0, 0, {}))
+        ops = tuple(sorted((op, (v[0] - by0.get(op, (0, 0))[0], v[1] - by0.get(op, (0, 0))[1]))
+                           for op, v in by_op.items() if v != by0.get(op, (0, 0))))
+        if b != b0 or n != n0 or ops:
+            collectives.append((g, (b - b0, n - n0, ops)))
+    names = tuple(sorted((g, s - before[4].get(g, frozenset())) for g, s in after[4].items()
+                         if s - before[4].get(g, frozenset())))
+    return flops, moved, fused, tuple(collectives), names
+
+
+class _Window:
+    """The highest bytes held while an action runs (the tracker calls :meth:`see` at each update)."""
+
+    def __init__(self, start: int) -> None:
+        self.peak = start
+
+    def see(self, held: int) -> None:
+        if held > self.peak:
+            self.peak = held
