@@ -17,11 +17,11 @@ from vemesh.planning.user_model import trace_arguments
 TINY = Llama3Config(dim=32, n_layers=4, n_heads=2, n_kv_heads=2, hidden_dim=64, vocab_size=128, seq_len=16)
 
 
-def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPatch, batch: int) -> tuple:
+def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPatch, batch: int, pp: int) -> tuple:
     fns = UserFunctions(planned.factory(TINY), planned.parallelize_for(mode, "bf16", "full", schedule),
                         planned.pipeline_step_for(schedule), (f"llama3 {TINY}", "p", "s"), loss=planned.loss_fn,
                         pp_schedule=schedule)
-    job = dict(world_size=4, degrees={"PP": 2, "DP": 2, "CP": 1, "TP": 1, "EP": 1}, dp_replicate=1,
+    job = dict(world_size=2 * pp, degrees={"PP": pp, "DP": 2, "CP": 1, "TP": 1, "EP": 1}, dp_replicate=1,
                global_batch_size=batch, micro_batch_size=1, dtype="fp32" if mode == "fsdp" else "bf16", dp_mode=mode,
                load_factor=1.0, timed=True)
     monkeypatch.setattr(pipeline_plan, "REPLAY", replay)
@@ -29,12 +29,13 @@ def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPa
     return pipeline_plan.trace_pipeline(fns, trace_arguments(**job), notes), notes
 
 
-@pytest.mark.parametrize("schedule, mode, batch", [("1f1b", "fsdp", 12), ("interleaved-1f1b", "zero1", 16)])
-def test_replayed_micro_batches_give_the_plan_of_tracing_every_one(schedule, mode, batch, monkeypatch) -> None:
-    """6 micro-batches per DP rank under 1F1B and FSDP2 (as torchtitan shards for PP: no reshard after forward), 8
-    under interleaved 1F1B and ZeRO-1: the first stage's middle micro-batches are replayed."""
-    replayed, notes = _traced(schedule, mode, True, monkeypatch, batch)
-    whole, _ = _traced(schedule, mode, False, monkeypatch, batch)
+@pytest.mark.parametrize("schedule, mode, batch, pp", [("1f1b", "fsdp", 12, 4), ("interleaved-1f1b", "zero1", 16, 2)])
+def test_replayed_micro_batches_give_the_plan_of_tracing_every_one(schedule, mode, batch, pp, monkeypatch) -> None:
+    """6 micro-batches per DP rank under 1F1B and FSDP2 (as torchtitan shards for PP: no reshard after forward) over
+    PP 4, where PP ranks 1 and 2 hold alike stages and share their records; 8 under interleaved 1F1B and ZeRO-1 over
+    PP 2. Every stage but the last has micro-batches replayed."""
+    replayed, notes = _traced(schedule, mode, True, monkeypatch, batch, pp)
+    whole, _ = _traced(schedule, mode, False, monkeypatch, batch, pp)
     assert any("replayed" in n for n in notes), notes  # the shortcut was taken
     for rank, c in whole.items():
         r = replayed[rank]

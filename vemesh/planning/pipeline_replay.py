@@ -12,8 +12,11 @@ submodule's forward, its backward, and the data-parallel wrapper's work in them)
   dispatched, and what compile's fusion counts (:mod:`vemesh.planning.fusion`);
 * the shapes of what it returned (the stage's outputs, its input gradients).
 
-An action is keyed by the step, the stage, forward or backward, the action the same stage ran before it (a
-data-parallel wrapper's state can depend on it), and whether it is the stage's last backward of the step. When two
+An action is keyed by the step; the stage, by its role (first, last) and its parameters' local shapes, so that the
+middle stages of a pipeline, alike on every PP rank, share their records across the ranks' traces of one plan;
+forward or backward; the action the same stage ran before it (a data-parallel wrapper's state can depend on it);
+each FSDP2 unit's state; and whether it is the stage's last backward of the step. Collectives are recorded by
+their mesh dim, and replayed on the group of that dim in the trace that replays them. When two
 consecutive actions of one key had equal effects (and a forward's effect and its backward's add up: what the forward
 kept is what its backward frees), the key's next actions are *replayed*: the bytes allocated and freed as the
 record says (an empty storage the size of the rise, then one holding what the forward kept until its backward),
@@ -81,14 +84,19 @@ class Replay:
     :class:`~vemesh.planning.measure.CollectiveBytes`; :meth:`begin_step` gives each step's FLOP and memory-bound
     counters (:func:`vemesh.planning.fusion.step_counters`)."""
 
-    def __init__(self, tracker: Any, collectives: Any, schedule: str, pp: int, pp_rank: int, n_microbatches: int) -> None:
-        self.tracker, self.collectives, self.n = tracker, collectives, n_microbatches
+    def __init__(self, tracker: Any, collectives: Any, mesh: Any, schedule: str, pp: int, pp_rank: int,
+                 n_microbatches: int, records: dict[tuple, list[Effect]] | None = None) -> None:
+        self.tracker, self.collectives, self.mesh, self.n = tracker, collectives, mesh, n_microbatches
         #: (stage, micro-batch) -> the kind of the action its stage runs before its backward, in torch's action list
         self.contexts = backward_contexts(schedule, pp, pp_rank, n_microbatches)
         self.flops: Any = None
         self.moved: Any = None
         self.step = -1
-        self.seen: dict[tuple, list[Effect]] = {}  #: key -> the effects of its last two traced actions
+        #: key -> the effects of its last two traced actions; shared by the ranks of one plan (a stage is keyed by its
+        #: parameters' shapes, not its index: the middle stages of a pipeline do alike)
+        self.seen: dict[tuple, list[Effect]] = records if records is not None else {}
+        self.signature: dict[int, tuple] = {}  #: stage -> its first/last role and its parameters' local shapes
+        self._dims: dict[str, str] | None = None  #: group name -> mesh dim, of this trace's fake world
         self.previous: dict[int, str] = {}  #: stage -> the kind of its last action ("F", "B")
         self.micro_batch: dict[int, int] = {}  #: stage -> the micro-batch its action runs now
         self.kept: dict[tuple[int, int], Any] = {}  #: (stage, micro-batch) -> what a replayed forward keeps
@@ -98,10 +106,10 @@ class Replay:
         self.missed = False
 
     def begin_step(self, flops: Any, moved: Any) -> None:
-        """A new step: its counters; records of the step before are not used (its first actions differ)."""
+        """A new step: its counters; records of the step before are not used (keys hold the step: its first actions
+        differ)."""
         self.flops, self.moved = flops, moved
         self.step += 1
-        self.seen.clear()
         self.previous.clear()
 
     def attach(self, stages: list[Any]) -> None:
@@ -117,6 +125,8 @@ class Replay:
         index = stage.stage_index
         groups = (m._get_fsdp_state()._fsdp_param_group for m in stage.submod.modules() if isinstance(m, FSDPModule))
         self.units[index] = [g for g in groups if g is not None]
+        self.signature[index] = (stage.is_first, stage.is_last, tuple(
+            (type(p).__name__, tuple(p.shape), p.dtype) for p in stage.submod.parameters()))
         forward_chunk, backward_chunk = stage.forward_one_chunk, stage.backward_one_chunk
         forward, backward = stage.forward_maybe_with_nosync, stage.backward_maybe_with_nosync
 
@@ -130,17 +140,17 @@ class Replay:
 
         def forward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
             mb = self.micro_batch[index]
-            key = (self.step, index, "F", self.previous.get(index), False, self._state(index))
-            back = (self.step, index, "B", self.contexts.get((index, mb)), False, self._state(index))
+            key = (self.step, self.signature[index], "F", self.previous.get(index), False, self._state(index))
+            back = (self.step, self.signature[index], "B", self.contexts.get((index, mb)), False, self._state(index))
             self.previous[index] = "F"
             effect, undo = self._replayable(key), self._replayable(back)
             if mb < self.n - 1 and effect is not None and undo is not None and _balanced(effect, undo):
                 return self._replay_forward(index, mb, effect)
-            return self._trace(key, lambda: forward(*args, **kwargs), forward=True)
+            return self._trace(key, index, lambda: forward(*args, **kwargs), forward=True)
 
         def backward_maybe_with_nosync(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
             mb = self.micro_batch[index]
-            key = (self.step, index, "B", self.previous.get(index), last_backward, self._state(index))
+            key = (self.step, self.signature[index], "B", self.previous.get(index), last_backward, self._state(index))
             self.previous[index] = "B"
             if (index, mb) in self.kept:
                 effect = self._replayable(key)
@@ -148,7 +158,7 @@ class Replay:
                     self.missed = True
                     raise ReplayMiss(f"stage {index}: the backward of replayed micro-batch {mb} ({key}) has no record")
                 return self._replay_backward(index, mb, effect)
-            return self._trace(key, lambda: backward(backward_type, bwd_kwargs, last_backward), forward=False)
+            return self._trace(key, index, lambda: backward(backward_type, bwd_kwargs, last_backward), forward=False)
 
         stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
         stage.forward_maybe_with_nosync, stage.backward_maybe_with_nosync = forward_maybe_with_nosync, \
@@ -162,9 +172,9 @@ class Replay:
             seen[1].state[0] == seen[1].state[1]
         return seen[1] if alike and seen[1].parts[0] == self._parts() else None
 
-    def _trace(self, key: tuple, run: Callable[[], Any], *, forward: bool) -> Any:
+    def _trace(self, key: tuple, index: int, run: Callable[[], Any], *, forward: bool) -> Any:
         self.traced += 1
-        start, parts, before, state = self._held(), self._parts(), self._counters(), self._state(key[1])
+        start, parts, before, state = self._held(), self._parts(), self._counters(), self._state(index)
         window = _Window(start)
         self.tracker.watch = window.see
         try:
@@ -179,7 +189,7 @@ class Replay:
             return result
         metas = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor)
                       else None for t in flat)
-        effect = Effect(window.peak - start, self._held() - start, (parts, self._parts()), (state, self._state(key[1])),
+        effect = Effect(window.peak - start, self._held() - start, (parts, self._parts()), (state, self._state(index)),
                         _minus(self._counters(), before), metas, single, self._fusion_of(flat))
         self.seen[key] = [*self.seen.get(key, []), effect][-2:]
         return result
@@ -240,9 +250,23 @@ class Replay:
         moved = (self.moved.bytes, self.moved.ops, self.moved.dtensor_ops)
         fusion = getattr(self.moved, "fusion", None)
         fused = (fusion.region, fusion._open, *fusion.counts().values()) if fusion is not None else ()
-        collectives = {g: (c.bytes.get(g, 0), c.calls.get(g, 0), {op: tuple(v) for op, v in c.by_op.get(g, {}).items()})
+        dim = self._dim
+        collectives = {dim(g): (c.bytes.get(g, 0), c.calls.get(g, 0), {op: tuple(v) for op, v in c.by_op.get(g, {}).items()})
                        for g in set(c.bytes) | set(c.by_op)}
-        return flops, moved, fused, collectives, {g: frozenset(s) for g, s in c.ops.items()}
+        return flops, moved, fused, collectives, {dim(g): frozenset(s) for g, s in c.ops.items()}
+
+    def _dim(self, group_name: str) -> str:
+        """A collective's group by its mesh dim (what another rank's trace of the plan knows it by)."""
+        if self._dims is None:
+            from vemesh.planning.measure import mesh_names
+
+            self._dims = mesh_names(self.mesh)
+        return self._dims.get(group_name, group_name)
+
+    def _group(self, dim: str) -> str:
+        """The group name of ``dim`` in this trace's fake world."""
+        self._dim("")
+        return next((g for g, d in self._dims.items() if d == dim), dim)
 
     def _restore(self, state: tuple) -> None:
         """The counters as they were (the replay's own allocations are not the step's ops)."""
@@ -272,14 +296,15 @@ class Replay:
             for name, value in zip(fusion.counts(), fused[2:]):
                 setattr(fusion, name, getattr(fusion, name) + value)
         c = self.collectives
-        for g, (b, n, by_op) in collectives:
+        for dim, (b, n, by_op) in collectives:
+            g = self._group(dim)
             c.bytes[g] += b
             c.calls[g] += n
             for op, (ob, on) in by_op:
                 c.by_op[g][op][0] += ob
                 c.by_op[g][op][1] += on
-        for g, names in ops:
-            c.ops[g] |= names
+        for dim, names in ops:
+            c.ops[self._group(dim)] |= names
 
     def _fusion_of(self, flat: tuple) -> tuple:
         fusion = getattr(self.moved, "fusion", None)

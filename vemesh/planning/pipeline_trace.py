@@ -44,6 +44,7 @@ class MetaExchange:
     def __init__(self, replay: bool = False) -> None:
         self.replay = replay  #: whether the traces replay micro-batches (:mod:`vemesh.planning.pipeline_replay`)
         self.replays: list[Any] = []  #: each rank's trace's :class:`~vemesh.planning.pipeline_replay.Replay`
+        self.records: dict[tuple, list[Any]] = {}  #: what the ranks' traces recorded, shared among them
         self.forward: dict[int, Any] = {}  #: stage -> what it sent to the stage after
         self.backward: dict[int, Any] = {}  #: stage -> what it sent to the stage before
         self.derived: dict[int, Any] = {}  #: stage -> the gradient shapes it derived while the stage after was untraced
@@ -70,13 +71,13 @@ class MetaExchange:
 
         stage._send_meta, stage._recv_meta = send, recv
 
-    def replay_for(self, stages: list[Any], tracker: Any, counter: Any, schedule: str, pp: int, pp_rank: int,
-                   n_microbatches: int) -> Any:
+    def replay_for(self, stages: list[Any], tracker: Any, counter: Any, mesh: Any, schedule: str, pp: int,
+                   pp_rank: int, n_microbatches: int) -> Any:
         """The :class:`~vemesh.planning.pipeline_replay.Replay` of one rank's trace, watching ``stages`` when this
         plan replays and the schedule's backward is one pass."""
         from vemesh.planning.pipeline_replay import REPLAYED_SCHEDULES, Replay
 
-        replay = Replay(tracker, counter, schedule, pp, pp_rank, n_microbatches)
+        replay = Replay(tracker, counter, mesh, schedule, pp, pp_rank, n_microbatches, self.records)
         if self.replay and schedule in REPLAYED_SCHEDULES:
             replay.attach(stages)
         self.replays.append(replay)

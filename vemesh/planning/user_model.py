@@ -201,7 +201,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             optimizer = _optimizer(parts, mode, ddps)
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
-                replay = exchange.replay_for(stages, tracker, counter, fns.pp_schedule, pp, pp_rank, passes)
+                replay = exchange.replay_for(stages, tracker, counter, mesh, fns.pp_schedule, pp, pp_rank, passes)
                 held_sends.enter_context(sends_hold_tensors())
                 steps = (passes, passes)  # a warm-up step (the stages infer their shapes), then the step
             else:
