@@ -23,8 +23,9 @@ record says (an empty storage the size of the rise, then one holding what the fo
 the outputs made at their shapes, every counter advanced by the record. torch's schedule still runs every action:
 its receive buffers, sends and losses are real.
 
-What stays traced: every micro-batch of the stage that computes the loss (its backward starts in the loss), a stage
-whose outputs or input gradients are DTensors, the schedules that split the backward into input and weight passes
+The stage that computes the loss is replayed too: its loss runs on the replayed outputs (made by a node of the
+autograd graph, :class:`_Source`), and its backward is recorded from where the loss's backward reaches the stage's
+outputs. What stays traced: a stage whose outputs or input gradients are DTensors, the schedules that split the backward into input and weight passes
 (``interleaved-zb``, ``zbv``, ``dualpipev``), the last micro-batch of each stage (its backward reduces the
 gradients), and every action whose key has not been seen twice alike. A replayed forward whose backward meets a key
 not seen twice alike cannot be traced (its autograd graph was never built): the trace sets :attr:`Replay.missed`,
@@ -66,9 +67,16 @@ class Effect:
     returned: tuple  #: (shape, stride, dtype, requires_grad) of each tensor returned (None: not a tensor)
     single: bool  #: the forward returned one tensor, not a tuple
     fusion: tuple  #: per returned tensor: (its producer region relative to the last, bytes pending) or None
+    #: the last stage's backward, from when its loss's backward reached its outputs: their gradients' bytes and the
+    #: loss's seed gradient, which the stage's backward frees (0 elsewhere)
+    consumed: int = 0
 
     def returned_bytes(self) -> int:
         return sum(_size(*meta[:3]) for meta in self.returned if meta is not None)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 def _size(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
@@ -100,6 +108,10 @@ class Replay:
         self.previous: dict[int, str] = {}  #: stage -> the kind of its last action ("F", "B")
         self.micro_batch: dict[int, int] = {}  #: stage -> the micro-batch its action runs now
         self.kept: dict[tuple[int, int], Any] = {}  #: (stage, micro-batch) -> what a replayed forward keeps
+        self.handed: list[Any] = []  #: what a replayed last stage's loss's backward handed its outputs
+        self._window: Any = None  #: the traced action's window on the bytes held
+        self.seed: Any = None  #: a replayed last stage's backward: the gradient its loss's backward started from
+        self._seed_bytes = 0  #: a traced last stage's backward: the bytes of that gradient, freed at its end
         self.units: dict[int, list[Any]] = {}  #: stage -> its FSDP2 parameter groups
         self.replayed = 0  #: actions replayed (for the plan's note)
         self.traced = 0  #: actions of the watched stages traced
@@ -113,10 +125,8 @@ class Replay:
         self.previous.clear()
 
     def attach(self, stages: list[Any]) -> None:
-        """Watch every stage but the one that computes the loss."""
+        """Watch every stage."""
         for stage in stages:
-            if stage.is_last:
-                continue
             self._attach(stage)
 
     def _attach(self, stage: Any) -> None:
@@ -145,8 +155,11 @@ class Replay:
             self.previous[index] = "F"
             effect, undo = self._replayable(key), self._replayable(back)
             if mb < self.n - 1 and effect is not None and undo is not None and _balanced(effect, undo):
-                return self._replay_forward(index, mb, effect)
-            return self._trace(key, index, lambda: forward(*args, **kwargs), forward=True)
+                return self._replay_forward(index, mb, effect, sourced=stage.is_last)
+            result = self._trace(key, index, lambda: forward(*args, **kwargs), forward=True)
+            if stage.is_last and isinstance(result, torch.Tensor) and result.requires_grad:
+                result.register_hook(self._split)  # where the loss's backward hands over to the stage's
+            return result
 
         def backward_maybe_with_nosync(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
             mb = self.micro_batch[index]
@@ -157,7 +170,13 @@ class Replay:
                 if effect is None or backward_type != "full":
                     self.missed = True
                     raise ReplayMiss(f"stage {index}: the backward of replayed micro-batch {mb} ({key}) has no record")
+                if stage.is_last:  # the loss's backward runs, into the replayed outputs (their .grad), its seed
+                    loss = bwd_kwargs["stage_output"]  # held as torch's backward holds it until the stage's ends
+                    self.seed = torch.ones_like(loss)
+                    torch.autograd.backward(loss, self.seed)
                 return self._replay_backward(index, mb, effect)
+            loss = bwd_kwargs["stage_output"] if stage.is_last else None
+            self._seed_bytes = _bytes(loss) if isinstance(loss, torch.Tensor) else 0
             return self._trace(key, index, lambda: backward(backward_type, bwd_kwargs, last_backward), forward=False)
 
         stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
@@ -175,12 +194,16 @@ class Replay:
     def _trace(self, key: tuple, index: int, run: Callable[[], Any], *, forward: bool) -> Any:
         self.traced += 1
         start, parts, before, state = self._held(), self._parts(), self._counters(), self._state(index)
-        window = _Window(start)
+        window = self._window = _Window(start)
         self.tracker.watch = window.see
         try:
             result = run()
         finally:
-            self.tracker.watch = None
+            self.tracker.watch, self._window = None, None
+        if window.split is not None:  # the last stage's backward: from where the loss's backward ended
+            start, parts, before, consumed = window.split
+        else:
+            consumed = 0
         returned = result if forward else result[0]
         single = isinstance(returned, torch.Tensor)
         flat = (returned,) if single else tuple(returned) if isinstance(returned, (tuple, list)) else None
@@ -190,26 +213,38 @@ class Replay:
         metas = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor)
                       else None for t in flat)
         effect = Effect(window.peak - start, self._held() - start, (parts, self._parts()), (state, self._state(index)),
-                        _minus(self._counters(), before), metas, single, self._fusion_of(flat))
+                        _minus(self._counters(), before), metas, single, self._fusion_of(flat), consumed)
         self.seen[key] = [*self.seen.get(key, []), effect][-2:]
         return result
 
+    def _split(self, grad: torch.Tensor) -> None:
+        """The loss's backward reached the last stage's output (``grad``): the stage's backward starts here."""
+        window = self._window
+        if window is None or window.split is not None:
+            return
+        held = self._held()
+        window.split, window.peak = (held, self._parts(), self._counters(), _bytes(grad) + self._seed_bytes), held
+
     # -- replays ----------------------------------------------------------------------------------------------------
 
-    def _replay_forward(self, index: int, mb: int, effect: Effect) -> Any:
+    def _replay_forward(self, index: int, mb: int, effect: Effect, sourced: bool = False) -> Any:
         kept_bytes = effect.net - effect.returned_bytes()
-        outputs, kept = self._play(effect, kept_bytes)
+        outputs, kept = self._play(effect, kept_bytes, sourced=sourced)
         self.kept[(index, mb)] = kept
         return outputs[0] if effect.single else tuple(outputs)
 
     def _replay_backward(self, index: int, mb: int, effect: Effect) -> tuple[tuple, None]:
         def release() -> None:
             self.kept.pop((index, mb))  # what the forward kept for this backward is freed in it
+            self.seed = None
+            self.handed.clear()  # the gradients the loss's backward handed the outputs: used up in the stage's
         grads, _ = self._play(effect, 0, release)
         return tuple(grads), None
 
-    def _play(self, effect: Effect, kept_bytes: int, release: Callable[[], None] | None = None) -> tuple[list, Any]:
-        """Allocate and free as ``effect`` did; its counters advanced, none of the allocations counted."""
+    def _play(self, effect: Effect, kept_bytes: int, release: Callable[[], None] | None = None,
+              sourced: bool = False) -> tuple[list, Any]:
+        """Allocate and free as ``effect`` did; its counters advanced, none of the allocations counted. ``sourced``:
+        the outputs come out of a :class:`_Source` (the loss's graph then holds a node, not the outputs)."""
         self.replayed += 1
         before = self._counters()
         device = self._device()
@@ -220,6 +255,10 @@ class Replay:
         made = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                 if (shape, stride, dtype, grad) != (None,) * 4 else None
                 for shape, stride, dtype, grad in (m if m is not None else (None,) * 4 for m in effect.returned)]
+        if sourced:  # made without autograd's leaf (which the graph would hold), out of a node fed a 0-byte leaf
+            seed = torch.empty(0, device=device, requires_grad=True)
+            made = [_Source.apply(self.handed, seed, t.detach()) if t is not None and t.requires_grad else t
+                    for t in made]
         kept = torch.empty(kept_bytes, dtype=torch.uint8, device=device) if kept_bytes > 0 else None
         self._restore(before)
         self._advance(effect.counters)
@@ -365,7 +404,7 @@ def _balanced(forward: Effect, backward: Effect) -> bool:
     """A forward's record and its backward's add up: what the forward kept besides its outputs, the backward frees,
     and it ends holding its input gradients."""
     kept = forward.net - forward.returned_bytes()
-    return kept >= 0 and backward.net == backward.returned_bytes() - kept
+    return kept >= 0 and backward.net == backward.returned_bytes() - kept - backward.consumed
 
 
 def _minus(after: tuple, before: tuple) -> tuple:
@@ -387,11 +426,28 @@ def _minus(after: tuple, before: tuple) -> tuple:
     return flops, moved, fused, tuple(collectives), names
 
 
+class _Source(torch.autograd.Function):
+    """A replayed last stage's output, made by a node of the autograd graph (as a traced stage's output is) rather
+    than a leaf: a leaf would be held by the loss's graph, which torch's schedule keeps to the end of the step. Its
+    backward keeps the gradient it is handed (``handed``) until the replayed stage's backward uses it up."""
+
+    @staticmethod
+    def forward(ctx: Any, handed: list, seed: torch.Tensor, made: torch.Tensor) -> torch.Tensor:
+        ctx.handed = handed
+        return made
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.handed.append(grad)
+        return None, None, None
+
+
 class _Window:
     """The highest bytes held while an action runs (the tracker calls :meth:`see` at each update)."""
 
     def __init__(self, start: int) -> None:
         self.peak = start
+        self.split: tuple | None = None  #: (bytes held, parts, counters, gradient bytes) where a last stage's starts
 
     def see(self, held: int) -> None:
         if held > self.peak:
