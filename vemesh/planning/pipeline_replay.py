@@ -25,9 +25,9 @@ its receive buffers, sends and losses are real.
 
 The stage that computes the loss is replayed too: its loss runs on the replayed outputs (made by a node of the
 autograd graph, :class:`_Source`), and its backward is recorded from where the loss's backward reaches the stage's
-outputs. What stays traced: a stage whose outputs or input gradients are DTensors, the schedules that split the backward into input and weight passes
-(``interleaved-zb``, ``zbv``, ``dualpipev``), the last micro-batch of each stage (its backward reduces the
-gradients), and every action whose key has not been seen twice alike. A replayed forward whose backward meets a key
+outputs. What stays traced: a stage whose outputs or input gradients are DTensors, the schedules that split the
+backward into input and weight passes (``interleaved-zb``, ``zbv``, ``dualpipev``), the last micro-batch of each
+stage (its backward reduces the gradients), and every action whose key has not been seen twice alike. A replayed forward whose backward meets a key
 not seen twice alike cannot be traced (its autograd graph was never built): the trace sets :attr:`Replay.missed`,
 and the caller traces the rank again without replay (:func:`vemesh.planning.pipeline_plan.trace_pipeline`).
 """
