@@ -154,7 +154,9 @@ class Replay:
             back = (self.step, self.signature[index], "B", self.contexts.get((index, mb)), False, self._state(index))
             self.previous[index] = "F"
             effect, undo = self._replayable(key), self._replayable(back)
-            if mb < self.n - 1 and effect is not None and undo is not None and _balanced(effect, undo):
+            # the last stage's backward record must start where its loss's backward ends (one output, hooked)
+            if mb < self.n - 1 and effect is not None and undo is not None and _balanced(effect, undo) and \
+                    (undo.consumed > 0 or not stage.is_last):
                 return self._replay_forward(index, mb, effect, sourced=stage.is_last)
             result = self._trace(key, index, lambda: forward(*args, **kwargs), forward=True)
             if stage.is_last and isinstance(result, torch.Tensor) and result.requires_grad:
