@@ -42,6 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vemesh.parallel.schedules import actions
+from vemesh.planning.replay_counters import StepCounters, minus
 
 __all__ = ["REPLAYED_SCHEDULES", "Replay", "ReplayMiss"]
 
@@ -94,17 +95,15 @@ class Replay:
 
     def __init__(self, tracker: Any, collectives: Any, mesh: Any, schedule: str, pp: int, pp_rank: int,
                  n_microbatches: int, records: dict[tuple, list[Effect]] | None = None) -> None:
-        self.tracker, self.collectives, self.mesh, self.n = tracker, collectives, mesh, n_microbatches
+        self.tracker, self.n = tracker, n_microbatches
+        self.counters = StepCounters(collectives, mesh)  #: the trace's counters, snapshot and advanced
         #: (stage, micro-batch) -> the kind of the action its stage runs before its backward, in torch's action list
         self.contexts = backward_contexts(schedule, pp, pp_rank, n_microbatches)
-        self.flops: Any = None
-        self.moved: Any = None
         self.step = -1
         #: key -> the effects of its last two traced actions; shared by the ranks of one plan (a stage is keyed by its
         #: parameters' shapes, not its index: the middle stages of a pipeline do alike)
         self.seen: dict[tuple, list[Effect]] = records if records is not None else {}
         self.signature: dict[int, tuple] = {}  #: stage -> its first/last role and its parameters' local shapes
-        self._dims: dict[str, str] | None = None  #: group name -> mesh dim, of this trace's fake world
         self.previous: dict[int, str] = {}  #: stage -> the kind of its last action ("F", "B")
         self.micro_batch: dict[int, int] = {}  #: stage -> the micro-batch its action runs now
         self.kept: dict[tuple[int, int], Any] = {}  #: (stage, micro-batch) -> what a replayed forward keeps
@@ -120,7 +119,7 @@ class Replay:
     def begin_step(self, flops: Any, moved: Any) -> None:
         """A new step: its counters; records of the step before are not used (keys hold the step: its first actions
         differ)."""
-        self.flops, self.moved = flops, moved
+        self.counters.flops, self.counters.moved = flops, moved
         self.step += 1
         self.previous.clear()
 
@@ -195,7 +194,7 @@ class Replay:
 
     def _trace(self, key: tuple, index: int, run: Callable[[], Any], *, forward: bool) -> Any:
         self.traced += 1
-        start, parts, before, state = self._held(), self._parts(), self._counters(), self._state(index)
+        start, parts, before, state = self._held(), self._parts(), self.counters.snapshot(), self._state(index)
         window = self._window = _Window(start)
         self.tracker.watch = window.see
         try:
@@ -215,7 +214,7 @@ class Replay:
         metas = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor)
                       else None for t in flat)
         effect = Effect(window.peak - start, self._held() - start, (parts, self._parts()), (state, self._state(index)),
-                        _minus(self._counters(), before), metas, single, self._fusion_of(flat), consumed)
+                        minus(self.counters.snapshot(), before), metas, single, self.counters.fusion_of(flat), consumed)
         self.seen[key] = [*self.seen.get(key, []), effect][-2:]
         return result
 
@@ -225,7 +224,7 @@ class Replay:
         if window is None or window.split is not None:
             return
         held = self._held()
-        window.split, window.peak = (held, self._parts(), self._counters(), _bytes(grad) + self._seed_bytes), held
+        window.split, window.peak = (held, self._parts(), self.counters.snapshot(), _bytes(grad) + self._seed_bytes), held
 
     # -- replays ----------------------------------------------------------------------------------------------------
 
@@ -248,7 +247,7 @@ class Replay:
         """Allocate and free as ``effect`` did; its counters advanced, none of the allocations counted. ``sourced``:
         the outputs come out of a :class:`_Source` (the loss's graph then holds a node, not the outputs)."""
         self.replayed += 1
-        before = self._counters()
+        before = self.counters.snapshot()
         device = self._device()
         rise = torch.empty(effect.rise, dtype=torch.uint8, device=device)  # the peak: the start plus the rise
         del rise
@@ -262,9 +261,9 @@ class Replay:
             made = [_Source.apply(self.handed, seed, t.detach()) if t is not None and t.requires_grad else t
                     for t in made]
         kept = torch.empty(kept_bytes, dtype=torch.uint8, device=device) if kept_bytes > 0 else None
-        self._restore(before)
-        self._advance(effect.counters)
-        self._pend(made, effect.fusion)
+        self.counters.restore(before)
+        self.counters.advance(effect.counters)
+        self.counters.pend(made, effect.fusion)
         return made, kept
 
     # -- what is measured -------------------------------------------------------------------------------------------
@@ -284,98 +283,6 @@ class Replay:
     def _device(self) -> torch.device:
         devices = list(self.tracker._curr_mem_snap)
         return devices[0] if devices else torch.device("cpu")
-
-    def _counters(self) -> tuple:
-        c = self.collectives
-        flops = dict(self.flops.flop_counts.get("Global", {})) if hasattr(self.flops, "flop_counts") else {}
-        moved = (self.moved.bytes, self.moved.ops, self.moved.dtensor_ops)
-        fusion = getattr(self.moved, "fusion", None)
-        fused = (fusion.region, fusion._open, *fusion.counts().values()) if fusion is not None else ()
-        dim = self._dim
-        collectives = {dim(g): (c.bytes.get(g, 0), c.calls.get(g, 0), {op: tuple(v) for op, v in c.by_op.get(g, {}).items()})
-                       for g in set(c.bytes) | set(c.by_op)}
-        return flops, moved, fused, collectives, {dim(g): frozenset(s) for g, s in c.ops.items()}
-
-    def _dim(self, group_name: str) -> str:
-        """A collective's group by its mesh dim (what another rank's trace of the plan knows it by)."""
-        if self._dims is None:
-            from vemesh.planning.measure import mesh_names
-
-            self._dims = mesh_names(self.mesh)
-        return self._dims.get(group_name, group_name)
-
-    def _group(self, dim: str) -> str:
-        """The group name of ``dim`` in this trace's fake world."""
-        self._dim("")
-        return next((g for g, d in self._dims.items() if d == dim), dim)
-
-    def _restore(self, state: tuple) -> None:
-        """The counters as they were (the replay's own allocations are not the step's ops)."""
-        flops, moved, fused, collectives, ops = state
-        if hasattr(self.flops, "flop_counts"):
-            self.flops.flop_counts["Global"].clear()
-            self.flops.flop_counts["Global"].update(flops)
-        self.moved.bytes, self.moved.ops, self.moved.dtensor_ops = moved
-        fusion = getattr(self.moved, "fusion", None)
-        if fusion is not None:
-            fusion.region, fusion._open = fused[0], fused[1]
-            for name, value in zip(fusion.counts(), fused[2:]):
-                setattr(fusion, name, value)
-
-    def _advance(self, delta: tuple) -> None:
-        flops, moved, fused, collectives, ops = delta
-        if hasattr(self.flops, "flop_counts"):
-            for op, n in flops:
-                self.flops.flop_counts["Global"][op] += n
-        self.moved.bytes += moved[0]
-        self.moved.ops += moved[1]
-        self.moved.dtensor_ops += moved[2]
-        fusion = getattr(self.moved, "fusion", None)
-        if fusion is not None:
-            fusion.region += fused[0]
-            fusion._open = fused[1]
-            for name, value in zip(fusion.counts(), fused[2:]):
-                setattr(fusion, name, getattr(fusion, name) + value)
-        c = self.collectives
-        for dim, (b, n, by_op) in collectives:
-            g = self._group(dim)
-            c.bytes[g] += b
-            c.calls[g] += n
-            for op, (ob, on) in by_op:
-                c.by_op[g][op][0] += ob
-                c.by_op[g][op][1] += on
-        for dim, names in ops:
-            c.ops[self._group(dim)] |= names
-
-    def _fusion_of(self, flat: tuple) -> tuple:
-        fusion = getattr(self.moved, "fusion", None)
-        if fusion is None:
-            return ()
-        out = []
-        for t in flat:
-            if not isinstance(t, torch.Tensor):
-                out.append(None)
-                continue
-            key = t.untyped_storage()._cdata
-            producer = fusion._producer.get(key)
-            out.append(None if producer is None else (producer - fusion.region if producer >= 0 else None,
-                                                      fusion._pending.get(key)))
-        return tuple(out)
-
-    def _pend(self, made: list, fusion_of: tuple) -> None:
-        """What compile's fusion knows of the returned tensors: who wrote them, what of them is not paid yet."""
-        fusion = getattr(self.moved, "fusion", None)
-        if fusion is None:
-            return
-        for t, known in zip(made, fusion_of):
-            if t is None or known is None:
-                continue
-            key = t.untyped_storage()._cdata
-            relative, pending = known
-            fusion._producer[key] = fusion.region + relative if relative is not None else -1
-            if pending is not None:
-                fusion._pending[key] = pending
-
 
 def backward_contexts(schedule: str, pp: int, pp_rank: int, n_microbatches: int) -> dict[tuple[int, int], str]:
     """``{(stage, micro-batch): kind}``: the kind ("F", "B") of the action each stage of PP rank ``pp_rank`` runs
@@ -407,25 +314,6 @@ def _balanced(forward: Effect, backward: Effect) -> bool:
     and it ends holding its input gradients."""
     kept = forward.net - forward.returned_bytes()
     return kept >= 0 and backward.net == backward.returned_bytes() - kept - backward.consumed
-
-
-def _minus(after: tuple, before: tuple) -> tuple:
-    """The counters' change from ``before`` to ``after`` (:meth:`Replay._counters`), comparable and hashable."""
-    flops = tuple(sorted(((op, n - before[0].get(op, 0)) for op, n in after[0].items() if n != before[0].get(op, 0)),
-                         key=lambda item: str(item[0])))
-    moved = tuple(a - b for a, b in zip(after[1], before[1]))
-    fused = ((after[2][0] - before[2][0], after[2][1], *(a - b for a, b in zip(after[2][2:], before[2][2:])))
-             if after[2] else ())
-    collectives = []
-    for g, (b, n, by_op) in sorted(after[3].items()):
-        b0, n0, by0 = before[3].get(g, (0, 0, {}))
-        ops = tuple(sorted((op, (v[0] - by0.get(op, (0, 0))[0], v[1] - by0.get(op, (0, 0))[1]))
-                           for op, v in by_op.items() if v != by0.get(op, (0, 0))))
-        if b != b0 or n != n0 or ops:
-            collectives.append((g, (b - b0, n - n0, ops)))
-    names = tuple(sorted((g, s - before[4].get(g, frozenset())) for g, s in after[4].items()
-                         if s - before[4].get(g, frozenset())))
-    return flops, moved, fused, tuple(collectives), names
 
 
 class _Source(torch.autograd.Function):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stage_indices, stages_per_rank
+from vemesh.planning.pipeline_replay import REPLAYED_SCHEDULES, Replay
 
 __all__ = ["MetaExchange", "MissingMeta", "build_schedule", "pipeline_stages", "sends_hold_tensors"]
 
@@ -75,8 +76,6 @@ class MetaExchange:
                    pp_rank: int, n_microbatches: int) -> Any:
         """The :class:`~vemesh.planning.pipeline_replay.Replay` of one rank's trace, watching ``stages`` when this
         plan replays and the schedule's backward is one pass."""
-        from vemesh.planning.pipeline_replay import REPLAYED_SCHEDULES, Replay
-
         replay = Replay(tracker, counter, mesh, schedule, pp, pp_rank, n_microbatches, self.records)
         if self.replay and schedule in REPLAYED_SCHEDULES:
             replay.attach(stages)
