@@ -111,6 +111,28 @@ class Fusion:
                 "linear_elements": self.linear_elements, "attention_flops": self.attention_flops,
                 "transcendental_bytes": self.transcendental_bytes}
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the last op was fusible (the next fusible op joins its region)."""
+        return self._open
+
+    @is_open.setter
+    def is_open(self, value: bool) -> None:
+        self._open = value
+
+    def writer_of(self, t: torch.Tensor) -> tuple[int | None, int | None]:
+        """(the region that last wrote ``t``'s storage, -1 for another op, None if none did; its bytes a region wrote
+        that nothing outside it has read yet, or None)."""
+        key = _key(t)
+        return self._producer.get(key), self._pending.get(key)
+
+    def wrote(self, t: torch.Tensor, region: int, pending: int | None) -> None:
+        """Record ``t``'s storage as written by ``region`` (-1: another op), ``pending`` of its bytes not paid yet."""
+        key = _key(t)
+        self._producer[key] = region
+        if pending is not None:
+            self._pending[key] = pending
+
     def _escape(self, key: int) -> None:
         self.fused_bytes += self._pending.pop(key, 0)
 

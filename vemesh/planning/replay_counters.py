@@ -32,7 +32,7 @@ class StepCounters:
         flops = dict(self.flops.flop_counts.get("Global", {})) if hasattr(self.flops, "flop_counts") else {}
         moved = (self.moved.bytes, self.moved.ops, self.moved.dtensor_ops)
         fusion = getattr(self.moved, "fusion", None)
-        fused = (fusion.region, fusion._open, *fusion.counts().values()) if fusion is not None else ()
+        fused = (fusion.region, fusion.is_open, *fusion.counts().values()) if fusion is not None else ()
         dim = self._dim
         collectives = {dim(g): (c.bytes.get(g, 0), c.calls.get(g, 0), {op: tuple(v) for op, v in c.by_op.get(g, {}).items()})
                        for g in set(c.bytes) | set(c.by_op)}
@@ -58,7 +58,7 @@ class StepCounters:
         self.moved.bytes, self.moved.ops, self.moved.dtensor_ops = moved
         fusion = getattr(self.moved, "fusion", None)
         if fusion is not None:
-            fusion.region, fusion._open = fused[0], fused[1]
+            fusion.region, fusion.is_open = fused[0], fused[1]
             for name, value in zip(fusion.counts(), fused[2:]):
                 setattr(fusion, name, value)
 
@@ -73,7 +73,7 @@ class StepCounters:
         fusion = getattr(self.moved, "fusion", None)
         if fusion is not None:
             fusion.region += fused[0]
-            fusion._open = fused[1]
+            fusion.is_open = fused[1]
             for name, value in zip(fusion.counts(), fused[2:]):
                 setattr(fusion, name, getattr(fusion, name) + value)
         c = self.collectives
@@ -88,6 +88,8 @@ class StepCounters:
             c.ops[self._group(dim)] |= names
 
     def fusion_of(self, flat: tuple) -> tuple:
+        """Per tensor of ``flat``: (the region that wrote it, relative to the current one, or None for another op;
+        its bytes not paid yet), or None when compile's fusion has not seen it written."""
         fusion = getattr(self.moved, "fusion", None)
         if fusion is None:
             return ()
@@ -96,10 +98,8 @@ class StepCounters:
             if not isinstance(t, torch.Tensor):
                 out.append(None)
                 continue
-            key = t.untyped_storage()._cdata
-            producer = fusion._producer.get(key)
-            out.append(None if producer is None else (producer - fusion.region if producer >= 0 else None,
-                                                      fusion._pending.get(key)))
+            producer, pending = fusion.writer_of(t)
+            out.append(None if producer is None else (producer - fusion.region if producer >= 0 else None, pending))
         return tuple(out)
 
     def pend(self, made: list, fusion_of: tuple) -> None:
@@ -110,11 +110,8 @@ class StepCounters:
         for t, known in zip(made, fusion_of):
             if t is None or known is None:
                 continue
-            key = t.untyped_storage()._cdata
             relative, pending = known
-            fusion._producer[key] = fusion.region + relative if relative is not None else -1
-            if pending is not None:
-                fusion._pending[key] = pending
+            fusion.wrote(t, fusion.region + relative if relative is not None else -1, pending)
 
 
 
