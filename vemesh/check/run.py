@@ -170,7 +170,8 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
                     "broken": broken, "dropouts": det.dropouts, "random_ops": det.random_ops, "marks": marks},
-                   os.path.join(out, f"rank{rank}.pt"))
+                   os.path.join(out, f"rank{rank}.pt.part"))
+        os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 -- written for the parent, then raised so that the others stop
@@ -178,9 +179,12 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         kind = ("tie" if isinstance(cause, BrokenTieError) else "tp_replicas" if isinstance(cause, TPReplicaError)
                 else "input" if isinstance(e, CheckInputError) else "user" if isinstance(e, UserError) else "other")
         text = str(e) if isinstance(e, (UserError, CheckInputError)) else f"{type(e).__name__}: {e}"
-        with open(os.path.join(out, f"error{rank}.json"), "w") as f:
+        # whole or absent: the parent may terminate this process while it writes
+        part = os.path.join(out, f"error{rank}.json.part")
+        with open(part, "w") as f:
             json.dump({"kind": kind, "message": " ".join(text.split()),
                        "trace": traceback.format_exc(limit=-6)}, f)
+        os.replace(part, os.path.join(out, f"error{rank}.json"))
         raise
 
 
@@ -200,6 +204,9 @@ def run_parallel(spec: Spec, out: str) -> None:
     except (mp.ProcessRaisedException, mp.ProcessExitedException):
         pass  # the error files say what
     finally:
+        grace = time.monotonic() + 5.0  # the others' own errors are better words than a SIGTERM
+        while any(p.is_alive() for p in context.processes) and time.monotonic() < grace:
+            time.sleep(0.1)
         for p in context.processes:
             if p.is_alive():
                 p.terminate()
