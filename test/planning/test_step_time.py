@@ -294,6 +294,32 @@ def test_a_calibrations_tp_figures_add_up_to_what_its_reference_tp_step_paid() -
     assert functional_wait(1e-3, 12, Link(latency_s=1e-3, bandwidth=1e9), 1e-3, 1e-4, "gloo") == 0.0
 
 
+def test_on_a_gradient_dim_only_the_wrappers_collectives_hide_behind_compute() -> None:
+    """With FSDP over CP alone (DP 1), FSDP2's gathers and CP's ring exchange share the dim: FSDP2's c10d ops hide
+    behind compute, the ring's functional all-gathers stay on the critical path (they were hidden too, once)."""
+    from vemesh.planning.estimate import RankMemory
+    from vemesh.planning.results import MeshFit, RankClass
+    from vemesh.planning.step_time import step_time
+
+    fsdp = {"_allgather_base_": (8_000_000, 4), "_reduce_scatter_base_": (8_000_000, 4)}
+    ring = {"all_gather_into_tensor": (2_000_000, 16)}
+    profile = load_profile("h100-sxm")
+
+    def cp(ops: dict, dp_mode: str = "fsdp"):
+        fit = MeshFit({"PP": 1, "DP": 1, "CP": 4, "TP": 1, "EP": 1},
+                      [RankClass("every rank", RankMemory("every rank", 1, 1, 1, 0), 1, 0, {"CP": 8},
+                                 flops=10**15, collectives={"CP": ops})], 1, 1)
+        (t,) = step_time(fit, profile, dtype="bf16", dp_mode=dp_mode, grad_dims=("CP",), sizes={"CP": 4},
+                         links={"CP": "host"})
+        return t.dims["CP"]
+
+    alone, both = cp(ring), cp({**fsdp, **ring})
+    assert cp(fsdp).exposed == 0 and cp(fsdp).hidden > 0  # the step's compute covers FSDP2's traffic
+    assert alone.seconds > 0 and alone.exposed == pytest.approx(alone.seconds)
+    assert both.exposed == pytest.approx(alone.seconds) and both.hidden == pytest.approx(cp(fsdp).hidden)
+    assert cp({**ring, "allreduce_": (8_000_000, 1)}, "ddp").exposed == pytest.approx(alone.seconds)
+
+
 def test_zero1s_gather_is_timed_as_the_profiles_backend_runs_it() -> None:
     """A plan traces ZeRO-1's gather as one all-gather per buffer; on gloo vemesh broadcasts each rank's slice instead
     (all at once, then waits): a gloo profile times n broadcasts of a slice and one wait, an nccl one the all-gather.

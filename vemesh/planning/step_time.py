@@ -18,7 +18,9 @@ For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass
   of the updated shards is timed as the profile's ``backend`` runs it (:func:`_gather_seconds`);
 * **overlap**: what runs behind compute. The data-parallel gradient reduction (vemesh DDP's buckets, ZeRO-1's
   all-reduce) runs during backward, so it hides behind up to the backward's compute (2/3 of the step's); FSDP2
-  prefetches its all-gathers and reduce-scatters behind the whole step's compute; the profile's ``overlap`` says
+  prefetches its all-gathers and reduce-scatters behind the whole step's compute. Only the wrappers' own c10d
+  collectives hide so: a functional collective on a gradient dim (CP's ring exchange, when FSDP shards over CP
+  alone) is on the critical path; the profile's ``overlap`` says
   how much of that the device can really run at once (``vemesh calibrate`` measures it). ZeRO-1's gather of the updated
   shards after the step, and every TP, CP, EP and PP collective, are on the critical path: exposed;
 * **optimizer**: the bytes the traced ``optimizer.step()`` reads and writes (its elementwise math over each
@@ -192,11 +194,14 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
                                             else b, calls, n, profile.link(link_name, _kind(op), n), profile.backend)
                     + (calls * _wait(op, profile) if n > 1 else 0.0) for op, (b, calls) in ops.items()}
             seconds = sum(each.values())
+            # on a gradient dim, only the wrappers' own (c10d) collectives run behind compute: a functional one
+            # there is the forward's or backward's own exchange (CP's ring when FSDP shards over CP alone)
+            wrapper = {op: t for op, t in each.items() if _base(op) not in FUNCTIONAL}
             if dim in grad_dims and dp_mode == "fsdp":
-                hidable = seconds
+                hidable = sum(wrapper.values())
                 cover = compute
             elif dim in grad_dims:  # the gradient reduction in backward; ZeRO-1's gather after the step is exposed
-                hidable = sum(t for op, t in each.items() if _kind(op) not in _GATHERS)
+                hidable = sum(t for op, t in wrapper.items() if _kind(op) not in _GATHERS)
                 cover = backward
             elif dim == "TP" and speed.async_tp:  # SP's all-gathers and reduce-scatters behind the matmuls they feed
                 hidable = sum(t for op, t in each.items() if _kind(op) in ("all_gather", "reduce_scatter"))
