@@ -135,7 +135,7 @@ def test_only_a_functional_collective_waits_the_profiles_functional_wait_on_top(
 
 
 def test_the_built_in_profiles_cite_their_sources_and_say_they_are_not_measured() -> None:
-    assert set(BUILT_IN) >= {"h100-sxm", "a100-sxm-80gb", "h200-sxm"}
+    assert set(BUILT_IN) >= {"h100-sxm", "a100-sxm-80gb", "h200-sxm", "h100-hbm2e-500w"}
     for name in BUILT_IN:
         p = load_profile(name)
         assert not p.measured and p.sources and all("http" in s for s in p.sources) and p.assumptions
@@ -163,7 +163,7 @@ def test_a_bad_profile_file_is_one_line_naming_the_field(tmp_path, change, messa
 
 def test_an_unknown_profile_names_the_built_in_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown device profile 'h800': give a built-in name \(a100-sxm-80gb, "
-                                         r"h100-sxm, h200-sxm\) or a JSON file"):
+                                         r"h100-hbm2e-500w, h100-sxm, h200-sxm\) or a JSON file"):
         load_profile("h800")
 
 

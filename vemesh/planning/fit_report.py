@@ -270,6 +270,6 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "or the peak (default: time with --device-profile, else inter-host with --devices-per-host, "
                      "else peak)")
     job.add_argument("--device-profile", metavar="NAME|FILE", help="predict the step time on this device: a built-in "
-                     "profile (a100-sxm-80gb, h100-sxm, h200-sxm: published specifications) or a JSON file "
+                     "profile (a100-sxm-80gb, h100-sxm, h200-sxm, h100-hbm2e-500w: published specifications) or a JSON file "
                      "(vemesh calibrate --output FILE measures this machine); with --devices-per-host placing the "
                      "mesh on hosts (default: the profile's)")
