@@ -82,3 +82,22 @@ def test_a_new_storage_at_a_dead_ones_address_pays_none_of_its_writes() -> None:
     fusion.see(torch.ops.aten.mm.default, (dead.view(32, 32), dead.view(32, 32)), {}, torch.empty(32, 32),
                matmul=True, collective=False)
     assert fusion.fused_bytes == 0
+
+
+def test_a_storage_written_by_a_region_is_forgotten_when_it_dies() -> None:
+    """Whatever allocates the next storage at its address (an op's output, a collective's buffer not dispatched here):
+    the dead storage's unpaid write is not paid by a read of the new one. Two alike micro-batches counted fused bytes
+    4 KiB apart when it was."""
+    import gc
+
+    import torch
+
+    fusion = Fusion()
+    x, y = torch.ones(1024), torch.ones(1024)
+    out = torch.empty(1024)
+    fusion.see(torch.ops.aten.mul.Tensor, (x, y), {}, out, matmul=False, collective=False)  # a region writes ``out``
+    key = out.untyped_storage()._cdata
+    assert fusion.writer_of(out) == (fusion.region, 4096)
+    del out
+    gc.collect()
+    assert key not in fusion._pending and key not in fusion._producer

@@ -29,6 +29,7 @@ the job's dtype.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -99,6 +100,7 @@ class Fusion:
         self._open = False
         self._producer: dict[int, int] = {}  # storage -> the fusible region that wrote it last (-1: another op)
         self._pending: dict[int, int] = {}  # storage -> bytes a region wrote that nothing outside it has read yet
+        self._watched: set[int] = set()  # the storages in those two, each forgotten when it dies
         self.fused_bytes = 0
         self.kernels = 0
         self.linear_flops = 0
@@ -120,6 +122,21 @@ class Fusion:
     def is_open(self, value: bool) -> None:
         self._open = value
 
+    def _watch(self, t: torch.Tensor) -> int:
+        """``t``'s storage key, forgotten when the storage dies: a later storage at its address (the same key) starts
+        with nothing written (whatever the allocator, and whether its allocation was dispatched here or not)."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._watched:
+            self._watched.add(key)
+            weakref.finalize(storage, self._forget, key)
+        return key
+
+    def _forget(self, key: int) -> None:
+        self._watched.discard(key)
+        self._producer.pop(key, None)
+        self._pending.pop(key, None)
+
     def writer_of(self, t: torch.Tensor) -> tuple[int | None, int | None]:
         """(the region that last wrote ``t``'s storage, -1 for another op, None if none did; its bytes a region wrote
         that nothing outside it has read yet, or None)."""
@@ -128,7 +145,7 @@ class Fusion:
 
     def wrote(self, t: torch.Tensor, region: int, pending: int | None) -> None:
         """Record ``t``'s storage as written by ``region`` (-1: another op), ``pending`` of its bytes not paid yet."""
-        key = _key(t)
+        key = self._watch(t)
         self._producer[key] = region
         if pending is not None:
             self._pending[key] = pending
@@ -166,7 +183,7 @@ class Fusion:
                     self._escape(key)
                     self.fused_bytes += _nbytes(t)
             for t in writes:
-                key = _key(t)
+                key = self._watch(t)
                 self._producer[key] = self.region
                 self._pending[key] = _nbytes(t)
             return
@@ -178,7 +195,7 @@ class Fusion:
         if not matmul and not collective:
             self.fused_bytes += sum(_nbytes(t) for t in (*reads, *writes))
         for t in writes:
-            key = _key(t)
+            key = self._watch(t)
             self._producer[key] = -1
             self._pending.pop(key, None)
 
