@@ -4,10 +4,13 @@ per replayed action (FakeTensor's device queries and FSDP2's profiler marks, whi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from vemesh.models.llama3 import planned
 from vemesh.models.llama3.config import Llama3Config
+from vemesh.parallel.schedules import stages_per_rank
 from vemesh.planning import pipeline_plan
 from vemesh.planning.fusion import Fusion
 from vemesh.planning.pipeline_replay import Effect, _alike, _balanced, backward_contexts
@@ -17,11 +20,13 @@ from vemesh.planning.user_model import trace_arguments
 TINY = Llama3Config(dim=32, n_layers=4, n_heads=2, n_kv_heads=2, hidden_dim=64, vocab_size=128, seq_len=16)
 
 
-def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPatch, batch: int, pp: int) -> tuple:
-    fns = UserFunctions(planned.factory(TINY), planned.parallelize_for(mode, "bf16", "full", schedule),
-                        planned.pipeline_step_for(schedule), (f"llama3 {TINY}", "p", "s"), loss=planned.loss_fn,
+def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPatch, batch: int, pp: int,
+            tp: int) -> tuple:
+    cfg = replace(TINY, n_layers=pp * stages_per_rank(schedule))  # a block a stage
+    fns = UserFunctions(planned.factory(cfg), planned.parallelize_for(mode, "bf16", "full", schedule),
+                        planned.pipeline_step_for(schedule), (f"llama3 {cfg}", "p", "s"), loss=planned.loss_fn,
                         pp_schedule=schedule)
-    job = dict(world_size=2 * pp, degrees={"PP": pp, "DP": 2, "CP": 1, "TP": 1, "EP": 1}, dp_replicate=1,
+    job = dict(world_size=2 * pp * tp, degrees={"PP": pp, "DP": 2, "CP": 1, "TP": tp, "EP": 1}, dp_replicate=1,
                global_batch_size=batch, micro_batch_size=1, dtype="fp32" if mode == "fsdp" else "bf16", dp_mode=mode,
                load_factor=1.0, timed=True)
     monkeypatch.setattr(pipeline_plan, "REPLAY", replay)
@@ -29,13 +34,28 @@ def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPa
     return pipeline_plan.trace_pipeline(fns, trace_arguments(**job), notes), notes
 
 
-@pytest.mark.parametrize("schedule, mode, batch, pp", [("1f1b", "fsdp", 12, 4), ("interleaved-1f1b", "zero1", 12, 2)])
-def test_replayed_micro_batches_give_the_plan_of_tracing_every_one(schedule, mode, batch, pp, monkeypatch) -> None:
+@pytest.mark.parametrize("schedule, mode, batch, pp, tp", [("1f1b", "fsdp", 12, 4, 1),
+                                                           ("interleaved-1f1b", "zero1", 12, 2, 1),
+                                                           ("1f1b", "fsdp", 12, 2, 2)])
+def test_replayed_micro_batches_give_the_plan_of_tracing_every_one(schedule, mode, batch, pp, tp, monkeypatch) -> None:
     """6 micro-batches per DP rank under 1F1B and FSDP2 (as torchtitan shards for PP: no reshard after forward) over
     PP 4, where PP ranks 1 and 2 hold alike stages and share their records; 6 under interleaved 1F1B and ZeRO-1 over
-    PP 2. Every stage but the last has micro-batches replayed."""
-    replayed, notes = _traced(schedule, mode, True, monkeypatch, batch, pp)
-    whole, _ = _traced(schedule, mode, False, monkeypatch, batch, pp)
+    PP 2; with TP 2 under 1F1B the last stage returns DTensors (loss-parallel's logits), replayed as DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from vemesh.planning import pipeline_replay
+
+    kinds: set[type] = set()  # of the tensors replays made (not the tensors: holding them would change the peak)
+
+    def make(*args, make=pipeline_replay._make):
+        t = make(*args)
+        kinds.add(type(t))
+        return t
+
+    monkeypatch.setattr(pipeline_replay, "_make", make)
+    replayed, notes = _traced(schedule, mode, True, monkeypatch, batch, pp, tp)
+    assert (DTensor in kinds) == (tp > 1), kinds
+    whole, _ = _traced(schedule, mode, False, monkeypatch, batch, pp, tp)
     assert any("replayed" in n for n in notes), notes  # the shortcut was taken
     for rank, c in whole.items():
         r = replayed[rank]
@@ -57,7 +77,7 @@ def test_the_backward_context_is_read_from_torchs_action_list() -> None:
 def _effect(net: int, ops: int = 10, returned: tuple = ((4,), (1,), None, True)) -> Effect:
     import torch
 
-    meta = (returned[0], returned[1], torch.float32, returned[3]) if returned else None
+    meta = (returned[0], returned[1], torch.float32, returned[3], None) if returned else None
     return Effect(rise=net + 64, net=net, parts=((), ()), state=((), ()), counters=((), (100, ops, 0), (), (), ()),
                   returned=(meta,), single=True, fusion=())
 

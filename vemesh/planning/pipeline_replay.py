@@ -25,9 +25,11 @@ its receive buffers, sends and losses are real.
 
 The stage that computes the loss is replayed too: its loss runs on the replayed outputs (made by a node of the
 autograd graph, :class:`_Source`), and its backward is recorded from where the loss's backward reaches the stage's
-outputs. What stays traced: a stage whose outputs or input gradients are DTensors, the schedules that split the
+outputs. What stays traced: the schedules that split the
 backward into input and weight passes (``interleaved-zb``, ``zbv``, ``dualpipev``), the last micro-batch of each
-stage (its backward reduces the gradients), and every action whose key has not been seen twice alike. A replayed forward whose backward meets a key
+stage (its backward reduces the gradients), and every action whose key has not been seen twice alike. A stage returning
+DTensors (the last stage under loss-parallel) is replayed with DTensors of the same mesh, placements and shapes; as
+their mesh is of one trace's fake world, only that rank's trace replays such a record. A replayed forward whose backward meets a key
 not seen twice alike cannot be traced (its autograd graph was never built): the trace sets :attr:`Replay.missed`,
 and the caller traces the rank again without replay (:func:`vemesh.planning.pipeline_plan.trace_pipeline`).
 """
@@ -65,19 +67,46 @@ class Effect:
     #: (a replay runs no FSDP2 hook, so the next traced action would meet another state than the trace's)
     state: tuple
     counters: tuple  #: every counter's change
-    returned: tuple  #: (shape, stride, dtype, requires_grad) of each tensor returned (None: not a tensor)
+    #: (shape, stride, dtype, requires_grad, dtensor) of each tensor returned (None: not a tensor); of a DTensor, its
+    #: local tensor's, and ``dtensor`` is (mesh, placements, shape, stride) (None for a plain tensor)
+    returned: tuple
     single: bool  #: the forward returned one tensor, not a tuple
     fusion: tuple  #: per returned tensor: (its producer region relative to the last, bytes pending) or None
     #: the last stage's backward, from when its loss's backward reached its outputs: their gradients' bytes and the
     #: loss's seed gradient, which the stage's backward frees (0 elsewhere)
     consumed: int = 0
+    #: the trace that recorded it, when it returned DTensors: their mesh is of that trace's world, so only that trace
+    #: replays it (None: any trace of the plan may)
+    owner: object = None
 
     def returned_bytes(self) -> int:
         return sum(_size(*meta[:3]) for meta in self.returned if meta is not None)
 
 
+def _local(t: Any) -> Any:
+    """A DTensor's local tensor (what holds its bytes); any other value as it is."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    local = _local(t)
+    dtensor = (t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride())) if isinstance(t, DTensor) else None
+    return tuple(local.shape), tuple(local.stride()), local.dtype, t.requires_grad, dtensor
+
+
+def _make(meta: tuple, device: torch.device) -> torch.Tensor:
+    """A tensor as ``meta`` (:func:`_meta`) describes it: a leaf, of a DTensor's mesh and placements where it was one."""
+    shape, stride, dtype, grad, dtensor = meta
+    local = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    if dtensor is None:
+        return local.requires_grad_(grad)
+    mesh, placements, full, full_stride = dtensor
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(full),
+                              stride=full_stride).requires_grad_(grad)
+
+
 def _bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    return _local(t).untyped_storage().nbytes()
 
 
 def _size(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
@@ -115,6 +144,7 @@ class Replay:
         self.replayed = 0  #: actions replayed (for the plan's note)
         self.traced = 0  #: actions of the watched stages traced
         self.missed = False
+        self.token = object()  #: this trace, as the owner of the records whose DTensors are of its world
 
     def begin_step(self, flops: Any, moved: Any) -> None:
         """A new step: its counters; records of the step before are not used (keys hold the step: its first actions
@@ -190,7 +220,8 @@ class Replay:
         seen = self.seen.get(key, [])
         alike = len(seen) == 2 and _alike(seen[0], seen[1]) and seen[1].parts[0] == seen[1].parts[1] and \
             seen[1].state[0] == seen[1].state[1]
-        return seen[1] if alike and seen[1].parts[0] == self._parts() else None
+        mine = seen[1].owner in (None, self.token) if alike else False
+        return seen[1] if alike and mine and seen[1].parts[0] == self._parts() else None
 
     def _trace(self, key: tuple, index: int, run: Callable[[], Any], *, forward: bool) -> Any:
         self.traced += 1
@@ -208,13 +239,15 @@ class Replay:
         returned = result if forward else result[0]
         single = isinstance(returned, torch.Tensor)
         flat = (returned,) if single else tuple(returned) if isinstance(returned, (tuple, list)) else None
-        if flat is None or any(isinstance(t, DTensor) for t in flat):  # not a shape a replay can make: never replayed
+        if flat is None:  # not a shape a replay can make: never replayed
             self.seen[key] = []
             return result
-        metas = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor)
-                      else None for t in flat)
+        metas = tuple(_meta(t) if isinstance(t, torch.Tensor) else None for t in flat)
+        dtensors = any(isinstance(t, DTensor) for t in flat)
         effect = Effect(window.peak - start, self._held() - start, (parts, self._parts()), (state, self._state(index)),
-                        minus(self.counters.snapshot(), before), metas, single, self.counters.fusion_of(flat), consumed)
+                        minus(self.counters.snapshot(), before), metas, single,
+                        self.counters.fusion_of(tuple(_local(t) for t in flat)), consumed,
+                        self.token if dtensors else None)
         self.seen[key] = [*self.seen.get(key, []), effect][-2:]
         return result
 
@@ -253,9 +286,7 @@ class Replay:
         del rise
         if release is not None:
             release()
-        made = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
-                if (shape, stride, dtype, grad) != (None,) * 4 else None
-                for shape, stride, dtype, grad in (m if m is not None else (None,) * 4 for m in effect.returned)]
+        made = [_make(meta, device) if meta is not None else None for meta in effect.returned]
         if sourced:  # made without autograd's leaf (which the graph would hold), out of a node fed a 0-byte leaf
             seed = torch.empty(0, device=device, requires_grad=True)
             made = [_Source.apply(self.handed, seed, t.detach()) if t is not None and t.requires_grad else t
@@ -263,7 +294,7 @@ class Replay:
         kept = torch.empty(kept_bytes, dtype=torch.uint8, device=device) if kept_bytes > 0 else None
         self.counters.restore(before)
         self.counters.advance(effect.counters)
-        self.counters.pend(made, effect.fusion)
+        self.counters.pend([_local(t) if t is not None else None for t in made], effect.fusion)
         return made, kept
 
     # -- what is measured -------------------------------------------------------------------------------------------
