@@ -34,13 +34,11 @@ def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPa
     return pipeline_plan.trace_pipeline(fns, trace_arguments(**job), notes), notes
 
 
-@pytest.mark.parametrize("schedule, mode, batch, pp, tp", [("1f1b", "fsdp", 12, 4, 1),
-                                                           ("interleaved-1f1b", "zero1", 12, 2, 1),
-                                                           ("1f1b", "fsdp", 12, 2, 2)])
+@pytest.mark.parametrize("schedule, mode, batch, pp, tp", [("1f1b", "fsdp", 12, 4, 2), ("interleaved-1f1b", "zero1", 12, 2, 1)])
 def test_replayed_micro_batches_give_the_plan_of_tracing_every_one(schedule, mode, batch, pp, tp, monkeypatch) -> None:
-    """6 micro-batches per DP rank under 1F1B and FSDP2 (as torchtitan shards for PP: no reshard after forward) over
-    PP 4, where PP ranks 1 and 2 hold alike stages and share their records; 6 under interleaved 1F1B and ZeRO-1 over
-    PP 2; with TP 2 under 1F1B the last stage returns DTensors (loss-parallel's logits), replayed as DTensors."""
+    """6 micro-batches per DP rank under 1F1B, FSDP2 (as torchtitan shards for PP: no reshard after forward) and TP 2
+    over PP 4, where PP ranks 1 and 2 hold alike stages and share their records, and the last stage returns DTensors
+    (loss-parallel's logits), replayed as DTensors; 6 under interleaved 1F1B and ZeRO-1 over PP 2."""
     from torch.distributed.tensor import DTensor
 
     from vemesh.planning import pipeline_replay
