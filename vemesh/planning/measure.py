@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vemesh.planning.step_time import WORLD
+from vemesh.planning.tp_overlap import FedMatmuls
 
 __all__ = ["CollectiveBytes", "NoModules", "RunMeter", "by_mesh_name", "mesh_names", "ops_by_mesh_name",
            "payload_bytes"]
@@ -130,11 +131,15 @@ class CollectiveBytes(TorchDispatchMode):
         self.by_op: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.counting = False
+        self.fed = FedMatmuls(self.by_op)  #: which gathers and scatters async TP would overlap with their matmuls
+
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if any(t is DTensor for t in types):  # let DTensor turn itself into local ops and collectives first
             return NotImplemented
         result = func(*args, **(kwargs or {}))
+        if self.counting:
+            self.fed.see(func, args, result)
         if self.counting and func in collective_ops and func not in _NOT_COUNTED and not _on_meta(args):
             group = CollectiveOp.get_process_group(func, args)
             name = group.group_name
@@ -145,8 +150,10 @@ class CollectiveBytes(TorchDispatchMode):
             self.ops[name].add(op)
             few = _few_values(op, args, dist.get_world_size(group))
             key = op if few is None else f"{op}[{few}]"  # a loss or a norm: timed apart (step_time.collective_seconds)
+            key = self.fed.key_of(func, args, key)
             self.by_op[name][key][0] += size
             self.by_op[name][key][1] += 1
+            self.fed.counted(func, result, name, key, size)
             self.groups[name] = group
         return result
 

@@ -16,8 +16,10 @@ its counts (:mod:`vemesh.planning.fusion`) by these rules.
   1-byte copy too. ``rowwise`` pays the same bytes and runs at the same rate (its scales are per row).
 * **Float8 all-gather**: FSDP2's parameter all-gather moves the Float8 Linear weights in 1 byte an element instead
   of the compute dtype's 2 (:attr:`Speedups.float8_share`: their share of the gathered parameters).
-* **async TP**: TP's all-gathers and reduce-scatters (sequence parallelism's) overlap the matmuls they feed:
-  they hide behind up to the step's Linear matmul time, and only the rest is exposed.
+* **async TP**: a TP all-gather or reduce-scatter that torch's micro-pipeline pass fuses with its matmuls (an
+  all-gather feeding matmuls as their first operand, a reduce-scatter of one matmul's output:
+  :mod:`vemesh.planning.tp_overlap` finds them on the trace) hides behind those matmuls' time, call by call; the
+  rest of TP's traffic (the reduce-scatter of a sum of matmuls' gradients, all-reduces) stays exposed.
 
 None of these changes the predicted peak: the trace is eager (a compiled step saves less for backward).
 """
@@ -81,14 +83,10 @@ class Speedups:
         return (matmul + arithmetic + moved / profile.memory_bandwidth + c.ops * profile.op_overhead_s
                 + c.dtensor_ops * profile.dtensor_op_overhead_s)
 
-    def linear_seconds(self, c: Any, index: int, profile: Any, dtype: str) -> float:
-        """The Linear matmuls' seconds (what async TP's collectives can hide behind)."""
-        linear = (getattr(c, "counts", None) or {}).get("linear_flops", 0)
-        if self.float8 is None:
-            return linear / (profile.flops(dtype) * profile.achievable)
-        keep = min(linear, self.bf16_flops[index] if index < len(self.bf16_flops) else 0)
-        return ((linear - keep) / (profile.flops("fp8") * profile.achievable)
-                + keep / (profile.flops(dtype) * profile.achievable))
+    def matmul_seconds(self, flops: float, profile: Any, dtype: str) -> float:
+        """The seconds of a block Linear's matmul of ``flops`` (under Float8 at the fp8 rate): what async TP's fused
+        collective runs under."""
+        return flops / (profile.flops("fp8" if self.float8 is not None else dtype) * profile.achievable)
 
     def gathered_bytes(self, nbytes: float) -> float:
         """FSDP2's all-gather bytes with the Float8 weights sent in 1 byte (half the 2-byte compute dtype's)."""

@@ -22,7 +22,9 @@ For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass
   collectives hide so: a functional collective on a gradient dim (CP's ring exchange, when FSDP shards over CP
   alone) is on the critical path; the profile's ``overlap`` says
   how much of that the device can really run at once (``vemesh calibrate`` measures it). ZeRO-1's gather of the updated
-  shards after the step, and every TP, CP, EP and PP collective, are on the critical path: exposed;
+  shards after the step, and every TP, CP, EP and PP collective, are on the critical path: exposed; but under
+  ``--async-tp`` a TP all-gather or reduce-scatter that torch's micro-pipeline pass fuses with its matmuls
+  (:mod:`vemesh.planning.tp_overlap`) hides behind those matmuls, call by call;
 * **optimizer**: the bytes the traced ``optimizer.step()`` reads and writes (its elementwise math over each
   local parameter, gradient, both moments, ZeRO-1's masters), at the memory bandwidth; they are not in compute;
 * **the pipeline bubble**: with PP, torch's own action list of the schedule (:func:`pipeline_bubbles`) played on
@@ -44,7 +46,8 @@ from typing import Any
 from vemesh.planning.profiles import DeviceProfile, Link
 from vemesh.planning.speedups import Speedups
 
-__all__ = ["WORLD", "DimTime", "StepTime", "collective_seconds", "pipeline_bubbles", "render", "ring", "step_time"]
+__all__ = ["WORLD", "DimTime", "StepTime", "collective_seconds", "fed_flops", "op_name", "pipeline_bubbles", "render", "ring",
+           "step_time"]
 
 #: What a plan and a run call torch's default group (every rank: a training loop's all-reduce of its loss) when no
 #: mesh name's group is every rank; it is timed on the link a group of every rank crosses.
@@ -70,9 +73,23 @@ FUNCTIONAL = frozenset({"all_reduce", "all_reduce_coalesced", "all_gather_into_t
                         "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast"})
 
 
+def op_name(key: str) -> str:
+    """A trace's collective key without the matmul FLOPs :mod:`vemesh.planning.tp_overlap` pairs it with:
+    ``all_gather_into_tensor@96`` is ``all_gather_into_tensor``."""
+    return key.split("@")[0]
+
+
+def fed_flops(key: str) -> int:
+    """The matmul FLOPs per call that a key of :mod:`vemesh.planning.tp_overlap` names (0 for an unpaired one)."""
+    _, _, flops = key.partition("@")
+    return int(flops) if flops else 0
+
+
 def _base(op: str) -> str:
-    """An op as torch names it: ``allreduce_[1]`` (a trace's key for an all-reduce of 1 value) is ``allreduce_``."""
-    return op.split(".")[0].split("[")[0]
+    """An op as torch names it: ``allreduce_[1]`` (a trace's key for an all-reduce of 1 value) is ``allreduce_``, and
+    ``all_gather_into_tensor@FLOPS`` (one async TP fuses with its matmuls, :mod:`vemesh.planning.tp_overlap`)
+    ``all_gather_into_tensor``."""
+    return op_name(op).split(".")[0].split("[")[0]
 
 
 def _values(op: str) -> int | None:
@@ -203,9 +220,10 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
             elif dim in grad_dims:  # the gradient reduction in backward; ZeRO-1's gather after the step is exposed
                 hidable = sum(t for op, t in wrapper.items() if _kind(op) not in _GATHERS)
                 cover = backward
-            elif dim == "TP" and speed.async_tp:  # SP's all-gathers and reduce-scatters behind the matmuls they feed
-                hidable = sum(t for op, t in each.items() if _kind(op) in ("all_gather", "reduce_scatter"))
-                cover = speed.linear_seconds(c, index, profile, dtype)
+            elif dim == "TP" and speed.async_tp:  # each gather or scatter fused with its matmuls, behind them only
+                hidable = sum(min(t, ops[op][1] * speed.matmul_seconds(fed_flops(op), profile, dtype))
+                              for op, t in each.items() if fed_flops(op))
+                cover = hidable
             else:
                 hidable, cover = 0.0, 0.0
             dims[dim] = DimTime(link_name, seconds, profile.overlap * min(hidable, cover))
