@@ -10,7 +10,8 @@ published specifications (not measured): ``h100-sxm`` (the datasheet's H100 SXM:
 ``h100-hbm2e-500w``, the hardware the page names (96 GB HBM2e at 2.4 TB/s, power-limited to 500 W, "the actual peak
 TFLOPs number is between SXM and NVL"). A row is traced once, in this process; its second profile reuses the trace.
 The predicted tokens/s/GPU is the global batch's tokens over the step over the GPUs; the predicted memory is the
-plan's peak (the largest rank class). Printed beside the published figures, with each ratio, and per table whether
+plan's peak (the largest rank class); the step is that of torchtitan's order of the dims (``PP, DP, CP, TP``
+outermost first), which its runs used, also where the plan would choose another. Printed beside the published figures, with each ratio, and per table whether
 the order of the rows by throughput is the published one.
 
 torchtitan's memory column is read at the 90th step; the plan's peak is the tensors a step holds (no allocator
@@ -112,11 +113,18 @@ def main() -> None:
         for profile in PROFILES:
             start = time.monotonic()
             doc = plan(model, world, flags, batch, profile)
-            got = batch * seq / doc["step_time"] / world
+            # torchtitan's run had its own order of the dims (PP, DP, CP, TP outermost first): its step, not the
+            # step of the order the plan would choose (the two differ where the plan moves a dim onto the network)
+            placement = doc.get("placement") or {}
+            titan = placement.get("baselines", {}).get("torchtitan", {})
+            step = titan.get("step_time", doc["step_time"])
+            got = batch * seq / step / world
             peak = doc["peak"] / 2**30
-            row[profile] = {"predicted_tps_per_gpu": got, "tps_ratio": got / tps, "step_time": doc["step_time"],
-                            "time": doc["time"], "plan_seconds": time.monotonic() - start}
-            row.update(predicted_gib=peak, memory_ratio=peak / mem)
+            row[profile] = {"predicted_tps_per_gpu": got, "tps_ratio": got / tps, "step_time": step,
+                            "order": titan.get("order"), "chosen_order": placement.get("order"),
+                            "chosen_step_time": doc["step_time"], "time_of_chosen_order": doc["time"],
+                            "plan_seconds": time.monotonic() - start}
+            row.update(predicted_gib=peak, memory_ratio=peak / mem, classes=doc["classes"])
             print(f"| {table} | {name} | {profile} | {got:,.0f} | {tps:,.0f} | {got / tps:.2f} | {peak:.1f} | "
                   f"{mem:.1f} | {peak / mem:.2f} | {row[profile]['plan_seconds']:.0f} |", flush=True)
         rows.append(row)

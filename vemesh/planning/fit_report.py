@@ -258,8 +258,8 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                        "(needs --dtype bf16)")
     speed.add_argument("--float8-all-gather", action="store_true", help="FSDP2 gathers the Float8 weights in 1 byte "
                        "an element")
-    speed.add_argument("--async-tp", action="store_true", help="TP's all-gathers and reduce-scatters overlap the "
-                       "matmuls they feed; only the rest is exposed")
+    speed.add_argument("--async-tp", action="store_true", help="each TP all-gather or reduce-scatter that torch's "
+                       "micro-pipeline pass fuses with its matmuls runs under them; the rest is exposed")
     job.add_argument("--device-memory", metavar="SIZE", help="memory per device, with a unit: 80GiB, 24GB")
     job.add_argument("--choose", metavar="WHAT", help="a search by time chooses these for each mesh too, the fastest "
                      "that fits: micro-batch-size (the largest that fits without PP; every size with PP, whose "
