@@ -4,8 +4,8 @@ torch's micro-pipeline pass fuses (``torch/_inductor/fx_passes/micro_pipeline_tp
 torch's async TP (``torch._inductor.config._micro_pipeline_tp``, symmetric memory on the TP group, under
 ``torch.compile``) rewrites two patterns into one op that runs the collective a shard at a time under the matmul:
 
-* an all-gather whose result is the first operand of matmuls (``A`` of ``A @ B``, gathered along any dim):
-  ``fused_all_gather_matmul`` runs the gather under those matmuls;
+* an all-gather whose result is the first operand of matmuls (``A`` of ``A @ B``; gathered along its last dim
+  only when a shard has 1024 values or more there): ``fused_all_gather_matmul`` runs the gather under those matmuls;
 * a reduce-scatter whose input is one matmul's output: ``fused_matmul_reduce_scatter``.
 
 Every other all-gather and reduce-scatter stays as it was: the one that reduces a *sum* of matmuls (the gradient
@@ -73,10 +73,13 @@ class FedMatmuls:
                 self._move(record, flops)
             self._products[self._watch(result)] = flops
         elif packet is _aten.cat and isinstance(result, torch.Tensor):
-            keys = {_key(t) for t in args[0] if isinstance(t, torch.Tensor)}
+            chunks = [t for t in args[0] if isinstance(t, torch.Tensor)]
+            keys = {_key(t) for t in chunks}
+            dim = args[1] if len(args) > 1 else 0
             if len(keys) == 1:  # the chunks of one storage, put back along another dim
                 source = keys.pop()
-                if source in self._gathered:
+                last = dim in (-1, result.dim() - 1)
+                if source in self._gathered and not (last and chunks[0].shape[-1] < 1024):  # torch's lower bound
                     self._gathered[self._watch(result)] = self._gathered[source]
                 elif source in self._products:
                     self._products[self._watch(result)] = self._products[source]
