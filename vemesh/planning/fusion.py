@@ -29,7 +29,6 @@ the job's dtype.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning.measure import FLOP_FORMULAS, NoModules
+from vemesh.planning.storages import StorageTables, storage_key
 
 __all__ = ["Fusion", "MemoryBoundBytes", "moves_data", "step_counters"]
 
@@ -83,10 +83,6 @@ def _fusible(func: Any) -> bool:
     return torch.Tag.pointwise in func.tags or func.overloadpacket in _FUSIBLE
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -100,7 +96,8 @@ class Fusion:
         self._open = False
         self._producer: dict[int, int] = {}  # storage -> the fusible region that wrote it last (-1: another op)
         self._pending: dict[int, int] = {}  # storage -> bytes a region wrote that nothing outside it has read yet
-        self._watched: set[int] = set()  # the storages in those two, each forgotten when it dies
+        #: a later storage at a dead one's address (the same key) starts with nothing written
+        self._storages = StorageTables(self._producer, self._pending)
         self.fused_bytes = 0
         self.kernels = 0
         self.linear_flops = 0
@@ -122,30 +119,15 @@ class Fusion:
     def is_open(self, value: bool) -> None:
         self._open = value
 
-    def _watch(self, t: torch.Tensor) -> int:
-        """``t``'s storage key, forgotten when the storage dies: a later storage at its address (the same key) starts
-        with nothing written (whatever the allocator, and whether its allocation was dispatched here or not)."""
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key not in self._watched:
-            self._watched.add(key)
-            weakref.finalize(storage, self._forget, key)
-        return key
-
-    def _forget(self, key: int) -> None:
-        self._watched.discard(key)
-        self._producer.pop(key, None)
-        self._pending.pop(key, None)
-
     def writer_of(self, t: torch.Tensor) -> tuple[int | None, int | None]:
         """(the region that last wrote ``t``'s storage, -1 for another op, None if none did; its bytes a region wrote
         that nothing outside it has read yet, or None)."""
-        key = _key(t)
+        key = storage_key(t)
         return self._producer.get(key), self._pending.get(key)
 
     def wrote(self, t: torch.Tensor, region: int, pending: int | None) -> None:
         """Record ``t``'s storage as written by ``region`` (-1: another op), ``pending`` of its bytes not paid yet."""
-        key = self._watch(t)
+        key = self._storages.watch(t)
         self._producer[key] = region
         if pending is not None:
             self._pending[key] = pending
@@ -159,8 +141,8 @@ class Fusion:
             if func.overloadpacket in _ALLOCATIONS:  # a new storage, perhaps at a dead one's address: not its writes
                 for t in tree_leaves(result):
                     if isinstance(t, torch.Tensor):
-                        self._producer.pop(_key(t), None)
-                        self._pending.pop(_key(t), None)
+                        self._producer.pop(storage_key(t), None)
+                        self._pending.pop(storage_key(t), None)
             return
         reads = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
         writes = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
@@ -178,12 +160,12 @@ class Fusion:
                 self.region, self._open = self.region + 1, True
                 self.kernels += 1
             for t in reads:
-                key = _key(t)
+                key = storage_key(t)
                 if self._producer.get(key) != self.region:
                     self._escape(key)
                     self.fused_bytes += _nbytes(t)
             for t in writes:
-                key = self._watch(t)
+                key = self._storages.watch(t)
                 self._producer[key] = self.region
                 self._pending[key] = _nbytes(t)
             return
@@ -191,11 +173,11 @@ class Fusion:
         if not collective:
             self.kernels += 1
         for t in reads:
-            self._escape(_key(t))
+            self._escape(storage_key(t))
         if not matmul and not collective:
             self.fused_bytes += sum(_nbytes(t) for t in (*reads, *writes))
         for t in writes:
-            key = self._watch(t)
+            key = self._storages.watch(t)
             self._producer[key] = -1
             self._pending.pop(key, None)
 

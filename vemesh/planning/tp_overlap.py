@@ -20,22 +20,18 @@ name with ``@FLOPS``, the FLOPs per call of the matmuls it feeds or is fed by (`
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
 from vemesh.planning.step_time import fed_flops, op_name
+from vemesh.planning.storages import StorageTables, storage_key
 
 __all__ = ["FedMatmuls"]
 
 _aten = torch.ops.aten
 _func = torch.ops._c10d_functional
 _GATHER, _SCATTER = _func.all_gather_into_tensor.default, _func.reduce_scatter_tensor.default
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 class FedMatmuls:
@@ -47,12 +43,12 @@ class FedMatmuls:
         self.by_op = by_op
         self._gathered: dict[int, list[Any]] = {}  #: storage -> [group, key, bytes] of the gather that wrote it
         self._products: dict[int, int] = {}  #: storage -> FLOPs of the matmul that wrote it
-        self._watched: set[int] = set()
+        self._storages = StorageTables(self._gathered, self._products)
 
     def key_of(self, func: Any, args: tuple, op: str) -> str:
         """The key a collective is counted under: a reduce-scatter of one matmul's output names its FLOPs."""
         if func is _SCATTER and isinstance(args[0], torch.Tensor):
-            flops = self._products.get(_key(args[0]))
+            flops = self._products.get(storage_key(args[0]))
             if flops:
                 return f"{op}@{flops}"
         return op
@@ -60,7 +56,7 @@ class FedMatmuls:
     def counted(self, func: Any, result: Any, group: str, key: str, size: int) -> None:
         """A collective was counted under ``key``: an all-gather's result is followed to the matmuls it feeds."""
         if func is _GATHER and isinstance(result, torch.Tensor):
-            self._gathered[self._watch(result)] = [group, key, size]
+            self._gathered[self._storages.watch(result)] = [group, key, size]
 
     def see(self, func: Any, args: tuple, result: Any) -> None:
         """Any op, after it ran (not on DTensors): matmuls and the ``cat`` of one storage's chunks."""
@@ -68,21 +64,21 @@ class FedMatmuls:
         if packet in (_aten.mm, _aten.addmm) and isinstance(result, torch.Tensor):
             a, b = (args[0], args[1]) if packet is _aten.mm else (args[1], args[2])
             flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-            record = self._gathered.get(_key(a))
+            record = self._gathered.get(storage_key(a))
             if record is not None and a.is_contiguous():  # A as gathered, not transposed (a weight gradient's read)
                 self._move(record, flops)
-            self._products[self._watch(result)] = flops
+            self._products[self._storages.watch(result)] = flops
         elif packet is _aten.cat and isinstance(result, torch.Tensor):
             chunks = [t for t in args[0] if isinstance(t, torch.Tensor)]
-            keys = {_key(t) for t in chunks}
+            keys = {storage_key(t) for t in chunks}
             dim = args[1] if len(args) > 1 else 0
             if len(keys) == 1:  # the chunks of one storage, put back along another dim
                 source = keys.pop()
                 last = dim in (-1, result.dim() - 1)
                 if source in self._gathered and not (last and chunks[0].shape[-1] < 1024):  # torch's lower bound
-                    self._gathered[self._watch(result)] = self._gathered[source]
+                    self._gathered[self._storages.watch(result)] = self._gathered[source]
                 elif source in self._products:
-                    self._products[self._watch(result)] = self._products[source]
+                    self._products[self._storages.watch(result)] = self._products[source]
 
     def _move(self, record: list[Any], flops: int) -> None:
         group, key, size = record
@@ -96,17 +92,3 @@ class FedMatmuls:
         record[1] = f"{op_name(key)}@{fed_flops(key) + flops}"
         new = ops.setdefault(record[1], [0, 0])
         new[0], new[1] = new[0] + size, new[1] + 1
-
-    def _watch(self, t: torch.Tensor) -> int:
-        """``t``'s storage key, forgotten when the storage dies (a later storage at its address is another)."""
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key not in self._watched:
-            self._watched.add(key)
-            weakref.finalize(storage, self._forget, key)
-        return key
-
-    def _forget(self, key: int) -> None:
-        self._watched.discard(key)
-        self._gathered.pop(key, None)
-        self._products.pop(key, None)
