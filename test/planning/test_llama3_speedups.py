@@ -227,6 +227,47 @@ def test_async_tp_hides_each_fused_gather_and_scatter_behind_its_own_matmuls_and
     assert faster.dims["TP"].hidden < overlapped.dims["TP"].hidden
 
 
+def test_float8_tp_gathers_into_the_block_linears_move_one_byte_and_the_heads_stays_bf16() -> None:
+    """torchtitan's Float8 TP styles cast before gathering: under tensorwise the fused TP all-gathers move half the
+    bytes, but the one into the bf16 head; the head's matmul hides its gather at the bf16 rate."""
+    from vemesh.planning.results import MeshFit, RankClass
+    from vemesh.planning.step_time import step_time
+
+    profile = load_profile("h100-sxm")
+    block, head = 10**9, 3 * 10**9
+    ops = {f"all_gather_into_tensor@{block}": (int(1e10), 100), f"all_gather_into_tensor@{head}": (int(1e10), 100),
+           "reduce_scatter_tensor": (int(1e10), 100)}
+    c = RankClass("every rank", SimpleNamespace(total=0), 0, 0, {}, flops=int(1e14), memory_bytes=0,
+                  collectives={"TP": ops}, counts={"linear_flops": int(1e14), "linear_elements": 0})
+    fit = MeshFit({"PP": 1, "DP": 1, "CP": 1, "TP": 8, "EP": 1}, [c], 1, 1)
+    kwargs = dict(dtype="bf16", dp_mode="fsdp", grad_dims=("DP",), sizes={"TP": 8}, links={"TP": "host"})
+
+    def tp(**speed) -> float:
+        return step_time(fit, profile, speed=Speedups(**speed), **kwargs)[0].dims["TP"].seconds
+    plain = tp(float8="tensorwise", bf16_fed=(head,))
+    cast = tp(float8="tensorwise", bf16_fed=(head,), float8_tp_gathers=True)
+    every = tp(float8="tensorwise", float8_tp_gathers=True)  # the head's too: what the rule must not do
+    assert cast < plain and every < cast
+    assert Speedups(float8_tp_gathers=True, bf16_fed=(head,)).tp_gathered_bytes(block, 100) == 50
+    assert Speedups(float8_tp_gathers=True, bf16_fed=(head,)).tp_gathered_bytes(head, 100) == 100
+    assert Speedups(float8_tp_gathers=True).tp_gathered_bytes(0, 100) == 100  # not into a matmul
+    fp8 = Speedups(float8="tensorwise", bf16_fed=(head,))
+    assert fp8.matmul_seconds(head, profile, "bf16") == pytest.approx(head / (profile.flops("bf16") * profile.achievable))
+    assert fp8.matmul_seconds(block, profile, "bf16") == pytest.approx(block / (profile.flops("fp8") * profile.achievable))
+
+
+def test_the_llama3_presets_switches_name_its_heads_matmul_and_float8_tp_only_under_tensorwise() -> None:
+    from vemesh.planning.fit import Job, speedups_of
+
+    fit = SimpleNamespace(degrees={"PP": 1, "DP": 4, "CP": 2, "TP": 8, "EP": 1}, classes=[None], micro_batch_size=2)
+    cfg = config_of("llama3:8b")
+    for recipe, tp_gathers in (("tensorwise", True), ("rowwise", False)):
+        job = Job(model="llama3:8b", global_batch_size=8, dtype="bf16", speed=Speedups(float8=recipe))
+        speed = speedups_of(job, fit)
+        assert speed.float8_tp_gathers is tp_gathers
+        assert speed.bf16_fed == (2 * 2 * (cfg.seq_len // 2) * cfg.dim * (cfg.vocab_size // 8),)
+
+
 def test_a_trace_pairs_tps_gathers_and_scatters_with_the_matmuls_async_tp_fuses() -> None:
     """Llama 3 with SP over TP 2, no recompute: each block's forward gathers into q, k, v and into w1, w3, and
     scatters wo's and w2's outputs; its backward gathers wo's and w2's output gradients into their input gradients.

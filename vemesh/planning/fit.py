@@ -376,7 +376,8 @@ def _gib(n: float) -> str:
 
 def speedups_of(job: Any, fit: Any) -> Any:
     """The job's switches (:class:`~vemesh.planning.speedups.Speedups`) for ``fit``: under Float8 the Llama 3 preset's
-    output head stays bf16 on the rank class that holds it (torchtitan's rule), and FSDP2's Float8 share of the
+    output head stays bf16 on the rank class that holds it (torchtitan's rule), its TP all-gathers into the block
+    Linears move Float8 under ``tensorwise`` (torchtitan's Float8 TP styles), and FSDP2's Float8 share of the
     gathered parameters is the preset's block Linear weights, or a user model's Linear weights but a head named
     ``output`` or ``lm_head``."""
     speed = job.speed
@@ -388,7 +389,10 @@ def speedups_of(job: Any, fit: Any) -> Any:
         head = 6 * tokens * cfg.dim * cfg.vocab_size // d["TP"]  # forward 2, backward 4 FLOPs a weight and token
         last = stage_owner(d["PP"] * stages_per_rank(job.pp_schedule) - 1, d["PP"], job.pp_schedule) if d["PP"] > 1 else 0
         bf16 = tuple(head if d["PP"] == 1 or i == last else 0 for i in range(len(fit.classes)))
-        return replace(speed, bf16_flops=bf16, float8_share=llama3_linear_share(cfg))
+        # the head's matmul per micro-batch, fed by a TP all-gather that stays bf16 (torchtitan's plain ColwiseParallel)
+        fed = 2 * fit.micro_batch_size * (cfg.seq_len // d["CP"]) * cfg.dim * (cfg.vocab_size // d["TP"])
+        return replace(speed, bf16_flops=bf16, float8_share=llama3_linear_share(cfg), bf16_fed=(fed,),
+                       float8_tp_gathers=speed.float8 == "tensorwise" and d["TP"] > 1)
     if speed.float8_all_gather and job.user:
         fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
         return replace(speed, float8_share=linear_share(template_of(fns), ("output", "lm_head")))

@@ -16,6 +16,10 @@ its counts (:mod:`vemesh.planning.fusion`) by these rules.
   1-byte copy too. ``rowwise`` pays the same bytes and runs at the same rate (its scales are per row).
 * **Float8 all-gather**: FSDP2's parameter all-gather moves the Float8 Linear weights in 1 byte an element instead
   of the compute dtype's 2 (:attr:`Speedups.float8_share`: their share of the gathered parameters).
+* **Float8 TP** (the Llama 3 preset under ``--float8 tensorwise``, as torchtitan applies torchao's
+  ``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput``): the blocks' inputs and
+  their Linears' output gradients are cast to Float8 before TP gathers them, so TP's all-gathers into the block
+  Linears (:mod:`vemesh.planning.tp_overlap` names them) move 1 byte an element; the head's stays bf16.
 * **async TP**: a TP all-gather or reduce-scatter that torch's micro-pipeline pass fuses with its matmuls (an
   all-gather feeding matmuls as their first operand, a reduce-scatter of one matmul's output:
   :mod:`vemesh.planning.tp_overlap` finds them on the trace) hides behind those matmuls' time, call by call; the
@@ -47,6 +51,10 @@ class Speedups:
     bf16_flops: tuple[int, ...] = ()
     #: the share of FSDP2's gathered parameters that are Float8 Linear weights (:func:`linear_share`)
     float8_share: float = 1.0
+    #: under Float8 tensorwise, TP's all-gathers into Linears move 1 byte an element (torchtitan's Float8 TP styles)
+    float8_tp_gathers: bool = False
+    #: per-call FLOPs of TP-fed matmuls that stay in bf16 under Float8 (the Llama 3 preset's output head)
+    bf16_fed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.float8 is not None and self.float8 not in FLOAT8:
@@ -83,10 +91,16 @@ class Speedups:
         return (matmul + arithmetic + moved / profile.memory_bandwidth + c.ops * profile.op_overhead_s
                 + c.dtensor_ops * profile.dtensor_op_overhead_s)
 
-    def matmul_seconds(self, flops: float, profile: Any, dtype: str) -> float:
-        """The seconds of a block Linear's matmul of ``flops`` (under Float8 at the fp8 rate): what async TP's fused
-        collective runs under."""
-        return flops / (profile.flops("fp8" if self.float8 is not None else dtype) * profile.achievable)
+    def matmul_seconds(self, flops: int, profile: Any, dtype: str) -> float:
+        """The seconds of a TP-fed matmul of ``flops`` (under Float8 at the fp8 rate, but one that stays bf16): what
+        async TP's fused collective runs under."""
+        fp8 = self.float8 is not None and flops not in self.bf16_fed
+        return flops / (profile.flops("fp8" if fp8 else dtype) * profile.achievable)
+
+    def tp_gathered_bytes(self, fed: int, nbytes: float) -> float:
+        """A TP all-gather's bytes: half for one into Float8 Linears (``fed``, its matmuls' FLOPs per call) under
+        torchtitan's Float8 TP styles, which cast to Float8 before gathering."""
+        return nbytes / 2 if self.float8_tp_gathers and fed and fed not in self.bf16_fed else nbytes
 
     def gathered_bytes(self, nbytes: float) -> float:
         """FSDP2's all-gather bytes with the Float8 weights sent in 1 byte (half the 2-byte compute dtype's)."""

@@ -205,10 +205,15 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
             link_name = links.get(dim, "host")
             n = sizes.get(dim, 1)
             fsdp_gather = dim in grad_dims and dp_mode == "fsdp"
+
+            def moved(op: str, b: int) -> float:  # the bytes on the wire: FSDP2's and TP's Float8 gathers move fewer
+                if _kind(op) == "all_gather" and fsdp_gather:
+                    return speed.gathered_bytes(b)
+                return speed.tp_gathered_bytes(fed_flops(op), b) if _kind(op) == "all_gather" and dim == "TP" else b
             each = {op: _gather_seconds(b, calls, n, profile, link_name)
                     if dim in grad_dims and dp_mode == "zero1" and _kind(op) == "all_gather"
-                    else collective_seconds(op, speed.gathered_bytes(b) if fsdp_gather and _kind(op) == "all_gather"
-                                            else b, calls, n, profile.link(link_name, _kind(op), n), profile.backend)
+                    else collective_seconds(op, moved(op, b), calls, n, profile.link(link_name, _kind(op), n),
+                                            profile.backend)
                     + (calls * _wait(op, profile) if n > 1 else 0.0) for op, (b, calls) in ops.items()}
             seconds = sum(each.values())
             # on a gradient dim, only the wrappers' own (c10d) collectives run behind compute: a functional one
