@@ -12,10 +12,13 @@ submodule's forward, its backward, and the data-parallel wrapper's work in them)
   dispatched, and what compile's fusion counts (:mod:`vemesh.planning.fusion`);
 * the shapes of what it returned (the stage's outputs, its input gradients).
 
-An action is keyed by the step; the stage, by its role (first, last) and its parameters' local shapes, so that the
-middle stages of a pipeline, alike on every PP rank, share their records across the ranks' traces of one plan;
-forward or backward; the action the same stage ran before it (a data-parallel wrapper's state can depend on it);
-each FSDP2 unit's state; and whether it is the stage's last backward of the step. Collectives are recorded by
+An action is keyed by the stage, by its role (first, last) and its parameters' local shapes, so that the
+middle stages of a pipeline, alike on every PP rank, share their records across the ranks' traces of one plan and
+across the two steps each trace runs; forward or backward; the action the same stage ran before it (a
+data-parallel wrapper's state can depend on it); each FSDP2 unit's state, including whether its unsharded gradients
+hold what earlier backwards of the step accumulated (the first backward of a step allocates them, the others add
+to them: a forward predicts which its backward will be from torch's action list); and whether it is the stage's
+last backward of the step. Collectives are recorded by
 their mesh dim, and replayed on the group of that dim in the trace that replays them. When two
 consecutive actions of one key had equal effects (and a forward's effect and its backward's add up: what the forward
 kept is what its backward frees), the key's next actions are *replayed*: the bytes allocated and freed as the
@@ -43,7 +46,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from vemesh.parallel.schedules import actions
+from vemesh.parallel.schedules import stages_per_rank
+from vemesh.planning.pipeline_order import backward_contexts, gradients_may_change
 from vemesh.planning.replay_counters import StepCounters, minus
 
 __all__ = ["REPLAYED_SCHEDULES", "Replay", "ReplayMiss"]
@@ -128,7 +132,14 @@ class Replay:
         self.counters = StepCounters(collectives, mesh)  #: the trace's counters, snapshot and advanced
         #: (stage, micro-batch) -> the kind of the action its stage runs before its backward, in torch's action list
         self.contexts = backward_contexts(schedule, pp, pp_rank, n_microbatches)
-        self.step = -1
+        #: (stage, micro-batch) whose backward follows another backward of its stage in the step: under FSDP2 it
+        #: accumulates into the unsharded gradients that the first one allocated
+        self.one_stage = stages_per_rank(schedule) == 1
+        #: (stage, micro-batch) whose backward may start holding other gradient bytes than its forward did
+        self.unsure = gradients_may_change(schedule, pp, pp_rank, n_microbatches)
+        self.accumulating = {k for k, after_backward in backward_contexts(schedule, pp, pp_rank, n_microbatches,
+                                                                            after_backward=True).items()
+                             if after_backward}
         #: key -> the effects of its last two traced actions; shared by the ranks of one plan (a stage is keyed by its
         #: parameters' shapes, not its index: the middle stages of a pipeline do alike)
         self.seen: dict[tuple, list[Effect]] = records if records is not None else {}
@@ -147,10 +158,9 @@ class Replay:
         self.token = object()  #: this trace, as the owner of the records whose DTensors are of its world
 
     def begin_step(self, flops: Any, moved: Any) -> None:
-        """A new step: its counters; records of the step before are not used (keys hold the step: its first actions
-        differ)."""
+        """A new step: its counters. The records of the steps before serve it: what differs at a step's start (the
+        first step's lazy initialization, the gradients not yet accumulated) differs in the records or in the keys."""
         self.counters.flops, self.counters.moved = flops, moved
-        self.step += 1
         self.previous.clear()
 
     def attach(self, stages: list[Any]) -> None:
@@ -179,12 +189,16 @@ class Replay:
 
         def forward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
             mb = self.micro_batch[index]
-            key = (self.step, self.signature[index], "F", self.previous.get(index), False, self._state(index))
-            back = (self.step, self.signature[index], "B", self.contexts.get((index, mb)), False, self._state(index))
+            key = (self.signature[index], "F", self.previous.get(index), False, self._state(index), None)
+            after = (index, mb) in self.accumulating
+            back = (self.signature[index], "B", self.contexts.get((index, mb)), False,
+                    self._state(index, accumulated=after), after)
             self.previous[index] = "F"
-            effect, undo = self._replayable(key), self._replayable(back)
+            # a backward after another of its stage starts with the gradients that one made: with one stage a rank,
+            # what its record says (the backward checks it again)
+            effect, undo = self._replayable(key), self._replayable(back, predicted=after and self.one_stage)
             # the last stage's backward record must start where its loss's backward ends (one output, hooked)
-            if mb < self.n - 1 and effect is not None and undo is not None and _balanced(effect, undo) and \
+            if mb < self.n - 1 and (index, mb) not in self.unsure and effect is not None and undo is not None and _balanced(effect, undo) and \
                     (undo.consumed > 0 or not stage.is_last):
                 return self._replay_forward(index, mb, effect, sourced=stage.is_last)
             result = self._trace(key, index, lambda: forward(*args, **kwargs), forward=True)
@@ -194,7 +208,8 @@ class Replay:
 
         def backward_maybe_with_nosync(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
             mb = self.micro_batch[index]
-            key = (self.step, self.signature[index], "B", self.previous.get(index), last_backward, self._state(index))
+            key = (self.signature[index], "B", self.previous.get(index), last_backward, self._state(index),
+                   (index, mb) in self.accumulating)
             self.previous[index] = "B"
             if (index, mb) in self.kept:
                 effect = self._replayable(key)
@@ -216,12 +231,16 @@ class Replay:
 
     # -- records ----------------------------------------------------------------------------------------------------
 
-    def _replayable(self, key: tuple) -> Effect | None:
+    def _replayable(self, key: tuple, predicted: bool = False) -> Effect | None:
+        """The record to replay for ``key``, if its last two were alike and it starts from the parameter and gradient
+        bytes held now (``predicted``: from those its record says)."""
         seen = self.seen.get(key, [])
         alike = len(seen) == 2 and _alike(seen[0], seen[1]) and seen[1].parts[0] == seen[1].parts[1] and \
             seen[1].state[0] == seen[1].state[1]
         mine = seen[1].owner in (None, self.token) if alike else False
-        return seen[1] if alike and mine and seen[1].parts[0] == self._parts() else None
+        if not (alike and mine and (predicted or seen[1].parts[0] == self._parts())):
+            return None
+        return min(seen, key=lambda e: e.counters[1][1])  # the fewer ops: the other met FakeTensor's cold cache
 
     def _trace(self, key: tuple, index: int, run: Callable[[], Any], *, forward: bool) -> Any:
         self.traced += 1
@@ -308,32 +327,30 @@ class Replay:
         held = self.tracker.on_step_peak() if self.tracker.on_step_peak is not None else {}
         return tuple(sorted(held.items()))
 
-    def _state(self, index: int) -> tuple:
-        return tuple((g.is_sharded, g.is_sharded_post_forward, g.is_unsharded) for g in self.units.get(index, ()))
+    def _state(self, index: int, accumulated: bool | None = None) -> tuple:
+        """Each FSDP2 unit's state: sharded, sharded after forward, unsharded, and whether its unsharded gradients
+        hold what earlier backwards accumulated (without gradient sync: every backward of a step but the last);
+        ``accumulated`` stands for the last where a forward predicts its backward's."""
+        return tuple((g.is_sharded, g.is_sharded_post_forward, g.is_unsharded,
+                      _accumulated(g) if accumulated is None else accumulated) for g in self.units.get(index, ()))
 
     def _device(self) -> torch.device:
         devices = list(self.tracker._curr_mem_snap)
         return devices[0] if devices else torch.device("cpu")
 
-def backward_contexts(schedule: str, pp: int, pp_rank: int, n_microbatches: int) -> dict[tuple[int, int], str]:
-    """``{(stage, micro-batch): kind}``: the kind ("F", "B") of the action each stage of PP rank ``pp_rank`` runs
-    just before its backward of each micro-batch, along torch's own action list of ``schedule``."""
-    out, last = {}, {}
-    for action in actions(schedule, pp, n_microbatches)[pp_rank]:
-        if action is None:
-            continue
-        kind = getattr(action.computation_type, "value", action.computation_type)
-        if kind == "B" and action.stage_index in last:
-            out[(action.stage_index, action.microbatch_index)] = last[action.stage_index]
-        if kind in ("F", "B"):
-            last[action.stage_index] = kind
-    return out
+def _accumulated(group: Any) -> bool:
+    """Whether an FSDP2 parameter group's unsharded gradients hold a gradient (one accumulated, not yet reduced)."""
+    for fsdp_param in group.fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
+            return True
+    return False
 
 
 def _alike(a: Effect, b: Effect) -> bool:
     """Two effects equal but for the count of ops dispatched, which varies by a few an action with what is not the
     step's: FakeTensor's device queries (``prim.device``, dispatched when its cache misses) and FSDP2's profiler marks
-    (``record_function``, as its state machine runs them); a replay adds the later count."""
+    (``record_function``, as its state machine runs them); a replay adds the smaller count."""
     def without_ops(e: Effect) -> Effect:
         flops, moved, *rest = e.counters
         return replace(e, counters=(flops, (moved[0], 0, moved[2]), *rest))
