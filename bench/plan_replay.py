@@ -6,8 +6,8 @@
 alike, instead of tracing it again. Each pipeline below is planned both ways (the order alternates, so that neither
 way always runs on a warm process): every PP rank through torch's schedule, two steps each. Printed: the wall time
 of each way, their ratio, the actions replayed, the PP ranks traced again without replay (a replayed forward whose
-backward had no record), and whether the two plans agree (the same peak within 4 bytes, the same bytes held by kind,
-collectives, FLOPs, memory-bound bytes and compile counts; the ops dispatched within one per replayed action).
+backward had no record), whether the two plans agree (the same peak within 4 bytes, the same bytes held by kind,
+collectives, FLOPs, memory-bound bytes and compile counts), and how far apart their counts of ops dispatched are.
 
 The pipelines are the tiny Llama 3 of ``test/planning/test_pipeline_replay.py`` (width 32, 2 heads, sequences of 16)
 with torchtitan's parallelization (FSDP2 without resharding after forward, as it shards for PP; loss-parallel under
@@ -69,18 +69,30 @@ def _replayed(notes: list[str]) -> tuple[int, int]:
     return 0, 0
 
 
-def _agree(a: dict, b: dict, replayed: int) -> bool:
-    return all(abs(a[r].peak - b[r].peak) <= 4 and abs(a[r].ops - b[r].ops) <= replayed and
-               (a[r].held, a[r].sent, a[r].flops, a[r].memory_bytes, a[r].by_op, a[r].counts, a[r].dtensor_ops) ==
-               (b[r].held, b[r].sent, b[r].flops, b[r].memory_bytes, b[r].by_op, b[r].counts, b[r].dtensor_ops)
+def _agree(a: dict, b: dict) -> bool:
+    """The first plan of a process holds 4 bytes more (a scalar made once, then cached), whichever way it traces."""
+    def held(c: Any) -> dict:
+        return {k: v for k, v in c.held.items() if k != "activations"}
+
+    return all(abs(a[r].peak - b[r].peak) <= 4 and abs(a[r].held["activations"] - b[r].held["activations"]) <= 4 and
+               (held(a[r]), a[r].sent, a[r].flops, a[r].memory_bytes, a[r].by_op, a[r].counts, a[r].dtensor_ops) ==
+               (held(b[r]), b[r].sent, b[r].flops, b[r].memory_bytes, b[r].by_op, b[r].counts, b[r].dtensor_ops)
                for r in b)
+
+
+def _ops_apart(a: dict, b: dict) -> float:
+    """The largest relative difference of a PP rank's ops dispatched (FakeTensor's device queries and FSDP2's
+    profiler marks vary with their caches and state: a record made on a colder cache counts a few more)."""
+    return max(abs(a[r].ops - b[r].ops) / b[r].ops for r in b)
 
 
 def _gpt(replay: bool) -> tuple[dict, float]:
     from vemesh.cli import main as cli
+    from vemesh.planning import fit
     import contextlib
     import io
 
+    fit._traced_preset.cache_clear()  # a plan asked again is answered from the cache: trace it again
     pipeline_plan.REPLAY = replay
     out = io.StringIO()
     start = time.perf_counter()
@@ -102,8 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print("| pipeline | traced every micro-batch (s) | replayed (s) | ratio | actions replayed | ranks traced again "
-          "| plans agree |")
-    print("|---|---:|---:|---:|---:|---:|:-:|")
+          "| plans agree | ops dispatched apart |")
+    print("|---|---:|---:|---:|---:|---:|:-:|---:|")
     for i, (name, config) in enumerate(PIPELINES.items()):
         runs = {}
         for replay in ((True, False) if i % 2 else (False, True)):
@@ -112,10 +124,11 @@ def main() -> None:
         (fast, notes, retraced, t_fast), (whole, _, _, t_whole) = runs[True], runs[False]
         done, total = _replayed(notes)
         row = dict(name=name, whole_s=t_whole, replayed_s=t_fast, ratio=t_fast / t_whole, replayed=done,
-                   actions=total, retraced_ranks=retraced, agree=_agree(fast, whole, done))
+                   actions=total, retraced_ranks=retraced, agree=_agree(fast, whole),
+                   ops_apart=_ops_apart(fast, whole))
         rows.append(row)
         print(f"| {name} | {t_whole:.1f} | {t_fast:.1f} | {row['ratio']:.2f} | {done} of {total} | {len(retraced)} | "
-              f"{'yes' if row['agree'] else '**NO**'} |", flush=True)
+              f"{'yes' if row['agree'] else '**NO**'} | {row['ops_apart']:.2%} |", flush=True)
     if not args.skip_gpt:
         (whole, t_whole), (fast, t_fast) = _gpt(False), _gpt(True)
         done, total = _replayed(fast["notes"])
@@ -123,7 +136,7 @@ def main() -> None:
         rows.append(dict(name="gpt 70B pp4 x tp4 zero1 8 mb", whole_s=t_whole, replayed_s=t_fast,
                          ratio=t_fast / t_whole, replayed=done, actions=total, agree=agree))
         print(f"| gpt 70B pp4 x tp4 zero1 8 mb (the JSON compared whole) | {t_whole:.1f} | {t_fast:.1f} | "
-              f"{t_fast / t_whole:.2f} | {done} of {total} | | {'yes' if agree else '**NO**'} |", flush=True)
+              f"{t_fast / t_whole:.2f} | {done} of {total} | | {'yes' if agree else '**NO**'} | |", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                          "rows": rows}, indent=1) + "\n")
