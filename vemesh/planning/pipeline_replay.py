@@ -15,10 +15,10 @@ submodule's forward, its backward, and the data-parallel wrapper's work in them)
 An action is keyed by the stage, by its role (first, last) and its parameters' local shapes, so that the
 middle stages of a pipeline, alike on every PP rank, share their records across the ranks' traces of one plan and
 across the two steps each trace runs; forward or backward; the action the same stage ran before it (a
-data-parallel wrapper's state can depend on it); each FSDP2 unit's state, including whether its unsharded gradients
-hold what earlier backwards of the step accumulated (the first backward of a step allocates them, the others add
-to them: a forward predicts which its backward will be from torch's action list); and whether it is the stage's
-last backward of the step. Collectives are recorded by
+data-parallel wrapper's state can depend on it); each FSDP2 unit's state; whether an earlier backward of its stage in the step made the
+gradients it adds to (the first allocates them: FSDP2's unsharded ones without gradient sync, DDP's ``.grad``; a
+forward predicts which its backward will be from torch's action list, :mod:`vemesh.planning.pipeline_order`); and
+whether it is the stage's last backward of the step. Collectives are recorded by
 their mesh dim, and replayed on the group of that dim in the trace that replays them. When two
 consecutive actions of one key had equal effects (and a forward's effect and its backward's add up: what the forward
 kept is what its backward frees), the key's next actions are *replayed*: the bytes allocated and freed as the
@@ -132,11 +132,11 @@ class Replay:
         self.counters = StepCounters(collectives, mesh)  #: the trace's counters, snapshot and advanced
         #: (stage, micro-batch) -> the kind of the action its stage runs before its backward, in torch's action list
         self.contexts = backward_contexts(schedule, pp, pp_rank, n_microbatches)
-        #: (stage, micro-batch) whose backward follows another backward of its stage in the step: under FSDP2 it
-        #: accumulates into the unsharded gradients that the first one allocated
         self.one_stage = stages_per_rank(schedule) == 1
         #: (stage, micro-batch) whose backward may start holding other gradient bytes than its forward did
         self.unsure = gradients_may_change(schedule, pp, pp_rank, n_microbatches)
+        #: (stage, micro-batch) whose backward follows another backward of its stage in the step: it adds to the
+        #: gradients the first one made (FSDP2's unsharded ones without gradient sync, DDP's ``.grad``)
         self.accumulating = {k for k, after_backward in backward_contexts(schedule, pp, pp_rank, n_microbatches,
                                                                             after_backward=True).items()
                              if after_backward}
@@ -191,15 +191,14 @@ class Replay:
             mb = self.micro_batch[index]
             key = (self.signature[index], "F", self.previous.get(index), False, self._state(index), None)
             after = (index, mb) in self.accumulating
-            back = (self.signature[index], "B", self.contexts.get((index, mb)), False,
-                    self._state(index, accumulated=after), after)
+            back = (self.signature[index], "B", self.contexts.get((index, mb)), False, self._state(index), after)
             self.previous[index] = "F"
             # a backward after another of its stage starts with the gradients that one made: with one stage a rank,
             # what its record says (the backward checks it again)
             effect, undo = self._replayable(key), self._replayable(back, predicted=after and self.one_stage)
             # the last stage's backward record must start where its loss's backward ends (one output, hooked)
-            if mb < self.n - 1 and (index, mb) not in self.unsure and effect is not None and undo is not None and _balanced(effect, undo) and \
-                    (undo.consumed > 0 or not stage.is_last):
+            if mb < self.n - 1 and (index, mb) not in self.unsure and effect is not None and undo is not None and \
+                    _balanced(effect, undo) and (undo.consumed > 0 or not stage.is_last):
                 return self._replay_forward(index, mb, effect, sourced=stage.is_last)
             result = self._trace(key, index, lambda: forward(*args, **kwargs), forward=True)
             if stage.is_last and isinstance(result, torch.Tensor) and result.requires_grad:
@@ -327,25 +326,12 @@ class Replay:
         held = self.tracker.on_step_peak() if self.tracker.on_step_peak is not None else {}
         return tuple(sorted(held.items()))
 
-    def _state(self, index: int, accumulated: bool | None = None) -> tuple:
-        """Each FSDP2 unit's state: sharded, sharded after forward, unsharded, and whether its unsharded gradients
-        hold what earlier backwards accumulated (without gradient sync: every backward of a step but the last);
-        ``accumulated`` stands for the last where a forward predicts its backward's."""
-        return tuple((g.is_sharded, g.is_sharded_post_forward, g.is_unsharded,
-                      _accumulated(g) if accumulated is None else accumulated) for g in self.units.get(index, ()))
+    def _state(self, index: int) -> tuple:
+        return tuple((g.is_sharded, g.is_sharded_post_forward, g.is_unsharded) for g in self.units.get(index, ()))
 
     def _device(self) -> torch.device:
         devices = list(self.tracker._curr_mem_snap)
         return devices[0] if devices else torch.device("cpu")
-
-def _accumulated(group: Any) -> bool:
-    """Whether an FSDP2 parameter group's unsharded gradients hold a gradient (one accumulated, not yet reduced)."""
-    for fsdp_param in group.fsdp_params:
-        unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
-            return True
-    return False
-
 
 def _alike(a: Effect, b: Effect) -> bool:
     """Two effects equal but for the count of ops dispatched, which varies by a few an action with what is not the
