@@ -180,6 +180,8 @@ def test_moe_load_factor_raises_the_busiest_ranks_peak_and_is_said(capsys) -> No
      "no module named 'nosuchmodule' in the current directory {cwd}"),
     ((f"module:{CASES}:make_six", f"{CASES}:no_such_function", f"{JOBS}:step"),
      "has no 'no_such_function'; its callables are"),
+    ((f"module:{CASES}:make_six", f"{JOBS}:parallelize_ddp", f"{CASES}:make_six"),
+     "takes (), but is called as step(model, micro_batch_size): one forward and backward of a micro-batch"),
 ])
 def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
     model, parallelize, step = args

@@ -28,7 +28,7 @@ from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel.tp_replicas import TPReplicaError
 from vemesh.planning.fake_world import _forget_meshes
-from vemesh.planning.user_code import UserFunctions, user_frame
+from vemesh.planning.user_code import UserFunctions, unbindable, user_frame
 
 __all__ = ["SEED", "Spec", "Timeout", "UserError", "dims", "errors", "functions", "reference", "run_parallel"]
 
@@ -60,10 +60,15 @@ def functions(spec: Spec) -> tuple[Any, Any, Any, tuple[str, str, str]]:
         fns = UserFunctions.of(spec.model, spec.parallelize, spec.step)
     except ValueError as e:
         raise CheckInputError(str(e)) from None
+    # said here, before any process starts: the parallel run would report it as where the runs differ
+    if (wrong := unbindable("--parallelize", fns.names[1], fns.parallelize, "model", "mesh")) is not None:
+        raise CheckInputError(wrong)
     return fns.factory, fns.parallelize, fns.step, fns.names
 
 
 def _call(what: str, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    if (wrong := unbindable(what, name, fn, *args, **kwargs)) is not None:
+        raise UserError(wrong)
     try:
         return fn(*args, **kwargs)
     except Exception as e:

@@ -4,6 +4,7 @@ of a plan, and each call's failure worded as one line that names the function an
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
 from collections.abc import Callable
@@ -15,7 +16,17 @@ from torch import nn
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
-__all__ = ["UserFunctions", "call", "resolve", "user_frame"]
+__all__ = ["CONTRACTS", "UserFunctions", "call", "resolve", "unbindable", "user_frame"]
+
+#: how vemesh plan and vemesh check call each of the user's functions
+CONTRACTS = {
+    "--model": "FACTORY(**model_kwargs) returning the nn.Module (no arguments unless --model-kwargs gives some)",
+    "--parallelize": "parallelize(model, mesh), mesh being VESCALE_DEVICE_MESH, returning the model to train (with "
+                     "PP: this PP rank's PipelineStage objects)",
+    "--step": "step(model, micro_batch_size): one forward and backward of a micro-batch",
+    "--loss": "loss_fn(output, target), as torch's pipeline schedules call it",
+    "--before-optimizer": "before_optimizer(model), after the last backward and before optimizer.step()",
+}
 
 
 def resolve(ref: Any, flag: str) -> tuple[Callable[..., Any], str]:
@@ -76,10 +87,30 @@ def user_frame(error: BaseException) -> str:
     return ""
 
 
+def unbindable(what: str, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """One line saying how ``fn``'s parameters differ from how vemesh calls it, when ``fn(*args, **kwargs)`` cannot
+    bind (a step written without ``micro_batch_size``, a parallelize function without ``mesh``); else None."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function without a signature: let the call say
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        bare = signature.replace(parameters=[p.replace(annotation=inspect.Parameter.empty)
+                                             for p in signature.parameters.values()],
+                                 return_annotation=inspect.Signature.empty)
+        return (f"{what} {name} takes {bare}, but is called as {CONTRACTS.get(what, what)} ({e}); give it "
+                "those parameters")
+    return None
+
+
 def call(what: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``; its failure becomes one line naming the function, the user's frame and the exception."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+    if (wrong := unbindable(what, name, fn, *args)) is not None:
+        raise ValueError(wrong)
     try:
         return fn(*args)
     except MissingMeta:  # a stage's input shapes come from a rank not traced yet: traced again after it

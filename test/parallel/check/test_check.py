@@ -137,7 +137,9 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     (["--model", f"module:{nano('nothing')}"], "has no 'nothing'"),
     (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by TP x CP = 4 x 1 = 4"),
     (["--pp", "2"], "--pp 2: the check compares one process with the parallel run at PP 1"),
-    (["--step", nano("make")], "--step " + nano("make") + " failed"),
+    (["--step", nano("make")], "--step " + nano("make") + " takes (**kwargs), but is called as "
+                               "step(model, micro_batch_size)"),
+    (["--parallelize", nano("make")], "takes (**kwargs), but is called as parallelize(model, mesh), mesh being VESCALE_DEVICE_MESH"),
     (["--model-kwargs", "n_layer"], "invalid --model-kwargs item 'n_layer'"),
     (["--model-kwargs", "n_embd=65536,n_layer=64,vocab=50304"], "check a smaller configuration of the same code"),
 ])
