@@ -9,15 +9,17 @@ of the model's parameters (the static plans use it too). ``job`` is a :class:`ve
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.models.gpt.stages import split_layers
-from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE
+from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE, plan_buckets
 from vemesh.parallel.schedules import in_flight, stage_indices, stages_per_rank
 from vemesh.planning.activations import add_ops, trace_stage
 from vemesh.planning.estimate import Model, fsdp_local, local_numel, rank_static, stage_keys
 from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.wrapper_costs import wrapper_costs
 
 __all__ = ["ADAMW_BYTES_PER_STATE_BYTE", "Ops", "by_group", "dp_traffic", "estimate_pipeline", "nbytes",
            "optimizer_bytes"]
@@ -74,6 +76,13 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
         for t in traces:
             ops = add_ops(ops, t.by_op, passes)
         dp_ops, extra = dp_traffic(model, mine, job, dp * cp, tp, passes, ep)
+        if job.mode == "fsdp" and dp * cp > 1:
+            # torch's stages run FSDP2 without gradient sync or reshard after backward, and clear the gradients as a
+            # step starts: through the step it holds every unit's parameters unsharded and their gradients unsharded
+            # in fp32, and the sharded gradients are made at its end, past the peak (wrapper_costs.WrapperCosts.held)
+            elements = _elements(model, mine, tp, ep)[0]
+            whole, shard = wrapper_costs(job.mode, job.dtype).held
+            extra, static = round(elements * whole + elements / (dp * cp) * shard), replace(static, grads=0)
         extra += hidden * passes * transfers  # torch's stages keep a receive buffer per micro-batch and direction
         for dim, by_op in (("EDP", dp_ops[1]), (grad_dim, dp_ops[0])):
             if by_op:
@@ -82,9 +91,11 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
         timing = {}
         if job.timed:  # what the step's compute and the optimizer's bytes come to (step_time times them)
             optimizer = optimizer_bytes(static, job.mode)
+            wrapper = _wrapper(model, mine, job, tp, dp * cp, ep, passes)
             timing = dict(flops=passes * sum(t.flops for t in traces), optimizer_bytes=optimizer,
-                          memory_bytes=passes * sum(t.memory_bytes for t in traces) + optimizer,
-                          ops=passes * sum(t.ops for t in traces), dtensor_ops=passes * sum(t.dtensor_ops for t in traces),
+                          memory_bytes=passes * sum(t.memory_bytes for t in traces) + optimizer + wrapper[0],
+                          ops=passes * sum(t.ops for t in traces) + wrapper[1],
+                          dtensor_ops=passes * sum(t.dtensor_ops for t in traces),
                           collectives=ops,
                           counts={"transcendental_bytes": passes * sum(t.transcendental_bytes for t in traces)})
         classes.append(RankClass(name, static, activations, extra, {d: nbytes(o) for d, o in ops.items()}, **timing))
@@ -93,6 +104,22 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
              f"clipping and the loss's all-reduces); plan this mesh with --pp {pp} to trace the schedule",)
     return MeshFit({"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, classes, passes, mbs, notes=notes,
                    dp_mode=job.mode, pp_schedule=job.pp_schedule)
+
+
+def _wrapper(model: Model, keys: set[str], job: Any, tp: int, dp: int, ep: int, passes: int) -> tuple[int, int]:
+    """(memory-bound bytes, ops) that the data-parallel wrapper adds to a PP rank's step over its stage traces: vemesh
+    DDP's and ZeRO-1's fold into ``main_grad`` and refresh of ``.grad``, FSDP2's gathers and unsharded gradients,
+    autograd's accumulation, the reduction and the example's clipping
+    (:func:`vemesh.planning.wrapper_costs.wrapper_costs`)."""
+    if dp <= 1 and job.mode == "fsdp":
+        return 0, 0
+    return wrapper_costs(job.mode, job.dtype).step(passes, *_elements(model, keys, tp, ep), dp)
+
+
+def _elements(model: Model, keys: set[str], tp: int, ep: int) -> tuple[int, int]:
+    """(parameter elements as TP leaves them, parameter tensors) of a rank holding ``keys``."""
+    mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < model.experts // ep)]
+    return sum(local_numel(p.shape, p.tp_dim, tp) for p in mine), len(mine)
 
 
 def by_group(ops: dict[str, Ops], pp: int, dp: int, cp: int, tp: int, ep: int) -> dict[str, Ops]:
@@ -129,7 +156,8 @@ def dp_traffic(model: Model, keys: set[str], job: Any, dp: int, tp: int, passes:
     each collective op as ``{op: (bytes, calls)}``, the op named as torch's c10d names it (what a trace counts).
 
     With EP the experts' gradients average over EDP (the ranks holding the same experts), the rest over DP. vemesh
-    DDP all-reduces fp32 gradients in buckets of 6,553,600 elements; ZeRO-1 then gathers the updated shards; FSDP2
+    DDP all-reduces fp32 gradients in buckets of at least 6,553,600 elements (a parameter never split); ZeRO-1 then
+    gathers the updated shards, one all-gather of the buffer; FSDP2
     gathers each unit (each block, and the root) in forward and the blocks again in backward, every micro-batch, and
     reduce-scatters each unit's fp32 gradients once.
     """
@@ -141,10 +169,13 @@ def dp_traffic(model: Model, keys: set[str], job: Any, dp: int, tp: int, passes:
             n = sum(local_numel(p.shape, p.tp_dim, tp) for p in params)
             if over <= 1 or not n:
                 return {}
-            buckets = -(-n // DEFAULT_BUCKET_SIZE)
+            # vemesh DDP's buckets (bucketing.plan_buckets): filled in reverse registration order, each closed once
+            # it holds DEFAULT_BUCKET_SIZE elements, never splitting a parameter (70B's were 164 by n / size, not 90)
+            sizes = [local_numel(p.shape, p.tp_dim, tp) for p in reversed(params)]
+            buckets = len(plan_buckets(sizes, DEFAULT_BUCKET_SIZE).buckets)
             ops = {"allreduce_": (4 * n, buckets)}
             if job.mode == "zero1":
-                ops["_allgather_base_"] = (width * -(-n // over) * over, buckets)
+                ops["_allgather_base_"] = (width * -(-n // over) * over, 1)  # ZeRO-1 gathers each buffer at once
             return ops
         dense = [p for p in mine if p.expert is None or ep == 1]
         expert = [p for p in mine if p.expert is not None and ep > 1]
