@@ -32,8 +32,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from vemesh.mesh.manager import VeDeviceMesh
 from vemesh.models.gpt import model as model_module
+from vemesh.models.gpt.parallelize import parallelize
+from vemesh.optim import clip_grad_norm_
+from vemesh.planning.fake_world import real_mesh_tensors
 from vemesh.planning.fusion import step_counters
+from vemesh.planning.measure import StepTracker
 
 __all__ = ["WrapperCosts", "build_gpt", "wrapper_costs"]
 
@@ -105,11 +110,6 @@ def _run(mode: str, dtype: str, blocks: int, dp: int) -> tuple[int, int, tuple[i
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from vemesh.mesh.manager import VeDeviceMesh
-    from vemesh.models.gpt.parallelize import parallelize
-    from vemesh.optim import clip_grad_norm_
-    from vemesh.planning.fake_world import real_mesh_tensors
-    from vemesh.planning.measure import StepTracker
 
     if dist.is_initialized():
         raise RuntimeError("the planner traces the data-parallel wrappers on torch's fake backend, in a world of its "
