@@ -2,7 +2,8 @@
 
 A search does not trace every PP rank of every PP mesh through torch's schedule (the 70B search over 1024 ranks has
 meshes of 64 stages and 512 micro-batches): :func:`estimate_pipeline` traces one micro-batch per stage
-(:func:`vemesh.planning.activations.trace_stage`) and counts the rest along torch's own action list of the schedule.
+(:func:`vemesh.planning.activations.trace_stage`) and counts the rest along torch's own action list of the schedule,
+with the data-parallel wrapper's work on each micro-batch traced apart (:mod:`vemesh.planning.wrapper_costs`).
 :func:`dp_traffic` gives what vemesh DDP, ZeRO-1 and FSDP2 send per step, by collective op, for a rank holding some
 of the model's parameters (the static plans use it too). ``job`` is a :class:`vemesh.planning.fit.Job`.
 """
@@ -33,7 +34,8 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
     optimizer state from :func:`rank_static`; one micro-batch through the stage traced on fake tensors
     (:func:`vemesh.planning.activations.trace_stage`) times the chunks in flight, counted along torch's own action
     list (:func:`vemesh.parallel.schedules.in_flight`); a receive buffer per micro-batch and direction; the DP and
-    PP bytes from the wrappers' rules. Why not traced: tracing every PP rank of every PP mesh is the schedule's
+    PP bytes from the wrappers' rules; the wrapper's work on each micro-batch, and what FSDP2 holds unsharded through
+    the step, per parameter element (:func:`vemesh.planning.wrapper_costs.wrapper_costs`). Why not traced: tracing every PP rank of every PP mesh is the schedule's
     every micro-batch through every block (the 70B search over 1024 ranks has meshes of 64 stages and 512
     micro-batches); docs/planning.md gives the figures."""
     cfg = dict(model.config)
