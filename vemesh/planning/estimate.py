@@ -53,8 +53,8 @@ from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import gpt_tp_plan
 from vemesh.models.gpt.stages import split_layers
 
-__all__ = ["GPT_FIELDS", "Model", "ParamShard", "RankMemory", "build_model", "gpt_config", "load_model", "parse_size", "param_shards",
-           "rank_static", "stage_keys", "static_memory"]
+__all__ = ["GPT_FIELDS", "Model", "ParamShard", "RankMemory", "build_model", "gpt_config", "load_model", "parse_size",
+           "param_shards", "rank_shards", "rank_static", "stage_keys", "static_memory"]
 
 #: The fields of ``--model gpt:...`` and the example's GPTConfig field each sets.
 GPT_FIELDS = {"n_layer": "n_layer", "n_embd": "n_embd", "n_head": "n_head", "vocab": "vocab_size",
@@ -308,12 +308,17 @@ def stage_keys(model: Model, n_stages: int) -> list[set[str]]:
     return keys
 
 
+def rank_shards(model: Model, keys: set[str], ep: int) -> list[ParamShard]:
+    """The parameters a rank holding the stages' ``keys`` has: theirs, and of the experts, its EP rank's share (the
+    first ``experts / ep``, as every EP rank holds as many)."""
+    return [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < model.experts // ep)]
+
+
 def rank_static(model: Model, keys: set[str], name: str, *, dp: int, tp: int, ep: int, dtype: str,
                 dp_mode: str) -> RankMemory:
     """The static bytes of a rank holding the parameters of ``keys`` (see the module docstring's table)."""
     width = 2 if dtype == "bf16" else 4
-    experts = model.experts
-    mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
+    mine = rank_shards(model, keys, ep)
     dense = [p for p in mine if p.expert is None]
     expert = [p for p in mine if p.expert is not None]
     n = sum(local_numel(p.shape, p.tp_dim, tp) for p in mine)

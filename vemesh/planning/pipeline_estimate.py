@@ -18,7 +18,7 @@ from vemesh.models.gpt.stages import split_layers
 from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE, plan_buckets
 from vemesh.parallel.schedules import in_flight, stage_indices, stages_per_rank
 from vemesh.planning.activations import add_ops, trace_stage
-from vemesh.planning.estimate import Model, fsdp_local, local_numel, rank_static, stage_keys
+from vemesh.planning.estimate import Model, fsdp_local, local_numel, rank_shards, rank_static, stage_keys
 from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.wrapper_costs import wrapper_costs
 
@@ -120,7 +120,7 @@ def _wrapper(model: Model, keys: set[str], job: Any, tp: int, dp: int, ep: int, 
 
 def _elements(model: Model, keys: set[str], tp: int, ep: int) -> tuple[int, int]:
     """(parameter elements as TP leaves them, parameter tensors) of a rank holding ``keys``."""
-    mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < model.experts // ep)]
+    mine = rank_shards(model, keys, ep)
     return sum(local_numel(p.shape, p.tp_dim, tp) for p in mine), len(mine)
 
 
@@ -164,8 +164,7 @@ def dp_traffic(model: Model, keys: set[str], job: Any, dp: int, tp: int, passes:
     reduce-scatters each unit's fp32 gradients once.
     """
     width = 2 if job.dtype == "bf16" else 4
-    experts = model.experts
-    mine = [p for p in model.shards if p.stage_key in keys and (p.expert is None or p.expert < experts // ep)]
+    mine = rank_shards(model, keys, ep)
     if job.mode != "fsdp":
         def per_step(params: list[Any], over: int) -> Ops:
             n = sum(local_numel(p.shape, p.tp_dim, tp) for p in params)
