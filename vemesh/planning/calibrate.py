@@ -5,12 +5,13 @@ ranks of a job share the machine:
 
 * **matmul**: a square matmul per dtype (fp32, bf16, and on a GPU of compute capability 8.9 or more fp8 through
   ``torch._scaled_mm``, as Float8 training runs its Linear layers), the median over repetitions, as FLOP/s per rank;
+  of 1024 (4096 on a GPU, whose product of 1024 takes about its launch's time; fp8 8192);
 * **one GPU** (``--device cuda --nproc 1``): the same device figures, and no collective; the links are the
   built-in profile's of that GPU (H100, H200, A100: its published figures, said in the assumptions);
-* **memory**: cycles of a step's memory-bound ops on 1 MiB tensors, each into a new one, as a step runs them (out
-  of place, the inputs no longer in a cache), bytes read and written per second per rank: adds and multiplies, and
-  apart the transcendental ones, a division or a normalization (GELU, exp, rsqrt, softmax, norms: on a CPU they
-  are slower per byte than an add);
+* **memory**: cycles of a step's memory-bound ops on 1 MiB tensors (16 MiB on a GPU), each into a new one, as a
+  step runs them (out of place, the inputs no longer in a cache), bytes read and written per second per rank: adds
+  and multiplies, and apart the transcendental ones, a division or a normalization (GELU, exp, rsqrt, softmax,
+  norms: on a CPU they are slower per byte than an add);
 * **overlap**: an all-reduce started asynchronously under matmuls, against each alone: the fraction of the shorter
   that ran at the same time (a CPU whose cores the ranks share has little to spare);
 * **collective wait**: small all-reduces between stretches of compute, against the same run back to back: what
@@ -208,14 +209,15 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, gr
     """One round of every measurement (see the module docstring): this rank's figures, and each collective kind's
     link per group size; ``pairs`` is this rank's group of 2 and its DeviceMesh (:func:`_pair`, made once)."""
     reps = 3 if quick else 7
-    size = 256 if quick else 1024
+    # a GPU needs larger products than a CPU core to reach its rate: at 1024 an H100's product is ~3 us, its launch
+    size = 4096 if device.type == "cuda" else 256 if quick else 1024
     flops = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.randn(size, size, device=device, dtype=dtype)
         dist.barrier()
         flops[name] = 2 * size ** 3 / median_seconds(lambda: a @ a, reps, sync)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):  # fp8 tensor cores
-        big = 4 * size
+        big = 2 * size
         a8, b8 = (torch.randn(big, big, device=device).to(torch.float8_e4m3fn) for _ in range(2))
         one = torch.ones((), device=device)
         flops["fp8"] = 2 * big ** 3 / median_seconds(
@@ -297,6 +299,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             transcendental_bandwidth=slowest[10],
             overlap=slowest[3],
             shared_compute=shared,
+            queued=device_type == "cuda",
             backend=backend,
             collective_wait_s=wait,
             functional_wait_s=functional_wait(tp_call, tp_dtensor_ops, pair, wait, per_dtensor_op, backend) if n > 1

@@ -33,8 +33,10 @@ def memory_rates(device: torch.device, sync: Any, reps: int, quick: bool) -> tup
     sigmoid, rsqrt, log-softmax and layer norm on rows of 256), in turn. 1 MiB tensors read and a new one written (a
     step's ops move 128 KiB to 2 MiB each), the inputs cycled through 64 MiB so that none is still in a cache. The
     same ops on 16 values are timed and taken off: the framework's time per op is counted apart
-    (:func:`op_overheads`)."""
-    size, count = 2**20, 8 if quick else 64  # 1 MiB each, 8 or 64 MiB in all
+    (:func:`op_overheads`). On a GPU the tensors are 16 MiB and nothing is taken off: its queue runs each op while
+    the host dispatches the next, so the time per op is the device's."""
+    # 1 MiB each, 8 or 64 MiB in all; on a GPU 16 MiB each (1 MiB is its launch's time; 64 MiB would fit an L2)
+    size, count = 2**24 if device.type == "cuda" else 2**20, 8 if quick else 64
     tensors, tiny = ([torch.rand(k, device=device) for _ in range(count)] for k in (size // 4, 16))
     F = torch.nn.functional
 
@@ -56,6 +58,8 @@ def memory_rates(device: torch.device, sync: Any, reps: int, quick: bool) -> tup
 
         dist.barrier()
         took = median_seconds(cycle(tensors), reps, sync) / (count - 1)
+        if device.type == "cuda":  # the host queues the next op while the GPU runs this one: nothing to take off
+            return sum(m for _, m in ops) / len(ops) * size / took
         dist.barrier()
         dispatch = median_seconds(cycle(tiny), reps, sync) / (count - 1)
         return sum(m for _, m in ops) / len(ops) * size / max(took - dispatch, took * 0.05)

@@ -182,6 +182,10 @@ class Fusion:
             self._pending.pop(key, None)
 
 
+_QUERIES = {torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch.ops.aten.sym_numel,
+            torch.ops.aten.sym_storage_offset, torch.ops.aten.is_contiguous, torch.ops.aten.dim}
+
+
 class MemoryBoundBytes(TorchDispatchMode):
     """The bytes the step's memory-bound ops move: every op but the matmuls (which ``FlopCounterMode`` counts),
     the views, queries and allocations (which move nothing: :func:`moves_data`) and the collectives (which :class:`CollectiveBytes` counts) reads its tensor
@@ -201,6 +205,10 @@ class MemoryBoundBytes(TorchDispatchMode):
         return self.fusion.counts()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace == "prim" or func.overloadpacket in _QUERIES:
+            # metadata that a plain tensor answers in C++ without a dispatch; a fake tensor dispatches it (``.device``
+            # from Python: autograd's and the wrappers' checks, 56% of a GPT step's count), so it is no op of the step
+            return func(*args, **(kwargs or {}))
         if any(t is DTensor for t in types):
             self.dtensor_ops += 1
             return NotImplemented

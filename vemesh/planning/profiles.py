@@ -68,6 +68,9 @@ class DeviceProfile(BaseModel):
     #: hides behind its queue when the ops are large: 0 in the built-in profiles; ``vemesh calibrate`` measures it)
     op_overhead_s: float = Field(0.0, ge=0)
     dtensor_op_overhead_s: float = Field(0.0, ge=0)
+    #: the device runs its ops from a queue that the host fills (a GPU): the framework's time per op runs while the
+    #: device works, so a rank's compute is the larger of the two, not their sum (a CPU does both in turn)
+    queued: bool = False
     #: how many ranks share one compute engine when every rank runs: 1 for a device each (the built-in profiles);
     #: N / C for N ranks on C < N CPU cores (``vemesh calibrate`` writes it). The matmul and memory figures are per
     #: rank with every rank running; a rank that waits in a pipeline bubble leaves its share to the ranks that compute

@@ -85,11 +85,13 @@ class Speedups:
         arithmetic = counts.get("transcendental_bytes", 0) * max(0.0, 1 / slow - 1 / profile.memory_bandwidth)
         if self.compile:
             moved = counts.get("fused_bytes", c.memory_bytes) - c.optimizer_bytes + cast
-            return (matmul + arithmetic + moved / profile.memory_bandwidth
-                    + counts.get("kernels", c.ops) * profile.op_overhead_s)
-        moved = c.memory_bytes - c.optimizer_bytes + cast
-        return (matmul + arithmetic + moved / profile.memory_bandwidth + c.ops * profile.op_overhead_s
-                + c.dtensor_ops * profile.dtensor_op_overhead_s)
+            host = counts.get("kernels", c.ops) * profile.op_overhead_s
+        else:
+            moved = c.memory_bytes - c.optimizer_bytes + cast
+            host = c.ops * profile.op_overhead_s + c.dtensor_ops * profile.dtensor_op_overhead_s
+        device = matmul + arithmetic + moved / profile.memory_bandwidth
+        # a GPU runs its queue while the host dispatches the next ops: the slower of the two sets the pace
+        return max(device, host) if profile.queued else device + host
 
     def matmul_seconds(self, flops: int, profile: Any, dtype: str) -> float:
         """The seconds of a TP-fed matmul of ``flops`` (under Float8 at the fp8 rate, but one that stays bf16): what

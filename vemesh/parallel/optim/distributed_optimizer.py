@@ -38,11 +38,19 @@ from vemesh.parallel.optim.state import gather_state_dict, load_local_state, loc
 
 __all__ = ["DistributedOptimizer"]
 
-#: Largest flat tensor handed to the inner optimizer, in elements (2 MiB of fp32). An optimizer
+#: Largest flat tensor handed to the inner optimizer on a CPU, in elements (2 MiB of fp32). An optimizer
 #: makes several passes per tensor; chunks this size stay in cache. Measured on this project's
 #: CPU machine, torch.optim.AdamW (default, for-loop implementation) over 4.2M elements:
 #: one flat tensor 24.6 ms, 512K-element chunks 12.9 ms, 128K-element chunks 12.6 ms.
+#: On a GPU the runs stay whole: torch's foreach and fused optimizers cut their own kernels, and each
+#: chunk only adds host work to every step (AdamW reads each tensor's step count for its two bias
+#: corrections: on an H200, 1,158 of the 5,627 ops of a 304M-parameter GPT's host-bound step).
 MAIN_PARAM_CHUNK = 1 << 19
+
+
+def _chunks(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``t`` cut for the inner optimizer: :data:`MAIN_PARAM_CHUNK` on a CPU, whole elsewhere."""
+    return t.split(MAIN_PARAM_CHUNK) if t.device.type == "cpu" else (t,)
 
 
 def _check_models(models: Any) -> list[DistributedDataParallel]:
@@ -172,11 +180,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.inner_at: list[tuple[nn.Parameter, int, int]] = []
         for si, shard in enumerate(self.shards):
             for (gid, start, _), main, grad in zip(shard.runs, shard.main, shard.grads):
-                for k, (main_chunk, grad_chunk) in enumerate(zip(main.split(MAIN_PARAM_CHUNK), grad.split(MAIN_PARAM_CHUNK))):
+                at = start
+                for main_chunk, grad_chunk in zip(_chunks(main), _chunks(grad)):
                     inner = nn.Parameter(main_chunk)  # shares storage with main
                     inner_groups[gid]["params"].append(inner)  # type: ignore[index]
                     self._inner.append((inner, grad_chunk))
-                    self.inner_at.append((inner, si, start + k * MAIN_PARAM_CHUNK))
+                    self.inner_at.append((inner, si, at))
+                    at += main_chunk.numel()
         for group in inner_groups:  # a small model can leave a rank (or a group) with nothing to own
             if not group["params"]:
                 group["params"].append(nn.Parameter(torch.zeros(0, device=params[0].device)))
