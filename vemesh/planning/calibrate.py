@@ -209,7 +209,7 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, gr
     """One round of every measurement (see the module docstring): this rank's figures, and each collective kind's
     link per group size; ``pairs`` is this rank's group of 2 and its DeviceMesh (:func:`_pair`, made once)."""
     reps = 3 if quick else 7
-    # a GPU needs larger products than a CPU core to reach its rate: at 1024 an H100's product is ~3 us, its launch
+    # a GPU needs larger products than a CPU core to reach its rate: at 1024 one takes about its launch's time
     size = 4096 if device.type == "cuda" else 256 if quick else 1024
     flops = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

@@ -206,8 +206,8 @@ class MemoryBoundBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func.namespace == "prim" or func.overloadpacket in _QUERIES:
-            # metadata that a plain tensor answers in C++ without a dispatch; a fake tensor dispatches it (``.device``
-            # from Python: autograd's and the wrappers' checks, 56% of a GPT step's count), so it is no op of the step
+            # metadata that a plain tensor answers in C++ without a dispatch; a fake tensor dispatches it wherever
+            # torch asks (its device in indexing, in autograd's engine: 60% of a GPT step's count), so no op of the step
             return func(*args, **(kwargs or {}))
         if any(t is DTensor for t in types):
             self.dtensor_ops += 1
