@@ -9,7 +9,8 @@
 #    measured step time and CUDA peak beside `vemesh plan` with the built-in profile and the calibrated one;
 # 3. the `cuda`-marked tests: calibrate and plan, torch's ring flash attention (CUDA SDPA) and the MoE dispatch on
 #    gloo ranks sharing the GPU, the example's peak against the plan;
-# 4. the example under torchrun on one GPU (nccl), as a user starts it.
+# 4. bench/op_count.py: the ops the plan counts in a step beside the ops the real step dispatches on the GPU;
+# 5. the example under torchrun on one GPU (nccl), as a user starts it.
 #
 # A machine without a project venv: pydantic and expecttest travel as wheels in .whl/ (see the device notes in
 # BENCHMARKS.md), installed into /tmp/site; vemesh runs from this checkout.
@@ -46,6 +47,7 @@ step one_gpu python3 bench/one_gpu.py "${profiles[@]}" --json "$OUT/one_gpu.json
 step tests python3 -m pytest -o addopts= -p no:cacheprovider -m cuda -ra -q --durations=8 \
     test/planning/test_calibrate_cuda.py test/parallel/context_parallel/test_ring_attention.py \
     test/examples/test_moe_dispatch.py test/bench/test_bench_one_gpu.py
+step op_count python3 bench/op_count.py --device cuda
 step example torchrun --standalone --nproc_per_node=1 examples/gpt/train.py --device cuda --dtype bf16 --steps 60 \
     --log-every 20
 python3 - "$OUT/profile.json" <<'EOF' || true
