@@ -64,6 +64,14 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     profiles = args.profile or ["h200-sxm"]
+    from vemesh.planning.profiles import load_profile  # vemesh after the arguments: --help stays quick
+
+    for profile in profiles:  # a bad name is said before any run on the GPU, not after it
+        try:
+            load_profile(profile)
+        except ValueError as e:
+            print(f"bench/one_gpu.py: --profile {e}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("bench/one_gpu.py needs a CUDA device; this torch sees none", file=sys.stderr)
         return 2

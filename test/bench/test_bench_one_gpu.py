@@ -19,6 +19,13 @@ def test_without_a_gpu_it_says_so() -> None:
     assert proc.returncode == 2 and "needs a CUDA device; this torch sees none" in proc.stderr, proc.stderr
 
 
+def test_an_unknown_profile_is_said_before_any_run() -> None:
+    proc = subprocess.run([sys.executable, "bench/one_gpu.py", "--profile", "h200-sxm", "--profile", "h300"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--profile unknown device profile 'h300'" in proc.stderr, proc.stderr
+    assert "h200-sxm" in proc.stderr  # the valid choices
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_plans_peak_holds_on_the_gpu(tmp_path: Path) -> None:
