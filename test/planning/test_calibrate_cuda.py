@@ -38,6 +38,8 @@ def test_calibrate_one_gpu_writes_a_profile_that_plan_reads(tmp_path: Path) -> N
     # HBM reads and writes, under every GPU's 8 TB/s (a cycle that took the launches off read 29 TB/s on an H200)
     assert 1e11 < profile.memory_bandwidth < 8e12 and "published figures" in profile.assumptions[0]
     assert profile.queued and profile.op_overhead_s > 0
+    # flash attention on its grid of shapes, as a fraction of the bf16 matmul rate (0.3 to 0.6 on an H100 at 8192)
+    assert len(profile.attention) == 6 and 0.15 < profile.attention_fraction(8192, 128) <= 1
     plan = subprocess.run([sys.executable, "-m", "vemesh", "plan", "--model", "gpt:n_layer=2,n_embd=256,n_head=4",
                            "--world-size", "1", "--dtype", "bf16", "--device-profile", str(out), "--json"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

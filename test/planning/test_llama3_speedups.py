@@ -23,8 +23,8 @@ from vemesh.planning.fit import _traced_llama3
 from vemesh.planning.fusion import Fusion, MemoryBoundBytes
 from vemesh.planning.measure import FLOP_FORMULAS
 from vemesh.planning.pipeline_plan import predict_pipeline, trace_pipeline
-from vemesh.planning.profiles import load_profile
-from vemesh.planning.speedups import Speedups
+from vemesh.planning.profiles import AttentionRate, load_profile
+from vemesh.planning.speedups import Speedups, attention_key, attention_seconds
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import predict_user, trace_arguments
 
@@ -217,6 +217,32 @@ def test_the_attention_kernels_flops_are_counted_apart() -> None:
     with MemoryBoundBytes() as moved:
         F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
     assert moved.counts()["attention_flops"] == (2 + 5) * 2 * 4 * 32 * 32 * 8 // 2
+
+
+def test_attention_is_counted_by_shape_and_timed_at_the_grids_rate_for_it() -> None:
+    """A calibrated grid times each call at its shape's rate, interpolated in the logarithms and held at the edges;
+    the count by shape adds up to the total, and a trace's replay keeps it."""
+    q = torch.randn(1, 4, 32, 8, requires_grad=True)
+    k = torch.randn(1, 4, 128, 8, requires_grad=True)  # a key 4x the query's: the shape is their geometric mean, 64
+    with MemoryBoundBytes() as moved:
+        F.scaled_dot_product_attention(q, k, k).sum().backward()
+    counts = moved.counts()
+    assert counts[attention_key(32, 128, 8)] == counts["attention_flops"] == (2 + 5) * 2 * 4 * 32 * 128 * 8
+    assert attention_key(32, 128, 8) == "attention_flops@64x8"
+    grid = [AttentionRate(seq=s, head_dim=h, achievable=a) for s, h, a in
+            ((64, 4, 0.04), (64, 64, 0.2), (1024, 4, 0.1), (1024, 64, 0.6))]
+    profile = load_profile("h100-sxm").model_copy(update={"attention": grid})
+    assert profile.attention_fraction(64, 64) == pytest.approx(0.2)
+    assert profile.attention_fraction(256, 64) == pytest.approx(0.2 + 0.5 * 0.4)  # halfway in log2: 6, 8, 10
+    assert profile.attention_fraction(256, 16) == pytest.approx(0.5 * (0.04 + 0.1) / 2 + 0.5 * (0.2 + 0.6) / 2)
+    assert profile.attention_fraction(8, 2) == pytest.approx(0.04)
+    assert profile.attention_fraction(10**6, 256) == pytest.approx(0.6)
+    peak = profile.flops("bf16")
+    timed = {"attention_flops": 3e11, attention_key(64, 64, 64): 1e11, attention_key(1024, 1024, 4): 1e11}
+    assert attention_seconds(timed, profile, "bf16") == pytest.approx(1e11 / (0.2 * peak) + 1e11 / (0.1 * peak)
+                                                                      + 1e11 / (0.35 * peak))  # one not by shape
+    with pytest.raises(ValueError, match=r"a full grid; got 3 entries"):
+        load_profile("h100-sxm").model_validate({**profile.model_dump(), "attention": [g.model_dump() for g in grid[:3]]})
 
 
 def test_float8_all_gather_halves_the_share_of_the_gather_that_is_linear_weights() -> None:

@@ -59,8 +59,8 @@ class Trace:
     ops: int = 0
     dtensor_ops: int = 0
     by_op: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict, compare=False)
-    #: the part of ``memory_bytes`` that transcendental ops move (:mod:`vemesh.planning.fusion`)
-    transcendental_bytes: int = 0
+    #: what :class:`vemesh.planning.fusion.Fusion` counts (the transcendental ops' bytes, attention's FLOPs by shape)
+    counts: dict[str, int] = field(default_factory=dict, compare=False)
 
     def plus(self, other: Trace, times: int) -> Trace:
         """This trace and ``times`` x ``other`` (a per-block difference)."""
@@ -69,8 +69,7 @@ class Trace:
                      tuple((k, mine.get(k, 0) + times * theirs.get(k, 0)) for k in sorted(set(mine) | set(theirs))),
                      self.flops + times * other.flops, self.memory_bytes + times * other.memory_bytes,
                      self.ops + times * other.ops, self.dtensor_ops + times * other.dtensor_ops,
-                     add_ops(self.by_op, other.by_op, times),
-                     self.transcendental_bytes + times * other.transcendental_bytes)
+                     add_ops(self.by_op, other.by_op, times), _add(self.counts, other.counts, times))
 
     def __sub__(self, other: Trace) -> Trace:
         mine, theirs = dict(self.sent), dict(other.sent)
@@ -78,7 +77,12 @@ class Trace:
                      tuple((k, mine.get(k, 0) - theirs.get(k, 0)) for k in sorted(set(mine) | set(theirs))),
                      self.flops - other.flops, self.memory_bytes - other.memory_bytes, self.ops - other.ops,
                      self.dtensor_ops - other.dtensor_ops, add_ops(self.by_op, other.by_op, -1),
-                     self.transcendental_bytes - other.transcendental_bytes)
+                     _add(self.counts, other.counts, -1))
+
+
+def _add(a: dict[str, int], b: dict[str, int], times: int) -> dict[str, int]:
+    """``a + times x b``, key by key."""
+    return {k: a.get(k, 0) + times * b.get(k, 0) for k in sorted(set(a) | set(b))}
 
 
 def add_ops(a: dict[str, dict[str, tuple[int, int]]], b: dict[str, dict[str, tuple[int, int]]],
@@ -194,7 +198,7 @@ def _trace(config: tuple[tuple[str, int], ...], blocks: int, role: str, micro_ba
         by_op = ops_by_mesh_name(counter.by_op, mesh) if mesh is not None else {}
     return Trace(retained, peak, tuple(sorted(sent.items())), flop_counter.get_total_flops(), memory_bound.bytes,
                  memory_bound.ops, memory_bound.dtensor_ops, by_op,
-                 memory_bound.counts().get("transcendental_bytes", 0))
+                 memory_bound.counts())
 
 
 def _total(snapshot: dict, *minus: str) -> int:

@@ -8,6 +8,10 @@ ranks of a job share the machine:
   of 1024 (4096 on a GPU, whose product of 1024 takes about its launch's time; fp8 8192);
 * **one GPU** (``--device cuda --nproc 1``): the same device figures, and no collective; the links are the
   built-in profile's of that GPU (H100, H200, A100: its published figures, said in the assumptions);
+* **attention**: causal ``scaled_dot_product_attention``, forward and backward, on a grid of sequence lengths and
+  head sizes (:func:`vemesh.planning.device_rates.attention_grid`), each as a fraction of the same dtype's matmul
+  rate (fp32 on a CPU, bf16 on a GPU): a CPU's flash attention reaches 0.04 of its matmul rate at head size 4 and
+  0.58 at (1024, 64), which no one fraction stands for;
 * **memory**: cycles of a step's memory-bound ops on 1 MiB tensors (16 MiB on a GPU), each into a new one, as a
   step runs them (out of place, the inputs no longer in a cache), bytes read and written per second per rank: adds
   and multiplies, and apart the transcendental ones, a division or a normalization (GELU, exp, rsqrt, softmax,
@@ -51,9 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vemesh.planning.device_rates import median_seconds, memory_rates, op_overheads
+from vemesh.planning.device_rates import attention_grid, attention_rates, median_seconds, memory_rates, op_overheads
 from vemesh.planning.fusion import MemoryBoundBytes
-from vemesh.planning.profiles import DeviceProfile, Link, load_profile
+from vemesh.planning.profiles import AttentionRate, DeviceProfile, Link, load_profile
 from vemesh.planning.step_time import collective_seconds, ring
 
 __all__ = ["KINDS", "calibrate", "functional_wait"]
@@ -223,9 +227,10 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, gr
         flops["fp8"] = 2 * big ** 3 / median_seconds(
             lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps, sync)
     memory, transcendental = memory_rates(device, sync, reps, quick)
+    attention = attention_rates(device, sync, reps, quick)
     if n == 1:  # one GPU: no collective to measure
         return [flops["fp32"], flops["bf16"], memory, 1.0, 0.0, *(-x for x in op_overheads(device, sync, reps)),
-                0.0, 0.0, flops.get("fp8", 0.0), transcendental], {}
+                0.0, 0.0, flops.get("fp8", 0.0), transcendental, *attention], {}
     kinds: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in KINDS}
     for size, group in groups.items():  # each group size, every group of it at once
         small, large = size * 256, size * ((2**18) if quick else (2**22))  # fp32: 1 KiB x size; 1 or 16 MiB x size
@@ -245,7 +250,7 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, gr
     tp_call, tp_dtensor_ops = _tp_reference(device, sync, 3 * reps, quick, pairs[1])
     # rates, and times negated: the slowest rank is each figure's minimum
     return [flops["fp32"], flops["bf16"], memory, overlap, -wait, -per_op, -per_dtensor_op, -tp_call,
-            -tp_dtensor_ops, flops.get("fp8", 0.0), transcendental], kinds
+            -tp_dtensor_ops, flops.get("fp8", 0.0), transcendental, *attention], kinds
 
 
 def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: str, repeat: int = 1) -> None:
@@ -277,6 +282,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
         links = _published_links(torch.cuda.get_device_name(0)) if n == 1 else None
         host = links.host.model_dump() if links is not None else kinds["all_reduce"][str(n)]
         wait, per_dtensor_op, tp_call, tp_dtensor_ops = -slowest[4], -slowest[6], -slowest[7], -slowest[8]
+        shapes, cuda = [(s, h) for s in attention_grid(device)[0] for h in attention_grid(device)[1]], device_type == "cuda"
         pair = Link(**kinds["all_reduce"].get("2", host)) if n > 1 else Link(**host)
         profile = DeviceProfile(
             name=f"calibrated-{socket.gethostname()}-{n}",
@@ -297,6 +303,9 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             achievable=1.0,
             memory_bandwidth=slowest[2],
             transcendental_bandwidth=slowest[10],
+            # each a fraction of the same dtype's matmul rate (bf16 on a GPU, fp32 on a CPU), both the slowest rank's
+            attention=[AttentionRate(seq=seq, head_dim=head, achievable=min(1.0, rate / slowest[1 if cuda else 0]))
+                       for (seq, head), rate in zip(shapes, slowest[11:])],
             overlap=slowest[3],
             shared_compute=shared,
             queued=device_type == "cuda",

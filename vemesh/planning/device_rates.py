@@ -12,7 +12,44 @@ import torch.distributed as dist
 
 from vemesh.planning.fusion import MemoryBoundBytes
 
-__all__ = ["median_seconds", "memory_rates", "op_overheads"]
+__all__ = ["attention_grid", "attention_rates", "median_seconds", "memory_rates", "op_overheads"]
+
+
+def attention_grid(device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes ``vemesh calibrate`` times attention at: ``(sequence lengths, head sizes)``, every pair. A CPU's
+    rate moves with both (0.04 of its matmul rate at head size 4, 0.58 at (1024, 64) on this project's machine); a
+    GPU's flash kernels are timed at the head sizes models use, on the sequences they train."""
+    if device.type == "cuda":
+        return (512, 2048, 8192), (64, 128)
+    return (64, 256, 1024), (4, 16, 64, 128)
+
+
+def attention_rates(device: torch.device, sync: Any, reps: int, quick: bool) -> list[float]:
+    """FLOP/s per rank of fused causal attention, forward and backward, at each shape of :func:`attention_grid`
+    (sequence lengths outer, head sizes inner), every rank at once: ``scaled_dot_product_attention`` as a step calls it
+    (fp32 on a CPU, bf16 on a GPU, where the flash kernels need it), its FLOPs counted as the planner counts them
+    (Q K^T and P V forward, five such products backward, half of them under the causal mask), enough heads a call for
+    a fixed amount of work."""
+    F = torch.nn.functional
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # FLOPs a call (about 30 ms on a CPU core shared by two ranks: a few of its time slices, so that each sample sees
+    # its share); fewer at heads under 32, which a CPU runs far below its matmul rate
+    work = 2**36 if device.type == "cuda" else 2**26 if quick else 2**30
+    rates = []
+    for seq in attention_grid(device)[0]:
+        for head in attention_grid(device)[1]:
+            per_head = 7 * 2 * seq * seq * head // 2
+            heads = max(1, int(work * min(1.0, head / 32)) // per_head)
+            q, k, v = (torch.randn(1, heads, seq, head, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            grad = torch.ones(1, heads, seq, head, device=device, dtype=dtype)
+
+            def step() -> None:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+            dist.barrier()
+            rates.append(heads * per_head / median_seconds(step, reps, sync))
+    return rates
 
 
 def median_seconds(fn: Any, reps: int, sync: Any) -> float:

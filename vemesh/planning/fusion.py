@@ -19,7 +19,11 @@ runs them at its memory bandwidth; a CPU's cores do not (GELU's backward at 6 GB
 project's machine), and a profile may time them at their own rate (``transcendental_bandwidth``).
 
 **Attention** (``attention_flops``): the FLOPs of the fused attention kernels, which a profile may time at their
-own fraction of the peak (``attention_achievable``: flash attention reaches less of it than a large matmul).
+own fraction of the peak (``attention_achievable``: flash attention reaches less of it than a large matmul), and
+the same FLOPs by shape (``attention_flops@SEQxHEAD``, :func:`attention_key`: the geometric mean of the query and
+key lengths, and the head size), which a calibrated profile times at the rate it measured nearest that shape
+(:meth:`vemesh.planning.profiles.DeviceProfile.attention_fraction`): a CPU's flash attention reaches 0.04 of its
+matmul rate at head size 4 and 0.58 at (1024, 64).
 
 **Float8: which matmuls.** ``linear_flops`` are the FLOPs of ``aten.mm``/``aten.addmm`` (``nn.Linear``'s three
 matmuls a forward and backward: torchao's training recipe runs all three in float8), ``linear_elements`` the
@@ -41,6 +45,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning.measure import FLOP_FORMULAS, NoModules
+from vemesh.planning.speedups import attention_key
 from vemesh.planning.storages import StorageTables, storage_key
 
 __all__ = ["Fusion", "MemoryBoundBytes", "moves_data", "step_counters"]
@@ -51,7 +56,8 @@ _FUSIBLE = {_aten.sum, _aten.mean, _aten.amax, _aten.amin, _aten.var_mean, _aten
             _aten._softmax_backward_data, _aten._log_softmax_backward_data, _aten._to_copy, _aten.copy_, _aten.clone}
 _LINEAR = {_aten.mm, _aten.addmm}
 #: attention's fused kernels as the planner traces them (CPU fake tensors), forward and backward
-_ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention_for_cpu_backward}
+_ATTENTION_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+_ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu, _ATTENTION_BACKWARD}
 #: ops that move no data: a query (``prim.device``), allocations (what an op writes later is its own), views that
 #: torch does not tag as views, and detach
 _NO_TRAFFIC = {torch.ops.prim.device, _aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided,
@@ -104,11 +110,25 @@ class Fusion:
         self.linear_elements = 0
         self.attention_flops = 0
         self.transcendental_bytes = 0
+        #: attention's FLOPs by shape (:func:`~vemesh.planning.speedups.attention_key`)
+        self.by_key: dict[str, int] = {}
 
     def counts(self) -> dict[str, int]:
         return {"fused_bytes": self.fused_bytes, "kernels": self.kernels, "linear_flops": self.linear_flops,
                 "linear_elements": self.linear_elements, "attention_flops": self.attention_flops,
-                "transcendental_bytes": self.transcendental_bytes}
+                "transcendental_bytes": self.transcendental_bytes, **self.by_key}
+
+    def set_counts(self, counts: dict[str, int], *, add: bool = False) -> None:
+        """Every count as ``counts`` has it (a replay's restore), or with ``counts`` added (``add``: a record's
+        change); a count that ``counts`` lacks is 0, or unchanged when adding."""
+        if not add:
+            self.by_key.clear()
+        for name in set(counts) | (set() if add else set(self.counts())):
+            value = counts.get(name, 0)
+            if "@" in name:
+                self.by_key[name] = self.by_key.get(name, 0) * add + value
+            else:
+                setattr(self, name, getattr(self, name) * add + value)
 
     @property
     def is_open(self) -> bool:
@@ -152,7 +172,11 @@ class Fusion:
             self.linear_elements += a.numel() + b.numel()
         elif func.overloadpacket in _ATTENTION:  # timed at the profile's attention_achievable
             shapes = [x.shape if isinstance(x, torch.Tensor) else x for x in args]
-            self.attention_flops += FLOP_FORMULAS[func.overloadpacket](*shapes, **(kwargs or {}))
+            flops = FLOP_FORMULAS[func.overloadpacket](*shapes, **(kwargs or {}))
+            q, k = args[1:3] if func.overloadpacket is _ATTENTION_BACKWARD else args[:2]  # backward: (grad, q, k, ...)
+            key = attention_key(q.shape[-2], k.shape[-2], q.shape[-1])
+            self.attention_flops += flops
+            self.by_key[key] = self.by_key.get(key, 0) + flops
         elif func.overloadpacket in _TRANSCENDENTAL:  # eager's bytes of these ops, timed at their own rate
             self.transcendental_bytes += sum(_nbytes(t) for t in (*reads, *writes))
         if _fusible(func):

@@ -17,7 +17,7 @@ from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.models.gpt.stages import split_layers
 from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE, plan_buckets
 from vemesh.parallel.schedules import in_flight, stage_indices, stages_per_rank
-from vemesh.planning.activations import add_ops, trace_stage
+from vemesh.planning.activations import Trace, add_ops, trace_stage
 from vemesh.planning.estimate import Model, fsdp_local, local_numel, rank_shards, rank_static, stage_keys
 from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.wrapper_costs import wrapper_costs
@@ -99,7 +99,7 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
                           ops=passes * sum(t.ops for t in traces) + wrapper[1],
                           dtensor_ops=passes * sum(t.dtensor_ops for t in traces),
                           collectives=ops,
-                          counts={"transcendental_bytes": passes * sum(t.transcendental_bytes for t in traces)})
+                          counts=_rated(traces, passes))
         classes.append(RankClass(name, static, activations, extra, {d: nbytes(o) for d, o in ops.items()}, **timing))
     notes = (f"pipeline estimated, not traced (a search): one micro-batch per stage traced, times the chunks in "
              f"flight along torch's {job.pp_schedule} action list, without the example's end of a step (its "
@@ -150,6 +150,13 @@ def optimizer_bytes(static: Any, mode: str) -> int:
     gathered back (a traced plan's figure is 0.91 to 1.0 of this on the PP meshes of ``test_step_time.py``)."""
     copies = static.params + static.grads if mode == "zero1" else 0
     return round(ADAMW_BYTES_PER_STATE_BYTE * static.optimizer + copies)
+
+
+def _rated(traces: list[Trace], passes: int) -> dict[str, int]:
+    """The counts a profile times at their own rates (the transcendental ops' bytes, attention's FLOPs, each in all
+    and by op or shape) over ``passes`` of the stage traces; compile's and Float8's are the traced plan's alone."""
+    keys = {k for t in traces for k in t.counts if "@" in k or k in ("transcendental_bytes", "attention_flops")}
+    return {k: passes * sum(t.counts.get(k, 0) for t in traces) for k in sorted(keys)}
 
 
 def dp_traffic(model: Model, keys: set[str], job: Any, dp: int, tp: int, passes: int,

@@ -14,12 +14,13 @@ file naming its sources and what it assumes; ``measured`` is false in them and t
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["BUILT_IN", "DeviceProfile", "Link", "load_profile"]
+__all__ = ["BUILT_IN", "AttentionRate", "DeviceProfile", "Link", "load_profile"]
 
 _HERE = Path(__file__).resolve().parent / "profiles"
 #: The names of the built-in profiles.
@@ -32,6 +33,16 @@ class Link(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     latency_s: float = Field(gt=0)
     bandwidth: float = Field(gt=0)
+
+
+class AttentionRate(BaseModel):
+    """Fused attention's measured rate at one shape: causal forward and backward of heads of ``head_dim`` over
+    sequences of ``seq``, as a fraction of the profile's matmul peak (``vemesh calibrate`` measures a grid of them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    seq: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    achievable: float = Field(gt=0, le=1)
 
 
 class DeviceProfile(BaseModel):
@@ -48,6 +59,10 @@ class DeviceProfile(BaseModel):
     achievable: float = Field(gt=0, le=1)
     #: the fraction of the peak that attention's fused kernels reach (flash attention's; None: ``achievable``)
     attention_achievable: float | None = Field(None, gt=0, le=1)
+    #: measured attention rates on a grid of shapes (every ``seq`` with every ``head_dim``): an attention call is timed
+    #: at the rate interpolated at its shape (:meth:`attention_fraction`); a CPU's flash attention reaches 0.04 of
+    #: its matmul rate at head size 4, 0.58 at (1024, 64). Empty: ``attention_achievable``
+    attention: list[AttentionRate] = []
     memory_bandwidth: float = Field(gt=0)
     #: bytes per second of the memory-bound ops whose arithmetic is transcendental, a division or a normalization
     #: (exp, GELU, SiLU, rsqrt, softmax, norms: :mod:`vemesh.planning.fusion`). None: ``memory_bandwidth`` (a GPU runs
@@ -92,7 +107,23 @@ class DeviceProfile(BaseModel):
     def _racks_whole(self) -> DeviceProfile:
         if (self.hosts_per_rack is None) != (self.rack is None):
             raise ValueError("racks need both hosts_per_rack and rack (the link between racks), or neither")
+        seqs, heads = {a.seq for a in self.attention}, {a.head_dim for a in self.attention}
+        if len({(a.seq, a.head_dim) for a in self.attention}) != len(seqs) * len(heads) or \
+                len(self.attention) != len(seqs) * len(heads):
+            raise ValueError(f"attention needs one rate for each seq ({sorted(seqs)}) with each head_dim "
+                             f"({sorted(heads)}), a full grid; got {len(self.attention)} entries")
         return self
+
+    def attention_fraction(self, seq: int, head_dim: int) -> float:
+        """The fraction of the peak an attention call over sequences of ``seq`` with heads of ``head_dim`` reaches:
+        the measured grid (:attr:`attention`) interpolated linearly in the logarithms of both, each held at the
+        grid's edge beyond it; without a grid ``attention_achievable``, else ``achievable``."""
+        if not self.attention:
+            return self.attention_achievable or self.achievable
+        rates = {(a.seq, a.head_dim): a.achievable for a in self.attention}
+        (s0, s1, ws), (h0, h1, wh) = (_between(sorted({k[i] for k in rates}), x) for i, x in ((0, seq), (1, head_dim)))
+        return ((1 - ws) * ((1 - wh) * rates[s0, h0] + wh * rates[s0, h1])
+                + ws * ((1 - wh) * rates[s1, h0] + wh * rates[s1, h1]))
 
     def link(self, name: str, kind: str, size: int) -> Link:
         """The link a ``kind`` collective over ``size`` ranks runs on, in the ``name`` link class (``host``,
@@ -113,6 +144,17 @@ class DeviceProfile(BaseModel):
             raise ValueError(f"device profile {self.name!r} has no matmul throughput for {dtype}; it has "
                              f"{', '.join(sorted(self.matmul_flops))}")
         return self.matmul_flops[dtype]  # type: ignore[index]
+
+def _between(points: list[int], x: float) -> tuple[int, int, float]:
+    """The grid points either side of ``x`` and ``x``'s weight toward the upper one, in logarithms (held at the
+    edges)."""
+    x = min(max(x, points[0]), points[-1])
+    upper = next((p for p in points if p >= x), points[-1])
+    lower = max((p for p in points if p <= x), default=points[0])
+    if upper == lower:
+        return lower, upper, 0.0
+    return lower, upper, (math.log(x) - math.log(lower)) / (math.log(upper) - math.log(lower))
+
 
 def load_profile(ref: str | Path | DeviceProfile) -> DeviceProfile:
     """A built-in profile by name, or one from a JSON file; one-line ``ValueError`` naming a bad name or field."""

@@ -32,7 +32,7 @@ class StepCounters:
         flops = dict(self.flops.flop_counts.get("Global", {})) if hasattr(self.flops, "flop_counts") else {}
         moved = (self.moved.bytes, self.moved.ops, self.moved.dtensor_ops)
         fusion = getattr(self.moved, "fusion", None)
-        fused = (fusion.region, fusion.is_open, *fusion.counts().values()) if fusion is not None else ()
+        fused = (fusion.region, fusion.is_open, fusion.counts()) if fusion is not None else ()
         dim = self._dim
         collectives = {dim(g): (c.bytes.get(g, 0), c.calls.get(g, 0), {op: tuple(v) for op, v in c.by_op.get(g, {}).items()})
                        for g in set(c.bytes) | set(c.by_op)}
@@ -59,8 +59,7 @@ class StepCounters:
         fusion = getattr(self.moved, "fusion", None)
         if fusion is not None:
             fusion.region, fusion.is_open = fused[0], fused[1]
-            for name, value in zip(fusion.counts(), fused[2:]):
-                setattr(fusion, name, value)
+            fusion.set_counts(fused[2])
 
     def advance(self, delta: tuple) -> None:
         flops, moved, fused, collectives, ops = delta
@@ -74,8 +73,7 @@ class StepCounters:
         if fusion is not None:
             fusion.region += fused[0]
             fusion.is_open = fused[1]
-            for name, value in zip(fusion.counts(), fused[2:]):
-                setattr(fusion, name, getattr(fusion, name) + value)
+            fusion.set_counts(dict(fused[2]), add=True)
         c = self.collectives
         for dim, (b, n, by_op) in collectives:
             g = self._group(dim)
@@ -120,7 +118,8 @@ def minus(after: tuple, before: tuple) -> tuple:
     flops = tuple(sorted(((op, n - before[0].get(op, 0)) for op, n in after[0].items() if n != before[0].get(op, 0)),
                          key=lambda item: str(item[0])))
     moved = tuple(a - b for a, b in zip(after[1], before[1]))
-    fused = ((after[2][0] - before[2][0], after[2][1], *(a - b for a, b in zip(after[2][2:], before[2][2:])))
+    fused = ((after[2][0] - before[2][0], after[2][1],
+              tuple(sorted((k, v - before[2][2].get(k, 0)) for k, v in after[2][2].items() if v != before[2][2].get(k, 0))))
              if after[2] else ())
     collectives = []
     for g, (b, n, by_op) in sorted(after[3].items()):

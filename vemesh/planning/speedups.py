@@ -3,7 +3,8 @@
 its counts (:mod:`vemesh.planning.fusion`) by these rules.
 
 * **attention** (always): the fused attention kernels' FLOPs at the profile's ``attention_achievable`` fraction of
-  the peak where it has one (flash attention reaches less of it than a large matmul), the other FLOPs at
+  the peak where it has one (flash attention reaches less of it than a large matmul), or, with a calibrated grid of
+  shapes, each call's FLOPs at the rate measured nearest its shape (:func:`attention_seconds`); the other FLOPs at
   ``achievable``.
 * **transcendental ops** (always): their bytes at the profile's ``transcendental_bandwidth`` where it has one (a
   CPU's), the others at ``memory_bandwidth``; compiled, their arithmetic beyond a fused region's bytes is still done.
@@ -33,10 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FLOAT8", "Speedups", "linear_share"]
+__all__ = ["ATTENTION_KEY", "FLOAT8", "Speedups", "attention_key", "attention_seconds", "linear_share"]
 
 #: ``--float8``'s recipes (torchao's ``Float8LinearConfig.from_recipe_name``).
 FLOAT8 = ("tensorwise", "rowwise")
+#: the prefix of a trace's count of attention FLOPs by shape: ``attention_flops@SEQxHEAD``
+ATTENTION_KEY = "attention_flops@"
 #: bytes per element of a Float8 operand's cast and scale: (eager, compiled), the operand in a 2-byte dtype
 _CAST_BYTES = (2 + 2 + 1, 2 + 1)
 
@@ -71,8 +74,7 @@ class Speedups:
         """A rank class's compute (matmuls, memory-bound bytes, per-op time) under these switches."""
         counts, rate = getattr(c, "counts", None) or {}, profile.flops(dtype) * profile.achievable
         attention = counts.get("attention_flops", 0)
-        matmul = (c.flops - attention) / rate + attention / (profile.flops(dtype) * (profile.attention_achievable
-                                                                                       or profile.achievable))
+        matmul = (c.flops - attention) / rate + attention_seconds(counts, profile, dtype)
         cast = 0.0
         if self.float8 is not None:
             linear = counts.get("linear_flops", 0)
@@ -107,6 +109,27 @@ class Speedups:
     def gathered_bytes(self, nbytes: float) -> float:
         """FSDP2's all-gather bytes with the Float8 weights sent in 1 byte (half the 2-byte compute dtype's)."""
         return nbytes * (1 - 0.5 * self.float8_share) if self.float8_all_gather else nbytes
+
+
+def attention_key(q_len: int, kv_len: int, head_dim: int) -> str:
+    """The count's key of an attention call's FLOPs: the geometric mean of its query and key lengths (a ring step of
+    context parallelism, or half of a load-balanced chunk, runs blocks shorter than the sequence), and its head size."""
+    return f"{ATTENTION_KEY}{round((q_len * kv_len) ** 0.5)}x{head_dim}"
+
+
+def attention_seconds(counts: dict[str, int], profile: Any, dtype: str) -> float:
+    """The fused attention kernels' time: each shape's FLOPs (``attention_flops@SEQxHEAD``,
+    :func:`attention_key`) at the profile's rate for that shape
+    (:meth:`~vemesh.planning.profiles.DeviceProfile.attention_fraction`), and any not counted by shape (an older
+    trace) at its rate without a grid."""
+    peak, seconds, by_shape = profile.flops(dtype), 0.0, 0
+    for key, flops in counts.items():
+        if key.startswith(ATTENTION_KEY):
+            seq, head_dim = (int(x) for x in key[len(ATTENTION_KEY):].split("x"))
+            seconds += flops / (peak * profile.attention_fraction(seq, head_dim))
+            by_shape += flops
+    rest = counts.get("attention_flops", 0) - by_shape
+    return seconds + max(0, rest) / (peak * (profile.attention_achievable or profile.achievable))
 
 
 def linear_share(model: Any, skip: tuple[str, ...] = ("output",)) -> float:
