@@ -62,9 +62,11 @@ def planned_ops(device: str, layers: int, width: int, heads: int, seq: int, batc
     from vemesh.planning.api import answer
     from vemesh.planning.request import PlanRequest
 
+    # a GPU's profile plans the optimizer as torch runs it on CUDA (foreach, ZeRO-1's runs whole), a CPU's as on a CPU
+    profile = "h200-sxm" if device == "cuda" else str(ROOT / "bench" / "results" / "profile-calibrated-4.json")
     request = PlanRequest(model=f"gpt:n_layer={layers},n_embd={width},n_head={heads},seq_len={seq},vocab=256",
                           world_size=1, global_batch_size=batch, dtype="bf16" if device == "cuda" else "fp32",
-                          device_profile="h200-sxm")
+                          device_profile=profile)
     return answer(request).fit.classes[0].ops
 
 

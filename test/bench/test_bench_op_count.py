@@ -13,6 +13,6 @@ def test_the_plan_counts_about_the_ops_the_real_step_dispatches(tmp_path) -> Non
     stdout, rows = run_bench("op_count.py", json_out=tmp_path / "op_count.json", timeout=300)
     assert [r["name"] for r in rows] == ["gpt-2x192", "gpt-12x768"], stdout
     for row in rows:
-        # the trace's rest: the optimizer state's first-step allocations, the preset's clipping per parameter
-        assert 0.8 <= row["ratio"] <= 1.35, row | {"real_by_op": None}
+        # 0.92 and 1.05 (1.09 and 1.17 while a fake tensor's clipping ran a norm per gradient)
+        assert 0.85 <= row["ratio"] <= 1.2, row | {"real_by_op": None}
         assert row["real"] > 0 and "aten.mm" in row["real_by_op"], row

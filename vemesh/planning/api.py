@@ -13,7 +13,7 @@ The question is one :class:`~vemesh.planning.request.PlanRequest`, the value ``v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vemesh.layout.data_dims import data_dims
@@ -87,6 +87,8 @@ def answer(request: PlanRequest) -> Answer:
         raise ValueError("a plan of memory and bytes needs a model (--model gpt:... or module:MODULE:FACTORY)")
     job, memory = request.job(), request.memory()
     profile = load_profile(request.device_profile) if request.device_profile is not None else None
+    if profile is not None and profile.queued:  # a GPU: its optimizer's ops as torch runs it there
+        job = replace(job, device="cuda")
     if request.searches:
         per_host = request.devices_per_host or (profile.devices_per_host if profile is not None else None)
         if per_host:

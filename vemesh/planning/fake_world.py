@@ -5,6 +5,7 @@
 * :func:`give_storage`: a model built on the meta device given fake storage (``to_empty``);
 * :func:`copies_in_mode`: ``copy.deepcopy`` of a fake tensor (a pipeline stage cut from the model) made in the
   trace's own fake mode, as a real copy is a new tensor of the same kind;
+* :func:`fakes_take_foreach`: torch's foreach paths (clipping) taking a fake tensor as a plain one;
 * :func:`to_bf16`: ``model.to(torch.bfloat16)`` for a model of fake tensors;
 * :class:`Held`: the bytes of a model's own weights and gradients at a moment (the peak), each storage once;
 * :func:`local_shards`: ``distribute_tensor`` cutting only this rank's shard (no chunk per rank, no scatter);
@@ -31,8 +32,8 @@ from torch.utils._pytree import tree_map_only
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel import ParallelDims
 
-__all__ = ["Chunks", "CpuKernelShapes", "Held", "chunks_on_demand", "copies_in_mode", "fake_world", "give_storage",
-           "local_shards", "real_mesh_tensors", "to_bf16"]
+__all__ = ["Chunks", "CpuKernelShapes", "Held", "chunks_on_demand", "copies_in_mode", "fake_world", "fakes_take_foreach",
+           "give_storage", "local_shards", "real_mesh_tensors", "to_bf16"]
 
 
 @contextlib.contextmanager
@@ -138,6 +139,26 @@ def quiet_sharding_propagation() -> Iterator[None]:
         yield
     finally:
         cls._propagate_tensor_meta_non_cached = original
+
+
+@contextlib.contextmanager
+def fakes_take_foreach() -> Iterator[None]:
+    """Inside, torch's foreach paths that choose by a tensor's type (``clip_grad_norm_``'s norms and its scaling) take
+    a fake tensor as the plain tensor it stands for, as torch registers DTensor: a real step's clipping runs one
+    ``_foreach_norm`` over its gradients, where a fake one ran a norm per gradient (each an op, counted at the
+    framework's time per op)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _foreach_utils
+
+    supported = _foreach_utils._foreach_supported_types
+    added = FakeTensor not in supported
+    if added:
+        supported.append(FakeTensor)
+    try:
+        yield
+    finally:
+        if added:
+            supported.remove(FakeTensor)
 
 
 @contextlib.contextmanager

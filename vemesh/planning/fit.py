@@ -64,6 +64,9 @@ class Job:
     before_optimizer: Any = None  #: ``--before-optimizer MODULE:FUNCTION`` (or the function): the loop's end of a step
     moe_load_factor: float = 1.0  #: the busiest EP rank's share of the slots over the balanced share
     timed: bool = False  #: count what a step-time prediction needs (FLOPs, memory-bound bytes, ops) while tracing
+    #: the device the step runs on, as its optimizer runs there: on ``cuda`` torch's foreach AdamW and ZeRO-1's runs
+    #: whole, a few ops for every tensor, where a CPU steps each tensor (each 512K chunk) in turn (a queued profile's)
+    device: str = "cpu"
     #: what GPU users turn on, modelled on the traced step (:mod:`vemesh.planning.step_time`), not traced
     speed: Any = None  #: :class:`vemesh.planning.speedups.Speedups` (compile, Float8, async TP), None for none
 
@@ -135,7 +138,8 @@ def _traced_llama3(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_
     return (predict_pipeline if pp > 1 else predict_user)(
         fns, world_size=pp * dp * cp * tp, degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
         dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
-        dtype="fp32" if job.mode == "fsdp" else job.dtype, dp_mode=job.mode, load_factor=1.0, timed=job.timed)
+        dtype="fp32" if job.mode == "fsdp" else job.dtype, dp_mode=job.mode, load_factor=1.0, timed=job.timed,
+        device=job.device)
 
 
 @functools.lru_cache(maxsize=64)  # a search asked again (another device memory, placement or ranking) traces nothing
@@ -149,7 +153,7 @@ def _traced_preset(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_
         fns, world_size=pp * dp * cp * tp, degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
         dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
         dtype="fp32" if job.mode == "fsdp" else job.dtype, dp_mode=job.mode, load_factor=job.moe_load_factor,
-        timed=job.timed)
+        timed=job.timed, device=job.device)
     return replace(fit, notes=tuple(n for n in fit.notes if not n.startswith("dp mode ")))
 
 
@@ -168,7 +172,8 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         return (predict_pipeline if pp > 1 else predict_user)(fns, world_size=pp * dp * cp * tp,
                             degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, dp_replicate=dp_replicate,
                             global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
-                            dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor, timed=job.timed)
+                            dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor, timed=job.timed,
+                            device=job.device)
     if job.llama3:
         cfg = config_of(job.model)
         if pp > 1:

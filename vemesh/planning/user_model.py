@@ -45,7 +45,7 @@ from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.fake_world import (CpuKernelShapes, Held, chunks_on_demand, copies_in_mode, fake_world,
-                                       give_storage, local_shards, real_mesh_tensors, to_bf16)
+                                       fakes_take_foreach, give_storage, local_shards, real_mesh_tensors, to_bf16)
 from vemesh.planning.fusion import step_counters
 from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, mesh_names,
                                     ops_by_mesh_name)
@@ -126,10 +126,11 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
     return given or ("fsdp" if fsdp else "zero1"), ddps
 
 
-def _optimizer(parts: list[nn.Module], mode: str, ddps: list[Any]) -> torch.optim.Optimizer:
+def _optimizer(parts: list[nn.Module], mode: str, ddps: list[Any], device: str) -> torch.optim.Optimizer:
+    on_gpu = dict(foreach=True) if device == "cuda" else {}  # as torch runs it there; a fake tensor is a CPU one
     if mode == "zero1":
-        return DistributedOptimizer(torch.optim.AdamW, models=ddps)
-    return torch.optim.AdamW([p for part in parts for p in part.parameters() if p.requires_grad])
+        return DistributedOptimizer(torch.optim.AdamW, models=ddps, main_param_chunk=0 if on_gpu else None, **on_gpu)
+    return torch.optim.AdamW([p for part in parts for p in part.parameters() if p.requires_grad], **on_gpu)
 
 
 def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -161,7 +162,7 @@ def _unknown(counter: Any, mesh: Any) -> str | None:
 def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], dp_replicate: int = 1,
                micro_batch_size: int, passes: int, dtype: str = "fp32", dp_mode: str | None = None,
                load_factor: float = 1.0, blocks: tuple[str, int] | None = None, timed: bool = False,
-               pp_rank: int = 0, exchange: MetaExchange | None = None) -> Counted:
+               device: str = "cpu", pp_rank: int = 0, exchange: MetaExchange | None = None) -> Counted:
     """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks; ``timed``
     also counts what a step-time prediction needs (FLOPs, memory-bound bytes, ops: about 10% more tracing).
 
@@ -176,7 +177,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     model = _copy_of_template(fns, blocks)  # the factory's model, built once on meta (the factory is called if not)
     with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp, pp_rank=pp_rank) as mesh, \
             FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, CpuKernelShapes(), copies_in_mode(fake_mode), \
-            real_mesh_tensors(), routing(load_factor) as routed, warnings.catch_warnings():
+            real_mesh_tensors(), fakes_take_foreach(), routing(load_factor) as routed, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
         if model is None:
             with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
@@ -198,7 +199,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             del model  # the function's result holds what it kept (a stage cut from the model drops the rest)
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = Held(parts, ddps)
-            optimizer = _optimizer(parts, mode, ddps)
+            optimizer = _optimizer(parts, mode, ddps, device)
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
                 replay = exchange.replay_for(stages, tracker, counter, mesh, fns.pp_schedule, pp, pp_rank, passes)
@@ -347,9 +348,8 @@ def _copy_of_template(fns: UserFunctions, blocks: tuple[str, int] | None) -> nn.
 
 def trace_arguments(*, world_size: int, degrees: dict[str, int], dp_replicate: int = 1, global_batch_size: int,
                     micro_batch_size: int | None, dtype: str, dp_mode: str | None, load_factor: float,
-                    timed: bool = False) -> dict[str, Any]:
-    """:func:`trace_user`'s keywords for a job: the micro-batch (default: the DP rank's batch, or with PP 2 x PP
-    micro-batches of it) and the micro-batches per step, each checked to divide."""
+                    timed: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """:func:`trace_user`'s keywords: the micro-batch (default the DP rank's batch; with PP 2 x PP of them), checked."""
     pp = degrees.get("PP", 1)
     if global_batch_size % degrees["DP"]:
         raise ValueError(f"DP {degrees['DP']} does not divide the global batch of {global_batch_size} sequences")
@@ -358,7 +358,7 @@ def trace_arguments(*, world_size: int, degrees: dict[str, int], dp_replicate: i
     if per_dp % mbs:
         raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
     return dict(world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, micro_batch_size=mbs,
-                passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor, timed=timed)
+                passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor, timed=timed, device=device)
 
 
 def predict_user(fns: UserFunctions, **job: Any) -> Any:

@@ -20,13 +20,11 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def _job(whole: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[DDP, DistributedOptimizer]:
+def _job(whole: bool) -> tuple[DDP, DistributedOptimizer]:
     torch.manual_seed(0)
     model = DDP(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=256, n_head=4)))
-    with monkeypatch.context() as m:
-        if whole:  # as on a GPU
-            m.setattr(zero1, "_chunks", lambda t: (t,))
-        return model, DistributedOptimizer(torch.optim.AdamW, models=[model], lr=1e-2)
+    # whole: as on a GPU (what a plan for a GPU traces on the CPU); else the CPU's own cut
+    return model, DistributedOptimizer(torch.optim.AdamW, models=[model], lr=1e-2, main_param_chunk=0 if whole else None)
 
 
 def _step(model: DDP, opt: DistributedOptimizer, seed: int) -> None:
@@ -37,23 +35,26 @@ def _step(model: DDP, opt: DistributedOptimizer, seed: int) -> None:
     opt.step()
 
 
-def test_a_gpus_whole_runs_step_as_a_cpus_chunks_and_their_state_dicts_load_into_each_other(world_of_one,
-                                                                                              monkeypatch) -> None:
+def test_a_gpus_whole_runs_step_as_a_cpus_chunks_and_their_state_dicts_load_into_each_other(world_of_one) -> None:
     meta = torch.empty(3 << 19, device="meta")
     assert len(zero1._chunks(meta)) == 1 and len(zero1._chunks(torch.empty(3 << 19))) == 3
-    chunked, cut = _job(False, monkeypatch)
-    whole, kept = _job(True, monkeypatch)
+    chunked, cut = _job(False)
+    whole, kept = _job(True)
     assert len(cut._inner) > len(kept._inner) == len(kept.shards[0].runs)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match=rf"main_param_chunk must be a number of elements >= 0 \(0: whole runs\) "
+                                             rf"or None \(by device\), got {bad!r}"):
+            DistributedOptimizer(torch.optim.AdamW, models=[chunked], main_param_chunk=bad)
     for seed in range(3):
         _step(chunked, cut, seed)
         _step(whole, kept, seed)
     for a, b in zip(chunked.parameters(), whole.parameters()):
         assert torch.equal(a, b)
     # the per-parameter state dict does not depend on the cut: whole -> chunked, chunked -> whole
-    again, cut_again = _job(False, monkeypatch)
+    again, cut_again = _job(False)
     again.load_state_dict(whole.state_dict())
     cut_again.load_state_dict(kept.state_dict())
-    whole_again, kept_again = _job(True, monkeypatch)
+    whole_again, kept_again = _job(True)
     whole_again.load_state_dict(chunked.state_dict())
     kept_again.load_state_dict(cut.state_dict())
     for model, opt in ((chunked, cut), (whole, kept), (again, cut_again), (whole_again, kept_again)):

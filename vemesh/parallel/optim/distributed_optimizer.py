@@ -48,9 +48,11 @@ __all__ = ["DistributedOptimizer"]
 MAIN_PARAM_CHUNK = 1 << 19
 
 
-def _chunks(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``t`` cut for the inner optimizer: :data:`MAIN_PARAM_CHUNK` on a CPU, whole elsewhere."""
-    return t.split(MAIN_PARAM_CHUNK) if t.device.type == "cpu" else (t,)
+def _chunks(t: torch.Tensor, size: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``t`` cut for the inner optimizer: into ``size`` elements (0: whole; None: :data:`MAIN_PARAM_CHUNK` on a CPU,
+    whole elsewhere)."""
+    size = (MAIN_PARAM_CHUNK if t.device.type == "cpu" else 0) if size is None else size
+    return t.split(size) if size else (t,)
 
 
 def _check_models(models: Any) -> list[DistributedDataParallel]:
@@ -118,6 +120,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer_kwargs: options for ``optimizer`` when it is a class (veScale's form).
         clip_groups: with ``clip_grad``, the groups whose ranks hold other parts of the model (the pipeline
             group), as :func:`~vemesh.optim.clip_grad_norm_`'s ``groups``; required on a mesh with PP > 1.
+        main_param_chunk: the most elements of one flat tensor handed to the inner optimizer; 0 keeps each run of
+            this rank's slices whole; None (the default) picks by device: 512K on a CPU (:data:`MAIN_PARAM_CHUNK`),
+            whole elsewhere. The cut changes no value and no state dict.
         **kwargs: more options for ``optimizer`` when it is a class.
 
     :attr:`param_groups` hold the models' parameters and drive the shards: change ``lr`` there
@@ -148,9 +153,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_to_fp32: bool = True,
         optimizer_kwargs: Mapping[str, Any] | None = None,
         clip_groups: Sequence[dist.ProcessGroup] | None = None,
+        main_param_chunk: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.models = _check_models(models)
+        if main_param_chunk is not None and (isinstance(main_param_chunk, bool) or not isinstance(main_param_chunk, int)
+                                             or main_param_chunk < 0):
+            raise ValueError(f"main_param_chunk must be a number of elements >= 0 (0: whole runs) or None (by device), "
+                             f"got {main_param_chunk!r}")
         if clip_grad is None:
             clip_grad = 0.0
         if isinstance(clip_grad, bool) or not isinstance(clip_grad, (int, float)) or clip_grad < 0:
@@ -181,7 +191,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for si, shard in enumerate(self.shards):
             for (gid, start, _), main, grad in zip(shard.runs, shard.main, shard.grads):
                 at = start
-                for main_chunk, grad_chunk in zip(_chunks(main), _chunks(grad)):
+                for main_chunk, grad_chunk in zip(_chunks(main, main_param_chunk), _chunks(grad, main_param_chunk)):
                     inner = nn.Parameter(main_chunk)  # shares storage with main
                     inner_groups[gid]["params"].append(inner)  # type: ignore[index]
                     self._inner.append((inner, grad_chunk))
