@@ -267,6 +267,7 @@ def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     assert p.shared_compute == max(1.0, 2 / (os.cpu_count() or 1))  # 2 ranks of 1 thread each
     # attention on its grid of shapes: a CPU's flash attention is far slower at head size 4 than at 64
     assert len(p.attention) == 12 and p.attention_fraction(1024, 4) < p.attention_fraction(1024, 64)
+    assert "of the matmul rate over 12 shapes" in done.stdout, done.stdout
     assert "--repeat 2" in p.sources[0] and p.backend == "gloo"  # each figure the median of 2 rounds
     timed = answer(PlanRequest(world_size=2, model=llama_jobs.make_dense, parallelize=llama_jobs.parallelize_ddp,
                                step=llama_jobs.step, global_batch_size=4, device_profile=str(out)))

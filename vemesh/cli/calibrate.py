@@ -46,5 +46,8 @@ def _run(args: argparse.Namespace) -> int:
           f"per rank; memory {profile.memory_bandwidth / 1e9:.1f} GB/s "
           f"({(profile.transcendental_bandwidth or profile.memory_bandwidth) / 1e9:.1f} for transcendental ops); "
           f"all-reduce {ar.latency_s * 1e6:.0f} us per "
-          f"step, {ar.bandwidth / 1e9:.2f} GB/s bus bandwidth")
+          f"step, {ar.bandwidth / 1e9:.2f} GB/s bus bandwidth"
+          + (f"; attention {min(a.achievable for a in profile.attention):.2f} to "
+             f"{max(a.achievable for a in profile.attention):.2f} of the matmul rate over "
+             f"{len(profile.attention)} shapes" if profile.attention else ""))
     return 0
