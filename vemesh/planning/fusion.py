@@ -20,10 +20,10 @@ project's machine), and a profile may time them at their own rate (``transcenden
 
 **Attention** (``attention_flops``): the FLOPs of the fused attention kernels, which a profile may time at their
 own fraction of the peak (``attention_achievable``: flash attention reaches less of it than a large matmul), and
-the same FLOPs by shape (``attention_flops@SEQxHEAD``, :func:`attention_key`: the geometric mean of the query and
-key lengths, and the head size), which a calibrated profile times at the rate it measured nearest that shape
-(:meth:`vemesh.planning.profiles.DeviceProfile.attention_fraction`): a CPU's flash attention reaches 0.04 of its
-matmul rate at head size 4 and 0.58 at (1024, 64).
+the same FLOPs by shape (``attention_flops@SEQxHEAD``, :func:`vemesh.planning.speedups.attention_key`: the
+geometric mean of the query and key lengths, and the head size), which a calibrated profile times at the rate
+interpolated on the grid of shapes it measured (:meth:`vemesh.planning.profiles.DeviceProfile.attention_fraction`):
+a CPU's flash attention reaches 0.04 of its matmul rate at head size 4 and 0.58 at (1024, 64).
 
 **Float8: which matmuls.** ``linear_flops`` are the FLOPs of ``aten.mm``/``aten.addmm`` (``nn.Linear``'s three
 matmuls a forward and backward: torchao's training recipe runs all three in float8), ``linear_elements`` the
