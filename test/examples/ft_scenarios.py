@@ -16,6 +16,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "gpt" / "train.py"
@@ -120,13 +121,19 @@ def records(path: Path) -> list[dict]:
 
 def wait_for(path: Path, step: int, timeout: float, procs: list[subprocess.Popen] = ()) -> list[dict]:
     """Poll ``path`` until it records ``step``; fail if it does not within ``timeout`` or a process ends first."""
+    return wait_until(path, lambda row: row["step"] >= step, f"step {step}", timeout, procs)
+
+
+def wait_until(path: Path, where: Any, what: str, timeout: float, procs: list[subprocess.Popen] = ()) -> list[dict]:
+    """Poll ``path`` until one of its records is ``where(record)`` (``what``, for the failure); fail if none is within
+    ``timeout`` or a process ends first."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         rows = records(path)
-        if rows and rows[-1]["step"] >= step:
+        if any(where(row) for row in rows):
             return rows
         for p in procs:
             if p.poll() is not None:
-                raise AssertionError(f"{p.args} exited with {p.returncode} before {path.name} reached step {step}")
+                raise AssertionError(f"{p.args} exited with {p.returncode} before {path.name} recorded {what}")
         time.sleep(0.05)
-    raise AssertionError(f"{path.name} did not reach step {step} within {timeout:.0f}s: {records(path)[-1:]}")
+    raise AssertionError(f"{path.name} recorded no {what} within {timeout:.0f}s: {records(path)[-1:]}")

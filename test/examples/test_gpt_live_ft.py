@@ -75,7 +75,9 @@ def test_lose_a_replica_keep_going_then_heal_it_from_the_live_one(tmp_path) -> N
             S.wait_for(m1, max(KILL_AT, joined + 2), 120, [r0, r1])
             S.kill(r1)  # both ranks at once, as a lost host
             killed_after = S.records(m1)[-1]["step"]
-            # back at once: it starts while replica 0 trains alone, then heals from it
+            # back while replica 0 trains alone, then healed from it: started once replica 0 has a step alone
+            # (started at once, it can be back within the next quorum's join window, and replica 0 is never alone)
+            S.wait_until(m0, lambda r: r["step"] > killed_after and r["participants"] == 1, "a step alone", 120, [r0])
             r1b = S.replica([*replica, *ft, "--ft-replica-id", "1", "--metrics-file", str(m1b)], tmp_path / "r1b.log")
             assert r0.wait(timeout=240) == 0, (tmp_path / "r0.log").read_text()[-3000:]
             assert r1b.wait(timeout=60) == 0, (tmp_path / "r1b.log").read_text()[-3000:]
