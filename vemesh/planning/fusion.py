@@ -123,12 +123,13 @@ class Fusion:
         change); a count that ``counts`` lacks is 0, or unchanged when adding."""
         if not add:
             self.by_key.clear()
-        for name in set(counts) | (set() if add else set(self.counts())):
-            value = counts.get(name, 0)
+            for name in self.counts():
+                setattr(self, name, 0)
+        for name, value in counts.items():
             if "@" in name:
-                self.by_key[name] = self.by_key.get(name, 0) * add + value
+                self.by_key[name] = self.by_key.get(name, 0) + value
             else:
-                setattr(self, name, getattr(self, name) * add + value)
+                setattr(self, name, getattr(self, name) + value)
 
     @property
     def is_open(self) -> bool:
