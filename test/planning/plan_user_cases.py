@@ -19,6 +19,10 @@ def make_six() -> torch.nn.Module:
     return llama.make(**dict(llama_jobs.SMALL, n_layers=6))
 
 
+def make_eight() -> torch.nn.Module:
+    return llama.make(**dict(llama_jobs.SMALL, n_layers=8))
+
+
 def make_two() -> torch.nn.Module:
     return llama.make(**dict(llama_jobs.SMALL, n_layers=2))
 
@@ -48,8 +52,8 @@ def parallelize_returns_none(model, mesh):
 
 
 def parallelize_counts_blocks(model, mesh):
-    """Reaches for block 5 by number: a model cut to 2 blocks has none, so the planner traces all 6."""
-    model.layers["5"].ffn_norm.eps = 1e-5
+    """Reaches for block 7 by number: a model cut to 3 blocks has none, so the planner traces all 8."""
+    model.layers["7"].ffn_norm.eps = 1e-5
     return DistributedDataParallel(model)
 
 
@@ -68,3 +72,10 @@ def step_with_own_group(model, micro_batch_size):
 
 def step(model, micro_batch_size):
     llama_jobs.step(model, micro_batch_size)
+
+
+def make_head_heavy() -> torch.nn.Module:
+    """Twelve blocks under a large vocabulary: under FSDP2, with 2 or 3 blocks the step peaks at the end of its
+    backward (the head's and the embedding's unsharded gradients), with twelve where every block's activations are
+    held."""
+    return llama.make(**dict(llama_jobs.SMALL, vocab_size=32768, dim=512, hidden_dim=1024, n_layers=12))

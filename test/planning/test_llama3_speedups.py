@@ -443,8 +443,8 @@ def test_the_request_turns_the_flags_into_the_job() -> None:
 def test_a_search_of_the_llama3_preset_says_which_meshes_it_did_not_trace() -> None:
     from vemesh.planning import plan
 
-    doc = plan(PlanRequest(world_size=8, model="llama3:8b", dtype="bf16", global_batch_size=8,
-                           device_memory="80GiB", activation_checkpointing="full"))
+    doc = plan(PlanRequest(world_size=2, model="llama3:8b", dtype="bf16", global_batch_size=8,
+                           device_memory="1TiB", activation_checkpointing="full"))  # 2 ranks: TP 1 and 2 traced
     reasons = [r["reason"] for r in doc["rejected"]]
     assert any("plan it with --pp 2" in r for r in reasons), reasons
     assert doc["fits"] and all(f["degrees"]["PP"] == 1 for f in doc["fits"])

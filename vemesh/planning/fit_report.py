@@ -34,8 +34,9 @@ HOW_USER = {
     "a fake world of the planned mesh: each parameter's local shard (a DTensor's, FSDP2's, an EP slice), the "
     "gradients the wrappers keep, the --optimizer state (ZeRO-1's shard and fp32 masters with --dp-mode zero1)",
     "activations": "everything else your step holds at the peak, traced on fake tensors under torch's MemTracker "
-    "through warm-up and training steps (optimizer.step included); 6 or more identical blocks: 2 and 3 traced, the rest "
-    "by difference; with PP every PP rank through torch's schedule (3 and 4 blocks per stage traced)",
+    "through warm-up and training steps (optimizer.step included); 8 or more identical blocks: 3 and 4 traced, the rest "
+    "by difference, each part of the step on its own; with PP every PP rank through torch's schedule (3 and 4 blocks "
+    "per stage traced)",
     "bytes": "every collective of a training step on the dispatcher (your TP, CP and EP ones; DDP's, ZeRO-1's, FSDP2's), "
     "by the mesh dim of its group; several micro-batches: 1 and 2 traced, the rest by difference. The size of each "
     "collective's tensor, as nccl-tests counts it",

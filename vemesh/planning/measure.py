@@ -240,11 +240,20 @@ class StepTracker(MemTracker):
         self.step_peak_parts: dict[str, int] = {}
         self.in_step = False
         #: the part of a step now running ("step", "optimizer"; None: not told), and each part's own peak:
-        #: ``{phase: (bytes, categories at it, on_step_peak's parts at it)}``
-        self.phase: str | None = None
+        #: ``{phase: (bytes, categories at it, on_step_peak's parts at it)}``; a phase is cut further by :attr:`part`
+        self._phase: str | None = None
+        self.part = ""  #: where a step is about its blocks (:mod:`vemesh.planning.step_parts`), reset with the phase
         self.phase_peaks: dict[str, tuple[int, dict[str, int], dict[str, int]]] = {}
         #: called with the bytes held (``Other`` left out) at each update (a replayed pipeline's window on its peak)
         self.watch: Any = None
+
+    @property
+    def phase(self) -> str | None:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str | None) -> None:
+        self._phase, self.part = value, ""
 
     def track_weights(self, module: torch.nn.Module) -> None:
         """Count ``module``'s parameters as parameters and their gradients as gradients (no module hooks needed)."""
@@ -261,7 +270,8 @@ class StepTracker(MemTracker):
             if self.in_step:  # what RunMeter.exclude registered ("Other") is not device memory
                 held = total - snap.get(_MemRefType.OTH, 0)
                 top = held > self.step_peak
-                in_phase = self.phase is not None and held > self.phase_peaks.get(self.phase, (0,))[0]
+                phase = None if self._phase is None else self._phase + self.part
+                in_phase = phase is not None and held > self.phase_peaks.get(phase, (0,))[0]
                 if not (top or in_phase):
                     continue
                 kinds = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}
@@ -269,7 +279,7 @@ class StepTracker(MemTracker):
                 if top:
                     self.step_peak, self.step_peak_by_kind, self.step_peak_parts = held, kinds, parts
                 if in_phase:
-                    self.phase_peaks[self.phase] = (held, kinds, parts)
+                    self.phase_peaks[phase] = (held, kinds, parts)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         try:

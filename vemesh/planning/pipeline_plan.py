@@ -13,13 +13,11 @@ from vemesh.parallel.schedules import MULTI_STAGE, stage_indices, stages_per_ran
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
+from vemesh.planning.step_parts import LOW_HIGH
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import blocks_of, trace_arguments, trace_user, user_notes
 
 __all__ = ["predict_pipeline", "trace_pipeline"]
-
-#: blocks per stage traced when a model's blocks are added by difference
-LOW_HIGH = (3, 4)
 
 
 def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:

@@ -18,9 +18,9 @@ answers with what the user's code does, not with a model of it:
    :class:`~vemesh.planning.measure.RunMeter` measures a run; every collective is counted at the dispatcher by the
    mesh name of its group (torch's default group as ``world``).
 
-A model of 6 or more identical blocks (the largest ``ModuleList``/``ModuleDict`` of equal children) is traced with 2
-and with 3 of them, and the rest is added by difference, so an 80-layer model costs what 3 layers cost (fewer blocks
-are traced at once: cheaper than two traces). A step of
+A model of 8 or more identical blocks (the largest ``ModuleList``/``ModuleDict`` of equal children) is traced with 3
+and with 4 of them, and the rest is added by difference, each part of the step on its own
+(:mod:`vemesh.planning.step_parts`), so an 80-layer model costs what 4 layers cost. A step of
 several micro-batches is traced with 1 and 2, the rest by difference. What the planner cannot see is said in the
 notes.
 """
@@ -52,15 +52,13 @@ from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name,
 from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
 from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, more_ops
 from vemesh.planning.routing import routing
+from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, step_parts
 from vemesh.planning.user_code import UserFunctions, call
 
 __all__ = ["blocks_of", "forget_models", "predict_user", "repeated_blocks", "trace_arguments", "trace_user",
            "user_notes"]
 
 _MODES = ("ddp", "zero1", "fsdp")
-#: the fewest identical blocks traced by difference: that takes two traces (2 and 3 blocks, and the rest of the model
-#: twice), so a model of 4 or 5 is cheaper traced at once (4 Llama-style blocks over 4 ranks: 3.2 s, against 5.4 s)
-BY_DIFFERENCE_FROM = 6
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -190,12 +188,14 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
             to_bf16(model)
         with chunks_on_demand(), local_shards(), tracker, contextlib.ExitStack() as held_sends:
+            stack = model.get_submodule(blocks[0]) if blocks is not None and pp == 1 else None
             wrapped = _wrap(fns, model, mesh, degrees, dp_mode)
             if pp > 1:
                 stages = pipeline_stages(wrapped, parallelize_name, pp_rank, pp, fns.pp_schedule)
                 parts = [stage.submod for stage in stages]
-            else:
+            else:  # the step's peak cut at the blocks kept, each part scaled on its own
                 parts = [wrapped]
+                held_sends.enter_context(step_parts(tracker, stack))
             del model  # the function's result holds what it kept (a stage cut from the model drops the rest)
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = Held(parts, ddps)
@@ -375,15 +375,15 @@ def predict_user(fns: UserFunctions, **job: Any) -> Any:
     if found is not None and found[1] >= BY_DIFFERENCE_FROM:
         path, n = found
         try:
-            two, three = (trace_user(fns, blocks=(path, k), **kwargs) for k in (2, 3))
-            counted = three.scaled(two, n - 3)
-            notes.append(f"blocks: {path} holds {n} identical blocks; 2 and 3 of them traced, the other {n - 3} "
-                         "added by difference")
+            low, high = (trace_user(fns, blocks=(path, k), **kwargs) for k in LOW_HIGH)
+            counted = high.scaled(low, n - LOW_HIGH[1])
+            notes.append(f"blocks: {path} holds {n} identical blocks; {LOW_HIGH[0]} and {LOW_HIGH[1]} of them traced, "
+                         f"the other {n - LOW_HIGH[1]} added by difference")
         except ValueError as e:  # a forward that counts its blocks itself (range(n_layers)): trace them all
             if not isinstance(e.__cause__, (IndexError, KeyError)):
                 raise
-            notes.append(f"blocks: {path} holds {n} identical blocks, but the model did not run with 2 of them "
-                         f"({type(e.__cause__).__name__}); all {n} traced")
+            notes.append(f"blocks: {path} holds {n} identical blocks, but the model did not run with {LOW_HIGH[0]} "
+                         f"of them ({type(e.__cause__).__name__}); all {n} traced")
     if counted is None:
         counted = trace_user(fns, **kwargs)
     notes += user_notes(counted, kwargs)

@@ -1,0 +1,89 @@
+"""The parts of a traced step, cut at its stack of identical blocks, so that each part's peak is scaled on its own.
+
+A model of ``n`` identical blocks is traced with 3 and 4 of them and the rest added by difference
+(:func:`vemesh.planning.user_model.predict_user`), part by part (:meth:`vemesh.planning.results.Counted.scaled`). A
+difference of two peaks is right only when both fall at the same moment of the step, and with few blocks they may
+not: Llama 3 8B under FSDP2 with sequences of 1024 peaks at the end of its backward with 2 or 3 blocks (the head's and
+the embedding's unsharded fp32 gradients), and with 32 where the forward has ended and every block's activations
+are held (without activation checkpointing). Taken as one part, the step's peak was scaled from the wrong moment:
+9.49 GiB where tracing all 32 blocks says 20.55.
+
+:func:`step_parts` cuts the step where the blocks begin and end, as the tracker's :attr:`part`:
+
+* ``""``: the forward before the blocks (the embedding);
+* ``" blocks"``: the forward of every block but the last, which peaks where their activations are all held;
+* ``" last block"``: the last block's forward;
+* ``" head"``: what comes after the blocks in the forward (the head, the loss) and in the backward before them;
+* ``" last backward"``: the last block's backward, from the gradient of its output to that of its input;
+* ``" backward"``: the other blocks' backward, to the gradient of the first block's input;
+* ``" tail"``: the rest (the embedding's backward, the gradients' reduction, the loop's own end of the step).
+
+Cut so, each part peaks at the same moment whatever the number of blocks (the middle blocks, alike, join the part of
+the blocks before the last: their forward peaks at its end, their backward at its start).
+
+A forward that runs inside the backward (activation checkpointing's recompute) moves nothing. A block whose output
+or input needs no gradient leaves the parts after it uncut (the peak is then what it was without them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["BY_DIFFERENCE_FROM", "LOW_HIGH", "step_parts"]
+
+#: the blocks traced when the rest are added by difference (per stage with PP): 3 and 4, so that each part of the
+#: step peaks at the same moment in both traces (with 2 the blocks' backward holds no FSDP2 prefetch, which 3 and
+#: more do)
+LOW_HIGH = (3, 4)
+#: the fewest identical blocks traced by difference without PP: a model of 7 or fewer is cheaper traced at once
+BY_DIFFERENCE_FROM = 8
+
+
+def _needing_grad(value: Any) -> torch.Tensor | None:
+    return next((t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def step_parts(tracker: Any, container: nn.Module | None) -> Iterator[None]:
+    """Set ``tracker.part`` as the step passes the blocks of ``container`` (the first and last of its children, in
+    their order; two at least; None: no blocks, no parts), while the context is open."""
+    blocks = list(container.children()) if container is not None else []
+    if len(blocks) < 2:
+        yield
+        return
+
+    def to(part: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            tracker.part = part
+        return hook
+
+    def enter(part: str, then: str, *, output: bool = False) -> Any:
+        """A forward hook: ``part`` from here, ``then`` once the gradient of the block's input (its first tensor that
+        needs one, positional or keyword), or of its output, is made."""
+        def hook(module: nn.Module, args: Any, kwargs: Any, out: Any = None) -> None:
+            if _in_backward():  # activation checkpointing's recompute
+                return
+            tracker.part = part
+            if (t := _needing_grad(out if output else (args, kwargs))) is not None:
+                t.register_hook(to(then))
+        return hook
+
+    first, last = blocks[0], blocks[-1]
+    handles = [first.register_forward_pre_hook(enter(" blocks", " tail"), with_kwargs=True),
+               last.register_forward_pre_hook(enter(" last block", " backward"), with_kwargs=True),
+               last.register_forward_hook(enter(" head", " last backward", output=True), with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
