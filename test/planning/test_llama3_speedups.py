@@ -380,6 +380,35 @@ def test_a_trace_pairs_tps_gathers_and_scatters_with_the_matmuls_async_tp_fuses(
     assert got == dict(want)
 
 
+def test_selective_op_keeps_the_same_matmuls_in_every_step(monkeypatch) -> None:
+    """torchtitan's per-op rule counts a block's matmuls afresh in each forward (its policy's state is made per
+    checkpoint call): of a block's 7, the 1st, 3rd, 5th and 7th are kept in every step. A policy made once per block
+    counted on across steps, and kept 3 of the 7 every other step (so a plan's first step held more than the next)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from vemesh.models.llama3 import parallelize
+    from vemesh.models.llama3.model import Llama3
+
+    kept, made = [], parallelize.selective_op_policy
+
+    def recording():
+        policy = made()
+
+        def record(ctx, func, *args, **kwargs):
+            decision = policy(ctx, func, *args, **kwargs)
+            if func == torch.ops.aten.mm.default and not ctx.is_recompute:
+                kept.append(decision == CheckpointPolicy.MUST_SAVE)
+            return decision
+        return record
+
+    monkeypatch.setattr(parallelize, "selective_op_policy", recording)
+    model = Llama3(Llama3Config(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=64, vocab_size=64, seq_len=8))
+    parallelize.activation_checkpointing(model, "selective-op")
+    for _ in range(3):
+        model(torch.randint(0, 64, (1, 8))).sum().backward()
+    assert kept == [True, False, True, False, True, False, True] * 3, kept
+
+
 # ---------------------------------------------------------------- the traced preset
 def test_selective_checkpointing_keeps_less_than_none_and_recomputes_less_than_full() -> None:
     none, selective, full = (small_plan(ac) for ac in ("none", "selective-op", "full"))

@@ -51,6 +51,13 @@ def selective_op_policy() -> Any:
     return policy
 
 
+def _selective_op_contexts() -> Any:
+    """``context_fn`` of ``selective-op``, called at each checkpointed forward: a policy of its own, whose matmul count
+    starts afresh (as torchtitan's; one policy for all of a block's forwards counted on, and with a block's 7 matmuls
+    kept another 3 or 4 every other step)."""
+    return create_selective_checkpoint_contexts(selective_op_policy())
+
+
 def activation_checkpointing(model: Llama3, mode: str) -> None:
     """Wrap the blocks' forwards for ``mode`` (:func:`check_ac`): ``full`` recomputes every block from its input,
     ``selective-op`` keeps what :func:`selective_op_policy` saves, ``selective-N`` recomputes blocks 0, N, 2N, ...
@@ -64,7 +71,7 @@ def activation_checkpointing(model: Llama3, mode: str) -> None:
             continue
         kwargs: dict[str, Any] = {"use_reentrant": False}
         if mode == "selective-op":
-            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_op_policy())
+            kwargs["context_fn"] = _selective_op_contexts
         block.forward = functools.partial(checkpoint, type(block).forward, block, **kwargs)
 
 
