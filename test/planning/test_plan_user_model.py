@@ -46,20 +46,19 @@ def _fns(factory: str, parallelize: str | None, step: str = f"{JOBS}:step") -> U
 
 
 def test_identical_blocks_traced_by_difference_equal_tracing_every_block() -> None:
-    """A model of 12 blocks traced with 3 and 4 and the rest added by difference, each part of the step on its own
-    (vemesh.planning.step_parts), equals tracing all 12, under FSDP2 with TP and alone. Its large
-    vocabulary makes the step peak at the end of the backward with few blocks, and where every block's activations
-    are held with 12: under FSDP2 alone the whole step's peak by difference (2 and 3 blocks) said 0.87 of it."""
-    for degrees, parallelize in ((MESH, "parallelize_fsdp"), (DP4, "parallelize_fsdp")):
-        fns = _fns(f"module:{CASES}:make_head_heavy", f"{JOBS}:{parallelize}")
-        whole = trace_user(fns, world_size=4, degrees=degrees, micro_batch_size=2, passes=1)  # all twelve blocks
-        short = predict_user(fns, world_size=4, degrees=degrees, global_batch_size=8 // degrees["TP"],
-                             micro_batch_size=2, dtype="fp32", dp_mode=None, load_factor=1.0)
-        (cls,) = short.classes
-        assert any("3 and 4 of them traced, the other 8 added by difference" in n for n in short.notes)
-        assert abs(cls.peak - whole.peak) <= 1e-3 * whole.peak, (degrees, parallelize, cls.peak, whole.peak)
-        assert cls.sent == whole.sent
-        assert short.dp_mode == "fsdp"
+    """A model of 9 blocks traced with 3 and 4 and the rest added by difference, each part of the step on its own
+    (vemesh.planning.step_parts), equals tracing all 9 under FSDP2. Its large vocabulary makes the step peak at the end
+    of the backward with few blocks, and where every block's activations are held with 9: the whole step's peak by
+    difference of 2 and 3 blocks said 0.91 of it."""
+    fns = _fns(f"module:{CASES}:make_head_heavy", f"{JOBS}:parallelize_fsdp")
+    whole = trace_user(fns, world_size=4, degrees=DP4, micro_batch_size=2, passes=1)  # all nine blocks
+    short = predict_user(fns, world_size=4, degrees=DP4, global_batch_size=8, micro_batch_size=2, dtype="fp32",
+                         dp_mode=None, load_factor=1.0)
+    (cls,) = short.classes
+    assert any("3 and 4 of them traced, the other 5 added by difference" in n for n in short.notes)
+    assert abs(cls.peak - whole.peak) <= 1e-3 * whole.peak, (cls.peak, whole.peak)
+    assert cls.sent == whole.sent
+    assert short.dp_mode == "fsdp"
 
 
 PIPELINE = {"PP": 2, "DP": 2, "CP": 1, "TP": 1, "EP": 1}
