@@ -95,7 +95,7 @@ def _effect(net: int, ops: int = 10, returned: tuple = ((4,), (1,), None, True))
     import torch
 
     meta = (returned[0], returned[1], torch.float32, returned[3], None) if returned else None
-    return Effect(rise=net + 64, net=net, parts=((), ()), state=((), ()), counters=((), (100, ops, 0), (), (), ()),
+    return Effect(rises=(("", net + 64),), net=net, parts=((), ()), state=((), ()), counters=((), (100, ops, 0), (), (), ()),
                   returned=(meta,), single=True, fusion=())
 
 

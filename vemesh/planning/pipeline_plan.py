@@ -7,13 +7,14 @@ parallelize function returns the ``PipelineStage`` objects of each PP rank, the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from vemesh.parallel.schedules import MULTI_STAGE, stage_indices, stages_per_rank
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
-from vemesh.planning.step_parts import LOW_HIGH
+from vemesh.planning.step_parts import LOW_HIGH, collapse_actions
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import blocks_of, trace_arguments, trace_user, user_notes
 
@@ -28,7 +29,8 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
       the stages ``S`` (or with ``r`` more, held by the first ``r`` stages), is traced with ``3 S`` and ``4 S`` of
       them (``+ r``) (3 and 4 per stage; with 2 the first stage's
       peak falls at another moment of the step than with many, and the difference misses it) and the rest added
-      by difference, a block per stage at a time, each part of the step on its own (:meth:`Counted.scaled`);
+      by difference, a block per stage at a time, each part of each stage's action on its own
+      (:func:`~vemesh.planning.step_parts.pipeline_parts`, :meth:`Counted.scaled`);
     * under a one-stage schedule (GPipe, 1F1B) many micro-batches (more than the two traces run) are traced as
       ``m mod PP + 2 PP`` and ``+ 3 PP`` and the rest added by difference, a pipeline's worth at a time: those
       schedules are in their steady state by then. The multi-stage schedules run every micro-batch: they wait on their sends only at the end of the step,
@@ -79,6 +81,8 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     two, three = (trace_pipeline(fns, dict(kwargs, passes=k), notes) for k in (short, short + pp))
     notes.append(f"micro-batches: {short} and {short + pp} traced, the other {m - short - pp} added by difference, "
                  f"{pp} at a time")
+    # each action's number dropped: the two traces run other counts of them (step_parts.collapse_actions)
+    two, three = ({r: replace(c, phases=collapse_actions(c.phases)) for r, c in t.items()} for t in (two, three))
     return {r: three[r].scaled(two[r], (m - short - pp) // pp) for r in range(pp)}
 
 

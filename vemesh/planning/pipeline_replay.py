@@ -7,7 +7,8 @@ what its forward of the next one does, once the step is past its first micro-bat
 stage's compute (``forward_maybe_with_nosync`` and ``backward_maybe_with_nosync`` of torch's ``PipelineStage``: the
 submodule's forward, its backward, and the data-parallel wrapper's work in them) and records its *effect*:
 
-* the memory: how far above its start the bytes held rose, and where they ended;
+* the memory: how far above its start the bytes held rose in each part of it (the tracker's ``part``, where the
+  stage's blocks begin and end: :func:`vemesh.planning.step_parts.pipeline_parts`), and where they ended;
 * every counter's change: the collectives by group and op, the FLOPs by op, the memory-bound bytes, the ops
   dispatched, and what compile's fusion counts (:mod:`vemesh.planning.fusion`);
 * the shapes of what it returned (the stage's outputs, its input gradients).
@@ -64,7 +65,9 @@ class ReplayMiss(Exception):
 class Effect:
     """What one action did (see the module docstring)."""
 
-    rise: int  #: the highest bytes held during it, over those held at its start
+    #: the highest bytes held in each part of it (the tracker's :attr:`part`, in the order they ran), over those held
+    #: at its start: ``((part, rise), ...)``
+    rises: tuple
     net: int  #: the bytes held at its end, over those at its start
     parts: tuple  #: the parameters' and gradients' bytes held at its start and end (``Held``), unchanged to replay
     #: each FSDP2 unit's state (sharded, unsharded) at its start and end: an action that changes it is not replayed
@@ -85,6 +88,11 @@ class Effect:
 
     def returned_bytes(self) -> int:
         return sum(_size(*meta[:3]) for meta in self.returned if meta is not None)
+
+    @property
+    def rise(self) -> int:
+        """The highest bytes held during it, over those held at its start."""
+        return max((r for _, r in self.rises), default=0)
 
 
 def _local(t: Any) -> Any:
@@ -244,7 +252,7 @@ class Replay:
     def _trace(self, key: tuple, index: int, run: Callable[[], Any], *, forward: bool) -> Any:
         self.traced += 1
         start, parts, before, state = self._held(), self._parts(), self.counters.snapshot(), self._state(index)
-        window = self._window = _Window(start)
+        window = self._window = _Window(start, self.tracker)
         self.tracker.watch = window.see
         try:
             result = run()
@@ -262,7 +270,7 @@ class Replay:
             return result
         metas = tuple(_meta(t) if isinstance(t, torch.Tensor) else None for t in flat)
         dtensors = any(isinstance(t, DTensor) for t in flat)
-        effect = Effect(window.peak - start, self._held() - start, (parts, self._parts()), (state, self._state(index)),
+        effect = Effect(tuple((part, peak - start) for part, peak in window.parts), self._held() - start, (parts, self._parts()), (state, self._state(index)),
                         minus(self.counters.snapshot(), before), metas, single,
                         self.counters.fusion_of(tuple(_local(t) for t in flat)), consumed,
                         self.token if dtensors else None)
@@ -275,7 +283,8 @@ class Replay:
         if window is None or window.split is not None:
             return
         held = self._held()
-        window.split, window.peak = (held, self._parts(), self.counters.snapshot(), _bytes(grad) + self._seed_bytes), held
+        window.split = (held, self._parts(), self.counters.snapshot(), _bytes(grad) + self._seed_bytes)
+        window.restart(held)
 
     # -- replays ----------------------------------------------------------------------------------------------------
 
@@ -300,8 +309,9 @@ class Replay:
         self.replayed += 1
         before = self.counters.snapshot()
         device = self._device()
-        rise = torch.empty(effect.rise, dtype=torch.uint8, device=device)  # the peak: the start plus the rise
-        del rise
+        for part, rise in effect.rises:  # each part's peak, as the tracker's part: the start plus its rise
+            self.tracker.part = part
+            torch.empty(max(rise, 0), dtype=torch.uint8, device=device)  # held and freed at once
         if release is not None:
             release()
         made = [_make(meta, device) if meta is not None else None for meta in effect.returned]
@@ -367,12 +377,22 @@ class _Source(torch.autograd.Function):
 
 
 class _Window:
-    """The highest bytes held while an action runs (the tracker calls :meth:`see` at each update)."""
+    """The highest bytes held while an action runs, in each part of it that the tracker's :attr:`part` names (the
+    tracker calls :meth:`see` at each update)."""
 
-    def __init__(self, start: int) -> None:
-        self.peak = start
+    def __init__(self, start: int, tracker: Any) -> None:
+        self.tracker = tracker
+        self.parts: list[list] = []  #: ``[part, highest bytes held]``, a row each time the part changes
         self.split: tuple | None = None  #: (bytes held, parts, counters, gradient bytes) where a last stage's starts
+        self.restart(start)
+
+    def restart(self, held: int) -> None:
+        """The action starts again here, holding ``held``."""
+        self.parts = [[self.tracker.part, held]]
 
     def see(self, held: int) -> None:
-        if held > self.peak:
-            self.peak = held
+        part = self.tracker.part
+        if part != self.parts[-1][0]:
+            self.parts.append([part, held])
+        elif held > self.parts[-1][1]:
+            self.parts[-1][1] = held

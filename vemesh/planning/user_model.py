@@ -47,12 +47,11 @@ from vemesh.planning.estimate import RankMemory
 from vemesh.planning.fake_world import (CpuKernelShapes, Held, chunks_on_demand, copies_in_mode, fake_world,
                                        fakes_take_foreach, give_storage, local_shards, real_mesh_tensors, to_bf16)
 from vemesh.planning.fusion import step_counters
-from vemesh.planning.measure import (CollectiveBytes, StepTracker, by_mesh_name, mesh_names,
-                                    ops_by_mesh_name)
+from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name, mesh_names, ops_by_mesh_name
 from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
 from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, more_ops
 from vemesh.planning.routing import routing
-from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, step_parts
+from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
 from vemesh.planning.user_code import UserFunctions, call
 
 __all__ = ["blocks_of", "forget_models", "predict_user", "repeated_blocks", "trace_arguments", "trace_user",
@@ -203,7 +202,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
                 replay = exchange.replay_for(stages, tracker, counter, mesh, fns.pp_schedule, pp, pp_rank, passes)
-                held_sends.enter_context(sends_hold_tensors())
+                for context in (sends_hold_tensors(), pipeline_parts(tracker, stages, blocks and blocks[0])):
+                    held_sends.enter_context(context)  # each action a phase, cut at its blocks (step_parts)
                 steps = (passes, passes)  # a warm-up step (the stages infer their shapes), then the step
             else:
                 steps = (1, 1, 2) if passes > 1 else (1, 1)  # a warm-up step, then 1 and 2 micro-batches
