@@ -94,6 +94,48 @@ def test_a_users_pipeline_is_planned_through_torchs_schedule_and_its_shortcuts_e
                                           f"{JOBS}:step_pp", f"{JOBS}:loss_fn", "1f1b"), **job)
 
 
+def test_each_stage_action_is_a_phase_and_the_micro_batch_difference_drops_their_numbers() -> None:
+    """pipeline_parts names each action of a stage by its place in the step, cut at the stage's blocks (``module.``
+    of a wrapper found too); between actions the phase is the step's; collapse_actions keeps each stage's kind and
+    part at its highest."""
+    import torch
+
+    from vemesh.planning.measure import StepTracker
+    from vemesh.planning.step_parts import collapse_actions, pipeline_parts
+
+    class Stage:
+        stage_index = 1
+
+        def __init__(self) -> None:
+            self.submod = torch.nn.Sequential()
+            self.submod.add_module("module", torch.nn.Module())
+            self.submod.module.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+            self.seen: list[tuple[str, str]] = []
+
+        def forward_one_chunk(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append((tracker.phase, tracker.part))
+            for layer in self.submod.module.layers:
+                x = layer(x)
+                self.seen.append((tracker.phase, tracker.part))
+            return x
+
+        def backward_one_chunk(self, out: torch.Tensor) -> None:
+            out.sum().backward()
+            self.seen.append((tracker.phase, tracker.part))
+
+    tracker, stage = StepTracker(module_hooks=False), Stage()
+    tracker.phase = "step"
+    with pipeline_parts(tracker, [stage], "layers"):
+        out = stage.forward_one_chunk(torch.ones(1, 2, requires_grad=True))
+        assert (tracker.phase, tracker.part) == ("step", "")
+        stage.backward_one_chunk(out)
+    assert stage.seen == [("step#0 F1", ""), ("step#0 F1", " blocks"), ("step#0 F1", " blocks"),
+                          ("step#0 F1", " head"), ("step#1 B1", " tail")]
+    assert "forward_one_chunk" not in vars(stage)  # the stage's own methods again
+    phases = {"step#0 F1 blocks": (5, {}), "step#2 F1 blocks": (7, {}), "step#1 B1": (6, {}), "optimizer": (3, {})}
+    assert collapse_actions(phases) == {"step F1 blocks": (7, {}), "step B1": (6, {}), "optimizer": (3, {})}
+
+
 def test_what_the_function_did_is_counted(capsys) -> None:
     """FSDP2 + TP: each rank holds a quarter of the weights (DP 2 x TP 2); DDP + TP holds half, and ZeRO-1 a copy."""
     docs = {}

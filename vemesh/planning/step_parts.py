@@ -130,9 +130,9 @@ def pipeline_parts(tracker: Any, stages: list[Any], path: str | None) -> Iterato
                 stack.enter_context(step_parts(tracker, _container(stage.submod, path)))
             for name, kind in ACTIONS:
                 if hasattr(stage, name):
-                    real = getattr(stage, name)
+                    real, own = getattr(stage, name), name in vars(stage)  # own: a wrapper set on the instance
                     setattr(stage, name, action(real, kind, stage.stage_index))
-                    stack.callback(setattr, stage, name, real)
+                    stack.callback(*(setattr, stage, name, real) if own else (delattr, stage, name))
         yield
 
 
