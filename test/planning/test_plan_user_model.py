@@ -72,11 +72,11 @@ def _pipeline_fns(factory: str, schedule: str = "1f1b") -> UserFunctions:
 @pytest.mark.slow
 def test_a_users_pipeline_is_planned_through_torchs_schedule_and_its_shortcuts_equal_the_whole_trace() -> None:
     """The user's parallelize function returns torch PipelineStages; each PP rank is traced running torch's schedule.
-    A model of 10 identical blocks is traced with 3 and 4 per stage, each part of each stage's action scaled on its own
+    A model of 16 identical blocks is traced with 3 and 4 per stage, each part of each stage's action scaled on its own
     (step_parts.pipeline_parts), and 12 micro-batches (of a 2-block model) with 4 and 6, the rest added by
     difference: equal to tracing everything (but for ZeRO-1's padding to DP)."""
     hidden = 128 * 256 * 4  # a sequence's hidden state, fp32: sent forward by rank 0, its gradient back by rank 1
-    for factory, batch, mbs, says in ((f"module:{CASES}:make_ten", 16, 4, "3 and 4 per stage traced"),
+    for factory, batch, mbs, says in ((f"module:{CASES}:make_sixteen", 16, 4, "3 and 4 per stage traced"),
                                       (f"module:{CASES}:make_two", 24, 1, "micro-batches: 4 and 6 traced")):
         fns = _pipeline_fns(factory)
         job = dict(world_size=4, degrees=PIPELINE, global_batch_size=batch, micro_batch_size=mbs, dtype="fp32",

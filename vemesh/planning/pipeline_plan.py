@@ -14,7 +14,7 @@ from vemesh.parallel.schedules import MULTI_STAGE, stage_indices, stages_per_ran
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
-from vemesh.planning.step_parts import LOW_HIGH, collapse_actions
+from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, collapse_actions
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import blocks_of, trace_arguments, trace_user, user_notes
 
@@ -25,7 +25,8 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
     """Each PP rank traced through torch's schedule (:func:`trace_pipeline`), and two shortcuts, each checked against
     the whole trace:
 
-    * a model of ``n`` identical blocks (:func:`~vemesh.planning.user_model.repeated_blocks`), ``n`` a multiple of
+    * a model of ``n`` identical blocks (:func:`~vemesh.planning.user_model.repeated_blocks`), 8 a stage or more
+      (:data:`~vemesh.planning.step_parts.BY_DIFFERENCE_FROM`; fewer cost less traced whole), ``n`` a multiple of
       the stages ``S`` (or with ``r`` more, held by the first ``r`` stages), is traced with ``3 S`` and ``4 S`` of
       them (``+ r``) (3 and 4 per stage; with 2 the first stage's
       peak falls at another moment of the step than with many, and the difference misses it) and the rest added
@@ -46,7 +47,7 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
              f"{kwargs['micro_batch_size']}; every PP rank traced"]
     found = blocks_of(fns.factory, fns.names[0])
     counted = None
-    if found is not None and found[1] > LOW_HIGH[1] * n_stages:
+    if found is not None and found[1] >= BY_DIFFERENCE_FROM * n_stages:
         path, n = found
         extra = n % n_stages  # the first ``extra`` stages hold a block more (vemesh.models.gpt.stages.split_layers)
         try:
