@@ -89,11 +89,6 @@ class Effect:
     def returned_bytes(self) -> int:
         return sum(_size(*meta[:3]) for meta in self.returned if meta is not None)
 
-    @property
-    def rise(self) -> int:
-        """The highest bytes held during it, over those held at its start."""
-        return max((r for _, r in self.rises), default=0)
-
 
 def _local(t: Any) -> Any:
     """A DTensor's local tensor (what holds its bytes); any other value as it is."""
