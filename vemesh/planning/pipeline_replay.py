@@ -265,7 +265,8 @@ class Replay:
             return result
         metas = tuple(_meta(t) if isinstance(t, torch.Tensor) else None for t in flat)
         dtensors = any(isinstance(t, DTensor) for t in flat)
-        effect = Effect(tuple((part, peak - start) for part, peak in window.parts), self._held() - start, (parts, self._parts()), (state, self._state(index)),
+        rises = tuple((part, peak - start) for part, peak in window.parts)
+        effect = Effect(rises, self._held() - start, (parts, self._parts()), (state, self._state(index)),
                         minus(self.counters.snapshot(), before), metas, single,
                         self.counters.fusion_of(tuple(_local(t) for t in flat)), consumed,
                         self.token if dtensors else None)
