@@ -17,7 +17,7 @@ import pytest
 
 from launch import launch_script, plan_here
 from vemesh.cli import main
-from vemesh.planning import plan
+from vemesh.planning import plan, step_parts
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.pipeline_plan import predict_pipeline, trace_pipeline
 from vemesh.planning.user_model import predict_user, trace_arguments, trace_user
@@ -84,7 +84,15 @@ def test_a_users_pipeline_is_planned_through_torchs_schedule_and_its_shortcuts_e
         short = predict_pipeline(fns, **job)
         assert [c.name for c in short.classes] == ["PP rank 0", "PP rank 1"] and short.pp_schedule == "1f1b"
         assert any(says in n for n in short.notes), short.notes
-        whole = trace_pipeline(fns, trace_arguments(**job))
+        if "sixteen" in factory:  # a stage whose blocks are not found: every block traced (the fallback is the whole)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(step_parts, "stage_blocks", lambda *args: [])
+                fallback = predict_pipeline(fns, **job)
+            assert any("but stage 0's module holds no Block blocks at 'layers'" in n and "all 16 traced" in n
+                       for n in fallback.notes), fallback.notes
+            whole = {rank: cls for rank, cls in enumerate(fallback.classes)}
+        else:
+            whole = trace_pipeline(fns, trace_arguments(**job))
         for rank, cls in enumerate(short.classes):
             assert cls.peak == pytest.approx(whole[rank].peak, abs=64) and cls.sent == whole[rank].sent
             assert cls.sent["PP"] == batch // 2 * hidden  # every sequence of the DP rank's batch, once
@@ -96,12 +104,13 @@ def test_a_users_pipeline_is_planned_through_torchs_schedule_and_its_shortcuts_e
 
 def test_each_stage_action_is_a_phase_and_the_micro_batch_difference_drops_their_numbers() -> None:
     """pipeline_parts names each action of a stage by its place in the step, cut at the stage's blocks (``module.``
-    of a wrapper found too); between actions the phase is the step's; collapse_actions keeps each stage's kind and
-    part at its highest."""
+    of a wrapper found too, or under a name of the stage's own, by their class; none found raises, and the plan traces
+    every block); between actions the phase is the step's; collapse_actions keeps each stage's kind and part at its
+    highest."""
     import torch
 
     from vemesh.planning.measure import StepTracker
-    from vemesh.planning.step_parts import collapse_actions, pipeline_parts
+    from vemesh.planning.step_parts import BlocksNotFound, collapse_actions, pipeline_parts
 
     class Stage:
         stage_index = 1
@@ -125,13 +134,25 @@ def test_each_stage_action_is_a_phase_and_the_micro_batch_difference_drops_their
 
     tracker, stage = StepTracker(module_hooks=False), Stage()
     tracker.phase = "step"
-    with pipeline_parts(tracker, [stage], "layers"):
+    cut = [("step#0 F1", ""), ("step#0 F1", " blocks"), ("step#0 F1", " blocks"), ("step#0 F1", " head"),
+           ("step#1 B1", " tail")]
+    with pipeline_parts(tracker, [stage], ("layers", torch.nn.Linear)):
         out = stage.forward_one_chunk(torch.ones(1, 2, requires_grad=True))
         assert (tracker.phase, tracker.part) == ("step", "")
         stage.backward_one_chunk(out)
-    assert stage.seen == [("step#0 F1", ""), ("step#0 F1", " blocks"), ("step#0 F1", " blocks"),
-                          ("step#0 F1", " head"), ("step#1 B1", " tail")]
+    assert stage.seen == cut
     assert "forward_one_chunk" not in vars(stage)  # the stage's own methods again
+    # a stage that holds the blocks under a name of its own, bare or each in a wrapper: found by their class, cut the
+    # same
+    for wrap in (lambda block: block, torch.nn.Sequential):
+        stage, tracker.phase = Stage(), "step"
+        stage.submod.module.layers = torch.nn.ModuleList(wrap(block) for block in stage.submod.module.layers)
+        with pipeline_parts(tracker, [stage], ("h", torch.nn.Linear)):
+            stage.backward_one_chunk(stage.forward_one_chunk(torch.ones(1, 2, requires_grad=True)))
+        assert stage.seen == cut
+    with pytest.raises(BlocksNotFound, match=r"stage 1's module holds no Bilinear blocks at 'h' nor two or more"):
+        with pipeline_parts(tracker, [Stage()], ("h", torch.nn.Bilinear)):
+            pass
     phases = {"step#0 F1 blocks": (5, {}), "step#2 F1 blocks": (7, {}), "step#1 B1": (6, {}), "optimizer": (3, {})}
     assert collapse_actions(phases) == {"step F1 blocks": (7, {}), "step B1": (6, {}), "optimizer": (3, {})}
 

@@ -14,7 +14,7 @@ from vemesh.parallel.schedules import MULTI_STAGE, stage_indices, stages_per_ran
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
-from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, collapse_actions
+from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, BlocksNotFound, collapse_actions
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import blocks_of, trace_arguments, trace_user, user_notes
 
@@ -31,7 +31,8 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
       them (``+ r``) (3 and 4 per stage; with 2 the first stage's
       peak falls at another moment of the step than with many, and the difference misses it) and the rest added
       by difference, a block per stage at a time, each part of each stage's action on its own
-      (:func:`~vemesh.planning.step_parts.pipeline_parts`, :meth:`Counted.scaled`);
+      (:func:`~vemesh.planning.step_parts.pipeline_parts`, :meth:`Counted.scaled`); a stage whose blocks are not
+      found (:func:`~vemesh.planning.step_parts.stage_blocks`) cannot be cut at them, and every block is traced;
     * under a one-stage schedule (GPipe, 1F1B) many micro-batches (more than the two traces run) are traced as
       ``m mod PP + 2 PP`` and ``+ 3 PP`` and the rest added by difference, a pipeline's worth at a time: those
       schedules are in their steady state by then. The multi-stage schedules run every micro-batch: they wait on their sends only at the end of the step,
@@ -60,6 +61,9 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
                 raise
             notes.append(f"blocks: {path} holds {n} identical blocks, but the stages did not cut fewer of them "
                          f"({type(e.__cause__).__name__}); all {n} traced")
+        except BlocksNotFound as e:  # the difference of uncut actions is not exact by construction
+            notes.append(f"blocks: {path} holds {n} identical blocks, but {e}, so its actions cannot be cut at them; "
+                         f"all {n} traced")
     if counted is None:
         counted = _micro_batches(fns, kwargs, notes)
     notes += user_notes(counted[0], kwargs)

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["BY_DIFFERENCE_FROM", "LOW_HIGH", "collapse_actions", "pipeline_parts", "step_parts"]
+__all__ = ["BY_DIFFERENCE_FROM", "LOW_HIGH", "BlocksNotFound", "collapse_actions", "pipeline_parts", "stage_blocks",
+           "step_parts"]
 
 #: the blocks traced when the rest are added by difference (per stage with PP): 3 and 4, so that each part of the
 #: step peaks at the same moment in both traces (with 2 the blocks' backward holds no FSDP2 prefetch, which 3 and
@@ -60,11 +61,15 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class BlocksNotFound(LookupError):
+    """A stage's module holds none of the model's blocks where :func:`pipeline_parts` looks: its actions cannot be
+    cut at them, and a difference of the uncut actions' peaks is not exact by construction."""
+
+
 @contextlib.contextmanager
-def step_parts(tracker: Any, container: nn.Module | None) -> Iterator[None]:
-    """Set ``tracker.part`` as the step passes the blocks of ``container`` (the first and last of its children, in
-    their order; two at least; None: no blocks, no parts), while the context is open."""
-    blocks = list(container.children()) if container is not None else []
+def step_parts(tracker: Any, blocks: list[nn.Module]) -> Iterator[None]:
+    """Set ``tracker.part`` as the step passes ``blocks`` (the first and last, in their order; two at least; fewer:
+    no parts), while the context is open."""
     if len(blocks) < 2:
         yield
         return
@@ -100,16 +105,33 @@ def step_parts(tracker: Any, container: nn.Module | None) -> Iterator[None]:
 ACTIONS = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W"))
 
 
-def _container(submod: nn.Module, path: str) -> nn.Module | None:
-    """The module at ``path`` in a stage's module, or under its wrappers (``module.layers`` of a DDP)."""
-    return next((m for name, m in submod.named_modules() if name == path or name.endswith("." + path)), None)
+def stage_blocks(submod: nn.Module, path: str, kind: type) -> list[nn.Module]:
+    """The blocks in a stage's module: the children of the module at ``path`` (where the model holds them), or under
+    the stage's wrappers (``module.layers`` of a DDP); else the children of the module with the most children that
+    each hold one module of class ``kind`` (a stage that keeps them under a name of its own, ``self.blocks``, each
+    perhaps in a wrapper of its own, such as activation checkpointing's), two at least; else none."""
+    named = next((m for name, m in submod.named_modules() if name == path or name.endswith("." + path)), None)
+    if named is not None and len(list(named.children())) >= 2:
+        return list(named.children())
+
+    def holds_one(child: nn.Module) -> bool:
+        return sum(isinstance(m, kind) for m in child.modules()) == 1
+
+    best = max(([c for c in m.children() if holds_one(c)] for m in submod.modules()), key=len, default=[])
+    return best if len(best) >= 2 else []
 
 
 @contextlib.contextmanager
-def pipeline_parts(tracker: Any, stages: list[Any], path: str | None) -> Iterator[None]:
+def pipeline_parts(tracker: Any, stages: list[Any], blocks: tuple[str, type] | None) -> Iterator[None]:
     """While open, each action of ``stages`` (torch's ``PipelineStage``) runs as a phase of its own, named by its place
-    in the step (see the module docstring), and, with ``path`` (where the blocks are: ``"layers"``), is cut at its
-    stage's blocks by :func:`step_parts`. Between actions the phase is the step's again."""
+    in the step (see the module docstring), and, with ``blocks`` (where the model holds its blocks and their class:
+    ``("layers", Block)``), is cut at its stage's blocks (:func:`stage_blocks`) by :func:`step_parts`. Between actions
+    the phase is the step's again.
+
+    Raises:
+        BlocksNotFound: with ``blocks``, a stage whose module holds two or more of them neither at the path nor
+            under any one module.
+    """
     counts: dict[str, int] = {}
 
     def action(real: Any, kind: str, index: int) -> Any:
@@ -127,8 +149,12 @@ def pipeline_parts(tracker: Any, stages: list[Any], path: str | None) -> Iterato
 
     with contextlib.ExitStack() as stack:
         for stage in stages:
-            if path is not None:
-                stack.enter_context(step_parts(tracker, _container(stage.submod, path)))
+            if blocks is not None:
+                found = stage_blocks(stage.submod, *blocks)
+                if not found:
+                    raise BlocksNotFound(f"stage {stage.stage_index}'s module holds no {blocks[1].__name__} blocks at "
+                                         f"{blocks[0]!r} nor two or more under one module")
+                stack.enter_context(step_parts(tracker, found))
             for name, kind in ACTIONS:
                 if hasattr(stage, name):
                     real, own = getattr(stage, name), name in vars(stage)  # own: a wrapper set on the instance
