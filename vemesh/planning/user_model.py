@@ -145,10 +145,8 @@ def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[
 def _unknown(counter: Any, mesh: Any) -> str | None:
     """One line for collectives on groups that are none of the mesh's names, or None."""
     known = mesh_names(mesh)  # the mesh's names, and torch's default group
-    strange = [g for g in counter.bytes if g not in known]
-    if not strange:
+    if (g := next((g for g in counter.bytes if g not in known), None)) is None:
         return None
-    g = strange[0]
     ranks = dist.get_process_group_ranks(counter.groups[g])
     return (f"the step ran {', '.join(sorted(counter.ops[g]))} on a group of ranks {ranks[:8]}"
             f"{'...' if len(ranks) > 8 else ''} that is none of the mesh's dims ({', '.join(mesh.layout.names)}) nor the world; "
@@ -187,14 +185,15 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
             to_bf16(model)
         with chunks_on_demand(), local_shards(), tracker, contextlib.ExitStack() as held_sends:
-            kept = list(model.get_submodule(blocks[0]).children()) if blocks is not None else []
+            stack = model.get_submodule(blocks[0]) if blocks is not None and pp == 1 else None
+            kind = blocks and (blocks[0], type(next(model.get_submodule(blocks[0]).children())))  # no module held
             wrapped = _wrap(fns, model, mesh, degrees, dp_mode)
             if pp > 1:
                 stages = pipeline_stages(wrapped, parallelize_name, pp_rank, pp, fns.pp_schedule)
                 parts = [stage.submod for stage in stages]
             else:  # the step's peak cut at the blocks kept, each part scaled on its own
                 parts = [wrapped]
-                held_sends.enter_context(step_parts(tracker, kept))
+                held_sends.enter_context(step_parts(tracker, list(stack.children()) if stack is not None else []))
             del model  # the function's result holds what it kept (a stage cut from the model drops the rest)
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = Held(parts, ddps)
@@ -202,7 +201,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
                 replay = exchange.replay_for(stages, tracker, counter, mesh, fns.pp_schedule, pp, pp_rank, passes)
-                for context in (sends_hold_tensors(), pipeline_parts(tracker, stages, blocks and (blocks[0], type(kept[0])))):
+                for context in (sends_hold_tensors(), pipeline_parts(tracker, stages, kind)):
                     held_sends.enter_context(context)  # each action a phase, cut at its blocks (step_parts)
                 steps = (passes, passes)  # a warm-up step (the stages infer their shapes), then the step
             else:
