@@ -62,8 +62,8 @@ def _in_backward() -> bool:
 
 
 class BlocksNotFound(LookupError):
-    """A stage's module holds none of the model's blocks where :func:`pipeline_parts` looks: its actions cannot be
-    cut at them, and a difference of the uncut actions' peaks is not exact by construction."""
+    """A stage's module holds fewer than two of the model's blocks where :func:`pipeline_parts` looks: its actions
+    cannot be cut at them, and a difference of the uncut actions' peaks is not exact by construction."""
 
 
 @contextlib.contextmanager
@@ -129,8 +129,8 @@ def pipeline_parts(tracker: Any, stages: list[Any], blocks: tuple[str, type] | N
     the phase is the step's again.
 
     Raises:
-        BlocksNotFound: with ``blocks``, a stage whose module holds two or more of them neither at the path nor
-            under any one module.
+        BlocksNotFound: with ``blocks``, a stage whose module holds fewer than two of them, at the path or under any
+            one module.
     """
     counts: dict[str, int] = {}
 
@@ -152,8 +152,8 @@ def pipeline_parts(tracker: Any, stages: list[Any], blocks: tuple[str, type] | N
             if blocks is not None:
                 found = stage_blocks(stage.submod, *blocks)
                 if not found:
-                    raise BlocksNotFound(f"stage {stage.stage_index}'s module holds no {blocks[1].__name__} blocks at "
-                                         f"{blocks[0]!r} nor two or more under one module")
+                    raise BlocksNotFound(f"stage {stage.stage_index}'s module holds fewer than two {blocks[1].__name__} "
+                                         f"blocks, at {blocks[0]!r} or under any one module")
                 stack.enter_context(step_parts(tracker, found))
             for name, kind in ACTIONS:
                 if hasattr(stage, name):
