@@ -36,11 +36,12 @@ COMMANDS = snippets.commands()
 STALE = "; run python docs/regenerate.py to rewrite it"
 
 
-def _search(block: snippets.Block) -> bool:
+def _slow(block: snippets.Block) -> bool:
     argv = regenerate.vemesh_argv(block)
     shaped = any(flag in argv for flag in ("--pp", "--tp", "--dp"))
     search = "--model" in argv and "--device-memory" in argv and not shaped  # a search over every mesh: 25 s
-    return search or ("--model" in argv and "--pp" in argv)  # a pipeline traced on every PP rank: 10 s and more
+    pipeline = "--model" in argv and "--pp" in argv  # a pipeline traced on every PP rank: 10 s and more
+    return search or pipeline or argv[:1] == ["check"]  # vemesh check: the functions run on gloo ranks and one process
 
 
 def _params(blocks, slow=lambda b: False):
@@ -53,7 +54,7 @@ def _check(block: snippets.Block) -> None:
         f"{block.where}: `{block.text.splitlines()[0]}` now gives\n{now}\nbut the docs show\n{shown}{STALE}")
 
 
-@pytest.mark.parametrize("block", _params(VEMESH, _search))
+@pytest.mark.parametrize("block", _params(VEMESH, _slow))
 def test_a_shown_vemesh_output_is_what_the_command_prints(block) -> None:
     _check(block)
 
@@ -171,7 +172,7 @@ def test_the_layout_lists_paths_that_exist_and_every_module() -> None:
 
 
 def test_a_hand_edit_is_caught() -> None:
-    block = next(b for b in VEMESH if not _search(b))
+    block = next(b for b in VEMESH if not _slow(b))
     edited = block.shown.replace("\n", " (edited)\n", 1)
     assert regenerate.output_of(regenerate.vemesh_argv(block)) != edited
     snippet = next(b for b in SNIPPETS if b.mode[0] == "fake" and b.output)

@@ -427,6 +427,7 @@ def test_a_vocabulary_parallel_loss_holds_its_shard_of_the_logits_not_the_whole(
     assert one.activations > 2 * logits and four.activations < one.activations / 2
 
 
+@pytest.mark.slow  # a pipeline of 17 blocks traced whole, beside its shortcut: a minute on a loaded machine
 def test_an_uneven_pipeline_is_traced_by_blocks_and_its_difference_matches_the_whole_trace() -> None:
     """17 blocks over 2 stages (9 and 8; by difference from 8 a stage): traced with 7 and 9 blocks and the rest added
     by difference, equal to tracing all 17."""

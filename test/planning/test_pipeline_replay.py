@@ -30,6 +30,7 @@ def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPa
     return pipeline_plan.trace_pipeline(fns, kwargs, notes), notes
 
 
+@pytest.mark.slow  # each pipeline traced twice, with and without replay: about a minute each on a loaded machine
 @pytest.mark.parametrize("schedule, mode, batch, pp, tp", [("1f1b", "fsdp", 12, 4, 2), ("interleaved-1f1b", "fsdp", 16, 2, 1),
                                                           ("1f1b", "zero1", 12, 4, 1)])
 def test_replayed_micro_batches_give_the_plan_of_tracing_every_one(schedule, mode, batch, pp, tp, monkeypatch) -> None:
