@@ -80,7 +80,7 @@ class Answer:
 def answer(request: PlanRequest) -> Answer:
     """Plan ``request`` (which names a model): the search when it :attr:`~PlanRequest.searches`, else one mesh."""
     from vemesh.planning.fit import predict, search, speedups_of  # torch: planning traces the model
-    from vemesh.planning.user_model import forget_models  # torch, as above
+    from vemesh.planning.user_template import forget_models  # torch, as above
 
     forget_models()  # this plan builds the user's model afresh: nothing from an earlier plan can be stale
     if request.model is None:

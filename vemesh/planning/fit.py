@@ -35,7 +35,8 @@ from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nby
 from vemesh.planning.pipeline_plan import predict_pipeline
 from vemesh.planning.speedups import linear_share
 from vemesh.planning.user_code import UserFunctions
-from vemesh.planning.user_model import blocks_of, predict_user, template_of
+from vemesh.planning.user_model import predict_user
+from vemesh.planning.user_template import blocks_of, template_of
 
 __all__ = ["Job", "MeshFit", "RankClass", "predict", "search", "speedups_of"]
 

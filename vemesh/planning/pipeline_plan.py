@@ -14,9 +14,10 @@ from vemesh.parallel.schedules import MULTI_STAGE, stage_indices, stages_per_ran
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
-from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, BlocksNotFound, collapse_actions
+from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, BlocksNotFound, collapse_actions, stage_slots
 from vemesh.planning.user_code import UserFunctions
-from vemesh.planning.user_model import blocks_of, trace_arguments, trace_user, user_notes
+from vemesh.planning.user_model import stage_signatures, trace_arguments, trace_user, user_notes
+from vemesh.planning.user_template import blocks_of
 
 __all__ = ["predict_pipeline", "trace_pipeline"]
 
@@ -25,7 +26,7 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
     """Each PP rank traced through torch's schedule (:func:`trace_pipeline`), and two shortcuts, each checked against
     the whole trace:
 
-    * a model of ``n`` identical blocks (:func:`~vemesh.planning.user_model.repeated_blocks`), 8 a stage or more
+    * a model of ``n`` identical blocks (:func:`~vemesh.planning.user_template.repeated_blocks`), 8 a stage or more
       (:data:`~vemesh.planning.step_parts.BY_DIFFERENCE_FROM`; fewer cost less traced whole), ``n`` a multiple of
       the stages ``S`` (or with ``r`` more, held by the first ``r`` stages), is traced with ``3 S`` and ``4 S`` of
       them (``+ r``) (3 and 4 per stage; with 2 the first stage's
@@ -36,7 +37,9 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
     * under a one-stage schedule (GPipe, 1F1B) many micro-batches (more than the two traces run) are traced as
       ``m mod PP + 2 PP`` and ``+ 3 PP`` and the rest added by difference, a pipeline's worth at a time: those
       schedules are in their steady state by then. The multi-stage schedules run every micro-batch: they wait on their sends only at the end of the step,
-      so what they hold grows with the micro-batches at a rate that changes along the way.
+      so what they hold grows with the micro-batches at a rate that changes along the way;
+    * under a one-stage schedule, of each run of 4 or more alike middle PP ranks (6 PP ranks or more:
+      :data:`RANKS_BY_DIFFERENCE_FROM`) three are traced and the rest added by difference (:func:`_rank_plan`).
     """
     kwargs = trace_arguments(**job)
     degrees, pp, m = kwargs["degrees"], kwargs["degrees"]["PP"], kwargs["passes"]
@@ -53,7 +56,7 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
         extra = n % n_stages  # the first ``extra`` stages hold a block more (vemesh.models.gpt.stages.split_layers)
         try:
             low, high = (_micro_batches(fns, dict(kwargs, blocks=(path, k * n_stages + extra)), notes) for k in LOW_HIGH)
-            counted = {r: high[r].scaled(low[r], n // n_stages - LOW_HIGH[1]) for r in range(pp)}
+            counted = {r: _scaled(high[r], low[r], n // n_stages - LOW_HIGH[1], r, fns, pp) for r in range(pp)}
             notes.append(f"blocks: {path} holds {n} identical blocks, {n // n_stages}{'+1' if extra else ''} per stage; "
                          f"{LOW_HIGH[0]} and {LOW_HIGH[1]} per stage traced, the rest added by difference")
         except ValueError as e:  # a parallelize function that cuts its stages by the model's configured depth
@@ -66,6 +69,9 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
                          f"all {n} traced")
     if counted is None:
         counted = _micro_batches(fns, kwargs, notes)
+    if any(note.startswith("PP ranks ") for note in notes):
+        notes[0] = notes[0].replace("every PP rank traced", "the first and last PP ranks traced, and the middle ones "
+                                    "traced or added by difference")
     notes += user_notes(counted[0], kwargs)
     classes = []
     for rank in range(pp):
@@ -83,27 +89,47 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     short = m % pp + 2 * pp
     if short + (short + pp) >= m or fns.pp_schedule in MULTI_STAGE:  # the two traces would run as many micro-batches
         return trace_pipeline(fns, kwargs, notes)
-    two, three = (trace_pipeline(fns, dict(kwargs, passes=k), notes) for k in (short, short + pp))
+    derived = _rank_plan(fns, kwargs)  # the stages do not change with the micro-batches
+    two, three = (trace_pipeline(fns, dict(kwargs, passes=k), notes, derived) for k in (short, short + pp))
     notes.append(f"micro-batches: {short} and {short + pp} traced, the other {m - short - pp} added by difference, "
                  f"{pp} at a time")
     # each action's number dropped: the two traces run other counts of them (step_parts.collapse_actions)
-    two, three = ({r: replace(c, phases=collapse_actions(c.phases)) for r, c in t.items()} for t in (two, three))
+    two, three = ({r: _slots(c, r, fns, pp) for r, c in t.items()} for t in (two, three))
     return {r: three[r].scaled(two[r], (m - short - pp) // pp) for r in range(pp)}
+
+
+def _slots(counted: Counted, rank: int, fns: UserFunctions, pp: int) -> Counted:
+    """``counted`` (PP rank ``rank``'s) with each action's phase named by its kind and its stage's place on the rank,
+    its number dropped (:func:`~vemesh.planning.step_parts.stage_slots`,
+    :func:`~vemesh.planning.step_parts.collapse_actions`), as a rank added by difference names them."""
+    stages = stage_indices(rank, pp, fns.pp_schedule)
+    return replace(counted, phases=collapse_actions(stage_slots(counted.phases, stages)))
+
+
+def _scaled(high: Counted, low: Counted, times: int, rank: int, fns: UserFunctions, pp: int) -> Counted:
+    """``high.scaled(low, times)``, their phases named alike first where they are not (a rank traced in one and
+    added by difference in the other: :func:`_slots`)."""
+    if set(high.phases) != set(low.phases):
+        high, low = _slots(high, rank, fns, pp), _slots(low, rank, fns, pp)
+    return high.scaled(low, times)
 
 
 #: whether a pipeline's traces replay micro-batches seen twice alike (:mod:`vemesh.planning.pipeline_replay`)
 REPLAY = True
 
 
-def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str] | None = None) -> dict[int, Counted]:
+def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str] | None = None,
+                   derived: dict[int, tuple[int, int]] | None = None) -> dict[int, Counted]:
     """Every PP rank traced (:func:`trace_user` with ``pp_rank``), in the order the stages' shapes allow: a rank whose
     stage waits for another's activations is traced again after that one. With :data:`REPLAY` a stage's micro-batches
     seen twice alike are replayed (:mod:`vemesh.planning.pipeline_replay`); a rank whose replay meets a backward it
-    has no record of is traced again without."""
+    has no record of is traced again without. Under a one-stage schedule, alike middle ranks are added by difference
+    (``derived``, by default :func:`_rank_plan`'s)."""
     pp = kwargs["degrees"]["PP"]
     exchange = MetaExchange(replay=REPLAY)
     counted: dict[int, Counted] = {}
-    pending = list(range(pp))
+    derived = _rank_plan(fns, kwargs) if derived is None else derived
+    pending = [r for r in range(pp) if r not in derived]
     while pending:
         waiting, known = [], len(exchange.forward)
         for rank in pending:
@@ -111,18 +137,88 @@ def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str] 
                 counted[rank] = _trace_rank(fns, rank, exchange, kwargs)
             except MissingMeta:
                 waiting.append(rank)
+            for alike, (_, b) in derived.items():  # an alike stage sends what its traced likeness sent
+                for sent in (exchange.forward, exchange.backward):
+                    if b in sent and alike not in sent:
+                        sent[alike] = sent[b]
         if len(waiting) == len(pending) and len(exchange.forward) == known:  # no stage got further
             raise ValueError(f"--parallelize {fns.names[1]}: the stages of PP ranks {waiting} wait for each other's "
                              "activations; each stage must take the previous stage's outputs")
         pending = waiting[::-1]  # the next round from the other end: a V sends back towards PP rank 0
     for stage in exchange.wrongly_derived():  # a stage's gradient shapes guessed wrongly: trace its rank again
         rank = next(r for r in range(pp) if stage in stage_indices(r, pp, fns.pp_schedule))
-        counted[rank] = _trace_rank(fns, rank, exchange, kwargs)
+        if rank not in derived:
+            counted[rank] = _trace_rank(fns, rank, exchange, kwargs)
     replayed = sum(r.replayed for r in exchange.replays)
     if notes is not None and replayed:
         notes.append(f"micro-batches: {replayed} of {replayed + sum(r.traced for r in exchange.replays)} stage "
                      "forwards and backwards replayed from two traced alike (vemesh.planning.pipeline_replay)")
+    if derived:
+        counted = _by_difference(fns, kwargs, exchange, counted, derived, notes)
     return counted
+
+
+#: a one-stage schedule's PP ranks (GPipe, 1F1B) go by difference from this many (see :func:`_rank_plan`)
+RANKS_BY_DIFFERENCE_FROM = 6
+
+
+def _rank_plan(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """The PP ranks added by difference, each as ``rank: (a, b)``: PP rank ``b`` (traced) plus ``rank - b`` times what
+    ``b`` has over ``a = b - 1`` (traced).
+
+    Under a one-stage schedule (GPipe, 1F1B) a middle PP rank runs the schedule's actions on its own stage, and the
+    next rank of an alike stage (:func:`~vemesh.planning.user_model.stage_signatures`: the same modules, parameters,
+    buffers and placements, built on the fake world without a step) holds one micro-batch's activations fewer in
+    flight at each moment of the step, and sends and computes the same. Of each run of alike middle ranks the first
+    three are traced, the third checks the difference of the first two (:func:`_by_difference`), and the rest are
+    added by it. The multi-stage schedules are traced on every rank: their ranks' steps differ in other ways (a
+    difference of the two PP ranks before put interleaved 1F1B's PP rank 4 of 8 at 1.015 of its trace's peak, ZBV's PP rank
+    3 at 0.979). Not told apart: a stage whose forward does other work with the same modules and parameters (a branch
+    on its stage's index), past the first three of its run."""
+    pp = kwargs["degrees"]["PP"]
+    if fns.pp_schedule in MULTI_STAGE or pp < RANKS_BY_DIFFERENCE_FROM:
+        return {}
+    runs: list[list[int]] = []
+    last = None
+    for rank in range(1, pp - 1):
+        signature = stage_signatures(fns, pp_rank=rank, **kwargs)
+        if runs and signature == last:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+        last = signature
+    return {r: (run[0], run[1]) for run in runs if len(run) > 3 for r in run[3:]}
+
+
+def _by_difference(fns: UserFunctions, kwargs: dict[str, Any], exchange: MetaExchange, counted: dict[int, Counted],
+                   derived: dict[int, tuple[int, int]], notes: list[str] | None) -> dict[int, Counted]:
+    """``counted`` with the ``derived`` ranks added (see :func:`_rank_plan`), each action's phase named by the kind and
+    its stage's place on its rank, not by its number in the step (the ranks run them in another order). The third
+    traced rank of each run must equal the difference of the first two, in every figure; where it does not, the
+    run's other ranks are traced."""
+    pp = kwargs["degrees"]["PP"]
+    alike = {r: _slots(c, r, fns, pp) for r, c in counted.items()}
+    out = dict(counted)
+    for first in sorted({a for a, _ in derived.values()}):
+        ranks = sorted(r for r, (a, _) in derived.items() if a == first)
+        low, high = alike[first], alike[first + 1]
+        if high.scaled(low, 1) == alike[first + 2]:
+            out.update({r: high.scaled(low, r - first - 1) for r in ranks})
+            if notes is not None:
+                notes.append(f"{_ranks(ranks)}: alike stages, added by difference of PP ranks {first} and "
+                             f"{first + 1} (PP rank {first + 2}, traced, equals it)")
+        else:  # in order, each from what the rank before sent, not from what an alike stage did
+            for r in ranks:
+                exchange.forward.pop(r, None), exchange.backward.pop(r, None)
+            out.update({r: _trace_rank(fns, r, exchange, kwargs) for r in ranks})
+            if notes is not None:
+                notes.append(f"{_ranks(ranks)}: alike stages, but PP rank {first + 2} is not the difference of PP "
+                             f"ranks {first} and {first + 1}; traced")
+    return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"PP rank {ranks[0]}" if len(ranks) == 1 else f"PP ranks {ranks[0]} to {ranks[-1]}"
 
 
 def _trace_rank(fns: UserFunctions, rank: int, exchange: MetaExchange, kwargs: dict[str, Any]) -> Counted:

@@ -34,6 +34,7 @@ or input needs no gradient leaves the parts after it uncut (the peak is then wha
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["BY_DIFFERENCE_FROM", "LOW_HIGH", "BlocksNotFound", "collapse_actions", "pipeline_parts", "stage_blocks",
-           "step_parts"]
+           "stage_slots", "step_parts"]
 
 #: the blocks traced when the rest are added by difference (per stage with PP): 3 and 4, so that each part of the
 #: step peaks at the same moment in both traces (with 2 the blocks' backward holds no FSDP2 prefetch, which 3 and
@@ -173,3 +174,11 @@ def collapse_actions(phases: dict[str, Any]) -> dict[str, Any]:
         if name not in out or value[0] > out[name][0]:
             out[name] = value
     return out
+
+
+def stage_slots(phases: dict[str, Any], stages: list[int]) -> dict[str, Any]:
+    """``phases`` with each action's stage named by its place among ``stages`` (the stages of the PP rank that ran
+    them): ``"step#5 B3 backward"`` -> ``"step#5 B@0 backward"`` on the rank holding stage 3 alone."""
+    slots = {s: i for i, s in enumerate(stages)}
+    return {re.sub(r" ([FBW])(\d+)", lambda m: f" {m.group(1)}@{slots[int(m.group(2))]}", key): value
+            for key, value in phases.items()}

@@ -28,10 +28,8 @@ notes.
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -53,42 +51,11 @@ from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, mo
 from vemesh.planning.routing import routing
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
 from vemesh.planning.user_code import UserFunctions, call
+from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
 
-__all__ = ["blocks_of", "forget_models", "predict_user", "repeated_blocks", "trace_arguments", "trace_user",
-           "user_notes"]
+__all__ = ["predict_user", "stage_signatures", "trace_arguments", "trace_user", "user_notes"]
 
 _MODES = ("ddp", "zero1", "fsdp")
-
-
-def _signature(module: nn.Module) -> tuple:
-    return (tuple((n, type(m).__name__) for n, m in module.named_modules()),
-            tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()),
-            tuple((n, tuple(b.shape)) for n, b in module.named_buffers()))
-
-
-def repeated_blocks(model: nn.Module) -> tuple[str, int] | None:
-    """``(path, count)`` of the largest ``ModuleList``/``ModuleDict`` of more than 3 identical children, or None."""
-    best: tuple[int, str, int] | None = None
-    for path, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or len(container) <= 3:
-            continue
-        children = list(container.children())
-        if len(children) != len(container) or len({_signature(c) for c in children}) != 1:
-            continue
-        size = sum(p.numel() for p in container.parameters())
-        if best is None or size > best[0]:
-            best = (size, path, len(children))
-    return (best[1], best[2]) if best else None
-
-
-def _keep_blocks(model: nn.Module, path: str, k: int) -> None:
-    parent_path, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    container = getattr(parent, attr)
-    if isinstance(container, nn.ModuleDict):
-        setattr(parent, attr, nn.ModuleDict(dict(list(container.items())[:k])))
-    else:
-        setattr(parent, attr, nn.ModuleList(list(container)[:k]))
 
 
 def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: Any) -> tuple[str, list[Any]]:
@@ -164,26 +131,12 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     With PP, the first rank of PP rank ``pp_rank``: the parallelize function returns its stages, torch's schedule
     for ``fns.pp_schedule`` runs ``passes`` micro-batches of them in each step (``fns.step(schedule, batch)``), and
     the stages' shapes travel through ``exchange`` (:mod:`vemesh.planning.pipeline_trace`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     pp = degrees.get("PP", 1)
     tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()
     factory_name, parallelize_name, step_name = fns.names
-    model = _copy_of_template(fns, blocks)  # the factory's model, built once on meta (the factory is called if not)
-    with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp, pp_rank=pp_rank) as mesh, \
-            FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, CpuKernelShapes(), copies_in_mode(fake_mode), \
-            real_mesh_tensors(), fakes_take_foreach(), routing(load_factor) as routed, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
-        if model is None:
-            with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
-                model = call("--model", factory_name, fns.factory)
-            if not isinstance(model, nn.Module):
-                raise ValueError(f"--model {factory_name} returned a {type(model).__name__}, not an nn.Module")
-            if blocks is not None:  # first, so that only the blocks kept get storage
-                _keep_blocks(model, *blocks)
-        give_storage(model)  # then fake storage for the parallelize function and the step, as to_empty gives
-        if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
-            to_bf16(model)
+    with _rank_model(fns, blocks, world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, pp_rank=pp_rank,
+                     dtype=dtype, load_factor=load_factor) as (mesh, routed, box):
+        model = box.pop()  # the caller's alone: a stage cut from it drops the rest
         with chunks_on_demand(), local_shards(), tracker, contextlib.ExitStack() as held_sends:
             stack = model.get_submodule(blocks[0]) if blocks is not None and pp == 1 else None
             kind = blocks and (blocks[0], type(next(model.get_submodule(blocks[0]).children())))  # no module held
@@ -268,6 +221,52 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     return one
 
 
+@contextlib.contextmanager
+def _rank_model(fns: UserFunctions, blocks: tuple[str, int] | None, *, world_size: int, degrees: dict[str, int],
+                dp_replicate: int, pp_rank: int, dtype: str, load_factor: float) -> Iterator[tuple[Any, Any, list[nn.Module]]]:
+    """``(mesh, routing, [model])``: the fake world of the mesh's rank (the first rank of PP rank ``pp_rank``), and in it,
+    under fake tensors, the factory's model with its first ``k`` blocks (``blocks=(path, k)``), given storage, in the
+    job's dtype, in a list that the caller empties (nothing here holds it then); the parallelize function is the
+    caller's to run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = copy_of_template(fns, blocks)  # the factory's model, built once on meta (the factory is called if not)
+    with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp, pp_rank=pp_rank) as mesh, \
+            FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, CpuKernelShapes(), copies_in_mode(fake_mode), \
+            real_mesh_tensors(), fakes_take_foreach(), routing(load_factor) as routed, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
+        if model is None:
+            with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
+                model = call("--model", fns.names[0], fns.factory)
+            if not isinstance(model, nn.Module):
+                raise ValueError(f"--model {fns.names[0]} returned a {type(model).__name__}, not an nn.Module")
+            if blocks is not None:  # first, so that only the blocks kept get storage
+                keep_blocks(model, *blocks)
+        give_storage(model)  # then fake storage for the parallelize function and the step, as to_empty gives
+        if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
+            to_bf16(model)
+        box, model = [model], None
+        yield mesh, routed, box
+
+
+def stage_signatures(fns: UserFunctions, *, pp_rank: int, world_size: int, degrees: dict[str, int],
+                     dp_replicate: int = 1, dtype: str = "fp32", dp_mode: str | None = None, load_factor: float = 1.0,
+                     blocks: tuple[str, int] | None = None, **_: Any) -> tuple:
+    """What the stages of PP rank ``pp_rank`` are, without a step: for each, whether it is the first or the last, its
+    modules' classes, and its parameters' and buffers' classes, shapes, dtypes and placements (no names: a stage cut
+    from the model keeps its blocks' numbers). Two PP ranks whose stages are alike by it run alike steps.
+    ``trace_user``'s keywords (those for the step are ignored)."""
+    def tensors(ts: Any) -> tuple:
+        return tuple((type(t).__name__, tuple(t.shape), t.dtype, str(getattr(t, "placements", ""))) for t in ts)
+
+    with _rank_model(fns, blocks, world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, pp_rank=pp_rank,
+                     dtype=dtype, load_factor=load_factor) as (mesh, _, box), chunks_on_demand(), local_shards():
+        stages = pipeline_stages(_wrap(fns, box.pop(), mesh, degrees, dp_mode), fns.names[1], pp_rank, degrees["PP"],
+                                 fns.pp_schedule)
+        return tuple((s.is_first, s.is_last, tuple(type(m).__name__ for m in s.submod.modules()),
+                      tensors(s.submod.parameters()), tensors(s.submod.buffers())) for s in stages)
+
+
 def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, int], dp_mode: str | None) -> nn.Module:
     """The user's parallelize function, or the data parallelism ``--dp-mode`` names when there is none."""
     if fns.parallelize is not None:
@@ -292,57 +291,6 @@ def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, in
         return fully_shard(model)
 
     return DistributedDataParallel(model)
-
-
-@functools.lru_cache(maxsize=16)
-def _template(factory: Callable[[], nn.Module], name: str) -> nn.Module:
-    """The factory's model built once on the meta device: its blocks are found in it, and each trace copies it."""
-    with torch.device("meta"):
-        model = call("--model", name, factory)
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"--model {name} returned a {type(model).__name__}, not an nn.Module")
-    return model
-
-
-def template_of(fns: UserFunctions) -> nn.Module:
-    """The factory's model built once on the meta device (a plan's Float8 share of the parameters reads it)."""
-    return _template(fns.factory, fns.names[0])
-
-
-def forget_models() -> None:
-    """Drop the factories' meta models: each plan builds its own, since a factory may read what has changed since
-    the last plan (a config file, a global); within one plan, every mesh and trace copies one."""
-    _template.cache_clear()
-
-
-def blocks_of(factory: Callable[[], nn.Module], name: str) -> tuple[str, int] | None:
-    """``(path, count)`` of the factory's model's identical blocks (:func:`repeated_blocks`), or None."""
-    return repeated_blocks(_template(factory, name))
-
-
-def _copy_of_template(fns: UserFunctions, blocks: tuple[str, int] | None) -> nn.Module | None:
-    """A deep copy of the factory's meta model with the first ``k`` of its blocks (``blocks=(path, k)``): the same
-    module a call of the factory would give, for the cost of the blocks kept, not of all of them. None (call the
-    factory) when the model holds a tensor that is not on meta or does not copy."""
-    try:
-        template = _template(fns.factory, fns.names[0])
-    except ValueError:  # the factory needs the fake world (it reads the mesh, say): it is called there, as before
-        return None
-    if not all(t.is_meta for t in (*template.parameters(), *template.buffers())):
-        return None  # a tensor the factory placed itself: the factory's own call gives it in the fake mode
-    parent, attr, whole = None, "", None
-    if blocks is not None:  # the first k blocks in the template while it is copied, then all of them again
-        parent_path, _, attr = blocks[0].rpartition(".")
-        parent = template.get_submodule(parent_path)
-        whole = getattr(parent, attr)
-        _keep_blocks(template, *blocks)
-    try:
-        return copy.deepcopy(template)
-    except Exception:  # something in the model that does not copy (a lock, a generator): the factory builds it
-        return None
-    finally:
-        if parent is not None:
-            setattr(parent, attr, whole)
 
 
 def trace_arguments(*, world_size: int, degrees: dict[str, int], dp_replicate: int = 1, global_batch_size: int,

@@ -1,0 +1,83 @@
+"""Alike middle PP ranks added by difference (vemesh.planning.pipeline_plan._rank_plan): under a one-stage schedule
+the plan equals tracing every PP rank, in every figure of every rank; a rank whose stages differ (a block more) starts
+a run of its own; and where the checked rank is not the difference, the run is traced."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from models.tiny_llama3_pipelines import TINY, tiny_pipeline
+from vemesh.models.llama3 import planned
+from vemesh.planning import pipeline_plan
+from vemesh.planning.pipeline_trace import MetaExchange
+from vemesh.planning.results import Counted
+
+
+def _both(schedule: str, mode: str, batch: int, pp: int, extra: int, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    fns, kwargs = tiny_pipeline(schedule, mode, batch, pp, 1)
+    if extra:  # the first ``extra`` stages hold a block more (split_layers)
+        fns = replace(fns, factory=planned.factory(replace(TINY, n_layers=pp + extra)))
+    traced: list[list[int]] = []
+
+    def trace_user(*args, trace_user=pipeline_plan.trace_user, **kw):
+        traced[-1].append(kw["pp_rank"])
+        return trace_user(*args, **kw)
+
+    monkeypatch.setattr(pipeline_plan, "trace_user", trace_user)
+    out = []
+    for start in (pipeline_plan.RANKS_BY_DIFFERENCE_FROM, 10**9):
+        monkeypatch.setattr(pipeline_plan, "RANKS_BY_DIFFERENCE_FROM", start)
+        traced.append([])
+        notes: list[str] = []
+        counted = pipeline_plan.trace_pipeline(fns, kwargs, notes)
+        out.append(({r: pipeline_plan._slots(c, r, fns, pp) for r, c in counted.items()}, notes))
+    return fns, out, traced
+
+
+@pytest.mark.parametrize("schedule, mode, batch, extra", [("1f1b", "zero1", 16, 0),
+                                                          pytest.param("gpipe", "fsdp", 14, 2, marks=pytest.mark.slow)])
+def test_alike_middle_ranks_by_difference_equal_tracing_every_rank(schedule, mode, batch, extra, monkeypatch) -> None:
+    """PP 7 x DP 2, micro-batches of 1 (8 a DP rank under 1F1B: every rank reaches its steady state; 7 under
+    GPipe): 1F1B under ZeRO-1 with a block a stage (PP ranks 1 to 3 traced,
+    4 and 5 by difference), GPipe under FSDP2 with the first two stages holding a block more (PP rank 1 alone; 2 to 4
+    traced, 5 by difference). Every figure of every rank equals the whole trace's: the peak, the bytes held by kind,
+    the FLOPs, the bytes moved, the collectives, each action's part."""
+    pp = 7
+    fns, ((by_difference, notes), (whole, whole_notes)), traced = _both(schedule, mode, batch, pp, extra, monkeypatch)
+    first = 2 if extra else 1
+    assert sorted(set(traced[0])) == sorted({0, 1, first, first + 1, first + 2, pp - 1})
+    assert sorted(set(traced[1])) == list(range(pp))
+    derived = [r for r in range(pp) if r not in traced[0]]
+    assert derived == list(range(first + 3, pp - 1))
+    assert any(n.startswith(("PP ranks", "PP rank")) and f"difference of PP ranks {first} and {first + 1}" in n
+               for n in notes), notes
+    assert not any(n.startswith("PP rank") for n in whole_notes)
+    for r in range(pp):
+        assert by_difference[r] == whole[r], r
+    forwards = [max(p for k, (p, _) in by_difference[r].phases.items() if " F@0" in k) for r in (first, derived[-1])]
+    # the highest bytes in a forward: 1F1B, a micro-batch fewer in flight a rank; GPipe, every one on every rank
+    assert forwards[1] < forwards[0] if schedule == "1f1b" else forwards[1] == forwards[0]
+
+
+def _count(peak: int, flops: int = 10) -> Counted:
+    return Counted({"params": 1, "grads": 0, "optimizer": 0, "activations": peak - 1}, peak, {"DP": 4}, "ddp", False,
+                   flops=flops)
+
+
+def test_a_run_whose_checked_rank_is_not_the_difference_is_traced(monkeypatch) -> None:
+    """PP ranks 1, 2 and 3 traced; 3 is not 2 plus what 2 has over 1, so 4 and 5 are traced, not added."""
+    fns, kwargs = tiny_pipeline("1f1b", "zero1", 28, 7, 1)
+    monkeypatch.setattr(pipeline_plan, "_trace_rank", lambda fns, rank, exchange, kwargs: _count(1000 + rank))
+    counted = {0: _count(50), 1: _count(30), 2: _count(20), 3: _count(11), 6: _count(5)}
+    notes: list[str] = []
+    exchange = MetaExchange()
+    exchange.forward.update({3: "3's", 4: "alike 2's", 5: "alike 2's"})  # filled from rank 2 while the others traced
+    out = pipeline_plan._by_difference(fns, kwargs, exchange, counted, {4: (1, 2), 5: (1, 2)}, notes)
+    assert (out[4].peak, out[5].peak) == (1004, 1005)
+    assert exchange.forward == {3: "3's"}  # 4 and 5 traced from what 3, then 4, send
+    assert notes == ["PP ranks 4 to 5: alike stages, but PP rank 3 is not the difference of PP ranks 1 and 2; traced"]
+    counted[3] = _count(10)
+    out = pipeline_plan._by_difference(fns, kwargs, exchange, counted, {4: (1, 2), 5: (1, 2)}, notes)
+    assert (out[4].peak, out[5].peak) == (0, -10)  # 10 fewer a rank, as the traced ranks said (a made-up count)
