@@ -52,6 +52,22 @@ def test_stages_keep_the_full_models_names_and_compute_the_same():
     torch.testing.assert_close(x, model(idx))
 
 
+
+def test_a_stage_copies_only_what_it_keeps():
+    """The blocks and ends a stage drops are never copied (a copy of the whole model, then cut, held each block twice):
+    a block that cannot be copied does not stop the stages that leave it out, and the model itself keeps all."""
+    class Uncopyable(torch.nn.Module):
+        def __deepcopy__(self, memo):
+            raise AssertionError("copied")
+
+    model = GPT(GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=16))
+    model.h["3"] = Uncopyable()
+    first = cut_stage(model, 0, 2)
+    assert list(first.h.keys()) == ["0", "1"] and first.lm_head is None and first.ln_f is None
+    assert list(model.h.keys()) == ["0", "1", "2", "3"] and model.lm_head is not None
+    with pytest.raises(AssertionError, match="copied"):
+        cut_stage(model, 1, 2)
+
 def test_three_numbers_make_a_3d_mesh():
     cfg = config(["--mesh-shape", "2,2,2", "--n-layer", "4"], 8)
     assert cfg.mesh_shape == (2, 2, 2) and cfg.mesh_dim_names == ("PP", "DP", "TP")

@@ -12,12 +12,15 @@ so the last stage and the loss sit on PP rank 0).
 from __future__ import annotations
 
 import copy
+from typing import Any
+
+from torch import nn
 
 from vemesh.models.gpt.model import GPT
 from vemesh.parallel.schedules import (MULTI_STAGE, SCHEDULES, V_SHAPED, ZERO_BUBBLE, stage_indices, stage_owner,
                                        stages_per_rank)
 
-__all__ = ["MULTI_STAGE", "SCHEDULES", "V_SHAPED", "ZERO_BUBBLE", "cut_stage", "split_layers", "stage_indices",
+__all__ = ["MULTI_STAGE", "SCHEDULES", "V_SHAPED", "ZERO_BUBBLE", "copy_stage", "cut_stage", "split_layers", "stage_indices",
            "stage_owner", "stages_per_rank"]
 
 
@@ -40,13 +43,19 @@ def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
 
 def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
     """A copy of ``model`` holding only stage ``stage``'s blocks (and the embeddings or head at the ends)."""
-    layers = {str(i) for i in split_layers(len(model.h), n_stages)[stage]}
-    part = copy.deepcopy(model)
-    for key in list(part.h.keys()):
-        if key not in layers:
-            del part.h[key]
-    if stage != 0:
-        part.wte = part.wpe = None
-    if stage != n_stages - 1:
-        part.ln_f = part.lm_head = None
+    return copy_stage(model, "h", {str(i) for i in split_layers(len(model.h), n_stages)[stage]},
+                      ("wte", "wpe") * (stage != 0) + ("ln_f", "lm_head") * (stage != n_stages - 1))
+
+
+def copy_stage(model: nn.Module, container: str, keep: set[str], dropped: tuple[str, ...]) -> nn.Module:
+    """A deep copy of ``model`` with only the blocks of its ``ModuleDict`` ``container`` named in ``keep``, and the
+    submodules named in ``dropped`` set to None. What is left out is never copied: a copy of the whole model, cut
+    after, held every block twice for a moment (and took, on fake tensors, what the whole model's copy takes)."""
+    blocks = getattr(model, container)
+    memo: dict[int, Any] = {id(m): None for key, m in blocks.items() if key not in keep}
+    memo.update({id(m): None for name in dropped if (m := getattr(model, name)) is not None})
+    part = copy.deepcopy(model, memo)
+    kept = getattr(part, container)
+    for key in [key for key, m in kept.items() if m is None]:
+        del kept[key]
     return part

@@ -5,7 +5,6 @@ vemesh DDP, and pipeline stages for every torch schedule. CP is the step's (``co
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections import defaultdict
 from typing import Any
@@ -19,7 +18,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vemesh.ddp import DistributedDataParallel
-from vemesh.models.gpt.stages import split_layers
+from vemesh.models.gpt.stages import copy_stage, split_layers
 from vemesh.models.llama3.config import AC_MODES, check_ac
 from vemesh.models.llama3.model import Llama3
 from vemesh.parallel import fully_shard
@@ -110,16 +109,8 @@ def apply_tp(model: Llama3, tp_mesh: Any, *, sequence_parallel: bool = True) -> 
 def cut_stage(model: Llama3, stage: int, n_stages: int) -> Llama3:
     """A copy of ``model`` holding stage ``stage``'s blocks (as even as possible, earlier stages taking the rest),
     the embedding on the first stage and the norm and head on the last; every parameter keeps its full-model name."""
-    keep = {str(i) for i in split_layers(len(model.layers), n_stages)[stage]}
-    part = copy.deepcopy(model)
-    for key in list(part.layers.keys()):
-        if key not in keep:
-            del part.layers[key]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != n_stages - 1:
-        part.norm = part.output = None
-    return part
+    return copy_stage(model, "layers", {str(i) for i in split_layers(len(model.layers), n_stages)[stage]},
+                      ("tok_embeddings",) * (stage != 0) + ("norm", "output") * (stage != n_stages - 1))
 
 
 def parallelize(model: nn.Module, mesh: Any, *, dp_mode: str = "fsdp", ac: str = "full", sequence_parallel: bool = True,
