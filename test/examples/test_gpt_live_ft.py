@@ -140,12 +140,16 @@ def test_no_lighthouse_and_a_replica_that_never_comes_fail_within_the_timeout(tm
 
 def test_a_lighthouse_lost_mid_run_stops_the_replica_within_the_timeout(tmp_path) -> None:
     metrics = tmp_path / "m.jsonl"
-    args = [*S.TINY, "--steps", "100000", "--mesh-shape", "1,1", "--ft-replica-id", "0", "--ft-timeout-s", "3",
+    # a timeout a loaded machine's quorums and commits keep within (at 3 s, CI's replica once stopped before step 3)
+    args = [*S.TINY, "--steps", "100000", "--mesh-shape", "1,1", "--ft-replica-id", "0", "--ft-timeout-s", "10",
             "--metrics-file", str(metrics)]
-    with S.lighthouse(tmp_path) as address:
+    with S.lighthouse(tmp_path, heartbeat_ms=5000) as address:  # nor a heartbeat late under load: only the loss
         proc = S.replica([*args, "--ft-lighthouse", address], tmp_path / "r0.log", nproc=1)
         try:
-            S.wait_for(metrics, 3, 60, [proc])
+            S.wait_for(metrics, 3, 90, [proc])
+        except AssertionError as e:
+            S.kill(proc)
+            raise AssertionError(f"{e}\n{(tmp_path / 'r0.log').read_text()[-3000:]}") from None
         except BaseException:
             S.kill(proc)
             raise
@@ -156,7 +160,8 @@ def test_a_lighthouse_lost_mid_run_stops_the_replica_within_the_timeout(tmp_path
         S.kill(proc)
     log = (tmp_path / "r0.log").read_text()
     assert code != 0 and "error: replica 0: the quorum of step" in log and "failed" in log, log[-3000:]
-    assert time.monotonic() - t0 < 40
+    assert "quorum timeout 10s" in log, log[-3000:]
+    assert time.monotonic() - t0 < 45
 
 
 def test_a_replica_that_cannot_take_part_is_turned_away_and_the_live_ones_go_on(tmp_path) -> None:
