@@ -33,6 +33,7 @@ the job's dtype.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from vemesh.planning.measure import FLOP_FORMULAS, NoModules
+from vemesh.planning.measure import FLOP_FORMULAS
 from vemesh.planning.speedups import attention_key
 from vemesh.planning.storages import StorageTables, storage_key
 
@@ -211,53 +212,109 @@ _QUERIES = {torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch.ops.aten.s
             torch.ops.aten.sym_storage_offset, torch.ops.aten.is_contiguous, torch.ops.aten.dim}
 
 
-class MemoryBoundBytes(TorchDispatchMode):
-    """The bytes the step's memory-bound ops move: every op but the matmuls (which ``FlopCounterMode`` counts),
-    the views, queries and allocations (which move nothing: :func:`moves_data`) and the collectives (which :class:`CollectiveBytes` counts) reads its tensor
-    inputs and writes its outputs once. What a step-time prediction charges at the memory bandwidth; and the same
-    ops under ``torch.compile``'s fusion and Float8 (:class:`Fusion`, :meth:`counts`)."""
+#: the metadata queries torch's ``FlopCounterMode`` passes on untouched (its ``__torch_dispatch__``'s first test)
+_FLOPS_PASS = {_aten.sym_is_contiguous.default, _aten.is_contiguous.default, _aten.is_contiguous.memory_format,
+               _aten.is_strides_like_format.default, _aten.is_non_overlapping_and_dense.default, _aten.size.default,
+               _aten.sym_size.default, _aten.stride.default, _aten.sym_stride.default, _aten.storage_offset.default,
+               _aten.sym_storage_offset.default, _aten.numel.default, _aten.sym_numel.default, _aten.dim.default,
+               torch.ops.prim.layout.default}
 
-    def __init__(self) -> None:
+
+_DECOMPOSES: dict[Any, bool] = {}
+
+
+def _decomposes(func: Any) -> bool:
+    """Whether ``func.decompose`` would run a decomposition (a CompositeImplicitAutograd kernel), not return
+    NotImplemented; cached by op."""
+    known = _DECOMPOSES.get(func)
+    if known is None:
+        key = torch._C.DispatchKey.CompositeImplicitAutograd
+        known = _DECOMPOSES[func] = key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), key)
+    return known
+
+
+class MemoryBoundBytes(TorchDispatchMode):
+    """The bytes the step's memory-bound ops move: every op but the matmuls (whose FLOPs it counts, by torch's
+    ``FlopCounterMode`` formulas), the views, queries and allocations (which move nothing: :func:`moves_data`) and
+    the collectives (which :class:`CollectiveBytes` counts) reads its tensor inputs and writes its outputs once.
+    What a step-time prediction charges at the memory bandwidth; and the same ops under ``torch.compile``'s fusion
+    and Float8 (:class:`Fusion`, :meth:`counts`).
+
+    With ``flops`` it counts the FLOPs too, as torch's ``FlopCounterMode`` would beneath it (each op first offered
+    to its decomposition, whose ops count FLOPs alone; ``flop_counts["Global"]`` by op; :meth:`get_total_flops`):
+    one dispatch mode where two stood (``bench/plan_counters.py``). Without, it runs each op as given."""
+
+    def __init__(self, flops: bool = False) -> None:
         super().__init__()
-        self.skip = set(FlopCounterMode(custom_mapping=FLOP_FORMULAS).flop_registry)  # matmuls: timed by FLOPs
+        self.count_flops = flops
+        self.flop_registry = FlopCounterMode(custom_mapping=FLOP_FORMULAS).flop_registry
+        self.skip = set(self.flop_registry)  # matmuls: timed by FLOPs
+        self.flop_counts: dict[str, dict[Any, int]] = defaultdict(lambda: defaultdict(int))
         self.bytes = 0
         self.ops = 0  #: every op dispatched (each costs the framework's per-op time, whatever it computes)
         self.dtensor_ops = 0  #: the ops on DTensors (each also costs DTensor's sharding propagation)
         self.fusion = Fusion()
+        self._decomposing = 0  #: inside an op's decomposition: its ops count FLOPs alone
 
     def counts(self) -> dict[str, int]:
         """What compile and Float8 change (:meth:`vemesh.planning.fusion.Fusion.counts`)."""
         return self.fusion.counts()
 
+    def get_total_flops(self) -> int:
+        """The step's FLOPs (``FlopCounterMode.get_total_flops``)."""
+        return sum(self.flop_counts["Global"].values())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func.namespace == "prim" or func.overloadpacket in _QUERIES:
+        kwargs = kwargs or {}
+        if self._decomposing or func.namespace == "prim" or func.overloadpacket in _QUERIES:
             # metadata that a plain tensor answers in C++ without a dispatch; a fake tensor dispatches it wherever
             # torch asks (its device in indexing, in autograd's engine: 60% of a GPT step's count), so no op of the step
-            return func(*args, **(kwargs or {}))
+            return self._flops(func, args, kwargs)
         if any(t is DTensor for t in types):
             self.dtensor_ops += 1
             return NotImplemented
         self.ops += 1
-        result = func(*args, **(kwargs or {}))
+        result = self._flops(func, args, kwargs)
         packet, collective = func.overloadpacket, func in collective_ops
         if packet not in self.skip and moves_data(func) and not collective:
-            tensors = [t for t in tree_leaves((args, kwargs or {}, result)) if isinstance(t, torch.Tensor)]
+            tensors = [t for t in tree_leaves((args, kwargs, result)) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         self.fusion.see(func, args, kwargs, result, matmul=packet in self.skip, collective=collective)
         return result
 
+    def _flops(self, func, args, kwargs):  # type: ignore[no-untyped-def]
+        """Run ``func`` as torch's ``FlopCounterMode`` does: its decomposition if it has one (each of its ops seen
+        here), else the op itself, counting its FLOPs."""
+        if not self.count_flops:
+            return func(*args, **kwargs)
+        if func in _FLOPS_PASS:
+            return NotImplemented
+        if func is not torch.ops.prim.device.default and _decomposes(func):
+            self._decomposing += 1
+            try:
+                with self:
+                    result = func.decompose(*args, **kwargs)
+            finally:
+                self._decomposing -= 1
+            if result is not NotImplemented:
+                return result
+        out = func(*args, **kwargs)
+        formula = self.flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flop_counts["Global"][func._overloadpacket] += formula(*args, **kwargs, out_val=out)
+        return out
+
 
 @contextmanager
 def step_counters(timed: bool) -> Iterator[tuple[Any, Any]]:
-    """``(flops, moved)``: torch's ``FlopCounterMode`` and :class:`MemoryBoundBytes` over a step a step-time
+    """``(flops, moved)``: one :class:`MemoryBoundBytes` (it counts the FLOPs too) over a step a step-time
     prediction will time (``timed``); counters of nothing otherwise (an untimed trace runs faster)."""
     if not timed:
         yield _Nothing(), _Nothing()
         return
-    flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
-    flops.mod_tracker = NoModules()  # its module hooks refuse autograd.grad, which a pipeline stage's backward runs
-    with flops, MemoryBoundBytes() as moved:
-        yield flops, moved
+    with MemoryBoundBytes(flops=True) as moved:
+        yield moved, moved
 
 
 class _Nothing:

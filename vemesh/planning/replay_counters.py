@@ -2,8 +2,9 @@
 between two, and that change played again.
 
 The counters are the trace's: :class:`~vemesh.planning.measure.CollectiveBytes` (by group name, recorded by mesh dim
-so that another rank's trace of the same plan can replay them on its own groups), and each step's torch
-``FlopCounterMode`` and :class:`~vemesh.planning.fusion.MemoryBoundBytes` with its compile :class:`~vemesh.planning.fusion.Fusion`.
+so that another rank's trace of the same plan can replay them on its own groups), and each step's
+:class:`~vemesh.planning.fusion.MemoryBoundBytes`, which counts the FLOPs by torch's ``FlopCounterMode``
+formulas, with its compile :class:`~vemesh.planning.fusion.Fusion`.
 """
 
 from __future__ import annotations

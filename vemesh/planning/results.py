@@ -23,7 +23,7 @@ class RankClass:
     activations: int  #: in-flight activations and the largest temporaries of a step
     extra: int  #: buffers: FSDP2's unsharded units in use; a pipeline stage's receive buffers
     sent: dict[str, int]  #: bytes per step by mesh name
-    flops: int = 0  #: FLOPs per step (traced: torch's FlopCounterMode over the step), 0 when not counted
+    flops: int = 0  #: FLOPs per step (traced: by torch's FlopCounterMode formulas), 0 when not counted
     memory_bytes: int = 0  #: bytes the step's memory-bound ops read and write (measure.MemoryBoundBytes)
     optimizer_bytes: int = 0  #: the part of ``memory_bytes`` the optimizer's step moves
     ops: int = 0  #: ops dispatched in a step
@@ -81,7 +81,7 @@ class Counted:
     sent: dict[str, int]
     dp_mode: str
     moe: bool
-    flops: int = 0  #: FLOPs of the step (torch's FlopCounterMode)
+    flops: int = 0  #: FLOPs of the step (by torch's FlopCounterMode formulas)
     memory_bytes: int = 0  #: bytes the step's memory-bound ops move (measure.MemoryBoundBytes)
     optimizer_bytes: int = 0  #: the part of ``memory_bytes`` that ``optimizer.step()`` moves
     ops: int = 0  #: ops dispatched in the step (each costs the framework's per-op time)

@@ -2,7 +2,7 @@
 
 For each rank class of a traced plan (:class:`~vemesh.planning.results.RankClass`):
 
-* **compute**: the FLOPs torch's ``FlopCounterMode`` counted over the traced step (forward, backward, every
+* **compute**: the FLOPs counted by torch's ``FlopCounterMode`` formulas over the traced step (forward, backward, every
   micro-batch), at the profile's peak matmul throughput for the dtype times its ``achievable`` fraction; plus
   the bytes every other op (norms, activations, softmax, the optimizer's elementwise math) reads and writes,
   at the memory bandwidth (:class:`~vemesh.planning.fusion.MemoryBoundBytes`); plus the framework's time per op
