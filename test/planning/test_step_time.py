@@ -100,7 +100,7 @@ def test_a_fp32_grouped_mm_is_traced_as_its_cpu_kernel_runs_it() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vemesh.planning.fake_world import CpuKernelShapes
+    from vemesh.planning.fake_world import cpu_kernel_shapes
     from vemesh.planning.measure import FLOP_FORMULAS
 
     x, w, offs = torch.randn(16, 32), torch.randn(4, 32, 8), torch.tensor([4, 8, 12, 16], dtype=torch.int32)
@@ -108,7 +108,7 @@ def test_a_fp32_grouped_mm_is_traced_as_its_cpu_kernel_runs_it() -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         with pytest.raises(RuntimeError, match="BF16"):  # torch's own meta kernel: why the planner needs the mode
             torch._grouped_mm(x, w, offs=offs)
-        with CpuKernelShapes(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as flops:
+        with cpu_kernel_shapes(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as flops:
             fake = torch._grouped_mm(x, w, offs=offs)
     assert (fake.shape, fake.dtype) == (real.shape, real.dtype) == ((16, 8), torch.float32)
     assert flops.get_total_flops() == 2 * 16 * 32 * 8

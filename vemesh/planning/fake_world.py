@@ -11,7 +11,7 @@
 * :func:`local_shards`: ``distribute_tensor`` cutting only this rank's shard (no chunk per rank, no scatter);
 * :func:`chunks_on_demand`: FSDP2's cut of each parameter into one chunk per shard made only for the chunks it reads
   (at 16384 data-parallel ranks, a view per rank of every parameter was most of a plan's time);
-* :class:`CpuKernelShapes`: the ops whose meta kernels refuse what their CPU kernels run, given their shapes.
+* :func:`cpu_kernel_shapes`: the ops whose meta kernels refuse what their CPU kernels run, given their shapes.
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.placement_types import Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel import ParallelDims
 
-__all__ = ["Chunks", "CpuKernelShapes", "Held", "chunks_on_demand", "copies_in_mode", "fake_world", "fakes_take_foreach",
-           "give_storage", "local_shards", "real_mesh_tensors", "to_bf16"]
+__all__ = ["Chunks", "Held", "chunks_on_demand", "copies_in_mode", "cpu_kernel_shapes", "fake_world",
+           "fakes_take_foreach", "give_storage", "local_shards", "real_mesh_tensors", "to_bf16"]
 
 
 @contextlib.contextmanager
@@ -306,29 +305,45 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class CpuKernelShapes(TorchDispatchMode):
-    """Inside ``FakeTensorMode`` (entered just after it): the ops whose meta kernels refuse what their CPU kernels
-    run, given an output of the shape the CPU kernel returns.
+@contextlib.contextmanager
+def cpu_kernel_shapes() -> Iterator[None]:
+    """Inside, a fake tensor mode gives the ops whose meta kernels refuse what their CPU kernels run an output of the
+    shape the CPU kernel returns.
 
     torch 2.13's ``_grouped_mm`` meta kernel takes bf16 only (CUDA's rule), while its CPU kernel takes fp32 too, and
     transformers 5's MoE experts call it in fp32 on CPU. Its output's shape is the meta kernel's on bf16 stand-ins,
-    its dtype the inputs' (or ``out_dtype``). The modes above this one (the memory tracker, the counters) see the op
-    as it was called."""
+    its dtype the inputs' (or ``out_dtype``). The rule is one of ``FakeTensorMode``'s own op implementations
+    (``torch._subclasses.fake_impls``), held for the block: no dispatch mode of its own on every op (a mode cost a
+    pipeline trace 6% to 9%), and the modes above the fake mode (the memory tracker, the counters) see the op as it
+    was called."""
+    from torch._subclasses import fake_impls
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._grouped_mm.default and args[0].device.type == "cpu" \
-                and args[0].dtype in (torch.float32, torch.float64):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
+    rule = (_is_grouped_mm, _grouped_mm_on_cpu)
+    fake_impls.op_implementations_checks.insert(0, rule)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(rule)
 
-            def stand_in(t: torch.Tensor) -> torch.Tensor:
-                dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
-                return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
 
-            out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None) or args[0].dtype
-            inputs = {**dict(zip(("offs", "bias"), args[2:4])), **kwargs, "out_dtype": None}
-            with unset_fake_temporarily():
-                shape = func(*tree_map_only(torch.Tensor, stand_in, args[:2]),
-                             **tree_map_only(torch.Tensor, stand_in, inputs)).shape
-            return torch.empty(shape, dtype=out_dtype, device=args[0].device)
-        return func(*args, **kwargs)
+def _is_grouped_mm(func: Any) -> bool:
+    return func is torch.ops.aten._grouped_mm.default
+
+
+def _grouped_mm_on_cpu(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``_grouped_mm`` of fp32 or fp64 CPU tensors in ``fake_mode``; NotImplemented (torch's meta kernel) otherwise."""
+    if args[0].device.type != "cpu" or args[0].dtype not in (torch.float32, torch.float64):
+        return NotImplemented
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+
+    out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None) or args[0].dtype
+    inputs = {**dict(zip(("offs", "bias"), args[2:4])), **kwargs, "out_dtype": None}
+    with unset_fake_temporarily():
+        shape = func(*tree_map_only(torch.Tensor, stand_in, args[:2]),
+                     **tree_map_only(torch.Tensor, stand_in, inputs)).shape
+        out = torch.empty(shape, dtype=out_dtype, device="meta")
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, out, args[0].device)

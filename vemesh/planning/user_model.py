@@ -42,7 +42,7 @@ from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory
-from vemesh.planning.fake_world import (CpuKernelShapes, Held, chunks_on_demand, copies_in_mode, fake_world,
+from vemesh.planning.fake_world import (Held, chunks_on_demand, copies_in_mode, cpu_kernel_shapes, fake_world,
                                        fakes_take_foreach, give_storage, local_shards, real_mesh_tensors, to_bf16)
 from vemesh.planning.fusion import step_counters
 from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name, mesh_names, ops_by_mesh_name
@@ -232,7 +232,7 @@ def _rank_model(fns: UserFunctions, blocks: tuple[str, int] | None, *, world_siz
 
     model = copy_of_template(fns, blocks)  # the factory's model, built once on meta (the factory is called if not)
     with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp, pp_rank=pp_rank) as mesh, \
-            FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, CpuKernelShapes(), copies_in_mode(fake_mode), \
+            FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, cpu_kernel_shapes(), copies_in_mode(fake_mode), \
             real_mesh_tensors(), fakes_take_foreach(), routing(load_factor) as routed, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
         if model is None:
