@@ -68,6 +68,10 @@ def test_replayed_micro_batches_give_the_plan_of_tracing_every_one(schedule, mod
         r = replayed[rank]
         # the peak within 4 bytes: the first plan of a process holds one fp32 scalar more (made once, then cached)
         assert abs(r.peak - c.peak) <= 4, rank
+        # and so each part's: what the plans by difference scale (a replayed backward's parts past what its forward
+        # kept once peaked at the backward's start, 2 GiB over the trace on the 70B's last stage, 129.5 GiB for 61)
+        assert r.phases.keys() == c.phases.keys(), rank
+        assert {k: p for k, (p, _) in r.phases.items() if abs(p - c.phases[k][0]) > 4} == {}, rank
         assert (r.sent, r.flops, r.memory_bytes, r.optimizer_bytes, r.by_op, r.counts, r.dtensor_ops) == \
             (c.sent, c.flops, c.memory_bytes, c.optimizer_bytes, c.by_op, c.counts, c.dtensor_ops), rank
         assert abs(r.ops - c.ops) <= done, rank  # within one op per action replayed in the plan
@@ -139,3 +143,34 @@ def test_a_storage_written_by_a_region_is_forgotten_when_it_dies() -> None:
     del out
     gc.collect()
     assert key not in fusion._pending and key not in fusion._producer
+
+
+def test_a_replayed_backward_peaks_in_each_part_where_its_trace_did() -> None:
+    """The GPT preset cut at its blocks (PP 2 x DP 2 x TP 2, 3 blocks a stage, 8 micro-batches of 1): a replayed
+    backward's parts past the blocks' (its ``tail``) hold less than at its start, once what its forward kept is
+    freed. Every part of every action peaks as in the trace without replay (within the 4 bytes of a process's first
+    plan), as the plans by difference, which scale each part, need: the replay had held those parts at the start,
+    and the 70B's PP 2 x TP 8 plan (blocks and micro-batches by difference) said 129.5 GiB where it holds 61.2."""
+    from vemesh.planning import fit
+    from vemesh.planning.user_model import trace_arguments
+    from vemesh.planning.user_template import blocks_of
+
+    spec = "gpt:n_layer=8,n_embd=256,n_head=4,vocab=512,seq_len=128"
+    fns = fit._preset_functions(spec, "zero1", "bf16", False, False, "1f1b", True)
+    path, _ = blocks_of(fns.factory, fns.names[0])
+    kwargs = dict(trace_arguments(world_size=8, degrees={"PP": 2, "DP": 2, "CP": 1, "TP": 2, "EP": 1},
+                                  global_batch_size=16, micro_batch_size=1, dtype="bf16", dp_mode="zero1",
+                                  load_factor=1.0), blocks=(path, 6))
+    plans = {}
+    for replay in (True, False):
+        pipeline_plan.REPLAY = replay
+        try:
+            notes: list[str] = []
+            plans[replay] = pipeline_plan.trace_pipeline(fns, kwargs, notes)
+        finally:
+            pipeline_plan.REPLAY = True
+        assert any("replayed" in n for n in notes) == replay, notes
+    for rank, whole in plans[False].items():
+        replayed = plans[True][rank].phases
+        assert replayed.keys() == whole.phases.keys() and any(k.endswith(" tail") for k in replayed), rank
+        assert {k: (p, whole.phases[k][0]) for k, (p, _) in replayed.items() if abs(p - whole.phases[k][0]) > 4} == {}

@@ -305,9 +305,13 @@ class Replay:
         self.replayed += 1
         before = self.counters.snapshot()
         device = self._device()
+        start = self._held()
         for part, rise in effect.rises:  # each part's peak, as the tracker's part: the start plus its rise
             self.tracker.part = part
-            torch.empty(max(rise, 0), dtype=torch.uint8, device=device)  # held and freed at once
+            if release is not None and start + rise < self._held():  # a backward's later parts, past what its
+                release()  # forward kept: freed here, or those parts would peak at the start, not below it
+                release = None
+            torch.empty(max(start + rise - self._held(), 0), dtype=torch.uint8, device=device)  # held, freed at once
         if release is not None:
             release()
         made = [_make(meta, device) if meta is not None else None for meta in effect.returned]
