@@ -248,8 +248,8 @@ class MemoryBoundBytes(TorchDispatchMode):
     def __init__(self, flops: bool = False) -> None:
         super().__init__()
         self.count_flops = flops
+        #: torch's FLOP formulas by op (the matmuls and attention: timed by their FLOPs, not their bytes)
         self.flop_registry = FlopCounterMode(custom_mapping=FLOP_FORMULAS).flop_registry
-        self.skip = set(self.flop_registry)  # matmuls: timed by FLOPs
         self.flop_counts: dict[str, dict[Any, int]] = defaultdict(lambda: defaultdict(int))
         self.bytes = 0
         self.ops = 0  #: every op dispatched (each costs the framework's per-op time, whatever it computes)
@@ -277,10 +277,11 @@ class MemoryBoundBytes(TorchDispatchMode):
         self.ops += 1
         result = self._flops(func, args, kwargs)
         packet, collective = func.overloadpacket, func in collective_ops
-        if packet not in self.skip and moves_data(func) and not collective:
+        matmul = packet in self.flop_registry
+        if not matmul and moves_data(func) and not collective:
             tensors = [t for t in tree_leaves((args, kwargs, result)) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        self.fusion.see(func, args, kwargs, result, matmul=packet in self.skip, collective=collective)
+        self.fusion.see(func, args, kwargs, result, matmul=matmul, collective=collective)
         return result
 
     def _flops(self, func, args, kwargs):  # type: ignore[no-untyped-def]
