@@ -261,6 +261,20 @@ def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
     assert says.format(cases=os.path.relpath(CASES), cwd=os.getcwd(), **lines) in err, err
 
 
+def test_an_optimizer_step_that_fails_on_cuda_is_one_line_naming_why(capsys) -> None:
+    """HF's Qwen3-MoE with its experts as DTensors over EP and the rest plain under vemesh DDP: on a GPU profile the
+    plan steps torch's AdamW as torch runs it on cuda (foreach), which refuses the mix; said in one line, with the
+    way out, where it was a traceback from inside torch."""
+    hf = str(REPO / "test" / "models" / "hf_jobs.py")
+    code, out, err = _cli(capsys, "--model", f"module:{hf}:make_qwen3_moe", "--parallelize", f"{hf}:parallelize_ddp",
+                          "--step", f"{hf}:step", "--world-size", "2", "--ep", "2", "--dp-mode", "ddp",
+                          "--global-batch-size", "8", "--device-profile", "h100-sxm")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"vemesh: error: AdamW (foreach, as torch runs it on cuda).step() failed on what "
+                          f"--parallelize {hf}:parallelize_ddp returned: RuntimeError: aten._foreach_mul_"), err
+    assert "its parameters mix DTensors and plain tensors" in err and "foreach=False" in err, err
+
+
 @pytest.mark.parametrize("extra, says", [
     (("--dp-mode", "fsdp"), "--dp-mode fsdp, but --parallelize"),
     (("--tp", "2", "--parallelize", ""), None),

@@ -90,6 +90,19 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
     return given or ("fsdp" if fsdp else "zero1"), ddps
 
 
+def _step(optimizer: torch.optim.Optimizer, device: str, name: str) -> None:
+    """``optimizer.step()``; its failure one line, naming the optimizer and how torch runs it on ``device``."""
+    try:
+        optimizer.step()
+    except Exception as e:
+        how = " (foreach, as torch runs it on cuda)" if device == "cuda" else ""
+        hint = ("; its parameters mix DTensors and plain tensors, which torch's foreach kernels refuse: make them all "
+                "DTensors (FSDP2 over every module, or distribute the rest), or run the optimizer with foreach=False"
+                if "mixed torch.Tensor and DTensor" in str(e) else "")
+        raise ValueError(f"{type(optimizer).__name__}{how}.step() failed on what --parallelize {name} returned: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0]}{hint}") from e
+
+
 def _optimizer(parts: list[nn.Module], mode: str, ddps: list[Any], device: str) -> torch.optim.Optimizer:
     on_gpu = dict(foreach=True) if device == "cuda" else {}  # as torch runs it there; a fake tensor is a CPU one
     if mode == "zero1":
@@ -191,7 +204,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                             tracker.in_step = True
                         before = memory_bound.bytes
                         tracker.phase = first + "optimizer"
-                        optimizer.step()
+                        _step(optimizer, device, fns.names[1])
                         stepped.append(memory_bound.bytes - before)
                     counter.counting = tracker.in_step = False
                     tracker.phase = None
