@@ -36,22 +36,21 @@ def _both(schedule: str, mode: str, batch: int, pp: int, extra: int, monkeypatch
     return fns, out, traced
 
 
-@pytest.mark.parametrize("schedule, mode, pp, batch, extra", [("1f1b", "zero1", 6, 16, 0),
-                                                              pytest.param("gpipe", "fsdp", 7, 14, 2,
+@pytest.mark.parametrize("schedule, mode, pp, batch, extra", [("1f1b", "zero1", 7, 16, 0),
+                                                              pytest.param("gpipe", "fsdp", 8, 16, 2,
                                                                            marks=pytest.mark.slow)])
 def test_alike_middle_ranks_by_difference_equal_tracing_every_rank(schedule, mode, pp, batch, extra,
                                                                   monkeypatch) -> None:
-    """PP x DP 2, micro-batches of 1: 1F1B under ZeRO-1 over PP 6, 8 micro-batches, a block a stage (PP ranks 1 to 3
-    traced, 4 by difference; with 6 micro-batches PP rank 3 is off the line of 1 and 2, and the check traces 4),
-    GPipe under FSDP2 over PP 7, 7 micro-batches, the first two stages holding a block more (PP rank 1 alone; 2 to 4
-    traced, 5 by difference). Every figure of every rank equals the whole trace's: the peak, the bytes held by kind,
+    """PP x DP 2, micro-batches of 1: 1F1B under ZeRO-1 over PP 7, 8 micro-batches, a block a stage (PP ranks 1 to 3
+    and 5 traced, 4 by difference), GPipe under FSDP2 over PP 8, 8 micro-batches, the first two stages holding a
+    block more (PP rank 1 alone; 2 to 4 and 6 traced, 5 by difference). Every figure of every rank equals the whole trace's: the peak, the bytes held by kind,
     the FLOPs, the bytes moved, the collectives, each action's part."""
     fns, ((by_difference, notes), (whole, whole_notes)), traced = _both(schedule, mode, batch, pp, extra, monkeypatch)
     first = 2 if extra else 1
-    assert sorted(set(traced[0])) == sorted({0, 1, first, first + 1, first + 2, pp - 1})
+    assert sorted(set(traced[0])) == sorted({0, 1, first, first + 1, first + 2, pp - 2, pp - 1})
     assert sorted(set(traced[1])) == list(range(pp))
     derived = [r for r in range(pp) if r not in traced[0]]
-    assert derived == list(range(first + 3, pp - 1))
+    assert derived == list(range(first + 3, pp - 2))
     assert any(n.startswith(("PP ranks", "PP rank")) and f"difference of PP ranks {first} and {first + 1}" in n
                for n in notes), notes
     assert not any(n.startswith("PP rank") for n in whole_notes)
@@ -68,17 +67,25 @@ def _count(peak: int, flops: int = 10) -> Counted:
 
 
 def test_a_run_whose_checked_rank_is_not_the_difference_is_traced(monkeypatch) -> None:
-    """PP ranks 1, 2 and 3 traced; 3 is not 2 plus what 2 has over 1, so 4 and 5 are traced, not added."""
+    """PP ranks 1, 2, 3 and 6 traced; where 3 is not 2 plus what 2 has over 1, or 6 is not 2 plus 4 times it (a
+    figure that falls over ranks 1 to 3 and then stays flat), 4 and 5 are traced, not added."""
     fns, kwargs = tiny_pipeline("1f1b", "zero1", 28, 7, 1)
     monkeypatch.setattr(pipeline_plan, "_trace_rank", lambda fns, rank, exchange, kwargs: _count(1000 + rank))
-    counted = {0: _count(50), 1: _count(30), 2: _count(20), 3: _count(11), 6: _count(5)}
+    counted = {0: _count(50), 1: _count(30), 2: _count(20), 3: _count(11), 6: _count(-20), 7: _count(5)}
     notes: list[str] = []
     exchange = MetaExchange()
     exchange.forward.update({3: "3's", 4: "alike 2's", 5: "alike 2's"})  # filled from rank 2 while the others traced
     out = pipeline_plan._by_difference(fns, kwargs, exchange, counted, {4: (1, 2), 5: (1, 2)}, notes)
     assert (out[4].peak, out[5].peak) == (1004, 1005)
     assert exchange.forward == {3: "3's"}  # 4 and 5 traced from what 3, then 4, send
-    assert notes == ["PP ranks 4 to 5: alike stages, but PP rank 3 is not the difference of PP ranks 1 and 2; traced"]
-    counted[3] = _count(10)
+    assert notes == ["PP ranks 4 to 5: alike stages, but PP rank 3 is not on the difference of PP ranks 1 and 2; "
+                     "traced"]
+    counted[3], counted[6] = _count(10), _count(10)  # the kink: 10 fewer a rank to PP rank 3, then flat
+    notes.clear()
+    out = pipeline_plan._by_difference(fns, kwargs, exchange, counted, {4: (1, 2), 5: (1, 2)}, notes)
+    assert (out[4].peak, out[5].peak) == (1004, 1005)
+    assert notes == ["PP ranks 4 to 5: alike stages, but PP rank 6 is not on the difference of PP ranks 1 and 2; "
+                     "traced"]
+    counted[6] = _count(-20)
     out = pipeline_plan._by_difference(fns, kwargs, exchange, counted, {4: (1, 2), 5: (1, 2)}, notes)
     assert (out[4].peak, out[5].peak) == (0, -10)  # 10 fewer a rank, as the traced ranks said (a made-up count)

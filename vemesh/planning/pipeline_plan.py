@@ -38,8 +38,9 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
       ``m mod PP + 2 PP`` and ``+ 3 PP`` and the rest added by difference, a pipeline's worth at a time: those
       schedules are in their steady state by then. The multi-stage schedules run every micro-batch: they wait on their sends only at the end of the step,
       so what they hold grows with the micro-batches at a rate that changes along the way;
-    * under a one-stage schedule, of each run of 4 or more alike middle PP ranks (6 PP ranks or more:
-      :data:`RANKS_BY_DIFFERENCE_FROM`) three are traced and the rest added by difference (:func:`_rank_plan`).
+    * under a one-stage schedule, of each run of 5 or more alike middle PP ranks (7 PP ranks or more:
+      :data:`RANKS_BY_DIFFERENCE_FROM`) the first three and the last are traced and the rest added by difference
+      (:func:`_rank_plan`).
     """
     kwargs = trace_arguments(**job)
     degrees, pp, m = kwargs["degrees"], kwargs["degrees"]["PP"], kwargs["passes"]
@@ -159,7 +160,7 @@ def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str] 
 
 
 #: a one-stage schedule's PP ranks (GPipe, 1F1B) go by difference from this many (see :func:`_rank_plan`)
-RANKS_BY_DIFFERENCE_FROM = 6
+RANKS_BY_DIFFERENCE_FROM = 7
 
 
 def _rank_plan(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, tuple[int, int]]:
@@ -170,11 +171,12 @@ def _rank_plan(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, tuple[in
     next rank of an alike stage (:func:`~vemesh.planning.user_model.stage_signatures`: the same modules, parameters,
     buffers and placements, built on the fake world without a step) holds one micro-batch's activations fewer in
     flight at each moment of the step, and sends and computes the same. Of each run of alike middle ranks the first
-    three are traced, the third checks the difference of the first two (:func:`_by_difference`), and the rest are
-    added by it. The multi-stage schedules are traced on every rank: their ranks' steps differ in other ways (a
+    three and the last are traced, the third and the last check the difference of the first two
+    (:func:`_by_difference`: a figure that leaves the line past the third rank is caught at the last), and the rest
+    are added by it. The multi-stage schedules are traced on every rank: their ranks' steps differ in other ways (a
     difference of the two PP ranks before put interleaved 1F1B's PP rank 4 of 8 at 1.015 of its trace's peak, ZBV's PP rank
     3 at 0.979). Not told apart: a stage whose forward does other work with the same modules and parameters (a branch
-    on its stage's index), past the first three of its run."""
+    on its stage's index), past the first three of its run, that comes back to the line by its last."""
     pp = kwargs["degrees"]["PP"]
     if fns.pp_schedule in MULTI_STAGE or pp < RANKS_BY_DIFFERENCE_FROM:
         return {}
@@ -187,32 +189,33 @@ def _rank_plan(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, tuple[in
         else:
             runs.append([rank])
         last = signature
-    return {r: (run[0], run[1]) for run in runs if len(run) > 3 for r in run[3:]}
+    return {r: (run[0], run[1]) for run in runs if len(run) > 4 for r in run[3:-1]}
 
 
 def _by_difference(fns: UserFunctions, kwargs: dict[str, Any], exchange: MetaExchange, counted: dict[int, Counted],
                    derived: dict[int, tuple[int, int]], notes: list[str] | None) -> dict[int, Counted]:
     """``counted`` with the ``derived`` ranks added (see :func:`_rank_plan`), each action's phase named by the kind and
     its stage's place on its rank, not by its number in the step (the ranks run them in another order). The third
-    traced rank of each run must equal the difference of the first two, in every figure; where it does not, the
-    run's other ranks are traced."""
+    traced rank of each run, and its last, must equal the difference of the first two, in every figure; where either
+    does not, the run's other ranks are traced."""
     pp = kwargs["degrees"]["PP"]
     alike = {r: _slots(c, r, fns, pp) for r, c in counted.items()}
     out = dict(counted)
     for first in sorted({a for a, _ in derived.values()}):
         ranks = sorted(r for r, (a, _) in derived.items() if a == first)
-        low, high = alike[first], alike[first + 1]
-        if high.scaled(low, 1) == alike[first + 2]:
+        low, high, last = alike[first], alike[first + 1], ranks[-1] + 1
+        off = next((r for r in (first + 2, last) if high.scaled(low, r - first - 1) != alike[r]), None)
+        if off is None:
             out.update({r: high.scaled(low, r - first - 1) for r in ranks})
             if notes is not None:
                 notes.append(f"{_ranks(ranks)}: alike stages, added by difference of PP ranks {first} and "
-                             f"{first + 1} (PP rank {first + 2}, traced, equals it)")
+                             f"{first + 1} (PP ranks {first + 2} and {last}, traced, equal it)")
         else:  # in order, each from what the rank before sent, not from what an alike stage did
             for r in ranks:
                 exchange.forward.pop(r, None), exchange.backward.pop(r, None)
             out.update({r: _trace_rank(fns, r, exchange, kwargs) for r in ranks})
             if notes is not None:
-                notes.append(f"{_ranks(ranks)}: alike stages, but PP rank {first + 2} is not the difference of PP "
+                notes.append(f"{_ranks(ranks)}: alike stages, but PP rank {off} is not on the difference of PP "
                              f"ranks {first} and {first + 1}; traced")
     return out
 
