@@ -174,3 +174,35 @@ def test_a_replayed_backward_peaks_in_each_part_where_its_trace_did() -> None:
         replayed = plans[True][rank].phases
         assert replayed.keys() == whole.phases.keys() and any(k.endswith(" tail") for k in replayed), rank
         assert {k: (p, whole.phases[k][0]) for k, (p, _) in replayed.items() if abs(p - whole.phases[k][0]) > 4} == {}
+
+
+def test_the_second_micro_batch_pipeline_replays_the_firsts_records(monkeypatch) -> None:
+    """Many micro-batches are planned as two pipelines of the same stages (``m mod PP + 2 PP`` and ``+ PP``
+    micro-batches, the rest by difference: ``pipeline_plan._micro_batches``); the second replays what the first
+    recorded. 1F1B under FSDP2 over PP 2, 12 micro-batches: the same plan as with a record store of its own, every
+    figure of every rank and every part, with fewer actions traced."""
+    fns, kwargs = tiny_pipeline("1f1b", "fsdp", 24, 2, 1)
+    # a process's first plan holds a scalar more (made once, then cached), which the difference would scale by 3
+    pipeline_plan.trace_pipeline(*tiny_pipeline("1f1b", "fsdp", 4, 2, 1))
+    calls: list[dict] = []
+    original = pipeline_plan.trace_pipeline
+    plans, notes = {}, {}
+    for shared in (True, False):
+        def trace_pipeline(fns, kwargs, notes, derived, records, shared=shared):
+            calls.append(records if shared else {})  # unshared: a store of its own, as a pipeline had before
+            return original(fns, kwargs, notes, derived, calls[-1])
+
+        monkeypatch.setattr(pipeline_plan, "trace_pipeline", trace_pipeline)
+        notes[shared] = []
+        plans[shared] = pipeline_plan._micro_batches(fns, kwargs, notes[shared])
+    assert calls[0] is calls[1] and calls[2] is not calls[3]
+    assert any("4 and 6 traced" in n for n in notes[True]), notes[True]
+    traced = {s: [int(t) - int(d) for d, t in re.findall(r"(\d+) of (\d+) stage forwards", "\n".join(n))]
+              for s, n in notes.items()}
+    assert traced[True][0] == traced[False][0] and traced[True][1] < traced[False][1], traced
+    for rank, c in plans[False].items():
+        r = plans[True][rank]
+        assert (r.peak, r.phases.keys()) == (c.peak, c.phases.keys()), rank
+        assert {k: p for k, (p, _) in r.phases.items() if p != c.phases[k][0]} == {}, rank
+        assert (r.held, r.sent, r.flops, r.memory_bytes, r.optimizer_bytes, r.by_op, r.counts, r.dtensor_ops) == \
+            (c.held, c.sent, c.flops, c.memory_bytes, c.optimizer_bytes, c.by_op, c.counts, c.dtensor_ops), rank

@@ -91,7 +91,8 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     if short + (short + pp) >= m or fns.pp_schedule in MULTI_STAGE:  # the two traces would run as many micro-batches
         return trace_pipeline(fns, kwargs, notes)
     derived = _rank_plan(fns, kwargs)  # the stages do not change with the micro-batches
-    two, three = (trace_pipeline(fns, dict(kwargs, passes=k), notes, derived) for k in (short, short + pp))
+    records: dict[tuple, list[Any]] = {}  # the second pipeline replays what the first recorded of the same stages
+    two, three = (trace_pipeline(fns, dict(kwargs, passes=k), notes, derived, records) for k in (short, short + pp))
     notes.append(f"micro-batches: {short} and {short + pp} traced, the other {m - short - pp} added by difference, "
                  f"{pp} at a time")
     # each action's number dropped: the two traces run other counts of them (step_parts.collapse_actions)
@@ -120,14 +121,19 @@ REPLAY = True
 
 
 def trace_pipeline(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str] | None = None,
-                   derived: dict[int, tuple[int, int]] | None = None) -> dict[int, Counted]:
+                   derived: dict[int, tuple[int, int]] | None = None,
+                   records: dict[tuple, list[Any]] | None = None) -> dict[int, Counted]:
     """Every PP rank traced (:func:`trace_user` with ``pp_rank``), in the order the stages' shapes allow: a rank whose
     stage waits for another's activations is traced again after that one. With :data:`REPLAY` a stage's micro-batches
     seen twice alike are replayed (:mod:`vemesh.planning.pipeline_replay`); a rank whose replay meets a backward it
     has no record of is traced again without. Under a one-stage schedule, alike middle ranks are added by difference
-    (``derived``, by default :func:`_rank_plan`'s)."""
+    (``derived``, by default :func:`_rank_plan`'s). ``records``: the replays' records, shared with other pipelines of
+    the same stages (the same plan with other counts of micro-batches: a record is keyed by what its action depends
+    on, not by the step's length)."""
     pp = kwargs["degrees"]["PP"]
     exchange = MetaExchange(replay=REPLAY)
+    if records is not None:
+        exchange.records = records
     counted: dict[int, Counted] = {}
     derived = _rank_plan(fns, kwargs) if derived is None else derived
     pending = [r for r in range(pp) if r not in derived]
