@@ -89,3 +89,37 @@ def test_a_run_whose_checked_rank_is_not_the_difference_is_traced(monkeypatch) -
     counted[6] = _count(-20)
     out = pipeline_plan._by_difference(fns, kwargs, exchange, counted, {4: (1, 2), 5: (1, 2)}, notes)
     assert (out[4].peak, out[5].peak) == (0, -10)  # 10 fewer a rank, as the traced ranks said (a made-up count)
+
+
+@pytest.mark.parametrize("preset", ["gpt", "llama3"])
+def test_a_presets_own_cut_finds_the_alike_ranks_that_building_them_finds(preset, monkeypatch) -> None:
+    """The presets say what each PP rank's stages hold from their own cut (``UserFunctions.stage_kinds``), where a
+    user's functions build each rank's stages to compare them (``stage_signatures``, 2 s a rank at 70B width). 1F1B
+    over PP 8 of 10 blocks, the first two stages holding a block more: both ways make PP rank 1 a run of its own, and
+    of ranks 2 to 6 trace 2, 3, 4 and 6 and add 5 by difference. Llama 3's ``selective-2`` recomputes blocks by
+    their number: with 3 blocks a stage, the PP ranks alternate, and the cut tells them apart."""
+    from vemesh.models.llama3 import planned as llama3_planned
+    from vemesh.planning import fit
+    from vemesh.planning.user_model import trace_arguments
+
+    pp = 8
+    if preset == "gpt":
+        fns = fit._preset_functions(f"gpt:n_layer={pp + 2},n_embd=32,n_head=2,vocab=64,seq_len=16", "zero1", "fp32",
+                                    False, False, "1f1b", True)
+        kwargs = trace_arguments(world_size=2 * pp, degrees={"PP": pp, "DP": 2, "CP": 1, "TP": 1, "EP": 1},
+                                 dp_replicate=1, global_batch_size=16, micro_batch_size=1, dtype="fp32",
+                                 dp_mode="zero1", load_factor=1.0, timed=False)
+    else:
+        cfg = replace(TINY, n_layers=pp + 2)
+        fns, kwargs = tiny_pipeline("1f1b", "zero1", 16, pp, 1)
+        fns = replace(fns, factory=planned.factory(cfg),
+                      stage_kinds=llama3_planned.stage_kinds_for(cfg, "full", "1f1b"))
+        alternating = llama3_planned.stage_kinds_for(replace(TINY, n_layers=3 * pp), "selective-2", "1f1b")
+        assert alternating(1, pp) != alternating(2, pp) and alternating(1, pp) == alternating(3, pp)
+    built = pipeline_plan._rank_plan(replace(fns, stage_kinds=None), kwargs)
+
+    def stage_signatures(*args, **kw):
+        raise AssertionError("a preset's stages were built to be compared")
+
+    monkeypatch.setattr(pipeline_plan, "stage_signatures", stage_signatures)
+    assert pipeline_plan._rank_plan(fns, kwargs) == built == {5: (2, 3)}

@@ -111,7 +111,8 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
                          (spec, "vemesh.models.gpt.parallelize", f"vemesh.models.gpt.planned.{step.__qualname__}"),
                          keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule,
                          before_optimizer=gpt_planned.before_optimizer_for(pp_schedule),
-                         before_optimizer_name=f"vemesh.models.gpt.planned.before_optimizer_for({pp_schedule!r})")
+                         before_optimizer_name=f"vemesh.models.gpt.planned.before_optimizer_for({pp_schedule!r})",
+                         stage_kinds=gpt_planned.stage_kinds_for(gpt_config(spec), pp_schedule))
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,7 +123,8 @@ def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: st
                          (spec, "vemesh.models.llama3.parallelize", "vemesh.models.llama3.planned.step"),
                          loss=llama3_planned.loss_fn, pp_schedule=pp_schedule,
                          before_optimizer=llama3_planned.before_optimizer,
-                         before_optimizer_name="vemesh.models.llama3.planned.before_optimizer")
+                         before_optimizer_name="vemesh.models.llama3.planned.before_optimizer",
+                         stage_kinds=llama3_planned.stage_kinds_for(config_of(spec), ac, pp_schedule))
 
 
 @functools.lru_cache(maxsize=64)

@@ -175,7 +175,8 @@ def _rank_plan(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, tuple[in
 
     Under a one-stage schedule (GPipe, 1F1B) a middle PP rank runs the schedule's actions on its own stage, and the
     next rank of an alike stage (:func:`~vemesh.planning.user_model.stage_signatures`: the same modules, parameters,
-    buffers and placements, built on the fake world without a step) holds one micro-batch's activations fewer in
+    buffers and placements, built on the fake world without a step; for the planner's presets, whose cut is theirs,
+    what :attr:`~vemesh.planning.user_code.UserFunctions.stage_kinds` says: the same blocks, wrapped alike) holds one micro-batch's activations fewer in
     flight at each moment of the step, and sends and computes the same. Of each run of alike middle ranks the first
     three and the last are traced, the third and the last check the difference of the first two
     (:func:`_by_difference`: a figure that leaves the line past the third rank is caught at the last), and the rest
@@ -189,7 +190,10 @@ def _rank_plan(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[int, tuple[in
     runs: list[list[int]] = []
     last = None
     for rank in range(1, pp - 1):
-        signature = stage_signatures(fns, pp_rank=rank, **kwargs)
+        if fns.stage_kinds is not None:  # a preset: its own cut says what each rank holds, no stage built
+            signature = fns.stage_kinds(rank, pp, kwargs["blocks"][1] if kwargs.get("blocks") else None)
+        else:
+            signature = stage_signatures(fns, pp_rank=rank, **kwargs)
         if runs and signature == last:
             runs[-1].append(rank)
         else:

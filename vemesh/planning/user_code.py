@@ -63,6 +63,10 @@ class UserFunctions:
     #: all-reduce of the loss), so that its work and its collectives are in the step
     before_optimizer: Callable[[Any], Any] | None = None
     before_optimizer_name: str = ""
+    #: the planner's presets (whose cut is theirs): ``FUNCTION(pp_rank, pp, n_blocks)``, what that PP rank's stages
+    #: are when a model of ``n_blocks`` blocks (None: the preset's own depth) is cut
+    #: (:func:`vemesh.models.gpt.stages.stage_kinds`); it stands for building each rank's stages to compare them
+    stage_kinds: Callable[[int, int, int | None], tuple] | None = None
 
     @classmethod
     def of(cls, model: Any, parallelize: Any, step: Any, loss: Any = None, pp_schedule: str | None = None,

@@ -28,7 +28,7 @@ from vemesh.ddp import DistributedDataParallel
 from vemesh.layout.data_dims import data_dims
 from vemesh.models.gpt.model import GPT, GPTConfig
 from vemesh.models.gpt.parallelize import parallelize
-from vemesh.models.gpt.stages import cut_stage
+from vemesh.models.gpt.stages import cut_stage, stage_kinds
 from vemesh.optim import clip_grad_norm_
 from vemesh.parallel import context_parallel
 from vemesh.parallel.schedules import build_stages, run_schedule, stage_indices, stages_per_rank
@@ -39,6 +39,19 @@ __all__ = ["before_optimizer_for", "factory", "loss_fn", "parallelize_for", "pip
 def factory(config: GPTConfig) -> Any:
     """``FACTORY()`` for the planner: a new ``GPT(config)`` per call (the same callable for one config)."""
     return functools.partial(GPT, config)
+
+
+def stage_kinds_for(config: GPTConfig, pp_schedule: str) -> Any:
+    """``FUNCTION(pp_rank, pp, n_blocks)``: what the stages of a PP rank are under :func:`parallelize_for`'s cut
+    (:func:`vemesh.models.gpt.stages.stage_kinds`); a block is told by whether it is a MoE block, the one thing the
+    preset does by the block's number (activation checkpointing takes every block)."""
+    def moe(i: int) -> bool:
+        return config.moe_experts > 0 and i % config.moe_every == 0
+
+    def kinds(pp_rank: int, pp: int, n_blocks: int | None = None) -> tuple:
+        return stage_kinds(config.n_layer if n_blocks is None else n_blocks, pp_rank, pp, pp_schedule, moe)
+
+    return kinds
 
 
 @functools.lru_cache(maxsize=32)

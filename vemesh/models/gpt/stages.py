@@ -21,7 +21,7 @@ from vemesh.parallel.schedules import (MULTI_STAGE, SCHEDULES, V_SHAPED, ZERO_BU
                                        stages_per_rank)
 
 __all__ = ["MULTI_STAGE", "SCHEDULES", "V_SHAPED", "ZERO_BUBBLE", "copy_stage", "cut_stage", "split_layers", "stage_indices",
-           "stage_owner", "stages_per_rank"]
+           "stage_kinds", "stage_owner", "stages_per_rank"]
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
@@ -39,6 +39,21 @@ def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
+
+
+def stage_kinds(n_blocks: int, pp_rank: int, pp: int, schedule: str, wrapped: Any = None) -> tuple:
+    """What the stages of PP rank ``pp_rank`` hold when a model of ``n_blocks`` blocks is cut as the presets cut it
+    (:func:`cut_stage`, :func:`split_layers`), without building it: for each stage, whether it is the first and the
+    last, and for each of its blocks ``wrapped(i)`` of its number in the whole model (how the preset wraps block
+    ``i``; None: every block alike). Two PP ranks of equal kinds hold alike stages.
+
+    >>> stage_kinds(5, 1, 2, "1f1b")
+    ((False, True, (None, None)),)
+    """
+    n_stages = pp * stages_per_rank(schedule)
+    layers = split_layers(n_blocks, n_stages)
+    return tuple((s == 0, s == n_stages - 1, tuple(wrapped(i) if wrapped else None for i in layers[s]))
+                 for s in stage_indices(pp_rank, pp, schedule))
 
 
 def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
