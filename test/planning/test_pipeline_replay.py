@@ -5,6 +5,7 @@ per replayed action (FakeTensor's device queries and FSDP2's profiler marks, whi
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,7 @@ from models.tiny_llama3_pipelines import tiny_pipeline
 from vemesh.planning import pipeline_plan
 from vemesh.planning.fusion import Fusion
 from vemesh.planning.pipeline_order import backward_contexts, gradients_may_change
-from vemesh.planning.pipeline_replay import Effect, _alike, _balanced
+from vemesh.planning.pipeline_replay import Effect, _alike, _balanced, _from_start
 
 
 def _traced(schedule: str, mode: str, replay: bool, monkeypatch: pytest.MonkeyPatch, batch: int, pp: int,
@@ -110,6 +111,8 @@ def test_effects_alike_but_for_the_ops_count_and_balanced_forward_and_backward()
     forward = _effect(16 + 64)  # returns 16 bytes (4 fp32), keeps 64
     assert _balanced(forward, _effect(16 - 64))  # its backward frees the 64 and returns an input gradient of 16
     assert not _balanced(forward, _effect(16 - 60))
+    assert _from_start(forward)  # a forward part below its start would be played at its start: traced instead
+    assert not _from_start(replace(forward, rises=(("", 64), (" blocks", -8))))
 
 
 def test_a_new_storage_at_a_dead_ones_address_pays_none_of_its_writes() -> None:

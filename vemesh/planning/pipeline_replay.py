@@ -201,7 +201,7 @@ class Replay:
             effect, undo = self._replayable(key), self._replayable(back, predicted=after and self.one_stage)
             # the last stage's backward record must start where its loss's backward ends (one output, hooked)
             if mb < self.n - 1 and (index, mb) not in self.unsure and effect is not None and undo is not None and \
-                    _balanced(effect, undo) and (undo.consumed > 0 or not stage.is_last):
+                    _balanced(effect, undo) and _from_start(effect) and (undo.consumed > 0 or not stage.is_last):
                 return self._replay_forward(index, mb, effect, sourced=stage.is_last)
             result = self._trace(key, index, lambda: forward(*args, **kwargs), forward=True)
             if stage.is_last and isinstance(result, torch.Tensor) and result.requires_grad:
@@ -351,6 +351,14 @@ def _alike(a: Effect, b: Effect) -> bool:
         flops, moved, *rest = e.counters
         return replace(e, counters=(flops, (moved[0], 0, moved[2]), *rest))
     return without_ops(a) == without_ops(b)
+
+
+def _from_start(forward: Effect) -> bool:
+    """No part of a forward's record peaks below the bytes held at its start. A replay frees nothing that was held
+    before it (a replayed backward frees what its replayed forward kept, and nothing else), so a part that fell below
+    the start would be played at the start: a forward so recorded is traced, never replayed (none of the test
+    pipelines has one; a backward's later parts, past what its forward kept, do fall, and are played so)."""
+    return all(rise >= 0 for _, rise in forward.rises)
 
 
 def _balanced(forward: Effect, backward: Effect) -> bool:
