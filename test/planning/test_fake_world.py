@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import logging
 
 import pytest
 import torch
@@ -102,3 +104,16 @@ def test_a_plan_leaves_the_users_mesh_and_world_as_they_were() -> None:
     finally:
         mesh.reset()
         dist.destroy_process_group()
+
+
+def test_a_trace_that_redistributes_over_two_dims_prints_no_torch_warning(capfd) -> None:
+    """The Llama 3 preset clips its gradients over DP x TP, where DTensor's norm takes two all-reduces and torch warns
+    once per mesh; every trace has a mesh of its own, so a search printed it once per mesh. The trace counts both."""
+    from vemesh.cli import main
+
+    assert main(["plan", "--model", "llama3:8b", "--world-size", "8", "--tp", "2", "--dtype", "bf16",
+                 "--global-batch-size", "8", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["degrees"]["TP"] == 2
+    assert "sequential all_reduce" not in err, err[-600:]
+    assert logging.getLogger("torch.distributed.tensor._redistribute").level == logging.NOTSET  # given back

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +50,12 @@ def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int, keep
     dims = ParallelDims(world_size, pp=degrees.get("PP", 1), dp_replicate=dp_replicate, cp=degrees["CP"],
                         tp=degrees["TP"], ep=degrees["EP"], mesh_dims=names)
     rank = pp_rank * (world_size // degrees.get("PP", 1))  # PP is the outermost dim: its ranks are blocks
+    # torch warns once per mesh where DTensor redistributes over two dims in two collectives (a clipping's norm
+    # over DP x TP); each world here has a mesh of its own, so a search printed it once per trace. The trace counts
+    # both collectives; a run prints it once.
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         _forget_meshes()
@@ -58,6 +65,7 @@ def fake_world(world_size: int, degrees: dict[str, int], dp_replicate: int, keep
         mesh.reset()
         dist.destroy_process_group()
         _forget_meshes()
+        redistribute.setLevel(level)
 
 
 def _forget_meshes() -> None:
