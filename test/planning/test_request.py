@@ -42,6 +42,9 @@ def test_every_field_of_the_request_is_a_flag_of_vemesh_plan() -> None:
     (dict(world_size=8, model="gpt:n_layer=2", step="m:step"), "--parallelize and --step trace your own model"),
     (dict(world_size=8, model="module:m:make", step="m:s", sequence_parallel=True),
      "--sequence-parallel is the GPT preset's"),
+    (dict(world_size=8, model="gpt:n_layer=2", pp=2, trace_pp=True),
+     r"--trace-pp is for a search \(--device-memory, none of --pp, --dp, --tp\)"),
+    (dict(world_size=8, trace_pp=True), "argument --trace-pp: describes a job; give the model too"),
 ])
 def test_a_request_that_cannot_be_answered_says_why(python, message) -> None:
     with pytest.raises(ValueError, match=message):

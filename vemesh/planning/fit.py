@@ -70,6 +70,7 @@ class Job:
     device: str = "cpu"
     #: what GPU users turn on, modelled on the traced step (:mod:`vemesh.planning.step_time`), not traced
     speed: Any = None  #: :class:`vemesh.planning.speedups.Speedups` (compile, Float8, async TP), None for none
+    trace_pp: bool = False  #: a search traces its PP meshes through torch's schedule, as ``--pp N`` does
 
     @property
     def mode(self) -> str:
@@ -164,7 +165,8 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
             dp_replicate: int = 1, trace_pipeline: bool = True) -> MeshFit:
     """The prediction per rank class for the mesh ``(PP, DP, CP, TP)`` (EP folded over DP x CP).
 
-    ``trace_pipeline=False`` (a search) plans a GPT-preset mesh with PP by :func:`~vemesh.planning.pipeline_estimate.estimate_pipeline`.
+    ``trace_pipeline=False`` (a search without ``--trace-pp``) plans a GPT-preset mesh with PP by
+    :func:`~vemesh.planning.pipeline_estimate.estimate_pipeline`.
     Raises ``ValueError`` (one line, naming the value) for what the job or the mesh cannot be.
     """
     if job.user:
@@ -213,7 +215,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
 def _as_traced(job: Job) -> Job:
     """``job`` as its trace sees it: the switches (``speed``) change only the step time drawn from the trace, so a
     plan that differs in them alone reuses the cached trace."""
-    return replace(job, speed=None)
+    return replace(job, speed=None, trace_pp=False)
 
 
 def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshFit:
@@ -276,9 +278,10 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             degrees = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}
             if tp > limit.get("n_head", 1) or pp > n_layer:
                 continue  # not even a candidate: more TP ranks than heads, more stages than blocks
-            if job.llama3 and pp > 1:  # no estimate stands in for the schedule's trace, which takes minutes a mesh
+            if job.llama3 and pp > 1 and not job.trace_pp:  # no estimate stands in for the schedule's trace
                 rejected.append(MeshFit(degrees, [], 0, 0, reason="not planned in a search: the Llama 3 preset's PP "
-                                        f"meshes are traced through torch's schedule (minutes each); plan it with --pp {pp}"))
+                                        f"meshes are traced through torch's schedule (seconds to minutes each); plan "
+                                        f"it with --pp {pp}, or search with --trace-pp"))
                 continue
             if not job.user and not job.llama3 and pp == 1 and device_memory is not None:  # a trace saved where the weights cannot fit
                 over = _static_over(job, device_memory, dp=dp, tp=tp, cp=cp, ep=ep, degrees=degrees)
@@ -289,7 +292,7 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             chosen, refusal = None, None
             for variant in _variants(job, choose, job.global_batch_size // dp if job.global_batch_size % dp == 0 else 0):
                 try:
-                    fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, trace_pipeline=False)
+                    fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, trace_pipeline=job.trace_pp)
                 except ValueError as e:
                     refusal = refusal or MeshFit(degrees, [], 0, 0, reason=str(e))
                     continue

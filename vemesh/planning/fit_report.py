@@ -166,10 +166,13 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
                      f"{', '.join(f.slow_dims) or '-'}")
     if timed and len(fits) > 1:
         lines.extend(_why_slower(fits[0], fits[1:top]))
-    if any(f.degrees["PP"] > 1 for f in fits[:top]) and not job.user:
+    if any(f.degrees["PP"] > 1 for f in fits[:top]) and not job.user and not job.trace_pp:
         lines.append("PP meshes are estimated, not traced: one micro-batch per stage traced, times the schedule's "
                      "micro-batches and chunks in flight" + (" (timed within 2% of the traced plan at width 1024, "
-                     "up to 11% short at width 512)" if timed else "") + "; plan one with --pp N to trace it")
+                     "up to 11% short at width 512)" if timed else "") + "; plan one with --pp N to trace it, or "
+                     "search with --trace-pp to trace every one")
+    elif any(f.degrees["PP"] > 1 for f in fits[:top]) and not job.user:
+        lines.append("PP meshes traced through torch's schedule, as --pp N plans each (--trace-pp)")
     if rejected:
         lines.append(f"{len(rejected)} meshes rejected:")
         lines.extend(f"  {f.shape():28} {f.reason}" for f in rejected)
@@ -266,6 +269,9 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "that fits: micro-batch-size (the largest that fits without PP; every size with PP, whose "
                      "bubble shrinks with more micro-batches), activation-checkpointing (the GPT preset: on only "
                      "where nothing fits without it); comma-separated")
+    job.add_argument("--trace-pp", action="store_true", help="a search traces each PP mesh through torch's "
+                     "schedule, as --pp N plans it (seconds to minutes a mesh), where otherwise the GPT preset's PP "
+                     "meshes are estimated and the Llama 3 preset's left out")
     job.add_argument("--rank-by", choices=("time", "inter-host", "peak"),
                      help="search order: the predicted step time (needs --device-profile), the bytes between hosts, "
                      "or the peak (default: time with --device-profile, else inter-host with --devices-per-host, "

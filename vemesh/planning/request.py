@@ -23,7 +23,7 @@ CHOICES = ("micro-batch-size", "activation-checkpointing")
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
                               "pp_schedule", "rank_by", "parallelize", "step", "loss", "before_optimizer", "moe_load_factor",
                               "sequence_parallel", "activation_checkpointing", "device_profile", "choose", "compile",
-                              "float8", "float8_all_gather", "async_tp")
+                              "float8", "float8_all_gather", "async_tp", "trace_pp")
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,9 @@ class PlanRequest:
     device_profile: Any = None  #: a built-in profile's name, a JSON file, or a DeviceProfile: adds the step time
     #: a search by time: what it chooses for each mesh as well, of :data:`CHOICES` (or one comma-separated string)
     choose: tuple[str, ...] | str | None = None
+    #: a search traces each PP mesh through torch's schedule, as ``pp=N`` plans it (the GPT preset's are otherwise
+    #: estimated, the Llama 3 preset's left out)
+    trace_pp: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -119,6 +122,9 @@ class PlanRequest:
                              "with --parallelize for TP, CP or EP), or a preset (--model gpt:... or llama3:...)")
         if self.rank_by == "time" and self.device_profile is None:
             raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
+        if self.trace_pp and not self.searches:
+            raise ValueError("--trace-pp is for a search (--device-memory, none of --pp, --dp, --tp): a plan of one "
+                             "mesh with --pp N traces its pipeline already")
         for choice in self.choices:
             if choice not in CHOICES:
                 raise ValueError(f"--choose {choice!r} is not a choice; choose from {', '.join(CHOICES)} "
@@ -203,7 +209,7 @@ class PlanRequest:
                    pp_schedule=self.pp_schedule or "1f1b", sequence_parallel=self.sequence_parallel,
                    activation_checkpointing=ac if llama3 else ac == "full", parallelize=self.parallelize,
                    step=self.step, loss=self.loss, before_optimizer=self.before_optimizer, moe_load_factor=factor,
-                   timed=self.device_profile is not None, speed=speed if speed.any else None)
+                   timed=self.device_profile is not None, speed=speed if speed.any else None, trace_pp=self.trace_pp)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanRequest:
