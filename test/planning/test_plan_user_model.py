@@ -229,6 +229,16 @@ def test_moe_load_factor_raises_the_busiest_ranks_peak_and_is_said(capsys) -> No
     assert peaks["1.5"] > peaks["1"]
 
 
+def test_fsdp_on_a_mesh_without_data_parallel_ranks_is_one_line_saying_so(capsys) -> None:
+    """--dp-mode fsdp where DP x CP = 1 and the function wrapped nothing: one line that names the mesh's lack, not
+    the function's (the Llama 3 preset, fsdp by default, wraps nothing at DP 1, as torchtitan does)."""
+    code, out, err = _cli(capsys, "--model", f"module:{CASES}:make_six", "--parallelize", f"{CASES}:parallelize_nothing",
+                          "--step", f"{JOBS}:step", "--world-size", "1", "--dp-mode", "fsdp", "--global-batch-size", "4")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--dp-mode fsdp, but the mesh has no data-parallel ranks (DP x CP = 1) for FSDP2 to shard over" in err
+    assert "plan this mesh with --dp-mode ddp" in err
+
+
 @pytest.mark.parametrize("args, says", [
     ((f"module:{CASES}:make_fails", f"{JOBS}:parallelize_ddp", f"{JOBS}:step"),
      "make_fails failed at {cases}:{make} in make_fails: RuntimeError: no checkpoint at /models/base"),

@@ -70,6 +70,11 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
     fsdp = any(isinstance(m, FSDPModule) for part in parts for m in part.modules())
     ddps = [m for part in parts for m in part.modules() if isinstance(m, DistributedDataParallel)]
     found = "fsdp" if fsdp else "ddp" if ddps else None
+    grad = data_dims(mesh.layout).grad
+    if given == "fsdp" and found is None and (grad is None or mesh.size(grad) == 1):
+        raise ValueError(f"--dp-mode fsdp, but the mesh has no data-parallel ranks (DP x CP = 1) for FSDP2 to shard "
+                         f"over, and --parallelize {name} wrapped nothing; plan this mesh with --dp-mode ddp (no "
+                         "wrapper: the model in --dtype)")
     if given == "fsdp" and found != "fsdp":
         raise ValueError(f"--dp-mode fsdp, but --parallelize {name} did not call fully_shard "
                          f"({'it wrapped vemesh DDP' if ddps else 'it wrapped no data parallelism'}); "
@@ -77,7 +82,6 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
     if given in ("ddp", "zero1") and found == "fsdp":
         raise ValueError(f"--dp-mode {given}, but --parallelize {name} sharded the model with FSDP2 (fully_shard); "
                          "give --dp-mode fsdp, or leave --dp-mode out")
-    grad = data_dims(mesh.layout).grad
     if found is None:
         if grad is not None and mesh.size(grad) > 1:
             raise ValueError(f"--parallelize {name} wrapped no data parallelism, but the mesh has "
