@@ -166,12 +166,13 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
                      f"{', '.join(f.slow_dims) or '-'}")
     if timed and len(fits) > 1:
         lines.extend(_why_slower(fits[0], fits[1:top]))
-    if any(f.degrees["PP"] > 1 for f in fits[:top]) and not job.user and not job.trace_pp:
+    piped = any(f.degrees["PP"] > 1 for f in fits[:top]) and not job.user
+    if piped and not job.trace_pp:
         lines.append("PP meshes are estimated, not traced: one micro-batch per stage traced, times the schedule's "
                      "micro-batches and chunks in flight" + (" (timed within 2% of the traced plan at width 1024, "
                      "up to 11% short at width 512)" if timed else "") + "; plan one with --pp N to trace it, or "
                      "search with --trace-pp to trace every one")
-    elif any(f.degrees["PP"] > 1 for f in fits[:top]) and not job.user:
+    elif piped:
         lines.append("PP meshes traced through torch's schedule, as --pp N plans each (--trace-pp)")
     if rejected:
         lines.append(f"{len(rejected)} meshes rejected:")

@@ -23,7 +23,8 @@ from vemesh.models.llama3.config import AC_MODES, check_ac
 from vemesh.models.llama3.model import Llama3
 from vemesh.parallel import fully_shard
 
-__all__ = ["AC_MODES", "activation_checkpointing", "apply_tp", "check_ac", "cut_stage", "selective_op_policy"]
+__all__ = ["AC_MODES", "activation_checkpointing", "apply_tp", "check_ac", "cut_stage", "recomputes",
+           "selective_op_policy"]
 
 #: The ops whose outputs torchtitan's per-op policy keeps (every other matmul's, attention's, the TP reduce-scatter's,
 #: the max's); every other op in a block is recomputed in backward.
@@ -57,16 +58,21 @@ def _selective_op_contexts() -> Any:
     return create_selective_checkpoint_contexts(selective_op_policy())
 
 
+def recomputes(mode: str, block: int) -> bool:
+    """Whether ``mode`` (:func:`check_ac`) wraps block number ``block`` (the full model's numbering) for recompute:
+    ``selective-N`` every N-th from block 0, ``full`` and ``selective-op`` every block, ``none`` none."""
+    mode = check_ac(mode)
+    every = int(mode.rsplit("-", 1)[1]) if mode[len("selective-"):].isdigit() else 1
+    return mode != "none" and block % every == 0
+
+
 def activation_checkpointing(model: Llama3, mode: str) -> None:
     """Wrap the blocks' forwards for ``mode`` (:func:`check_ac`): ``full`` recomputes every block from its input,
     ``selective-op`` keeps what :func:`selective_op_policy` saves, ``selective-N`` recomputes blocks 0, N, 2N, ...
     whole (block numbers are the full model's, so every pipeline stage agrees)."""
     mode = check_ac(mode)
-    if mode == "none":
-        return
-    every = int(mode.rsplit("-", 1)[1]) if mode[len("selective-"):].isdigit() else 1
     for key, block in model.layers.items():
-        if int(key) % every:
+        if not recomputes(mode, int(key)):
             continue
         kwargs: dict[str, Any] = {"use_reentrant": False}
         if mode == "selective-op":

@@ -19,7 +19,7 @@ from torch import nn
 
 from vemesh import VESCALE_DEVICE_MESH
 from vemesh.models.llama3.model import Llama3, Llama3Config, loss_fn
-from vemesh.models.llama3.parallelize import check_ac, cut_stage, parallelize
+from vemesh.models.llama3.parallelize import check_ac, cut_stage, parallelize, recomputes
 from vemesh.optim import clip_grad_norm_
 from vemesh.parallel import context_parallel
 from vemesh.models.gpt.stages import stage_kinds
@@ -58,11 +58,7 @@ def stage_kinds_for(cfg: Llama3Config, ac: str, pp_schedule: str) -> Any:
     """``FUNCTION(pp_rank, pp, n_blocks)``: what the stages of a PP rank are under :func:`parallelize_for`'s cut
     (:func:`vemesh.models.gpt.stages.stage_kinds`); a block is told by whether ``ac`` recomputes it, which
     ``selective-N`` decides by the block's number."""
-    ac = check_ac(ac)
-    every = int(ac.rsplit("-", 1)[1]) if ac[len("selective-"):].isdigit() else 1
-
-    def recomputed(i: int) -> bool:
-        return ac != "none" and i % every == 0
+    recomputed = functools.partial(recomputes, check_ac(ac))
 
     def kinds(pp_rank: int, pp: int, n_blocks: int | None = None) -> tuple:
         return stage_kinds(cfg.n_layers if n_blocks is None else n_blocks, pp_rank, pp, pp_schedule, recomputed)
