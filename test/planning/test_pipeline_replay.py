@@ -209,3 +209,47 @@ def test_the_second_micro_batch_pipeline_replays_the_firsts_records(monkeypatch)
         assert {k: p for k, (p, _) in r.phases.items() if p != c.phases[k][0]} == {}, rank
         assert (r.held, r.sent, r.flops, r.memory_bytes, r.optimizer_bytes, r.by_op, r.counts, r.dtensor_ops) == \
             (c.held, c.sent, c.flops, c.memory_bytes, c.optimizer_bytes, c.by_op, c.counts, c.dtensor_ops), rank
+
+
+def test_a_search_replays_on_one_pp_mesh_what_another_recorded_of_the_same_stages() -> None:
+    """Inside ``shared_records`` (a search), a PP mesh replays the records of another whose stages have the same role
+    and parameters' shapes: the GPT preset of 24 blocks, traced with 3 and 4 a stage, at PP 2 x DP 6 and then PP 3 x
+    DP 4 (ZeRO-1, TP 1). PP 3 x DP 4 has the plan it has alone, every figure and the step time, with fewer actions
+    traced."""
+    from vemesh.planning import fit
+    from vemesh.planning.request import PlanRequest
+
+    def plan(pp: int, dp: int):
+        job = PlanRequest(model="gpt:n_layer=24,n_embd=64,n_head=4,vocab=256,seq_len=64", world_size=12,
+                          global_batch_size=24, micro_batch_size=1, device_profile="h100-sxm").job()
+        return fit.predict(job, dp=dp, pp=pp)
+
+    fit._traced_preset.cache_clear()
+    with pipeline_plan.shared_records():
+        plan(2, 6)
+        shared = plan(3, 4)
+    fit._traced_preset.cache_clear()
+    alone = plan(3, 4)
+    assert (shared.peak, shared.classes, shared.micro_batches) == (alone.peak, alone.classes, alone.micro_batches)
+    # each pipeline's actions traced (its 3 and 4 blocks a stage; a plan's notes are told once, alike or not)
+    traced = [[int(t) - int(d) for d, t in re.findall(r"(\d+) of (\d+) stage forwards", "\n".join(f.notes))]
+              for f in (shared, alone)]
+    assert max(traced[0]) < min(traced[1]), traced
+
+
+def test_records_are_shared_across_dp_sizes_under_ddp_and_zero1_but_not_fsdp() -> None:
+    """What a record depends on besides its key (``pipeline_plan._context``): not PP; under DDP and ZeRO-1 only whether
+    the mesh has DP (their forward broadcasts the buffers); under FSDP2 and a user's own wrapping its DP size."""
+    fns = object()
+
+    def context(mode: str | None, pp: int, dp: int, tp: int = 1) -> tuple:
+        return pipeline_plan._context(fns, dict(degrees={"PP": pp, "DP": dp, "CP": 1, "TP": tp, "EP": 1},
+                                                dp_replicate=1, micro_batch_size=1, dtype="bf16", dp_mode=mode,
+                                                load_factor=1.0, timed=True, device="cpu"))
+
+    for mode in ("ddp", "zero1"):
+        assert context(mode, 2, 4) == context(mode, 8, 16) != context(mode, 8, 1)
+        assert context(mode, 2, 4) != context(mode, 2, 4, tp=2)
+    for mode in ("fsdp", None):
+        assert context(mode, 2, 4) == context(mode, 8, 4) != context(mode, 2, 8)
+    assert context("ddp", 2, 4) != context("zero1", 2, 4)

@@ -486,16 +486,22 @@ def test_a_search_with_trace_pp_plans_each_pp_mesh_as_pp_n_does(capsys) -> None:
     of a GPT search over 4 ranks has the peak and step time of its own plan: PP 2 x DP 2's made after the caches are
     emptied, the others' from the cache (a search that asked otherwise would miss it and trace again); without the
     flag the same search estimates them (here, at a width where the schedule's own ops weigh, the estimate's step
-    of PP 2 x DP 2 is a third of the trace's)."""
+    of PP 2 x DP 2 is a third of the trace's). Each traced PP mesh is told on stderr as it goes."""
     from vemesh.cli import main
     from vemesh.planning import fit
 
     gpt = ["--model", "gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=64", "--world-size", "4",
            "--global-batch-size", "8", "--device-profile", "h100-sxm", "--json"]
-    searched = {}
+    searched, progress = {}, {}
     for trace in (True, False):
         assert main(["plan", *gpt, "--device-memory", "8GiB", *(["--trace-pp"] if trace else [])]) == 0
-        searched[trace] = {tuple(f["degrees"].values()): f for f in json.loads(capsys.readouterr().out)["fits"]}
+        out, err = capsys.readouterr()
+        searched[trace] = {tuple(f["degrees"].values()): f for f in json.loads(out)["fits"]}
+        progress[trace] = [line for line in err.splitlines() if line.startswith("vemesh: trac")]
+    # a line on stderr as each PP mesh's trace starts and ends; none where the search estimates them
+    assert "vemesh: tracing PP=2 x DP=2 through torch's 1f1b schedule, 4 micro-batches" in progress[True], progress
+    assert len(progress[True]) == 6 and progress[True][1].startswith("vemesh: traced PP=2 x DP=2 in ")
+    assert progress[False] == []
     piped = {k: f for k, f in searched[True].items() if f["degrees"]["PP"] > 1}
     assert len(piped) == 3, list(searched[True])  # PP 2 x DP 2, PP 2 x TP 2, PP 4
     for key, f in sorted(piped.items(), key=lambda kv: kv[0] == (2, 2, 1, 1, 1)):  # the cache emptied last

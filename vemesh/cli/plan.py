@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from vemesh.cli.common import UsageError, check_rank, check_world, degree, positive, print_json, print_warnings
@@ -114,9 +118,26 @@ def _plan_model(request: PlanRequest, plan: MeshPlan, as_json: bool) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _progress() -> Iterator[None]:
+    """Inside, the planner's INFO lines (each pipeline it traces, and how long it took) go to stderr as they come: a
+    search that traces its PP meshes runs for minutes."""
+    log = logging.getLogger("vemesh.planning")
+    handler, level = logging.StreamHandler(sys.stderr), log.level
+    handler.setFormatter(logging.Formatter("vemesh: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def _search(request: PlanRequest, as_json: bool) -> int:
     """``vemesh plan --model ... --device-memory ...`` without a shape: every mesh that fits, ranked."""
-    found = _answer(request)
+    with _progress():
+        found = _answer(request)
     if as_json:
         print_json(found.document())
     else:
