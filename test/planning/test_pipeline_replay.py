@@ -209,3 +209,61 @@ def test_the_second_micro_batch_pipeline_replays_the_firsts_records(monkeypatch)
         assert {k: p for k, (p, _) in r.phases.items() if p != c.phases[k][0]} == {}, rank
         assert (r.held, r.sent, r.flops, r.memory_bytes, r.optimizer_bytes, r.by_op, r.counts, r.dtensor_ops) == \
             (c.held, c.sent, c.flops, c.memory_bytes, c.optimizer_bytes, c.by_op, c.counts, c.dtensor_ops), rank
+
+
+
+def test_a_search_replays_on_one_pp_mesh_what_another_recorded_of_the_same_stages(monkeypatch) -> None:
+    """Inside ``shared_records`` (a search), a PP mesh replays the records of another whose stages have the same role
+    and parameters' shapes and whose plan cuts its actions alike. The GPT preset of 64 blocks under ZeRO-1 over 32
+    ranks: PP 8 x DP 4, then PP 4 x DP 8 (both by difference: 3 and 4 blocks a stage, each action cut at its blocks)
+    replays PP 8's records, and has the plan it has alone, every figure of every rank and part, with fewer actions
+    traced; then PP 16 x DP 2 (4 blocks a stage, traced whole: its actions are not cut) replays none of theirs: a
+    record names the parts of its action, and played into an uncut trace its ranks' parts differ, so that its alike
+    middle ranks failed their check and were all traced (until the cut was in the key)."""
+    from vemesh.planning import fit
+    from vemesh.planning.request import PlanRequest
+
+    counted: list[dict] = []
+
+    def micro_batches(*args, original=pipeline_plan._micro_batches):
+        counted.append(original(*args))
+        return counted[-1]
+
+    monkeypatch.setattr(pipeline_plan, "_micro_batches", micro_batches)
+
+    def plan(pp: int):
+        job = PlanRequest(model="gpt:n_layer=64,n_embd=64,n_head=4,vocab=256,seq_len=64", world_size=32,
+                          global_batch_size=64, micro_batch_size=1).job()
+        fit._traced_preset.cache_clear()
+        return fit.predict(job, dp=32 // pp, pp=pp), counted[-1]  # the last pipeline: 4 blocks a stage
+
+    with pipeline_plan.shared_records():
+        plan(8)
+        (shared, ranks_shared), (whole, _) = plan(4), plan(16)
+    alone, ranks_alone = plan(4)
+    assert (shared.peak, shared.classes) == (alone.peak, alone.classes)
+    assert ranks_shared == ranks_alone  # each rank's Counted, every action's part included
+    traced = [[int(t) - int(d) for d, t in re.findall(r"(\d+) of (\d+) stage forwards", "\n".join(f.notes))]
+              for f in (shared, alone)]
+    assert max(traced[0]) < min(traced[1]), traced
+    assert any("PP ranks 4 to 13: alike stages, added by difference" in n for n in whole.notes), whole.notes
+
+
+def test_records_are_shared_across_pp_and_across_dp_sizes_under_ddp_and_zero1_only() -> None:
+    """What a record depends on besides its key (``pipeline_plan._context``): not PP; under DDP and ZeRO-1 only whether
+    the mesh has DP (their forward broadcasts the buffers); under FSDP2 and a user's own wrapping its DP size; and
+    whether the plan cuts its actions at the blocks (by difference) or not."""
+    fns = object()
+
+    def context(mode: str | None, pp: int, dp: int, tp: int = 1, blocks: tuple | None = ("h", 12)) -> tuple:
+        return pipeline_plan._context(fns, dict(degrees={"PP": pp, "DP": dp, "CP": 1, "TP": tp, "EP": 1}, blocks=blocks,
+                                                dp_replicate=1, micro_batch_size=1, dtype="bf16", dp_mode=mode,
+                                                load_factor=1.0, timed=True, device="cpu"))
+
+    for mode in ("ddp", "zero1"):
+        assert context(mode, 2, 4) == context(mode, 8, 16, blocks=("h", 32)) != context(mode, 8, 1)
+        assert context(mode, 2, 4) != context(mode, 2, 4, tp=2)
+        assert context(mode, 2, 4) != context(mode, 2, 4, blocks=None)
+    for mode in ("fsdp", None):
+        assert context(mode, 2, 4) == context(mode, 8, 4) != context(mode, 2, 8)
+    assert context("ddp", 2, 4) != context("zero1", 2, 4)

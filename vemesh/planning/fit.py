@@ -32,7 +32,7 @@ from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
-from vemesh.planning.pipeline_plan import predict_pipeline
+from vemesh.planning.pipeline_plan import predict_pipeline, shared_records
 from vemesh.planning.speedups import linear_share
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import predict_user
@@ -96,8 +96,7 @@ class Job:
 
 
 @functools.lru_cache(maxsize=32)
-def _preset_factory(spec: str) -> Callable[[], Any]:
-    """One factory per GPT spec, so that every mode, schedule and mesh of it copies one meta model."""
+def _preset_factory(spec: str) -> Callable[[], Any]:  # every mode, schedule and mesh of a spec copies one meta model
     return gpt_planned.factory(gpt_config(spec))
 
 
@@ -116,9 +115,9 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
                          stage_kinds=gpt_planned.stage_kinds_for(gpt_config(spec), pp_schedule))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)  # the same objects for the same job: a search's PP meshes share their records
 def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: str) -> UserFunctions:
-    """The Llama 3 preset's functions (:mod:`vemesh.models.llama3.planned`), the same objects for the same job."""
+    """The Llama 3 preset's functions (:mod:`vemesh.models.llama3.planned`)."""
     return UserFunctions(llama3_planned.factory(config_of(spec)),
                          llama3_planned.parallelize_for(mode, dtype, ac, pp_schedule), llama3_planned.step,
                          (spec, "vemesh.models.llama3.parallelize", "vemesh.models.llama3.planned.step"),
@@ -170,7 +169,6 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     Raises ``ValueError`` (one line, naming the value) for what the job or the mesh cannot be.
     """
     if job.user:
-
         if job.dp_mode is not None and job.dp_mode not in ("ddp", "zero1", "fsdp"):
             raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {job.dp_mode!r}")
         fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
@@ -231,6 +229,7 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
                    1, job.global_batch_size // dp, traced=False, dp_mode=job.mode)
 
 
+@shared_records()  # its PP meshes replay each other's records (pipeline_plan)
 def search(job: Job, world_size: int, *, device_memory: int | None = None, devices_per_host: int | None = None,
            cp: int = 1, ep: int = 1, rank_by: str | None = None,
            timed: Callable[[MeshFit, MeshPlan], list[Any]] | None = None,

@@ -7,8 +7,10 @@ parallelize function returns the ``PipelineStage`` objects of each PP rank, the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -21,10 +23,54 @@ from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import stage_signatures, trace_arguments, trace_user, user_notes
 from vemesh.planning.user_template import blocks_of
 
-__all__ = ["predict_pipeline", "trace_pipeline"]
+__all__ = ["predict_pipeline", "shared_records", "trace_pipeline"]
 
 #: each pipeline planned, and how long it took, at INFO (``vemesh plan`` prints them on stderr in a search)
 _log = logging.getLogger(__name__)
+
+#: inside :func:`shared_records`: the replays' records of every plan made there, by what a stage's action depends on
+#: besides its own key (:func:`_context`)
+_SHARED: dict[tuple, dict[tuple, list[Any]]] | None = None
+
+
+@contextlib.contextmanager
+def shared_records() -> Iterator[None]:
+    """Inside, the pipelines planned share their replays' records across meshes (a search's PP meshes): a stage's
+    action recorded on one mesh is replayed on another whose stage has the same role and parameters' local shapes,
+    under the same TP, CP, EP, micro-batch, dtype and data-parallel wrapper (:func:`_context`)."""
+    global _SHARED
+    outer, _SHARED = _SHARED, {} if _SHARED is None else _SHARED
+    try:
+        yield
+    finally:
+        _SHARED = outer
+
+
+def _context(fns: UserFunctions, kwargs: dict[str, Any]) -> tuple:
+    """What a replay's record depends on besides its key (a stage's role, its parameters' local shapes, the action and
+    the wrapper's state: :mod:`vemesh.planning.pipeline_replay`): the functions, the job, whether the plan cuts its
+    actions at the blocks (a plan by difference names each action's parts, before, in and after its blocks
+    (:func:`~vemesh.planning.step_parts.pipeline_parts`), and a replay plays the parts its record names), and the mesh
+    but for its PP (a stage's index is not in its record) and, under DDP and ZeRO-1, the size of its DP: only whether
+    it has one (their forward broadcasts the buffers; their backward without gradient sync sends nothing, and the last
+    micro-batch's, which syncs, is always traced). FSDP2's shards depend on it, and its DP stays."""
+    degrees = dict(kwargs["degrees"], PP=None)
+    if kwargs["dp_mode"] in ("ddp", "zero1"):  # not a user's own wrapping (dp_mode None), which may depend on DP
+        degrees["DP"] = degrees["DP"] > 1
+    cut = kwargs["blocks"][0] if kwargs.get("blocks") else None
+    return (fns, cut, tuple(sorted(degrees.items())), kwargs["dp_replicate"], kwargs["micro_batch_size"],
+            kwargs["dtype"], kwargs["dp_mode"], kwargs["load_factor"], kwargs["timed"], kwargs["device"])
+
+
+def _records(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[tuple, list[Any]] | None:
+    """The records this plan shares (inside :func:`shared_records`), else None (its own)."""
+    if _SHARED is None:
+        return None
+    key = _context(fns, kwargs)
+    try:
+        return _SHARED.setdefault(key, {})
+    except TypeError:  # a user's function that cannot be hashed: this plan's records are its own
+        return None
 
 
 def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
@@ -97,10 +143,12 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     """:func:`trace_pipeline` of every micro-batch, or of fewer and the rest by difference (see predict_pipeline)."""
     pp, m = kwargs["degrees"]["PP"], kwargs["passes"]
     short = m % pp + 2 * pp
+    shared = _records(fns, kwargs)
     if short + (short + pp) >= m or fns.pp_schedule in MULTI_STAGE:  # the two traces would run as many micro-batches
-        return trace_pipeline(fns, kwargs, notes)
+        return trace_pipeline(fns, kwargs, notes, records=shared)
     derived = _rank_plan(fns, kwargs)  # the stages do not change with the micro-batches
-    records: dict[tuple, list[Any]] = {}  # the second pipeline replays what the first recorded of the same stages
+    # the second pipeline replays what the first recorded of the same stages
+    records: dict[tuple, list[Any]] = {} if shared is None else shared
     two, three = (trace_pipeline(fns, dict(kwargs, passes=k), notes, derived, records) for k in (short, short + pp))
     notes.append(f"micro-batches: {short} and {short + pp} traced, the other {m - short - pp} added by difference, "
                  f"{pp} at a time")
