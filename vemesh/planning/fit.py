@@ -96,7 +96,8 @@ class Job:
 
 
 @functools.lru_cache(maxsize=32)
-def _preset_factory(spec: str) -> Callable[[], Any]:  # every mode, schedule and mesh of a spec copies one meta model
+def _preset_factory(spec: str) -> Callable[[], Any]:
+    """One factory per GPT spec, so that every mode, schedule and mesh of it copies one meta model."""
     return gpt_planned.factory(gpt_config(spec))
 
 
@@ -115,9 +116,9 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
                          stage_kinds=gpt_planned.stage_kinds_for(gpt_config(spec), pp_schedule))
 
 
-@functools.lru_cache(maxsize=64)  # the same objects for the same job: a search's PP meshes share their records
+@functools.lru_cache(maxsize=64)
 def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: str) -> UserFunctions:
-    """The Llama 3 preset's functions (:mod:`vemesh.models.llama3.planned`)."""
+    """The Llama 3 preset's functions (:mod:`vemesh.models.llama3.planned`), the same objects for the same job."""
     return UserFunctions(llama3_planned.factory(config_of(spec)),
                          llama3_planned.parallelize_for(mode, dtype, ac, pp_schedule), llama3_planned.step,
                          (spec, "vemesh.models.llama3.parallelize", "vemesh.models.llama3.planned.step"),
