@@ -212,6 +212,7 @@ def test_the_second_micro_batch_pipeline_replays_the_firsts_records(monkeypatch)
 
 
 
+@pytest.mark.slow  # 70 s alone: four pipelines of 64 blocks over 4 to 16 PP ranks
 def test_a_search_replays_on_one_pp_mesh_what_another_recorded_of_the_same_stages(monkeypatch) -> None:
     """Inside ``shared_records`` (a search), a PP mesh replays the records of another whose stages have the same role
     and parameters' shapes and whose plan cuts its actions alike. The GPT preset of 64 blocks under ZeRO-1 over 32
