@@ -40,6 +40,13 @@ def _one_timed_job_at_a_time(tmp_path_factory):
     test_gpt_live_ft.py): two such sets on two busy cores can miss each other's windows."""
     with exclusive(tmp_path_factory, "live-replicas"):
         yield
+    while _STARTED:  # a failed test leaves none of its agents running beside the next one
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+
+
+_STARTED: list[subprocess.Popen] = []
 
 HELD = Path(__file__).with_name("held_train.py")
 STEPS, EVERY, TOL = 40, 5, 1e-4  # longer runs amplify the rounding of the DP=1 steps past 1e-4 (2.8e-4 by step 59)
@@ -55,21 +62,32 @@ def _agent(tmp: Path, tag: str, port: int, ckpt: Path, last_call: int = 2, scrip
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     out = open(tmp / f"{tag}.log", "w")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    _STARTED.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True))
+    return _STARTED[-1]
 
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait_for_step(path: Path, step: int, timeout: float = 180) -> None:
+def _wait_for_step(path: Path, step: int, agents: dict[str, subprocess.Popen], timeout: float = 180) -> None:
+    """Wait until the metrics in ``path`` reach ``step``; fail at once, with every agent's log, if one exits first."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         rows = _rows(path)
         if rows and rows[-1]["step"] >= step:
             return
+        exited = {tag: proc.poll() for tag, proc in agents.items() if proc.poll() is not None}
+        if exited:
+            pytest.fail(f"agent {exited} exited before {path.name} reached step {step}\n" + _logs(path.parent, agents))
         time.sleep(0.2)
-    pytest.fail(f"{path} did not reach step {step}")
+    last = rows[-1]["step"] if rows else None
+    pytest.fail(f"{path.name} did not reach step {step} in {timeout:g} s (last: {last})\n" + _logs(path.parent, agents))
+
+
+def _logs(tmp: Path, agents: dict[str, subprocess.Popen], chars: int = 2500) -> str:
+    return "\n".join(f"--- {tag}.log (end) ---\n{(tmp / f'{tag}.log').read_text()[-chars:]}" for tag in agents)
 
 
 def _kill_tree(pid: int) -> None:
@@ -122,7 +140,7 @@ def test_an_agent_dies_and_the_survivor_finishes_on_dp1(tmp_path, reference):
     a = _agent(tmp_path, "a", 29761, ckpt, last_call=15)
     time.sleep(3)
     b = _agent(tmp_path, "b", 29761, ckpt, last_call=15)
-    _wait_for_step(tmp_path / "m_a.jsonl", 22)
+    _wait_for_step(tmp_path / "m_a.jsonl", 22, {"a": a, "b": b})
     _kill_tree(b.pid)  # the agent and its workers, as when a node goes down
     b.wait()
     assert _finish(a) == 0, (tmp_path / "a.log").read_text()[-3000:]
@@ -144,7 +162,7 @@ def test_a_second_agent_joins_and_the_job_grows_to_dp2(tmp_path, reference):
     # the new rendezvous round take many seconds on busy cores, and a B that comes after A's last
     # step finds the rendezvous closed and the world never grows
     a = _agent(tmp_path, "a", 29762, ckpt, script=HELD)
-    _wait_for_step(tmp_path / "m_a.jsonl", 3)
+    _wait_for_step(tmp_path / "m_a.jsonl", 3, {"a": a})
     b = _agent(tmp_path, "b", 29762, ckpt)
     assert _finish(a) == 0, (tmp_path / "a.log").read_text()[-3000:]
     assert _finish(b) == 0, (tmp_path / "b.log").read_text()[-3000:]

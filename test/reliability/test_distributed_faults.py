@@ -94,3 +94,56 @@ def test_a_rank_missing_at_start_up_is_named(tmp_path):
     assert proc.returncode != 0
     assert "rank [3] of 4 never arrived within 4 s (crashed, exited early, or never started); the other 3 did" in proc.stderr, proc.stderr[-3000:]
     assert time.perf_counter() - start < 60
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("agent_store", [False, True])
+def test_ranks_of_agents_whose_restart_counts_differ_meet_on_a_store_of_the_round(agent_store, monkeypatch):
+    """After one node's workers fail, its torchrun agent counts a restart and the others restart for the new round
+    without counting: TORCHELASTIC_RESTART_COUNT differs between nodes. On a store of the round's (rank 0 hosts it:
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as multi-node elastic jobs run) the ranks still meet; a CI run of the
+    elastic example spent every restart with each node's workers waiting for the other's. On the agent's store,
+    kept over rounds, the count is what keeps the attempts apart, and the timeout says so."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from vemesh.mesh import startup
+
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False) if agent_store else None
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(agent_store))
+    stores, wait = [], timedelta(seconds=3)
+    for rank, restarts in ((0, "1"), (1, "0")):  # node 0's workers failed once; node 1's agent restarted for the round
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
+        stores.append(startup._job_store(rank, 2, wait))
+    errors: list[str] = []
+
+    def arrive(rank: int) -> None:
+        try:
+            startup._wait_for_everyone(stores[rank], rank, 2, wait)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=arrive, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    del server
+    if not agent_store:
+        assert errors == []
+    else:
+        assert len(errors) == 2 and all("never arrived" in e and "agents count restarts apart" in e
+                                        and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in e for e in errors), errors

@@ -61,9 +61,11 @@ class HangWatch:
         self.window = straggler_window()
         self.busy = Busy(self.window or 60.0)  # this rank's share of time outside collectives, for its heartbeat
         self._finished, self.store, self.rank, self.world_size, self.steps = 0, store, rank, world_size, steps
-        # the store's keys of this watch: a torchrun restart after a hang, or a second init_device_mesh, starts
-        # clean (every rank starts its watches in the same order, ``number``: init_device_mesh is called by all)
-        self.keys = f"{_PREFIX}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{number}/"
+        # the store's keys of this watch: a second init_device_mesh starts clean (every rank starts its watches in
+        # the same order, ``number``: init_device_mesh is called by all). A torchrun restart gets a new store, or
+        # the agent's under a prefix of its own (vemesh.mesh.startup._job_store, torch's env://): the restart count
+        # stays out of the keys, since it is each agent's own and differs between nodes after a failure
+        self.keys = f"{_PREFIX}{number}/"
         # one id for this job's dumps, the same on every rank: a directory reused across runs keeps them apart
         self.run_id = store.compare_set(self.keys + "run", "", uuid.uuid4().hex).decode()
         self._pending: dict[str, tuple[int, float]] = {}  # pg id -> (first pending seq, when first seen)

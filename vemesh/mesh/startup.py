@@ -154,13 +154,18 @@ def ensure_process_group(device_type: str, timeout: timedelta) -> bool:
 
 
 def _job_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    """The job's key-value store, with this restart attempt's keys kept apart.
+    """The job's key-value store, with this restart attempt's keys kept apart where the store outlives an attempt.
 
-    Under torchrun it is the agent's store. torch 2.13's torchrun hands it to the workers it
-    restarts (``--max-restarts``) without prefixing keys per attempt, so a restarted worker would
-    read the previous attempt's keys and fail with "Gloo connectFullMesh failed ... Connection
-    refused"; the ``TORCHELASTIC_RESTART_COUNT`` prefix keeps each attempt apart. Without the
-    agent (``MASTER_ADDR``/``MASTER_PORT`` set by another launcher), rank 0 hosts it, as env:// does.
+    Under torchrun it is either the agent's store, shared with the workers and kept over every rendezvous round,
+    or (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as multi-node elastic jobs need) one that rank 0 hosts at the
+    port the round's rendezvous picked, new each round. torch 2.13's torchrun hands the agent's store to the
+    workers it restarts (``--max-restarts``) without prefixing keys per attempt, so a restarted worker would read
+    the previous attempt's keys and fail with "Gloo connectFullMesh failed ... Connection refused"; there the
+    ``TORCHELASTIC_RESTART_COUNT`` prefix keeps each attempt apart, as torch's own ``env://`` does. A store of
+    rank 0's is new each attempt and gets no such prefix: the restart count is each agent's own (a node whose
+    workers failed counts a restart; the others restart for the new round without counting), so after one failure
+    the nodes' workers would wait on each other under different prefixes until every restart was spent. Without
+    the agent (``MASTER_ADDR``/``MASTER_PORT`` set by another launcher), rank 0 hosts it, as env:// does.
     """
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -175,8 +180,9 @@ def _job_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
             f"init_device_mesh on rank {rank}: could not reach the job's store at {addr}:{port} ({host}) within "
             f"{timeout.total_seconds():.0f} s: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
         ) from None
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return dist.PrefixStore(f"/vemesh/attempt_{restart}", store)
+    if not agent:
+        return dist.PrefixStore("/vemesh", store)
+    return dist.PrefixStore(f"/vemesh/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _wait_for_everyone(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
@@ -189,8 +195,19 @@ def _wait_for_everyone(store: dist.Store, rank: int, world_size: int, timeout: t
         raise RuntimeError(
             f"init_device_mesh on rank {rank}: rank{'s' if len(missing) > 1 else ''} {missing} of {world_size} never "
             f"arrived within {timeout.total_seconds():.0f} s (crashed, exited early, or never started); "
-            f"the other {world_size - len(missing)} did"
+            f"the other {world_size - len(missing)} did{_apart_hint()}"
         ) from None
+
+
+def _apart_hint() -> str:
+    """Where torchrun's agents share their store over several nodes, after a failure their restart counts (and so
+    their prefixes, :func:`_job_store`) can differ: say so, and how the job keeps them together."""
+    several = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+    if not (several and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return ""
+    return (f". This is restart attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} of this node's agent; "
+            "agents count restarts apart, and on a store they share the nodes' workers then wait apart: run torchrun "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each round has a store of its own")
 
 
 def apply_timeout(groups: Iterable[dist.ProcessGroup], timeout: timedelta) -> None:
