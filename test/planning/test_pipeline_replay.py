@@ -212,13 +212,13 @@ def test_the_second_micro_batch_pipeline_replays_the_firsts_records(monkeypatch)
 
 
 
-@pytest.mark.slow  # 70 s alone: four pipelines of 64 blocks over 4 to 16 PP ranks
+@pytest.mark.slow  # 45 s alone: four pipelines of 32 blocks over 2 to 8 PP ranks
 def test_a_search_replays_on_one_pp_mesh_what_another_recorded_of_the_same_stages(monkeypatch) -> None:
     """Inside ``shared_records`` (a search), a PP mesh replays the records of another whose stages have the same role
-    and parameters' shapes and whose plan cuts its actions alike. The GPT preset of 64 blocks under ZeRO-1 over 32
-    ranks: PP 8 x DP 4, then PP 4 x DP 8 (both by difference: 3 and 4 blocks a stage, each action cut at its blocks)
-    replays PP 8's records, and has the plan it has alone, every figure of every rank and part, with fewer actions
-    traced; then PP 16 x DP 2 (4 blocks a stage, traced whole: its actions are not cut) replays none of theirs: a
+    and parameters' shapes and whose plan cuts its actions alike. The GPT preset of 32 blocks under ZeRO-1 over 16
+    ranks: PP 4 x DP 4, then PP 2 x DP 8 (both by difference: 3 and 4 blocks a stage, each action cut at its blocks)
+    replays PP 4's records, and has the plan it has alone, every figure of every rank and part, with fewer actions
+    traced; then PP 8 x DP 2 (4 blocks a stage, traced whole: its actions are not cut) replays none of theirs: a
     record names the parts of its action, and played into an uncut trace its ranks' parts differ, so that its alike
     middle ranks failed their check and were all traced (until the cut was in the key)."""
     from vemesh.planning import fit
@@ -233,21 +233,21 @@ def test_a_search_replays_on_one_pp_mesh_what_another_recorded_of_the_same_stage
     monkeypatch.setattr(pipeline_plan, "_micro_batches", micro_batches)
 
     def plan(pp: int):
-        job = PlanRequest(model="gpt:n_layer=64,n_embd=64,n_head=4,vocab=256,seq_len=64", world_size=32,
-                          global_batch_size=64, micro_batch_size=1).job()
+        job = PlanRequest(model="gpt:n_layer=32,n_embd=64,n_head=4,vocab=256,seq_len=64", world_size=16,
+                          global_batch_size=32, micro_batch_size=1).job()
         fit._traced_preset.cache_clear()
-        return fit.predict(job, dp=32 // pp, pp=pp), counted[-1]  # the last pipeline: 4 blocks a stage
+        return fit.predict(job, dp=16 // pp, pp=pp), counted[-1]  # the last pipeline: 4 blocks a stage
 
     with pipeline_plan.shared_records():
-        plan(8)
-        (shared, ranks_shared), (whole, _) = plan(4), plan(16)
-    alone, ranks_alone = plan(4)
+        plan(4)
+        (shared, ranks_shared), (whole, _) = plan(2), plan(8)
+    alone, ranks_alone = plan(2)
     assert (shared.peak, shared.classes) == (alone.peak, alone.classes)
     assert ranks_shared == ranks_alone  # each rank's Counted, every action's part included
     traced = [[int(t) - int(d) for d, t in re.findall(r"(\d+) of (\d+) stage forwards", "\n".join(f.notes))]
               for f in (shared, alone)]
     assert max(traced[0]) < min(traced[1]), traced
-    assert any("PP ranks 4 to 13: alike stages, added by difference" in n for n in whole.notes), whole.notes
+    assert any("PP ranks 4 to 5: alike stages, added by difference" in n for n in whole.notes), whole.notes
 
 
 def test_records_are_shared_across_pp_and_across_dp_sizes_under_ddp_and_zero1_only() -> None:
