@@ -57,7 +57,7 @@ ARGS = ["--n-layer", "2", "--n-embd", "128", "--seq-len", "32", "--global-batch-
 def _agent(tmp: Path, tag: str, port: int, ckpt: Path, last_call: int = 2, script: Path = TRAIN) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=elastic-{port}", "--max-restarts=3", "--monitor-interval=1",
-           f"--rdzv-conf=last_call_timeout={last_call}", str(script), *ARGS, "--checkpoint-dir", str(ckpt),
+           f"--rdzv-conf=last_call_timeout={last_call},keep_alive_interval=2", str(script), *ARGS, "--checkpoint-dir", str(ckpt),
            "--checkpoint-every", str(EVERY), "--metrics-file", str(tmp / f"m_{tag}.jsonl")]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

@@ -61,10 +61,8 @@ class HangWatch:
         self.window = straggler_window()
         self.busy = Busy(self.window or 60.0)  # this rank's share of time outside collectives, for its heartbeat
         self._finished, self.store, self.rank, self.world_size, self.steps = 0, store, rank, world_size, steps
-        # the store's keys of this watch: a second init_device_mesh starts clean (every rank starts its watches in
-        # the same order, ``number``: init_device_mesh is called by all). A torchrun restart gets a new store, or
-        # the agent's under a prefix of its own (vemesh.mesh.startup._job_store, torch's env://): the restart count
-        # stays out of the keys, since it is each agent's own and differs between nodes after a failure
+        # this watch's keys: a second init_device_mesh starts clean (all ranks number their watches alike); a restart
+        # has a store of its own (mesh.startup._job_store), and its count, each agent's own, stays out of the keys
         self.keys = f"{_PREFIX}{number}/"
         # one id for this job's dumps, the same on every rank: a directory reused across runs keeps them apart
         self.run_id = store.compare_set(self.keys + "run", "", uuid.uuid4().hex).decode()
