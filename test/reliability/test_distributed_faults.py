@@ -7,6 +7,7 @@ one torchrun job in which a rank exits before ``init_device_mesh``.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -147,3 +148,39 @@ def test_ranks_of_agents_whose_restart_counts_differ_meet_on_a_store_of_the_roun
     else:
         assert len(errors) == 2 and all("never arrived" in e and "agents count restarts apart" in e
                                         and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in e for e in errors), errors
+
+
+TWO_NODES = textwrap.dedent("""
+    import os, sys
+    if os.environ["GROUP_RANK"] == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] == "0":
+        sys.exit("node 0's first worker fails before init_device_mesh")
+    from vemesh import VESCALE_DEVICE_MESH
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), timeout=45)  # loaded machines start workers apart
+    print(f"up: rank {os.environ['RANK']}, restart {os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_two_agents_whose_restart_counts_differ_start_the_job_on_their_next_round(tmp_path):
+    """Two torchrun agents of 2 workers (``--nnodes=2``, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the elastic docs
+    run them); node 0's first worker exits before ``init_device_mesh``. Its agent counts a restart; node 1's workers
+    are still waiting for it, and their agent restarts them for the new round without counting. Every rank comes up
+    on that round, two of them at restart 1 and two at 0 (with the count in the store's prefix, each node's workers
+    waited for the other's until every restart was spent: a CI run of the elastic example)."""
+    script = tmp_path / "two_nodes.py"
+    script.write_text(TWO_NODES)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=apart-{port}", "--max-restarts=2", "--monitor-interval=1",
+           "--rdzv-conf=last_call_timeout=5", str(script)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(REPO))
+    agents = []
+    for _ in range(2):  # the first hosts the rendezvous store
+        agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True))
+        time.sleep(2)
+    outs = [a.communicate(timeout=240)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    up = sorted(re.findall(r"up: rank (\d), restart (\d)", "".join(outs)))  # the workers' lines may interleave
+    assert [rank for rank, _ in up] == ["0", "1", "2", "3"], up
+    assert sorted(restart for _, restart in up) == ["0", "0", "1", "1"], up  # the agents' counts differ
