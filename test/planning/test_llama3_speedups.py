@@ -484,7 +484,7 @@ def test_a_search_of_the_llama3_preset_says_which_meshes_it_did_not_trace() -> N
 def test_a_llama3_search_with_trace_pp_plans_its_pp_meshes_as_pp_n_does(capsys) -> None:
     """Without ``--trace-pp`` a search of the Llama 3 preset leaves its PP meshes out (no estimate stands in for the
     schedule's trace); with it, each is planned through torch's schedule, as ``--pp N`` plans it."""
-    flags = ["--model", "llama3:8b", "--world-size", "4", "--dtype", "bf16", "--global-batch-size", "8",
+    flags = ["--model", "llama3:8b", "--world-size", "4", "--dtype", "bf16", "--global-batch-size", "4",
              "--device-profile", "h200-sxm", "--json"]
     assert main(["plan", *flags, "--device-memory", "141GB", "--trace-pp"]) == 0
     found = json.loads(capsys.readouterr().out)
