@@ -18,6 +18,7 @@ import json
 import multiprocessing.connection
 import os
 import queue
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,14 @@ import torch.multiprocessing as mp
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries every failing rank's traceback."""
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the system's pick), for a server started by hand: a lighthouse, torchrun's
+    rendezvous endpoint."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, env: dict, out: Any,

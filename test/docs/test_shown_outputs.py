@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "docs"))
@@ -90,7 +90,7 @@ def test_the_live_fault_tolerance_commands_run_together_as_written() -> None:
                "PYTHONUNBUFFERED": "1"}
         script = block.text.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ")
         for port in sorted(set(re.findall(r"\b29[5-9]\d\d\b", script))):  # the ports as written may be taken by
-            script = re.sub(rf"\b{port}\b", str(_free_port()), script)  # another test of the suite: free ones
+            script = re.sub(rf"\b{port}\b", str(free_port()), script)  # another test of the suite: free ones
         proc = subprocess.Popen(["bash", "-c", script],
                                 cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -106,12 +106,6 @@ def test_the_live_fault_tolerance_commands_run_together_as_written() -> None:
     log = "".join(lines)
     assert sum(1 for seen in lines if seen.startswith("step ")) >= 2, f"{block.where}: both replicas should train:\n{log}"
     assert "fault tolerance: quorum change at step 1: replicas [] -> [" in log, log
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _text_before(b: snippets.Block) -> str:

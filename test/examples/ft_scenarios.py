@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,18 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from launch import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "gpt" / "train.py"
 
 #: A small job: 2 layers, TP=2 inside each replica, 8 sequences per step split over the replicas.
 TINY = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--global-batch-size", "8", "--max-data-bytes", "400000",
         "--sample-tokens", "0", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1", "--micro-batch-size", "4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict[str, str]:

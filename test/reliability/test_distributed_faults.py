@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from distributed_scenarios import TIMEOUT, hung_worker, worker
 
-from launch import run_ranks
+from launch import free_port, run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,14 +97,6 @@ def test_a_rank_missing_at_start_up_is_named(tmp_path):
     assert time.perf_counter() - start < 60
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("agent_store", [False, True])
 def test_ranks_of_agents_whose_restart_counts_differ_meet_on_a_store_of_the_round(agent_store, monkeypatch):
     """After one node's workers fail, its torchrun agent counts a restart and the others restart for the new round
@@ -119,7 +111,7 @@ def test_ranks_of_agents_whose_restart_counts_differ_meet_on_a_store_of_the_roun
 
     from vemesh.mesh import startup
 
-    port = _free_port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False) if agent_store else None
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
@@ -169,7 +161,7 @@ def test_two_agents_whose_restart_counts_differ_start_the_job_on_their_next_roun
     waited for the other's until every restart was spent: a CI run of the elastic example)."""
     script = tmp_path / "two_nodes.py"
     script.write_text(TWO_NODES)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=apart-{port}", "--max-restarts=2", "--monitor-interval=1",
            "--rdzv-conf=last_call_timeout=5", str(script)]
