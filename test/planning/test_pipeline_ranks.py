@@ -36,9 +36,8 @@ def _both(schedule: str, mode: str, batch: int, pp: int, extra: int, monkeypatch
     return fns, out, traced
 
 
-@pytest.mark.parametrize("schedule, mode, pp, batch, extra", [("1f1b", "zero1", 7, 16, 0),
-                                                              pytest.param("gpipe", "fsdp", 8, 8, 2,
-                                                                           marks=pytest.mark.slow)])
+@pytest.mark.slow  # 25 and 34 s alone: started with the other long runs (conftest.py)
+@pytest.mark.parametrize("schedule, mode, pp, batch, extra", [("1f1b", "zero1", 7, 16, 0), ("gpipe", "fsdp", 8, 8, 2)])
 def test_alike_middle_ranks_by_difference_equal_tracing_every_rank(schedule, mode, pp, batch, extra,
                                                                   monkeypatch) -> None:
     """PP x DP 2, micro-batches of 1: 1F1B under ZeRO-1 over PP 7, 8 micro-batches, a block a stage (PP ranks 1 to 3

@@ -148,6 +148,7 @@ def test_a_storage_written_by_a_region_is_forgotten_when_it_dies() -> None:
     assert key not in fusion._pending and key not in fusion._producer
 
 
+@pytest.mark.slow  # half a minute alone: started with the other long runs (conftest.py)
 def test_a_replayed_backward_peaks_in_each_part_where_its_trace_did() -> None:
     """The GPT preset cut at its blocks (PP 2 x DP 2 x TP 2, 3 blocks a stage, 8 micro-batches of 1): a replayed
     backward's parts past the blocks' (its ``tail``) hold less than at its start, once what its forward kept is
@@ -179,6 +180,7 @@ def test_a_replayed_backward_peaks_in_each_part_where_its_trace_did() -> None:
         assert {k: (p, whole.phases[k][0]) for k, (p, _) in replayed.items() if abs(p - whole.phases[k][0]) > 4} == {}
 
 
+@pytest.mark.slow  # 20 s alone: started with the other long runs (conftest.py)
 def test_the_second_micro_batch_pipeline_replays_the_firsts_records(monkeypatch) -> None:
     """Many micro-batches are planned as two pipelines of the same stages (``m mod PP + 2 PP`` and ``+ PP``
     micro-batches, the rest by difference: ``pipeline_plan._micro_batches``); the second replays what the first

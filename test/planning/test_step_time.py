@@ -481,6 +481,7 @@ def test_a_search_by_time_chooses_each_meshs_micro_batch_and_checkpointing() -> 
             assert chosen[(1, 2, 1)]["peak"] <= tight
 
 
+@pytest.mark.slow  # half a minute alone: started with the other long runs (conftest.py)
 def test_a_search_with_trace_pp_plans_each_pp_mesh_as_pp_n_does(capsys) -> None:
     """``--trace-pp``: a search plans its PP meshes through torch's schedule, the engine of ``--pp N``. Each PP mesh
     of a GPT search over 4 ranks has the peak and step time of its own plan: PP 2 x DP 2's made after the caches are
