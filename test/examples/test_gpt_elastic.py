@@ -34,19 +34,22 @@ import snippets  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+#: every agent a test started (``_agent``), killed at its end if still running
+_STARTED: list[subprocess.Popen] = []
+
+
 @pytest.fixture(autouse=True)
 def _one_timed_job_at_a_time(tmp_path_factory):
     """Agents that time rendezvous rounds, like replicas that time quorums, run one set at a time (see
-    test_gpt_live_ft.py): two such sets on two busy cores can miss each other's windows."""
+    test_gpt_live_ft.py): two such sets on two busy cores can miss each other's windows. A failed test leaves none
+    of its agents running beside the next one."""
     with exclusive(tmp_path_factory, "live-replicas"):
         yield
-    while _STARTED:  # a failed test leaves none of its agents running beside the next one
+    while _STARTED:
         proc = _STARTED.pop()
         if proc.poll() is None:
             _kill_tree(proc.pid)
 
-
-_STARTED: list[subprocess.Popen] = []
 
 HELD = Path(__file__).with_name("held_train.py")
 STEPS, EVERY, TOL = 40, 5, 1e-4  # longer runs amplify the rounding of the DP=1 steps past 1e-4 (2.8e-4 by step 59)
