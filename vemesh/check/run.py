@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vemesh import local_ranks
 from vemesh.check.record import Deterministic, Recorder, gradients, plain_name, unwrap
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
@@ -198,8 +199,7 @@ def run_parallel(spec: Spec, out: str) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "terminating process": ours
-    context = mp.start_processes(_worker, args=(spec, port, out), nprocs=spec.world_size, join=False,
-                                 start_method="spawn")
+    context = local_ranks.start(_worker, (spec, port, out), spec.world_size, join=False, preload=(__name__,))
     deadline = time.monotonic() + spec.timeout_s + 60
     try:
         while not context.join(timeout=1.0):

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vemesh import local_ranks
 from vemesh.planning.device_rates import attention_grid, attention_rates, median_seconds, memory_rates, op_overheads
 from vemesh.planning.fusion import MemoryBoundBytes
 from vemesh.planning.profiles import AttentionRate, DeviceProfile, Link, load_profile
@@ -339,8 +340,6 @@ def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool 
               repeat: int = 1) -> DeviceProfile:
     """Measure this machine with ``nproc`` processes and write the profile to ``output``; return it. ``repeat``
     rounds of every measurement give each figure as its median over them."""
-    import torch.multiprocessing as mp
-
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1; got {repeat}")
     if device_type == "cuda" and torch.cuda.device_count() < nproc:
@@ -348,6 +347,6 @@ def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(nproc, port, device_type, quick, output, repeat), nprocs=nproc, join=True,
-                       start_method="spawn")
+    local_ranks.start(_worker, (nproc, port, device_type, quick, output, repeat), nproc, join=True,
+                      preload=(__name__,))
     return load_profile(output)

@@ -1,0 +1,47 @@
+"""``vemesh.local_ranks.start``: the ranks of ``vemesh check`` and ``vemesh calibrate``, forked from a server that
+imported torch once, with spawn's semantics: each call's ranks see the caller's environment as it is at that call."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from vemesh import local_ranks
+
+
+def _report(rank: int, out: str) -> None:
+    Path(out, f"{rank}.json").write_text(json.dumps({
+        "value": os.environ.get("VEMESH_LOCAL_RANKS_TEST"), "parent": os.getppid(), "path": sys.path[:3],
+        "cwd": os.getcwd()}))
+
+
+def _fail(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1's own error")
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here")
+def test_each_calls_ranks_see_the_callers_environment_of_that_call(tmp_path, monkeypatch) -> None:
+    seen = []
+    for value in ("first", "second"):  # the second call's ranks fork from the server the first one started
+        monkeypatch.setenv("VEMESH_LOCAL_RANKS_TEST", value)
+        out = tmp_path / value
+        out.mkdir()
+        assert local_ranks.start(_report, (str(out),), 2, join=True) is None
+        seen.append([json.loads((out / f"{r}.json").read_text()) for r in range(2)])
+    assert [[r["value"] for r in ranks] for ranks in seen] == [["first"] * 2, ["second"] * 2]
+    parents = {r["parent"] for ranks in seen for r in ranks}
+    assert len(parents) == 1 and os.getpid() not in parents  # one server, not this process, forked all four
+    assert all(r["path"] == sys.path[:3] and r["cwd"] == os.getcwd() for ranks in seen for r in ranks)
+
+
+def test_a_ranks_error_reaches_the_caller() -> None:
+    import torch.multiprocessing as mp
+
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1's own error"):
+        local_ranks.start(_fail, (), 2, join=True)
