@@ -469,30 +469,27 @@ def test_the_request_turns_the_flags_into_the_job() -> None:
     assert AC_MODES == ("none", "full", "selective-op", "selective-N")
 
 
-@pytest.mark.slow
-def test_a_search_of_the_llama3_preset_says_which_meshes_it_did_not_trace() -> None:
-    from vemesh.planning import plan
-
-    doc = plan(PlanRequest(world_size=2, model="llama3:8b", dtype="bf16", global_batch_size=8,
-                           device_memory="1TiB", activation_checkpointing="full"))  # 2 ranks: TP 1 and 2 traced
-    reasons = [r["reason"] for r in doc["rejected"]]
-    assert any("plan it with --pp 2" in r for r in reasons), reasons
-    assert doc["fits"] and all(f["degrees"]["PP"] == 1 for f in doc["fits"])
-
-
-@pytest.mark.slow  # a search of six meshes traced, three through torch's schedule: half a minute
+@pytest.mark.slow  # two searches of three meshes, the second tracing only its PP mesh: half a minute
 def test_a_llama3_search_with_trace_pp_plans_its_pp_meshes_as_pp_n_does(capsys) -> None:
-    """Without ``--trace-pp`` a search of the Llama 3 preset leaves its PP meshes out (no estimate stands in for the
-    schedule's trace); with it, each is planned through torch's schedule, as ``--pp N`` plans it."""
-    flags = ["--model", "llama3:8b", "--world-size", "4", "--dtype", "bf16", "--global-batch-size", "4",
-             "--device-profile", "h200-sxm", "--json"]
-    assert main(["plan", *flags, "--device-memory", "141GB", "--trace-pp"]) == 0
+    """Without ``--trace-pp`` a search of the Llama 3 preset leaves its PP meshes out, and says so (no estimate stands
+    in for the schedule's trace); with it, each is planned through torch's schedule, as ``--pp N`` plans it. The
+    second search traces only its PP mesh: the others are the first search's, from the cache."""
+    flags = ["--model", "llama3:8b", "--world-size", "2", "--dtype", "bf16", "--global-batch-size", "2",
+             "--dp-mode", "ddp", "--device-profile", "h200-sxm", "--json"]
+    assert main(["plan", *flags, "--device-memory", "1TiB"]) == 0
     found = json.loads(capsys.readouterr().out)
-    piped = [f for f in found["fits"] if f["degrees"]["PP"] == 2 and f["degrees"]["DP"] == 2]
+    reasons = [r["reason"] for r in found["rejected"]]
+    assert any("plan it with --pp 2, or search with --trace-pp" in r for r in reasons), reasons
+    assert found["fits"] and all(f["degrees"]["PP"] == 1 for f in found["fits"])
+    misses = _traced_llama3.cache_info().misses
+    assert main(["plan", *flags, "--device-memory", "1TiB", "--trace-pp"]) == 0
+    assert _traced_llama3.cache_info().misses == misses + 1  # the PP mesh alone
+    found = json.loads(capsys.readouterr().out)
+    piped = [f for f in found["fits"] if f["degrees"]["PP"] == 2]
     assert len(piped) == 1, [f["degrees"] for f in found["fits"]]
     assert not any("not planned in a search" in r["reason"] for r in found["rejected"])
     misses = _traced_llama3.cache_info().misses  # the plan asks what the search asked: answered from the cache
-    assert main(["plan", *flags, "--pp", "2", "--micro-batch-size", "1"]) == 0
+    assert main(["plan", *flags, "--pp", "2", "--micro-batch-size", str(piped[0]["micro_batch_size"])]) == 0
     assert _traced_llama3.cache_info().misses == misses
     alone = json.loads(capsys.readouterr().out)
     assert (piped[0]["peak"], piped[0]["step_time"]) == (alone["peak"], alone["step_time"])
