@@ -90,13 +90,13 @@ def test_search_ranks_the_fits_and_says_why_the_rest_do_not() -> None:
 
 @pytest.mark.slow
 def test_cli_prints_the_tables_and_the_json(capsys) -> None:
-    assert main(["plan", "--model", SMALL, "--world-size", "4", "--tp", "2", "--pp", "2", "--device-memory", "1GiB"]) == 0
+    assert main(["plan", "--model", SMALL, "--world-size", "2", "--pp", "2", "--device-memory", "1GiB"]) == 0
     out = capsys.readouterr().out
     assert "memory per rank (MiB):" in out and "PP rank 1" in out and "fits: peak" in out
     assert main(["plan", "--model", SMALL, "--world-size", "4", "--tp", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["degrees"]["DP"] == 2 and doc["classes"][0]["bytes_per_step"]["TP"] > 0 and "how" in doc
-    assert main(["plan", "--model", SMALL, "--world-size", "4", "--device-memory", "16MiB", "--json"]) == 0
+    assert main(["plan", "--model", SMALL, "--world-size", "2", "--device-memory", "16MiB", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ranked_by"] == "peak" and {"fits", "rejected"} <= set(doc)
 
