@@ -1,10 +1,13 @@
-"""Run a benchmark function on N gloo ranks spawned from this script (2 by default); return rank 0's result.
+"""Run a benchmark function on N gloo ranks started from this script (2 by default); return rank 0's result.
 
-Shared by ``bench/pipeline_schedules.py``, ``bench/checkpoint_io.py`` and ``bench/context_parallel.py``: each
-rank gets one thread, a file rendezvous (no port to pick) and a 5-minute process group timeout.
+Shared by ``bench/pipeline_schedules.py``, ``bench/checkpoint_io.py``, ``bench/context_parallel.py``,
+``bench/expert_parallel.py`` and ``bench/fused_tp.py``: the ranks start as ``vemesh check``'s do
+(:func:`vemesh.local_ranks.start`: forked from a server that imported torch once, spawn where there is none), and each
+gets one thread, a file rendezvous (no port to pick) and a 5-minute process group timeout.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 from collections.abc import Callable
@@ -13,7 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from vemesh import local_ranks
 
 __all__ = ["run_on_ranks", "run_on_two_ranks"]
 
@@ -33,12 +37,9 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args:
 
 def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on ``world`` ranks (``fn`` lives at module level, so the worker can find it); rank 0's return value."""
-    ctx = mp.get_context("forkserver")  # spawn semantics, but torch is imported once, in the server
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
-    out = ctx.Queue()
+    out = multiprocessing.get_context(local_ranks.method()).Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "rdzv"), fn, args, out), nprocs=world,
-                           start_method="forkserver")
+        local_ranks.start(_worker, (world, os.path.join(tmp, "rdzv"), fn, args, out), world, join=True)
     return out.get(timeout=10)
 
 

@@ -18,11 +18,17 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["PRELOAD", "start"]
+__all__ = ["PRELOAD", "method", "start"]
 
 #: what the server imports once for every rank it starts (torch._dynamo: torch imports it on an optimizer's first
 #: step, 1 to 1.5 s a process)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo")
+
+
+def method() -> str:
+    """The start method :func:`start` uses here: ``"forkserver"`` where the system has it, else ``"spawn"`` (a queue
+    the ranks write to is made in its context: ``multiprocessing.get_context(method()).Queue()``)."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, preload: Sequence[str] = ()) -> Any:
@@ -30,11 +36,10 @@ def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, prel
     with ``join``), by forkserver where the system has one, else by spawn."""
     import torch.multiprocessing as mp
 
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    if method == "forkserver":  # no effect once the server runs: it keeps what it imported
+    how = method()
+    if how == "forkserver":  # no effect once the server runs: it keeps what it imported
         multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *preload])
-    return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join,
-                              start_method=method)
+    return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join, start_method=how)
 
 
 def _rank(rank: int, fn: Callable[..., None], env: dict[str, str], args: tuple) -> None:
