@@ -277,15 +277,30 @@ def _replace(model: nn.Module, change: Callable[[torch.Tensor], torch.Tensor | N
 
 
 def to_bf16(model: nn.Module) -> None:
-    """``model.to(torch.bfloat16)`` for fake tensors: floating parameters and buffers replaced by bf16 copies."""
-    _replace(model, lambda t: t.detach().to(torch.bfloat16) if t.is_floating_point() else None)
+    """``model.to(torch.bfloat16)`` for fake tensors: floating parameters and buffers not yet bf16 replaced by bf16
+    copies."""
+    _replace(model, lambda t: t.detach().to(torch.bfloat16) if t.is_floating_point() and t.dtype != torch.bfloat16
+             else None)
 
 
-def give_storage(model: nn.Module, device: str = "cpu") -> None:
+def give_storage(model: nn.Module, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
     """A model built on the meta device, as torchtitan builds one, given (fake) storage on ``device``: what
-    ``model.to_empty(device=device)`` does for real tensors. Its ``__init__`` ran on meta, so an initialisation
-    that samples until its values fit (``trunc_normal_``) was a no-op, as it is for torchtitan's meta init."""
-    _replace(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else None)
+    ``model.to_empty(device=device)`` does for real tensors, and with ``dtype`` then ``model.to(dtype)`` (its floating
+    tensors made in it at once). Its ``__init__`` ran on meta, so an initialisation that samples until its values fit
+    (``trunc_normal_``) was a no-op, as it is for torchtitan's meta init.
+
+    A contiguous tensor's storage is made by its shape (``empty_like`` of it is contiguous too), not by ``empty_like``
+    of the meta tensor, which the fake mode first converts to one of its own."""
+
+    def storage(t: torch.Tensor) -> torch.Tensor | None:
+        if not t.is_meta:
+            return None
+        kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if t.is_contiguous():
+            return torch.empty(t.size(), dtype=kind, device=device)
+        return torch.empty_like(t, device=device, dtype=kind)
+
+    _replace(model, storage)
 
 
 class Held:

@@ -259,8 +259,10 @@ def _rank_model(fns: UserFunctions, blocks: tuple[str, int] | None, *, world_siz
                 raise ValueError(f"--model {fns.names[0]} returned a {type(model).__name__}, not an nn.Module")
             if blocks is not None:  # first, so that only the blocks kept get storage
                 keep_blocks(model, *blocks)
-        give_storage(model)  # then fake storage for the parallelize function and the step, as to_empty gives
-        if dtype == "bf16":  # as a training script's model.to(torch.bfloat16), before it parallelizes
+        # then fake storage for the parallelize function and the step, as to_empty gives, and in bf16 as a training
+        # script's model.to(torch.bfloat16) before it parallelizes (a tensor the factory placed itself, too)
+        give_storage(model, dtype=torch.bfloat16 if dtype == "bf16" else None)
+        if dtype == "bf16":
             to_bf16(model)
         box, model = [model], None
         yield mesh, routed, box
