@@ -317,14 +317,14 @@ class Held:
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of the storages of ``tensors`` (a DTensor's local tensor's), each once: keyed by the storage's own
+    address, which every tensor here keeps alive for the call."""
     from torch.distributed.tensor import DTensor
-    from torch.multiprocessing.reductions import StorageWeakRef
 
-    seen: dict[StorageWeakRef, int] = {}
+    seen: dict[int, int] = {}
     for t in tensors:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        seen[StorageWeakRef(storage)] = storage.nbytes()
+        storage = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 

@@ -260,7 +260,13 @@ class StepTracker(MemTracker):
         self._track_module_params_and_buffers(module, install_grad_hooks=True)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
+        if isinstance(self._mod_tracker, NoModules):  # no module's own statistics (torch's loop over them, every
+            for dev, snap in self._curr_mem_snap.items():  # op, finds none): each device's peak, as torch keeps it
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+        else:
+            super()._update_peak_stats(peak_state)
         if self.watch is not None:
             self.watch(sum(s["Total"] - s.get(_MemRefType.OTH, 0) for s in self._curr_mem_snap.values()))
         for snap in self._curr_mem_snap.values():
