@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vemesh import VESCALE_DEVICE_MESH
-from vemesh.planning.fake_world import copies_in_mode, fake_world
+from vemesh.planning.fake_world import _storage_bytes, copies_in_mode, fake_world, give_storage, to_bf16
 from vemesh.planning.fit import Job, predict
 
 SMALL = "gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=32"
@@ -34,6 +34,34 @@ def test_a_deepcopy_in_the_trace_is_a_fake_tensor_of_the_traces_own_mode() -> No
         assert isinstance(w, nn.Parameter) and w.fake_mode is mode and w.requires_grad
         assert w.t().untyped_storage() is w.untyped_storage()
         assert w.untyped_storage() is not layer.weight.untyped_storage()
+
+
+def test_storage_given_in_one_pass_is_what_to_empty_then_to_bf16_give() -> None:
+    """``give_storage(model, dtype=bf16)`` makes each meta tensor as ``to_empty`` and then ``.to(torch.bfloat16)`` do:
+    the same shapes, strides (a non-contiguous one's too) and dtypes, integer buffers kept, parameters still
+    parameters, tied weights still tied; and each storage is counted once, however many tensors view it."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+            model[1].weight = model[0].weight  # tied, as a GPT ties its head to its embedding
+            model.register_parameter("across", nn.Parameter(torch.empty(6, 4).t()))  # non-contiguous
+            model.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+        return model
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        one, two = build(), build()
+        give_storage(one, dtype=torch.bfloat16)
+        give_storage(two)
+        to_bf16(two)
+        for a, b in zip((*one.parameters(), *one.buffers()), (*two.parameters(), *two.buffers()), strict=True):
+            assert isinstance(a, FakeTensor) and not a.is_meta and a.device.type == "cpu"
+            assert (a.shape, a.stride(), a.dtype, type(a)) == (b.shape, b.stride(), b.dtype, type(b))
+        assert one.across.stride() == (1, 4) and one.steps.dtype == torch.int64
+        assert isinstance(one.across, nn.Parameter) and one[1].weight is one[0].weight
+        tensors = [*one.parameters(), *one.buffers()]
+        assert _storage_bytes([*tensors, one.across.t(), one[0].weight[:2]]) == (128 + 24) * 2 + 3 * 8
 
 
 def test_each_pp_rank_is_traced_in_its_own_world_and_dtensors_caches_do_not_cross_them() -> None:
