@@ -48,6 +48,7 @@ def test_storage_given_in_one_pass_is_what_to_empty_then_to_bf16_give() -> None:
             model[1].weight = model[0].weight  # tied, as a GPT ties its head to its embedding
             model.register_parameter("across", nn.Parameter(torch.empty(6, 4).t()))  # non-contiguous
             model.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+            model.register_buffer("row", torch.empty_strided((1, 4), (1, 1)))  # contiguous, a size-1 dim's odd stride
         return model
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -61,7 +62,8 @@ def test_storage_given_in_one_pass_is_what_to_empty_then_to_bf16_give() -> None:
         assert one.across.stride() == (1, 4) and one.steps.dtype == torch.int64
         assert isinstance(one.across, nn.Parameter) and one[1].weight is one[0].weight
         tensors = [*one.parameters(), *one.buffers()]
-        assert _storage_bytes([*tensors, one.across.t(), one[0].weight[:2]]) == (128 + 24) * 2 + 3 * 8
+        assert one.row.stride() == (1, 1) and one.row.is_contiguous()
+        assert _storage_bytes([*tensors, one.across.t(), one[0].weight[:2]]) == (128 + 24 + 4) * 2 + 3 * 8
 
 
 def test_each_pp_rank_is_traced_in_its_own_world_and_dtensors_caches_do_not_cross_them() -> None:

@@ -289,15 +289,15 @@ def give_storage(model: nn.Module, device: str = "cpu", dtype: torch.dtype | Non
     tensors made in it at once). Its ``__init__`` ran on meta, so an initialisation that samples until its values fit
     (``trunc_normal_``) was a no-op, as it is for torchtitan's meta init.
 
-    A contiguous tensor's storage is made by its shape (``empty_like`` of it is contiguous too), not by ``empty_like``
-    of the meta tensor, which the fake mode first converts to one of its own."""
+    A contiguous tensor is made by its shape and strides (``empty_like`` keeps both for it, a size-1 dim's stride
+    too), not by ``empty_like`` of the meta tensor, which the fake mode first converts to one of its own."""
 
     def storage(t: torch.Tensor) -> torch.Tensor | None:
         if not t.is_meta:
             return None
         kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
         if t.is_contiguous():
-            return torch.empty(t.size(), dtype=kind, device=device)
+            return torch.empty_strided(t.size(), t.stride(), dtype=kind, device=device)
         return torch.empty_like(t, device=device, dtype=kind)
 
     _replace(model, storage)
