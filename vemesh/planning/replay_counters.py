@@ -15,7 +15,7 @@ import torch
 
 from vemesh.planning.measure import mesh_names
 
-__all__ = ["StepCounters", "minus"]
+__all__ = ["StepCounters", "minus", "op_name"]
 
 
 class StepCounters:
@@ -28,7 +28,8 @@ class StepCounters:
         self._dims: dict[str, str] | None = None  #: group name -> mesh dim, of this trace's fake world
 
     def snapshot(self) -> tuple:
-        """Every counter now: FLOPs by op, memory-bound bytes and ops, compile's counts, collectives by mesh dim."""
+        """Every counter now: FLOPs by op, memory-bound bytes and ops, compile's counts, collectives by mesh dim (each
+        op's bytes and calls; the ops' names a group ran, :attr:`CollectiveBytes.ops`, follow from them)."""
         c = self.collectives
         flops = dict(self.flops.flop_counts.get("Global", {})) if hasattr(self.flops, "flop_counts") else {}
         moved = (self.moved.bytes, self.moved.ops, self.moved.dtensor_ops)
@@ -37,7 +38,7 @@ class StepCounters:
         dim = self._dim
         collectives = {dim(g): (c.bytes.get(g, 0), c.calls.get(g, 0), {op: tuple(v) for op, v in c.by_op.get(g, {}).items()})
                        for g in set(c.bytes) | set(c.by_op)}
-        return flops, moved, fused, collectives, {dim(g): frozenset(s) for g, s in c.ops.items()}
+        return flops, moved, fused, collectives
 
     def _dim(self, group_name: str) -> str:
         """A collective's group by its mesh dim (what another rank's trace of the plan knows it by)."""
@@ -52,7 +53,7 @@ class StepCounters:
 
     def restore(self, state: tuple) -> None:
         """The counters as they were (the replay's own allocations are not the step's ops)."""
-        flops, moved, fused, collectives, ops = state
+        flops, moved, fused, collectives = state
         if hasattr(self.flops, "flop_counts"):
             self.flops.flop_counts["Global"].clear()
             self.flops.flop_counts["Global"].update(flops)
@@ -63,7 +64,7 @@ class StepCounters:
             fusion.set_counts(fused[2])
 
     def advance(self, delta: tuple) -> None:
-        flops, moved, fused, collectives, ops = delta
+        flops, moved, fused, collectives = delta
         if hasattr(self.flops, "flop_counts"):
             for op, n in flops:
                 self.flops.flop_counts["Global"][op] += n
@@ -83,8 +84,7 @@ class StepCounters:
             for op, (ob, on) in by_op:
                 c.by_op[g][op][0] += ob
                 c.by_op[g][op][1] += on
-        for dim, names in ops:
-            c.ops[self._group(dim)] |= names
+                c.ops[g].add(op_name(op))
 
     def fusion_of(self, flat: tuple) -> tuple:
         """Per tensor of ``flat``: (the region that wrote it, relative to the current one, or None for another op;
@@ -129,6 +129,10 @@ def minus(after: tuple, before: tuple) -> tuple:
                            for op, v in by_op.items() if v != by0.get(op, (0, 0))))
         if b != b0 or n != n0 or ops:
             collectives.append((g, (b - b0, n - n0, ops)))
-    names = tuple(sorted((g, s - before[4].get(g, frozenset())) for g, s in after[4].items()
-                         if s - before[4].get(g, frozenset())))
-    return flops, moved, fused, tuple(collectives), names
+    return flops, moved, fused, tuple(collectives)
+
+
+def op_name(key: str) -> str:
+    """The op a collective counted under ``key`` ran (:class:`~vemesh.planning.measure.CollectiveBytes` keys a few
+    values' all-reduce ``allreduce_[1]`` and a matmul's reduce-scatter ``reduce_scatter_tensor@FLOPS``)."""
+    return key.split("[")[0].split("@")[0]

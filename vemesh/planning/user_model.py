@@ -186,8 +186,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 counts: list[dict[str, int]] = []
                 for index, n in enumerate(steps):
                     first = "first " if index == 0 else ""  # the first step's own work (shapes, state) is a part too
-                    counter.bytes.clear()
-                    counter.by_op.clear()
+                    counter.new_step()
                     counter.counting = tracker.in_step = True
                     with step_counters(timed) as (flop_counter, memory_bound):
                         if pp > 1:  # replayed micro-batches advance this step's counters
