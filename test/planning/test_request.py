@@ -45,6 +45,10 @@ def test_every_field_of_the_request_is_a_flag_of_vemesh_plan() -> None:
     (dict(world_size=8, model="gpt:n_layer=2", pp=2, trace_pp=True),
      r"--trace-pp is for a search \(--device-memory, none of --pp, --dp, --tp\)"),
     (dict(world_size=8, trace_pp=True), "argument --trace-pp: describes a job; give the model too"),
+    (dict(world_size=8, model="gpt:n_layer=2", pp=2, jobs=2), r"--jobs is for a search \(--device-memory, none of"),
+    (dict(world_size=8, model="gpt:n_layer=2", device_memory="8GiB", jobs=0),
+     r"--jobs must be a positive integer \(the processes that plan a search's meshes at once\); got 0"),
+    (dict(world_size=8, model="gpt:n_layer=2", device_memory="8GiB", jobs=True), "--jobs must be a positive integer"),
 ])
 def test_a_request_that_cannot_be_answered_says_why(python, message) -> None:
     with pytest.raises(ValueError, match=message):

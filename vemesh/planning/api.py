@@ -96,7 +96,7 @@ def answer(request: PlanRequest) -> Answer:
         timed = (lambda f, m: time_of(f, m, profile, job, speedups_of)) if profile is not None else None
         fits, rejected = search(job, request.world_size, device_memory=memory, devices_per_host=per_host,
                                 cp=request.cp, ep=request.ep, rank_by=request.order, timed=timed,
-                                choose=request.choices)
+                                choose=request.choices, jobs=request.jobs or 1)
         return Answer(request, job, memory, fits=tuple(fits), rejected=tuple(rejected), profile=profile)
     mesh = mesh_of(request, profile.devices_per_host if profile is not None else None)
     if profile is not None or mesh.devices_per_host:

@@ -31,6 +31,7 @@ from vemesh.planning.estimate import Model, check_degrees, gpt_config, load_mode
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.search_jobs import divisors, gib, run, static_over, variants
 from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline, shared_records
 from vemesh.planning.speedups import linear_share
@@ -234,7 +235,7 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
 def search(job: Job, world_size: int, *, device_memory: int | None = None, devices_per_host: int | None = None,
            cp: int = 1, ep: int = 1, rank_by: str | None = None,
            timed: Callable[[MeshFit, MeshPlan], list[Any]] | None = None,
-           choose: tuple[str, ...] = ()) -> tuple[list[MeshFit], list[MeshFit]]:
+           choose: tuple[str, ...] = (), jobs: int = 1) -> tuple[list[MeshFit], list[MeshFit]]:
     """Every ``(PP, DP, CP, TP)`` mesh of ``world_size`` ranks (CP and EP as given): ``(fitting, rejected)``.
 
     With ``devices_per_host`` (and more ranks than one host), each mesh's dims are placed on the hosts
@@ -249,6 +250,8 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
     the GPT preset's activation checkpointing. Without PP the first variant that fits is taken (the largest
     micro-batch, no recompute: the same FLOPs in fewer passes, so fewer ops and fewer FSDP2 gathers); with PP every
     variant that fits is timed and the fastest kept (more micro-batches shrink the bubble).
+
+    ``jobs``: the meshes are planned in that many processes at once (:mod:`vemesh.planning.search_jobs`).
     """
     rank_by = rank_by or ("time" if timed else "inter-host" if devices_per_host else "peak")
     if rank_by not in RANKINGS:
@@ -269,9 +272,9 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
                              "step (--step MODULE:FUNCTION, with --parallelize for TP, CP or EP)")
         model = load_model(job.model)
         limit, n_layer = dict(model.config), model.n_layer
-    fits, rejected = [], []
-    for pp in _divisors(world_size):
-        for tp in _divisors(world_size // pp):
+    slots: list[MeshFit | tuple[list[Job], dict[str, int], MeshPlan]] = []  # in the order of the meshes
+    for pp in divisors(world_size):
+        for tp in divisors(world_size // pp):
             if (world_size // pp // tp) % cp:
                 continue
             dp = world_size // pp // tp // cp
@@ -279,44 +282,66 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             if tp > limit.get("n_head", 1) or pp > n_layer:
                 continue  # not even a candidate: more TP ranks than heads, more stages than blocks
             if job.llama3 and pp > 1 and not job.trace_pp:  # no estimate stands in for the schedule's trace
-                rejected.append(MeshFit(degrees, [], 0, 0, reason="not planned in a search: the Llama 3 preset's PP "
-                                        f"meshes are traced through torch's schedule (seconds to minutes each); plan "
-                                        f"it with --pp {pp}, or search with --trace-pp"))
+                slots.append(MeshFit(degrees, [], 0, 0, reason="not planned in a search: the Llama 3 preset's PP "
+                                     f"meshes are traced through torch's schedule (seconds to minutes each); plan "
+                                     f"it with --pp {pp}, or search with --trace-pp"))
                 continue
             if not job.user and not job.llama3 and pp == 1 and device_memory is not None:  # a trace saved where the weights cannot fit
-                over = _static_over(job, device_memory, dp=dp, tp=tp, cp=cp, ep=ep, degrees=degrees)
+                over = static_over(job, device_memory, dp=dp, tp=tp, cp=cp, ep=ep, degrees=degrees)
                 if over is not None:
-                    rejected.append(over)
+                    slots.append(over)
                     continue
             mesh = plan_mesh(world_size, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, devices_per_host=devices_per_host)
-            chosen, refusal = None, None
-            for variant in _variants(job, choose, job.global_batch_size // dp if job.global_batch_size % dp == 0 else 0):
-                try:
-                    fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, trace_pipeline=job.trace_pp)
-                except ValueError as e:
-                    refusal = refusal or MeshFit(degrees, [], 0, 0, reason=str(e))
-                    continue
-                if device_memory is not None and fit.peak > device_memory:
-                    over = f"peak {_gib(fit.peak)} > device memory {_gib(device_memory)}"
-                    refusal = replace(fit, reason=over + (" with every micro-batch size and activation checkpointing "
-                                                          "tried" if choose else ""))
-                    continue
-                fit = _placed(fit, mesh, devices_per_host, timed)
-                if choose:
-                    fit = replace(fit, activation_checkpointing=variant.activation_checkpointing)
-                if chosen is None or (fit.step_time or 0) < (chosen.step_time or 0):
-                    chosen = fit
-                if pp == 1:
-                    break
-            if chosen is None:
-                rejected.append(refusal)
-            else:
-                fits.append(chosen)
+            slots.append((variants(job, choose, job.global_batch_size // dp if job.global_batch_size % dp == 0 else 0),
+                          degrees, mesh))
+    tasks = [(slot[0], slot[1], device_memory) for slot in slots if isinstance(slot, tuple)]
+    planned = iter(run(_tried, tasks, jobs))
+    fits, rejected = [], []
+    for slot in slots:
+        if isinstance(slot, MeshFit):
+            rejected.append(slot)
+            continue
+        (tried, degrees, mesh), chosen, refusal = slot, None, None
+        for index, fit in next(planned):
+            if isinstance(fit, str):
+                refusal = refusal or MeshFit(degrees, [], 0, 0, reason=fit)
+                continue
+            if device_memory is not None and fit.peak > device_memory:
+                over = f"peak {gib(fit.peak)} > device memory {gib(device_memory)}"
+                refusal = replace(fit, reason=over + (" with every micro-batch size and activation checkpointing "
+                                                      "tried" if choose else ""))
+                continue
+            fit = _placed(fit, mesh, devices_per_host, timed)
+            if choose:
+                fit = replace(fit, activation_checkpointing=tried[index].activation_checkpointing)
+            if chosen is None or (fit.step_time or 0) < (chosen.step_time or 0):
+                chosen = fit
+        if chosen is None:
+            rejected.append(refusal)
+        else:
+            fits.append(chosen)
     keys = {"time": lambda f: (f.step_time, f.peak), "inter-host": lambda f: (f.slow_bytes, f.peak),
             "peak": lambda f: (f.peak, f.slow_bytes)}
     fits.sort(key=keys[rank_by])
     rejected.sort(key=lambda f: (f.peak if f.classes else math.inf))
     return fits, rejected
+
+
+def _tried(tried: list[Job], degrees: dict[str, int], device_memory: int | None) -> list[tuple[int, MeshFit | str]]:
+    """One mesh of a search: each variant's plan, or the line that refuses it, by the variant's index; without PP up to
+    the first that fits (the same FLOPs in fewer passes), with PP every one (more micro-batches shrink the bubble)."""
+    out: list[tuple[int, MeshFit | str]] = []
+    pp, dp, cp, tp, ep = (degrees[d] for d in ("PP", "DP", "CP", "TP", "EP"))
+    for index, variant in enumerate(tried):
+        try:
+            fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, trace_pipeline=variant.trace_pp)
+        except ValueError as e:
+            out.append((index, str(e)))
+            continue
+        out.append((index, fit))
+        if pp == 1 and (device_memory is None or fit.peak <= device_memory):
+            break
+    return out
 
 
 def _user_stages(job: Job, world_size: int) -> int:
@@ -339,50 +364,6 @@ def _placed(fit: MeshFit, mesh: MeshPlan, devices_per_host: int | None,
     if timed is not None:
         return replace(fit, times=tuple(timed(fit, mesh)))
     return fit
-
-
-def _variants(job: Job, choose: tuple[str, ...], per_dp: int) -> list[Job]:
-    """The jobs a search tries on one mesh, in the order it prefers them: ``job`` alone, or with ``choose`` each
-    micro-batch size from the DP rank's whole share down by halves to 1 (``micro-batch-size``), without activation
-    checkpointing and then with it (``activation-checkpointing``)."""
-    sizes = [job.micro_batch_size]
-    if "micro-batch-size" in choose and per_dp:
-        sizes, size = [], per_dp
-        while size % 2 == 0:
-            sizes.append(size)
-            size //= 2
-        sizes += [size] + ([1] if size != 1 else [])
-    checkpointing = [job.activation_checkpointing]
-    if "activation-checkpointing" in choose and job.activation_checkpointing in (False, "none"):
-        checkpointing.append(True)
-    return [replace(job, micro_batch_size=m, activation_checkpointing=ac) for ac in checkpointing for m in sizes]
-
-
-def _static_over(job: Job, device_memory: int, *, dp: int, tp: int, cp: int, ep: int,
-                 degrees: dict[str, int]) -> MeshFit | None:
-    """The GPT preset's mesh without PP as a rejection when its parameters, gradients and optimizer state alone
-    (:func:`~vemesh.planning.estimate.rank_static`, equal to the byte to what the wrappers allocate) exceed the device
-    memory, so that no trace is spent on it; else None."""
-    model = load_model(job.model)
-    try:
-        check_degrees(model, dp=dp * cp, tp=tp, pp=1, ep=ep, dtype=job.dtype, dp_mode=job.mode)
-    except ValueError:
-        return None  # the trace says why, in its own words
-    static = rank_static(model, stage_keys(model, 1)[0], "every rank", dp=dp * cp, tp=tp, ep=ep, dtype=job.dtype,
-                         dp_mode=job.mode)
-    if static.total <= device_memory:
-        return None
-    return MeshFit(degrees, [RankClass("every rank", static, 0, 0, {})], 0, 0, traced=False,
-                   reason=f"static {_gib(static.total)} > device memory {_gib(device_memory)} (parameters, gradients "
-                          "and optimizer state alone; not traced)")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def speedups_of(job: Any, fit: Any) -> Any:

@@ -273,6 +273,9 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--trace-pp", action="store_true", help="a search traces each PP mesh through torch's "
                      "schedule, as --pp N plans it (seconds to minutes a mesh), where otherwise the GPT preset's PP "
                      "meshes are estimated and the Llama 3 preset's left out")
+    job.add_argument("--jobs", type=int, metavar="N", help="a search plans its meshes in N processes at once, "
+                     "each mesh in one (default 1): on N free cores a search whose meshes are traced (--trace-pp, the "
+                     "Llama 3 preset) takes about 1/N of the time")
     job.add_argument("--rank-by", choices=("time", "inter-host", "peak"),
                      help="search order: the predicted step time (needs --device-profile), the bytes between hosts, "
                      "or the peak (default: time with --device-profile, else inter-host with --devices-per-host, "

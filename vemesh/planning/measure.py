@@ -133,13 +133,6 @@ class CollectiveBytes(TorchDispatchMode):
         self.counting = False
         self.fed = FedMatmuls(self.by_op)  #: which gathers and scatters async TP would overlap with their matmuls
 
-    def new_step(self) -> None:
-        """Count a new step from zero: its bytes, calls, ops and ops' names by group (a pipeline replay's record of an
-        action is the change in each, so none may carry an earlier step's into the step's first collective on a group
-        or the first run of an op on it: :mod:`vemesh.planning.replay_counters`)."""
-        for counts in (self.bytes, self.calls, self.ops, self.by_op):
-            counts.clear()
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if any(t is DTensor for t in types):  # let DTensor turn itself into local ops and collectives first
             return NotImplemented

@@ -23,7 +23,8 @@ CHOICES = ("micro-batch-size", "activation-checkpointing")
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
                               "pp_schedule", "rank_by", "parallelize", "step", "loss", "before_optimizer", "moe_load_factor",
                               "sequence_parallel", "activation_checkpointing", "device_profile", "choose", "compile",
-                              "float8", "float8_all_gather", "async_tp", "trace_pp")
+                              "float8", "float8_all_gather", "async_tp", "trace_pp",
+                              "jobs")
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class PlanRequest:
     #: a search traces each PP mesh through torch's schedule, as ``pp=N`` plans it (the GPT preset's are otherwise
     #: estimated, the Llama 3 preset's left out)
     trace_pp: bool = False
+    #: a search plans its meshes in this many processes at once (:mod:`vemesh.planning.search_jobs`; None: one)
+    jobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -122,6 +125,12 @@ class PlanRequest:
                              "with --parallelize for TP, CP or EP), or a preset (--model gpt:... or llama3:...)")
         if self.rank_by == "time" and self.device_profile is None:
             raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
+        if self.jobs is not None and (not isinstance(self.jobs, int) or isinstance(self.jobs, bool) or self.jobs < 1):
+            raise ValueError(f"--jobs must be a positive integer (the processes that plan a search's meshes at once); "
+                             f"got {self.jobs!r}")
+        if self.jobs is not None and not self.searches:
+            raise ValueError("--jobs is for a search (--device-memory, none of --pp, --dp, --tp): a plan of one mesh "
+                             "runs in one process")
         if self.trace_pp and not self.searches:
             raise ValueError("--trace-pp is for a search (--device-memory, none of --pp, --dp, --tp): a plan of one "
                              "mesh with --pp N traces its pipeline already")

@@ -186,7 +186,10 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 counts: list[dict[str, int]] = []
                 for index, n in enumerate(steps):
                     first = "first " if index == 0 else ""  # the first step's own work (shapes, state) is a part too
-                    counter.new_step()
+                    # every count from zero: a pipeline replay's record of an action is the change in each, and none may
+                    # carry an earlier step's into the step's first collective on a group (replay_counters)
+                    for by_group in (counter.bytes, counter.calls, counter.ops, counter.by_op):
+                        by_group.clear()
                     counter.counting = tracker.in_step = True
                     with step_counters(timed) as (flop_counter, memory_bound):
                         if pp > 1:  # replayed micro-batches advance this step's counters

@@ -1,0 +1,62 @@
+"""A search's meshes planned in several processes (``vemesh plan --jobs N``, :mod:`vemesh.planning.search_jobs`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vemesh.planning.search_jobs import run
+
+
+def _pair(a: int, b: int) -> tuple[int, int]:
+    return a + b, a * b
+
+
+def _refuse_two(value: int) -> int:
+    if value == 2:
+        raise ValueError(f"no {value}")
+    return value
+
+
+def test_run_returns_each_tasks_result_in_the_order_of_the_tasks_in_one_process_or_several() -> None:
+    tasks = [(a, a + 1) for a in range(7)]
+    assert run(_pair, tasks, 1) == run(_pair, tasks, 3) == [_pair(*t) for t in tasks]
+    with pytest.raises(ValueError, match="no 2"):  # raised here, as it would be in one process
+        run(_refuse_two, [(1,), (2,), (3,)], 2)
+
+
+@pytest.mark.parametrize("jobs", [0, -1, True, 1.5])
+def test_run_refuses_a_count_of_processes_that_is_not_a_positive_integer(jobs) -> None:
+    with pytest.raises(ValueError, match=rf"--jobs must be a positive integer .*; got {jobs!r}"):
+        run(_pair, [(1, 2)], jobs)
+
+
+def test_a_job_that_cannot_travel_to_another_process_says_so() -> None:
+    with pytest.raises(ValueError, match=r"--jobs 2: the job cannot travel to another process .* MODULE:FUNCTION"):
+        run(lambda a: a, [(1,), (2,)], 2)
+
+
+@pytest.mark.slow  # two searches (a PP mesh traced in each), and two worker processes started
+def test_a_search_in_two_processes_is_the_search_in_one(capfd) -> None:
+    """Every mesh's figures, the ranking and the rejections are those of the search in one process; the workers
+    print the traces' progress lines as one process does. Only the notes may differ: how many of a pipeline's
+    actions were replayed depends on the records its process holds from the meshes it planned before."""
+    from vemesh.cli import main
+    from vemesh.planning import fit
+
+    gpt = ["plan", "--model", "gpt:n_layer=2,n_embd=64,n_head=4,vocab=256,seq_len=64", "--world-size", "2",
+           "--global-batch-size", "4", "--device-profile", "h100-sxm", "--device-memory", "8GiB", "--trace-pp",
+           "--json"]
+    found, progress = {}, {}
+    for jobs in (1, 2):
+        fit._traced_preset.cache_clear()
+        assert main([*gpt, "--jobs", str(jobs)]) == 0
+        out, err = capfd.readouterr()
+        found[jobs] = json.loads(out)
+        progress[jobs] = sorted(line.split(" in ")[0] for line in err.splitlines() if line.startswith("vemesh: traced"))
+        for mesh in found[jobs]["fits"] + found[jobs]["rejected"]:
+            mesh.pop("notes", None)
+    assert [f["degrees"]["PP"] for f in found[1]["fits"]].count(1) < len(found[1]["fits"])  # PP meshes among them
+    assert found[2] == found[1]
+    assert progress[2] == progress[1] == ["vemesh: traced PP=2"], progress
