@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -40,14 +41,23 @@ def test_a_job_that_cannot_travel_to_another_process_says_so() -> None:
 @pytest.mark.slow  # two searches (a PP mesh traced in each), and two worker processes started
 def test_a_search_in_two_processes_is_the_search_in_one(capfd) -> None:
     """Every mesh's figures, the ranking and the rejections are those of the search in one process; the workers
-    print the traces' progress lines as one process does. Only the notes may differ: how many of a pipeline's
-    actions were replayed depends on the records its process holds from the meshes it planned before."""
+    print the traces' progress lines as one process does, on the caller's stderr of now, not the one their server
+    started with (here /dev/null: on a worker's own stderr the lines were lost). Only the notes may differ: how many
+    of a pipeline's actions were replayed depends on the records its process holds from the meshes it planned
+    before."""
     from vemesh.cli import main
     from vemesh.planning import fit
 
     gpt = ["plan", "--model", "gpt:n_layer=2,n_embd=64,n_head=4,vocab=256,seq_len=64", "--world-size", "2",
            "--global-batch-size", "4", "--device-profile", "h100-sxm", "--device-memory", "8GiB", "--trace-pp",
            "--json"]
+    saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 2)
+    try:  # the workers' server, if this process has none yet, starts with its stderr on /dev/null
+        run(_pair, [(1, 2), (3, 4)], 2)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(quiet)
     found, progress = {}, {}
     for jobs in (1, 2):
         fit._traced_preset.cache_clear()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import logging.handlers
 import multiprocessing
 import pickle
 from collections.abc import Callable
@@ -56,21 +57,33 @@ def run(fn: Callable[..., Any], tasks: list[tuple], jobs: int) -> list[Any]:
     context = multiprocessing.get_context(how)
     if how == "forkserver":  # no effect once the server runs: it keeps what it imported
         context.set_forkserver_preload([*local_ranks.PRELOAD, *PRELOAD])
-    level = logging.getLogger("vemesh.planning").getEffectiveLevel()
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context, initializer=_worker,
-                             initargs=(level,)) as pool:
-        futures = [pool.submit(fn, *task) for task in tasks]
-        return [future.result() for future in futures]
-
-
-def _worker(level: int) -> None:
-    """A worker's start: the planner's progress lines on its stderr at the caller's level, as ``vemesh plan`` prints
-    them, and one :func:`~vemesh.planning.pipeline_plan.shared_records` for every mesh it plans."""
     log = logging.getLogger("vemesh.planning")
-    if level <= logging.INFO and not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("vemesh: %(message)s"))
-        log.addHandler(handler)
+    lines = context.Queue()  # the workers' progress lines, told here through this process's own handlers
+    relay = logging.handlers.QueueListener(lines, _Relay())
+    relay.start()
+    try:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context, initializer=_worker,
+                                 initargs=(log.getEffectiveLevel(), lines)) as pool:
+            futures = [pool.submit(fn, *task) for task in tasks]
+            return [future.result() for future in futures]
+    finally:
+        relay.stop()
+
+
+class _Relay(logging.Handler):
+    """A worker's log record, handled here as if this process had logged it (its handlers, its stderr)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(record.name).handle(record)
+
+
+def _worker(level: int, lines: Any) -> None:
+    """A worker's start: the planner's progress lines sent to the caller at its level (a worker's own stderr is the
+    one its server started with, not the caller's now), and one
+    :func:`~vemesh.planning.pipeline_plan.shared_records` for every mesh it plans."""
+    log = logging.getLogger("vemesh.planning")
+    log.handlers[:] = [logging.handlers.QueueHandler(lines)]
+    log.propagate = False
     log.setLevel(level)
     _KEPT.enter_context(shared_records())
 
