@@ -14,7 +14,7 @@ from typing import Any
 from vemesh.models.llama3.config import check_ac, config_of
 from vemesh.planning.speedups import FLOAT8, Speedups
 
-__all__ = ["CHOICES", "JOB_FLAGS", "PlanRequest", "check_jobs"]
+__all__ = ["CHOICES", "JOB_FLAGS", "PlanRequest"]
 
 #: What a search by time may choose for each mesh (``--choose``), besides the mesh itself.
 CHOICES = ("micro-batch-size", "activation-checkpointing")
@@ -25,14 +25,6 @@ JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp
                               "sequence_parallel", "activation_checkpointing", "device_profile", "choose", "compile",
                               "float8", "float8_all_gather", "async_tp", "trace_pp",
                               "jobs")
-
-
-def check_jobs(jobs: Any) -> int:
-    """``jobs`` if it is a count of processes (a positive integer), else a ``ValueError`` naming it."""
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
-        raise ValueError(f"--jobs must be a positive integer (the processes that plan a search's meshes at once); "
-                         f"got {jobs!r}")
-    return jobs
 
 
 @dataclass(frozen=True)
@@ -133,8 +125,9 @@ class PlanRequest:
                              "with --parallelize for TP, CP or EP), or a preset (--model gpt:... or llama3:...)")
         if self.rank_by == "time" and self.device_profile is None:
             raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
-        if self.jobs is not None:
-            check_jobs(self.jobs)
+        if self.jobs is not None and (not isinstance(self.jobs, int) or isinstance(self.jobs, bool) or self.jobs < 1):
+            raise ValueError(f"--jobs must be a positive integer (the processes that plan a search's meshes at once); "
+                             f"got {self.jobs!r}")
         if self.jobs is not None and not self.searches:
             raise ValueError("--jobs is for a search (--device-memory, none of --pp, --dp, --tp): a plan of one mesh "
                              "runs in one process")

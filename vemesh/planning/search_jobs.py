@@ -5,8 +5,8 @@ Each mesh of a search is planned on its own (its traces, or its static bytes), s
 :func:`run` gives each of ``N`` worker processes the next mesh not yet planned, and returns the plans in the order of
 the meshes, as one process would have made them. A worker keeps what it built for the meshes it planned before (the
 model's template, its pipeline replays' records: :func:`~vemesh.planning.pipeline_plan.shared_records`), as one
-process does for all of them; a plan's figures do not depend on which meshes were planned before it in the same
-process, only its note of how many actions it replayed does (``test_a_search_in_two_processes_is_the_search_in_one``).
+process does for all of them; a plan does not depend on which meshes were planned before it in the same process
+(``test_a_search_in_two_processes_is_the_search_in_one``).
 
 The workers start as :mod:`vemesh.local_ranks` starts ranks: forked from a server that imported torch once, where
 the system has one, else spawned; each imports the planner once, and then plans mesh after mesh. The job travels to
@@ -29,7 +29,6 @@ from typing import Any
 from vemesh import local_ranks
 from vemesh.planning.estimate import check_degrees, load_model, rank_static, stage_keys
 from vemesh.planning.pipeline_plan import shared_records
-from vemesh.planning.request import check_jobs
 from vemesh.planning.results import MeshFit, RankClass
 
 __all__ = ["divisors", "gib", "run", "static_over", "variants"]
@@ -44,7 +43,10 @@ _KEPT = contextlib.ExitStack()
 def run(fn: Callable[..., Any], tasks: list[tuple], jobs: int) -> list[Any]:
     """``[fn(*task) for task in tasks]``, in ``jobs`` processes at once when ``jobs > 1`` (see the module
     docstring). An exception of ``fn`` is raised here, as it would be in one process."""
-    if check_jobs(jobs) == 1 or len(tasks) < 2:
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"--jobs must be a positive integer (the processes that plan a search's meshes at once); "
+                         f"got {jobs!r}")
+    if jobs == 1 or len(tasks) < 2:
         return [fn(*task) for task in tasks]
     try:
         pickle.dumps((fn, tasks))
