@@ -5,8 +5,8 @@ Each mesh of a search is planned on its own (its traces, or its static bytes), s
 :func:`run` gives each of ``N`` worker processes the next mesh not yet planned, and returns the plans in the order of
 the meshes, as one process would have made them. A worker keeps what it built for the meshes it planned before (the
 model's template, its pipeline replays' records: :func:`~vemesh.planning.pipeline_plan.shared_records`), as one
-process does for all of them; a plan does not depend on which meshes were planned before it in the same process
-(``test_a_search_in_two_processes_is_the_search_in_one``).
+process does for all of them; a plan's figures do not depend on which meshes were planned before it in the same
+process, only its note of how many actions it replayed does (``test_a_search_in_two_processes_is_the_search_in_one``).
 
 The workers start as :mod:`vemesh.local_ranks` starts ranks: forked from a server that imported torch once, where
 the system has one, else spawned; each imports the planner once, and then plans mesh after mesh. The job travels to
