@@ -13,7 +13,8 @@ submodule's forward, its backward, and the data-parallel wrapper's work in them)
   dispatched, and what compile's fusion counts (:mod:`vemesh.planning.fusion`);
 * the shapes of what it returned (the stage's outputs, its input gradients).
 
-An action is keyed by the stage, by its role (first, last) and its parameters' local shapes, so that the
+An action is keyed by the stage, by its role (first, last), its parameters' local shapes and its modules' kinds
+(each module's type, and a forward set on the instance: activation checkpointing of some blocks), so that the
 middle stages of a pipeline, alike on every PP rank, share their records across the ranks' traces of one plan and
 across the two steps each trace runs; forward or backward; the action the same stage ran before it (a
 data-parallel wrapper's state can depend on it); each FSDP2 unit's state; whether an earlier backward of its stage in the step made the
@@ -40,6 +41,7 @@ and the caller traces the rank again without replay (:func:`vemesh.planning.pipe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -178,7 +180,7 @@ class Replay:
         groups = (m._get_fsdp_state()._fsdp_param_group for m in stage.submod.modules() if isinstance(m, FSDPModule))
         self.units[index] = [g for g in groups if g is not None]
         self.signature[index] = (stage.is_first, stage.is_last, tuple(
-            (type(p).__name__, tuple(p.shape), p.dtype) for p in stage.submod.parameters()))
+            (type(p).__name__, tuple(p.shape), p.dtype) for p in stage.submod.parameters()), _modules(stage.submod))
         forward_chunk, backward_chunk = stage.forward_one_chunk, stage.backward_one_chunk
         forward, backward = stage.forward_maybe_with_nosync, stage.backward_maybe_with_nosync
 
@@ -342,6 +344,26 @@ class Replay:
     def _device(self) -> torch.device:
         devices = list(self.tracker._curr_mem_snap)
         return devices[0] if devices else torch.device("cpu")
+
+def _modules(module: torch.nn.Module) -> tuple:
+    """What tells two stages' modules apart besides their parameters: each module's type (torch's
+    ``CheckpointWrapper``, a compiled module) and the forward set on the instance, if any (the Llama 3 preset's
+    ``selective-N`` checkpoints blocks 0, N, 2N, ... by replacing their ``forward``). Stages of one shape whose blocks
+    recompute differently hold other activations: a record of one is not the other's (PP ranks 3 and 6 of
+    ``llama3:8b`` over PP 8 under ``selective-3`` replayed rank 1's and planned 2% too much)."""
+    return tuple((type(m).__name__, _callable(m.__dict__.get("forward"))) for m in module.modules())
+
+
+def _callable(f: Any) -> Any:
+    """A forward set on an instance, by what it calls (a ``functools.partial``: its function and keywords' names)."""
+    if f is None:
+        return None
+    if isinstance(f, functools.partial):
+        return _callable(f.func), tuple(sorted((k, _callable(v) if callable(v) else repr(v))
+                                               for k, v in f.keywords.items()))
+    f = getattr(f, "__func__", f)
+    return f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+
 
 def _alike(a: Effect, b: Effect) -> bool:
     """Two effects equal but for the count of ops dispatched, which varies by a few an action with what is not the
