@@ -230,6 +230,39 @@ def test_the_second_micro_batch_pipeline_replays_the_firsts_records(monkeypatch)
 
 
 
+@pytest.mark.slow  # the pipeline planned twice, with its prelude and traced whole (about 40 s)
+def test_a_long_pipeline_replays_its_first_step_from_its_preludes_records(monkeypatch) -> None:
+    """1F1B under ZeRO-1 over PP 6, 18 micro-batches: PP ranks 0 and 1 of a pipeline of 4 alike stages run first
+    (``pipeline_plan._prelude``), so that the pipeline's own PP ranks 0 and 1, the first of their roles, replay their
+    first step too. Each traces 8 actions or fewer (the first and last micro-batch of each step, forward and
+    backward), where it traced its whole first step (36 actions); every figure of every rank and part is the whole
+    trace's."""
+    from vemesh.planning.pipeline_trace import MetaExchange
+
+    fns, kwargs = tiny_pipeline("1f1b", "zero1", 36, 6, 1)
+    assert kwargs["passes"] >= pipeline_plan.PRELUDE_FROM
+    replays: list[tuple[int, int, object]] = []
+
+    def replay_for(self, stages, tracker, counter, mesh, schedule, pp, pp_rank, n, original=MetaExchange.replay_for):
+        replays.append((pp, pp_rank, original(self, stages, tracker, counter, mesh, schedule, pp, pp_rank, n)))
+        return replays[-1][2]
+
+    monkeypatch.setattr(MetaExchange, "replay_for", replay_for)
+    plans = {}
+    for replay in (True, False):
+        monkeypatch.setattr(pipeline_plan, "REPLAY", replay)
+        plans[replay] = pipeline_plan._micro_batches(fns, kwargs, [])
+    traced = {(pp, rank): r.traced for pp, rank, r in replays if r.replayed}
+    assert {rank for pp, rank in traced if pp == pipeline_plan.PRELUDE[0]} == {0, 1}, traced
+    assert traced[6, 0] <= 8 and traced[6, 1] <= 8, traced
+    for rank, c in plans[False].items():
+        r = plans[True][rank]
+        assert abs(r.peak - c.peak) <= 4 and r.phases.keys() == c.phases.keys(), rank
+        assert {k: p for k, (p, _) in r.phases.items() if abs(p - c.phases[k][0]) > 4} == {}, rank
+        assert (r.sent, r.flops, r.memory_bytes, r.optimizer_bytes, r.by_op, r.counts, r.dtensor_ops) == \
+            (c.sent, c.flops, c.memory_bytes, c.optimizer_bytes, c.by_op, c.counts, c.dtensor_ops), rank
+
+
 @pytest.mark.slow  # 45 s alone: four pipelines of 32 blocks over 2 to 8 PP ranks
 def test_a_search_replays_on_one_pp_mesh_what_another_recorded_of_the_same_stages(monkeypatch) -> None:
     """Inside ``shared_records`` (a search), a PP mesh replays the records of another whose stages have the same role

@@ -16,6 +16,7 @@ from typing import Any
 
 from vemesh.parallel.schedules import MULTI_STAGE, stage_indices, stages_per_rank
 from vemesh.planning.estimate import RankMemory
+from vemesh.planning.pipeline_replay import REPLAYED_SCHEDULES
 from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, BlocksNotFound, collapse_actions, stage_slots
@@ -144,6 +145,9 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     pp, m = kwargs["degrees"]["PP"], kwargs["passes"]
     short = m % pp + 2 * pp
     shared = _records(fns, kwargs)
+    if REPLAY and fns.pp_schedule in ONE_STAGE_REPLAYED and pp > PRELUDE[0] and m >= PRELUDE_FROM:
+        shared = {} if shared is None else shared
+        _prelude(fns, kwargs, shared)
     if short + (short + pp) >= m or fns.pp_schedule in MULTI_STAGE:  # the two traces would run as many micro-batches
         return trace_pipeline(fns, kwargs, notes, records=shared)
     derived = _rank_plan(fns, kwargs)  # the stages do not change with the micro-batches
@@ -155,6 +159,48 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     # each action's number dropped: the two traces run other counts of them (step_parts.collapse_actions)
     two, three = ({r: _slots(c, r, fns, pp) for r, c in t.items()} for t in (two, three))
     return {r: three[r].scaled(two[r], (m - short - pp) // pp) for r in range(pp)}
+
+
+#: the PP ranks and micro-batches of :func:`_prelude`'s pipeline
+PRELUDE = (4, 6)
+#: the micro-batches from which a pipeline under a one-stage schedule runs its prelude (below, its two traces cost
+#: more than they save)
+PRELUDE_FROM = 18
+#: the one-stage schedules whose actions replay (:mod:`vemesh.planning.pipeline_replay`)
+ONE_STAGE_REPLAYED = tuple(s for s in REPLAYED_SCHEDULES if s not in MULTI_STAGE)
+
+
+def _prelude(fns: UserFunctions, kwargs: dict[str, Any], records: dict[tuple, list[Any]]) -> None:
+    """The first and middle stages' records made on a short pipeline first, so that the pipeline's own traces of
+    them replay from their first step on.
+
+    A role's first trace (PP rank 0; PP rank 1, whose records its alike middle ranks replay) replays nothing of its
+    first step: a forward replays only when its backward's record exists, and under 1F1B the warm-up forwards'
+    backwards come later in the step (the cool-down's, after another backward, last of all); under GPipe every
+    forward comes before every backward. The step's actions are then all traced: at PP 16 and 32 micro-batches, 66
+    of PP rank 0's 128. Here PP ranks 0 and 1 of a pipeline of ``PRELUDE[0]`` stages of the same blocks each (a model
+    of that many times a stage's blocks), over the same TP, CP, DP and micro-batch, run ``PRELUDE[1]`` micro-batches
+    into ``records``: each of those keys is seen twice in their two steps. A record is keyed by what its action
+    depends on, not by the pipeline's length (:func:`_context`), as a search's meshes share theirs. For each count of
+    blocks a stage the pipeline's first stages hold (the presets give the first ``n mod S`` stages a block more),
+    one such pipeline; none where the model's blocks are not found or do not split evenly."""
+    pp = kwargs["degrees"]["PP"]
+    found = kwargs.get("blocks") or blocks_of(fns.factory, fns.names[0])
+    if found is None:
+        return
+    path, n = found
+    base, extra = divmod(n, pp)
+    small, m = PRELUDE
+    for count in sorted({base + (extra > 0), base} if extra < pp - 1 else {base + 1}, reverse=True):
+        short = dict(kwargs, degrees=dict(kwargs["degrees"], PP=small), world_size=kwargs["world_size"] // pp * small,
+                     passes=m, blocks=(path, small * count), cut_at_blocks="blocks" in kwargs)
+        exchange = MetaExchange(replay=True)
+        exchange.records = records
+        started = time.perf_counter()
+        for rank in (0, 1):
+            _trace_rank(fns, rank, exchange, short)
+        _log.debug("recorded the stages of %d blocks on a pipeline of %d in %.1f s", count, small,
+                   time.perf_counter() - started)
 
 
 def _slots(counted: Counted, rank: int, fns: UserFunctions, pp: int) -> Counted:

@@ -41,7 +41,6 @@ and the caller traces the rank again without replay (:func:`vemesh.planning.pipe
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -52,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from vemesh.parallel.schedules import stages_per_rank
 from vemesh.planning.pipeline_order import backward_contexts, gradients_may_change
 from vemesh.planning.replay_counters import StepCounters, minus
+from vemesh.planning.stage_signature import stage_signature
 
 __all__ = ["REPLAYED_SCHEDULES", "Replay", "ReplayMiss"]
 
@@ -148,7 +148,7 @@ class Replay:
         #: key -> the effects of its last two traced actions; shared by the ranks of one plan (a stage is keyed by its
         #: parameters' shapes, not its index: the middle stages of a pipeline do alike)
         self.seen: dict[tuple, list[Effect]] = records if records is not None else {}
-        self.signature: dict[int, tuple] = {}  #: stage -> its first/last role and its parameters' local shapes
+        self.signature: dict[int, tuple] = {}  #: stage -> what tells it apart (:func:`stage_signature`)
         self.previous: dict[int, str] = {}  #: stage -> the kind of its last action ("F", "B")
         self.micro_batch: dict[int, int] = {}  #: stage -> the micro-batch its action runs now
         self.kept: dict[tuple[int, int], Any] = {}  #: (stage, micro-batch) -> what a replayed forward keeps
@@ -179,8 +179,7 @@ class Replay:
         index = stage.stage_index
         groups = (m._get_fsdp_state()._fsdp_param_group for m in stage.submod.modules() if isinstance(m, FSDPModule))
         self.units[index] = [g for g in groups if g is not None]
-        self.signature[index] = (stage.is_first, stage.is_last, tuple(
-            (type(p).__name__, tuple(p.shape), p.dtype) for p in stage.submod.parameters()), _modules(stage.submod))
+        self.signature[index] = stage_signature(stage)
         forward_chunk, backward_chunk = stage.forward_one_chunk, stage.backward_one_chunk
         forward, backward = stage.forward_maybe_with_nosync, stage.backward_maybe_with_nosync
 
@@ -344,26 +343,6 @@ class Replay:
     def _device(self) -> torch.device:
         devices = list(self.tracker._curr_mem_snap)
         return devices[0] if devices else torch.device("cpu")
-
-def _modules(module: torch.nn.Module) -> tuple:
-    """What tells two stages' modules apart besides their parameters: each module's type (torch's
-    ``CheckpointWrapper``, a compiled module) and the forward set on the instance, if any (the Llama 3 preset's
-    ``selective-N`` checkpoints blocks 0, N, 2N, ... by replacing their ``forward``). Stages of one shape whose blocks
-    recompute differently hold other activations: a record of one is not the other's (PP ranks 3 and 6 of
-    ``llama3:8b`` over PP 8 under ``selective-3`` replayed rank 1's and planned 2% too much)."""
-    return tuple((type(m).__name__, _callable(m.__dict__.get("forward"))) for m in module.modules())
-
-
-def _callable(f: Any) -> Any:
-    """A forward set on an instance, by what it calls (a ``functools.partial``: its function and keywords' names)."""
-    if f is None:
-        return None
-    if isinstance(f, functools.partial):
-        return _callable(f.func), tuple(sorted((k, _callable(v) if callable(v) else repr(v))
-                                               for k, v in f.keywords.items()))
-    f = getattr(f, "__func__", f)
-    return f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
-
 
 def _alike(a: Effect, b: Effect) -> bool:
     """Two effects equal but for the count of ops dispatched, which varies by a few an action with what is not the

@@ -141,9 +141,11 @@ def _unknown(counter: Any, mesh: Any) -> str | None:
 def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], dp_replicate: int = 1,
                micro_batch_size: int, passes: int, dtype: str = "fp32", dp_mode: str | None = None,
                load_factor: float = 1.0, blocks: tuple[str, int] | None = None, timed: bool = False,
-               device: str = "cpu", pp_rank: int = 0, exchange: MetaExchange | None = None) -> Counted:
-    """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks; ``timed``
-    also counts what a step-time prediction needs (FLOPs, memory-bound bytes, ops: about 10% more tracing).
+               device: str = "cpu", pp_rank: int = 0, exchange: MetaExchange | None = None,
+               cut_at_blocks: bool = True) -> Counted:
+    """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks and (unless
+    not ``cut_at_blocks``) cuts each phase at them; ``timed`` also counts what a step-time prediction needs (FLOPs,
+    memory-bound bytes, ops: about 10% more tracing).
 
     With PP, the first rank of PP rank ``pp_rank``: the parallelize function returns its stages, torch's schedule
     for ``fns.pp_schedule`` runs ``passes`` micro-batches of them in each step (``fns.step(schedule, batch)``), and
@@ -156,7 +158,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         model = box.pop()  # the caller's alone: a stage cut from it drops the rest
         with chunks_on_demand(), local_shards(), tracker, contextlib.ExitStack() as held_sends:
             stack = model.get_submodule(blocks[0]) if blocks is not None and pp == 1 else None
-            kind = blocks and (blocks[0], type(next(model.get_submodule(blocks[0]).children())))  # no module held
+            kind = (blocks[0], type(next(model.get_submodule(blocks[0]).children()))) \
+                if blocks is not None and cut_at_blocks else None  # no module held
             wrapped = _wrap(fns, model, mesh, degrees, dp_mode)
             if pp > 1:
                 stages = pipeline_stages(wrapped, parallelize_name, pp_rank, pp, fns.pp_schedule)
