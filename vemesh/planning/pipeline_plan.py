@@ -145,7 +145,7 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     pp, m = kwargs["degrees"]["PP"], kwargs["passes"]
     short = m % pp + 2 * pp
     shared = _records(fns, kwargs)
-    if REPLAY and fns.pp_schedule in ONE_STAGE_REPLAYED and pp > PRELUDE[0] and m >= PRELUDE_FROM:
+    if REPLAY and fns.pp_schedule in ONE_STAGE_REPLAYED and pp >= PRELUDE_FROM[0] and m >= PRELUDE_FROM[1]:
         shared = {} if shared is None else shared
         _prelude(fns, kwargs, shared)
     if short + (short + pp) >= m or fns.pp_schedule in MULTI_STAGE:  # the two traces would run as many micro-batches
@@ -163,9 +163,11 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
 
 #: the PP ranks and micro-batches of :func:`_prelude`'s pipeline
 PRELUDE = (4, 6)
-#: the micro-batches from which a pipeline under a one-stage schedule runs its prelude (below, its two traces cost
-#: more than they save)
-PRELUDE_FROM = 18
+#: the PP ranks and micro-batches from which a pipeline under a one-stage schedule runs its prelude. What it saves
+#: grows with the warm-up, PP, as long as the micro-batches fill it: below these its two rank traces cost about what
+#: they save (PP 5, 18 micro-batches: the pipeline's PP ranks 0 and 1 traced 26 and 22 actions without it, 8 and 8
+#: with it, and the prelude 34)
+PRELUDE_FROM = (8, 18)
 #: the one-stage schedules whose actions replay (:mod:`vemesh.planning.pipeline_replay`)
 ONE_STAGE_REPLAYED = tuple(s for s in REPLAYED_SCHEDULES if s not in MULTI_STAGE)
 

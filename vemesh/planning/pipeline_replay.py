@@ -13,8 +13,8 @@ submodule's forward, its backward, and the data-parallel wrapper's work in them)
   dispatched, and what compile's fusion counts (:mod:`vemesh.planning.fusion`);
 * the shapes of what it returned (the stage's outputs, its input gradients).
 
-An action is keyed by the stage, by its role (first, last), its parameters' local shapes and its modules' kinds
-(each module's type, and a forward set on the instance: activation checkpointing of some blocks), so that the
+An action is keyed by the stage, by its signature (:mod:`vemesh.planning.stage_signature`: its role, its parameters'
+and buffers' shapes and placements, its modules' kinds: activation checkpointing of some blocks), so that the
 middle stages of a pipeline, alike on every PP rank, share their records across the ranks' traces of one plan and
 across the two steps each trace runs; forward or backward; the action the same stage ran before it (a
 data-parallel wrapper's state can depend on it); each FSDP2 unit's state; whether an earlier backward of its stage in the step made the
