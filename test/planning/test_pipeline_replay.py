@@ -268,6 +268,32 @@ def test_a_long_pipeline_replays_its_first_step_from_its_preludes_records(monkey
     _same_plans(plans[True], plans[False])
 
 
+@pytest.mark.slow  # a pipeline planned once (about 5 s alone)
+def test_a_parallelize_function_that_fails_on_the_preludes_model_plans_without_a_prelude(monkeypatch) -> None:
+    """A user's parallelize function may cut its stages by the model's configured depth and fail on a shorter model
+    (an IndexError in the user's code). The prelude's model is shorter: the plan is made without a prelude, as
+    before it, not refused."""
+    from vemesh.planning.pipeline_trace import MetaExchange
+
+    fns, kwargs = tiny_pipeline("1f1b", "zero1", 12, 5, 1)
+
+    def parallelize(model, mesh, parallelize=fns.parallelize):
+        if len(model.layers) != 5:
+            raise IndexError(f"this function cuts 5 layers; the model has {len(model.layers)}")
+        return parallelize(model, mesh)
+
+    pps: list[int] = []
+
+    def replay_for(self, stages, tracker, counter, mesh, schedule, pp, *rest, original=MetaExchange.replay_for):
+        pps.append(pp)
+        return original(self, stages, tracker, counter, mesh, schedule, pp, *rest)
+
+    monkeypatch.setattr(MetaExchange, "replay_for", replay_for)
+    monkeypatch.setattr(pipeline_plan, "PRELUDE_FROM", (5, 6))
+    plan = pipeline_plan._micro_batches(replace(fns, parallelize=parallelize), kwargs, [])
+    assert sorted(plan) == [0, 1, 2, 3, 4] and set(pps) == {5}, pps
+
+
 @pytest.mark.slow  # 45 s alone: four pipelines of 32 blocks over 2 to 8 PP ranks
 def test_a_search_replays_on_one_pp_mesh_what_another_recorded_of_the_same_stages(monkeypatch) -> None:
     """Inside ``shared_records`` (a search), a PP mesh replays the records of another whose stages have the same role

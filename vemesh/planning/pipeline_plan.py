@@ -179,13 +179,16 @@ def _prelude(fns: UserFunctions, kwargs: dict[str, Any], records: dict[tuple, li
     A role's first trace (PP rank 0; PP rank 1, whose records its alike middle ranks replay) replays nothing of its
     first step: a forward replays only when its backward's record exists, and under 1F1B the warm-up forwards'
     backwards come later in the step (the cool-down's, after another backward, last of all); under GPipe every
-    forward comes before every backward. The step's actions are then all traced: at PP 16 and 32 micro-batches, 66
-    of PP rank 0's 128. Here PP ranks 0 and 1 of a pipeline of ``PRELUDE[0]`` stages of the same blocks each (a model
+    forward comes before every backward. Its first step's actions are then all traced: at PP 16 and 32
+    micro-batches, 66 of PP rank 0's 128. Here PP ranks 0 and 1 of a pipeline of ``PRELUDE[0]`` stages of the same blocks each (a model
     of that many times a stage's blocks), over the same TP, CP, DP and micro-batch, run ``PRELUDE[1]`` micro-batches
     into ``records``: each of those keys is seen twice in their two steps. A record is keyed by what its action
     depends on, not by the pipeline's length (:func:`_context`), as a search's meshes share theirs. For each count of
     blocks a stage the pipeline's first stages hold (the presets give the first ``n mod S`` stages a block more),
-    one such pipeline; none where the model's blocks are not found or do not split evenly."""
+    one such pipeline. None where the model's blocks are not found, or where the user's functions fail on the short
+    model (a stage cut by the model's configured depth, as :func:`predict_pipeline` meets it too): the pipeline's
+    ranks then record their own, as without a prelude. A stage cut otherwise than the short pipeline's finds no
+    record of its own signature (:mod:`vemesh.planning.stage_signature`), and is traced as without."""
     pp = kwargs["degrees"]["PP"]
     found = kwargs.get("blocks") or blocks_of(fns.factory, fns.names[0])
     if found is None:
@@ -199,8 +202,13 @@ def _prelude(fns: UserFunctions, kwargs: dict[str, Any], records: dict[tuple, li
         exchange = MetaExchange(replay=True)
         exchange.records = records
         started = time.perf_counter()
-        for rank in (0, 1):
-            _trace_rank(fns, rank, exchange, short)
+        try:
+            for rank in (0, 1):
+                _trace_rank(fns, rank, exchange, short)
+        except ValueError as e:  # what the user's functions raise on a model of other depth: no prelude
+            if not isinstance(e.__cause__, (IndexError, KeyError)):
+                raise
+            return
         _log.debug("recorded the stages of %d blocks on a pipeline of %d in %.1f s", count, small,
                    time.perf_counter() - started)
 

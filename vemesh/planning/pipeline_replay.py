@@ -146,7 +146,7 @@ class Replay:
                                                                             after_backward=True).items()
                              if after_backward}
         #: key -> the effects of its last two traced actions; shared by the ranks of one plan (a stage is keyed by its
-        #: parameters' shapes, not its index: the middle stages of a pipeline do alike)
+        #: signature, not its index: the middle stages of a pipeline do alike)
         self.seen: dict[tuple, list[Effect]] = records if records is not None else {}
         self.signature: dict[int, tuple] = {}  #: stage -> what tells it apart (:func:`stage_signature`)
         self.previous: dict[int, str] = {}  #: stage -> the kind of its last action ("F", "B")
