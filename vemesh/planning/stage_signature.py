@@ -14,17 +14,17 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["stage_signature"]
+__all__ = ["stage_signature", "tensor_kinds"]
 
 
 def stage_signature(stage: Any) -> tuple:
     """The signature of torch's ``PipelineStage`` ``stage`` (see the module docstring)."""
     module = stage.submod
-    return (stage.is_first, stage.is_last, _tensors(module.parameters()), _tensors(module.buffers()),
+    return (stage.is_first, stage.is_last, tensor_kinds(module.parameters()), tensor_kinds(module.buffers()),
             tuple((type(m).__name__, _callable(m.__dict__.get("forward"))) for m in module.modules()))
 
 
-def _tensors(tensors: Any) -> tuple:
+def tensor_kinds(tensors: Any) -> tuple:
     """Each tensor's class, shape, dtype and placements (a DTensor's shape is the global one: with its placements,
     the local shard's)."""
     return tuple((type(t).__name__, tuple(t.shape), t.dtype, str(getattr(t, "placements", ""))) for t in tensors)

@@ -49,6 +49,7 @@ from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name, 
 from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
 from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, more_ops
 from vemesh.planning.routing import routing
+from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
 from vemesh.planning.user_code import UserFunctions, call
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
@@ -280,15 +281,12 @@ def stage_signatures(fns: UserFunctions, *, pp_rank: int, world_size: int, degre
     modules' classes, and its parameters' and buffers' classes, shapes, dtypes and placements (no names: a stage cut
     from the model keeps its blocks' numbers). Two PP ranks whose stages are alike by it run alike steps.
     ``trace_user``'s keywords (those for the step are ignored)."""
-    def tensors(ts: Any) -> tuple:
-        return tuple((type(t).__name__, tuple(t.shape), t.dtype, str(getattr(t, "placements", ""))) for t in ts)
-
     with _rank_model(fns, blocks, world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, pp_rank=pp_rank,
                      dtype=dtype, load_factor=load_factor) as (mesh, _, box), chunks_on_demand(), local_shards():
         stages = pipeline_stages(_wrap(fns, box.pop(), mesh, degrees, dp_mode), fns.names[1], pp_rank, degrees["PP"],
                                  fns.pp_schedule)
         return tuple((s.is_first, s.is_last, tuple(type(m).__name__ for m in s.submod.modules()),
-                      tensors(s.submod.parameters()), tensors(s.submod.buffers())) for s in stages)
+                      tensor_kinds(s.submod.parameters()), tensor_kinds(s.submod.buffers())) for s in stages)
 
 
 def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, int], dp_mode: str | None) -> nn.Module:
