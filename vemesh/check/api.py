@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vemesh.check.compare import compare, tolerance
+from vemesh.check.compare import compare, fused_hints, tolerance
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 
@@ -117,6 +117,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     if ranks:
         result.broken_ties = ranks[0]["broken"]
         compare(result, ref, ranks, tol)
+        result.hints = fused_hints(result, ref["outputs"], ranks[0]["split"])
         if result.first_module is not None or result.gradients or result.broken_ties:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
     result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1, **_phases(ranks, launched),

@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Deterministic", "Recorder", "gradients", "plain_name", "unwrap"]
+__all__ = ["Deterministic", "Recorder", "column_split_linears", "gradients", "plain_name", "unwrap"]
 
 _WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
@@ -70,6 +70,25 @@ def _column_shard(module: nn.Module, t: torch.Tensor) -> torch.Tensor | None:
         return None
     out = _StridedShard(t.dim() - 1, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(t.dim() - 1)
     return DTensor.from_local(t.detach(), w.device_mesh, [out], run_check=False)
+
+
+def column_split_linears(model: nn.Module) -> list[tuple[str, int, int, int]]:
+    """``(name, out_features, in_features, TP degree)`` of each Linear whose weight's rows are split over its mesh's
+    ``TP`` dim (or its one dim) in plain blocks, as torch's ``ColwiseParallel`` splits them: TP rank ``r`` holds the
+    ``r``-th block of all the rows. A fused ``[q|k|v]`` split so gives TP rank 0 all of q and part of k
+    (:func:`vemesh.check.compare.fused_hints`)."""
+    found = []
+    for name, m in unwrap(model).named_modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(m, nn.Linear) or not isinstance(w, DTensor):
+            continue
+        mesh = w.device_mesh
+        names = mesh.mesh_dim_names or ()
+        at = names.index("TP") if "TP" in names else 0 if mesh.ndim == 1 else None
+        p = w.placements[at] if at is not None else None
+        if isinstance(p, Shard) and p.dim == 0 and mesh.size(at) > 1:
+            found.append((plain_name(name), m.out_features, m.in_features, mesh.size(at)))
+    return found
 
 
 def _in_backward() -> bool:

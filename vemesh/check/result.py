@@ -38,6 +38,8 @@ class CheckResult:
     #: ``(parameter, relative difference)`` of the gradients that differ, worst first
     gradients: list[tuple[str, float]] = field(default_factory=list)
     broken_ties: list[list[str]] = field(default_factory=list)
+    #: the likeliest fix, where the check can see one (a fused projection split as torch's ColwiseParallel splits)
+    hints: list[str] = field(default_factory=list)
     #: the parallel run raised where one process did not (the plan's error, or vemesh's tie or TP-replica check)
     error: str = ""
     dropouts: int = 0
@@ -83,6 +85,7 @@ class CheckResult:
                          f"{fm['call'] + 1}, DP rank {fm['dp_rank']}): relative difference {fm['difference']:.3g}")
             if self.matched_before:
                 lines.append(f"  the modules just before it match: {', '.join(self.matched_before)}")
+        lines += [f"  hint: {hint}" for hint in self.hints]
         if self.gradients and self.first_module is None and not self.broken_ties and not self.error:
             lines.append("  every output matches but gradients differ: a parameter whose gradient is each TP rank's "
                          "part only (a norm over its own heads, or between sequence-parallel regions, without "

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vemesh import local_ranks
-from vemesh.check.record import Deterministic, Recorder, gradients, plain_name, unwrap
+from vemesh.check.record import Deterministic, Recorder, column_split_linears, gradients, plain_name, unwrap
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
@@ -160,6 +160,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         params = {plain_name(n): p for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
         broken = [[plain_name(n) for n in group] for group in ties
                   if len({id(params.get(plain_name(n))) for n in group}) > 1]
+        split = column_split_linears(model)
         data_rank = mesh.get_local_rank("DP") if mesh.layout.has("DP") else 0
         marks["parallelized"] = time.time()
         torch.manual_seed(SEED + 1 + data_rank)
@@ -175,7 +176,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         coords = {n: mesh.get_local_rank(n) for n in mesh.layout.dim_names}
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
-                    "broken": broken, "dropouts": det.dropouts, "random_ops": det.random_ops, "marks": marks},
+                    "broken": broken, "split": split, "dropouts": det.dropouts, "random_ops": det.random_ops, "marks": marks},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()

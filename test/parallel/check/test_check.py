@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from vemesh.check import CheckInputError, check
+from vemesh.check.compare import fused_hints
+from vemesh.check.result import CheckResult
 from vemesh.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,6 +76,35 @@ def test_fused_qkv_split_column_wise_is_named_at_the_first_module_after_it() -> 
     assert result.first_module["module"] == "transformer.h.0.q_norm", result.render()
     assert "transformer.h.0.qkv" in result.matched_before  # its own output is right; how it is read is not
     assert any(name.startswith("transformer.h.0.qkv.") for name, _ in result.gradients)
+    # and the recipe for it: the fused style, for the Linear split in plain blocks, not for c_fc (also split so)
+    assert len(result.hints) == 1 and result.hints[0].startswith("transformer.h.0.qkv (Linear 32 -> 96)"), \
+        result.hints
+    assert "FusedColwiseParallel(3)" in result.hints[0] and "hint: transformer.h.0.qkv" in result.render()
+
+
+def test_the_fused_hint_names_a_linear_split_in_plain_blocks_before_the_difference_in_its_scope() -> None:
+    """In process, on made-up results: which split Linears get the fused recipe."""
+    outputs = [{("h.0.ln", 0, 0): 0, ("h.0.attn.c_attn", 0, 0): 0, ("h.0.mlp.c_fc", 0, 0): 0, ("h.0.attn.o", 0, 0): 0,
+                ("h.1.attn.c_attn", 0, 0): 0}]
+    split = [("h.0.attn.c_attn", 96, 32, 2), ("h.0.mlp.c_fc", 128, 32, 2), ("h.1.attn.c_attn", 96, 32, 2)]
+
+    def hints(first: str, linears: list = split) -> list[str]:
+        result = CheckResult("differs", {"TP": 2}, 2, 1, 1e-4, first_module={"module": first, "call": 0,
+                                                                            "dp_rank": 0, "difference": 1.0})
+        return fused_hints(result, outputs, linears)
+
+    # c_attn matched before attn.o, in its scope; c_fc (4 C rows, no fused name) is not a fused projection; h.1's
+    # c_attn comes after the difference
+    assert [h.split(" ")[0] for h in hints("h.0.attn.o")] == ["h.0.attn.c_attn"]
+    assert "FusedColwiseParallel(3)" in hints("h.0.attn.o")[0]
+    assert [h.split(" ")[0] for h in hints("h.0")] == ["h.0.attn.c_attn"]  # the block itself differs
+    assert hints("h.1.attn.c_attn") == []  # another scope: h.0's attention matched, and h.1's is the difference
+    assert hints("h.0.attn.c_attn") == []  # the split Linear's own output differs: not how it is read
+    # by name: [gate|up] in 2 parts; GQA's unequal [q|k|v] (a number of rows no 3 parts divide) gets no such recipe
+    for name in ("h.0.attn.gate_up_proj", "h.0.attn.qkv_proj"):
+        outputs[0] = {(name, 0, 0): 0, **outputs[0]}
+    assert "FusedColwiseParallel(2)" in hints("h.0.attn.o", [("h.0.attn.gate_up_proj", 256, 32, 2)])[0]
+    assert hints("h.0.attn.o", [("h.0.attn.qkv_proj", 64, 32, 2)]) == []  # 64 rows are not 3 equal parts
 
 
 @pytest.mark.slow
