@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vemesh.check.compare import compare, fused_hints, tolerance
+from vemesh.check.compare import compare, fused_hints, modules_before, tolerance
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 
@@ -117,9 +117,13 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     if ranks:
         result.broken_ties = ranks[0]["broken"]
         compare(result, ref, ranks, tol)
-        result.hints = fused_hints(result, ref["outputs"], ranks[0]["split"])
         if result.first_module is not None or result.gradients or result.broken_ties:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
+        if result.first_module is not None:
+            result.hints = fused_hints(result.first_module["module"], ranks[0]["split"],
+                                       modules_before(ref["outputs"], result.first_module))
+    elif failed and failed[0].get("module") is not None:  # a forward that raised: what it read may be the cause
+        result.hints = fused_hints(failed[0]["module"], failed[0]["split"])
     result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1, **_phases(ranks, launched),
                       "compare": time.monotonic() - t2, "in all": time.monotonic() - started}
     return result

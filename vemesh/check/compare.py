@@ -8,7 +8,7 @@ import torch
 
 from vemesh.check.result import CheckResult
 
-__all__ = ["FLOOR", "compare", "fused_hints", "tolerance"]
+__all__ = ["FLOOR", "compare", "fused_hints", "modules_before", "tolerance"]
 
 
 def tolerance(rtol: float | None, dtypes: set[torch.dtype]) -> float:
@@ -146,30 +146,35 @@ def _fused_parts(name: str, out_features: int, in_features: int) -> int | None:
     return parts if parts is not None and out_features % parts == 0 else None
 
 
-def fused_hints(result: CheckResult, ref_outputs: list[dict], split: list[tuple[str, int, int, int]]) -> list[str]:
-    """The recipe for the likeliest wrong plan when a module's output differs: a Linear whose rows seem to be fused
-    parts (:func:`_fused_parts`), split in plain blocks over TP (``split``:
-    :func:`vemesh.check.record.column_split_linears`), whose own output matched before the first module that
-    differs, where that module is in the Linear's scope or holds it. Its output is right, its columns joined; what reads it as this rank's heads
-    gets all of q and part of k on TP rank 0."""
-    fm = result.first_module
-    if fm is None:
-        return []
-    keys = list(ref_outputs[fm["dp_rank"]])
-    at = next((i for i, k in enumerate(keys) if k[0] == fm["module"] and k[1] == fm["call"]), len(keys))
-    before = {k[0] for k in keys[:at]}
+def fused_hints(first: str, split: list[tuple[str, int, int, int]], before: set[str] | None = None) -> list[str]:
+    """The recipe for the likeliest wrong plan when module ``first``'s output differs, or its forward raised: a
+    Linear whose rows seem to be fused parts (:func:`_fused_parts`), split in plain blocks over TP (``split``:
+    :func:`vemesh.check.record.column_split_linears`), where ``first`` is in the Linear's scope or holds it, and
+    whose own output matched (``before``: the modules whose outputs came before ``first``'s; None where nothing was
+    compared, as when the forward raised). Its output is right, its columns joined; what reads it as this rank's
+    heads gets all of q and part of k on TP rank 0, and what splits it by global sizes gets too few parts."""
     hints = []
     for name, out_features, in_features, tp in split:
         scope = name.rpartition(".")[0]
         parts = _fused_parts(name, out_features, in_features)
-        first = fm["module"]
         near = not first or name.startswith(first + ".") or first == scope or first.startswith(scope + ".")
-        if parts is None or name not in before or not near:  # near: in its scope, or a module that holds it
+        if parts is None or not near or (before is not None and name not in before):
             continue
         what = "[q|k|v]" if parts == 3 else "[gate|up] or [k|v]"
         hints.append(f"{name} (Linear {in_features} -> {out_features}) is split by rows in {tp} plain blocks, as "
-                     f"torch's ColwiseParallel splits them, and its output matches; what reads it differs. If its "
-                     f"rows are {parts} fused parts ({what}) of {out_features // parts} rows each, TP rank 0 holds its "
-                     f"first {out_features // tp} rows, not its share of each part: shard it with vemesh.parallel.FusedColwiseParallel({parts}) "
-                     "(docs/checking.md: a fused [q|k|v] or [gate|up] projection)")
+                     f"torch's ColwiseParallel splits them, and " + ("what reads its output raised" if before is None
+                     else "its output matches but what reads it differs") + f". If its rows are "
+                     f"{parts} fused parts ({what}) of {out_features // parts} rows each, TP rank 0 holds its "
+                     f"first {out_features // tp} rows, not its share of each part: shard it with "
+                     f"vemesh.parallel.FusedColwiseParallel({parts}) where the forward reads its output as this "
+                     f"rank's heads, FusedColwiseParallel({parts}, use_local_output=False) where it splits it by "
+                     "global sizes (docs/checking.md: a fused [q|k|v] or [gate|up] projection)")
     return hints
+
+
+def modules_before(ref_outputs: list[dict], first_module: dict) -> set[str]:
+    """The modules whose outputs the one-process run made before ``first_module``'s (:attr:`CheckResult.first_module`)."""
+    keys = list(ref_outputs[first_module["dp_rank"]])
+    at = next((i for i, k in enumerate(keys) if k[0] == first_module["module"] and k[1] == first_module["call"]),
+              len(keys))
+    return {k[0] for k in keys[:at]}

@@ -145,6 +145,8 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # a wrong plan's shape error: ours
     os.chdir(spec.cwd)
+    split: list[tuple[str, int, int, int]] = []  # the Linears split as ColwiseParallel splits (for a hint)
+    failed_in = None  # the module whose forward raised in the step
     try:
         factory, parallelize, step, names = functions(spec)
         dist.init_process_group("gloo", rank=rank, world_size=spec.world_size,
@@ -170,6 +172,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
             except UserError as e:
                 if not rec.stack:
                     raise
+                failed_in = rec.stack[-1]
                 raise UserError(f"{e} (in the forward of {rec.stack[-1] or 'the root'})") from e.__cause__
         marks["stepped"] = time.time()
         grads = gradients(model)
@@ -189,7 +192,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         # whole or absent: the parent may terminate this process while it writes
         part = os.path.join(out, f"error{rank}.json.part")
         with open(part, "w") as f:
-            json.dump({"kind": kind, "message": " ".join(text.split()),
+            json.dump({"kind": kind, "message": " ".join(text.split()), "module": failed_in, "split": split,
                        "trace": traceback.format_exc(limit=-6)}, f)
         os.replace(part, os.path.join(out, f"error{rank}.json"))
         raise

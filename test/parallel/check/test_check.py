@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from vemesh.check import CheckInputError, check
-from vemesh.check.compare import fused_hints
-from vemesh.check.result import CheckResult
+from vemesh.check.compare import fused_hints, modules_before
 from vemesh.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -82,29 +81,37 @@ def test_fused_qkv_split_column_wise_is_named_at_the_first_module_after_it() -> 
     assert "FusedColwiseParallel(3)" in result.hints[0] and "hint: transformer.h.0.qkv" in result.render()
 
 
+def test_fused_c_attn_split_column_wise_under_a_global_size_forward_raises_and_gets_the_recipe() -> None:
+    """nanoGPT's own forward (split by n_embd) under torch's ColwiseParallel: the split finds two parts, not three."""
+    result = run("make", "wrong_fused_colwise_global")
+    assert result.verdict == "differs" and "in the forward of transformer.h.0.attn" in result.error, result.render()
+    assert [h.split(" ")[0] for h in result.hints] == ["transformer.h.0.attn.c_attn"], result.hints
+    assert "FusedColwiseParallel(3, use_local_output=False) where it splits it by global sizes" in result.hints[0]
+    assert "what reads its output raised" in result.hints[0]
+
+
 def test_the_fused_hint_names_a_linear_split_in_plain_blocks_before_the_difference_in_its_scope() -> None:
     """In process, on made-up results: which split Linears get the fused recipe."""
     outputs = [{("h.0.ln", 0, 0): 0, ("h.0.attn.c_attn", 0, 0): 0, ("h.0.mlp.c_fc", 0, 0): 0, ("h.0.attn.o", 0, 0): 0,
                 ("h.1.attn.c_attn", 0, 0): 0}]
     split = [("h.0.attn.c_attn", 96, 32, 2), ("h.0.mlp.c_fc", 128, 32, 2), ("h.1.attn.c_attn", 96, 32, 2)]
 
-    def hints(first: str, linears: list = split) -> list[str]:
-        result = CheckResult("differs", {"TP": 2}, 2, 1, 1e-4, first_module={"module": first, "call": 0,
-                                                                            "dp_rank": 0, "difference": 1.0})
-        return fused_hints(result, outputs, linears)
+    def named(first: str, linears: list = split) -> list[str]:
+        before = modules_before(outputs, {"module": first, "call": 0, "dp_rank": 0})
+        return [h.split(" ")[0] for h in fused_hints(first, linears, before)]
 
     # c_attn matched before attn.o, in its scope; c_fc (4 C rows, no fused name) is not a fused projection; h.1's
     # c_attn comes after the difference
-    assert [h.split(" ")[0] for h in hints("h.0.attn.o")] == ["h.0.attn.c_attn"]
-    assert "FusedColwiseParallel(3)" in hints("h.0.attn.o")[0]
-    assert [h.split(" ")[0] for h in hints("h.0")] == ["h.0.attn.c_attn"]  # the block itself differs
-    assert hints("h.1.attn.c_attn") == []  # another scope: h.0's attention matched, and h.1's is the difference
-    assert hints("h.0.attn.c_attn") == []  # the split Linear's own output differs: not how it is read
+    assert named("h.0.attn.o") == ["h.0.attn.c_attn"]
+    assert "FusedColwiseParallel(3)" in fused_hints("h.0.attn.o", split, {"h.0.attn.c_attn"})[0]
+    assert named("h.0") == ["h.0.attn.c_attn"]  # the block that holds it differs
+    assert named("h.1.attn.c_attn") == []  # another scope: h.0's attention matched, and h.1's is the difference
+    assert named("h.0.attn.c_attn") == []  # the split Linear's own output differs: not how it is read
+    # a forward that raised (nothing compared): the Linears in its scope or under it
+    assert [h.split(" ")[0] for h in fused_hints("h.1.attn", split)] == ["h.1.attn.c_attn"]
     # by name: [gate|up] in 2 parts; GQA's unequal [q|k|v] (a number of rows no 3 parts divide) gets no such recipe
-    for name in ("h.0.attn.gate_up_proj", "h.0.attn.qkv_proj"):
-        outputs[0] = {(name, 0, 0): 0, **outputs[0]}
-    assert "FusedColwiseParallel(2)" in hints("h.0.attn.o", [("h.0.attn.gate_up_proj", 256, 32, 2)])[0]
-    assert hints("h.0.attn.o", [("h.0.attn.qkv_proj", 64, 32, 2)]) == []  # 64 rows are not 3 equal parts
+    assert "FusedColwiseParallel(2)" in fused_hints("h.0.mlp", [("h.0.mlp.gate_up_proj", 256, 32, 2)])[0]
+    assert fused_hints("h.0.attn", [("h.0.attn.qkv_proj", 64, 32, 2)]) == []  # 64 rows are not 3 equal parts
 
 
 @pytest.mark.slow
