@@ -203,24 +203,24 @@ def _sp(model: GPT, mesh: object, norm: bool) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------- the wrong plans
-def wrong_fused_colwise_global(model: GPT, mesh: object) -> nn.Module:
-    """torch's ColwiseParallel on nanoGPT's c_attn, read with global sizes: its split by n_embd finds two parts."""
+def _torch_styles(model: GPT, mesh: object, fused: str, proj: str) -> nn.Module:
+    """torch's ColwiseParallel on the fused Linear ``fused``, as on any Linear; the rest as the right plans."""
     for block in model.transformer.h:
         torch_parallelize_module(block, mesh["TP"], {  # type: ignore[index]
-            "attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+            fused: ColwiseParallel(), proj: RowwiseParallel(),
             "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
     _ends(model, mesh)
     return _data(model, mesh)
+
+
+def wrong_fused_colwise_global(model: GPT, mesh: object) -> nn.Module:
+    """torch's ColwiseParallel on nanoGPT's c_attn, read with global sizes: its split by n_embd finds two parts."""
+    return _torch_styles(model, mesh, "attn.c_attn", "attn.c_proj")
 
 
 def wrong_fused_colwise(model: GPT, mesh: object) -> nn.Module:
     """torch's ColwiseParallel on the fused qkv read as local heads: rank 0 gets all of q and half of k."""
-    for block in model.transformer.h:
-        torch_parallelize_module(block, mesh["TP"], {  # type: ignore[index]
-            "qkv": ColwiseParallel(), "proj": RowwiseParallel(),
-            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
-    _ends(model, mesh)
-    return _data(model, mesh)
+    return _torch_styles(model, mesh, "qkv", "proj")
 
 
 def wrong_untied(model: GPT, mesh: object) -> nn.Module:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -12,6 +13,12 @@ from vemesh.planning.search_jobs import run
 
 def _pair(a: int, b: int) -> tuple[int, int]:
     return a + b, a * b
+
+
+def _started(label: int) -> tuple[int, float]:
+    began = time.monotonic()
+    time.sleep(0.5)
+    return label, began
 
 
 def _refuse_two(value: int) -> int:
@@ -25,6 +32,16 @@ def test_run_returns_each_tasks_result_in_the_order_of_the_tasks_in_one_process_
     assert run(_pair, tasks, 1) == run(_pair, tasks, 3) == [_pair(*t) for t in tasks]
     with pytest.raises(ValueError, match="no 2"):  # raised here, as it would be in one process
         run(_refuse_two, [(1,), (2,), (3,)], 2)
+
+
+def test_in_processes_the_costliest_tasks_start_first_and_the_results_keep_the_tasks_order() -> None:
+    """Longest first (a search's longest pipelines): the tasks are handed out by their cost, costliest first; each
+    result still comes back in its task's place."""
+    tasks = [(label,) for label in range(6)]
+    done = run(_started, tasks, 2, cost=lambda task: task[0])
+    assert [label for label, _ in done] == list(range(6))
+    began = dict(done)
+    assert max(began[5], began[4]) < min(began[1], began[0]), began
 
 
 @pytest.mark.parametrize("jobs", [0, -1, True, 1.5])

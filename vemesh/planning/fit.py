@@ -295,7 +295,8 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             slots.append((variants(job, choose, job.global_batch_size // dp if job.global_batch_size % dp == 0 else 0),
                           degrees, mesh))
     tasks = [(slot[0], slot[1], device_memory) for slot in slots if isinstance(slot, tuple)]
-    planned = iter(run(_tried, tasks, jobs))
+    # in processes, the PP meshes first, the longest pipelines first: a traced pipeline costs about its PP ranks
+    planned = iter(run(_tried, tasks, jobs, cost=lambda task: task[1]["PP"]))
     fits, rejected = [], []
     for slot in slots:
         if isinstance(slot, MeshFit):

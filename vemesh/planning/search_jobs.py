@@ -40,9 +40,12 @@ PRELOAD = ("vemesh.planning.fit",)
 _KEPT = contextlib.ExitStack()
 
 
-def run(fn: Callable[..., Any], tasks: list[tuple], jobs: int) -> list[Any]:
+def run(fn: Callable[..., Any], tasks: list[tuple], jobs: int,
+        cost: Callable[[tuple], Any] | None = None) -> list[Any]:
     """``[fn(*task) for task in tasks]``, in ``jobs`` processes at once when ``jobs > 1`` (see the module
-    docstring). An exception of ``fn`` is raised here, as it would be in one process."""
+    docstring). An exception of ``fn`` is raised here, as it would be in one process. ``cost``: a task's expected
+    cost (any sortable); in processes, the costliest are handed out first (then in their order), so that a long task
+    does not start last and run alone while the other processes wait (the longest-first rule of scheduling)."""
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise ValueError(f"--jobs must be a positive integer (the processes that plan a search's meshes at once); "
                          f"got {jobs!r}")
@@ -64,8 +67,10 @@ def run(fn: Callable[..., Any], tasks: list[tuple], jobs: int) -> list[Any]:
     try:
         with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context, initializer=_worker,
                                  initargs=(log.getEffectiveLevel(), lines)) as pool:
-            futures = [pool.submit(fn, *task) for task in tasks]
-            return [future.result() for future in futures]
+            order = sorted(range(len(tasks)), key=lambda i: cost(tasks[i]), reverse=True) if cost else \
+                range(len(tasks))
+            futures = {i: pool.submit(fn, *tasks[i]) for i in order}
+            return [futures[i].result() for i in range(len(tasks))]
     finally:
         relay.stop()
 
