@@ -168,7 +168,10 @@ def fused_hints(first: str, split: list[tuple[str, int, int, int]], before: set[
                      f"first {out_features // tp} rows, not its share of each part: shard it with "
                      f"vemesh.parallel.FusedColwiseParallel({parts}) where the forward reads its output as this "
                      f"rank's heads, FusedColwiseParallel({parts}, use_local_output=False) where it splits it by "
-                     "global sizes (docs/checking.md: a fused [q|k|v] or [gate|up] projection)")
+                     "global sizes; where that forward also mixes the parts with plain tensors (rotary "
+                     "embeddings: HF's Phi-3), gather it whole, ColwiseParallel(output_layouts=Replicate()) with "
+                     "RowwiseParallel(input_layouts=Replicate()) on the projection after it (docs/checking.md: a "
+                     "fused [q|k|v] or [gate|up] projection)")
     return hints
 
 

@@ -90,6 +90,19 @@ def test_fused_c_attn_split_column_wise_under_a_global_size_forward_raises_and_g
     assert "what reads its output raised" in result.hints[0]
 
 
+@pytest.mark.slow  # two checks of HF's Phi-3, 2 processes each
+def test_hf_phi3_as_shipped_gets_the_gathered_recipe_and_it_is_exact() -> None:
+    """Phi-3's fused qkv_proj, split by torch's ColwiseParallel: its attention raises, and the hint names the gathered
+    recipe, which the check then finds exact."""
+    phi = str(ROOT / "test" / "models" / "hf_phi3_jobs.py")
+    wrong = check(f"module:{phi}:make", f"{phi}:naive", f"{phi}:step", world_size=2, tp=2)
+    assert wrong.verdict == "differs" and wrong.error, wrong.render()
+    assert [h.split(" ")[0] for h in wrong.hints] == ["model.layers.0.self_attn.qkv_proj"], wrong.render()
+    assert "ColwiseParallel(output_layouts=Replicate())" in wrong.hints[0]
+    right = check(f"module:{phi}:make", f"{phi}:gathered", f"{phi}:step", world_size=2, tp=2)
+    assert right.exact, right.render()
+
+
 def test_the_fused_hint_names_a_linear_split_in_plain_blocks_before_the_difference_in_its_scope() -> None:
     """In process, on made-up results: which split Linears get the fused recipe."""
     outputs = [{("h.0.ln", 0, 0): 0, ("h.0.attn.c_attn", 0, 0): 0, ("h.0.mlp.c_fc", 0, 0): 0, ("h.0.attn.o", 0, 0): 0,
