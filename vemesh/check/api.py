@@ -27,11 +27,13 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from vemesh.check.compare import compare, fused_hints, modules_before, tolerance
+from vemesh.check.compare import compare, modules_before, tolerance
+from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 
@@ -92,14 +94,28 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
         raise CheckInputError(f"{e} (in one process, before any parallelizing)") from None
     result.rtol = tol = tolerance(rtol, ref["dtypes"])
     t1, launched = time.monotonic(), time.time()
+    ranks, failed, compared = _parallel(spec, ref, tol, result)
+    t2 = time.monotonic()
+    result.dropouts = ref["dropouts"]
+    result.hints = _hints(spec, ref, tol, result, ranks, failed)
+    result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1 - compared, **_phases(ranks, launched),
+                      "compare": compared}
+    if result.hints:
+        result.seconds["recipes tried"] = time.monotonic() - t2
+    result.seconds["in all"] = time.monotonic() - started
+    return result
+
+
+def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[list[dict], list[dict], float]:
+    """The parallel run of ``spec``, compared with ``ref`` into ``result``; its ranks' records and errors, and the
+    seconds the comparison took."""
     with tempfile.TemporaryDirectory(prefix="vemesh-check-") as out:
         try:
             run_parallel(spec, out)
         except Timeout as e:
             result.verdict, result.error = "differs", str(e)
-        t2 = time.monotonic()
         failed = errors(out)
-        files = [os.path.join(out, f"rank{r}.pt") for r in range(world_size)]
+        files = [os.path.join(out, f"rank{r}.pt") for r in range(spec.world_size)]
         missing = [r for r, f in enumerate(files) if not os.path.exists(f)]
         gone = [r for r in missing if not os.path.exists(os.path.join(out, f"error{r}.json"))]
         ranks = [torch.load(f, weights_only=False) for f in files] if not (failed or missing or result.error) else []
@@ -112,21 +128,83 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
             + (f"; the others: {failed[0]['message']}" if failed else ""))
     elif failed:
         result.verdict, result.error = "differs", failed[0]["message"]
-    result.dropouts = ref["dropouts"]
     result.random_ops = ref["random_ops"] + [op for r in ranks for op in r["random_ops"]]
+    started = time.monotonic()
     if ranks:
         result.broken_ties = ranks[0]["broken"]
         compare(result, ref, ranks, tol)
         if result.first_module is not None or result.gradients or result.broken_ties:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
-        if result.first_module is not None:
-            result.hints = fused_hints(result.first_module["module"], ranks[0]["split"],
-                                       modules_before(ref["outputs"], result.first_module))
-    elif failed and failed[0].get("module") is not None:  # a forward that raised: what it read may be the cause
-        result.hints = fused_hints(failed[0]["module"], failed[0]["split"])
-    result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1, **_phases(ranks, launched),
-                      "compare": time.monotonic() - t2, "in all": time.monotonic() - started}
-    return result
+    return ranks, failed, time.monotonic() - started
+
+
+#: at most this many parallel runs with a recipe in the plan's place (:mod:`vemesh.check.recipes`) for the hints
+MAX_TRIES = 6
+
+
+def _located(spec: Spec, ref: dict, result: CheckResult, ranks: list[dict],
+             failed: list[dict]) -> tuple[str, set[str] | None, list, dict] | None:
+    """Where a run went wrong, for :func:`~vemesh.check.recipes.candidates`: the first module that differs (and the
+    modules before it) or the one whose forward raised, the Linears split in plain blocks, and where the plan's
+    styles went; None where no module is named."""
+    if ranks and result.first_module is not None:
+        return (result.first_module["module"], modules_before(ref["outputs"], result.first_module),
+                ranks[0]["split"], ranks[0]["went"])
+    if failed and failed[0].get("module") is not None:
+        return failed[0]["module"], None, failed[0]["split"], failed[0]["went"]
+    return None
+
+
+def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], failed: list[dict]) -> list[str]:
+    """For a Linear that may be a fused projection split in plain blocks where the run went wrong, the recipes
+    tried in its place (each a parallel run: :mod:`vemesh.check.recipes`) and which one cleared it. Where one clears
+    its scope and the run then goes wrong elsewhere, the next candidate there is tried with it kept."""
+    located = _located(spec, ref, result, ranks, failed) if result.verdict == "differs" else None
+    hints: list[str] = []
+    swaps: tuple[Swap, ...] = ()
+    done: set[str] = set()
+    runs = 0
+    while located is not None and runs < MAX_TRIES:
+        first, before, split, went = located
+        found = candidates(first, split, before, done)
+        if not found:
+            break
+        cand, tried, fixed = found[0], [], None
+        done.update(cand.names)
+        for recipe in RECIPES:
+            swap = Swap(cand.names, cand.parts, recipe)
+            if recipe == "gathered" and not any(r.rpartition(".")[0] in swap.scopes() for r in went["rowwise"]):
+                continue  # no RowwiseParallel in its scope to take the gathered output
+            if runs == MAX_TRIES:
+                break
+            trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
+            t_ranks, t_failed, _ = _parallel(replace(spec, swaps=swaps + (swap,)), ref, tol, trial)
+            runs += 1
+            now = _located(spec, ref, trial, t_ranks, t_failed) if not trial.exact else None
+            replaced = (t_ranks[0]["went"] if t_ranks else t_failed[0]["went"] if t_failed else {}).get("swapped", [])
+            tried.append((swap, replaced, "" if trial.exact else _outcome(trial, now)))
+            if trial.exact or (now is not None and not any(near(now[0], n) for n in cand.names)):
+                fixed = now
+                break
+        if not tried:
+            continue
+        cleared = tried[-1][2] == "" or fixed is not None
+        hints.append(hint(cand, before is None, tried, cleared))
+        if not cleared or tried[-1][2] == "":
+            break
+        swaps, located = swaps + (tried[-1][0],), fixed
+    return hints
+
+
+def _outcome(trial: CheckResult, located: tuple | None) -> str:
+    """Where a tried recipe's run still went wrong, in a few words."""
+    if trial.first_module is not None:
+        return f"differs at {trial.first_module['module']}"
+    if located is not None:
+        return f"raises in {located[0] or 'the root'}"
+    if trial.gradients:
+        return f"differs in {trial.gradients[0][0]}'s gradient"
+    return (trial.error or "differs")[:160]
 
 
 def _phases(ranks: list[dict], launched: float) -> dict[str, float]:

@@ -8,7 +8,7 @@ import torch
 
 from vemesh.check.result import CheckResult
 
-__all__ = ["FLOOR", "compare", "fused_hints", "modules_before", "tolerance"]
+__all__ = ["FLOOR", "compare", "modules_before", "tolerance"]
 
 
 def tolerance(rtol: float | None, dtypes: set[torch.dtype]) -> float:
@@ -129,50 +129,6 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
             bad.append((name, diff))
     result.gradients = sorted(bad, key=lambda x: -x[1])
     result.largest, result.largest_at = worst
-
-
-#: what a Linear's own name says its rows hold, looked for in that order: fused parts, and how many
-_FUSED_NAMES = (("qkv", 3), ("c_attn", 3), ("in_proj", 3), ("query_key_value", 3), ("gate_up", 2), ("w13", 2),
-                ("w1w3", 2), ("kv", 2))
-
-
-def _fused_parts(name: str, out_features: int, in_features: int) -> int | None:
-    """How many fused parts a Linear's rows seem to hold, by its name (``c_attn``, ``qkv``, ``gate_up``...), else by
-    its shape (``3 C`` or ``2 C`` rows over ``C`` inputs); None where neither says so."""
-    last = name.rpartition(".")[2].lower()
-    parts = next((n for marker, n in _FUSED_NAMES if marker in last), None)
-    if parts is None and out_features in (2 * in_features, 3 * in_features):
-        parts = out_features // in_features
-    return parts if parts is not None and out_features % parts == 0 else None
-
-
-def fused_hints(first: str, split: list[tuple[str, int, int, int]], before: set[str] | None = None) -> list[str]:
-    """The recipe for the likeliest wrong plan when module ``first``'s output differs, or its forward raised: a
-    Linear whose rows seem to be fused parts (:func:`_fused_parts`), split in plain blocks over TP (``split``:
-    :func:`vemesh.check.record.column_split_linears`), where ``first`` is in the Linear's scope or holds it, and
-    whose own output matched (``before``: the modules whose outputs came before ``first``'s; None where nothing was
-    compared, as when the forward raised). Its output is right, its columns joined; what reads it as this rank's
-    heads gets all of q and part of k on TP rank 0, and what splits it by global sizes gets too few parts."""
-    hints = []
-    for name, out_features, in_features, tp in split:
-        scope = name.rpartition(".")[0]
-        parts = _fused_parts(name, out_features, in_features)
-        near = not first or name.startswith(first + ".") or first == scope or first.startswith(scope + ".")
-        if parts is None or not near or (before is not None and name not in before):
-            continue
-        what = "[q|k|v]" if parts == 3 else "[gate|up] or [k|v]"
-        hints.append(f"{name} (Linear {in_features} -> {out_features}) is split by rows in {tp} plain blocks, as "
-                     f"torch's ColwiseParallel splits them, and " + ("what reads its output raised" if before is None
-                     else "its output matches but what reads it differs") + f". If its rows are "
-                     f"{parts} fused parts ({what}) of {out_features // parts} rows each, TP rank 0 holds its "
-                     f"first {out_features // tp} rows, not its share of each part: shard it with "
-                     f"vemesh.parallel.FusedColwiseParallel({parts}) where the forward reads its output as this "
-                     f"rank's heads, FusedColwiseParallel({parts}, use_local_output=False) where it splits it by "
-                     "global sizes; where that forward also mixes the parts with plain tensors (rotary "
-                     "embeddings: HF's Phi-3), gather it whole, ColwiseParallel(output_layouts=Replicate()) with "
-                     "RowwiseParallel(input_layouts=Replicate()) on the projection after it (docs/checking.md: a "
-                     "fused [q|k|v] or [gate|up] projection)")
-    return hints
 
 
 def modules_before(ref_outputs: list[dict], first_module: dict) -> set[str]:

@@ -76,7 +76,7 @@ def column_split_linears(model: nn.Module) -> list[tuple[str, int, int, int]]:
     """``(name, out_features, in_features, TP degree)`` of each Linear whose weight's rows are split over its mesh's
     ``TP`` dim (or its one dim) in plain blocks, as torch's ``ColwiseParallel`` splits them: TP rank ``r`` holds the
     ``r``-th block of all the rows. A fused ``[q|k|v]`` split so gives TP rank 0 all of q and part of k
-    (:func:`vemesh.check.compare.fused_hints`)."""
+    (:func:`vemesh.check.recipes.candidates`)."""
     found = []
     for name, m in unwrap(model).named_modules():
         w = getattr(m, "weight", None)

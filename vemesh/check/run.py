@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vemesh import local_ranks
+from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import Deterministic, Recorder, column_split_linears, gradients, plain_name, unwrap
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
@@ -51,6 +52,8 @@ class Spec:
     micro_batch_size: int
     cwd: str
     timeout_s: float
+    #: recipes in the place of the plan's own styles (:mod:`vemesh.check.recipes`: the hint's tries)
+    swaps: tuple[Swap, ...] = ()
 
 
 def functions(spec: Spec) -> tuple[Any, Any, Any, tuple[str, str, str]]:
@@ -147,6 +150,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
     os.chdir(spec.cwd)
     split: list[tuple[str, int, int, int]] = []  # the Linears split as ColwiseParallel splits (for a hint)
     failed_in = None  # the module whose forward raised in the step
+    went: dict[str, list[str]] = {}  # where the plan's ColwiseParallel and RowwiseParallel went (recipes.swapped)
     try:
         factory, parallelize, step, names = functions(spec)
         dist.init_process_group("gloo", rank=rank, world_size=spec.world_size,
@@ -156,7 +160,8 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         torch.manual_seed(SEED)
         model = _call("--model", names[0], factory, **spec.model_kwargs)
         ties = tie_groups(model)
-        model = _call("--parallelize", names[1], parallelize, model, mesh)
+        with swapped(spec.swaps, model) as went:
+            model = _call("--parallelize", names[1], parallelize, model, mesh)
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
         params = {plain_name(n): p for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
@@ -179,7 +184,8 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         coords = {n: mesh.get_local_rank(n) for n in mesh.layout.dim_names}
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
-                    "broken": broken, "split": split, "dropouts": det.dropouts, "random_ops": det.random_ops, "marks": marks},
+                    "broken": broken, "split": split, "went": went, "dropouts": det.dropouts,
+                    "random_ops": det.random_ops, "marks": marks},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()
@@ -193,7 +199,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         part = os.path.join(out, f"error{rank}.json.part")
         with open(part, "w") as f:
             json.dump({"kind": kind, "message": " ".join(text.split()), "module": failed_in, "split": split,
-                       "trace": traceback.format_exc(limit=-6)}, f)
+                       "went": went, "trace": traceback.format_exc(limit=-6)}, f)
         os.replace(part, os.path.join(out, f"error{rank}.json"))
         raise
 

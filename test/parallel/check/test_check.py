@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from vemesh.check import CheckInputError, check
-from vemesh.check.compare import fused_hints, modules_before
+from vemesh.check.compare import modules_before
+from vemesh.check.recipes import RECIPES, Swap, candidates, hint, swapped
 from vemesh.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -78,7 +79,8 @@ def test_fused_qkv_split_column_wise_is_named_at_the_first_module_after_it() -> 
     # and the recipe for it: the fused style, for the Linear split in plain blocks, not for c_fc (also split so)
     assert len(result.hints) == 1 and result.hints[0].startswith("transformer.h.0.qkv (Linear 32 -> 96)"), \
         result.hints
-    assert "FusedColwiseParallel(3)" in result.hints[0] and "hint: transformer.h.0.qkv" in result.render()
+    assert "Tried: FusedColwiseParallel(3) in its place makes the check exact" in result.hints[0], result.hints
+    assert "hint: transformer.h.0.qkv" in result.render() and "recipes tried" in result.seconds
 
 
 def test_fused_c_attn_split_column_wise_under_a_global_size_forward_raises_and_gets_the_recipe() -> None:
@@ -86,45 +88,155 @@ def test_fused_c_attn_split_column_wise_under_a_global_size_forward_raises_and_g
     result = run("make", "wrong_fused_colwise_global")
     assert result.verdict == "differs" and "in the forward of transformer.h.0.attn" in result.error, result.render()
     assert [h.split(" ")[0] for h in result.hints] == ["transformer.h.0.attn.c_attn"], result.hints
-    assert "FusedColwiseParallel(3, use_local_output=False) where it splits it by global sizes" in result.hints[0]
+    assert "Tried: FusedColwiseParallel(3, use_local_output=False) in its place makes the check exact" in \
+        result.hints[0], result.hints
     assert "what reads its output raised" in result.hints[0]
 
 
 @pytest.mark.slow  # two checks of HF's Phi-3, 2 processes each
 def test_hf_phi3_as_shipped_gets_the_gathered_recipe_and_it_is_exact() -> None:
     """Phi-3's fused qkv_proj, split by torch's ColwiseParallel: its attention raises, and the hint names the gathered
-    recipe, which the check then finds exact."""
+    recipe, tried (the other two are not exact: its rotary embedding mixes the parts with plain tensors); the
+    gathered plan as the file writes it is exact."""
     phi = str(ROOT / "test" / "models" / "hf_phi3_jobs.py")
     wrong = check(f"module:{phi}:make", f"{phi}:naive", f"{phi}:step", world_size=2, tp=2)
     assert wrong.verdict == "differs" and wrong.error, wrong.render()
     assert [h.split(" ")[0] for h in wrong.hints] == ["model.layers.0.self_attn.qkv_proj"], wrong.render()
-    assert "ColwiseParallel(output_layouts=Replicate())" in wrong.hints[0]
+    assert "Tried: ColwiseParallel(output_layouts=Replicate()) in its place, with RowwiseParallel(input_layouts=" \
+        "Replicate()) on model.layers.0.self_attn.o_proj and its 1 alike, makes the check exact" in wrong.hints[0], \
+        wrong.hints
     right = check(f"module:{phi}:make", f"{phi}:gathered", f"{phi}:step", world_size=2, tp=2)
     assert right.exact, right.render()
 
 
-def test_the_fused_hint_names_a_linear_split_in_plain_blocks_before_the_difference_in_its_scope() -> None:
-    """In process, on made-up results: which split Linears get the fused recipe."""
+@pytest.mark.slow  # 4 runs of 2 processes
+def test_hf_gpt_neox_head_major_qkv_is_exact_under_colwise_and_the_fused_recipes_do_not_clear_a_missing_rowwise():
+    """GPT-NeoX's query_key_value holds q, k and v head by head: torch's ColwiseParallel is exact on it. Where the
+    plan leaves out dense's RowwiseParallel, dense raises in the scope of that fused-looking Linear; both fused
+    recipes are tried, neither clears it, and the hint says so instead of naming a fused style."""
+    neox = str(ROOT / "test" / "models" / "hf_neox_jobs.py")
+    right = check(f"module:{neox}:make", f"{neox}:colwise", f"{neox}:step", world_size=2, tp=2)
+    assert right.exact and right.hints == [], right.render()
+    wrong = check(f"module:{neox}:make", f"{neox}:no_dense", f"{neox}:step", world_size=2, tp=2)
+    assert wrong.verdict == "differs" and "gpt_neox.layers.0.attention.dense" in wrong.error, wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("gpt_neox.layers.0.attention.query_key_value (Linear 64 -> 192) and its 1 alike"), text
+    assert "Tried in its place: FusedColwiseParallel(3): raises in gpt_neox.layers.0.attention.dense; " \
+        "FusedColwiseParallel(3, use_local_output=False): " in text and "None cleared it" in text, text
+
+
+def test_the_candidates_are_linears_split_in_plain_blocks_before_the_difference_in_its_scope() -> None:
+    """In process, on made-up results: which split Linears get the fused recipes tried, with their alike."""
     outputs = [{("h.0.ln", 0, 0): 0, ("h.0.attn.c_attn", 0, 0): 0, ("h.0.mlp.c_fc", 0, 0): 0, ("h.0.attn.o", 0, 0): 0,
                 ("h.1.attn.c_attn", 0, 0): 0}]
     split = [("h.0.attn.c_attn", 96, 32, 2), ("h.0.mlp.c_fc", 128, 32, 2), ("h.1.attn.c_attn", 96, 32, 2)]
 
     def named(first: str, linears: list = split) -> list[str]:
         before = modules_before(outputs, {"module": first, "call": 0, "dp_rank": 0})
-        return [h.split(" ")[0] for h in fused_hints(first, linears, before)]
+        return [c.name for c in candidates(first, linears, before)]
 
     # c_attn matched before attn.o, in its scope; c_fc (4 C rows, no fused name) is not a fused projection; h.1's
     # c_attn comes after the difference
     assert named("h.0.attn.o") == ["h.0.attn.c_attn"]
-    assert "FusedColwiseParallel(3)" in fused_hints("h.0.attn.o", split, {"h.0.attn.c_attn"})[0]
+    (found,) = candidates("h.0.attn.o", split, {"h.0.attn.c_attn"})
+    assert (found.names, found.parts, found.tp) == (("h.0.attn.c_attn", "h.1.attn.c_attn"), 3, 2)  # with its alike
     assert named("h.0") == ["h.0.attn.c_attn"]  # the block that holds it differs
     assert named("h.1.attn.c_attn") == []  # another scope: h.0's attention matched, and h.1's is the difference
     assert named("h.0.attn.c_attn") == []  # the split Linear's own output differs: not how it is read
+    assert candidates("h.0", split, None, done={"h.0.attn.c_attn"}) == []  # a recipe already kept for it
     # a forward that raised (nothing compared): the Linears in its scope or under it
-    assert [h.split(" ")[0] for h in fused_hints("h.1.attn", split)] == ["h.1.attn.c_attn"]
+    assert [c.name for c in candidates("h.1.attn", split)] == ["h.1.attn.c_attn"]
     # by name: [gate|up] in 2 parts; GQA's unequal [q|k|v] (a number of rows no 3 parts divide) gets no such recipe
-    assert "FusedColwiseParallel(2)" in fused_hints("h.0.mlp", [("h.0.mlp.gate_up_proj", 256, 32, 2)])[0]
-    assert fused_hints("h.0.attn", [("h.0.attn.qkv_proj", 64, 32, 2)]) == []  # 64 rows are not 3 equal parts
+    assert [c.parts for c in candidates("h.0.mlp", [("h.0.mlp.gate_up_proj", 256, 32, 2)])] == [2]
+    assert candidates("h.0.attn", [("h.0.attn.qkv_proj", 64, 32, 2)]) == []  # 64 rows are not 3 equal parts
+
+
+def test_the_hint_says_which_recipe_cleared_the_linear_or_that_none_did() -> None:
+    cand = candidates("h.0.attn", [("h.0.attn.c_attn", 96, 32, 2), ("h.1.attn.c_attn", 96, 32, 2)])[0]
+    local, gathered = Swap(cand.names, 3, "local"), Swap(cand.names, 3, "gathered")
+    text = hint(cand, True, [(local, list(cand.names), "")], True)
+    assert text.startswith("h.0.attn.c_attn (Linear 32 -> 96) and its 1 alike split by rows in 2 plain blocks")
+    assert "what reads its output raised" in text and "Tried: FusedColwiseParallel(3) in its place makes the " \
+        "check exact" in text and "TP rank 0 held its first 48 rows" in text
+    text = hint(cand, False, [(local, [], "differs at h.0.attn.o"),
+                              (gathered, ["h.0.attn.c_attn", "h.0.attn.o", "h.1.attn.o"], "differs at h.0.mlp")], True)
+    assert "ColwiseParallel(output_layouts=Replicate()) in its place, with RowwiseParallel(input_layouts=" \
+        "Replicate()) on h.0.attn.o and its 1 alike, clears its scope (the check then differs at h.0.mlp)" in text
+    text = hint(cand, False, [(local, [], "differs at h.0.attn.o")], False)
+    assert "Tried in its place: FusedColwiseParallel(3): differs at h.0.attn.o. None cleared it" in text
+
+
+def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_with_it(monkeypatch) -> None:
+    """In process, the parallel runs made up from the recipes in their place: nanoGPT's c_attn (global sizes) and a
+    fused gate_up, both split by torch's ColwiseParallel. The forward raises in the attention; the local recipe
+    does not clear it, the global one does (the run then differs in the MLP); gate_up is then tried with c_attn's
+    recipe kept, and the first recipe makes the check exact. The gathered recipe is not tried where the plan puts no
+    RowwiseParallel in the Linear's scope."""
+    from vemesh.check import api
+    from vemesh.check.result import CheckResult
+    from vemesh.check.run import Spec
+
+    split = [("h.0.attn.c_attn", 96, 32, 2), ("h.0.mlp.gate_up", 128, 32, 2), ("h.1.attn.c_attn", 96, 32, 2),
+             ("h.1.mlp.gate_up", 128, 32, 2)]
+    ref = {"outputs": [{("h.0.attn", 0, 0): 0, ("h.0.mlp.gate_up", 0, 0): 0, ("h.0.mlp.down", 0, 0): 0}]}
+    runs: list[tuple] = []
+
+    def parallel(spec, ref, tol, result):
+        recipes = tuple((s.linears[0], s.recipe) for s in spec.swaps)
+        runs.append(recipes)
+        went = {"rowwise": ["h.0.mlp.down", "h.1.mlp.down"], "swapped": [n for s in spec.swaps for n in s.linears]}
+        if ("h.0.attn.c_attn", "global") not in recipes:
+            result.verdict, result.error = "differs", "not enough values to unpack"
+            return [], [{"module": "h.0.attn", "split": split, "went": went}], 0.0
+        if ("h.0.mlp.gate_up", "local") not in recipes:
+            result.verdict, result.first_module = "differs", {"module": "h.0.mlp.down", "call": 0, "dp_rank": 0}
+        return [{"split": split, "went": went}], [], 0.0
+
+    monkeypatch.setattr(api, "_parallel", parallel)
+    spec = Spec("m", "p", "s", {}, 2, {"DP": 1, "CP": 1, "TP": 2, "EP": 1}, 1, 2, ".", 60.0)
+    result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
+    ranks, failed, _ = api._parallel(spec, ref, 1e-4, result)
+    hints = api._hints(spec, ref, 1e-4, result, ranks, failed)
+    assert runs[1:] == [(("h.0.attn.c_attn", "local"),), (("h.0.attn.c_attn", "global"),),
+                        (("h.0.attn.c_attn", "global"), ("h.0.mlp.gate_up", "local"))]
+    assert len(hints) == 2 and hints[0].startswith("h.0.attn.c_attn") and hints[1].startswith("h.0.mlp.gate_up")
+    assert "FusedColwiseParallel(3, use_local_output=False) in its place clears its scope (the check then differs " \
+        "at h.0.mlp.down)" in hints[0], hints
+    assert "Tried: FusedColwiseParallel(2) in its place makes the check exact" in hints[1], hints
+
+
+def test_the_recipes_replace_the_plans_own_styles_in_each_rank() -> None:
+    """On a fake world of 2 ranks: ``swapped`` puts a recipe in the place of the plan's ColwiseParallel on the named
+    Linears only (the gathered one also in the place of the RowwiseParallel of their scope), says where each of the
+    plan's styles went, and leaves torch's styles as they were."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    apply = ColwiseParallel._apply, RowwiseParallel._apply
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("TP",))
+        plan = {"attn.c_attn": ColwiseParallel(), "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(),
+                "mlp.down": RowwiseParallel()}
+        for recipe in RECIPES:
+            model = nn.ModuleDict({"attn": nn.ModuleDict({"c_attn": nn.Linear(8, 24), "o": nn.Linear(8, 8)}),
+                                   "mlp": nn.ModuleDict({"up": nn.Linear(8, 32), "down": nn.Linear(32, 8)})})
+            with swapped((Swap(("attn.c_attn",), 3, recipe),), model) as went:
+                parallelize_module(model, mesh, plan)
+            assert (went["colwise"], went["rowwise"]) == (["attn.c_attn", "mlp.up"], ["attn.o", "mlp.down"])
+            want = {"local": ([_StridedShard(0, split_factor=3)], ["attn.c_attn"]),
+                    "global": ([_StridedShard(0, split_factor=3)], ["attn.c_attn"]),
+                    "gathered": ([Shard(0)], ["attn.c_attn", "attn.o"])}[recipe]
+            assert (list(model["attn"]["c_attn"].weight.placements), went["swapped"]) == want, recipe
+            assert list(model["mlp"]["up"].weight.placements) == [Shard(0)]
+            assert (ColwiseParallel._apply, RowwiseParallel._apply) == apply
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -1,0 +1,186 @@
+"""The recipes ``vemesh check`` tries for a fused projection split as torch splits a Linear, and the hint it gives.
+
+A Linear whose rows look like fused parts (``c_attn``, ``qkv``, ``gate_up`` in its name, or ``3C`` or ``2C`` rows
+over ``C`` inputs: :func:`fused_parts`), split over TP in plain blocks as torch's ``ColwiseParallel`` splits them,
+is the likeliest cause when a module after it in its scope differs, or the forward raised there
+(:func:`candidates`). Its name and shape alone cannot tell ``[q|k|v]`` from a head-major ``[q_h k_h v_h]`` (GPT-NeoX's
+and Bloom's ``query_key_value``, which ``ColwiseParallel`` shards exactly), so the check does not guess: it runs the
+parallel run again with each recipe in the style's place (:class:`Swap`, applied in each rank by :func:`swapped`
+while the user's parallelize function runs), and the hint says which one made the check exact, or that none did.
+
+The recipes, tried in this order on the Linear and its alike (every split Linear of the same last name and shape):
+
+* ``local``: ``FusedColwiseParallel(N)``, for a forward that reads its output as this rank's heads;
+* ``global``: ``FusedColwiseParallel(N, use_local_output=False)``, for one written with global sizes;
+* ``gathered``: ``ColwiseParallel(output_layouts=Replicate())`` with ``RowwiseParallel(input_layouts=Replicate())``
+  on the RowwiseParallel Linears of its scope (the projection after it), for a forward that also mixes the parts
+  with plain tensors (HF's Phi-3: rotary embeddings); tried only where the plan puts a RowwiseParallel in that
+  scope (the run records where each style went: :func:`swapped`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from vemesh.check.record import plain_name
+from vemesh.parallel.fused import FusedColwiseParallel
+
+__all__ = ["RECIPES", "Candidate", "Swap", "candidates", "fused_parts", "hint", "near", "swapped"]
+
+#: what a Linear's own name says its rows hold, looked for in that order: fused parts, and how many
+_FUSED_NAMES = (("qkv", 3), ("c_attn", 3), ("in_proj", 3), ("query_key_value", 3), ("gate_up", 2), ("w13", 2),
+                ("w1w3", 2), ("kv", 2))
+
+#: the recipes, in the order they are tried
+RECIPES = ("local", "global", "gathered")
+
+
+def fused_parts(name: str, out_features: int, in_features: int) -> int | None:
+    """How many fused parts a Linear's rows seem to hold, by its name (``c_attn``, ``qkv``, ``gate_up``...), else by
+    its shape (``3 C`` or ``2 C`` rows over ``C`` inputs); None where neither says so."""
+    last = name.rpartition(".")[2].lower()
+    parts = next((n for marker, n in _FUSED_NAMES if marker in last), None)
+    if parts is None and out_features in (2 * in_features, 3 * in_features):
+        parts = out_features // in_features
+    return parts if parts is not None and out_features % parts == 0 else None
+
+
+def near(first: str, name: str) -> bool:
+    """Module ``first`` is in the scope of Linear ``name`` (its parent's), under it, or holds it ("" is the root)."""
+    scope = name.rpartition(".")[0]
+    return not first or name.startswith(first + ".") or first == scope or first.startswith(scope + ".")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A Linear that may be a fused projection split in plain blocks, and its alike (the split Linears of the same
+    last name and shape, as every layer's ``c_attn``), which a recipe replaces together."""
+
+    name: str
+    names: tuple[str, ...]
+    parts: int
+    in_features: int
+    out_features: int
+    tp: int
+
+
+def candidates(first: str, split: list[tuple[str, int, int, int]], before: set[str] | None = None,
+               done: set[str] = frozenset()) -> list[Candidate]:
+    """The Linears of ``split`` (:func:`vemesh.check.record.column_split_linears`) whose rows seem to be fused parts
+    (:func:`fused_parts`) and whose scope holds module ``first`` (the first that differs, or the one whose forward
+    raised), or which are in it, with their own output matched (``before``: the modules whose outputs came before
+    ``first``'s; None where nothing was compared, as when the forward raised). ``done``: names already replaced."""
+    found: list[Candidate] = []
+    for name, out_features, in_features, tp in split:
+        parts = fused_parts(name, out_features, in_features)
+        if parts is None or name in done or not near(first, name) or (before is not None and name not in before):
+            continue
+        if any(name in c.names for c in found):
+            continue
+        last = name.rpartition(".")[2]
+        alike = tuple(n for n, o, i, _ in split if n.rpartition(".")[2] == last and (o, i) == (out_features,
+                                                                                               in_features))
+        found.append(Candidate(name, alike, parts, in_features, out_features, tp))
+    return found
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A recipe (:data:`RECIPES`) for the ``ColwiseParallel`` of Linears ``linears``, whose rows hold ``parts``."""
+
+    linears: tuple[str, ...]
+    parts: int
+    recipe: str
+
+    def style(self) -> str:
+        return {"local": f"FusedColwiseParallel({self.parts})",
+                "global": f"FusedColwiseParallel({self.parts}, use_local_output=False)",
+                "gathered": "ColwiseParallel(output_layouts=Replicate())"}[self.recipe]
+
+    def scopes(self) -> set[str]:
+        return {n.rpartition(".")[0] for n in self.linears}
+
+
+@contextlib.contextmanager
+def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, list[str]]]:
+    """While active, torch's ``ColwiseParallel`` and ``RowwiseParallel`` as the user's parallelize function applies
+    them to ``model``'s modules, with ``swaps``' recipes in their place; yields where each style went, by the
+    modules' names in ``model`` (``{"colwise": [...], "rowwise": [...], "swapped": [...]}``): a recipe tried says
+    which Linears it replaced, and the plan's own run says which scopes have a RowwiseParallel."""
+    names = {id(m): plain_name(n) for n, m in model.named_modules()}
+    colwise = {n: s for s in swaps for n in s.linears}
+    gathered = {scope for s in swaps if s.recipe == "gathered" for scope in s.scopes()}
+    went: dict[str, list[str]] = {"colwise": [], "rowwise": [], "swapped": []}
+    col_apply, row_apply = ColwiseParallel._apply, RowwiseParallel._apply
+
+    def col(self: ColwiseParallel, module: nn.Module, device_mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+        name = names.get(id(module))
+        if type(self) is not ColwiseParallel or name is None:  # FusedColwiseParallel's own call, or a new module
+            return col_apply(self, module, device_mesh)
+        went["colwise"].append(name)
+        swap = colwise.get(name)
+        if swap is None:
+            return col_apply(self, module, device_mesh)
+        went["swapped"].append(name)
+        if swap.recipe == "gathered":
+            style = ColwiseParallel(input_layouts=self.input_layouts[0], output_layouts=Replicate())
+            style.src_data_rank = self.src_data_rank
+            return col_apply(style, module, device_mesh)
+        fused = FusedColwiseParallel(swap.parts, input_layouts=self.input_layouts[0],
+                                     use_local_output=swap.recipe == "local")
+        fused.src_data_rank = self.src_data_rank
+        return fused._apply(module, device_mesh)  # its own call of ColwiseParallel._apply goes to torch's
+
+    def row(self: RowwiseParallel, module: nn.Module, device_mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+        name = names.get(id(module))
+        if type(self) is not RowwiseParallel or name is None:
+            return row_apply(self, module, device_mesh)
+        went["rowwise"].append(name)
+        if name.rpartition(".")[0] not in gathered:
+            return row_apply(self, module, device_mesh)
+        went["swapped"].append(name)
+        style = RowwiseParallel(input_layouts=Replicate(), output_layouts=self.output_layouts[0],
+                                use_local_output=self.use_local_output)
+        style.src_data_rank = self.src_data_rank
+        return row_apply(style, module, device_mesh)
+
+    ColwiseParallel._apply, RowwiseParallel._apply = col, row  # type: ignore[method-assign]
+    try:
+        yield went
+    finally:
+        ColwiseParallel._apply, RowwiseParallel._apply = col_apply, row_apply  # type: ignore[method-assign]
+
+
+def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], str]], fixed: bool) -> str:
+    """The hint for ``candidate``: ``tried`` is each recipe run, the modules it replaced, and what the check said then
+    (``""``: exact; else where it still differed or raised). ``fixed``: the last one tried cleared the Linear's scope
+    (exact, or the first difference is now elsewhere: another cause, with its own hint)."""
+    c = candidate
+    what = "[q|k|v]" if c.parts == 3 else "[gate|up] or [k|v]"
+    alike = f" and its {len(c.names) - 1} alike" if len(c.names) > 1 else ""
+    head = (f"{c.name} (Linear {c.in_features} -> {c.out_features}){alike} split by rows in {c.tp} plain blocks, as "
+            "torch's ColwiseParallel splits them, and " + ("what reads its output raised" if raised else
+                                                           "its output matches but what reads it differs") + ". ")
+    if fixed:
+        swap, replaced, outcome = tried[-1]
+        rows = [n for n in replaced if swap.recipe == "gathered" and n not in swap.linears
+                and n.rpartition(".")[0] in swap.scopes()]  # the RowwiseParallel it replaced, not a kept recipe's
+        extra = f", with RowwiseParallel(input_layouts=Replicate()) on {_names(rows)}," if rows else ""
+        then = "makes the check exact" if not outcome else f"clears its scope (the check then {outcome})"
+        return (head + f"Tried: {swap.style()} in its place{extra} {then}. Its rows are {c.parts} fused parts "
+                f"({what}) of {c.out_features // c.parts} rows each, and TP rank 0 held its first "
+                f"{c.out_features // c.tp} rows, not its share of each part: use that (docs/checking.md: a fused "
+                "[q|k|v] or [gate|up] projection)")
+    said = "; ".join(f"{s.style()}: {outcome}" for s, _, outcome in tried)
+    return (head + f"Tried in its place: {said}. None cleared it, so how its rows are split is not the cause here (a "
+            "head-major [q_h k_h v_h] Linear, as GPT-NeoX and Bloom ship, is exact under ColwiseParallel)")
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} and its {len(names) - 1} alike"
