@@ -171,6 +171,9 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
             break
         cand, tried, fixed = found[0], [], None
         done.update(cand.names)
+        if not set(cand.names) <= set(went["colwise"]):  # split by another style: no recipe can take its place
+            hints.append(hint(cand, before is None, [], False))
+            break
         for recipe in RECIPES:
             swap = Swap(cand.names, cand.parts, recipe)
             if recipe == "gathered" and not any(r.rpartition(".")[0] in swap.scopes() for r in went["rowwise"]):

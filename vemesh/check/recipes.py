@@ -159,14 +159,22 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
 
 def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], str]], fixed: bool) -> str:
     """The hint for ``candidate``: ``tried`` is each recipe run, the modules it replaced, and what the check said then
-    (``""``: exact; else where it still differed or raised). ``fixed``: the last one tried cleared the Linear's scope
-    (exact, or the first difference is now elsewhere: another cause, with its own hint)."""
+    (``""``: exact; else where it still differed or raised); none where the plan split it with a style of its own
+    (not torch's ColwiseParallel), which no recipe can take the place of. ``fixed``: the last one tried cleared the
+    Linear's scope (exact, or the first difference is now elsewhere: another cause, with its own hint)."""
     c = candidate
     what = "[q|k|v]" if c.parts == 3 else "[gate|up] or [k|v]"
     alike = f" and its {len(c.names) - 1} alike" if len(c.names) > 1 else ""
     head = (f"{c.name} (Linear {c.in_features} -> {c.out_features}){alike} split by rows in {c.tp} plain blocks, as "
             "torch's ColwiseParallel splits them, and " + ("what reads its output raised" if raised else
                                                            "its output matches but what reads it differs") + ". ")
+    if not tried:
+        return (head.replace("as torch's ColwiseParallel splits them", "by a style other than torch's ColwiseParallel")
+                + f"The check tries the fused recipes only in the place of torch's ColwiseParallel, so it did not. If "
+                f"its rows are {c.parts} fused parts ({what}) of {c.out_features // c.parts} rows each, TP rank 0 "
+                f"holds its first {c.out_features // c.tp} rows, not its share of each part: "
+                f"vemesh.parallel.FusedColwiseParallel({c.parts}) shards each part (docs/checking.md: a fused "
+                "[q|k|v] or [gate|up] projection)")
     if fixed:
         swap, replaced, outcome = tried[-1]
         rows = [n for n in replaced if swap.recipe == "gathered" and n not in swap.linears

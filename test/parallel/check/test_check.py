@@ -164,6 +164,9 @@ def test_the_hint_says_which_recipe_cleared_the_linear_or_that_none_did() -> Non
         "Replicate()) on h.0.attn.o and its 1 alike, clears its scope (the check then differs at h.0.mlp)" in text
     text = hint(cand, False, [(local, [], "differs at h.0.attn.o")], False)
     assert "Tried in its place: FusedColwiseParallel(3): differs at h.0.attn.o. None cleared it" in text
+    text = hint(cand, True, [], False)  # split by a style of the plan's own: nothing tried, the recipe hedged
+    assert "split by rows in 2 plain blocks, by a style other than torch's ColwiseParallel" in text and \
+        "so it did not. If its rows are 3 fused parts" in text and "FusedColwiseParallel(3) shards each part" in text
 
 
 def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_with_it(monkeypatch) -> None:
@@ -184,7 +187,8 @@ def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_wit
     def parallel(spec, ref, tol, result):
         recipes = tuple((s.linears[0], s.recipe) for s in spec.swaps)
         runs.append(recipes)
-        went = {"rowwise": ["h.0.mlp.down", "h.1.mlp.down"], "swapped": [n for s in spec.swaps for n in s.linears]}
+        went = {"colwise": [n for n, *_ in split], "rowwise": ["h.0.mlp.down", "h.1.mlp.down"],
+                "swapped": [n for s in spec.swaps for n in s.linears]}
         if ("h.0.attn.c_attn", "global") not in recipes:
             result.verdict, result.error = "differs", "not enough values to unpack"
             return [], [{"module": "h.0.attn", "split": split, "went": went}], 0.0
@@ -203,6 +207,11 @@ def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_wit
     assert "FusedColwiseParallel(3, use_local_output=False) in its place clears its scope (the check then differs " \
         "at h.0.mlp.down)" in hints[0], hints
     assert "Tried: FusedColwiseParallel(2) in its place makes the check exact" in hints[1], hints
+    runs.clear()
+    result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
+    ranks, failed, _ = api._parallel(spec, ref, 1e-4, result)
+    failed[0]["went"]["colwise"] = ["h.0.mlp.gate_up"]  # c_attn split by a style of the plan's own
+    assert "by a style other than torch's" in api._hints(spec, ref, 1e-4, result, ranks, failed)[0] and len(runs) == 1
 
 
 def test_the_recipes_replace_the_plans_own_styles_in_each_rank() -> None:
