@@ -1,6 +1,6 @@
 """Suite-wide: one thread per process, and the slow end-to-end runs start first.
 
-The suite runs on 2 cores with 3 pytest-xdist workers (setup.cfg), and most of its time is processes that start
+The suite runs on 2 cores with 4 pytest-xdist workers (setup.cfg), and most of its time is processes that start
 torch: intra-op threads beyond one only make them wait on each other. ``OMP_NUM_THREADS=1`` is set here, before any
 test imports torch, and every process a test starts inherits it (torchrun sets the same for its workers); so is
 writing bytecode (below).

@@ -1,13 +1,12 @@
 """HF transformers' Phi-3, as the library ships it, for ``vemesh check``: a fused ``qkv_proj`` that its attention
 slices by global sizes and then mixes with plain tensors (rotary embeddings), and a fused ``gate_up_proj`` that its
-MLP reads with ``chunk(2, -1)``. ``naive`` is torch's styles as on unfused Linears (wrong); ``gathered`` is the recipe
-the check's hint names for it (exact)."""
+MLP reads with ``chunk(2, -1)``. ``naive`` is torch's styles as on unfused Linears (wrong); the check's hint names
+the gathered recipe for it, tried and exact."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -39,6 +38,3 @@ def _plan(model: nn.Module, mesh: object, qkv: object, o: object) -> nn.Module:
 def naive(model: nn.Module, mesh: object) -> nn.Module:
     return _plan(model, mesh, ColwiseParallel(), RowwiseParallel())
 
-
-def gathered(model: nn.Module, mesh: object) -> nn.Module:
-    return _plan(model, mesh, ColwiseParallel(output_layouts=Replicate()), RowwiseParallel(input_layouts=Replicate()))

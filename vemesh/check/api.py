@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from vemesh.check.compare import compare, modules_before, tolerance
-from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near
+from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 
@@ -97,10 +97,10 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     ranks, failed, compared = _parallel(spec, ref, tol, result)
     t2 = time.monotonic()
     result.dropouts = ref["dropouts"]
-    result.hints = _hints(spec, ref, tol, result, ranks, failed)
+    result.hints, tries = _hints(spec, ref, tol, result, ranks, failed)
     result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1 - compared, **_phases(ranks, launched),
                       "compare": compared}
-    if result.hints:
+    if tries:
         result.seconds["recipes tried"] = time.monotonic() - t2
     result.seconds["in all"] = time.monotonic() - started
     return result
@@ -155,10 +155,14 @@ def _located(spec: Spec, ref: dict, result: CheckResult, ranks: list[dict],
     return None
 
 
-def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], failed: list[dict]) -> list[str]:
+def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict],
+           failed: list[dict]) -> tuple[list[str], int]:
     """For a Linear that may be a fused projection split in plain blocks where the run went wrong, the recipes
     tried in its place (each a parallel run: :mod:`vemesh.check.recipes`) and which one cleared it. Where one clears
-    its scope and the run then goes wrong elsewhere, the next candidate there is tried with it kept."""
+    its scope and the run then goes wrong elsewhere, the next candidate there is tried with it kept. With the
+    number of runs made."""
+    if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
+        return [refused_hint(*failed[0]["went"]["refused"])], 0
     located = _located(spec, ref, result, ranks, failed) if result.verdict == "differs" else None
     hints: list[str] = []
     swaps: tuple[Swap, ...] = ()
@@ -196,7 +200,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         if not cleared or tried[-1][2] == "":
             break
         swaps, located = swaps + (tried[-1][0],), fixed
-    return hints
+    return hints, runs
 
 
 def _outcome(trial: CheckResult, located: tuple | None) -> str:

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from vemesh.check.record import plain_name
 from vemesh.parallel.fused import FusedColwiseParallel
 
-__all__ = ["RECIPES", "Candidate", "Swap", "candidates", "fused_parts", "hint", "near", "swapped"]
+__all__ = ["RECIPES", "Candidate", "Swap", "candidates", "fused_parts", "hint", "near", "refused_hint", "swapped"]
 
 #: what a Linear's own name says its rows hold, looked for in that order: fused parts, and how many
 _FUSED_NAMES = (("qkv", 3), ("c_attn", 3), ("in_proj", 3), ("query_key_value", 3), ("gate_up", 2), ("w13", 2),
@@ -112,7 +112,9 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
     """While active, torch's ``ColwiseParallel`` and ``RowwiseParallel`` as the user's parallelize function applies
     them to ``model``'s modules, with ``swaps``' recipes in their place; yields where each style went, by the
     modules' names in ``model`` (``{"colwise": [...], "rowwise": [...], "swapped": [...]}``): a recipe tried says
-    which Linears it replaced, and the plan's own run says which scopes have a RowwiseParallel."""
+    which Linears it replaced, and the plan's own run says which scopes have a RowwiseParallel. Where torch's style
+    refuses a module (not an ``nn.Linear`` or ``nn.Embedding``), ``"refused"`` is its name, its class and the
+    style's (:func:`refused_hint`)."""
     names = {id(m): plain_name(n) for n, m in model.named_modules()}
     colwise = {n: s for s in swaps for n in s.linears}
     gathered = {scope for s in swaps if s.recipe == "gathered" for scope in s.scopes()}
@@ -150,7 +152,16 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         style.src_data_rank = self.src_data_rank
         return row_apply(style, module, device_mesh)
 
-    ColwiseParallel._apply, RowwiseParallel._apply = col, row  # type: ignore[method-assign]
+    def refused(apply):  # type: ignore[no-untyped-def]
+        def wrapped(self, module: nn.Module, device_mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+            try:
+                return apply(self, module, device_mesh)
+            except NotImplementedError:  # torch's "only support nn.Linear and nn.Embedding": GPT-2's Conv1D
+                went["refused"] = [names.get(id(module), "?"), type(module).__name__, type(self).__name__]
+                raise
+        return wrapped
+
+    ColwiseParallel._apply, RowwiseParallel._apply = refused(col), refused(row)  # type: ignore[method-assign]
     try:
         yield went
     finally:
@@ -188,6 +199,17 @@ def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], 
     said = "; ".join(f"{s.style()}: {outcome}" for s, _, outcome in tried)
     return (head + f"Tried in its place: {said}. None cleared it, so how its rows are split is not the cause here (a "
             "head-major [q_h k_h v_h] Linear, as GPT-NeoX and Bloom ship, is exact under ColwiseParallel)")
+
+
+def refused_hint(name: str, kind: str, style: str) -> str:
+    """The hint where torch's ``style`` refused module ``name`` of class ``kind``."""
+    text = (f"{name} is a {kind}: torch's {style} shards an nn.Linear or an nn.Embedding only. ")
+    if kind == "Conv1D":
+        return text + ("transformers' Conv1D (GPT-2's c_attn, c_proj, c_fc) is a Linear that stores its weight as "
+                       "[in, out]: build the model with an nn.Linear in place of each (its weight the Conv1D's "
+                       "transposed) in the factory, so that both runs have the same parameters, then c_attn is a "
+                       "fused [q|k|v] (docs/checking.md: GPT-2's Conv1D)")
+    return text + "Shard its inner Linears, or give it a ParallelStyle of its own"
 
 
 def _names(names: list[str]) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from vemesh.check import CheckInputError, check
 from vemesh.check.compare import modules_before
-from vemesh.check.recipes import RECIPES, Swap, candidates, hint, swapped
+from vemesh.check.recipes import RECIPES, Swap, candidates, hint, refused_hint, swapped
 from vemesh.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -96,8 +96,7 @@ def test_fused_c_attn_split_column_wise_under_a_global_size_forward_raises_and_g
 @pytest.mark.slow  # two checks of HF's Phi-3, 2 processes each
 def test_hf_phi3_as_shipped_gets_the_gathered_recipe_and_it_is_exact() -> None:
     """Phi-3's fused qkv_proj, split by torch's ColwiseParallel: its attention raises, and the hint names the gathered
-    recipe, tried (the other two are not exact: its rotary embedding mixes the parts with plain tensors); the
-    gathered plan as the file writes it is exact."""
+    recipe, tried (the other two are not exact: its rotary embedding mixes the parts with plain tensors), exact."""
     phi = str(ROOT / "test" / "models" / "hf_phi3_jobs.py")
     wrong = check(f"module:{phi}:make", f"{phi}:naive", f"{phi}:step", world_size=2, tp=2)
     assert wrong.verdict == "differs" and wrong.error, wrong.render()
@@ -105,8 +104,19 @@ def test_hf_phi3_as_shipped_gets_the_gathered_recipe_and_it_is_exact() -> None:
     assert "Tried: ColwiseParallel(output_layouts=Replicate()) in its place, with RowwiseParallel(input_layouts=" \
         "Replicate()) on model.layers.0.self_attn.o_proj and its 1 alike, makes the check exact" in wrong.hints[0], \
         wrong.hints
-    right = check(f"module:{phi}:make", f"{phi}:gathered", f"{phi}:step", world_size=2, tp=2)
-    assert right.exact, right.render()
+
+
+@pytest.mark.slow  # 4 runs of 2 processes
+def test_hf_gpt2_built_with_linears_gets_the_gathered_recipe() -> None:
+    """GPT-2 built with nn.Linear in place of its Conv1D (the refused-style hint's recipe): its c_attn split by torch's
+    ColwiseParallel raises in the attention (split by global sizes), and of the recipes the gathered one (its
+    attention joins k and v to its KV cache's plain tensors) is the one that makes the check exact."""
+    gpt2 = str(ROOT / "test" / "models" / "hf_gpt2_jobs.py")
+    linear = check(f"module:{gpt2}:make_linear", f"{gpt2}:naive", f"{gpt2}:step", world_size=2, tp=2)
+    assert linear.verdict == "differs" and "in the forward of transformer.h.0.attn" in linear.error, linear.render()
+    (text,) = linear.hints
+    assert "Tried: ColwiseParallel(output_layouts=Replicate()) in its place, with RowwiseParallel(input_layouts=" \
+        "Replicate()) on transformer.h.0.attn.c_proj and its 1 alike, makes the check exact" in text, text
 
 
 @pytest.mark.slow  # 4 runs of 2 processes
@@ -200,7 +210,8 @@ def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_wit
     spec = Spec("m", "p", "s", {}, 2, {"DP": 1, "CP": 1, "TP": 2, "EP": 1}, 1, 2, ".", 60.0)
     result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
     ranks, failed, _ = api._parallel(spec, ref, 1e-4, result)
-    hints = api._hints(spec, ref, 1e-4, result, ranks, failed)
+    hints, tries = api._hints(spec, ref, 1e-4, result, ranks, failed)
+    assert tries == 3
     assert runs[1:] == [(("h.0.attn.c_attn", "local"),), (("h.0.attn.c_attn", "global"),),
                         (("h.0.attn.c_attn", "global"), ("h.0.mlp.gate_up", "local"))]
     assert len(hints) == 2 and hints[0].startswith("h.0.attn.c_attn") and hints[1].startswith("h.0.mlp.gate_up")
@@ -211,13 +222,15 @@ def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_wit
     result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
     ranks, failed, _ = api._parallel(spec, ref, 1e-4, result)
     failed[0]["went"]["colwise"] = ["h.0.mlp.gate_up"]  # c_attn split by a style of the plan's own
-    assert "by a style other than torch's" in api._hints(spec, ref, 1e-4, result, ranks, failed)[0] and len(runs) == 1
+    assert "by a style other than torch's" in api._hints(spec, ref, 1e-4, result, ranks, failed)[0][0]
+    assert len(runs) == 1
 
 
 def test_the_recipes_replace_the_plans_own_styles_in_each_rank() -> None:
     """On a fake world of 2 ranks: ``swapped`` puts a recipe in the place of the plan's ColwiseParallel on the named
     Linears only (the gathered one also in the place of the RowwiseParallel of their scope), says where each of the
-    plan's styles went, and leaves torch's styles as they were."""
+    plan's styles went and which module a style refused (GPT-2's Conv1D), and leaves torch's styles as they were."""
+    import torch
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -244,6 +257,19 @@ def test_the_recipes_replace_the_plans_own_styles_in_each_rank() -> None:
             assert (list(model["attn"]["c_attn"].weight.placements), went["swapped"]) == want, recipe
             assert list(model["mlp"]["up"].weight.placements) == [Shard(0)]
             assert (ColwiseParallel._apply, RowwiseParallel._apply) == apply
+
+        class Conv1D(nn.Module):  # transformers' (GPT-2's): a Linear that stores its weight as [in, out]
+            def __init__(self) -> None:
+                super().__init__()
+                self.weight = nn.Parameter(torch.zeros(8, 24))
+
+        model = nn.ModuleDict({"attn": nn.ModuleDict({"c_attn": Conv1D()})})
+        with pytest.raises(NotImplementedError), swapped((), model) as went:
+            parallelize_module(model, mesh, {"attn.c_attn": ColwiseParallel()})
+        assert went["refused"] == ["attn.c_attn", "Conv1D", "ColwiseParallel"]
+        assert refused_hint(*went["refused"]).startswith("attn.c_attn is a Conv1D: torch's ColwiseParallel shards an "
+                                                         "nn.Linear or an nn.Embedding only. transformers' Conv1D")
+        assert (ColwiseParallel._apply, RowwiseParallel._apply) == apply
     finally:
         dist.destroy_process_group()
 
