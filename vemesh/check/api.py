@@ -16,6 +16,9 @@ wrong plan.
 
 It compares every module's outputs in forward order (DTensors gathered whole; a TP rank's plain shard joined with its
 TP peers'), and every parameter's gradient by name (gathered whole), and names any tie that parallelizing broke.
+Where the run went wrong in the scope of a Linear that looks fused and is split as torch's ``ColwiseParallel``
+splits, it runs again with the fused recipes in that style's place and says which one made it exact
+(:mod:`vemesh.check.recipes`).
 
 What it proves: one step, at the size the factory builds, on CPU in fp32 (or the model's own dtype), computes the
 one-process forward and gradients within ``rtol``. What it does not: other sizes or steps, the optimizer (ZeRO-1's
