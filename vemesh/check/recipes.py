@@ -197,8 +197,9 @@ def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], 
                 f"{c.out_features // c.tp} rows, not its share of each part: use that (docs/checking.md: a fused "
                 "[q|k|v] or [gate|up] projection)")
     said = "; ".join(f"{s.style()}: {outcome}" for s, _, outcome in tried)
-    return (head + f"Tried in its place: {said}. None cleared it, so how its rows are split is not the cause here (a "
-            "head-major [q_h k_h v_h] Linear, as GPT-NeoX and Bloom ship, is exact under ColwiseParallel)")
+    return (head + f"Tried in its place: {said}. None cleared it, so how its rows are split is not the cause, or not "
+            "the only one: look at where the tries still went wrong (a head-major [q_h k_h v_h] Linear, as GPT-NeoX "
+            "and Bloom ship, is exact under ColwiseParallel)")
 
 
 def refused_hint(name: str, kind: str, style: str) -> str:
