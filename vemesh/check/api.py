@@ -145,7 +145,7 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
 MAX_TRIES = 6
 
 
-def _located(spec: Spec, ref: dict, result: CheckResult, ranks: list[dict],
+def _located(ref: dict, result: CheckResult, ranks: list[dict],
              failed: list[dict]) -> tuple[str, set[str] | None, list, dict] | None:
     """Where a run went wrong, for :func:`~vemesh.check.recipes.candidates`: the first module that differs (and the
     modules before it) or the one whose forward raised, the Linears split in plain blocks, and where the plan's
@@ -166,7 +166,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     number of runs made."""
     if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
         return [refused_hint(*failed[0]["went"]["refused"])], 0
-    located = _located(spec, ref, result, ranks, failed) if result.verdict == "differs" else None
+    located = _located(ref, result, ranks, failed) if result.verdict == "differs" else None
     hints: list[str] = []
     swaps: tuple[Swap, ...] = ()
     done: set[str] = set()
@@ -190,7 +190,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
             trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
             t_ranks, t_failed, _ = _parallel(replace(spec, swaps=swaps + (swap,)), ref, tol, trial)
             runs += 1
-            now = _located(spec, ref, trial, t_ranks, t_failed) if not trial.exact else None
+            now = _located(ref, trial, t_ranks, t_failed) if not trial.exact else None
             replaced = (t_ranks[0]["went"] if t_ranks else t_failed[0]["went"] if t_failed else {}).get("swapped", [])
             tried.append((swap, replaced, "" if trial.exact else _outcome(trial, now)))
             if trial.exact or (now is not None and not any(near(now[0], n) for n in cand.names)):
