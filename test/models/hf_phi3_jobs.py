@@ -27,14 +27,9 @@ def step(model: nn.Module, micro_batch_size: int) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
-def _plan(model: nn.Module, mesh: object, qkv: object, o: object) -> nn.Module:
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        parallelize_module(layer, mesh["TP"], {"self_attn.qkv_proj": qkv, "self_attn.o_proj": o,  # type: ignore[index]
-                                               "mlp.gate_up_proj": FusedColwiseParallel(2),
-                                               "mlp.down_proj": RowwiseParallel()})
-    return model
-
-
 def naive(model: nn.Module, mesh: object) -> nn.Module:
-    return _plan(model, mesh, ColwiseParallel(), RowwiseParallel())
-
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        parallelize_module(layer, mesh["TP"], {  # type: ignore[index]
+            "self_attn.qkv_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_up_proj": FusedColwiseParallel(2), "mlp.down_proj": RowwiseParallel()})
+    return model
