@@ -14,7 +14,6 @@ names gradients, the loss and FSDP2 use. Here every consumer is held to it:
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from dataclasses import astuple
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from mesh_jobs import jobs
 from torch import nn
 
 import vemesh.parallel.fsdp as fsdp_module
@@ -35,8 +35,7 @@ from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import fully_shard
 
-JOBS = [(pp, r, s, cp, tp, ep) for pp, r, s, cp, tp in itertools.product(range(1, 33), repeat=5)
-        if math.prod((pp, r, s, cp, tp)) <= 32 for ep in range(1, r * s * cp + 1) if (r * s * cp) % ep == 0]
+JOBS = jobs()
 
 
 def _dims(job: tuple[int, ...]) -> ParallelDims:

@@ -9,7 +9,6 @@ of each kind). ``vemesh plan`` and ``vemesh show --derived`` answer from the sam
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mesh_jobs import jobs
 import torch.distributed as dist
 
 from vemesh import VeDeviceMesh
@@ -27,14 +27,6 @@ from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.planning.mesh_plan import plan_mesh
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def jobs(limit: int = 32) -> list[tuple[int, int, int, int, int, int]]:
-    out = []
-    for pp, r, s, cp, tp in itertools.product(*[range(1, limit + 1)] * 5):
-        if pp * r * s * cp * tp <= limit:
-            out += [(pp, r, s, cp, tp, ep) for ep in range(1, r * s * cp + 1) if r * s * cp % ep == 0]
-    return out
 
 
 JOBS = jobs()
