@@ -136,6 +136,25 @@ def test_a_straggler_is_named_and_the_ranks_it_held_up_are_not(tmp_path):
     assert found["TP"].worst()[0] == 2  # rank 2 holds its own TP group [2, 3] up too; rank 0 only waited for it
 
 
+def test_a_rank_late_once_by_much_is_not_the_straggler_late_every_step(tmp_path):
+    """CI's run on a loaded machine: ranks 1 and 0 started late and held up the first DP all-reduces by 236 and
+    180 ms; rank 2 was 50 ms late into each of the other 29. The straggler is rank 2, who held its group up longest
+    in all."""
+    steps = [(k * 1000 * MS, k) for k in range(1, 31)]
+    docs: dict[int, list[dict]] = {r: [] for r in range(4)}
+    for k in range(1, 31):
+        base = k * 1000 * MS
+        for r in range(4):
+            late = {(1, 1): 236 * MS, (1, 0): 180 * MS}.get((k, r), 50 * MS if r == 2 and k > 1 else r * MS // 10)
+            docs[r].append(entry("DP", k, base + late))
+    for r, own in docs.items():
+        write(tmp_path, r, own, steps=steps)
+    (found,) = stragglers(load(tmp_path))
+    rank, share, behind = found.worst()
+    assert rank == 2 and share >= 0.9 and 35 <= behind <= 65
+    assert found.line().startswith("DP: rank 2 is last into "), found.line()
+
+
 def test_a_reused_directory_reads_the_newest_run_alone(tmp_path):
     for r in range(8):  # an older run of 8 ranks, every one of them stuck
         write(tmp_path, r, [entry("DP", 1, 10 * MS, done=False)], world=8, run="a", at=1)

@@ -29,14 +29,16 @@ class DimStragglers:
 
     def worst(self) -> tuple[int, float, float] | None:
         """(rank, fraction of its collectives it was last into, median ms behind) of the rank that held its groups
-        up longest. With marked steps the median is over steps of the longest it held a group up in each (a rank
+        up longest in all: with marked steps, the sum over steps of the longest it held a group up in each (a rank
         slow in compute is late into the step's first collective only, and the rest follow in lockstep); without,
-        over the collectives it was last into."""
+        the sum over the collectives it was last into. The median is over those steps, or those collectives. A rank
+        late once by much (a slow start on a loaded host: 236 ms into the first DP all-reduce of a CI run) is not
+        the straggler that is 50 ms late into every other one."""
         if not self.last:
             return None
         def held(r: int) -> float:
             steps = self.per_step.get(r)
-            return statistics.median(steps.values()) if steps else sum(self.behind_ms[r]) / max(1, self.seen[r])
+            return sum(steps.values()) if steps else sum(self.behind_ms[r])
 
         rank = max(self.last, key=held)
         steps = self.per_step.get(rank, {})
