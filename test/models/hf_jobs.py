@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers as hf
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from vemesh.ddp import DistributedDataParallel
 from vemesh.parallel import ExpertParallel, fully_shard
@@ -49,6 +49,10 @@ def _tp(model: nn.Module, mesh) -> None:
     if mesh.get_strategy_size("TP") > 1:
         for layer in model.model.layers:
             parallelize_module(layer, mesh["TP"], TP_PLAN)
+            if hasattr(layer.self_attn, "q_norm"):  # Qwen3's norms over each head: this rank's heads, summed over TP
+                parallelize_module(layer.self_attn, mesh["TP"], {
+                    "q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                    "k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
     if mesh.get_strategy_size("EP") > 1:
         for layer in model.model.layers:
             parallelize_module(layer.mlp.experts, mesh["EP"], ExpertParallel())

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from vemesh.check import partial
 from vemesh.check.compare import compare, modules_before, tolerance
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint
 from vemesh.check.result import CheckInputError, CheckResult
@@ -203,7 +204,41 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         if not cleared or tried[-1][2] == "":
             break
         swaps, located = swaps + (tried[-1][0],), fixed
+    replicas = failed[0] if failed and failed[0].get("kind") == "tp_replicas" else None  # vemesh DDP's or FSDP2's check
+    if runs < MAX_TRIES and not result.broken_ties and (replicas is not None or (
+            result.verdict == "differs" and result.gradients and result.first_module is None and not result.error)):
+        runs += _partial_hints(spec, ref, tol, result, ranks, replicas, hints)
     return hints, runs
+
+
+def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], replicas: dict | None,
+                   hints: list[str]) -> int:
+    """Every output matched and gradients differ (or vemesh's DDP or FSDP2 raised that replicas over TP got other
+    gradients on each TP rank: ``replicas``, the failed rank's record): DP's missing average, or modules with
+    replicated parameters run on this TP rank's part of their input, tried with torch's SequenceParallel on them
+    (:mod:`vemesh.check.partial`). The hints are added to ``hints``; returns the parallel runs made."""
+    if replicas is None:
+        said = partial.dp_hint(result.degrees["DP"], len(result.gradients), result.gradients_compared)
+        if said is not None:
+            hints.append(said)
+            return 0
+        params, shapes = [n for n, _ in result.gradients], partial.first_shapes(ranks)
+    else:
+        params, shapes = replicas.get("params", []), replicas.get("shapes", {})
+    runs = 0
+    for recipe in partial.candidates(params, ref, shapes, result.degrees["TP"])[:MAX_TRIES]:
+        trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
+        t_ranks, t_failed, _ = _parallel(replace(spec, sharded=(recipe,)), ref, tol, trial)
+        runs += 1
+        located = _located(ref, trial, t_ranks, t_failed) if not trial.exact else None
+        if t_ranks:
+            still = [n for n, _ in trial.gradients if n.rpartition(".")[0] in recipe.modules]
+        else:  # the recipe's run raised: its modules' gradients were never compared
+            still = [n for n in params if n.rpartition(".")[0] in recipe.modules]
+        hints.append(partial.hint(recipe, "" if trial.exact else _outcome(trial, located), still))
+        if trial.exact:
+            break
+    return runs
 
 
 def _outcome(trial: CheckResult, located: tuple | None) -> str:

@@ -86,7 +86,7 @@ class CheckResult:
             if self.matched_before:
                 lines.append(f"  the modules just before it match: {', '.join(self.matched_before)}")
         lines += [f"  hint: {hint}" for hint in self.hints]
-        if self.gradients and self.first_module is None and not self.broken_ties and not self.error:
+        if self.gradients and self.first_module is None and not self.broken_ties and not self.error and not self.hints:
             lines.append("  every output matches but gradients differ: a parameter whose gradient is each TP rank's "
                          "part only (a norm over its own heads, or between sequence-parallel regions, without "
                          "SequenceParallel), or a gradient that DP does not average")

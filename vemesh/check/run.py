@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vemesh import local_ranks
+from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import Deterministic, Recorder, column_split_linears, gradients, plain_name, unwrap
 from vemesh.check.result import CheckInputError
@@ -54,6 +55,8 @@ class Spec:
     timeout_s: float
     #: recipes in the place of the plan's own styles (:mod:`vemesh.check.recipes`: the hint's tries)
     swaps: tuple[Swap, ...] = ()
+    #: torch's SequenceParallel on modules as built, before the user's parallelize function (:mod:`vemesh.check.partial`)
+    sharded: tuple[ShardedInput, ...] = ()
 
 
 def functions(spec: Spec) -> tuple[Any, Any, Any, tuple[str, str, str]]:
@@ -151,6 +154,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
     split: list[tuple[str, int, int, int]] = []  # the Linears split as ColwiseParallel splits (for a hint)
     failed_in = None  # the module whose forward raised in the step
     went: dict[str, list[str]] = {}  # where the plan's ColwiseParallel and RowwiseParallel went (recipes.swapped)
+    outputs: dict[tuple[str, int, int], torch.Tensor] = {}  # the step's module outputs so far (their shapes, on error)
     try:
         factory, parallelize, step, names = functions(spec)
         dist.init_process_group("gloo", rank=rank, world_size=spec.world_size,
@@ -160,6 +164,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         torch.manual_seed(SEED)
         model = _call("--model", names[0], factory, **spec.model_kwargs)
         ties = tie_groups(model)
+        apply(spec.sharded, model, mesh["TP"] if spec.sharded else None)
         with swapped(spec.swaps, model) as went:
             model = _call("--parallelize", names[1], parallelize, model, mesh)
         if not isinstance(model, torch.nn.Module):
@@ -172,6 +177,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         marks["parallelized"] = time.time()
         torch.manual_seed(SEED + 1 + data_rank)
         with Recorder(model) as rec, Deterministic(rec) as det:
+            outputs = rec.outputs
             try:
                 _call("--step", names[2], step, model, spec.micro_batch_size)
             except UserError as e:
@@ -199,7 +205,11 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         part = os.path.join(out, f"error{rank}.json.part")
         with open(part, "w") as f:
             json.dump({"kind": kind, "message": " ".join(text.split()), "module": failed_in, "split": split,
-                       "went": went, "trace": traceback.format_exc(limit=-6)}, f)
+                       "went": went, "trace": traceback.format_exc(limit=-6),
+                       # for a hint (vemesh.check.partial): the replicas whose gradients differ over TP, and the
+                       # shape of each module's first output
+                       "params": [plain_name(n) for n in getattr(cause, "names", [])],
+                       "shapes": {k[0]: list(v.shape) for k, v in outputs.items() if k[1:] == (0, 0)}}, f)
         os.replace(part, os.path.join(out, f"error{rank}.json"))
         raise
 

@@ -21,7 +21,10 @@ __all__ = ["TPReplicaError", "check_tp_gradients", "tp_group_beside"]
 
 
 class TPReplicaError(RuntimeError):
-    """A replica over TP has the same values on every TP rank but not the same gradient."""
+    """A replica over TP has the same values on every TP rank but not the same gradient; :attr:`names` are this
+    rank's replicas that differ (empty where only another TP group's did)."""
+
+    names: list[str] = []
 
 
 def tp_group_beside(data_ranks: set[int]) -> dist.ProcessGroup | None:
@@ -60,29 +63,36 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
     everyone = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp))]
     dist.all_gather(everyone, stats, group=tp)
     everyone = [e.cpu() for e in everyone]
-    bad = []
+    bad, agreed = [], 0  # the replicas whose gradients differ across TP, and how many others agree
     for i, (name, _, _) in enumerate(entries):
         rows = torch.stack([e[i] for e in everyone])
         values, grads = rows[:, :2], rows[:, 2:]
         scale = rtol * grads[0, 1].abs().sqrt().item()
-        if torch.allclose(values, values[0].expand_as(values), rtol=1e-6, atol=1e-12) and \
-                not torch.allclose(grads, grads[0].expand_as(grads), rtol=rtol, atol=1e-12 + scale):
+        if not torch.allclose(values, values[0].expand_as(values), rtol=1e-6, atol=1e-12):
+            continue  # a user's own TP slices
+        if not torch.allclose(grads, grads[0].expand_as(grads), rtol=rtol, atol=1e-12 + scale):
             bad.append(name)
+        elif grads.abs().sum():
+            agreed += 1
     verdict = torch.tensor([float(len(bad))], device=device)
     for group in data:
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     if verdict.item():
         names = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "") if bad else \
             "(on another TP group of the data ranks)"
-        raise TPReplicaError(
+        batches = ("Likeliest: the TP ranks were given different batches; every TP rank of a DP rank must see the "
+                   "same one (seed the data by the DP rank, not the global rank).\n")
+        inputs = ("Else the module's input is this rank's part only (a norm over its own heads, or between sequence-"
+                  "parallel regions): give it SequenceParallel; `vemesh check` names the module and tries it.\n")
+        error = TPReplicaError(
             f"the gradient of {names} differs across the TP ranks {dist.get_process_group_ranks(tp)}, while the "
             "parameter is the same on each.\n"
-            "Likeliest: the TP ranks were given different batches; every TP rank of a DP rank must see the same one "
-            "(seed the data by the DP rank, not the global rank).\n"
-            "Else the module's input is this rank's part only (a norm over its own heads, or between sequence-"
-            "parallel regions): give it SequenceParallel; `vemesh check` names the module.\n"
-            "Details: such a replica over TP is a plain tensor (or one sharded over the data dims only), and nothing "
+            + (batches + inputs if not agreed or not bad else inputs.replace("Else the", "Likeliest: the", 1)
+               + f"(The other {agreed} replicas' gradients agree across TP, so the TP ranks saw the same batch.)\n")
+            + "Details: such a replica over TP is a plain tensor (or one sharded over the data dims only), and nothing "
             "sums its gradient over TP, so each TP rank would step it with its own part and the replicas drift apart. "
             "Make it a replicated DTensor whose gradient torch sums over TP: SequenceParallel(sequence_dim=...) on the "
             "module (as torchtitan shards Qwen3's q/k norms). If the parameter is meant to differ by TP rank, "
             f"{opt_out}")
+        error.names = bad
+        raise error

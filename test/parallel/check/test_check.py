@@ -11,9 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from vemesh.check import CheckInputError, check
 from vemesh.check.compare import modules_before
+from vemesh.check import partial
+from vemesh.check.partial import ShardedInput
+from vemesh.check.partial import hint as partial_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, refused_hint, swapped
 from vemesh.cli import main
 
@@ -296,7 +300,47 @@ def test_a_norm_over_each_ranks_heads_left_replicated_is_named_by_its_gradients(
     assert result.verdict == "differs" and result.first_module is None, result.render()
     assert {n for n, _ in result.gradients} == {f"transformer.h.{i}.q_norm.{w}" for i in (0, 1)
                                                 for w in ("weight", "bias")}
-    assert "every output matches but gradients differ" in result.render()
+    # the recipe, tried (another parallel run): SequenceParallel on the heads' dim, which parallelize_local uses
+    assert result.hints == [partial_hint(ShardedInput(("transformer.h.0.q_norm", "transformer.h.1.q_norm"), 2), "", [])], \
+        result.render()
+    assert "recipes tried" in result.seconds
+
+
+@pytest.mark.slow  # two runs of 4 processes
+def test_hf_qwen3_per_head_norms_refused_by_ddp_get_sequence_parallel_on_the_heads_dim_tried() -> None:
+    """HF's Qwen3 (tied embeddings) at DP 2 x TP 2 under vemesh DDP, its q/k norms left replicated: DDP's TP-replica
+    check raises at the first backward naming them, the error says the batches were the same (the other replicas
+    agree), and the check tries SequenceParallel(sequence_dim=2) on their modules: exact (the tried run is
+    ``parallelize_ddp``, the right plan)."""
+    q3 = str(ROOT / "test" / "models" / "hf_qwen3_jobs.py")
+    result = check(f"module:{q3}:make", f"{q3}:parallelize_ddp_without_norms", f"{q3}:step", world_size=4, tp=2)
+    assert result.verdict == "differs" and "TPReplicaError: the gradient of model.layers.0.self_attn.q_norm.weight" \
+        in result.error, result.render()
+    assert "Likeliest: the module's input is this rank's part only" in result.error, result.error
+    norms = tuple(f"model.layers.{i}.self_attn.{n}_norm" for i in (0, 1) for n in "kq")
+    assert result.hints == [partial_hint(ShardedInput(tuple(sorted(norms)), 2), "", [])], result.render()
+
+
+def test_the_partial_gradient_candidates_are_modules_split_over_tp_whose_own_gradients_differ() -> None:
+    """In-process: a module whose own parameter's gradient differs and whose output on the first TP rank is split
+    along one dim (by TP) is a candidate, grouped by that dim; one whose output is whole, or split otherwise, or the
+    root's parameter, is not. Every gradient differing at DP 2 is DP's missing average, said without a try."""
+    ref = {"outputs": [{("a.norm", 0, 0): torch.zeros(2, 8, 4, 16), ("b.norm", 0, 0): torch.zeros(2, 8, 4, 16),
+                        ("ln", 0, 0): torch.zeros(2, 8, 64), ("whole", 0, 0): torch.zeros(2, 8, 64),
+                        ("odd", 0, 0): torch.zeros(2, 8, 64)}]}
+    shapes = {"a.norm": [2, 8, 2, 16], "b.norm": [2, 8, 2, 16], "ln": [2, 4, 64], "whole": [2, 8, 64],
+              "odd": [2, 8, 16]}
+    params = ["a.norm.weight", "b.norm.weight", "a.norm.bias", "ln.weight", "whole.weight", "odd.weight", "w"]
+    assert partial.candidates(params, ref, shapes, tp=2) == [ShardedInput(("ln",), 1),
+                                                             ShardedInput(("a.norm", "b.norm"), 2)]
+    assert partial.candidates(params, ref, shapes, tp=1) == []
+    assert partial.dp_hint(2, 25, 25).startswith("every gradient differs (25 of 25) and every output matches, with DP 2")
+    assert partial.dp_hint(2, 4, 25) is None and partial.dp_hint(1, 25, 25) is None
+    recipe = ShardedInput(("a.norm", "b.norm"), 2)
+    assert "Tried: SequenceParallel(sequence_dim=2, use_local_output=True) on them makes the check exact" in \
+        partial_hint(recipe, "", [])
+    assert "makes their gradients match (the check then differs at c)" in partial_hint(recipe, "differs at c", [])
+    assert "their gradients still differ (a.norm.weight)" in partial_hint(recipe, "x", ["a.norm.weight"])
 
 
 @pytest.mark.slow
@@ -312,6 +356,8 @@ def test_a_norm_between_sequence_parallel_regions_without_sequence_parallel_is_n
     assert result.verdict == "differs", result.render()
     assert {n for n, _ in result.gradients} == {f"transformer.h.{i}.ln_2.{w}" for i in (0, 1)
                                                 for w in ("weight", "bias")}
+    assert result.hints == [partial_hint(ShardedInput(("transformer.h.0.ln_2", "transformer.h.1.ln_2"), 1), "", [])], \
+        result.render()
 
 
 @pytest.mark.slow

@@ -1,0 +1,113 @@
+"""The hints of ``vemesh check`` where every output matches and gradients differ.
+
+Two causes give that verdict, and the check tells them apart:
+
+* **DP's average is missing.** With DP above 1, each DP rank steps its own batch; the one-process run averages the
+  DP ranks' gradients, as DDP and FSDP do. A parallelize function that wraps no data-parallel module leaves each
+  rank with its own batch's gradients, and then *every* gradient differs (:func:`dp_hint`).
+* **A module with replicated parameters runs on this TP rank's part of its input.** A norm over each head's
+  features (HF Qwen3's and Gemma 3's ``q_norm`` and ``k_norm``, after a ``ColwiseParallel`` q or k projection) sees
+  only this rank's heads, so its weight's gradient is this rank's part of the sum: it differs from one process, and
+  the TP ranks' copies drift apart as they train. The check finds those modules from the run itself (its own
+  parameters' gradients differ, and its output is a plain tensor split over TP along one dim: :func:`candidates`)
+  and runs the parallel run again with torch's ``SequenceParallel(sequence_dim=d, use_local_output=True)`` on them
+  (:class:`ShardedInput`, applied to the model as built, before the user's parallelize function): their weights
+  become DTensors replicated over TP, their input this rank's shard along ``d``, and torch sums the weights'
+  gradients over TP in the backward. torchtitan's Qwen3 plan does the same (``SequenceParallel(sequence_dim=2)``
+  on its DTensor q and k). The hint says whether that made the check exact (:func:`hint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+__all__ = ["ShardedInput", "apply", "candidates", "dp_hint", "first_shapes", "hint"]
+
+
+@dataclass(frozen=True)
+class ShardedInput:
+    """torch's ``SequenceParallel(sequence_dim=dim, use_local_output=True)`` on ``modules`` (names in the model as
+    built): their input is this TP rank's shard along ``dim``, their parameters replicated over TP."""
+
+    modules: tuple[str, ...]
+    dim: int
+
+    def style(self) -> str:
+        return f"SequenceParallel(sequence_dim={self.dim}, use_local_output=True)"
+
+
+def apply(recipes: tuple[ShardedInput, ...], model: nn.Module, tp_mesh: Any) -> None:
+    """Each recipe's style on its modules of ``model`` (as built, before the user's parallelize function)."""
+    for recipe in recipes:
+        for name in recipe.modules:
+            parallelize_module(model.get_submodule(name), tp_mesh,
+                               SequenceParallel(sequence_dim=recipe.dim, use_local_output=True))
+
+
+def dp_hint(dp: int, differing: int, compared: int) -> str | None:
+    """The hint where every gradient differs with DP above 1 (each DP rank kept its own batch's), else None."""
+    if dp < 2 or not compared or differing < compared:
+        return None
+    return (f"every gradient differs ({differing} of {compared}) and every output matches, with DP {dp}: each DP "
+            "rank kept its own batch's gradients, and one process averages the DP ranks' (as DDP and FSDP do). Wrap "
+            "the model in --parallelize (vemesh.ddp.DistributedDataParallel, vemesh.parallel.fully_shard, or "
+            "torch's), or check the TP plan alone at DP 1 (--world-size equal to TP x CP)")
+
+
+def _split_dim(got: Any, want: Any, tp: int) -> int | None:
+    """The one dim along which shape ``got`` (a TP rank's plain output) is ``1 / tp`` of shape ``want`` (one
+    process's)."""
+    if got is None or want is None or len(got) != len(want):
+        return None
+    dims = [i for i in range(len(want)) if got[i] != want[i]]
+    if len(dims) != 1 or got[dims[0]] * tp != want[dims[0]]:
+        return None
+    return dims[0]
+
+
+def first_shapes(ranks: list[dict]) -> dict[str, list[int]]:
+    """The shape of each module's first output on the first TP rank of DP rank 0 (the other dims' coordinates 0)."""
+    first = min((r for r in ranks if r["data_rank"] == 0),
+                key=lambda r: tuple(sorted(r["coords"].items())), default=None)
+    if first is None:
+        return {}
+    return {k[0]: list(v.shape) for k, v in first["outputs"].items() if k[1:] == (0, 0)}
+
+
+def candidates(params: list[str], ref: dict, shapes: dict[str, list[int]], tp: int) -> list[ShardedInput]:
+    """The modules that own parameters ``params`` (those whose gradients differ) and whose output on a TP rank
+    (``shapes``: :func:`first_shapes`, or what a failed rank recorded) is a plain tensor split over TP along one dim,
+    grouped by that dim."""
+    if tp < 2:
+        return []
+    want = {k[0]: list(v.shape) for k, v in ref["outputs"][0].items() if k[1:] == (0, 0)}
+    by_dim: dict[int, set[str]] = {}
+    for name in params:
+        module = name.rpartition(".")[0]
+        dim = _split_dim(shapes.get(module), want.get(module), tp) if module else None
+        if dim is not None:
+            by_dim.setdefault(dim, set()).add(module)
+    return [ShardedInput(tuple(sorted(modules)), dim) for dim, modules in sorted(by_dim.items())]
+
+
+def hint(recipe: ShardedInput, outcome: str, still: list[str]) -> str:
+    """The hint for ``recipe``, tried: ``outcome`` is ``""`` where the check was then exact, else where it still went
+    wrong; ``still`` the recipe's modules whose parameters' gradients still differed."""
+    mods = recipe.modules
+    named = mods[0] if len(mods) == 1 else f"{mods[0]} and {len(mods) - 1} more"
+    head = (f"{named} hold parameters replicated over TP and run on this TP rank's part of their input (split on dim "
+            f"{recipe.dim}: this rank's heads, or its part of a sequence-parallel region), so each TP rank's gradient "
+            "of their weights is its own part's only, and the TP ranks' copies drift apart as they train. ")
+    if not outcome:
+        return (head + f"Tried: {recipe.style()} on them makes the check exact: their weights become DTensors "
+                "replicated over TP, whose gradients torch sums over TP (docs/checking.md: a norm over this rank's "
+                "heads)")
+    if not still:
+        return (head + f"Tried: {recipe.style()} on them makes their gradients match (the check then {outcome}): "
+                "use it, and see what still differs")
+    return (head + f"Tried: {recipe.style()} on them; their gradients still differ ({', '.join(still[:3])}), so "
+            f"that is not the cause, or not the only one (the check then {outcome})")
