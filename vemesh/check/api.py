@@ -18,7 +18,10 @@ It compares every module's outputs in forward order (DTensors gathered whole; a 
 TP peers'), and every parameter's gradient by name (gathered whole), and names any tie that parallelizing broke.
 Where the run went wrong in the scope of a Linear that looks fused and is split as torch's ``ColwiseParallel``
 splits, it runs again with the fused recipes in that style's place and says which one made it exact
-(:mod:`vemesh.check.recipes`).
+(:mod:`vemesh.check.recipes`); where the module that went wrong holds parameters of a split Linear's whole output
+width (OLMo 2's q/k norms), it tries the gathered layout on that Linear's scope. Where every output matches and
+gradients differ, it says whether DP's average is missing, or tries torch's ``SequenceParallel`` on the modules run
+on this TP rank's part of their input (Qwen3's q/k norms: :mod:`vemesh.check.partial`).
 
 What it proves: one step, at the size the factory builds, on CPU in fp32 (or the model's own dtype), computes the
 one-process forward and gradients within ``rtol``. What it does not: other sizes or steps, the optimizer (ZeRO-1's
@@ -35,9 +38,11 @@ from typing import Any
 
 import torch
 
-from vemesh.check import partial
+from vemesh.check.partial import candidates as partial_candidates
+from vemesh.check.partial import dp_hint, first_shapes
+from vemesh.check.partial import hint as partial_hint
 from vemesh.check.compare import compare, modules_before, tolerance
-from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint
+from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 
@@ -114,14 +119,18 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
     """The parallel run of ``spec``, compared with ``ref`` into ``result``; its ranks' records and errors, and the
     seconds the comparison took."""
     with tempfile.TemporaryDirectory(prefix="vemesh-check-") as out:
+        stopped: list[int] = []
         try:
-            run_parallel(spec, out)
+            stopped = run_parallel(spec, out)
         except Timeout as e:
             result.verdict, result.error = "differs", str(e)
         failed = errors(out)
         files = [os.path.join(out, f"rank{r}.pt") for r in range(spec.world_size)]
         missing = [r for r, f in enumerate(files) if not os.path.exists(f)]
-        gone = [r for r in missing if not os.path.exists(os.path.join(out, f"error{r}.json"))]
+        # gone without a word; not a rank stopped by the check after another had failed (on a loaded machine it may
+        # not have reached the same error in the 5 s it was given)
+        gone = [r for r in missing if not os.path.exists(os.path.join(out, f"error{r}.json"))
+                and not (failed and r in stopped)]
         ranks = [torch.load(f, weights_only=False) for f in files] if not (failed or missing or result.error) else []
     if failed and failed[0]["kind"] == "input":
         raise CheckInputError(failed[0]["message"])
@@ -174,7 +183,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     runs = 0
     while located is not None and runs < MAX_TRIES:
         first, before, split, went = located
-        found = candidates(first, split, before, done)
+        found = candidates(first, split, before, done) or width_candidates(first, split, _widths(ref, first), before,
+                                                                           done)
         if not found:
             break
         cand, tried, fixed = found[0], [], None
@@ -182,7 +192,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         if not set(cand.names) <= set(went["colwise"]):  # split by another style: no recipe can take its place
             hints.append(hint(cand, before is None, [], False))
             break
-        for recipe in RECIPES:
+        for recipe in RECIPES if cand.parts > 1 else ("gathered",):  # a whole-width Linear: gathered alone
             swap = Swap(cand.names, cand.parts, recipe)
             if recipe == "gathered" and not any(r.rpartition(".")[0] in swap.scopes() for r in went["rowwise"]):
                 continue  # no RowwiseParallel in its scope to take the gathered output
@@ -200,7 +210,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         if not tried:
             continue
         cleared = tried[-1][2] == "" or fixed is not None
-        hints.append(hint(cand, before is None, tried, cleared))
+        hints.append(hint(cand, before is None, tried, cleared) if cand.parts > 1 else
+                     width_hint(cand, first, tried, cleared))
         if not cleared or tried[-1][2] == "":
             break
         swaps, located = swaps + (tried[-1][0],), fixed
@@ -218,15 +229,15 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
     replicated parameters run on this TP rank's part of their input, tried with torch's SequenceParallel on them
     (:mod:`vemesh.check.partial`). The hints are added to ``hints``; returns the parallel runs made."""
     if replicas is None:
-        said = partial.dp_hint(result.degrees["DP"], len(result.gradients), result.gradients_compared)
+        said = dp_hint(result.degrees["DP"], len(result.gradients), result.gradients_compared)
         if said is not None:
             hints.append(said)
             return 0
-        params, shapes = [n for n, _ in result.gradients], partial.first_shapes(ranks)
+        params, shapes = [n for n, _ in result.gradients], first_shapes(ranks)
     else:
         params, shapes = replicas.get("params", []), replicas.get("shapes", {})
     runs = 0
-    for recipe in partial.candidates(params, ref, shapes, result.degrees["TP"])[:MAX_TRIES]:
+    for recipe in partial_candidates(params, ref, shapes, result.degrees["TP"])[:MAX_TRIES]:
         trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
         t_ranks, t_failed, _ = _parallel(replace(spec, sharded=(recipe,)), ref, tol, trial)
         runs += 1
@@ -235,10 +246,16 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
             still = [n for n, _ in trial.gradients if n.rpartition(".")[0] in recipe.modules]
         else:  # the recipe's run raised: its modules' gradients were never compared
             still = [n for n in params if n.rpartition(".")[0] in recipe.modules]
-        hints.append(partial.hint(recipe, "" if trial.exact else _outcome(trial, located), still))
+        hints.append(partial_hint(recipe, "" if trial.exact else _outcome(trial, located), still))
         if trial.exact:
             break
     return runs
+
+
+def _widths(ref: dict, module: str) -> set[int]:
+    """The sizes of ``module``'s own 1-D parameters, from the one-process run's gradients."""
+    return {g.numel() for n, g in ref.get("grads", {}).items()
+            if n.rpartition(".")[0] == module and g is not None and g.dim() == 1}
 
 
 def _outcome(trial: CheckResult, located: tuple | None) -> str:

@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from vemesh.check.record import plain_name
 from vemesh.parallel.fused import FusedColwiseParallel
 
-__all__ = ["RECIPES", "Candidate", "Swap", "candidates", "fused_parts", "hint", "near", "refused_hint", "swapped"]
+__all__ = ["RECIPES", "Candidate", "Swap", "candidates", "fused_parts", "hint", "near", "refused_hint", "swapped",
+           "width_candidates", "width_hint"]
 
 #: what a Linear's own name says its rows hold, looked for in that order: fused parts, and how many
 _FUSED_NAMES = (("qkv", 3), ("c_attn", 3), ("in_proj", 3), ("query_key_value", 3), ("gate_up", 2), ("w13", 2),
@@ -88,6 +89,24 @@ def candidates(first: str, split: list[tuple[str, int, int, int]], before: set[s
                                                                                                in_features))
         found.append(Candidate(name, alike, parts, in_features, out_features, tp))
     return found
+
+
+def width_candidates(first: str, split: list[tuple[str, int, int, int]], widths: set[int],
+                     before: set[str] | None = None, done: set[str] = frozenset()) -> list[Candidate]:
+    """Where module ``first`` (the first that differs, or the one whose forward raised) holds parameters of the whole
+    output width of a Linear in its scope that TP split by rows (``widths``: the sizes of ``first``'s own 1-D
+    parameters; a norm over the whole projected width, as OLMo 2's ``q_norm`` and ``k_norm`` before the heads'
+    view): that Linear, with every split Linear of its scope (q, k and v together) and their alike, for the gathered
+    recipe alone (``parts`` 1). The Linear's own output must have matched (``before``, as in :func:`candidates`)."""
+    for name, out_features, in_features, tp in split:
+        if out_features not in widths or name in done or not near(first, name) or first == name or \
+                (before is not None and name not in before):
+            continue
+        scope = name.rpartition(".")[0]
+        lasts = {(n.rpartition(".")[2], o, i) for n, o, i, _ in split if n.rpartition(".")[0] == scope}
+        names = tuple(n for n, o, i, _ in split if (n.rpartition(".")[2], o, i) in lasts)
+        return [Candidate(name, names, 1, in_features, out_features, tp)]
+    return []
 
 
 @dataclass(frozen=True)
@@ -200,6 +219,28 @@ def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], 
     return (head + f"Tried in its place: {said}. None cleared it, so how its rows are split is not the cause, or not "
             "the only one: look at where the tries still went wrong (a head-major [q_h k_h v_h] Linear, as GPT-NeoX "
             "and Bloom ship, is exact under ColwiseParallel)")
+
+
+def width_hint(candidate: Candidate, first: str, tried: list[tuple[Swap, list[str], str]], fixed: bool) -> str:
+    """The hint for a :func:`width_candidates` Linear, whose output's whole width module ``first`` needs; ``tried``
+    and ``fixed`` as :func:`hint` takes them (the gathered recipe alone)."""
+    c = candidate
+    scope = {n for n in c.names if n.rpartition(".")[0] == c.name.rpartition(".")[0]}
+    head = (f"{first or 'the root'} holds parameters of {c.name}'s whole output width ({c.out_features}), but TP "
+            f"splits {c.name} by rows, so each TP rank hands it {c.out_features // c.tp} (a norm over the whole "
+            f"projected width, as OLMo 2's q_norm and k_norm). ")
+    swap, replaced, outcome = tried[-1]
+    rows = [n for n in replaced if n not in swap.linears and n.rpartition(".")[0] in swap.scopes()]
+    style = (f"ColwiseParallel(output_layouts=Replicate()) on {', '.join(sorted(scope))}"
+             + (f" (and their {len(c.names) - len(scope)} alike)" if len(c.names) > len(scope) else "")
+             + (f", with RowwiseParallel(input_layouts=Replicate()) on {_names(rows)}" if rows else ""))
+    if fixed and not outcome:
+        return (head + f"Tried: {style}, makes the check exact: every TP rank then runs the whole attention on the "
+                "gathered projections, as HF's own plan for such a model does (colwise_gather_output, "
+                "rowwise_split_input) (docs/checking.md: a norm over the whole projected width)")
+    if fixed:
+        return head + f"Tried: {style}, clears its scope (the check then {outcome})"
+    return head + f"Tried: {style}: {outcome}. None cleared it, so the width is not the cause, or not the only one"
 
 
 def refused_hint(name: str, kind: str, style: str) -> str:

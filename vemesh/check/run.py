@@ -214,7 +214,9 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         raise
 
 
-def run_parallel(spec: Spec, out: str) -> None:
+def run_parallel(spec: Spec, out: str) -> list[int]:
+    """The parallel run of ``spec``, each rank writing its record or its error into ``out``; returns the ranks still
+    running 5 s after another had failed, which it stopped (they write neither)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -232,11 +234,13 @@ def run_parallel(spec: Spec, out: str) -> None:
         grace = time.monotonic() + 5.0  # the others' own errors are better words than a SIGTERM
         while any(p.is_alive() for p in context.processes) and time.monotonic() < grace:
             time.sleep(0.1)
+        stopped = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
         for p in context.processes:
             if p.is_alive():
                 p.terminate()
         for p in context.processes:
             p.join(5)
+    return stopped
 
 
 class Timeout(Exception):

@@ -18,7 +18,8 @@ from vemesh.check.compare import modules_before
 from vemesh.check import partial
 from vemesh.check.partial import ShardedInput
 from vemesh.check.partial import hint as partial_hint
-from vemesh.check.recipes import RECIPES, Swap, candidates, hint, refused_hint, swapped
+from vemesh.check.recipes import (RECIPES, Swap, candidates, hint, refused_hint, swapped, width_candidates,
+                                  width_hint)
 from vemesh.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -319,6 +320,47 @@ def test_hf_qwen3_per_head_norms_refused_by_ddp_get_sequence_parallel_on_the_hea
     assert "Likeliest: the module's input is this rank's part only" in result.error, result.error
     norms = tuple(f"model.layers.{i}.self_attn.{n}_norm" for i in (0, 1) for n in "kq")
     assert result.hints == [partial_hint(ShardedInput(tuple(sorted(norms)), 2), "", [])], result.render()
+
+
+@pytest.mark.slow  # two runs of 2 processes
+def test_hf_olmo2_width_norms_under_llamas_plan_get_the_gathered_layout_tried() -> None:
+    """HF's OLMo 2 under Llama's plan: its q_norm (a norm over the whole projected width) gets this TP rank's half of
+    q_proj's output and raises; the check finds q_proj's width in the norm's parameters and tries the gathered layout
+    on q, k and v (with RowwiseParallel(input_layouts=Replicate()) on o_proj), HF's own plan for the model: exact."""
+    o2 = str(ROOT / "test" / "models" / "hf_olmo2_jobs.py")
+    result = check(f"module:{o2}:make", f"{o2}:parallelize_llama_like", f"{o2}:step", world_size=2, tp=2)
+    assert "(in the forward of model.layers.0.self_attn.q_norm)" in result.error, result.render()
+    (text,) = result.hints
+    assert text.startswith("model.layers.0.self_attn.q_norm holds parameters of model.layers.0.self_attn.q_proj's "
+                           "whole output width (64), but TP splits model.layers.0.self_attn.q_proj by rows, so each TP "
+                           "rank hands it 32"), text
+    assert "Tried: ColwiseParallel(output_layouts=Replicate()) on model.layers.0.self_attn.k_proj, " \
+        "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.v_proj (and their 3 alike), with RowwiseParallel(" \
+        "input_layouts=Replicate()) on model.layers.0.self_attn.o_proj and its 1 alike, makes the check exact" in text
+
+
+def test_a_module_with_a_split_linears_whole_width_gets_its_scopes_linears_for_the_gathered_layout() -> None:
+    """In process: the whole-width candidate is the split Linear of the failing module's scope whose output width its
+    parameters have, with the scope's other split Linears and every layer's alike; none for another width, a Linear
+    whose own output differed, or one in another scope."""
+    split = [("h.0.attn.q", 64, 64, 2), ("h.0.attn.k", 32, 64, 2), ("h.0.attn.v", 32, 64, 2),
+             ("h.0.mlp.up", 128, 64, 2), ("h.1.attn.q", 64, 64, 2), ("h.1.attn.k", 32, 64, 2),
+             ("h.1.attn.v", 32, 64, 2)]
+    (found,) = width_candidates("h.0.attn.q_norm", split, {64})
+    assert (found.name, found.parts, found.tp) == ("h.0.attn.q", 1, 2)
+    assert found.names == ("h.0.attn.q", "h.0.attn.k", "h.0.attn.v", "h.1.attn.q", "h.1.attn.k", "h.1.attn.v")
+    assert width_candidates("h.0.attn.q_norm", split, {16}) == []
+    assert width_candidates("h.0.attn.q_norm", split, {64}, before={"h.0.attn.k"}) == []  # q's own output differed
+    assert width_candidates("h.1.mlp.norm", split, {64}) == []  # no 64-wide split Linear in h.1.mlp's scope
+    swap = Swap(found.names, 1, "gathered")
+    text = width_hint(found, "h.0.attn.q_norm", [(swap, [*found.names, "h.0.attn.o", "h.1.attn.o"], "")], True)
+    assert "Tried: ColwiseParallel(output_layouts=Replicate()) on h.0.attn.k, h.0.attn.q, h.0.attn.v (and their 3 " \
+        "alike), with RowwiseParallel(input_layouts=Replicate()) on h.0.attn.o and its 1 alike, makes the check " \
+        "exact" in text, text
+    text = width_hint(found, "h.0.attn.q_norm", [(swap, list(found.names), "raises in h.0.attn")], False)
+    assert text.endswith("Tried: ColwiseParallel(output_layouts=Replicate()) on h.0.attn.k, h.0.attn.q, h.0.attn.v "
+                         "(and their 3 alike): raises in h.0.attn. None cleared it, so the width is not the cause, or "
+                         "not the only one"), text
 
 
 def test_the_partial_gradient_candidates_are_modules_split_over_tp_whose_own_gradients_differ() -> None:
