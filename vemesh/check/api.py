@@ -229,7 +229,8 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
     replicated parameters run on this TP rank's part of their input, tried with torch's SequenceParallel on them
     (:mod:`vemesh.check.partial`). The hints are added to ``hints``; returns the parallel runs made."""
     if replicas is None:
-        said = dp_hint(result.degrees["DP"], len(result.gradients), result.gradients_compared)
+        said = dp_hint(result.degrees["DP"], len(result.gradients), result.gradients_compared,
+                       any(r.get("data_parallel", False) for r in ranks))
         if said is not None:
             hints.append(said)
             return 0

@@ -48,14 +48,16 @@ def apply(recipes: tuple[ShardedInput, ...], model: nn.Module, tp_mesh: Any) -> 
                                SequenceParallel(sequence_dim=recipe.dim, use_local_output=True))
 
 
-def dp_hint(dp: int, differing: int, compared: int) -> str | None:
-    """The hint where every gradient differs with DP above 1 (each DP rank kept its own batch's), else None."""
-    if dp < 2 or not compared or differing < compared:
+def dp_hint(dp: int, differing: int, compared: int, wrapped: bool) -> str | None:
+    """The hint where every gradient differs with DP above 1 and the parallelize function wrapped no data-parallel
+    module the check knows (``wrapped``: :func:`vemesh.check.record.data_parallel`), else None."""
+    if dp < 2 or not compared or differing < compared or wrapped:
         return None
-    return (f"every gradient differs ({differing} of {compared}) and every output matches, with DP {dp}: each DP "
-            "rank kept its own batch's gradients, and one process averages the DP ranks' (as DDP and FSDP do). Wrap "
-            "the model in --parallelize (vemesh.ddp.DistributedDataParallel, vemesh.parallel.fully_shard, or "
-            "torch's), or check the TP plan alone at DP 1 (--world-size equal to TP x CP)")
+    return (f"every gradient differs ({differing} of {compared}) and every output matches, with DP {dp}, and "
+            "--parallelize wrapped no data-parallel module (DDP, FSDP2): each DP rank kept its own batch's gradients, "
+            "and one process averages the DP ranks' (as DDP and FSDP do). Wrap the model in --parallelize "
+            "(vemesh.ddp.DistributedDataParallel, vemesh.parallel.fully_shard, or torch's), or check the TP plan "
+            "alone at DP 1 (--world-size equal to TP x CP)")
 
 
 def _split_dim(got: Any, want: Any, tp: int) -> int | None:

@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Deterministic", "Recorder", "column_split_linears", "gradients", "plain_name", "unwrap"]
+__all__ = ["Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients", "plain_name", "unwrap"]
 
 _WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
@@ -41,6 +41,16 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def data_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` is wrapped in a data-parallel module the check knows: torch's or vemesh's DDP, or FSDP2 (on
+    it or any module under it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return True
+    return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
 
 
 def plain_name(name: str) -> str:

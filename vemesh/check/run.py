@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from vemesh import local_ranks
 from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
-from vemesh.check.record import Deterministic, Recorder, column_split_linears, gradients, plain_name, unwrap
+from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
+                                 plain_name, unwrap)
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
@@ -191,6 +192,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
                     "broken": broken, "split": split, "went": went, "dropouts": det.dropouts,
+                    "data_parallel": data_parallel(model),
                     "random_ops": det.random_ops, "marks": marks},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))

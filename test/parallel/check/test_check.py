@@ -322,6 +322,18 @@ def test_hf_qwen3_per_head_norms_refused_by_ddp_get_sequence_parallel_on_the_hea
     assert result.hints == [partial_hint(ShardedInput(tuple(sorted(norms)), 2), "", [])], result.render()
 
 
+@pytest.mark.slow  # one run of 4 processes
+def test_dp_without_a_data_parallel_wrapper_is_said_and_no_tp_recipe_is_tried() -> None:
+    """HF's Qwen3 at DP 2 x TP 2 with a TP plan and no DDP or FSDP2: every gradient is each DP rank's own batch's.
+    The check says so, and tries no TP recipe (its norms' fault hides behind this one until DP is averaged)."""
+    q3 = str(ROOT / "test" / "models" / "hf_qwen3_jobs.py")
+    result = check(f"module:{q3}:make", f"{q3}:parallelize_tp_without_norms", f"{q3}:step", world_size=4, tp=2)
+    (text,) = result.hints
+    assert text.startswith("every gradient differs (25 of 25) and every output matches, with DP 2, and --parallelize "
+                           "wrapped no data-parallel module (DDP, FSDP2)"), result.render()
+    assert "recipes tried" not in result.seconds
+
+
 @pytest.mark.slow  # two runs of 2 processes
 def test_hf_olmo2_width_norms_under_llamas_plan_get_the_gathered_layout_tried() -> None:
     """HF's OLMo 2 under Llama's plan: its q_norm (a norm over the whole projected width) gets this TP rank's half of
@@ -376,8 +388,10 @@ def test_the_partial_gradient_candidates_are_modules_split_over_tp_whose_own_gra
     assert partial.candidates(params, ref, shapes, tp=2) == [ShardedInput(("ln",), 1),
                                                              ShardedInput(("a.norm", "b.norm"), 2)]
     assert partial.candidates(params, ref, shapes, tp=1) == []
-    assert partial.dp_hint(2, 25, 25).startswith("every gradient differs (25 of 25) and every output matches, with DP 2")
-    assert partial.dp_hint(2, 4, 25) is None and partial.dp_hint(1, 25, 25) is None
+    assert partial.dp_hint(2, 25, 25, False).startswith("every gradient differs (25 of 25) and every output matches, "
+                                                        "with DP 2, and --parallelize wrapped no data-parallel module")
+    assert partial.dp_hint(2, 4, 25, False) is None and partial.dp_hint(1, 25, 25, False) is None
+    assert partial.dp_hint(2, 25, 25, True) is None  # DDP or FSDP2 there: another cause
     recipe = ShardedInput(("a.norm", "b.norm"), 2)
     assert "Tried: SequenceParallel(sequence_dim=2, use_local_output=True) on them makes the check exact" in \
         partial_hint(recipe, "", [])
