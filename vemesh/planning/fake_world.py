@@ -310,10 +310,13 @@ class Held:
     def __init__(self, parts: list[nn.Module], ddps: list[Any]) -> None:
         self.weights = [t for part in parts for t in (*part.parameters(), *part.buffers())]
         self.buffers = [b.data for ddp in ddps for b in ddp.grad_buffers]
+        #: ZeRO-1's parameter buffers (:attr:`DistributedOptimizer.shards`), set once the optimizer is built: the
+        #: plain parameters are views of them, and they hold a copy of the DTensor ones
+        self.param_buffers: list[torch.Tensor] = []
 
     def __call__(self) -> dict[str, int]:
         grads = [p.grad for p in self.weights if isinstance(p, nn.Parameter) and p.grad is not None]
-        return {"params": _storage_bytes(self.weights), "grads": _storage_bytes(grads + self.buffers)}
+        return {"params": _storage_bytes(self.weights + self.param_buffers), "grads": _storage_bytes(grads + self.buffers)}
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:

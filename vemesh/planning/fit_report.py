@@ -31,7 +31,8 @@ HOW = {  # a search's estimate of a GPT-preset mesh with PP (one mesh with --pp 
 #: How each figure is obtained for the user's own functions (``--parallelize``, ``--step``).
 HOW_USER = {
     "params, grads, optimizer": "held at the step peak by the model your parallelize function returned, on rank 0 of "
-    "a fake world of the planned mesh: each parameter's local shard (a DTensor's, FSDP2's, an EP slice), the "
+    "a fake world of the planned mesh: each parameter's local shard (a DTensor's, FSDP2's, an EP slice) and ZeRO-1's "
+    "flat parameter buffer (the plain parameters are views of it; it holds a copy of the DTensor ones), the "
     "gradients the wrappers keep, the --optimizer state (ZeRO-1's shard and fp32 masters with --dp-mode zero1)",
     "activations": "everything else your step holds at the peak, traced on fake tensors under torch's MemTracker "
     "through warm-up and training steps (optimizer.step included); 8 or more identical blocks: 3 and 4 traced, the rest "
@@ -118,8 +119,9 @@ def render_fit(job: Job, fit: MeshFit) -> str:
             cells[4] = f"{'-':>12}"
         lines.append(f"  {c.name:{width}}" + "".join(cells))
     if (fit.dp_mode or job.mode) == "zero1" and d["DP"] > 1:
-        lines.append("  (ZeRO-1: params is the whole TP shard on every DP rank; the optimizer's state and the fp32 "
-                     "masters are split over DP)")
+        lines.append("  (ZeRO-1: params is the whole TP shard on every DP rank, with ZeRO-1's flat parameter buffer, "
+                     "which holds a second copy of DTensor parameters; the optimizer's state and the fp32 masters are "
+                     "split over DP)")
     dims = sorted({k for c in fit.classes for k in c.sent})
     if dims:
         sdiv, sunit = _unit(max(max(c.sent.values(), default=0) for c in fit.classes))

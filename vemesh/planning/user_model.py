@@ -172,6 +172,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = Held(parts, ddps)
             optimizer = _optimizer(parts, mode, ddps, device)
+            tracker.on_step_peak.param_buffers = [s.param_data for s in getattr(optimizer, "shards", ())]
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
                 replay = exchange.replay_for(stages, tracker, counter, mesh, fns.pp_schedule, pp, pp_rank, passes)
