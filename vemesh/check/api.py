@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
+from vemesh.check.compare import compare, modules_before, tolerance
 from vemesh.check.partial import candidates as partial_candidates
 from vemesh.check.partial import dp_hint, first_shapes
 from vemesh.check.partial import hint as partial_hint
-from vemesh.check.compare import compare, modules_before, tolerance
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel

@@ -24,7 +24,9 @@ class TPReplicaError(RuntimeError):
     """A replica over TP has the same values on every TP rank but not the same gradient; :attr:`names` are this
     rank's replicas that differ (empty where only another TP group's did)."""
 
-    names: list[str] = []
+    def __init__(self, message: str, names: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.names = list(names or [])
 
 
 def tp_group_beside(data_ranks: set[int]) -> dist.ProcessGroup | None:
@@ -80,19 +82,21 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
     if verdict.item():
         names = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "") if bad else \
             "(on another TP group of the data ranks)"
-        batches = ("Likeliest: the TP ranks were given different batches; every TP rank of a DP rank must see the "
-                   "same one (seed the data by the DP rank, not the global rank).\n")
-        inputs = ("Else the module's input is this rank's part only (a norm over its own heads, or between sequence-"
+        batches = ("the TP ranks were given different batches; every TP rank of a DP rank must see the same one "
+                   "(seed the data by the DP rank, not the global rank).\n")
+        inputs = ("the module's input is this rank's part only (a norm over its own heads, or between sequence-"
                   "parallel regions): give it SequenceParallel; `vemesh check` names the module and tries it.\n")
-        error = TPReplicaError(
+        if agreed and bad:  # the other replicas agree: the TP ranks saw the same batch
+            causes = (f"Likeliest: {inputs}(The other {agreed} replicas' gradients agree across TP, so the TP ranks "
+                      "saw the same batch.)\n")
+        else:
+            causes = f"Likeliest: {batches}Else {inputs}"
+        raise TPReplicaError(
             f"the gradient of {names} differs across the TP ranks {dist.get_process_group_ranks(tp)}, while the "
             "parameter is the same on each.\n"
-            + (batches + inputs if not agreed or not bad else inputs.replace("Else the", "Likeliest: the", 1)
-               + f"(The other {agreed} replicas' gradients agree across TP, so the TP ranks saw the same batch.)\n")
+            + causes
             + "Details: such a replica over TP is a plain tensor (or one sharded over the data dims only), and nothing "
             "sums its gradient over TP, so each TP rank would step it with its own part and the replicas drift apart. "
             "Make it a replicated DTensor whose gradient torch sums over TP: SequenceParallel(sequence_dim=...) on the "
             "module (as torchtitan shards Qwen3's q/k norms). If the parameter is meant to differ by TP rank, "
-            f"{opt_out}")
-        error.names = bad
-        raise error
+            f"{opt_out}", bad)
