@@ -1,5 +1,5 @@
 """Alike middle PP ranks added by difference (vemesh.planning.pipeline_plan._rank_plan): under a one-stage schedule
-the plan equals tracing every PP rank, in every figure of every rank; a rank whose stages differ (a block more) starts
+each rank added equals its own trace, in every figure; a rank whose stages differ (a block more) starts
 a run of its own; and where the checked rank is not the difference, the run is traced."""
 
 from __future__ import annotations
@@ -16,44 +16,56 @@ from vemesh.planning.results import Counted
 
 
 def _both(schedule: str, mode: str, batch: int, pp: int, extra: int, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """The plan with alike middle ranks added by difference, and each rank it added traced on its own: from what the
+    ranks before and after it sent, with the records the plan's traces made (as a plan tracing every rank replays
+    them)."""
     fns, kwargs = tiny_pipeline(schedule, mode, batch, pp, 1)
     if extra:  # the first ``extra`` stages hold a block more (split_layers)
         fns = replace(fns, factory=planned.factory(replace(TINY, n_layers=pp + extra)))
-    traced: list[list[int]] = []
+    traced: list[int] = []
+    exchanges: list[MetaExchange] = []
 
     def trace_user(*args, trace_user=pipeline_plan.trace_user, **kw):
-        traced[-1].append(kw["pp_rank"])
+        traced.append(kw["pp_rank"])
         return trace_user(*args, **kw)
 
+    class Exchange(MetaExchange):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            exchanges.append(self)
+
     monkeypatch.setattr(pipeline_plan, "trace_user", trace_user)
-    out = []
-    for start in (pipeline_plan.RANKS_BY_DIFFERENCE_FROM, 10**9):
-        monkeypatch.setattr(pipeline_plan, "RANKS_BY_DIFFERENCE_FROM", start)
-        traced.append([])
-        notes: list[str] = []
-        counted = pipeline_plan.trace_pipeline(fns, kwargs, notes)
-        out.append(({r: pipeline_plan._slots(c, r, fns, pp) for r, c in counted.items()}, notes))
-    return fns, out, traced
+    monkeypatch.setattr(pipeline_plan, "MetaExchange", Exchange)
+    notes: list[str] = []
+    counted = pipeline_plan.trace_pipeline(fns, kwargs, notes)
+    by_difference = {r: pipeline_plan._slots(c, r, fns, pp) for r, c in counted.items()}
+    (used,) = exchanges
+    alone = MetaExchange(replay=pipeline_plan.REPLAY)
+    alone.records, alone.forward, alone.backward = used.records, dict(used.forward), dict(used.backward)
+    planned_traced = sorted(set(traced))
+    derived = [r for r in range(pp) if r not in planned_traced]
+    whole = {r: pipeline_plan._slots(pipeline_plan._trace_rank(fns, r, alone, kwargs), r, fns, pp) for r in derived}
+    return by_difference, notes, planned_traced, whole
 
 
-@pytest.mark.slow  # 25 and 34 s alone: started with the other long runs (conftest.py)
+@pytest.mark.slow  # 10 and 12 s alone: started with the other long runs (conftest.py)
 @pytest.mark.parametrize("schedule, mode, pp, batch, extra", [("1f1b", "zero1", 7, 16, 0), ("gpipe", "fsdp", 8, 8, 2)])
 def test_alike_middle_ranks_by_difference_equal_tracing_every_rank(schedule, mode, pp, batch, extra,
                                                                   monkeypatch) -> None:
     """PP x DP 2, micro-batches of 1: 1F1B under ZeRO-1 over PP 7, 8 micro-batches, a block a stage (PP ranks 1 to 3
     and 5 traced, 4 by difference), GPipe under FSDP2 over PP 8, 4 micro-batches, the first two stages holding a
-    block more (PP rank 1 alone; 2 to 4 and 6 traced, 5 by difference). Every figure of every rank equals the whole trace's: the peak, the bytes held by kind,
-    the FLOPs, the bytes moved, the collectives, each action's part."""
-    fns, ((by_difference, notes), (whole, whole_notes)), traced = _both(schedule, mode, batch, pp, extra, monkeypatch)
+    block more (PP rank 1 alone; 2 to 4 and 6 traced, 5 by difference). Every figure of each rank added by difference
+    equals that rank's own trace (from what its neighbours sent): the peak, the bytes held by kind, the FLOPs, the
+    bytes moved, the collectives, each action's part. (The ranks the plan traces are traced as a plan tracing every
+    rank traces them.)"""
+    by_difference, notes, traced, whole = _both(schedule, mode, batch, pp, extra, monkeypatch)
     first = 2 if extra else 1
-    assert sorted(set(traced[0])) == sorted({0, 1, first, first + 1, first + 2, pp - 2, pp - 1})
-    assert sorted(set(traced[1])) == list(range(pp))
-    derived = [r for r in range(pp) if r not in traced[0]]
+    assert traced == sorted({0, 1, first, first + 1, first + 2, pp - 2, pp - 1})
+    derived = sorted(whole)
     assert derived == list(range(first + 3, pp - 2))
     assert any(n.startswith(("PP ranks", "PP rank")) and f"difference of PP ranks {first} and {first + 1}" in n
                for n in notes), notes
-    assert not any(n.startswith("PP rank") for n in whole_notes)
-    for r in range(pp):
+    for r in derived:
         assert by_difference[r] == whole[r], r
     forwards = [max(p for k, (p, _) in by_difference[r].phases.items() if " F@0" in k) for r in (first, derived[-1])]
     # the highest bytes in a forward: 1F1B, a micro-batch fewer in flight a rank; GPipe, every one on every rank
