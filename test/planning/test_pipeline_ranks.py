@@ -15,7 +15,7 @@ from vemesh.planning.pipeline_trace import MetaExchange
 from vemesh.planning.results import Counted
 
 
-def _both(schedule: str, mode: str, batch: int, pp: int, extra: int, monkeypatch: pytest.MonkeyPatch) -> tuple:
+def _plan_and_alone(schedule: str, mode: str, batch: int, pp: int, extra: int, monkeypatch: pytest.MonkeyPatch) -> tuple:
     """The plan with alike middle ranks added by difference, and each rank it added traced on its own: from what the
     ranks before and after it sent, with the records the plan's traces made (as a plan tracing every rank replays
     them)."""
@@ -50,7 +50,7 @@ def _both(schedule: str, mode: str, batch: int, pp: int, extra: int, monkeypatch
 
 @pytest.mark.slow  # 10 and 12 s alone: started with the other long runs (conftest.py)
 @pytest.mark.parametrize("schedule, mode, pp, batch, extra", [("1f1b", "zero1", 7, 16, 0), ("gpipe", "fsdp", 8, 8, 2)])
-def test_alike_middle_ranks_by_difference_equal_tracing_every_rank(schedule, mode, pp, batch, extra,
+def test_alike_middle_ranks_by_difference_equal_their_own_traces(schedule, mode, pp, batch, extra,
                                                                   monkeypatch) -> None:
     """PP x DP 2, micro-batches of 1: 1F1B under ZeRO-1 over PP 7, 8 micro-batches, a block a stage (PP ranks 1 to 3
     and 5 traced, 4 by difference), GPipe under FSDP2 over PP 8, 4 micro-batches, the first two stages holding a
@@ -58,7 +58,7 @@ def test_alike_middle_ranks_by_difference_equal_tracing_every_rank(schedule, mod
     equals that rank's own trace (from what its neighbours sent): the peak, the bytes held by kind, the FLOPs, the
     bytes moved, the collectives, each action's part. (The ranks the plan traces are traced as a plan tracing every
     rank traces them.)"""
-    by_difference, notes, traced, whole = _both(schedule, mode, batch, pp, extra, monkeypatch)
+    by_difference, notes, traced, whole = _plan_and_alone(schedule, mode, batch, pp, extra, monkeypatch)
     first = 2 if extra else 1
     assert traced == sorted({0, 1, first, first + 1, first + 2, pp - 2, pp - 1})
     derived = sorted(whole)
