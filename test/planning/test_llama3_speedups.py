@@ -18,12 +18,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from vemesh.cli import main
 from vemesh.models.llama3 import planned
 from vemesh.models.llama3.config import AC_MODES, SIZES, Llama3Config, check_ac, config_of, linear_share
-from vemesh.planning import PlanRequest
+from vemesh.planning import PlanRequest, pipeline_plan
 from vemesh.planning.fit import _traced_llama3
 from vemesh.planning.fake_world import fakes_take_foreach
 from vemesh.planning.fusion import Fusion, MemoryBoundBytes
 from vemesh.planning.measure import FLOP_FORMULAS
-from vemesh.planning import pipeline_plan
 from vemesh.planning.pipeline_plan import predict_pipeline, trace_pipeline
 from vemesh.planning.profiles import AttentionRate, load_profile
 from vemesh.planning.speedups import Speedups, attention_key, attention_seconds
@@ -428,7 +427,7 @@ def test_a_vocabulary_parallel_loss_holds_its_shard_of_the_logits_not_the_whole(
     assert one.activations > 2 * logits and four.activations < one.activations / 2
 
 
-@pytest.mark.slow  # a pipeline of 11 blocks traced whole, beside its shortcut: half a minute on a loaded machine
+@pytest.mark.slow  # 11 blocks traced whole, beside its shortcut: 22 s alone, 90 s in the loaded suite
 def test_an_uneven_pipeline_is_traced_by_blocks_and_its_difference_matches_the_whole_trace(monkeypatch) -> None:
     """11 blocks over 2 stages (6 and 5; by difference from 5 a stage here, 8 in a plan, so that the whole trace is
     short): traced with 7 and 9 blocks and the rest added by difference, equal to tracing all 11."""
