@@ -120,9 +120,9 @@ def _bytes(t: torch.Tensor) -> int:
 
 def _size(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
     if not shape:
-        return torch.empty((), dtype=dtype, device="meta").element_size()
+        return dtype.itemsize
     span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
-    return span * torch.empty((), dtype=dtype, device="meta").element_size()
+    return span * dtype.itemsize
 
 
 class Replay:
