@@ -17,7 +17,7 @@ import pytest
 
 from launch import launch_script, plan_here
 from vemesh.cli import main
-from vemesh.planning import plan, step_parts
+from vemesh.planning import pipeline_plan, plan, step_parts
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.pipeline_plan import predict_pipeline, trace_pipeline
 from vemesh.planning.user_model import predict_user, trace_arguments, trace_user
@@ -70,12 +70,13 @@ def _pipeline_fns(factory: str, schedule: str = "1f1b") -> UserFunctions:
 
 
 @pytest.mark.slow
-def test_a_users_pipeline_is_planned_through_torchs_schedule_and_its_shortcuts_equal_the_whole_trace() -> None:
+def test_a_users_pipeline_is_planned_through_torchs_schedule_and_its_shortcuts_equal_the_whole_trace(monkeypatch) -> None:
     """The user's parallelize function returns torch PipelineStages; each PP rank is traced running torch's schedule.
     A model of 16 identical blocks is traced with 3 and 4 per stage, each part of each stage's action scaled on its own
     (step_parts.pipeline_parts), and 12 micro-batches (of a 2-block model) with 4 and 6, the rest added by
     difference: equal to tracing everything (but for ZeRO-1's padding to DP)."""
     hidden = 128 * 256 * 4  # a sequence's hidden state, fp32: sent forward by rank 0, its gradient back by rank 1
+    monkeypatch.setattr(pipeline_plan, "WHOLE_UP_TO", 1)  # the micro-batches by difference, not one pipeline of all
     for factory, batch, mbs, says in ((f"module:{CASES}:make_sixteen", 16, 4, "3 and 4 per stage traced"),
                                       (f"module:{CASES}:make_two", 24, 1, "micro-batches: 4 and 6 traced")):
         fns = _pipeline_fns(factory)

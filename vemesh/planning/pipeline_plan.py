@@ -86,7 +86,8 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
       by difference, a block per stage at a time, each part of each stage's action on its own
       (:func:`~vemesh.planning.step_parts.pipeline_parts`, :meth:`Counted.scaled`); a stage whose blocks are not
       found (:func:`~vemesh.planning.step_parts.stage_blocks`) cannot be cut at them, and every block is traced;
-    * under a one-stage schedule (GPipe, 1F1B) many micro-batches (more than the two traces run) are traced as
+    * under a one-stage schedule (GPipe, 1F1B) many micro-batches (more than :data:`WHOLE_UP_TO` times what the two
+      traces run, with replays; without, more than they run) are traced as
       ``m mod PP + 2 PP`` and ``+ 3 PP`` and the rest added by difference, a pipeline's worth at a time: those
       schedules are in their steady state by then. The multi-stage schedules run every micro-batch: they wait on their sends only at the end of the step,
       so what they hold grows with the micro-batches at a rate that changes along the way;
@@ -148,7 +149,9 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     if REPLAY and fns.pp_schedule in ONE_STAGE_REPLAYED and pp >= PRELUDE_FROM[0] and m >= PRELUDE_FROM[1]:
         shared = {} if shared is None else shared
         _prelude(fns, kwargs, shared)
-    if short + (short + pp) >= m or fns.pp_schedule in MULTI_STAGE:  # the two traces would run as many micro-batches
+    both = short + (short + pp)  # what the two traces run together
+    replayed = REPLAY and fns.pp_schedule in ONE_STAGE_REPLAYED
+    if both >= m or fns.pp_schedule in MULTI_STAGE or (replayed and m <= WHOLE_UP_TO * both):
         return trace_pipeline(fns, kwargs, notes, records=shared)
     derived = _rank_plan(fns, kwargs)  # the stages do not change with the micro-batches
     # the second pipeline replays what the first recorded of the same stages
@@ -161,6 +164,11 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     return {r: three[r].scaled(two[r], (m - short - pp) // pp) for r in range(pp)}
 
 
+#: under a replayed one-stage schedule, every micro-batch is traced (most of them replayed) up to this many times
+#: the micro-batches of the two traces by difference: a pipeline costs its traced actions and its stages, a replay
+#: little. The 70B GPT of docs/planning.md over PP 8 x TP 8 (BENCHMARKS.md, 2026-12-03): 64 micro-batches in 54.7 s
+#: against 73.9 s by difference, 256 in 118.3 s against 123.5 s (the two traces run 40), the same peaks
+WHOLE_UP_TO = 4
 #: the PP ranks and micro-batches of :func:`_prelude`'s pipeline
 PRELUDE = (4, 6)
 #: the PP ranks and micro-batches from which a pipeline under a one-stage schedule runs its prelude. What it saves
