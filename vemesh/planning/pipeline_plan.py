@@ -146,11 +146,11 @@ def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str])
     pp, m = kwargs["degrees"]["PP"], kwargs["passes"]
     short = m % pp + 2 * pp
     shared = _records(fns, kwargs)
-    if REPLAY and fns.pp_schedule in ONE_STAGE_REPLAYED and pp >= PRELUDE_FROM[0] and m >= PRELUDE_FROM[1]:
+    replayed = REPLAY and fns.pp_schedule in ONE_STAGE_REPLAYED
+    if replayed and pp >= PRELUDE_FROM[0] and m >= PRELUDE_FROM[1]:
         shared = {} if shared is None else shared
         _prelude(fns, kwargs, shared)
     both = short + (short + pp)  # what the two traces run together
-    replayed = REPLAY and fns.pp_schedule in ONE_STAGE_REPLAYED
     if both >= m or fns.pp_schedule in MULTI_STAGE or (replayed and m <= WHOLE_UP_TO * both):
         return trace_pipeline(fns, kwargs, notes, records=shared)
     derived = _rank_plan(fns, kwargs)  # the stages do not change with the micro-batches
