@@ -74,6 +74,12 @@ def test_activation_checkpointing_modes(mode, want) -> None:
      "--float8-all-gather sends FSDP2's Float8 weights in 1 byte: give --float8 tensorwise|rowwise too"),
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--activation-checkpointing", "selective-op"],
      "the GPT preset recomputes whole blocks (full) or none"),
+    (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--dp", "4", "--tp", "2", "--global-batch-size", "6"],
+     "DP 4 does not divide the global batch of 6 sequences: choose a --global-batch-size that is a multiple of 4 "
+     "(the nearest: 4, 8), or a mesh whose DP divides 6"),
+    (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--dp", "4", "--tp", "2", "--global-batch-size", "24",
+      "--micro-batch-size", "4"], "a micro-batch of 4 sequences does not divide the 6 sequences per DP rank "
+     "(--global-batch-size 24 / DP 4): choose --micro-batch-size from 1, 2, 3, 6"),
     (["--model", "llama3:8b", "--dtype", "bf16", "--float8", "tensorwise", "--device-profile", "a100-sxm-80gb",
       "--tp", "1", "--dp", "1"], "device profile 'a100-sxm-80gb' has no matmul throughput for fp8"),
 ])

@@ -20,6 +20,7 @@ from vemesh.parallel.schedules import in_flight, stage_indices, stages_per_rank
 from vemesh.planning.activations import Trace, add_ops, trace_stage
 from vemesh.planning.estimate import Model, fsdp_local, local_numel, rank_shards, rank_static, stage_keys
 from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.user_model import batch_split
 from vemesh.planning.wrapper_costs import wrapper_costs
 
 __all__ = ["ADAMW_BYTES_PER_STATE_BYTE", "Ops", "by_group", "dp_traffic", "estimate_pipeline", "nbytes",
@@ -44,12 +45,7 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
     if cfg["block_size"] % cp or (job.sequence_parallel and (cfg["block_size"] // cp) % tp):
         raise ValueError(f"CP {cp}{' x TP ' + str(tp) if job.sequence_parallel else ''} does not divide seq_len "
                          f"{cfg['block_size']}")
-    if job.global_batch_size % dp:
-        raise ValueError(f"DP {dp} does not divide the global batch of {job.global_batch_size} sequences")
-    per_dp = job.global_batch_size // dp
-    mbs = job.micro_batch_size or (per_dp // (2 * pp) if per_dp % (2 * pp) == 0 else per_dp)
-    if per_dp % mbs:
-        raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
+    per_dp, mbs = batch_split(job.global_batch_size, dp, job.micro_batch_size, pp)
     passes = per_dp // mbs
     grad_dim = ParallelDims(pp * dp * cp * tp, pp=pp, dp_shard=dp, cp=cp, tp=tp).grad_dim or "DP"  # the one rule
     width = 2 if job.dtype == "bf16" else 4

@@ -316,17 +316,29 @@ def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, in
     return DistributedDataParallel(model)
 
 
+def batch_split(global_batch_size: int, dp: int, micro_batch_size: int | None, pp: int) -> tuple[int, int]:
+    """The sequences per DP rank and the micro-batch (default the DP rank's batch; with PP 2 x PP micro-batches),
+    or a ``ValueError`` that names the value and the ones that would do."""
+    if global_batch_size % dp:
+        near = sorted({max(dp, global_batch_size // dp * dp), -(-global_batch_size // dp) * dp})
+        raise ValueError(f"DP {dp} does not divide the global batch of {global_batch_size} sequences: choose a "
+                         f"--global-batch-size that is a multiple of {dp} (the nearest: "
+                         f"{', '.join(map(str, near))}), or a mesh whose DP divides {global_batch_size}")
+    per_dp = global_batch_size // dp
+    mbs = micro_batch_size or (per_dp // (2 * pp) if pp > 1 and per_dp % (2 * pp) == 0 else per_dp)
+    if per_dp % mbs:
+        choices = ", ".join(str(d) for d in range(1, per_dp + 1) if per_dp % d == 0)
+        raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank "
+                         f"(--global-batch-size {global_batch_size} / DP {dp}): choose --micro-batch-size from "
+                         f"{choices}")
+    return per_dp, mbs
+
+
 def trace_arguments(*, world_size: int, degrees: dict[str, int], dp_replicate: int = 1, global_batch_size: int,
                     micro_batch_size: int | None, dtype: str, dp_mode: str | None, load_factor: float,
                     timed: bool = False, device: str = "cpu") -> dict[str, Any]:
     """:func:`trace_user`'s keywords: the micro-batch (default the DP rank's batch; with PP 2 x PP of them), checked."""
-    pp = degrees.get("PP", 1)
-    if global_batch_size % degrees["DP"]:
-        raise ValueError(f"DP {degrees['DP']} does not divide the global batch of {global_batch_size} sequences")
-    per_dp = global_batch_size // degrees["DP"]
-    mbs = micro_batch_size or (per_dp // (2 * pp) if pp > 1 and per_dp % (2 * pp) == 0 else per_dp)
-    if per_dp % mbs:
-        raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank")
+    per_dp, mbs = batch_split(global_batch_size, degrees["DP"], micro_batch_size, degrees.get("PP", 1))
     return dict(world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, micro_batch_size=mbs,
                 passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor, timed=timed, device=device)
 
