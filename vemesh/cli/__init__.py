@@ -87,7 +87,9 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="vemesh",
-        description="See a device mesh layout (which ranks form which groups, on which hosts) before launching.",
+        description="Before launching: see a device mesh's layout (which ranks form which groups, on which hosts), "
+        "plan which mesh fits and runs fastest for your model, calibrate this machine, check a parallelized model "
+        "against one process; after a hang: name its dim, group and missing rank.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     show, plan = add_show(commands), add_plan(commands)

@@ -22,10 +22,13 @@ from vemesh.planning.step_time import render as render_time
 
 def add_plan(commands: Any) -> argparse.ArgumentParser:
     plan = commands.add_parser(
-        "plan", help="fill in the missing degree and print the init_device_mesh call",
+        "plan", help="fill in the missing degree and print the init_device_mesh call; with --model, each rank's "
+        "peak memory and step time, or a search of every mesh (--device-memory)",
         description="Fill in the one missing degree (DP unless another is 'auto'), check the layout, "
         "and print the init_device_mesh(...) call. Dims run PP, DP, CP, TP (outermost first); "
-        "dims of size 1 are left out.",
+        "dims of size 1 are left out. With --model (a preset, or your own factory with --parallelize and --step), "
+        "trace one step on a fake world and predict each rank's peak memory, and with --device-profile its step "
+        "time; with --device-memory and no degrees, plan every mesh of the world size and rank those that fit.",
     )
     plan.add_argument("--world-size", type=positive, required=True, metavar="N", help="total number of ranks")
     for name, default in (("pp", 1), ("dp", None), ("cp", 1), ("tp", 1)):
