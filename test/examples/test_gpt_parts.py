@@ -142,6 +142,15 @@ def test_generate_pads_without_changing_logits():
     assert out.shape == (2, 25) and torch.equal(out, again) and torch.equal(out[:, :5], idx)
 
 
+def test_the_model_refuses_a_head_count_and_a_sequence_it_cannot_take():
+    """ValueErrors naming the value and the choices, not bare asserts (which ``python -O`` strips)."""
+    with pytest.raises(ValueError, match="n_head 3 does not divide n_embd 16: .* choose n_head from 1, 2, 4, 8, 16$"):
+        GPT(GPTConfig(block_size=16, n_layer=1, n_head=3, n_embd=16))
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match="a sequence of 9 tokens is longer than block_size 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
 def test_model_file_does_not_import_vemesh():
     """The GPT preset's model file (what the example trains) imports torch only: parallelism comes from outside."""
     import ast

@@ -74,6 +74,9 @@ def test_activation_checkpointing_modes(mode, want) -> None:
      "--float8-all-gather sends FSDP2's Float8 weights in 1 byte: give --float8 tensorwise|rowwise too"),
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--activation-checkpointing", "selective-op"],
      "the GPT preset recomputes whole blocks (full) or none"),
+    (["--model", "gpt:n_layer=2,n_embd=64,n_head=3", "--tp", "1"], "--model gpt:n_layer=2,n_embd=64,n_head=3: the GPT "
+     "example refuses this configuration: n_head 3 does not divide n_embd 64: each head takes n_embd / n_head "
+     "channels; choose n_head from 1, 2, 4, 8, 16, 32, 64"),
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--dp", "4", "--tp", "2", "--global-batch-size", "6"],
      "DP 4 does not divide the global batch of 6 sequences: choose a --global-batch-size that is a multiple of 4 "
      "(the nearest: 4, 8), or a mesh whose DP divides 6"),

@@ -152,7 +152,8 @@ def gpt_config(spec: str) -> Any:
     try:
         return model_module.GPTConfig(**config)
     except Exception as e:
-        raise ValueError(f"--model {spec}: the GPT example refuses this configuration: {e}") from e
+        raise ValueError(f"--model {spec}: the GPT example refuses this configuration: "
+                         f"{e or type(e).__name__}") from e
 
 
 def build_model(spec: str) -> tuple[nn.Module, str]:
@@ -168,7 +169,8 @@ def build_model(spec: str) -> tuple[nn.Module, str]:
             with torch.device("meta"):
                 return model_module.GPT(cfg), "gpt"
         except Exception as e:
-            raise ValueError(f"--model {spec}: the GPT example refuses this configuration: {e}") from e
+            raise ValueError(f"--model {spec}: the GPT example refuses this configuration: "
+                             f"{e or type(e).__name__}") from e
     if kind == "module":
         path, colon, attr = body.rpartition(":")
         if not colon or not path or not attr:

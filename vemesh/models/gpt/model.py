@@ -45,7 +45,10 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
+        if config.n_head < 1 or config.n_embd % config.n_head:
+            heads = [h for h in range(1, config.n_embd + 1) if config.n_embd % h == 0]
+            raise ValueError(f"n_head {config.n_head} does not divide n_embd {config.n_embd}: each head takes "
+                             f"n_embd / n_head channels; choose n_head from {', '.join(map(str, heads))}")
         # Separate q/k/v projections (not one fused c_attn) so that a column-wise
         # split over TP hands each rank whole heads of q, k and v.
         self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -240,7 +243,10 @@ class GPT(nn.Module):
         x = idx
         if self.wte is not None:
             B, T = idx.size()
-            assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
+            if T > self.config.block_size:
+                raise ValueError(f"a sequence of {T} tokens is longer than block_size {self.config.block_size}, "
+                                 f"the positions the model embeds: give at most {self.config.block_size} tokens, "
+                                 "or a model of a larger block_size")
             pos = self.pos[:T]  # (T,): 0..T-1, or this CP rank's global positions inside context_parallel
             x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h.values():
