@@ -35,6 +35,10 @@ def resolve(ref: Any, flag: str) -> tuple[Callable[..., Any], str]:
         return ref, f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
 
     text = str(ref)
+    head, _, rest = text.partition(":")
+    if flag == "--model" and head in ("gpt", "llama3") and not rest.isidentifier():  # not a gpt.py's function
+        raise ValueError(f"--model {text}: a preset of vemesh plan; here give your own model's factory, "
+                         "module:MODULE:FUNCTION (e.g. module:mymodel:make), with its --parallelize and --step")
     body = text.removeprefix("module:") if flag == "--model" else text
     module, colon, name = body.rpartition(":")
     if not colon or not module or not name:

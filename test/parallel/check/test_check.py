@@ -435,6 +435,10 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--model", "module:nope_module:make"], "--model module:nope_module:make: no module named 'nope_module'"),
     (["--model", f"module:{nano('nothing')}"], "has no 'nothing'"),
+    (["--model", "gpt:n_layer=2,n_embd=64,n_head=4"], "--model gpt:n_layer=2,n_embd=64,n_head=4: a preset of vemesh "
+     "plan; here give your own model's factory, module:MODULE:FUNCTION (e.g. module:mymodel:make)"),
+    (["--model", "llama3:8b"], "--model llama3:8b: a preset of vemesh plan"),
+    (["--model", "gpt:make"], "--model gpt:make: no module named 'gpt'"),  # a gpt.py's make: not a preset
     (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by TP x CP = 4 x 1 = 4"),
     (["--pp", "2"], "--pp 2: the check compares one process with the parallel run at PP 1"),
     (["--step", nano("make")], "--step " + nano("make") + " takes (**kwargs), but is called as "
