@@ -284,6 +284,24 @@ def test_attention_is_counted_by_shape_and_timed_at_the_grids_rate_for_it() -> N
         load_profile("h100-sxm").model_validate({**profile.model_dump(), "attention": [g.model_dump() for g in grid[:3]]})
 
 
+def test_attentions_backward_is_counted_apart_and_timed_at_the_profiles_backward_rate() -> None:
+    """The backward's FLOPs (5 of the 7 products) are counted by shape again under their own key, and a profile
+    whose ``attention_backward`` is 0.9 (the built-in H100s: FlashAttention-2's published backward over forward)
+    times them at 0.9 of its forward rate; one without times them as the forward."""
+    q = torch.randn(1, 4, 32, 8, requires_grad=True)
+    with MemoryBoundBytes() as moved:
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+    counts, per = moved.counts(), 2 * 4 * 32 * 32 * 8
+    assert counts[attention_key(32, 32, 8)] == 7 * per and counts[attention_key(32, 32, 8, backward=True)] == 5 * per
+    assert attention_key(32, 32, 8, backward=True) == "attention_backward_flops@32x8"
+    h100 = load_profile("h100-sxm")
+    assert h100.attention_backward == 0.9
+    rate = h100.flops("bf16") * h100.attention_achievable
+    assert attention_seconds(counts, h100, "bf16") == pytest.approx(2 * per / rate + 5 * per / (0.9 * rate))
+    same = h100.model_copy(update={"attention_backward": None})
+    assert attention_seconds(counts, same, "bf16") == pytest.approx(7 * per / rate)
+
+
 def test_float8_all_gather_halves_the_share_of_the_gather_that_is_linear_weights() -> None:
     assert Speedups(float8="tensorwise", float8_all_gather=True, float8_share=0.8).gathered_bytes(100) == pytest.approx(60)
     assert Speedups(float8="tensorwise").gathered_bytes(100) == 100

@@ -23,7 +23,9 @@ own fraction of the peak (``attention_achievable``: flash attention reaches less
 the same FLOPs by shape (``attention_flops@SEQxHEAD``, :func:`vemesh.planning.speedups.attention_key`: the
 geometric mean of the query and key lengths, and the head size), which a calibrated profile times at the rate
 interpolated on the grid of shapes it measured (:meth:`vemesh.planning.profiles.DeviceProfile.attention_fraction`):
-a CPU's flash attention reaches 0.04 of its matmul rate at head size 4 and 0.58 at (1024, 64).
+a CPU's flash attention reaches 0.04 of its matmul rate at head size 4 and 0.58 at (1024, 64). The backward's FLOPs
+are counted by shape again apart (``attention_backward_flops@SEQxHEAD``), for a profile whose backward reaches less
+than its forward (``attention_backward``).
 
 **Float8: which matmuls.** ``linear_flops`` are the FLOPs of ``aten.mm``/``aten.addmm`` (``nn.Linear``'s three
 matmuls a forward and backward: torchao's training recipe runs all three in float8), ``linear_elements`` the
@@ -179,6 +181,9 @@ class Fusion:
             key = attention_key(q.shape[-2], k.shape[-2], q.shape[-1])
             self.attention_flops += flops
             self.by_key[key] = self.by_key.get(key, 0) + flops
+            if func.overloadpacket is _ATTENTION_BACKWARD:  # also apart: a backward runs at its own rate
+                key = attention_key(q.shape[-2], k.shape[-2], q.shape[-1], backward=True)
+                self.by_key[key] = self.by_key.get(key, 0) + flops
         elif func.overloadpacket in _TRANSCENDENTAL:  # eager's bytes of these ops, timed at their own rate
             self.transcendental_bytes += sum(_nbytes(t) for t in (*reads, *writes))
         if _fusible(func):

@@ -59,6 +59,8 @@ class DeviceProfile(BaseModel):
     achievable: float = Field(gt=0, le=1)
     #: the fraction of the peak that attention's fused kernels reach (flash attention's; None: ``achievable``)
     attention_achievable: float | None = Field(None, gt=0, le=1)
+    #: attention's backward rate over its forward's (None: the same); the rates above are the forward's
+    attention_backward: float | None = Field(None, gt=0, le=1)
     #: measured attention rates on a grid of shapes (every ``seq`` with every ``head_dim``): an attention call is timed
     #: at the rate interpolated at its shape (:meth:`attention_fraction`); a CPU's flash attention reaches 0.04 of
     #: its matmul rate at head size 4, 0.58 at (1024, 64). Empty: ``attention_achievable``

@@ -34,12 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ATTENTION_KEY", "FLOAT8", "Speedups", "attention_key", "attention_seconds", "linear_share"]
+__all__ = ["ATTENTION_KEY", "BACKWARD_KEY", "FLOAT8", "Speedups", "attention_key", "attention_seconds", "linear_share"]
 
 #: ``--float8``'s recipes (torchao's ``Float8LinearConfig.from_recipe_name``).
 FLOAT8 = ("tensorwise", "rowwise")
 #: the prefix of a trace's count of attention FLOPs by shape: ``attention_flops@SEQxHEAD``
 ATTENTION_KEY = "attention_flops@"
+#: the backward's FLOPs by shape, counted under this key too (a subset of ``ATTENTION_KEY``'s)
+BACKWARD_KEY = "attention_backward_flops@"
 #: bytes per element of a Float8 operand's cast and scale: (eager, compiled), the operand in a 2-byte dtype
 _CAST_BYTES = (2 + 2 + 1, 2 + 1)
 
@@ -111,23 +113,27 @@ class Speedups:
         return nbytes * (1 - 0.5 * self.float8_share) if self.float8_all_gather else nbytes
 
 
-def attention_key(q_len: int, kv_len: int, head_dim: int) -> str:
+def attention_key(q_len: int, kv_len: int, head_dim: int, backward: bool = False) -> str:
     """The count's key of an attention call's FLOPs: the geometric mean of its query and key lengths (a ring step of
-    context parallelism, or half of a load-balanced chunk, runs blocks shorter than the sequence), and its head size."""
-    return f"{ATTENTION_KEY}{round((q_len * kv_len) ** 0.5)}x{head_dim}"
+    context parallelism, or half of a load-balanced chunk, runs blocks shorter than the sequence), and its head size;
+    with ``backward``, the key its backward's FLOPs are also counted under."""
+    return f"{BACKWARD_KEY if backward else ATTENTION_KEY}{round((q_len * kv_len) ** 0.5)}x{head_dim}"
 
 
 def attention_seconds(counts: dict[str, int], profile: Any, dtype: str) -> float:
     """The fused attention kernels' time: each shape's FLOPs (``attention_flops@SEQxHEAD``,
     :func:`attention_key`) at the profile's rate for that shape
-    (:meth:`~vemesh.planning.profiles.DeviceProfile.attention_fraction`), and any not counted by shape (an older
-    trace) at its rate without a grid."""
+    (:meth:`~vemesh.planning.profiles.DeviceProfile.attention_fraction`), the backward's
+    (``attention_backward_flops@SEQxHEAD``) at that rate times the profile's ``attention_backward``, and any not
+    counted by shape (an older trace) at its rate without a grid."""
     peak, seconds, by_shape = profile.flops(dtype), 0.0, 0
+    slower = 1 / (getattr(profile, "attention_backward", None) or 1.0) - 1  # a backward's time over its forward rate's
     for key, flops in counts.items():
-        if key.startswith(ATTENTION_KEY):
-            seq, head_dim = (int(x) for x in key[len(ATTENTION_KEY):].split("x"))
-            seconds += flops / (peak * profile.attention_fraction(seq, head_dim))
-            by_shape += flops
+        for prefix, share in ((ATTENTION_KEY, 1.0), (BACKWARD_KEY, slower)):
+            if key.startswith(prefix) and share:
+                seq, head_dim = (int(x) for x in key[len(prefix):].split("x"))
+                seconds += share * flops / (peak * profile.attention_fraction(seq, head_dim))
+                by_shape += flops if prefix == ATTENTION_KEY else 0
     rest = counts.get("attention_flops", 0) - by_shape
     return seconds + max(0, rest) / (peak * (profile.attention_achievable or profile.achievable))
 
