@@ -18,7 +18,8 @@ CP group across hosts, TP not innermost, a partly used host) get a
 ``--json``; they do not change the exit status.
 
 Exit status: 0 on success, 2 on bad input, with one line ``vemesh: error: ...``
-on stderr that names the bad value and the valid ones.
+on stderr that names the bad value and the valid ones; 1 when the answer is no:
+``check`` finds a difference, ``plan --device-memory`` finds no mesh that fits.
 """
 
 from __future__ import annotations

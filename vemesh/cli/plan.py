@@ -1,4 +1,8 @@
-"""``vemesh plan``: fill in the missing degree and print the mesh; with ``--model``, will it fit."""
+"""``vemesh plan``: fill in the missing degree and print the mesh; with ``--model``, will it fit.
+
+Exit status: 1 when ``--device-memory`` is given and the answer is no (the planned mesh does not fit; in a search, no
+mesh does), so that ``vemesh plan ... && torchrun ...`` launches only what fits; else 0 (2 on bad input).
+"""
 
 from __future__ import annotations
 
@@ -118,7 +122,7 @@ def _plan_model(request: PlanRequest, plan: MeshPlan, as_json: bool) -> int:
         for line in plan.flatten_calls():
             print(f"    {line}")
     print_warnings(plan.warnings)
-    return 0
+    return 1 if verdict(fit, memory) == "does not fit" else 0
 
 
 @contextlib.contextmanager
@@ -146,7 +150,7 @@ def _search(request: PlanRequest, as_json: bool) -> int:
     else:
         print(render_search(found.job, request.world_size, found.device_memory, request.devices_per_host,
                             request.order, list(found.fits), list(found.rejected)))
-    return 0
+    return 0 if found.fits else 1
 
 
 def _plan_header(plan: MeshPlan) -> str:

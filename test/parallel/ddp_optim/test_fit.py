@@ -101,6 +101,18 @@ def test_cli_prints_the_tables_and_the_json(capsys) -> None:
     assert doc["ranked_by"] == "peak" and {"fits", "rejected"} <= set(doc)
 
 
+def test_plan_exits_1_when_nothing_fits_so_that_a_script_stops_there(capsys) -> None:
+    """A search in which no mesh fits, and a plan of one mesh that does not fit, exit 1 after printing their answer
+    (``vemesh plan ... && torchrun ...``); a mesh that fits exits 0. Before, all three exited 0."""
+    tiny = ["plan", "--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--world-size", "2"]
+    assert main([*tiny, "--device-memory", "1MiB"]) == 1
+    assert "; 0 fit" in capsys.readouterr().out
+    assert main([*tiny, "--dp", "2", "--device-memory", "1MiB", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+    assert main([*tiny, "--dp", "2", "--device-memory", "1GiB"]) == 0
+    assert "fits: peak" in capsys.readouterr().out
+
+
 def test_a_module_factory_gets_its_static_memory_labeled_as_such(capsys) -> None:
     assert main(["plan", "--model", "module:torch.nn:Identity", "--world-size", "2", "--dp", "2"]) == 0
     out = capsys.readouterr().out
