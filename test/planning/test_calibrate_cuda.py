@@ -40,6 +40,8 @@ def test_calibrate_one_gpu_writes_a_profile_that_plan_reads(tmp_path: Path) -> N
     assert profile.queued and profile.op_overhead_s > 0
     # flash attention on its grid of shapes, as a fraction of the bf16 matmul rate (0.3 to 0.6 on an H100 at 8192)
     assert len(profile.attention) == 6 and 0.15 < profile.attention_fraction(8192, 128) <= 1
+    # the backward apart, as the built-in profiles hold it (flash attention's: about 0.9 of its forward's rate)
+    assert profile.attention_backward is not None and 0.5 < profile.attention_backward <= 1
     plan = subprocess.run([sys.executable, "-m", "vemesh", "plan", "--model", "gpt:n_layer=2,n_embd=256,n_head=4",
                            "--world-size", "1", "--dtype", "bf16", "--device-profile", str(out), "--json"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

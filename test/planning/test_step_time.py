@@ -253,6 +253,39 @@ def test_ranks_that_share_cores_fill_each_others_bubble() -> None:
         DeviceProfile.model_validate({**load_profile("h100-sxm").model_dump(), "shared_compute": 0.5})
 
 
+def test_a_calibrations_attention_backward_is_timed_apart_on_a_gpu_and_together_on_a_cpu(monkeypatch) -> None:
+    """``attention_rates`` with ``apart`` (the default on a GPU) times the forward alone too and gives each shape's
+    forward rate, then its backward's rate over the forward's, as the built-in GPU profiles hold them: a call pair
+    timed 6 and 1 (forward and backward, then forward alone) is a forward of 2 products in 1 and a backward of 5
+    in 5, a ratio of 0.5. Without ``apart`` (a CPU's default) one rate of the 7 products together, as before; and
+    the real kernels on this CPU give ratios in (0, 1]."""
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.planning import device_rates
+
+    cpu = torch.device("cpu")
+    shapes = [(s, h) for s in device_rates.attention_grid(cpu)[0] for h in device_rates.attention_grid(cpu)[1]]
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    try:
+        measured = device_rates.attention_rates(cpu, lambda: None, 1, True, apart=True)
+        times = itertools.cycle([6.0, 1.0])  # forward and backward, then the forward alone
+        monkeypatch.setattr(device_rates, "median_seconds", lambda fn, reps, sync: next(times))
+        apart = device_rates.attention_rates(cpu, lambda: None, 1, True, apart=True)
+        times = itertools.cycle([7.0])
+        together = device_rates.attention_rates(cpu, lambda: None, 1, True)
+    finally:
+        dist.destroy_process_group()
+    n = len(shapes)
+    assert len(measured) == len(apart) == 2 * n and all(0 < r <= 1 for r in measured[n:]), measured
+    heads = [max(1, int(2**26 * min(1.0, h / 32)) // (7 * s * s * h)) for s, h in shapes]
+    assert apart == pytest.approx([2 * s * s * h * k for (s, h), k in zip(shapes, heads)] + [0.5] * n)
+    assert together == pytest.approx([s * s * h * k for (s, h), k in zip(shapes, heads)])  # 7 products in 7
+
+
 @pytest.mark.slow
 def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     out = tmp_path / "me.json"

@@ -11,7 +11,9 @@ ranks of a job share the machine:
 * **attention**: causal ``scaled_dot_product_attention``, forward and backward, on a grid of sequence lengths and
   head sizes (:func:`vemesh.planning.device_rates.attention_grid`), each as a fraction of the same dtype's matmul
   rate (fp32 on a CPU, bf16 on a GPU): a CPU's flash attention reaches 0.04 of its matmul rate at head size 4 and
-  0.58 at (1024, 64), which no one fraction stands for;
+  0.58 at (1024, 64), which no one fraction stands for. On a GPU the forward is timed alone as well: the grid holds
+  the forward's rates and ``attention_backward`` the median over the grid of the backward's rate over the
+  forward's, as the built-in GPU profiles hold them;
 * **memory**: cycles of a step's memory-bound ops on 1 MiB tensors (16 MiB on a GPU), each into a new one, as a
   step runs them (out of place, the inputs no longer in a cache), bytes read and written per second per rank: adds
   and multiplies, and apart the transcendental ones, a division or a normalization (GELU, exp, rsqrt, softmax,
@@ -284,6 +286,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
         host = links.host.model_dump() if links is not None else kinds["all_reduce"][str(n)]
         wait, per_dtensor_op, tp_call, tp_dtensor_ops = -slowest[4], -slowest[6], -slowest[7], -slowest[8]
         shapes, cuda = [(s, h) for s in attention_grid(device)[0] for h in attention_grid(device)[1]], device_type == "cuda"
+        rates, ratios = slowest[11:11 + len(shapes)], slowest[11 + len(shapes):]  # ratios: on a GPU (attention_rates)
         pair = Link(**kinds["all_reduce"].get("2", host)) if n > 1 else Link(**host)
         profile = DeviceProfile(
             name=f"calibrated-{socket.gethostname()}-{n}",
@@ -306,7 +309,8 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
             transcendental_bandwidth=slowest[10],
             # each a fraction of the same dtype's matmul rate (bf16 on a GPU, fp32 on a CPU), both the slowest rank's
             attention=[AttentionRate(seq=seq, head_dim=head, achievable=min(1.0, rate / slowest[1 if cuda else 0]))
-                       for (seq, head), rate in zip(shapes, slowest[11:])],
+                       for (seq, head), rate in zip(shapes, rates)],
+            attention_backward=statistics.median(ratios) if ratios else None,
             overlap=slowest[3],
             shared_compute=shared,
             queued=device_type == "cuda",

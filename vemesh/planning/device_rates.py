@@ -24,18 +24,25 @@ def attention_grid(device: torch.device) -> tuple[tuple[int, ...], tuple[int, ..
     return (64, 256, 1024), (4, 16, 64, 128)
 
 
-def attention_rates(device: torch.device, sync: Any, reps: int, quick: bool) -> list[float]:
+def attention_rates(device: torch.device, sync: Any, reps: int, quick: bool, apart: bool | None = None) -> list[float]:
     """FLOP/s per rank of fused causal attention, forward and backward, at each shape of :func:`attention_grid`
     (sequence lengths outer, head sizes inner), every rank at once: ``scaled_dot_product_attention`` as a step calls it
     (fp32 on a CPU, bf16 on a GPU, where the flash kernels need it), its FLOPs counted as the planner counts them
     (Q K^T and P V forward, five such products backward, half of them under the causal mask), enough heads a call for
-    a fixed amount of work."""
+    a fixed amount of work.
+
+    With ``apart`` (the default on a GPU) the forward is also timed alone, and the list holds each shape's forward
+    rate, then each shape's backward rate over its forward's: what the built-in GPU profiles hold apart
+    (:attr:`~vemesh.planning.profiles.DeviceProfile.attention_backward`; flash attention's backward runs at about 0.9
+    of its forward's rate on an H100). A backward timed faster per FLOP than its forward is read as the same rate (1),
+    the most the profile takes. On a CPU the two together: the rates there were checked against real steps so."""
     F = torch.nn.functional
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    apart = device.type == "cuda" if apart is None else apart
     # FLOPs a call (about 30 ms on a CPU core shared by two ranks: a few of its time slices, so that each sample sees
     # its share); fewer at heads under 32, which a CPU runs far below its matmul rate
     work = 2**36 if device.type == "cuda" else 2**26 if quick else 2**30
-    rates = []
+    rates, ratios = [], []
     for seq in attention_grid(device)[0]:
         for head in attention_grid(device)[1]:
             per_head = 7 * 2 * seq * seq * head // 2
@@ -44,12 +51,21 @@ def attention_rates(device: torch.device, sync: Any, reps: int, quick: bool) -> 
                        for _ in range(3))
             grad = torch.ones(1, heads, seq, head, device=device, dtype=dtype)
 
-            def step() -> None:
-                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            def forward() -> torch.Tensor:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
             dist.barrier()
-            rates.append(heads * per_head / median_seconds(step, reps, sync))
-    return rates
+            both = median_seconds(lambda: forward().backward(grad), reps, sync)
+            if not apart:
+                rates.append(heads * per_head / both)
+                continue
+            dist.barrier()
+            alone = median_seconds(forward, reps, sync)
+            ahead = heads * 2 * seq * seq * head  # the forward's two products, of the seven
+            rates.append(ahead / alone)
+            backward = (heads * per_head - ahead) / max(both - alone, 1e-9)
+            ratios.append(min(1.0, backward / rates[-1]))
+    return rates + ratios
 
 
 def median_seconds(fn: Any, reps: int, sync: Any) -> float:
