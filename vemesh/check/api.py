@@ -275,7 +275,8 @@ def _phases(ranks: list[dict], launched: float) -> dict[str, float]:
     if not ranks:
         return {}
     at = {k: max(r["marks"][k] for r in ranks) for k in ranks[0]["marks"]}
-    return {"processes start": at["started"] - launched, "mesh": at["mesh"] - at["started"],
+    return {"processes start": at["started"] - launched, "your code's imports": at["loaded"] - at["started"],
+            "mesh": at["mesh"] - at["loaded"],
             "build and parallelize": at["parallelized"] - at["mesh"], "step": at["stepped"] - at["parallelized"],
             "gather": at["gathered"] - at["stepped"]}
 

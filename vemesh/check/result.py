@@ -8,7 +8,7 @@ from typing import Any
 __all__ = ["CheckInputError", "CheckResult"]
 
 #: the parallel run's phases in :attr:`CheckResult.seconds`, on its slowest rank
-_PHASES = ("processes start", "mesh", "build and parallelize", "step", "gather")
+_PHASES = ("processes start", "your code's imports", "mesh", "build and parallelize", "step", "gather")
 
 
 class CheckInputError(ValueError):

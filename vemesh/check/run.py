@@ -158,6 +158,7 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
     outputs: dict[tuple[str, int, int], torch.Tensor] = {}  # the step's module outputs so far (their shapes, on error)
     try:
         factory, parallelize, step, names = functions(spec)
+        marks["loaded"] = time.time()  # the user's modules imported (a library's model: seconds of its own)
         dist.init_process_group("gloo", rank=rank, world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.timeout_s))
         dims(spec.world_size, spec.degrees, spec.dp_replicate).build("cpu", mesh)
