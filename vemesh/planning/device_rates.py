@@ -32,9 +32,9 @@ def attention_rates(device: torch.device, sync: Any, reps: int, quick: bool, apa
     a fixed amount of work.
 
     With ``apart`` (the default on a GPU) the forward is also timed alone, and the list holds each shape's forward
-    rate, then each shape's backward rate over its forward's: what the built-in GPU profiles hold apart
-    (:attr:`~vemesh.planning.profiles.DeviceProfile.attention_backward`; flash attention's backward runs at about 0.9
-    of its forward's rate on an H100). A backward timed faster per FLOP than its forward is read as the same rate (1),
+    rate, then each shape's backward rate over its forward's: what the built-in GPU profiles hold apart (a
+    :class:`~vemesh.planning.profiles.DeviceProfile`'s ``attention_backward``; flash attention's backward runs at
+    about 0.9 of its forward's rate on an H100). A backward timed faster per FLOP than its forward is read as the same rate (1),
     the most the profile takes. On a CPU the two together: the rates there were checked against real steps so."""
     F = torch.nn.functional
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
