@@ -49,6 +49,8 @@ def test_every_field_of_the_request_is_a_flag_of_vemesh_plan() -> None:
     (dict(world_size=8, model="gpt:n_layer=2", device_memory="8GiB", jobs=0),
      r"--jobs must be a positive integer \(the processes that plan a search's meshes at once\); got 0"),
     (dict(world_size=8, model="gpt:n_layer=2", device_memory="8GiB", jobs=True), "--jobs must be a positive integer"),
+    (dict(world_size=8, model="gpt:n_layer=2", device_memory=0), r"device_memory 0: give bytes \(at least 1\) or a size"),
+    (dict(world_size=8, model="gpt:n_layer=2", device_memory=-2**30), "device_memory -1073741824: give bytes"),
 ])
 def test_a_request_that_cannot_be_answered_says_why(python, message) -> None:
     with pytest.raises(ValueError, match=message):

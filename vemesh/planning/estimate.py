@@ -65,16 +65,21 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_size(text: str, what: str = "a memory size") -> int:
-    """``"80GiB"`` -> 85899345920 bytes; ``"80GB"`` -> 80e9. A size without a unit raises ``ValueError``."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not match or not match.group(2):
-        raise ValueError(f"{what} {text!r} needs a unit: a number then one of {', '.join(u.replace('I', 'i') for u in _UNITS)} "
-                         "(e.g. 80GiB)")
+    """``"80GiB"`` -> 85899345920 bytes; ``"80GB"`` -> 80e9. A size without a unit, of an unknown unit, or of less
+    than a byte (zero, negative) raises ``ValueError``."""
+    units = ", ".join(u.replace("I", "i") for u in _UNITS)
+    match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match:
+        raise ValueError(f"{what} {text!r} is not a size: a number then one of {units} (e.g. 80GiB)")
+    if not match.group(2):
+        raise ValueError(f"{what} {text!r} needs a unit: a number then one of {units} (e.g. 80GiB)")
     unit = match.group(2).upper()
     if unit not in _UNITS:
-        raise ValueError(f"{what} {text!r}: unknown unit {match.group(2)!r}; valid: "
-                         f"{', '.join(u.replace('I', 'i') for u in _UNITS)}")
-    return int(float(match.group(1)) * _UNITS[unit])
+        raise ValueError(f"{what} {text!r}: unknown unit {match.group(2)!r}; valid: {units}")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"{what} {text!r}: a size must be at least 1 byte (e.g. 80GiB)")
+    return size
 
 
 @functools.lru_cache(maxsize=32)

@@ -125,6 +125,9 @@ class PlanRequest:
                              "with --parallelize for TP, CP or EP), or a preset (--model gpt:... or llama3:...)")
         if self.rank_by == "time" and self.device_profile is None:
             raise ValueError("--rank-by time needs --device-profile NAME|FILE: the device each mesh's step is timed on")
+        if isinstance(self.device_memory, int) and (isinstance(self.device_memory, bool) or self.device_memory < 1):
+            raise ValueError(f"device_memory {self.device_memory!r}: give bytes (at least 1) or a size such as "
+                             "'80GiB'")
         if self.jobs is not None and (not isinstance(self.jobs, int) or isinstance(self.jobs, bool) or self.jobs < 1):
             raise ValueError(f"--jobs must be a positive integer (the processes that plan a search's meshes at once); "
                              f"got {self.jobs!r}")

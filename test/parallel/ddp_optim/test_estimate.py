@@ -143,3 +143,7 @@ def test_a_memory_size_needs_a_unit() -> None:
         parse_size("80")
     with pytest.raises(ValueError, match="unknown unit 'GiBs'"):
         parse_size("80GiBs")
+    for bad, said in (("-1GiB", "'-1GiB': a size must be at least 1 byte"), ("0GiB", "at least 1 byte"),
+                      ("0.5B", "at least 1 byte"), ("eighty GiB", "'eighty GiB' is not a size")):
+        with pytest.raises(ValueError, match=said):
+            parse_size(bad)
