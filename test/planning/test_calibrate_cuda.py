@@ -25,6 +25,16 @@ def test_one_process_is_refused_on_cpu_with_the_gpu_way_named(capsys) -> None:
            "--nproc 1)" in err, err
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path: Path, capsys) -> None:
+    """Before, the ranks measured for a while and rank 0's ``open`` raised at the end: a traceback, exit 1, the
+    figures lost. Now one line, exit 2, before any process starts."""
+    missing = tmp_path / "no" / "x.json"
+    assert main(["calibrate", "--nproc", "2", "--quick", "--output", str(missing)]) == 2
+    assert f"--output {missing} is in {missing.parent}, which does not exist" in capsys.readouterr().err
+    assert main(["calibrate", "--nproc", "2", "--quick", "--output", str(tmp_path)]) == 2
+    assert f"--output {tmp_path} is a directory" in capsys.readouterr().err
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_calibrate_one_gpu_writes_a_profile_that_plan_reads(tmp_path: Path) -> None:

@@ -346,6 +346,12 @@ def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool 
     rounds of every measurement give each figure as its median over them."""
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1; got {repeat}")
+    folder = os.path.dirname(os.path.abspath(output))
+    why = ("is a directory" if os.path.isdir(output) else f"is in {folder}, which does not exist"
+           if not os.path.isdir(folder) else f"is in {folder}, which this user cannot write"
+           if not os.access(folder, os.W_OK) else None)
+    if why:  # said before measuring: the figures would be lost at the end
+        raise ValueError(f"--output {output} {why}: give a file in a directory that exists, such as profile.json")
     if device_type == "cuda" and torch.cuda.device_count() < nproc:
         raise ValueError(f"--nproc {nproc} on cuda needs {nproc} GPUs; this machine sees {torch.cuda.device_count()}")
     with socket.socket() as s:
