@@ -370,7 +370,9 @@ class TrainConfig(BaseModel):
         """The model's heads split over TP; the global batch over DP, in whole micro-batches."""
         pp, dp, tp = self.pp_size, self.dp_size, self.tp_size
         if self.n_embd % self.n_head:
-            raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
+            heads = ", ".join(str(h) for h in range(1, self.n_embd + 1) if self.n_embd % h == 0)
+            raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head} (each head takes "
+                             f"n_embd / n_head channels): choose --n-head from {heads}, or another --n-embd")
         if self.n_head % tp:
             divisors = ", ".join(str(d) for d in range(1, self.n_head + 1) if self.n_head % d == 0)
             raise ValueError(f"--mesh-shape: TP size {tp} does not divide --n-head {self.n_head} (choose TP from {divisors})")

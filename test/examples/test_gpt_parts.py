@@ -49,7 +49,8 @@ def test_negative_mesh_size_needs_no_equals_sign():
         (4, ["--mesh-shape", "-1,3"], "--mesh-shape: cannot fill in DP: TP 3 = 3 does not divide the number of processes 4"),
         (4, ["--mesh-shape", "-1,-1"], "--mesh-shape: only one size can be -1 (filled in); got 2 for DP, TP in DP -1 x TP -1"),
         (4, ["--mesh-shape", "2x2"], "--mesh-shape: expected DP,TP like 2,2 or -1,2, PP,DP,TP like 2,2,1, or one size per --mesh-dims name; got '2x2'"),
-        (1, ["--n-head", "5"], "--n-embd 192 is not divisible by --n-head 5"),
+        (1, ["--n-head", "5"], "--n-embd 192 is not divisible by --n-head 5 (each head takes n_embd / n_head channels): "
+                               "choose --n-head from 1, 2, 3, 4, 6, 8, 12"),
         (1, ["--steps", "ten"], "--steps: Input should be a valid integer"),
         (1, ["--dtype", "fp16"], "--dtype: Input should be 'fp32' or 'bf16'"),
         (1, ["--data", "/no/such/file.txt"], "--data: no such file"),
@@ -166,7 +167,9 @@ def test_model_file_does_not_import_vemesh():
 def test_bad_config_exits_cleanly(tmp_path):
     run = run_train(["--n-head", "5"], tmp_path)
     assert run.returncode == 2, run.describe()
-    assert run.stderr.strip() == "error: --n-embd 192 is not divisible by --n-head 5", run.describe()
+    assert run.stderr.strip() == ("error: --n-embd 192 is not divisible by --n-head 5 (each head takes n_embd / n_head "
+                                  "channels): choose --n-head from 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 192, "
+                                  "or another --n-embd"), run.describe()
     assert "Traceback" not in run.stdout + run.stderr
 
 
