@@ -211,8 +211,9 @@ class MeshLayout:
                     raise standard_absent_error(dim, spellings, (*self.names, *self.managed))
                 return ()
             err = unknown_name_error("dim name", dim, (*self.names, *self.managed))
-            if absent_ok:
-                err.args = (err.args[0] + f" (absent standard strategies {list(STANDARD_STRATEGIES)} have size 1)",)
+            absent = [s for s in STANDARD_STRATEGIES if s not in self._named]  # not those the mesh has
+            if absent_ok and absent:
+                err.args = (err.args[0] + f" (absent standard strategies {absent} have size 1)",)
             raise err
         if isinstance(dim, int) and not isinstance(dim, bool):
             return (self.dim_names[self.dim_index(dim)],)
