@@ -97,7 +97,7 @@ class ParallelDims:
             object.__setattr__(self, attr, value)
         if (self.dp * cp) % ep:
             raise ValueError(f"EP {ep} must divide DP x CP = {self.dp} x {cp} = {self.dp * cp}: expert parallelism "
-                             "reuses the data- and context-parallel ranks")
+                             f"reuses the data- and context-parallel ranks; choose EP from {_divisors(self.dp * cp)}")
         object.__setattr__(self, "mesh_dims", self._check_mesh_dims())
         object.__setattr__(self, "steps", self._steps())
 
@@ -216,8 +216,7 @@ class ParallelDims:
                              f"{unknown} are not")
         sizes = dict(zip(layout.dim_names, layout.shape))
         dp = sizes.get("DP", 1)
-        if dp % dp_replicate:
-            raise ValueError(f"dp_replicate {dp_replicate} must divide DP {dp} (DP splits into dp_replicate x dp_shard)")
+        check_replicate(dp, dp_replicate)
         return cls(layout.world_size, pp=sizes.get("PP", 1), dp_replicate=dp_replicate, dp_shard=dp // dp_replicate,
                    cp=sizes.get("CP", 1), tp=sizes.get("TP", 1), ep=ep, mesh_dims=layout.dim_names)
 
@@ -227,3 +226,14 @@ def _literal(value: Any) -> str:
     if isinstance(value, tuple):
         return "(" + ", ".join(map(_literal, value)) + ("," if len(value) == 1 else "") + ")"
     return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def check_replicate(dp: int, dp_replicate: int) -> None:
+    """``ValueError`` naming the choices unless ``dp_replicate`` divides ``dp`` (HSDP splits DP in two)."""
+    if dp % dp_replicate:
+        raise ValueError(f"dp_replicate {dp_replicate} must divide DP {dp} (DP splits into dp_replicate x dp_shard); "
+                         f"choose it from {_divisors(dp)}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

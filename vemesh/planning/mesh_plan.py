@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from vemesh.layout.describe import LayoutWarning, check_layout
 from vemesh.layout.mesh_layout import MeshLayout
 from vemesh.layout.names import fill_sizes
-from vemesh.layout.parallel_dims import DEGREES, ParallelDims
+from vemesh.layout.parallel_dims import DEGREES, ParallelDims, check_replicate
 from vemesh.layout.spec import MeshSpec
 
 __all__ = ["AUTO", "PLAN_ORDER", "MeshPlan", "plan_mesh"]
@@ -126,8 +126,7 @@ def plan_mesh(
     degrees = dict(zip(given, fill_sizes(sizes, world_size, names=list(given), fill="'auto'")))
     if not isinstance(dp_replicate, int) or isinstance(dp_replicate, bool) or dp_replicate < 1:
         raise ValueError(f"the dp_replicate degree must be a positive integer; got {dp_replicate!r}")
-    if degrees["DP"] % dp_replicate:
-        raise ValueError(f"dp_replicate {dp_replicate} must divide DP {degrees['DP']} (DP splits into dp_replicate x dp_shard)")
+    check_replicate(degrees["DP"], dp_replicate)
     dims = ParallelDims(world_size, pp=degrees["PP"], dp_replicate=dp_replicate, dp_shard=degrees["DP"] // dp_replicate,
                         cp=degrees["CP"], tp=degrees["TP"], ep=ep, mesh_dims=order)
     base = MeshSpec(device_type=device_type, mesh_shape=dims.mesh_shape, mesh_dim_names=dims.mesh_dims).resolve(world_size)
