@@ -353,9 +353,12 @@ def check_degrees(model: Model, *, dp: int, tp: int, pp: int, ep: int, dtype: st
     if model.kind != "gpt" and tp > 1:
         raise ValueError("TP > 1 needs a tensor-parallel plan; the planner knows the GPT example's (--model gpt:...)")
     if dp % ep:
-        raise ValueError(f"EP {ep} must divide the DP degree {dp} (EP folds over the data-parallel ranks)")
+        raise ValueError(f"EP {ep} must divide the DP degree {dp} (EP folds over the data-parallel ranks); choose EP "
+                         f"from {', '.join(str(e) for e in range(1, dp + 1) if dp % e == 0)}")
     if model.experts and model.experts % ep:
-        raise ValueError(f"EP {ep} does not divide the {model.experts} experts")
+        fits = [e for e in range(1, dp + 1) if dp % e == 0 and model.experts % e == 0]
+        raise ValueError(f"EP {ep} does not divide the {model.experts} experts: each EP rank holds experts / EP of "
+                         f"them; choose EP from {', '.join(map(str, fits))} (dividing both the experts and DP {dp})")
 
 
 def static_memory(spec: str, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "fp32",

@@ -196,6 +196,11 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     cfg = dict(model.config)
     if model.kind != "gpt":
         return _static_only(model, job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    if cp > 1 and cfg["block_size"] % (2 * cp):  # said here, not as the preset's step failing in the trace
+        fits = [c for c in range(1, cfg["block_size"] // 2 + 1) if cfg["block_size"] % (2 * c) == 0]
+        raise ValueError(f"CP {cp} cuts each sequence into {2 * cp} chunks (head-tail load balancing, 2 a rank), and "
+                         f"seq_len {cfg['block_size']} does not divide into them; choose seq_len a multiple of "
+                         f"{2 * cp}, or CP from {', '.join(map(str, fits[:12]))}{', ...' if len(fits) > 12 else ''}")
     if cfg.get("moe_experts"):  # as the example: MoE on DP/TP/CP meshes, DDP or ZeRO-1; every block a MoE
         for bad, why in ((job.mode == "fsdp", "--dp-mode fsdp"),
                          (cfg.get("moe_every", 1) > 1, "moe_every > 1 (blocks of two kinds)")):

@@ -150,7 +150,8 @@ def test_buffers_are_cut_the_same_way_and_put_back(cp_rank) -> None:
     (dict(buffers=[torch.zeros(1, 16), torch.zeros(32, 2)], buffer_seq_dims=[1, 0]), ValueError,
      "the buffers' sequence lengths differ ([16, 32]"),
     (dict(buffers=[torch.zeros(1, 10)], buffer_seq_dims=[1]), ValueError,
-     "a sequence of 10 positions does not split into 4 equal chunks"),
+     "a sequence of 10 positions does not split into 4 equal chunks (CP 2, head-tail load balancing: 2 per rank); "
+     "choose a sequence length that is a multiple of 4, or CP from 1, 5"),
     (dict(buffers=[torch.zeros(1, 16)], buffer_seq_dims=[]), ValueError, "one sequence dim per buffer: 1 buffers, 0"),
     (dict(buffers=[torch.nn.Parameter(torch.zeros(16))], buffer_seq_dims=[0]), ValueError, "buffers[0] is a Parameter"),
     (dict(no_restore_buffers={torch.zeros(2)}), ValueError, "no_restore_buffers must be a subset of buffers"),

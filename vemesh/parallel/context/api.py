@@ -198,8 +198,12 @@ def _check_arguments(cp_mesh: Any, buffers: Sequence[torch.Tensor], dims: Sequen
                          "to this batch's length first")
     chunks = cp_mesh.size() * (2 if load_balance else 1)
     if lengths and lengths[0] % chunks:
+        per = 2 if load_balance else 1
+        fits = [c for c in range(1, lengths[0] // per + 1) if lengths[0] % (c * per) == 0]
         raise ValueError(f"a sequence of {lengths[0]} positions does not split into {chunks} equal chunks (CP "
-                         f"{cp_mesh.size()}{', head-tail load balancing: 2 per rank' if load_balance else ''})")
+                         f"{cp_mesh.size()}{', head-tail load balancing: 2 per rank' if load_balance else ''}); "
+                         f"choose a sequence length that is a multiple of {chunks}, or CP from "
+                         f"{', '.join(map(str, fits[:12]))}{', ...' if len(fits) > 12 else ''}")
     return lengths[0] if lengths else None
 
 
