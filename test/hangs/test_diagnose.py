@@ -201,6 +201,21 @@ def test_bad_input_is_one_line_naming_it(tmp_path, capsys, argv, message):
     assert err.startswith("vemesh: error: ") and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "rank-0.json is not a hang dump (Expecting property name"),
+    ("{}", "rank-0.json is not a hang dump (no rank in it)"),
+    ("[1, 2]", "rank-0.json is not a hang dump (no rank in it)"),
+])
+def test_a_file_that_is_no_dump_is_named_not_a_traceback(tmp_path, capsys, text, message):
+    """A ``rank-N.json`` another program wrote: one line naming the file (before, the JSON error without the file's
+    name, or a KeyError's traceback)."""
+    write(tmp_path, 1, [entry("DP", 1, 10 * MS)])
+    (tmp_path / "rank-0.json").write_text(text)
+    assert main(["diagnose", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vemesh: error: ") and message in err and err.count("\n") == 1, err
+
+
 def test_json_gives_what_the_text_says(tmp_path, capsys):
     for r in range(4):
         write(tmp_path, r, [entry("DP", 1, 10 * MS, done=r == 3)] if r != 1 else [])

@@ -256,7 +256,13 @@ def load(directory: str | Path, shape: tuple[int, ...] | None = None, dim_names:
     runs: dict[str, int] = {}  # run id -> its newest dump's time: a reused directory may hold an older run's
     docs = {}
     for path in directory.glob("rank-*.json"):
-        doc = json.loads(path.read_text())
+        try:
+            doc = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a hang dump ({e}); vemesh writes each dump whole (to .tmp, then renamed), "
+                             "so another program wrote this one: move it out of the directory and run again") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("rank"), int):
+            raise ValueError(f"{path} is not a hang dump (no rank in it); move it out of the directory and run again")
         docs[path.name] = doc
         runs[doc.get("run", "")] = max(runs.get(doc.get("run", ""), 0), int(doc.get("time_ns", 0)))
     newest = max(runs, key=runs.get) if runs else ""
