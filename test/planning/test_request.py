@@ -62,6 +62,10 @@ def test_plan_takes_a_request_or_its_fields_not_both() -> None:
     assert plan(request) == plan("gpt:n_layer=2,n_embd=64,n_head=4", world_size=4, tp=2, global_batch_size=4)
     with pytest.raises(TypeError, match="takes no other arguments; got tp"):
         plan(request, tp=4)
+    # an unknown keyword names the closest and the choices (Python's own said only "unexpected keyword argument")
+    with pytest.raises(TypeError, match=r"plan\(\) got an unknown argument 'tpp'; did you mean 'tp'\? \(the arguments "
+                                        r"are vemesh plan's flags: activation_checkpointing, .*world_size\)"):
+        plan("gpt:n_layer=2,n_embd=64,n_head=4", world_size=4, tpp=2)
 
 
 def test_building_a_request_imports_no_torch() -> None:

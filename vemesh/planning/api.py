@@ -13,6 +13,8 @@ The question is one :class:`~vemesh.planning.request.PlanRequest`, the value ``v
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +40,12 @@ def plan(request: PlanRequest | Any = None, /, **fields: Any) -> dict[str, Any]:
             raise TypeError(f"plan(PlanRequest(...)) takes no other arguments; got {', '.join(sorted(fields))} "
                             "(set them on the request)")
     else:
+        known = {f.name for f in dataclasses.fields(PlanRequest)} - {"model"}
+        for name in sorted(set(fields) - known):  # TypeError, as Python's for an unknown keyword, with the choices
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise TypeError(f"plan() got an unknown argument {name!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else "")
+                            + f" (the arguments are vemesh plan's flags: {', '.join(sorted(known))})")
         request = PlanRequest(model=request, **fields)
     return answer(request).document()
 
