@@ -76,10 +76,16 @@ def test_a_rank_that_stops_responding_fails_the_others_within_the_timeout():
 
 
 SCRIPT = textwrap.dedent("""
-    import os, sys
+    import os, pathlib, sys, time
     if os.environ["RANK"] == "3":
         sys.exit(0)  # exits cleanly before init_device_mesh
     from vemesh import VESCALE_DEVICE_MESH
+    # ranks 0 to 2 start the 4 s wait together: on a loaded machine one rank's imports can end seconds after
+    # another's, and that rank would then be named as missing too (a CI run named ranks [2, 3])
+    ready = pathlib.Path(os.environ["READY_DIR"])
+    (ready / os.environ["RANK"]).touch()
+    while len(list(ready.iterdir())) < 3:
+        time.sleep(0.05)
     VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), timeout=4)
 """)
 
@@ -88,10 +94,12 @@ SCRIPT = textwrap.dedent("""
 def test_a_rank_missing_at_start_up_is_named(tmp_path):
     script = tmp_path / "missing.py"
     script.write_text(SCRIPT)
+    ready = tmp_path / "ready"
+    ready.mkdir()
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), READY_DIR=str(ready)))
     assert proc.returncode != 0
     assert "rank [3] of 4 never arrived within 4 s (crashed, exited early, or never started); the other 3 did" in proc.stderr, proc.stderr[-3000:]
     assert time.perf_counter() - start < 60
