@@ -84,8 +84,8 @@ def test_activation_checkpointing_modes(mode, want) -> None:
       "--micro-batch-size", "4"], "a micro-batch of 4 sequences does not divide the 6 sequences per DP rank "
      "(--global-batch-size 24 / DP 4): choose --micro-batch-size from 1, 2, 3, 6"),
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4,seq_len=12", "--cp", "4", "--tp", "1"],
-     "CP 4 cuts each sequence into 8 chunks (head-tail load balancing, 2 a rank), and seq_len 12 does not divide into "
-     "them; choose seq_len a multiple of 8, or CP from 1, 2, 3, 6"),
+     "seq_len 12 does not split into 8 equal chunks (CP 4, head-tail load balancing: 2 per rank); choose a sequence "
+     "length that is a multiple of 8, or CP from 1, 2, 3, 6"),
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4,moe_experts=6", "--ep", "4", "--tp", "1"],
      "EP 4 does not divide the 6 experts: each EP rank holds experts / EP of them; choose EP from 1, 2 (dividing both "
      "the experts and DP 8)"),

@@ -10,8 +10,8 @@ import math
 import operator
 from collections.abc import Sequence
 
-__all__ = ["STANDARD_STRATEGIES", "as_index", "check_dim_names", "fill_sizes", "other_spellings", "standard_absent_error",
-           "unknown_name_error"]
+__all__ = ["STANDARD_STRATEGIES", "as_index", "check_dim_names", "divisors", "fill_sizes", "listed", "other_spellings",
+           "standard_absent_error", "unknown_name_error"]
 
 #: Strategy names that every mesh answers for: a standard name the mesh never had has size 1.
 STANDARD_STRATEGIES: tuple[str, ...] = ("PP", "DP", "TP", "CP", "EP")
@@ -128,11 +128,11 @@ def fill_sizes(sizes: Sequence[object], total: int | None, *, names: Sequence[st
     product = math.prod(s for _, s in known)
     if auto:
         if total % product:
-            divisors = [d for d in range(1, total + 1) if total % d == 0]
-            listed = ", ".join(map(str, divisors)) if len(divisors) <= 16 else f"{len(divisors)} of them"
+            fits = divisors(total)
+            choices = listed(fits, 16) if len(fits) <= 16 else f"{len(fits)} of them"
             name = labels[auto[0]] or "the -1"
             raise ValueError(f"{prefix}cannot fill in {name}: {expr(known) if known else '()'} = {product} does not "
-                             f"divide {of} {total} (the product of the others must be one of its divisors: {listed})")
+                             f"divide {of} {total} (the product of the others must be one of its divisors: {choices})")
         return tuple(total // product if s == -1 else s for s in checked)
     if exact and product != total:
         raise ValueError(f"{prefix}{whole} = {product} but {of} is {total}; the product must equal it "
@@ -168,6 +168,21 @@ def check_dim_names(names: object) -> tuple[str, ...]:
     if dupes:
         raise ValueError(f"dim names must be unique; {dupes} repeat in {out}")
     return out
+
+
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending: the sizes a dim of ``n`` ranks (or a length of ``n``) can be cut
+    into, as the errors that name the valid choices list them. ``divisors(12)`` is ``[1, 2, 3, 4, 6, 12]``."""
+    if n < 1:
+        raise ValueError(f"divisors of {n}: only a positive integer has them")
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def listed(values: Sequence[object], most: int = 12) -> str:
+    """``values`` as an error lists them: ``1, 2, 4``, the first ``most`` then ``...`` when there are more."""
+    shown = ", ".join(map(str, values[:most]))
+    return shown + (", ..." if len(values) > most else "")
 
 
 def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyError:

@@ -40,7 +40,7 @@ from typing import Any
 
 from vemesh.layout.data_dims import DataDims, data_dims
 from vemesh.layout.mesh_layout import MeshLayout
-from vemesh.layout.names import fill_sizes
+from vemesh.layout.names import divisors, fill_sizes, listed
 
 __all__ = ["DEGREES", "ParallelDims"]
 
@@ -97,7 +97,7 @@ class ParallelDims:
             object.__setattr__(self, attr, value)
         if (self.dp * cp) % ep:
             raise ValueError(f"EP {ep} must divide DP x CP = {self.dp} x {cp} = {self.dp * cp}: expert parallelism "
-                             f"reuses the data- and context-parallel ranks; choose EP from {_divisors(self.dp * cp)}")
+                             f"reuses the data- and context-parallel ranks; choose EP from {listed(divisors(self.dp * cp), 64)}")
         object.__setattr__(self, "mesh_dims", self._check_mesh_dims())
         object.__setattr__(self, "steps", self._steps())
 
@@ -232,8 +232,4 @@ def check_replicate(dp: int, dp_replicate: int) -> None:
     """``ValueError`` naming the choices unless ``dp_replicate`` divides ``dp`` (HSDP splits DP in two)."""
     if dp % dp_replicate:
         raise ValueError(f"dp_replicate {dp_replicate} must divide DP {dp} (DP splits into dp_replicate x dp_shard); "
-                         f"choose it from {_divisors(dp)}")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+                         f"choose it from {listed(divisors(dp), 64)}")

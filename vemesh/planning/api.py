@@ -20,6 +20,7 @@ from typing import Any
 
 from vemesh.layout.data_dims import data_dims
 from vemesh.layout.describe import link_of
+from vemesh.layout.names import divisors, listed
 from vemesh.planning.fit_report import fit_document, search_document
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import Placement, place
@@ -129,7 +130,7 @@ def hosts_of(mesh: MeshPlan, profile: DeviceProfile | None = None) -> int:
 def whole_hosts(world: int, per_host: int) -> int:
     """``per_host``, checked to place ``world`` ranks on whole hosts (or on part of one); else one line naming it."""
     if world > per_host and world % per_host:
-        choices = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        choices = listed(divisors(world), 64)
         raise ValueError(f"--devices-per-host {per_host} does not divide the world size {world}, so the mesh cannot be "
                          f"placed on whole hosts; choose one of {choices}")
     return per_host

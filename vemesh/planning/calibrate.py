@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from vemesh import local_ranks
+from vemesh.layout.names import divisors
 from vemesh.planning.device_rates import attention_grid, attention_rates, median_seconds, memory_rates, op_overheads
 from vemesh.planning.fusion import MemoryBoundBytes
 from vemesh.planning.profiles import AttentionRate, DeviceProfile, Link, load_profile
@@ -267,7 +268,7 @@ def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: st
     dist.init_process_group(backend, rank=rank, world_size=n)
     sync = (lambda: torch.cuda.synchronize()) if device_type == "cuda" else (lambda: None)  # noqa: E731
     groups = {}
-    for size in [d for d in range(2, n + 1) if n % d == 0]:
+    for size in divisors(n)[1:]:
         made = [dist.new_group(list(range(start, start + size))) for start in range(0, n, size)]
         groups[size] = made[rank // size]
     pairs = _pair(device) if n > 1 else (None, None)

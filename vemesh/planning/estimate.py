@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vemesh.layout.names import divisors, listed
 from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import gpt_tp_plan
 from vemesh.models.gpt.stages import split_layers
@@ -354,9 +355,9 @@ def check_degrees(model: Model, *, dp: int, tp: int, pp: int, ep: int, dtype: st
         raise ValueError("TP > 1 needs a tensor-parallel plan; the planner knows the GPT example's (--model gpt:...)")
     if dp % ep:
         raise ValueError(f"EP {ep} must divide the DP degree {dp} (EP folds over the data-parallel ranks); choose EP "
-                         f"from {', '.join(str(e) for e in range(1, dp + 1) if dp % e == 0)}")
+                         f"from {listed(divisors(dp), 64)}")
     if model.experts and model.experts % ep:
-        fits = [e for e in range(1, dp + 1) if dp % e == 0 and model.experts % e == 0]
+        fits = [e for e in divisors(dp) if model.experts % e == 0]
         raise ValueError(f"EP {ep} does not divide the {model.experts} experts: each EP rank holds experts / EP of "
                          f"them; choose EP from {', '.join(map(str, fits))} (dividing both the experts and DP {dp})")
 

@@ -26,12 +26,14 @@ from vemesh.models.gpt import planned as gpt_planned
 from vemesh.models.llama3 import planned as llama3_planned
 from vemesh.models.llama3.config import check_ac, config_of
 from vemesh.models.llama3.config import linear_share as llama3_linear_share
+from vemesh.layout.names import divisors
+from vemesh.parallel.context.ring import check_sequence_split
 from vemesh.parallel.schedules import schedule_class, stage_owner, stages_per_rank
 from vemesh.planning.estimate import Model, check_degrees, gpt_config, load_model, rank_static, stage_keys
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
-from vemesh.planning.search_jobs import divisors, gib, run, static_over, variants
+from vemesh.planning.search_jobs import gib, run, static_over, variants
 from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline, shared_records
 from vemesh.planning.speedups import linear_share
@@ -196,11 +198,8 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     cfg = dict(model.config)
     if model.kind != "gpt":
         return _static_only(model, job, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-    if cp > 1 and cfg["block_size"] % (2 * cp):  # said here, not as the preset's step failing in the trace
-        fits = [c for c in range(1, cfg["block_size"] // 2 + 1) if cfg["block_size"] % (2 * c) == 0]
-        raise ValueError(f"CP {cp} cuts each sequence into {2 * cp} chunks (head-tail load balancing, 2 a rank), and "
-                         f"seq_len {cfg['block_size']} does not divide into them; choose seq_len a multiple of "
-                         f"{2 * cp}, or CP from {', '.join(map(str, fits[:12]))}{', ...' if len(fits) > 12 else ''}")
+    if cp > 1:  # said here, not as the preset's step failing in the trace: the example's rule (load balanced)
+        check_sequence_split(cfg["block_size"], cp, True, what=f"seq_len {cfg['block_size']}")
     if cfg.get("moe_experts"):  # as the example: MoE on DP/TP/CP meshes, DDP or ZeRO-1; every block a MoE
         for bad, why in ((job.mode == "fsdp", "--dp-mode fsdp"),
                          (cfg.get("moe_every", 1) > 1, "moe_every > 1 (blocks of two kinds)")):

@@ -31,7 +31,7 @@ from vemesh.planning.estimate import check_degrees, load_model, rank_static, sta
 from vemesh.planning.pipeline_plan import shared_records
 from vemesh.planning.results import MeshFit, RankClass
 
-__all__ = ["divisors", "gib", "run", "static_over", "variants"]
+__all__ = ["gib", "run", "static_over", "variants"]
 
 #: what each worker imports before its first mesh (the planner, and through it torch), in the server where there is one
 PRELOAD = ("vemesh.planning.fit",)
@@ -127,10 +127,6 @@ def static_over(job: Any, device_memory: int, *, dp: int, tp: int, cp: int, ep: 
     return MeshFit(degrees, [RankClass("every rank", static, 0, 0, {})], 0, 0, traced=False,
                    reason=f"static {gib(static.total)} > device memory {gib(device_memory)} (parameters, gradients "
                           "and optimizer state alone; not traced)")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def gib(n: float) -> str:

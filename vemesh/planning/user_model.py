@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vemesh.layout.data_dims import data_dims
+from vemesh.layout.names import divisors, listed
 from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
@@ -327,7 +328,7 @@ def batch_split(global_batch_size: int, dp: int, micro_batch_size: int | None, p
     per_dp = global_batch_size // dp
     mbs = micro_batch_size or (per_dp // (2 * pp) if pp > 1 and per_dp % (2 * pp) == 0 else per_dp)
     if per_dp % mbs:
-        choices = ", ".join(str(d) for d in range(1, per_dp + 1) if per_dp % d == 0)
+        choices = listed(divisors(per_dp), 64)
         raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank "
                          f"(--global-batch-size {global_batch_size} / DP {dp}): choose --micro-batch-size from "
                          f"{choices}")

@@ -10,7 +10,7 @@ from cp_scenarios import compare
 
 from launch import run_ranks
 from vemesh.parallel.context import ring
-from vemesh.parallel.context import check_torch_api, positions, shard_sequence
+from vemesh.parallel.context import check_sequence_split, check_torch_api, positions, shard_sequence
 
 
 def test_torchs_private_ring_attention_api_is_where_vemesh_expects_it():
@@ -32,8 +32,23 @@ def test_sharding_and_positions():
     assert shard_sequence(x, 1, 2).tolist() == [list(range(8, 16))]
     assert shard_sequence(x, 0, 2, load_balance=True).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
     assert positions(8, 1, 2, load_balance=True).tolist() == [2, 3, 4, 5]
-    with pytest.raises(ValueError, match="a sequence of 6 tokens does not split into 4 equal chunks"):
+    with pytest.raises(ValueError, match="a sequence of 6 positions does not split into 4 equal chunks"):
         shard_sequence(torch.zeros(1, 6), 0, 2, load_balance=True)
+
+
+@pytest.mark.parametrize("length, cp, balanced, message", [
+    (10, 2, True, "a sequence of 10 positions does not split into 4 equal chunks (CP 2, head-tail load balancing: 2 per "
+                  "rank); choose a sequence length that is a multiple of 4, or CP from 1, 5"),
+    (9, 2, False, "a sequence of 9 positions does not split into 2 equal chunks (CP 2); choose a sequence length that "
+                  "is a multiple of 2, or CP from 1, 3, 9"),
+    (9, 2, True, "(CP 2, head-tail load balancing: 2 per rank); choose a sequence length that is a multiple of 4 (no "
+                 "CP splits an odd length into head-tail chunks)"),
+])
+def test_one_rule_says_which_lengths_cp_cuts_and_the_cp_that_would(length, cp, balanced, message):
+    with pytest.raises(ValueError) as e:
+        check_sequence_split(length, cp, balanced)
+    assert message in str(e.value)
+    assert check_sequence_split(16, 4, True) == 8 and check_sequence_split(12, 4, False) == 4
 
 
 def test_ring_attention_equals_one_process_on_4_gloo_ranks():

@@ -171,3 +171,20 @@ def test_groups_take_dims_in_any_order_as_megatron_lists_them():
     assert layout.group_ranks(6, ("TP", "CP")) == [4, 6, 5, 7] and layout.index_in_group(6, ("TP", "CP")) == 1
     with pytest.raises(ValueError, match=r"a view, like torch's DeviceMesh, takes its dims in mesh order"):
         layout.resolve(("TP", "CP"))
+
+
+@given(st.integers(1, 5000))
+def test_divisors_are_every_size_that_cuts_n_evenly_ascending(n):
+    from vemesh.layout.names import divisors
+
+    assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_divisors_and_listed_name_bad_values_and_cut_long_lists():
+    from vemesh.layout.names import divisors, listed
+
+    with pytest.raises(ValueError, match="divisors of 0: only a positive integer has them"):
+        divisors(0)
+    assert listed(divisors(12)) == "1, 2, 3, 4, 6, 12"
+    assert listed(divisors(720), 4) == "1, 2, 3, 4, ..."
+

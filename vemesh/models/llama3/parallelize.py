@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vemesh.ddp import DistributedDataParallel
+from vemesh.layout.names import divisors, listed
 from vemesh.models.gpt.stages import copy_stage, split_layers
 from vemesh.models.llama3.config import AC_MODES, check_ac
 from vemesh.models.llama3.model import Llama3
@@ -88,7 +89,7 @@ def apply_tp(model: Llama3, tp_mesh: Any, *, sequence_parallel: bool = True) -> 
     cfg = model.cfg
     if cfg.n_kv_heads % tp:
         raise ValueError(f"TP {tp} does not divide Llama 3's {cfg.n_kv_heads} KV heads; choose TP from "
-                         f"{', '.join(str(d) for d in range(1, cfg.n_kv_heads + 1) if cfg.n_kv_heads % d == 0)}")
+                         f"{listed(divisors(cfg.n_kv_heads))}")
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, Any] = {}
     if model.tok_embeddings is not None:

@@ -2,10 +2,11 @@
 
 * :func:`context_parallel` (:mod:`~vemesh.parallel.context.api`): torch's context manager for any model that calls SDPA;
 * :func:`ring_attention`, :func:`shard_sequence`, :func:`positions` (:mod:`~vemesh.parallel.context.ring`): the kernel
-  and the cutting it expects, on torch's ring attention.
+  and the cutting it expects, on torch's ring attention; :func:`check_sequence_split`, the one rule for which lengths
+  CP can cut.
 """
 
 from vemesh.parallel.context.api import context_parallel, sharded_buffers
-from vemesh.parallel.context.ring import check_torch_api, positions, ring_attention, shard_sequence
+from vemesh.parallel.context.ring import check_sequence_split, check_torch_api, positions, ring_attention, shard_sequence
 
-__all__ = ["check_torch_api", "context_parallel", "positions", "ring_attention", "shard_sequence", "sharded_buffers"]
+__all__ = ["check_sequence_split", "check_torch_api", "context_parallel", "positions", "ring_attention", "shard_sequence", "sharded_buffers"]

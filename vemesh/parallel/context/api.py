@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
-from vemesh.parallel.context.ring import ROTATE_METHODS, ring_attention, shard_sequence
+from vemesh.parallel.context.ring import ROTATE_METHODS, check_sequence_split, ring_attention, shard_sequence
 from vemesh.mesh.views import check_view
 
 __all__ = ["context_parallel", "sharded_buffers"]
@@ -196,14 +196,8 @@ def _check_arguments(cp_mesh: Any, buffers: Sequence[torch.Tensor], dims: Sequen
         raise ValueError(f"the buffers' sequence lengths differ ({lengths} along buffer_seq_dims {list(dims)}): every "
                          "buffer is cut the same way, so a longer table (RoPE for the longest sequence) must be sliced "
                          "to this batch's length first")
-    chunks = cp_mesh.size() * (2 if load_balance else 1)
-    if lengths and lengths[0] % chunks:
-        per = 2 if load_balance else 1
-        fits = [c for c in range(1, lengths[0] // per + 1) if lengths[0] % (c * per) == 0]
-        raise ValueError(f"a sequence of {lengths[0]} positions does not split into {chunks} equal chunks (CP "
-                         f"{cp_mesh.size()}{', head-tail load balancing: 2 per rank' if load_balance else ''}); "
-                         f"choose a sequence length that is a multiple of {chunks}, or CP from "
-                         f"{', '.join(map(str, fits[:12]))}{', ...' if len(fits) > 12 else ''}")
+    if lengths:
+        check_sequence_split(lengths[0], cp_mesh.size(), load_balance)
     return lengths[0] if lengths else None
 
 

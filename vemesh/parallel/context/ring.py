@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["check_torch_api", "positions", "ring_attention", "shard_sequence"]
+from vemesh.layout.names import divisors, listed
+
+__all__ = ["check_sequence_split", "check_torch_api", "positions", "ring_attention", "shard_sequence"]
 
 _NAMES = (
     "_cp_options",
@@ -179,17 +181,32 @@ def _chunks(cp_rank: int, cp_size: int, load_balance: bool) -> tuple[int, tuple[
     return cp_size, (cp_rank,)
 
 
+def check_sequence_split(length: int, cp_size: int, load_balance: bool, what: str | None = None) -> int:
+    """The number of equal chunks CP cuts a sequence of ``length`` into (``cp_size``, or ``2 * cp_size`` with
+    ``load_balance``); ``ValueError`` when it does not divide, naming the multiple to choose and the CP sizes that fit
+    (``what`` names the length in the caller's words, ``seq_len 12``; by default ``a sequence of 12 positions``).
+
+    The one rule for every place that cuts or plans a sequence over CP: :func:`shard_sequence`,
+    :func:`~vemesh.parallel.context.context_parallel`, and the planner's check of a preset's ``seq_len``.
+    """
+    per = 2 if load_balance else 1
+    chunks = cp_size * per
+    if length % chunks:
+        fits = divisors(length // per) if length % per == 0 and length >= per else []
+        how = ", head-tail load balancing: 2 per rank" if load_balance else ""
+        cp = f", or CP from {listed(fits)}" if fits else " (no CP splits an odd length into head-tail chunks)"
+        raise ValueError(f"{what or f'a sequence of {length} positions'} does not split into {chunks} equal chunks "
+                         f"(CP {cp_size}{how}); choose a sequence length that is a multiple of {chunks}{cp}")
+    return chunks
+
+
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int = 1, load_balance: bool = False) -> torch.Tensor:
     """This CP rank's part of ``x`` along the sequence ``dim``: one contiguous ``1/cp``, or two head-tail chunks.
 
     The length must divide by ``cp_size`` (``2 * cp_size`` with ``load_balance``): ``ValueError`` otherwise.
     """
     n, mine = _chunks(cp_rank, cp_size, load_balance)
-    if x.size(dim) % n:
-        raise ValueError(
-            f"a sequence of {x.size(dim)} tokens does not split into {n} equal chunks "
-            f"(CP {cp_size}{', load balanced: 2 chunks per rank' if load_balance else ''})"
-        )
+    check_sequence_split(x.size(dim), cp_size, load_balance)
     pieces = x.chunk(n, dim=dim)
     return torch.cat([pieces[i] for i in mine], dim=dim) if len(mine) > 1 else pieces[mine[0]].contiguous()
 
