@@ -240,6 +240,19 @@ def test_fsdp_on_a_mesh_without_data_parallel_ranks_is_one_line_saying_so(capsys
     assert "plan this mesh with --dp-mode ddp" in err
 
 
+def test_a_function_that_wraps_nothing_on_a_mesh_without_dp_is_planned_as_none_not_ddp(capsys) -> None:
+    """At DP x CP = 1 a function may wrap nothing: the plan names no wrapper it did not see ("ddp" was said before,
+    for a DDP the function never made), in the text, its note and the JSON."""
+    args = ("--model", f"module:{CASES}:make_two", "--parallelize", f"{CASES}:parallelize_nothing", "--step",
+            f"{JOBS}:step", "--world-size", "1", "--global-batch-size", "2")
+    code, out, err = _cli(capsys, *args)
+    assert code == 0, err
+    assert ", fp32, none; global batch 2" in out
+    assert "note: dp mode none: the parallelize function wrapped no data parallelism (the mesh has none)" in out
+    code, out, err = _cli(capsys, *args, "--json")
+    assert code == 0 and json.loads(out)["dp_mode"] == "none", err
+
+
 @pytest.mark.parametrize("args, says", [
     ((f"module:{CASES}:make_fails", f"{JOBS}:parallelize_ddp", f"{JOBS}:step"),
      "make_fails failed at {cases}:{make} in make_fails: RuntimeError: no checkpoint at /models/base"),

@@ -51,7 +51,7 @@ class MeshFit:
     slow_dims: tuple[str, ...] = field(default=())
     traced: bool = True  #: False for a module factory: static memory only, no activations
     notes: tuple[str, ...] = ()  #: assumptions the figures rest on, printed with them
-    dp_mode: str = ""  #: the data parallelism planned (for the user's functions: what they applied)
+    dp_mode: str = ""  #: the data parallelism planned (for the user's functions: what they applied; "none": no wrapper)
     pp_schedule: str = ""  #: with PP: the schedule whose action list the classes (PP ranks) ran
     order: tuple[str, ...] = ()  #: a search with hosts: the placed order of the mesh dims, outermost first
     times: tuple[Any, ...] = ()  #: a search with a device profile: each class's StepTime on the placed mesh

@@ -61,7 +61,8 @@ _MODES = ("ddp", "zero1", "fsdp")
 
 
 def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: Any) -> tuple[str, list[Any]]:
-    """The dp mode the function's wrappers mean, checked against ``--dp-mode``; and the vemesh DDP modules, if any.
+    """The dp mode the function's wrappers mean, checked against ``--dp-mode``, ``none`` when it wrapped nothing on a
+    mesh without data parallelism and none was asked for; and the vemesh DDP modules, if any.
     ``parts`` is the model, or with PP the modules of this rank's stages."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -92,7 +93,7 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
                              "or vemesh.parallel.fully_shard")
         if given == "zero1":
             raise ValueError(f"--dp-mode zero1 needs vemesh DDP, and --parallelize {name} wrapped none")
-        return given or "ddp", []
+        return given or "none", []  # "none": no wrapper (DP x CP = 1), torch's AdamW over what the function returned
     return given or ("fsdp" if fsdp else "zero1"), ddps
 
 
@@ -388,6 +389,9 @@ def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
                      "measured expert_load is its own factor)")
     if counted.dp_mode == "zero1" and kwargs["dtype"] == "bf16":
         notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
-    if kwargs["dp_mode"] is None:
+    if kwargs["dp_mode"] is None and counted.dp_mode == "none":
+        notes.append("dp mode none: the parallelize function wrapped no data parallelism (the mesh has none), and the "
+                     "optimizer is torch's AdamW over what it returned")
+    elif kwargs["dp_mode"] is None:
         notes.append(f"dp mode {counted.dp_mode}: from what the parallelize function returned (--dp-mode to say it)")
     return notes
