@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ def _floor(tensors: list[torch.Tensor]) -> float:
 
 
 def _joined(values: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
-    """The TP peers' shards joined along the one dim where they add up to ``shape``, or None."""
+    """Shards joined along the one dim where they add up to ``shape``, or None."""
     first = values[0]
     if any(v.dim() != len(shape) for v in values):
         return None
@@ -65,6 +66,45 @@ def _cp_joins(values: list[torch.Tensor], shape: torch.Size) -> list[torch.Tenso
     return [plain, balanced]
 
 
+def _tp_views(values: list[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
+    """What the TP peers' outputs (in TP order) can stand for on their CP rank: one value when they are replicas
+    (bitwise equal, as a replicated DTensor's local values are on every TP rank), else the first rank's and the shards
+    joined along each dim where TP of them fit ``shape``."""
+    first = values[0]
+    if len(values) == 1 or all(v.shape == first.shape and torch.equal(v, first) for v in values[1:]):
+        return [first]
+    if any(v.shape != first.shape or v.dim() != len(shape) for v in values):
+        return [first]
+    n = len(values)
+    return [first] + [torch.cat(values, dim=d) for d in range(first.dim())
+                      if first.shape[d] * n <= shape[d] and shape[d] % (first.shape[d] * n) == 0]
+
+
+def _full_views(ranks: list[dict], key: Any, shape: torch.Size) -> list[torch.Tensor]:
+    """The one-process-shaped values one data rank's ranks' outputs under ``key`` can make: over TP, the peers of each
+    CP rank as :func:`_tp_views` reads them; over CP, those joined in CP order both ways ``context_parallel`` cuts a
+    sequence (:func:`_cp_joins`). TP is read first on each CP rank (sequence parallelism shards a CP rank's part of
+    the sequence again): read the other way, TP peers that each hold their CP rank's part whole, joined, can have the
+    shape of the whole sequence when TP equals CP, and would be compared as if they were it."""
+    by_cp: dict[int, list[dict]] = {}
+    for r in ranks:
+        if all(v == 0 for k, v in r["coords"].items() if k not in ("TP", "CP", "DP")):
+            by_cp.setdefault(r["coords"].get("CP", 0), []).append(r)
+    views = []
+    for c in sorted(by_cp):
+        values = [r["outputs"].get(key) for r in sorted(by_cp[c], key=lambda r: r["coords"].get("TP", 0))]
+        if any(v is None for v in values):
+            return []
+        views.append(_tp_views(values, shape))
+    if not views:
+        return []
+    out = []
+    for k in range(min(map(len, views))):
+        parts = [v[k] for v in views]
+        out += [parts[0]] if len(parts) == 1 or parts[0].shape == shape else _cp_joins(parts, shape)
+    return [o for o in out if o.shape == shape]
+
+
 def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> None:
     worst = (0.0, "")
 
@@ -77,9 +117,6 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
     for d, ref_out in enumerate(ref["outputs"]):
         floor = _floor(list(ref_out.values()))
         mine = [r for r in ranks if r["data_rank"] == d]
-        first_group = [r for r in mine if all(r["coords"].get(k, 0) == 0 for k in r["coords"] if k not in ("TP", "DP"))]
-        first_group.sort(key=lambda r: r["coords"].get("TP", 0))
-        cp_group = sorted((r for r in mine if r["coords"].get("TP", 0) == 0), key=lambda r: r["coords"].get("CP", 0))
         matched: list[str] = []
         for key, want in ref_out.items():
             got = [r["outputs"].get(key) for r in mine]
@@ -90,12 +127,7 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
             if same:
                 diff = max(_difference(g, want, floor) for g in same)
             else:
-                peers = [r["outputs"].get(key) for r in first_group]
-                joined = [_joined(peers, want.shape)] if all(p is not None for p in peers) else []
-                seq = [r["outputs"].get(key) for r in cp_group]
-                if joined == [None] and len(cp_group) > 1 and all(p is not None for p in seq):
-                    joined = _cp_joins(seq, want.shape)
-                joined = [j for j in joined if j is not None]
+                joined = _full_views(mine, key, want.shape)
                 if not joined:
                     result.outputs_not_comparable += 1
                     continue

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import time
 import traceback
@@ -217,6 +218,10 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
         raise
 
 
+#: how long the other ranks get, once one has failed, to end on their own (writing their own error) before SIGTERM
+GRACE_S = 5.0
+
+
 def run_parallel(spec: Spec, out: str) -> list[int]:
     """The parallel run of ``spec``, each rank writing its record or its error into ``out``; returns the ranks still
     running 5 s after another had failed, which it stopped (they write neither)."""
@@ -227,23 +232,25 @@ def run_parallel(spec: Spec, out: str) -> list[int]:
     context = local_ranks.start(_worker, (spec, port, out), spec.world_size, join=False, preload=(__name__,))
     deadline = time.monotonic() + spec.timeout_s + 60
     try:
-        while not context.join(timeout=1.0):
+        # on a rank's failure torch's join stops the others; the grace lets each reach and write its own error first
+        # (the others' own errors are better words than a SIGTERM; without it, they were SIGTERMed at once and read
+        # as ranks gone without a word)
+        while not context.join(timeout=1.0, grace_period=GRACE_S):
             if time.monotonic() > deadline:
                 raise Timeout(f"the parallel run did not finish in {spec.timeout_s + 60:.0f} s (a hang in the plan "
                                "or the step?); rerun with a longer --timeout, or see docs/debugging-hangs.md")
     except (mp.ProcessRaisedException, mp.ProcessExitedException):
         pass  # the error files say what
     finally:
-        grace = time.monotonic() + 5.0  # the others' own errors are better words than a SIGTERM
+        grace = time.monotonic() + GRACE_S
         while any(p.is_alive() for p in context.processes) and time.monotonic() < grace:
             time.sleep(0.1)
-        stopped = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
         for p in context.processes:
             if p.is_alive():
                 p.terminate()
         for p in context.processes:
             p.join(5)
-    return stopped
+    return [rank for rank, p in enumerate(context.processes) if p.exitcode == -signal.SIGTERM]
 
 
 class Timeout(Exception):

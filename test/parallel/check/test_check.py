@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vemesh.check import CheckInputError, check
-from vemesh.check.compare import modules_before
+from vemesh.check.compare import _full_views, modules_before
 from vemesh.check import partial
 from vemesh.check.partial import ShardedInput
 from vemesh.check.partial import hint as partial_hint
@@ -481,6 +481,53 @@ def test_the_examples_gpt_is_exact_with_its_own_parallelize(parallelize: str, kw
     result = check(f"module:{GPT}:make", f"{GPT}:{parallelize}", f"{GPT}:step", model_kwargs=kwargs, **degrees)
     assert result.exact, result.render()
     assert result.outputs_not_comparable == 0 and result.outputs_compared > 30
+
+
+LLAMA3 = str(ROOT / "test" / "models" / "llama3_check_jobs.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelize, degrees", [
+    ("parallelize_fsdp_selective", dict(world_size=4, tp=2)),
+    ("parallelize_ddp", dict(world_size=4, cp=2, tp=2)),
+])
+def test_the_llama3_presets_parallelize_is_exact(parallelize: str, degrees: dict) -> None:
+    """The planner's Llama 3 preset (what `vemesh plan --model llama3:...` traces and docs/planning.md offers to
+    torchtitan users): TP with sequence parallelism over grouped-query heads, FSDP2 with per-op selective
+    checkpointing, and vemesh DDP with CP around its step, every module's output compared, none left out."""
+    result = check(f"module:{LLAMA3}:make", f"{LLAMA3}:{parallelize}", f"{LLAMA3}:step", **degrees)
+    assert result.exact, result.render()
+    assert result.outputs_not_comparable == 0 and result.outputs_compared > 20
+
+
+def test_a_degree_the_users_function_refuses_on_every_rank_is_its_own_error_not_a_rank_gone() -> None:
+    """Every rank raises in --parallelize (TP 4 over 2 KV heads). torch's join SIGTERMed the other ranks as soon as
+    the first had failed, so the ones that had not yet written their error were named as gone without a word
+    ("killed, out of memory, or aborted by gloo"); they now get a grace to end on their own."""
+    result = check(f"module:{LLAMA3}:make", f"{LLAMA3}:parallelize_fsdp", f"{LLAMA3}:step", world_size=4, tp=4)
+    assert not result.exact
+    assert "ValueError: TP 4 does not divide Llama 3's 2 KV heads; choose TP from 1, 2" in result.error
+    assert "ended without a result" not in result.error, result.error
+
+
+def _rank(cp: int, tp: int, value: torch.Tensor) -> dict:
+    return {"coords": {"CP": cp, "TP": tp}, "outputs": {("h", 0): value}}
+
+
+def test_a_cp_shard_replicated_over_tp_is_joined_over_cp_even_when_tp_equals_cp() -> None:
+    """CP 2 x TP 2: each CP rank's TP peers hold its part of the sequence whole. Joined over TP first, the two copies
+    of CP rank 0's part have the whole sequence's shape, and were compared as if they were it (the Llama 3 preset's
+    embedding "differed" under CP 2 x TP 2 while every gradient matched)."""
+    whole = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
+    chunks = whole.chunk(4, dim=1)
+    part = [torch.cat([chunks[r], chunks[3 - r]], dim=1) for r in range(2)]  # head-tail, as context_parallel cuts
+    ranks = [_rank(c, t, part[c].clone()) for c in range(2) for t in range(2)]
+    assert any(torch.equal(v, whole) for v in _full_views(ranks, ("h", 0), whole.shape))
+    assert not any(torch.equal(v, torch.cat([part[0], part[0]], dim=1)) for v in _full_views(ranks, ("h", 0),
+                                                                                            whole.shape))
+    # sequence parallelism shards each CP rank's part again over TP: joined over TP, then over CP
+    sp = [_rank(c, t, part[c].chunk(2, dim=1)[t].clone()) for c in range(2) for t in range(2)]
+    assert any(torch.equal(v, whole) for v in _full_views(sp, ("h", 0), whole.shape))
 
 
 TITAN = str(ROOT / "test" / "models" / "titan_jobs.py")
