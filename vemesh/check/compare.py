@@ -87,9 +87,8 @@ def _full_views(ranks: list[dict], key: Any, shape: torch.Size) -> list[torch.Te
     the sequence again): read the other way, TP peers that each hold their CP rank's part whole, joined, can have the
     shape of the whole sequence when TP equals CP, and would be compared as if they were it."""
     by_cp: dict[int, list[dict]] = {}
-    for r in ranks:
-        if all(v == 0 for k, v in r["coords"].items() if k not in ("TP", "CP", "DP")):
-            by_cp.setdefault(r["coords"].get("CP", 0), []).append(r)
+    for r in ranks:  # one data rank's: they differ only in their TP and CP coordinates (HSDP's dims are its data rank)
+        by_cp.setdefault(r["coords"].get("CP", 0), []).append(r)
     views = []
     for c in sorted(by_cp):
         values = [r["outputs"].get(key) for r in sorted(by_cp[c], key=lambda r: r["coords"].get("TP", 0))]
