@@ -17,8 +17,9 @@ import transformers as hf
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from vemesh import VESCALE_DEVICE_MESH
 from vemesh.ddp import DistributedDataParallel
-from vemesh.parallel import ExpertParallel, fully_shard
+from vemesh.parallel import ExpertParallel, context_parallel, fully_shard
 
 SEQ, VOCAB = 128, 1024
 
@@ -82,3 +83,27 @@ def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
     loss.backward()
     return loss.detach()
 
+
+
+def step_cp_without_positions(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """CP as a first try: the tokens and labels cut by ``context_parallel``, and HF's model left to number the
+    positions itself, which it does from 0 on each rank: wrong RoPE angles on every rank, and training goes on."""
+    tokens = torch.randint(0, VOCAB, (micro_batch_size, SEQ + 1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    with context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=[x, y], buffer_seq_dims=[1, 1]):
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+    return loss.detach()
+
+
+def step_cp(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """CP on HF's model as it ships: the positions cut with the tokens, and given to the model."""
+    tokens = torch.randint(0, VOCAB, (micro_batch_size, SEQ + 1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(SEQ).expand(micro_batch_size, SEQ).contiguous()
+    with context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=[x, y, positions], buffer_seq_dims=[1, 1, 1]):
+        logits = model(input_ids=x, position_ids=positions).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+    return loss.detach()

@@ -176,6 +176,9 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     number of runs made."""
     if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
         return [refused_hint(*failed[0]["went"]["refused"])], 0
+    positions = _positions_hint(spec, ref, result)
+    if positions:
+        return [positions], 0
     located = _located(ref, result, ranks, failed) if result.verdict == "differs" else None
     hints: list[str] = []
     swaps: tuple[Swap, ...] = ()
@@ -220,6 +223,22 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
             result.verdict == "differs" and result.gradients and result.first_module is None and not result.error)):
         runs += _partial_hints(spec, ref, tol, result, ranks, replicas, hints)
     return hints, runs
+
+
+def _positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
+    """Under CP, the first module that differs holds no parameters (the ones before it match): it computes from
+    positions, such as a rotary embedding, and saw this rank's local positions, not its part of the sequence's."""
+    first, cp = result.first_module, spec.degrees["CP"]
+    if cp == 1 or first is None or not first["module"] or any(
+            n.startswith(first["module"] + ".") for n in ref["grads"]):
+        return None
+    return (f"{first['module']} holds no parameters and is the first module that differs under CP {cp}; likeliest, "
+            "it computes from positions (a rotary embedding) and got this rank's local ones, where it needs each "
+            "token's position in the whole sequence. "
+            f"context_parallel cuts the sequence into {2 * cp} chunks (CP rank r keeps chunks r and {2 * cp - 1} - r); "
+            "cut the positions with the tokens and give them to the model: position_ids = torch.arange(T).expand(B, "
+            "T).contiguous() in buffers=[..., position_ids] with buffer_seq_dims=[..., 1], then model(x, "
+            "position_ids=position_ids) (or a RoPE table in buffers, with its sequence dim)")
 
 
 def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], replicas: dict | None,

@@ -96,16 +96,17 @@ def dims(world_size: int, degrees: dict[str, int], dp_replicate: int) -> Any:
 
 
 @contextlib.contextmanager
-def _one_rank_world() -> Iterator[None]:
+def _one_rank_world(mesh_dims: tuple[str, ...] = ("DP",)) -> Iterator[None]:
     """A world of one gloo rank with ``VESCALE_DEVICE_MESH`` built on it, for a step that asks the mesh (its CP
-    degree, its groups): every degree is 1 there. Undone after."""
+    degree, its groups): the parallel run's mesh dims (``mesh_dims``), every one of size 1, so that a step that takes
+    ``mesh["CP"]`` for ``context_parallel`` runs there as it is written. Undone after."""
 
     if dist.is_initialized():
         raise CheckInputError("vemesh check runs both worlds itself: call it before init_process_group (or from "
                               "another process), not inside a distributed job")
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        ParallelDims(1).build("cpu", mesh)
+        ParallelDims(1, mesh_dims=mesh_dims).build("cpu", mesh)
         yield
     finally:
         mesh.reset()
@@ -119,7 +120,7 @@ def reference(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _one_rank_world():
+        with _one_rank_world(dims(spec.world_size, spec.degrees, spec.dp_replicate).mesh_dims):
             return _reference_run(spec, factory, step, names)
     finally:
         torch.set_num_threads(threads)

@@ -133,6 +133,25 @@ def test_what_the_ring_cannot_compute_is_refused_on_every_rank(cp_rank, call, me
         assert x.shape == (1, 16)  # restored
 
 
+def test_a_cp_dim_of_one_rank_runs_the_block_as_it_is() -> None:
+    """A job's CP dim of size 1 (a mesh whose dims are named for a larger run): nothing is cut, even a length 2 x CP
+    would not split, and the model's SDPA is its own. It recursed: the ring's one-rank path called F's SDPA, which
+    the context had swapped for the ring."""
+    mesh.reset()
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    try:
+        ParallelDims(1, mesh_dims=("DP", "CP")).build("cpu", mesh)
+        q, x = torch.randn(1, 2, 7, 4), torch.arange(7).view(1, 7)
+        want = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        with context_parallel(mesh["CP"], buffers=[x], buffer_seq_dims=[1]):
+            got = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=None, is_causal=True)
+            assert x.tolist() == [list(range(7))]
+        assert torch.equal(got, want)
+    finally:
+        mesh.reset()
+        dist.destroy_process_group()
+
+
 def test_buffers_are_cut_the_same_way_and_put_back(cp_rank) -> None:
     for rank in range(2):
         cp_rank(rank)

@@ -55,6 +55,18 @@ def test_hf_llama_with_the_docs_tp_plan_is_exact_under_ddp() -> None:
 
 
 @pytest.mark.slow
+def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_and_with_them_is_exact() -> None:
+    """HF's LlamaForCausalLM numbers its positions from 0 on each CP rank unless given position_ids: its rotary
+    embedding is the first module that differs, and the hint says to cut the positions with the tokens; the step
+    that does is exact. (Each step takes mesh["CP"] unguarded: the one-process run has the parallel run's dims.)"""
+    wrong = check(f"module:{HF}:make_llama", f"{HF}:parallelize_ddp", f"{HF}:step_cp_without_positions",
+                  world_size=2, cp=2)
+    assert not wrong.exact and wrong.first_module["module"] == "model.rotary_emb", wrong.render()
+    assert any("model.rotary_emb holds no parameters" in h and "buffers=[..., position_ids]" in h for h in wrong.hints)
+    right = check(f"module:{HF}:make_llama", f"{HF}:parallelize_ddp", f"{HF}:step_cp", world_size=2, cp=2)
+    assert right.exact and right.outputs_not_comparable == 0, right.render()
+
+
 @pytest.mark.parametrize("factory, parallelize, kwargs", [
     ("make_local", "parallelize_local", {}),
     ("make_local", "parallelize_local", {"qk_norm": True}),

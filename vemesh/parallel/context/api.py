@@ -196,7 +196,7 @@ def _check_arguments(cp_mesh: Any, buffers: Sequence[torch.Tensor], dims: Sequen
         raise ValueError(f"the buffers' sequence lengths differ ({lengths} along buffer_seq_dims {list(dims)}): every "
                          "buffer is cut the same way, so a longer table (RoPE for the longest sequence) must be sliced "
                          "to this batch's length first")
-    if lengths:
+    if lengths and cp_mesh.size() > 1:
         check_sequence_split(lengths[0], cp_mesh.size(), load_balance)
     return lengths[0] if lengths else None
 
@@ -223,13 +223,17 @@ def context_parallel(
 
     On CP = 2 with ``buffers=[x]`` of ``x.shape == (B, 8)`` and load balancing, rank 0 holds positions
     ``0, 1, 6, 7`` and rank 1 ``2, 3, 4, 5`` inside the block; the model's causal SDPA on rank 1 returns rows
-    2..5 of attention over all 8 positions.
+    2..5 of attention over all 8 positions. On a CP mesh of one rank (a job's CP dim of size 1) the block runs as
+    it is: nothing is cut, and the model's SDPA is its own.
     """
     buffers = list(buffers or [])
     dims = list(buffer_seq_dims or [])
     no_restore = set(no_restore_buffers or ())
     seq_len = _check_arguments(cp_mesh, buffers, dims, no_restore, load_balance, rotate)
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+    if size == 1:  # one CP rank holds the whole sequence: nothing to cut, and the model's own SDPA is already exact
+        yield
+        return
     kept = [None if any(b is n for n in no_restore) else b.clone() for b in buffers]
     with torch.no_grad():
         for b, d in zip(buffers, dims):
