@@ -58,6 +58,15 @@ from vemesh.planning.user_template import blocks_of, copy_of_template, keep_bloc
 __all__ = ["predict_user", "stage_signatures", "trace_arguments", "trace_user", "user_notes"]
 
 _MODES = ("ddp", "zero1", "fsdp")
+#: what a plan says of the dp mode it read from the parallelize function's wrappers (no --dp-mode)
+_READ_MODES = {
+    "none": "dp mode none: the parallelize function wrapped no data parallelism (the mesh has none), and the "
+            "optimizer is torch's AdamW over what it returned",
+    "zero1": "dp mode zero1: the parallelize function wrapped vemesh DDP, and the optimizer is ZeRO-1's "
+             "DistributedOptimizer over it (--dp-mode ddp for torch's AdamW, unsplit)",
+    "fsdp": "dp mode fsdp: the parallelize function sharded the model with FSDP2 (fully_shard); the optimizer is "
+            "torch's AdamW over its shards",
+}
 
 
 def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: Any) -> tuple[str, list[Any]]:
@@ -389,9 +398,6 @@ def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
                      "measured expert_load is its own factor)")
     if counted.dp_mode == "zero1" and kwargs["dtype"] == "bf16":
         notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
-    if kwargs["dp_mode"] is None and counted.dp_mode == "none":
-        notes.append("dp mode none: the parallelize function wrapped no data parallelism (the mesh has none), and the "
-                     "optimizer is torch's AdamW over what it returned")
-    elif kwargs["dp_mode"] is None:
-        notes.append(f"dp mode {counted.dp_mode}: from what the parallelize function returned (--dp-mode to say it)")
+    if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
+        notes.append(_READ_MODES[counted.dp_mode])
     return notes
