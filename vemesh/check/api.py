@@ -45,6 +45,7 @@ from vemesh.check.partial import hint as partial_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
+from vemesh.layout.names import divisors, listed
 
 __all__ = ["CheckInputError", "CheckResult", "check"]
 
@@ -79,7 +80,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
             raise CheckInputError(f"{flag} {value!r}: expected a positive integer")
     if world_size % (tp * cp):
         raise CheckInputError(f"--world-size {world_size} is not divisible by TP x CP = {tp} x {cp} = {tp * cp}; "
-                              f"choose degrees whose product divides it (DP fills the rest)")
+                              f"choose TP x CP from {listed(divisors(world_size), 64)} (DP fills the rest)")
     dp = world_size // (tp * cp) if dp is None else dp
     degrees = {"DP": dp, "CP": cp, "TP": tp, "EP": ep}
     try:

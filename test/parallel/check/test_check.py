@@ -451,7 +451,8 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str]) -> None:
      "plan; here give your own model's factory, module:MODULE:FUNCTION (e.g. module:mymodel:make)"),
     (["--model", "llama3:8b"], "--model llama3:8b: a preset of vemesh plan"),
     (["--model", "gpt:make"], "--model gpt:make: no module named 'gpt'"),  # a gpt.py's make: not a preset
-    (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by TP x CP = 4 x 1 = 4"),
+    (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by TP x CP = 4 x 1 = 4; choose TP x CP from 1, 2, "
+     "3, 6"),
     (["--pp", "2"], "--pp 2: the check compares one process with the parallel run at PP 1"),
     (["--step", nano("make")], "--step " + nano("make") + " takes (**kwargs), but is called as "
                                "step(model, micro_batch_size)"),
