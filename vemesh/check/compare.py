@@ -52,9 +52,11 @@ def _joined(values: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | Non
     return joined if joined.shape == shape else None
 
 
-def _cp_joins(values: list[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
+def _cp_joins(values: list[torch.Tensor], shape: torch.Size, batch: int = 1) -> list[torch.Tensor]:
     """The CP ranks' sequence shards (in CP order) joined both ways torch's ``context_parallel`` cuts a sequence:
-    in order, and load-balanced (rank ``r`` holds chunks ``r`` and ``2 x CP - 1 - r`` of ``2 x CP``)."""
+    in order, and load-balanced (rank ``r`` holds chunks ``r`` and ``2 x CP - 1 - r`` of ``2 x CP``). Shards that
+    differ on their first dim may hold the ``batch`` sequences' tokens flattened (a MoE router's ``(B x T, E)``):
+    they are joined as ``(B, T, ...)`` too."""
     plain = _joined(values, shape)
     if plain is None:
         return []
@@ -63,7 +65,11 @@ def _cp_joins(values: list[torch.Tensor], shape: torch.Size) -> list[torch.Tenso
     if any(len(h) != 2 for h in halves):
         return [plain]
     balanced = torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
-    return [plain, balanced]
+    joins = [plain, balanced]
+    if dim == 0 and batch > 1 and shape[0] % batch == 0 and all(v.shape[0] % batch == 0 for v in values):
+        tokens = [v.reshape(batch, v.shape[0] // batch, *v.shape[1:]) for v in values]
+        joins += [j.reshape(shape) for j in _cp_joins(tokens, torch.Size((batch, shape[0] // batch, *shape[1:])))]
+    return joins
 
 
 def _tp_views(values: list[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
@@ -80,10 +86,10 @@ def _tp_views(values: list[torch.Tensor], shape: torch.Size) -> list[torch.Tenso
                       if first.shape[d] * n <= shape[d] and shape[d] % (first.shape[d] * n) == 0]
 
 
-def _full_views(ranks: list[dict], key: Any, shape: torch.Size) -> list[torch.Tensor]:
+def _full_views(ranks: list[dict], key: Any, shape: torch.Size, batch: int = 1) -> list[torch.Tensor]:
     """The one-process-shaped values one data rank's ranks' outputs under ``key`` can make: over TP, the peers of each
     CP rank as :func:`_tp_views` reads them; over CP, those joined in CP order both ways ``context_parallel`` cuts a
-    sequence (:func:`_cp_joins`). TP is read first on each CP rank (sequence parallelism shards a CP rank's part of
+    sequence (:func:`_cp_joins`, ``batch`` sequences a micro-batch). TP is read first on each CP rank (sequence parallelism shards a CP rank's part of
     the sequence again): read the other way, TP peers that each hold their CP rank's part whole, joined, can have the
     shape of the whole sequence when TP equals CP, and would be compared as if they were it."""
     by_cp: dict[int, list[dict]] = {}
@@ -100,7 +106,7 @@ def _full_views(ranks: list[dict], key: Any, shape: torch.Size) -> list[torch.Te
     out = []
     for k in range(min(map(len, views))):
         parts = [v[k] for v in views]
-        out += [parts[0]] if len(parts) == 1 or parts[0].shape == shape else _cp_joins(parts, shape)
+        out += [parts[0]] if len(parts) == 1 or parts[0].shape == shape else _cp_joins(parts, shape, batch)
     return [o for o in out if o.shape == shape]
 
 
@@ -126,7 +132,7 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
             if same:
                 diff = max(_difference(g, want, floor) for g in same)
             else:
-                joined = _full_views(mine, key, want.shape)
+                joined = _full_views(mine, key, want.shape, result.micro_batch_size)
                 if not joined:
                     result.outputs_not_comparable += 1
                     continue

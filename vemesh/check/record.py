@@ -27,6 +27,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from vemesh.parallel.experts.style import EXPERT
+
 __all__ = ["Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients", "plain_name", "unwrap"]
 
 _WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -111,6 +113,9 @@ class Recorder:
     def __init__(self, model: nn.Module) -> None:
         self.modules = list(unwrap(model).named_modules(remove_duplicate=False))
         self.names = {id(m): plain_name(n) for n, m in self.modules}
+        #: expert-parallel modules (vemesh's ExpertParallel): inside them each EP rank runs the tokens routed to its
+        #: experts, in their order, which no join of one process's outputs makes; their own output is compared
+        self.experts = {plain_name(n) for n, m in self.modules if getattr(m, EXPERT, False)}
         #: ``(module name, call, index) -> tensor``, in the order the outputs were produced
         self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
         self.calls: dict[str, int] = {}
@@ -130,6 +135,8 @@ class Recorder:
             return
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
+        if self.experts and any(s in self.experts for s in self.stack):  # inside one: the routed tokens
+            return
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
         leaves, _ = tree_flatten(output)

@@ -67,6 +67,16 @@ def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_an
     assert right.exact and right.outputs_not_comparable == 0, right.render()
 
 
+@pytest.mark.slow
+def test_hf_qwen3_moe_under_cp_and_ep_is_exact() -> None:
+    """HF's Qwen3MoeForCausalLM with its positions cut under CP and vemesh's ExpertParallel on its experts: the
+    router's flattened tokens are joined as sequences, and the experts' insides (each EP rank's routed tokens) are
+    not compared; the experts' own outputs and every gradient are."""
+    result = check(f"module:{HF}:make_qwen3_moe", f"{HF}:parallelize_ddp", f"{HF}:step_cp", world_size=4, cp=2, ep=2)
+    assert result.exact and result.outputs_not_comparable == 0, result.render()
+    assert result.gradients_compared == 47
+
+
 @pytest.mark.parametrize("factory, parallelize, kwargs", [
     ("make_local", "parallelize_local", {}),
     ("make_local", "parallelize_local", {"qk_norm": True}),
@@ -542,6 +552,17 @@ def test_a_cp_shard_replicated_over_tp_is_joined_over_cp_even_when_tp_equals_cp(
     sp = [_rank(c, t, part[c].chunk(2, dim=1)[t].clone()) for c in range(2) for t in range(2)]
     assert any(torch.equal(v, whole) for v in _full_views(sp, ("h", 0), whole.shape))
 
+
+
+def test_a_cp_shard_of_tokens_flattened_over_the_batch_is_joined_as_sequences() -> None:
+    """A MoE router's logits are ``(B x T, E)``: each CP rank's ``(B x T / CP, E)`` is its part of every sequence,
+    batch-major, which a join along the first dim puts in the wrong order when B > 1."""
+    whole = torch.randn(2, 8, 3)  # (B, T, E)
+    chunks = whole.chunk(4, dim=1)
+    parts = [torch.cat([chunks[r], chunks[3 - r]], dim=1).flatten(0, 1) for r in range(2)]
+    ranks = [_rank(c, 0, parts[c]) for c in range(2)]
+    assert any(torch.equal(v, whole.flatten(0, 1)) for v in _full_views(ranks, ("h", 0), torch.Size((16, 3)), 2))
+    assert not any(torch.equal(v, whole.flatten(0, 1)) for v in _full_views(ranks, ("h", 0), torch.Size((16, 3))))
 
 
 def test_the_ranks_of_an_hsdp_data_rank_off_the_first_shard_are_joined_too() -> None:
