@@ -227,10 +227,11 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
 
 
 def _positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
-    """Under CP, the first module that differs holds no parameters (the ones before it match): it computes from
-    positions, such as a rotary embedding, and saw this rank's local positions, not its part of the sequence's."""
+    """Under CP, the first module that differs holds no parameters (the ones before it match) and gradients differ:
+    it computes from positions, such as a rotary embedding, and saw this rank's local positions, not its part of the
+    sequence's."""
     first, cp = result.first_module, spec.degrees["CP"]
-    if cp == 1 or first is None or not first["module"] or any(
+    if cp == 1 or first is None or not first["module"] or not result.gradients or any(
             n.startswith(first["module"] + ".") for n in ref["grads"]):
         return None
     return (f"{first['module']} holds no parameters and is the first module that differs under CP {cp}; likeliest, "

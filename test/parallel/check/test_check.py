@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vemesh.check import CheckInputError, check
-from vemesh.check.compare import _full_views, modules_before
+from vemesh.check.compare import _difference_of_rows, _full_views, modules_before
 from vemesh.check import partial
 from vemesh.check.partial import ShardedInput
 from vemesh.check.partial import hint as partial_hint
@@ -68,13 +68,15 @@ def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_an
 
 
 @pytest.mark.slow
-def test_hf_qwen3_moe_under_cp_and_ep_is_exact() -> None:
-    """HF's Qwen3MoeForCausalLM with its positions cut under CP and vemesh's ExpertParallel on its experts: the
-    router's flattened tokens are joined as sequences, and the experts' insides (each EP rank's routed tokens) are
-    not compared; the experts' own outputs and every gradient are."""
-    result = check(f"module:{HF}:make_qwen3_moe", f"{HF}:parallelize_ddp", f"{HF}:step_cp", world_size=4, cp=2, ep=2)
+@pytest.mark.parametrize("parallelize, ep", [("parallelize_ddp", 2), ("parallelize_fsdp", 1)])
+def test_hf_qwen3_moe_under_cp_is_exact_with_and_without_ep(parallelize: str, ep: int) -> None:
+    """HF's Qwen3MoeForCausalLM with its positions cut under CP: the router's flattened tokens are joined as
+    sequences; under vemesh's ExpertParallel the experts' insides (each EP rank's routed tokens) are not compared,
+    and without it their rows (each CP rank's tokens sorted by expert) are matched one to one. The experts' own
+    outputs and every gradient are compared."""
+    result = check(f"module:{HF}:make_qwen3_moe", f"{HF}:{parallelize}", f"{HF}:step_cp", world_size=4, cp=2, ep=ep)
     assert result.exact and result.outputs_not_comparable == 0, result.render()
-    assert result.gradients_compared == 47
+    assert result.gradients_compared == 47 and not result.hints
 
 
 @pytest.mark.parametrize("factory, parallelize, kwargs", [
@@ -563,6 +565,13 @@ def test_a_cp_shard_of_tokens_flattened_over_the_batch_is_joined_as_sequences() 
     ranks = [_rank(c, 0, parts[c]) for c in range(2)]
     assert any(torch.equal(v, whole.flatten(0, 1)) for v in _full_views(ranks, ("h", 0), torch.Size((16, 3)), 2))
     assert not any(torch.equal(v, whole.flatten(0, 1)) for v in _full_views(ranks, ("h", 0), torch.Size((16, 3))))
+
+
+def test_rows_in_another_order_are_matched_one_to_one_and_nothing_else_is() -> None:
+    rows = torch.randn(12, 5)
+    assert _difference_of_rows(rows[torch.randperm(12)], rows, 0.0) == 0.0
+    assert _difference_of_rows(rows[[0] * 12], rows, 0.0) == float("inf")  # not one to one
+    assert _difference_of_rows(rows + 1.0, rows, 0.0) > 0.1
 
 
 def test_the_ranks_of_an_hsdp_data_rank_off_the_first_shard_are_joined_too() -> None:
