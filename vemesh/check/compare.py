@@ -109,9 +109,10 @@ def _tp_views(values: list[torch.Tensor], shape: torch.Size) -> list[torch.Tenso
 def _full_views(ranks: list[dict], key: Any, shape: torch.Size, batch: int = 1) -> list[torch.Tensor]:
     """The one-process-shaped values one data rank's ranks' outputs under ``key`` can make: over TP, the peers of each
     CP rank as :func:`_tp_views` reads them; over CP, those joined in CP order both ways ``context_parallel`` cuts a
-    sequence (:func:`_cp_joins`, ``batch`` sequences a micro-batch). TP is read first on each CP rank (sequence parallelism shards a CP rank's part of
-    the sequence again): read the other way, TP peers that each hold their CP rank's part whole, joined, can have the
-    shape of the whole sequence when TP equals CP, and would be compared as if they were it."""
+    sequence (:func:`_cp_joins`, ``batch`` sequences a micro-batch). TP is read first on each CP rank (sequence
+    parallelism shards a CP rank's part of the sequence again): read the other way, TP peers that each hold their CP
+    rank's part whole, joined, can have the shape of the whole sequence when TP equals CP, and would be compared as
+    if they were it."""
     by_cp: dict[int, list[dict]] = {}
     for r in ranks:  # one data rank's: they differ only in their TP and CP coordinates (HSDP's dims are its data rank)
         by_cp.setdefault(r["coords"].get("CP", 0), []).append(r)

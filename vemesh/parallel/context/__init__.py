@@ -9,4 +9,5 @@
 from vemesh.parallel.context.api import context_parallel, sharded_buffers
 from vemesh.parallel.context.ring import check_sequence_split, check_torch_api, positions, ring_attention, shard_sequence
 
-__all__ = ["check_sequence_split", "check_torch_api", "context_parallel", "positions", "ring_attention", "shard_sequence", "sharded_buffers"]
+__all__ = ["check_sequence_split", "check_torch_api", "context_parallel", "positions", "ring_attention", "shard_sequence",
+           "sharded_buffers"]
