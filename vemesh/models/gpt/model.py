@@ -27,8 +27,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from vemesh.layout.names import divisors, listed
-
 
 @dataclass
 class GPTConfig:
@@ -48,9 +46,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         if config.n_head < 1 or config.n_embd % config.n_head:
-            heads = divisors(config.n_embd) if config.n_embd >= 1 else []
+            heads = [h for h in range(1, config.n_embd + 1) if config.n_embd % h == 0]  # this file imports no vemesh
             raise ValueError(f"n_head {config.n_head} does not divide n_embd {config.n_embd}: each head takes "
-                             f"n_embd / n_head channels; choose n_head from {listed(heads, 64)}")
+                             f"n_embd / n_head channels; choose n_head from {', '.join(map(str, heads))}")
         # Separate q/k/v projections (not one fused c_attn) so that a column-wise
         # split over TP hands each rank whole heads of q, k and v.
         self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
