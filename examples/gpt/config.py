@@ -294,7 +294,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--mesh-dims {','.join(names)}: {e}") from None
 
     def _check_cp(self) -> None:
-        """A CP dim: the sequence splits evenly; no attention dropout; not with sequence parallelism."""
+        """A CP dim: the sequence splits evenly; no attention dropout (sequence parallelism cuts each CP rank's part
+        again over TP: :meth:`_check_model_and_batch`)."""
         cp = self.cp_size
         if cp == 1:
             return
@@ -309,9 +310,6 @@ class TrainConfig(BaseModel):
         if self.dropout:
             raise ValueError(f"--dropout {self.dropout}: CP's ring attention supports no attention dropout; "
                              "use --dropout 0 with a CP dim")
-        if self.sequence_parallel:
-            raise ValueError("--sequence-parallel shards the sequence over TP; with a CP dim the sequence is "
-                             "already split over CP: drop one of them")
 
     def _check_pp(self) -> None:
         """A PP dim: enough blocks for the stages, micro-batches the schedule can take."""
@@ -381,8 +379,10 @@ class TrainConfig(BaseModel):
                 f"--global-batch-size {self.global_batch_size} is not divisible by the DP size {dp} "
                 f"(each DP rank takes an equal slice)"
             )
-        if self.sequence_parallel and self.seq_len % tp:
-            raise ValueError(f"--sequence-parallel: --seq-len {self.seq_len} must be divisible by the TP size {tp}")
+        cp = self.cp_size  # sequence parallelism cuts each CP rank's part of the sequence again over TP
+        if self.sequence_parallel and self.seq_len % (tp * cp):
+            over = f"the TP size {tp}" if cp == 1 else f"CP x TP = {cp} x {tp} = {cp * tp}"
+            raise ValueError(f"--sequence-parallel: --seq-len {self.seq_len} must be divisible by {over}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if self.micro_batch_size is not None:

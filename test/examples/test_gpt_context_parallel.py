@@ -48,14 +48,16 @@ def assert_same_curve(run, ref, after: int = 0) -> None:
 @pytest.mark.parametrize(
     ("seq_len", "nproc", "args"),
     [
-        (32, 8, ["--mesh-dims", "DP,CP,TP", "--mesh-shape", "2,2,2"]),  # CP with DP and TP, ZeRO-1 over dp_cp
+        # CP with DP and TP, ZeRO-1 over dp_cp; sequence parallelism cuts each CP rank's part again over TP
+        (32, 8, ["--mesh-dims", "DP,CP,TP", "--mesh-shape", "2,2,2", "--sequence-parallel"]),
         (256, 4, ["--mesh-dims", "CP", "--mesh-shape", "4"]),  # CP alone, head-tail load balanced
     ],
-    ids=["dp2-cp2-tp2", "cp4-seq256"],
+    ids=["dp2-cp2-tp2-sp", "cp4-seq256"],
 )
 def test_context_parallel_matches_one_process(single, tmp_path, seq_len, nproc, args):
     run = run_train(tiny(seq_len) + args, tmp_path, nproc=nproc)
     assert "context parallel: CP=" in run.stdout and "ring attention" in run.stdout, run.describe()
+    assert ("sequence-parallel" in run.stdout) == ("--sequence-parallel" in args), run.describe()
     assert_same_curve(run, single[seq_len])
 
 
