@@ -498,11 +498,12 @@ GPT = str(ROOT / "test" / "models" / "gpt_check_jobs.py")
     ("parallelize_ddp", {}, dict(world_size=4, tp=2)),
     ("parallelize_fsdp_sp", {}, dict(world_size=4, tp=2)),
     ("parallelize_ddp", {"moe_experts": 4}, dict(world_size=4, tp=2, ep=2)),
-    ("parallelize_ddp", {}, dict(world_size=2, cp=2)),
+    ("parallelize_ddp", {}, dict(world_size=4, cp=2, tp=2)),
 ])
 def test_the_examples_gpt_is_exact_with_its_own_parallelize(parallelize: str, kwargs: dict, degrees: dict) -> None:
-    """examples/gpt's model and plans (TP, SP, DDP, FSDP2, EP when the model has experts, and CP: its sequence
-    shards joined as context_parallel cuts them)."""
+    """examples/gpt's model and plans (TP, SP, DDP, FSDP2, EP when the model has experts, and CP x TP: its sequence
+    shards joined as context_parallel cuts them; the example's own run under DP x CP x TP with SP is
+    test_gpt_context_parallel.py's)."""
     result = check(f"module:{GPT}:make", f"{GPT}:{parallelize}", f"{GPT}:step", model_kwargs=kwargs, **degrees)
     assert result.exact, result.render()
     assert result.outputs_not_comparable == 0 and result.outputs_compared > 30
