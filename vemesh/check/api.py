@@ -178,7 +178,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
         return [refused_hint(*failed[0]["went"]["refused"])], 0
     positions = _positions_hint(spec, ref, result)
-    if positions:
+    if positions and spec.degrees["TP"] == 1:  # with TP, a TP plan's recipe is tried first (below)
         return [positions], 0
     located = _located(ref, result, ranks, failed) if result.verdict == "differs" else None
     hints: list[str] = []
@@ -223,6 +223,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     if runs < MAX_TRIES and not result.broken_ties and (replicas is not None or (
             result.verdict == "differs" and result.gradients and result.first_module is None and not result.error)):
         runs += _partial_hints(spec, ref, tol, result, ranks, replicas, hints)
+    if positions and not hints:
+        hints.append(positions)
     return hints, runs
 
 
