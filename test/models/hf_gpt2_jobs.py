@@ -10,6 +10,10 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from vemesh import VESCALE_DEVICE_MESH
+from vemesh.ddp import DistributedDataParallel
+from vemesh.parallel import context_parallel
+
 VOCAB = 128
 
 
@@ -48,3 +52,28 @@ def naive(model: nn.Module, mesh: object) -> nn.Module:
                                                "attn.c_proj": RowwiseParallel(), "mlp.c_fc": ColwiseParallel(),
                                                "mlp.c_proj": RowwiseParallel()})
     return model
+
+
+def ddp(model: nn.Module, mesh: object) -> nn.Module:
+    return DistributedDataParallel(model)
+
+
+def _step_cp(model: nn.Module, micro_batch_size: int, positions: bool) -> None:
+    tokens = torch.randint(0, VOCAB, (micro_batch_size, 17))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    p = torch.arange(16).expand(micro_batch_size, 16).contiguous()
+    buffers = [x, y, p] if positions else [x, y]
+    with context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+        logits = model(input_ids=x, position_ids=p if positions else None).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+
+
+def step_cp_without_positions(model: nn.Module, micro_batch_size: int) -> None:
+    """CP with the tokens cut and GPT-2 left to number the positions of its learned ``wpe`` itself, from 0 on each
+    rank."""
+    _step_cp(model, micro_batch_size, positions=False)
+
+
+def step_cp(model: nn.Module, micro_batch_size: int) -> None:
+    """CP with ``position_ids`` cut with the tokens and given to the model."""
+    _step_cp(model, micro_batch_size, positions=True)

@@ -229,16 +229,21 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
 
 
 def _positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
-    """Under CP, the first module that differs holds no parameters (the ones before it match) and gradients differ:
-    it computes from positions, such as a rotary embedding, and saw this rank's local positions, not its part of the
-    sequence's."""
+    """Under CP, the first module that differs (the ones before it match, and gradients differ) holds no parameters
+    or is an embedding: it computes from positions (a rotary embedding, a learned position embedding such as GPT-2's
+    ``wpe``) and saw this rank's local positions, not its part of the sequence's."""
     first, cp = result.first_module, spec.degrees["CP"]
-    if cp == 1 or first is None or not first["module"] or not result.gradients or any(
-            n.startswith(first["module"] + ".") for n in ref["grads"]):
+    if cp == 1 or first is None or not first["module"] or not result.gradients:
         return None
-    return (f"{first['module']} holds no parameters and is the first module that differs under CP {cp}; likeliest, "
-            "it computes from positions (a rotary embedding) and got this rank's local ones, where it needs each "
-            "token's position in the whole sequence. "
+    if first["module"] in ref.get("embeddings", ()):
+        what = "is an embedding"
+    elif not any(n.startswith(first["module"] + ".") for n in ref["grads"]):
+        what = "holds no parameters"
+    else:
+        return None
+    return (f"{first['module']} {what} and is the first module that differs under CP {cp}; likeliest, it computes "
+            "from positions (a rotary or learned position embedding) and got this rank's local ones, where it needs "
+            "each token's position in the whole sequence. "
             f"context_parallel cuts the sequence into {2 * cp} chunks (CP rank r keeps chunks r and {2 * cp - 1} - r); "
             "cut the positions with the tokens and give them to the model: position_ids = torch.arange(T).expand(B, "
             "T).contiguous() in buffers=[..., position_ids] with buffer_seq_dims=[..., 1], then model(x, "

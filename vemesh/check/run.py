@@ -142,7 +142,10 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
         random_ops += det.random_ops
     grads = {n: None if g is None else g / dp for n, g in gradients(model).items()}
     dtypes = {p.dtype for p in model.parameters()}
-    return {"outputs": outputs, "grads": grads, "dropouts": dropouts, "random_ops": random_ops, "dtypes": dtypes}
+    # for the CP positions hint (vemesh.check.api): a learned position embedding takes positions as its indices
+    embeddings = {plain_name(n) for n, m in unwrap(model).named_modules() if isinstance(m, torch.nn.Embedding)}
+    return {"outputs": outputs, "grads": grads, "dropouts": dropouts, "random_ops": random_ops, "dtypes": dtypes,
+            "embeddings": embeddings}
 
 
 def _worker(rank: int, spec: Spec, port: int, out: str) -> None:

@@ -68,6 +68,19 @@ def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_an
 
 
 @pytest.mark.slow
+def test_hf_gpt2_under_cp_without_its_positions_cut_names_its_learned_position_embedding() -> None:
+    """GPT-2's positions index a learned embedding (``wpe``, which holds parameters): without position_ids cut with
+    the tokens it is the first module that differs, and the positions hint names it; with them the check is exact."""
+    gpt2 = str(ROOT / "test" / "models" / "hf_gpt2_jobs.py")
+    wrong = check(f"module:{gpt2}:make_linear", f"{gpt2}:ddp", f"{gpt2}:step_cp_without_positions", world_size=2, cp=2)
+    assert wrong.first_module["module"] == "transformer.wpe", wrong.render()
+    assert any(h.startswith("transformer.wpe is an embedding and is the first module that differs under CP 2")
+               for h in wrong.hints), wrong.hints
+    right = check(f"module:{gpt2}:make_linear", f"{gpt2}:ddp", f"{gpt2}:step_cp", world_size=2, cp=2)
+    assert right.exact, right.render()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("parallelize, ep", [("parallelize_ddp", 2), ("parallelize_fsdp", 1)])
 def test_hf_qwen3_moe_under_cp_is_exact_with_and_without_ep(parallelize: str, ep: int) -> None:
     """HF's Qwen3MoeForCausalLM with its positions cut under CP: the router's flattened tokens are joined as
