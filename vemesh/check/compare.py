@@ -34,24 +34,36 @@ def _difference(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return (a - b).abs().max().item() / max(scale, floor, 1e-30) if b.numel() else 0.0
 
 
-#: at most this many rows are matched one to one (:func:`_difference_of_rows`): their distances take rows^2 floats
-MATCHED_ROWS = 4096
+#: each row is matched to the nearest among this many neighbours either side in an order both sides share
+#: (:func:`_difference_of_rows`)
+NEIGHBOURS = 8
 
 
 def _difference_of_rows(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     """:func:`_difference` of ``a``'s rows (its first dim) against the rows of ``b`` nearest to each, when that pairs
     them one to one (else ``inf``): the same rows in another order. Under CP, a MoE's experts run each rank's tokens
     sorted by expert, so the rows of a module inside them are one process's rows in another order, and no join of
-    the ranks' parts puts them back in it."""
-    if a.dim() == 0 or a.shape != b.shape or not 1 < a.shape[0] <= MATCHED_ROWS:
+    the ranks' parts puts them back in it. Both sides are sorted by a fixed random projection of their rows, which
+    puts a row and its rounding-near copy within a few places of each other, and each row is matched among its
+    :data:`NEIGHBOURS` either side: linear in the rows, where all pairs' distances would be quadratic."""
+    if a.dim() == 0 or a.shape != b.shape or a.shape[0] < 2:
         return math.inf
     rows_a, rows_b = a.reshape(a.shape[0], -1).double(), b.reshape(b.shape[0], -1).double()
     if not (torch.isfinite(rows_a).all() and torch.isfinite(rows_b).all()):
         return math.inf
-    nearest = torch.cdist(rows_a, rows_b).argmin(dim=1)
-    if nearest.unique().numel() != nearest.numel():
+    direction = torch.randn(rows_a.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rows_a, rows_b = rows_a[torch.argsort(rows_a @ direction)], rows_b[torch.argsort(rows_b @ direction)]
+    n = rows_a.shape[0]
+    here = torch.arange(n)
+    best, pick = torch.full((n,), math.inf, dtype=torch.float64), here.clone()
+    for offset in range(-NEIGHBOURS, NEIGHBOURS + 1):
+        there = (here + offset).clamp(0, n - 1)
+        distance = (rows_a - rows_b[there]).abs().amax(dim=1)
+        closer = distance < best
+        best, pick = torch.where(closer, distance, best), torch.where(closer, there, pick)
+    if pick.unique().numel() != n:
         return math.inf
-    return _difference(rows_a, rows_b[nearest], floor)
+    return _difference(rows_a, rows_b[pick], floor)
 
 
 def _floor(tensors: list[torch.Tensor]) -> float:
