@@ -177,7 +177,7 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
     elif piped:
         lines.append("PP meshes traced through torch's schedule, as --pp N plans each (--trace-pp)")
     if rejected:
-        lines.append(f"{len(rejected)} meshes rejected:")
+        lines.append(f"{len(rejected)} mesh{'es' if len(rejected) != 1 else ''} rejected:")
         lines.extend(f"  {f.shape():28} {f.reason}" for f in rejected)
     return "\n".join(lines)
 
