@@ -22,6 +22,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from vemesh.layout import fill_sizes
+from vemesh.layout.names import divisors as all_divisors
+from vemesh.layout.names import listed
 from vemesh.parallel import ParallelDims
 
 
@@ -361,18 +363,18 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--fsdp shards the optimizer state and reduces gradients itself; "
                              f"{', '.join(_flag(f) for f in given)} does not apply to it")
         if dp % self.dp_replicate:
-            divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+            divisors = listed(all_divisors(dp), 64)
             raise ValueError(f"--dp-replicate {self.dp_replicate} does not divide the DP size {dp} (choose from {divisors})")
 
     def _check_model_and_batch(self) -> None:
         """The model's heads split over TP; the global batch over DP, in whole micro-batches."""
         pp, dp, tp = self.pp_size, self.dp_size, self.tp_size
         if self.n_embd % self.n_head:
-            heads = ", ".join(str(h) for h in range(1, self.n_embd + 1) if self.n_embd % h == 0)
+            heads = listed(all_divisors(self.n_embd), 64)
             raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head} (each head takes "
                              f"n_embd / n_head channels): choose --n-head from {heads}, or another --n-embd")
         if self.n_head % tp:
-            divisors = ", ".join(str(d) for d in range(1, self.n_head + 1) if self.n_head % d == 0)
+            divisors = listed(all_divisors(self.n_head), 64)
             raise ValueError(f"--mesh-shape: TP size {tp} does not divide --n-head {self.n_head} (choose TP from {divisors})")
         if self.global_batch_size % dp:
             raise ValueError(
@@ -425,11 +427,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--moe-top-k {k} is more than the {E} experts of --moe-experts; choose 1..{E}")
         folded = self.dp_size * self.cp_size
         if folded % ep:
-            divisors = ", ".join(str(d) for d in range(1, folded + 1) if folded % d == 0)
+            divisors = listed(all_divisors(folded), 64)
             raise ValueError(f"--ep {ep} does not divide DP x CP = {self.dp_size} x {self.cp_size} = {folded}: EP folds "
                              f"over the data-parallel ranks (choose from {divisors})")
         if E % ep:
-            divisors = ", ".join(str(d) for d in range(1, E + 1) if E % d == 0 and folded % d == 0)
+            divisors = listed([d for d in all_divisors(E) if folded % d == 0], 64)
             raise ValueError(f"--ep {ep} does not divide the {E} experts of --moe-experts (each EP rank holds E / EP; "
                              f"choose from {divisors})")
         if self.pp_size > 1:
