@@ -286,3 +286,29 @@ def step_llama3(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
     loss.backward()
     return loss.detach()
+
+
+def _step_llama3_cp(model: nn.Module, micro_batch_size: int, positions_cut: bool) -> torch.Tensor:
+    from vemesh import VESCALE_DEVICE_MESH
+    from vemesh.parallel import context_parallel
+
+    tokens = torch.randint(0, 2048, (micro_batch_size, LLAMA3_SEQ + 1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(LLAMA3_SEQ).expand(micro_batch_size, LLAMA3_SEQ).contiguous()
+    buffers = [x, y, positions] if positions_cut else [x, y]
+    with context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+        logits = model(x, positions=positions) if positions_cut else model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        loss.backward()
+    return loss.detach()
+
+
+def step_llama3_cp(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """:func:`step_llama3` under CP with vemesh's ``context_parallel``: the tokens, the labels and the positions cut
+    along the sequence, and the positions given to the model (torchtitan's decoders take them as ``positions``)."""
+    return _step_llama3_cp(model, micro_batch_size, True)
+
+
+def step_llama3_cp_without_positions(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """The same, the positions left to the model: its RoPE numbers each CP rank's tokens from 0."""
+    return _step_llama3_cp(model, micro_batch_size, False)

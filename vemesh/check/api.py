@@ -245,9 +245,18 @@ def _positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
             "from positions (a rotary or learned position embedding) and got this rank's local ones, where it needs "
             "each token's position in the whole sequence. "
             f"context_parallel cuts the sequence into {2 * cp} chunks (CP rank r keeps chunks r and {2 * cp - 1} - r); "
-            "cut the positions with the tokens and give them to the model: position_ids = torch.arange(T).expand(B, "
-            "T).contiguous() in buffers=[..., position_ids] with buffer_seq_dims=[..., 1], then model(x, "
-            "position_ids=position_ids) (or a RoPE table in buffers, with its sequence dim)")
+            + _positions_recipe(ref.get("positions_arg")))
+
+
+def _positions_recipe(arg: str | None) -> str:
+    """How to give the model its positions cut with the tokens: by the name its forward takes them under, else to
+    the module that numbers them."""
+    cut = ("cut the positions with the tokens: positions = torch.arange(T).expand(B, T).contiguous() in "
+           "buffers=[..., positions] with buffer_seq_dims=[..., 1], ")
+    if arg is not None:
+        return cut + f"then model(x, {arg}=positions) (or a RoPE table in buffers, with its sequence dim)"
+    return (cut + "then give them to the module that numbers the positions: your model's forward takes none by "
+            "name (or put its RoPE table in buffers, with its sequence dim)")
 
 
 def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], replicas: dict | None,

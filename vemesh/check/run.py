@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -145,7 +146,17 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
     # for the CP positions hint (vemesh.check.api): a learned position embedding takes positions as its indices
     embeddings = {plain_name(n) for n, m in unwrap(model).named_modules() if isinstance(m, torch.nn.Embedding)}
     return {"outputs": outputs, "grads": grads, "dropouts": dropouts, "random_ops": random_ops, "dtypes": dtypes,
-            "embeddings": embeddings}
+            "embeddings": embeddings, "positions_arg": positions_argument(unwrap(model))}
+
+
+def positions_argument(model: torch.nn.Module) -> str | None:
+    """The name under which ``model``'s forward takes the tokens' positions (HF's ``position_ids``, torchtitan's
+    ``positions``, gpt-fast's ``input_pos``), or None where it takes none by name: for the CP positions hint."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return None
+    return next((n for n in names if "position" in n or n in ("input_pos", "pos", "pos_ids")), None)
 
 
 def _worker(rank: int, spec: Spec, port: int, out: str) -> None:

@@ -62,7 +62,8 @@ def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_an
     wrong = check(f"module:{HF}:make_llama", f"{HF}:parallelize_ddp", f"{HF}:step_cp_without_positions",
                   world_size=2, cp=2)
     assert not wrong.exact and wrong.first_module["module"] == "model.rotary_emb", wrong.render()
-    assert any("model.rotary_emb holds no parameters" in h and "buffers=[..., position_ids]" in h for h in wrong.hints)
+    assert any("model.rotary_emb holds no parameters" in h and "model(x, position_ids=positions)" in h
+               for h in wrong.hints), wrong.hints
     right = check(f"module:{HF}:make_llama", f"{HF}:parallelize_ddp", f"{HF}:step_cp", world_size=2, cp=2)
     assert right.exact and right.outputs_not_comparable == 0, right.render()
 
@@ -266,6 +267,42 @@ def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_wit
     failed[0]["went"]["colwise"] = ["h.0.mlp.gate_up"]  # c_attn split by a style of the plan's own
     assert "by a style other than torch's" in api._hints(spec, ref, 1e-4, result, ranks, failed)[0][0]
     assert len(runs) == 1
+
+
+def test_the_positions_hint_names_the_keyword_the_models_forward_takes_them_by() -> None:
+    """HF's ``position_ids``, torchtitan's ``positions``, gpt-fast's ``input_pos``: the hint's recipe calls the model
+    with its own keyword; a forward that takes no positions by name gets the module that numbers them named instead
+    (before, every model got ``position_ids=``, which torchtitan's forward does not take)."""
+    from torch import nn
+
+    from vemesh.check import api
+    from vemesh.check.result import CheckResult
+    from vemesh.check.run import Spec, positions_argument
+
+    class Titan(nn.Module):
+        def forward(self, tokens, positions=None, attention_masks=None): ...
+
+    class Hf(nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs): ...
+
+    class Fast(nn.Module):
+        def forward(self, idx, input_pos=None): ...
+
+    class Plain(nn.Module):
+        def forward(self, x, output_attentions=False): ...
+
+    assert [positions_argument(m()) for m in (Titan, Hf, Fast, Plain)] == ["positions", "position_ids", "input_pos",
+                                                                           None]
+    spec = Spec("m", "p", "s", {}, 2, {"DP": 1, "CP": 2, "TP": 1, "EP": 1}, 1, 2, ".", 60.0)
+    result = CheckResult("differs", spec.degrees, 2, 2, 1e-4)
+    result.first_module = {"module": "layers.0.attention.rope", "call": 0, "dp_rank": 0}
+    result.gradients = [("layers.0.attention.wq.weight", 0.1)]
+    ref = {"grads": {"layers.0.attention.wq.weight": None}, "positions_arg": "positions"}
+    hint = api._positions_hint(spec, ref, result)
+    assert hint.startswith("layers.0.attention.rope holds no parameters and is the first module that differs under "
+                           "CP 2") and "then model(x, positions=positions)" in hint, hint
+    hint = api._positions_hint(spec, dict(ref, positions_arg=None), result)
+    assert "give them to the module that numbers the positions: your model's forward takes none by name" in hint
 
 
 def test_the_recipes_replace_the_plans_own_styles_in_each_rank() -> None:

@@ -79,3 +79,22 @@ def test_torchtitan_qwen3_moe_whole_matches_one_process() -> None:
     EP = 2 inside DP = 4 with FSDP2, and EP = 2 x TP = 2 (attention TP by its module names, expert TP on its grouped
     experts) with vemesh DDP + ZeRO-1, its load balancing as its trainer runs it, experts in fp32."""
     _every_case_exact(S.qwen3_worker, S.QWEN3_CASES)
+
+
+@pytest.mark.slow
+def test_torchtitan_llama3_under_cp_is_checked_exact_and_without_its_positions_cut_gets_its_own_keyword() -> None:
+    """``vemesh check`` on torchtitan's Llama3 under DP 2 x CP 2 (FSDP2, vemesh's ``context_parallel``): exact with
+    the positions cut and given as ``positions``; without, its RoPE module is the first that differs and the hint
+    calls the model with ``positions=``, the keyword its forward takes."""
+    from pathlib import Path
+
+    from vemesh.check import check
+
+    jobs = str(Path(__file__).resolve().parents[2] / "models" / "titan_jobs.py")
+    right = check(f"module:{jobs}:make_llama3", f"{jobs}:parallelize_llama3_fsdp", f"{jobs}:step_llama3_cp",
+                  world_size=4, cp=2)
+    assert right.exact and right.outputs_not_comparable == 0, right.render()
+    wrong = check(f"module:{jobs}:make_llama3", f"{jobs}:parallelize_llama3_fsdp",
+                  f"{jobs}:step_llama3_cp_without_positions", world_size=4, cp=2)
+    assert not wrong.exact and wrong.first_module["module"] == "layers.0.attention.rope", wrong.render()
+    assert any("then model(x, positions=positions)" in h for h in wrong.hints), wrong.hints
