@@ -27,6 +27,15 @@ def make_two() -> torch.nn.Module:
     return llama.make(**dict(llama_jobs.SMALL, n_layers=2))
 
 
+def make_eight_with_tables() -> torch.nn.Module:
+    """:func:`make_eight` with a table of 2 MiB in each block, a buffer (as torchtitan's Llama3 keeps a RoPE table of
+    131,072 positions in each block): 16 MiB that no wrapper shards."""
+    model = make_eight()
+    for block in model.layers.values():
+        block.register_buffer("table", torch.zeros(512, 1024))
+    return model
+
+
 def make_sixteen() -> torch.nn.Module:
     """Sixteen blocks under a large vocabulary: on a pipeline of two stages (eight blocks each), 1F1B, micro-batches
     of 4, PP rank 0 peaks at the end of its backward with 3 or 4 blocks a stage and where the forward ends with 8; a

@@ -253,6 +253,26 @@ def test_a_function_that_wraps_nothing_on_a_mesh_without_dp_is_planned_as_none_n
     assert code == 0 and json.loads(out)["dp_mode"] == "none", err
 
 
+def test_the_models_own_buffers_are_in_the_params_column_and_a_large_share_is_said(capsys) -> None:
+    """A buffer of 2 MiB in each of 8 blocks (traced with 3 and 4, the rest by difference): the params column and the
+    peak are 16 MiB more than the same model's without, and a note names the buffers' bytes and their largest kind.
+    Without them no note is said (the buffers the model has, RoPE's cos and sin, are under a tenth of the column)."""
+    def plan(factory: str) -> tuple[dict, str]:
+        args = ("--model", f"module:{CASES}:{factory}", "--parallelize", f"{JOBS}:parallelize_ddp", "--step",
+                f"{JOBS}:step", "--world-size", "2", "--global-batch-size", "2")
+        code, out, err = _cli(capsys, *args)
+        assert code == 0, err
+        code, js, err = _cli(capsys, *args, "--json")
+        return json.loads(js), out
+
+    (plain, plain_out), (tables, out) = plan("make_eight"), plan("make_eight_with_tables")
+    row, with_tables = plain["classes"][0], tables["classes"][0]
+    assert with_tables["params"] - row["params"] == with_tables["peak"] - row["peak"] == 16 * 2**20, (row, with_tables)
+    assert "note: the params column includes the model's own buffers, 16." in out, out
+    assert "the largest: layers.*.table, 2.00 MiB each" in out, out
+    assert "own buffers" not in plain_out, plain_out
+
+
 @pytest.mark.parametrize("args, says", [
     ((f"module:{CASES}:make_fails", f"{JOBS}:parallelize_ddp", f"{JOBS}:step"),
      "make_fails failed at {cases}:{make} in make_fails: RuntimeError: no checkpoint at /models/base"),

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -304,31 +305,58 @@ def give_storage(model: nn.Module, device: str = "cpu", dtype: torch.dtype | Non
 
 
 class Held:
-    """At a new peak: the bytes of the model's own parameters and buffers (their local shards, as the function left
-    them) and of their gradients (and DDP's gradient buffers), each storage once."""
+    """At a new peak: the bytes of the model's own parameters (their local shards, as the function left them), of its
+    buffers (a storage a parameter shares counted as the parameter's), and of their gradients (and DDP's gradient
+    buffers), each storage once."""
 
     def __init__(self, parts: list[nn.Module], ddps: list[Any]) -> None:
-        self.weights = [t for part in parts for t in (*part.parameters(), *part.buffers())]
+        self.weights = [t for part in parts for t in part.parameters()]
+        self.model_buffers = [t for part in parts for t in part.buffers()]
         self.buffers = [b.data for ddp in ddps for b in ddp.grad_buffers]
         #: ZeRO-1's parameter buffers (:attr:`DistributedOptimizer.shards`), set once the optimizer is built: the
         #: plain parameters are views of them, and they hold a copy of the DTensor ones
         self.param_buffers: list[torch.Tensor] = []
+        #: the model's largest buffers by name, the block's number as ``*``: ``(name, bytes each, how many)``
+        self.largest_buffer = largest_buffer(parts)
 
     def __call__(self) -> dict[str, int]:
-        grads = [p.grad for p in self.weights if isinstance(p, nn.Parameter) and p.grad is not None]
-        return {"params": _storage_bytes(self.weights + self.param_buffers), "grads": _storage_bytes(grads + self.buffers)}
+        grads = [p.grad for p in self.weights if p.grad is not None]
+        weights = _storages(self.weights + self.param_buffers)
+        buffers = _storages(self.model_buffers)
+        return {"params": sum(weights.values()), "buffers": sum(b for k, b in buffers.items() if k not in weights),
+                "grads": _storage_bytes(grads + self.buffers)}
+
+
+def largest_buffer(parts: list[nn.Module]) -> tuple[str, int, int] | None:
+    """The kind of buffer that holds the most bytes in ``parts``: ``(name with each number as *, bytes of the
+    largest, how many)`` (torchtitan's ``layers.*.attention.rope.cache``), or None without buffers. Named as in the
+    model as built: DDP's ``module.``, ``torch.compile``'s and activation checkpointing's wrappers left out."""
+    kinds: dict[str, list[int]] = {}
+    for part in parts:
+        for name, b in part.named_buffers():
+            name = re.sub(r"^module\.|(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.", "", name)
+            kinds.setdefault(re.sub(r"(^|\.)\d+(?=\.)", r"\1*", name), []).append(b.numel() * b.element_size())
+    if not kinds:
+        return None
+    name, sizes = max(kinds.items(), key=lambda kv: sum(kv[1]))
+    return name, max(sizes), len(sizes)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """The bytes of the storages of ``tensors`` (a DTensor's local tensor's), each once: keyed by the storage's own
-    address, which every tensor here keeps alive for the call."""
+    """The bytes of the storages of ``tensors`` (a DTensor's local tensor's), each once."""
+    return sum(_storages(tensors).values())
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """The bytes of each storage of ``tensors`` (a DTensor's local tensor's) by the storage's own address, which
+    every tensor here keeps alive for the call."""
     from torch.distributed.tensor import DTensor
 
     seen: dict[int, int] = {}
     for t in tensors:
         storage = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
         seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
+    return seen
 
 
 @contextlib.contextmanager

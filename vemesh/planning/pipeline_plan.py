@@ -134,7 +134,7 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
     classes = []
     for rank in range(pp):
         c = counted[rank]
-        static = RankMemory(f"PP rank {rank}", c.held["params"], c.held["grads"], c.held["optimizer"], 0)
+        static = RankMemory(f"PP rank {rank}", c.weights, c.held["grads"], c.held["optimizer"], 0)
         classes.append(RankClass(f"PP rank {rank}", static, c.held["activations"], 0, c.sent, c.flops,
                                  c.memory_bytes, c.optimizer_bytes, c.ops, c.dtensor_ops, c.by_op, c.counts))
     return MeshFit(dict(degrees), classes, m, kwargs["micro_batch_size"], notes=tuple(dict.fromkeys(notes)),

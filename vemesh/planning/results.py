@@ -76,7 +76,7 @@ class MeshFit:
 class Counted:
     """What one trace counted on rank 0: the categories held at the step peak, the peak, bytes per step by name."""
 
-    held: dict[str, int]  #: params, grads, optimizer, activations at the peak
+    held: dict[str, int]  #: params, buffers (the model's own), grads, optimizer, activations at the peak
     peak: int
     sent: dict[str, int]
     dp_mode: str
@@ -91,6 +91,23 @@ class Counted:
     #: ``peak`` and ``held`` are the highest part's
     phases: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  #: :class:`vemesh.planning.fusion.Fusion`'s counts
+    #: the model's largest kind of buffer: ``(name, bytes of one, how many)`` (:func:`~vemesh.planning.fake_world.Held`)
+    largest_buffer: tuple[str, int, int] | None = None
+
+    @property
+    def weights(self) -> int:
+        """The params column: the parameters' local shards and the model's own buffers."""
+        return self.held["params"] + self.held.get("buffers", 0)
+
+    def buffers_note(self) -> str | None:
+        """Said where the model's own buffers are a tenth of the params column or more (torchtitan's Llama3 keeps a
+        RoPE table of 131,072 positions in each block): no wrapper shards them, and the column holds them."""
+        held = self.held.get("buffers", 0)
+        if self.largest_buffer is None or held < self.weights / 10:
+            return None
+        name, size, _ = self.largest_buffer
+        return (f"the params column includes the model's own buffers, {_mib(held)} a rank, which TP, FSDP2 and ZeRO-1 "
+                f"leave whole; the largest: {name}, {_mib(size)} each")
 
     @classmethod
     def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:
@@ -135,3 +152,7 @@ def more_ops(a: dict[str, dict[str, tuple[int, int]]], b: dict[str, dict[str, tu
         out[dim] = {op: tuple(u + times * (u - v) for u, v in zip(x.get(op, (0, 0)), y.get(op, (0, 0))))
                     for op in sorted(set(x) | set(y))}
     return out  # type: ignore[return-value]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

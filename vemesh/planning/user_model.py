@@ -181,9 +181,9 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 held_sends.enter_context(step_parts(tracker, list(stack.children()) if stack is not None else []))
             del model  # the function's result holds what it kept (a stage cut from the model drops the rest)
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
-            tracker.on_step_peak = Held(parts, ddps)
+            tracker.on_step_peak = held_now = Held(parts, ddps)
             optimizer = _optimizer(parts, mode, ddps, device)
-            tracker.on_step_peak.param_buffers = [s.param_data for s in getattr(optimizer, "shards", ())]
+            held_now.param_buffers = [s.param_data for s in getattr(optimizer, "shards", ())]
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
                 replay = exchange.replay_for(stages, tracker, counter, mesh, fns.pp_schedule, pp, pp_rank, passes)
@@ -243,8 +243,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         held = dict(parts, optimizer=kinds.get("Optstate", 0))
         held["activations"] = peak - sum(held.values())
         phases[phase] = (peak, held)
-    one = Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1], *dispatched[1],
-                            ops[1], counts=counts[1])
+    one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
+                                    *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer)
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
                       flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
@@ -381,7 +381,7 @@ def predict_user(fns: UserFunctions, **job: Any) -> Any:
         counted = trace_user(fns, **kwargs)
     notes += user_notes(counted, kwargs)
     held = counted.held
-    static = RankMemory("every rank", held["params"], held["grads"], held["optimizer"], 0)
+    static = RankMemory("every rank", counted.weights, held["grads"], held["optimizer"], 0)
     return MeshFit(dict(degrees), [RankClass("every rank", static, held["activations"], 0, counted.sent, counted.flops,
                                              counted.memory_bytes, counted.optimizer_bytes, counted.ops,
                                              counted.dtensor_ops, counted.by_op, counted.counts)],
@@ -400,4 +400,4 @@ def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
         notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
     if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
         notes.append(_READ_MODES[counted.dp_mode])
-    return notes
+    return notes + [n for n in (counted.buffers_note(),) if n is not None]
