@@ -59,6 +59,15 @@ def parallelize_nothing(model, mesh):
     return model
 
 
+def parallelize_torch_fsdp(model, mesh):
+    """torch's own ``fully_shard`` with no mesh, as torch's FSDP2 examples call it: a 1-D mesh over the world."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block)
+    return fully_shard(model)
+
+
 def parallelize_returns_none(model, mesh):
     DistributedDataParallel(model)
 

@@ -273,6 +273,39 @@ def test_the_models_own_buffers_are_in_the_params_column_and_a_large_share_is_sa
     assert "own buffers" not in plain_out, plain_out
 
 
+def test_torchs_fully_shard_without_a_mesh_plans_as_vemeshs_on_the_dp_mesh(capsys) -> None:
+    """torch's ``fully_shard(module)`` makes its own 1-D mesh over the world (``init_device_mesh``, which computes with
+    its rank tensor): planned on DP 4 it gives the figures of vemesh's ``fully_shard`` on the DP mesh, its bytes on
+    DP. Before, the plan refused it as a function that needs a tensor's values."""
+    def plan(parallelize: str) -> dict:
+        code, out, err = _cli(capsys, "--model", f"module:{CASES}:make_two", "--parallelize", parallelize, "--step",
+                              f"{JOBS}:step", "--world-size", "4", "--global-batch-size", "4", "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+    torchs, vemeshs = plan(f"{CASES}:parallelize_torch_fsdp"), plan(f"{JOBS}:parallelize_fsdp")
+    assert torchs["dp_mode"] == "fsdp" and torchs["classes"][0]["bytes_per_step"]["DP"] > 0, torchs
+    assert (torchs["peak"], torchs["classes"]) == (vemeshs["peak"], vemeshs["classes"])
+
+
+def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, monkeypatch) -> None:
+    """``--model module:other/dir/mine.py:make`` runs ``mine.py``, which imports ``helpers.py`` beside it: its
+    directory goes first on ``sys.path``, as ``python other/dir/mine.py`` puts it. Before, the import failed unless
+    vemesh ran from that directory."""
+    from vemesh.planning.estimate import load_object
+
+    folder = tmp_path / "other" / "dir"
+    folder.mkdir(parents=True)
+    (folder / "vemesh_sibling_helpers.py").write_text("WIDTH = 7\n")
+    (folder / "vemesh_sibling_mine.py").write_text("from vemesh_sibling_helpers import WIDTH\n\n"
+                                                   "def make():\n    return WIDTH\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    make = load_object("other/dir/vemesh_sibling_mine.py", "make", "--model")
+    assert make() == 7
+
+
 @pytest.mark.parametrize("args, says", [
     ((f"module:{CASES}:make_fails", f"{JOBS}:parallelize_ddp", f"{JOBS}:step"),
      "make_fails failed at {cases}:{make} in make_fails: RuntimeError: no checkpoint at /models/base"),

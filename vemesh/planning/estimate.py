@@ -97,7 +97,8 @@ def _load_file(file: Path, mtime_ns: int, size: int) -> Any:
 
 def load_object(module: str, name: str, flag: str) -> Any:
     """``name`` from ``module``: a dotted module importable from the current directory (which goes first on
-    ``sys.path``, as ``python -m`` puts it) or a file path (``./mymodel.py``, ``models/llama.py``).
+    ``sys.path``, as ``python -m`` puts it) or a file path (``./mymodel.py``, ``models/llama.py``; its directory goes
+    first on ``sys.path``, as ``python models/llama.py`` puts it, so that it imports the files beside it).
 
     Raises:
         ValueError: one line naming the module, the directory searched, and the fix.
@@ -108,6 +109,8 @@ def load_object(module: str, name: str, flag: str) -> Any:
             file = Path(module).expanduser().resolve()
             if not file.is_file():
                 raise ValueError(f"{flag}: no file {file} (the path is taken from the current directory {here})")
+            if str(file.parent) not in sys.path:  # its own imports of files beside it, as ``python FILE`` finds them
+                sys.path.insert(0, str(file.parent))
             stat = file.stat()
             loaded = _load_file(file, stat.st_mtime_ns, stat.st_size)
         else:

@@ -21,6 +21,7 @@ import functools
 import inspect
 import logging
 import re
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -117,6 +118,12 @@ def real_mesh_tensors() -> Iterator[None]:
         setattr(DeviceMesh, name, new)
     strided = vars(_StridedShard)["local_shard_size_and_offset"]
     _StridedShard.local_shard_size_and_offset = real(strided)
+    # init_device_mesh makes the rank tensor before DeviceMesh sees it: real too, in every module that holds it by
+    # name (FSDP2's fully_shard without a mesh makes one over the world with it; so may the user's own code)
+    made = torch.distributed.device_mesh.init_device_mesh
+    holders = [m for m in list(sys.modules.values()) if vars(m).get("init_device_mesh") is made]
+    for module in holders:
+        module.init_device_mesh = real(made)
     try:
         with quiet_sharding_propagation():
             yield
@@ -124,6 +131,8 @@ def real_mesh_tensors() -> Iterator[None]:
         for name, attr in saved.items():
             setattr(DeviceMesh, name, attr)
         _StridedShard.local_shard_size_and_offset = strided
+        for module in holders:
+            module.init_device_mesh = made
 
 
 @contextlib.contextmanager

@@ -94,8 +94,9 @@ def render_fit(job: Job, fit: MeshFit) -> str:
     div, unit = _unit(fit.peak)
     d = fit.degrees
     per_dp = job.global_batch_size // d["DP"]
-    batch = f"; global batch {job.global_batch_size}, {per_dp} sequences per DP rank in {fit.micro_batches} " \
-        f"micro-batch{'es' if fit.micro_batches > 1 else ''} of {fit.micro_batch_size}" if fit.traced else ""
+    batch = f"; global batch {job.global_batch_size}, {per_dp} sequence{'s' if per_dp != 1 else ''} per DP rank in " \
+        f"{fit.micro_batches} micro-batch{'es' if fit.micro_batches > 1 else ''} of {fit.micro_batch_size}" \
+        if fit.traced else ""
     ac = job.activation_checkpointing
     ac_text = "" if ac in (False, "none") else ", activation checkpointing" + (f" {ac}" if isinstance(ac, str) else "")
     speed = job.speed
