@@ -57,11 +57,13 @@ ARGS = ["--n-layer", "2", "--n-embd", "128", "--seq-len", "32", "--global-batch-
         "--eval-every", "0", "--sample-tokens", "0", "--log-every", "5", "--mesh-shape", "-1,2", "--timeout-s", "30"]
 
 
-def _agent(tmp: Path, tag: str, port: int, ckpt: Path, last_call: int = 2, script: Path = TRAIN) -> subprocess.Popen:
+def _agent(tmp: Path, tag: str, port: int, ckpt: Path, last_call: int = 2, script: Path = TRAIN,
+           metrics: str | None = None) -> subprocess.Popen:
+    """A torchrun agent of 2 workers, its output in ``{tag}.log``, its metrics in ``m_{metrics or tag}.jsonl``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=elastic-{port}", "--max-restarts=3", "--monitor-interval=1",
            f"--rdzv-conf=last_call_timeout={last_call},keep_alive_interval=2", str(script), *ARGS, "--checkpoint-dir", str(ckpt),
-           "--checkpoint-every", str(EVERY), "--metrics-file", str(tmp / f"m_{tag}.jsonl")]
+           "--checkpoint-every", str(EVERY), "--metrics-file", str(tmp / f"m_{metrics or tag}.jsonl")]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     out = open(tmp / f"{tag}.log", "w")
@@ -164,15 +166,17 @@ def test_a_second_agent_joins_and_the_job_grows_to_dp2(tmp_path, reference):
     # A's steps are held 1 s each while its world is 2 processes (held_train.py): B's start-up and
     # the new rendezvous round take many seconds on busy cores, and a B that comes after A's last
     # step finds the rendezvous closed and the world never grows
-    a = _agent(tmp_path, "a", 29762, ckpt, script=HELD)
-    _wait_for_step(tmp_path / "m_a.jsonl", 3, {"a": a})
-    b = _agent(tmp_path, "b", 29762, ckpt)
+    # Global rank 0 writes the metrics and the "reconfigured" line, read from the metrics written before: after
+    # the grow it may be B's first worker (the rendezvous orders the nodes of the new round as they joined it),
+    # so both agents name one metrics file, as they name one checkpoint folder (a cluster's shared filesystem).
+    # With a file each, a B that took rank 0 found no rows of its own and said nothing (1 run in a loaded CI).
+    a = _agent(tmp_path, "a", 29762, ckpt, script=HELD, metrics="ab")
+    _wait_for_step(tmp_path / "m_ab.jsonl", 3, {"a": a})
+    b = _agent(tmp_path, "b", 29762, ckpt, metrics="ab")
     assert _finish(a) == 0, (tmp_path / "a.log").read_text()[-3000:]
     assert _finish(b) == 0, (tmp_path / "b.log").read_text()[-3000:]
-    # global rank 0 writes the metrics and the "reconfigured" line: after the grow it may be B's first
-    # worker (the rendezvous orders the nodes of the new round as they joined it)
     log = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
-    rows = sorted(_rows(tmp_path / "m_a.jsonl") + _rows(tmp_path / "m_b.jsonl"), key=lambda r: (r["step"], r["time"]))
+    rows = _rows(tmp_path / "m_ab.jsonl")
     _check(rows, reference, log)
     sizes = [r["world_size"] for r in rows]
     assert sizes[0] == 2 and sizes[-1] == 4

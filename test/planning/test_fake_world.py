@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vemesh import VESCALE_DEVICE_MESH
-from vemesh.planning.fake_world import _storage_bytes, copies_in_mode, fake_world, give_storage, to_bf16
+from vemesh.planning.fake_world import _storages, copies_in_mode, fake_world, give_storage, to_bf16
 from vemesh.planning.fit import Job, predict
 
 SMALL = "gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=32"
@@ -63,7 +63,7 @@ def test_storage_given_in_one_pass_is_what_to_empty_then_to_bf16_give() -> None:
         assert isinstance(one.across, nn.Parameter) and one[1].weight is one[0].weight
         tensors = [*one.parameters(), *one.buffers()]
         assert one.row.stride() == (1, 1) and one.row.is_contiguous()
-        assert _storage_bytes([*tensors, one.across.t(), one[0].weight[:2]]) == (128 + 24 + 4) * 2 + 3 * 8
+        assert sum(_storages([*tensors, one.across.t(), one[0].weight[:2]]).values()) == (128 + 24 + 4) * 2 + 3 * 8
 
 
 def test_each_pp_rank_is_traced_in_its_own_world_and_dtensors_caches_do_not_cross_them() -> None:

@@ -333,7 +333,7 @@ class Held:
         weights = _storages(self.weights + self.param_buffers)
         buffers = _storages(self.model_buffers)
         return {"params": sum(weights.values()), "buffers": sum(b for k, b in buffers.items() if k not in weights),
-                "grads": _storage_bytes(grads + self.buffers)}
+                "grads": sum(_storages(grads + self.buffers).values())}
 
 
 def largest_buffer(parts: list[nn.Module]) -> tuple[str, int, int] | None:
@@ -349,11 +349,6 @@ def largest_buffer(parts: list[nn.Module]) -> tuple[str, int, int] | None:
         return None
     name, sizes = max(kinds.items(), key=lambda kv: sum(kv[1]))
     return name, max(sizes), len(sizes)
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """The bytes of the storages of ``tensors`` (a DTensor's local tensor's), each once."""
-    return sum(_storages(tensors).values())
 
 
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
