@@ -325,7 +325,7 @@ class Held:
         #: ZeRO-1's parameter buffers (:attr:`DistributedOptimizer.shards`), set once the optimizer is built: the
         #: plain parameters are views of them, and they hold a copy of the DTensor ones
         self.param_buffers: list[torch.Tensor] = []
-        #: the model's largest buffers by name, the block's number as ``*``: ``(name, bytes each, how many)``
+        #: the model's largest kind of buffer, by name, a block's number as ``*``: ``(name, bytes of one)``
         self.largest_buffer = largest_buffer(parts)
 
     def __call__(self) -> dict[str, int]:
@@ -336,9 +336,9 @@ class Held:
                 "grads": sum(_storages(grads + self.buffers).values())}
 
 
-def largest_buffer(parts: list[nn.Module]) -> tuple[str, int, int] | None:
+def largest_buffer(parts: list[nn.Module]) -> tuple[str, int] | None:
     """The kind of buffer that holds the most bytes in ``parts``: ``(name with each number as *, bytes of the
-    largest, how many)`` (torchtitan's ``layers.*.attention.rope.cache``), or None without buffers. Named as in the
+    largest of it)`` (torchtitan's ``layers.*.attention.rope.cache``), or None without buffers. Named as in the
     model as built: DDP's ``module.``, ``torch.compile``'s and activation checkpointing's wrappers left out."""
     kinds: dict[str, list[int]] = {}
     for part in parts:
@@ -348,7 +348,7 @@ def largest_buffer(parts: list[nn.Module]) -> tuple[str, int, int] | None:
     if not kinds:
         return None
     name, sizes = max(kinds.items(), key=lambda kv: sum(kv[1]))
-    return name, max(sizes), len(sizes)
+    return name, max(sizes)
 
 
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:

@@ -91,8 +91,8 @@ class Counted:
     #: ``peak`` and ``held`` are the highest part's
     phases: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  #: :class:`vemesh.planning.fusion.Fusion`'s counts
-    #: the model's largest kind of buffer: ``(name, bytes of one, how many)`` (:func:`~vemesh.planning.fake_world.Held`)
-    largest_buffer: tuple[str, int, int] | None = None
+    #: the model's largest kind of buffer: ``(name, bytes of one)`` (:class:`~vemesh.planning.fake_world.Held`)
+    largest_buffer: tuple[str, int] | None = None
 
     @property
     def weights(self) -> int:
@@ -105,7 +105,7 @@ class Counted:
         held = self.held.get("buffers", 0)
         if self.largest_buffer is None or held < self.weights / 10:
             return None
-        name, size, _ = self.largest_buffer
+        name, size = self.largest_buffer
         return (f"the params column includes the model's own buffers, {_mib(held)} a rank, which TP, FSDP2 and ZeRO-1 "
                 f"leave whole; the largest: {name}, {_mib(size)} each")
 
