@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +156,10 @@ def setup(cfg: TrainConfig, dataset: ByteDataset, meter) -> Job:
     print0(f"vemesh GPT example: {dist.get_world_size()} processes on {cfg.device} "
            f"(backend {dist.get_backend()}), mesh {mesh_text}")
     print0(VESCALE_DEVICE_MESH.describe())
+    if cfg.fsdp and dims.tp > 1 and dims.fsdp_dims:  # FSDP2's gradients are sharded over its dims and TP: a norm of
+        # them (clip_grad_norm_) reduces over both, which DTensor does in one all-reduce where the two are flattened
+        shard = dims.fsdp_dims[-1]  # (torch's advice; without, two, and a warning on every rank)
+        VESCALE_DEVICE_MESH.flatten((shard, "TP"), f"{shard}_tp")
     if cfg.ft_replica_id is not None:  # live fault tolerance: this job is one replica of a torchft quorum
         from live_ft import join_replicas  # torchft is an optional extra: imported only when asked for
         job.replicas = join_replicas(cfg, dims.grad_dim, job.dp_size)
@@ -190,6 +195,10 @@ def build_model(job: Job) -> None:
     job.chunks = [parallelize(p, VESCALE_DEVICE_MESH, sequence_parallel=cfg.sequence_parallel,
                               activation_checkpointing=cfg.activation_checkpointing, **wrap) for p in job.parts]
     job.model = job.chunks[0] if dims.pp == 1 else job.chunks
+    if cfg.fsdp and dims.tp > 1:  # the logits are TP's all-gathered output, which torch hands back as a view of it;
+        # FSDP2's root warns that an in-place op on such a view would skip its hook. loss_fn and the sampler only read
+        # them (out of place), and a copy would hold the logits twice
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     print0(f"model: {n_params:,} parameters, n_layer={cfg.n_layer} n_head={cfg.n_head} "
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (f" moe_experts={cfg.moe_experts} top_k={cfg.moe_top_k}" if cfg.moe_experts else "")
