@@ -159,6 +159,36 @@ def test_ddp_without_a_group_on_a_mesh_without_data_dims_raises(as_rank) -> None
         DDP(nn.Linear(4, 4))
 
 
+def test_ddp_given_the_whole_mesh_averages_over_its_data_dims_on_every_rank(as_rank) -> None:
+    """``DDP(model, VESCALE_DEVICE_MESH)``, as vemesh's ``fully_shard`` takes the mesh: its data dims, on every rank
+    of ``(DP, CP, TP) = (2, 2, 2)`` (``dp_cp``) and of ``(DP, TP)``, as ``DDP(model)`` gives; a mesh without a data dim
+    and one not initialized say so. The expert group given the whole mesh is refused, naming the view to pass (the
+    experts average over EDP, not the data dims). It once raised "must be a 1-D DeviceMesh, a ProcessGroup or None,
+    got VeDeviceMesh", on the first thing a new user tries."""
+    from vemesh.mesh import VeDeviceMesh
+
+    for shape, names, grad in (((2, 2, 2), ("DP", "CP", "TP"), "dp_cp"), ((4, 2), ("DP", "TP"), "DP")):
+        for rank in range(8):
+            as_rank(rank, 8)
+            VESCALE_DEVICE_MESH.init_device_mesh("cpu", shape, mesh_dim_names=names)
+            if grad == "dp_cp":
+                VESCALE_DEVICE_MESH.flatten(("DP", "CP"), "dp_cp")
+            ddp = DDP(nn.Linear(4, 4), VESCALE_DEVICE_MESH)
+            assert dist.get_process_group_ranks(ddp.data_parallel_group) == \
+                VESCALE_DEVICE_MESH.layout.group_ranks(rank, grad), (rank, grad)
+    with pytest.raises(TypeError) as e:
+        DDP(nn.Linear(4, 4), VESCALE_DEVICE_MESH, expert_data_parallel=VESCALE_DEVICE_MESH,
+            expert_parameters=[])
+    assert "expert_data_parallel must be a 1-D DeviceMesh, a ProcessGroup or None; got a whole VeDeviceMesh of dims " \
+        "('DP', 'TP'): pass one of its views, mesh[NAME]" in one_line(e.value)
+    as_rank(1, 4)
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "TP"))
+    with pytest.raises(ValueError, match=r"mesh \('PP', 'TP'\) has no data dim .* e.g. mesh\['DP'\]"):
+        DDP(nn.Linear(4, 4), VESCALE_DEVICE_MESH)
+    with pytest.raises(ValueError, match="data_pg_or_device_mesh is a VeDeviceMesh that is not initialized"):
+        DDP(nn.Linear(4, 4), VeDeviceMesh())
+
+
 def test_a_view_from_before_a_re_init_is_refused(as_rank) -> None:
     as_rank(1, 4)
     VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))

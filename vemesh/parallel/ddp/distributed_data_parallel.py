@@ -49,9 +49,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     Args:
         module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
-        data_pg_or_device_mesh: the data-parallel group: a 1-D DeviceMesh (``mesh["DP"]``), a ProcessGroup, or None.
-            None is the live ``VESCALE_DEVICE_MESH``'s data dims (``DP``, or ``dp_cp`` with CP: never the TP or PP
-            peers), and torch's default group only when there is no live mesh (torch's DDP always takes the world).
+        data_pg_or_device_mesh: the data-parallel group: a 1-D DeviceMesh (``mesh["DP"]``), a ProcessGroup, a whole
+            ``VeDeviceMesh`` (its data dims), or None: the live ``VESCALE_DEVICE_MESH``'s data dims (``DP``, or ``dp_cp``
+            with CP: never the TP or PP peers), and torch's default group only without a live mesh (as torch's DDP).
             A group holding two ranks of one parameter's shards (a DTensor's TP peers) raises ``ValueError``.
         accumulate_allreduce_grads_in_fp32: accumulate and reduce gradients in fp32 even for bf16/fp16 parameters.
         overlap_grad_reduce: start each bucket's all-reduce during backward.

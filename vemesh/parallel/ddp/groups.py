@@ -1,7 +1,7 @@
 """The group a data-parallel wrapper reduces over: resolved, defaulted from the live mesh, and checked.
 
-* :func:`resolve_group` turns what the user passed (a 1-D ``DeviceMesh``, a ``ProcessGroup`` or None)
-  into a process group. None means the live mesh's data dims (``grad`` of :func:`vemesh.layout.data_dims.data_dims`), not the
+* :func:`resolve_group` turns what the user passed (a 1-D ``DeviceMesh``, a ``ProcessGroup``, a whole
+  ``VeDeviceMesh`` or None) into a process group. A whole mesh means its data dims. None means the live mesh's data dims (``grad`` of :func:`vemesh.layout.data_dims.data_dims`), not the
   world: on ``(DP, TP) = (2, 2)`` the world holds each rank's TP peer, and averaging with it would mix
   different shards. Without a live mesh, None is torch's default group, as in torch's DDP.
 * :func:`sharded_over` says over which ranks a parameter is already sharded: a DTensor's non-replicated
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from vemesh.layout.data_dims import DATA_NAMES, batch_dims, data_dims
-from vemesh.mesh import VESCALE_DEVICE_MESH
+from vemesh.mesh import VESCALE_DEVICE_MESH, VeDeviceMesh
 from vemesh.mesh.views import check_view
 
 __all__ = ["SHARDED_OVER", "check_covers_data", "check_not_sharded_over", "default_group", "resolve_group", "sharded_over"]
@@ -40,16 +40,21 @@ def default_group() -> tuple[dist.ProcessGroup, str]:
     """
     if not VESCALE_DEVICE_MESH.is_initialized():
         return dist.group.WORLD, "torch's default group (no VESCALE_DEVICE_MESH)"  # type: ignore[return-value]
-    name = data_dims(VESCALE_DEVICE_MESH.layout).grad
+    return _data_group(VESCALE_DEVICE_MESH, "VESCALE_DEVICE_MESH", "no data-parallel group was given, and ")
+
+
+def _data_group(mesh: VeDeviceMesh, label: str, why: str = "") -> tuple[dist.ProcessGroup, str]:
+    """The group of ``mesh``'s data dims (``grad`` of :func:`vemesh.layout.data_dims.data_dims`), and its description."""
+    name = data_dims(mesh.layout).grad
     if name is None:
         raise ValueError(
-            f"no data-parallel group was given, and VESCALE_DEVICE_MESH {VESCALE_DEVICE_MESH.mesh_dim_names} has no data dim (named "
-            f"one of {list(DATA_NAMES)}): pass the group to average over, e.g. VESCALE_DEVICE_MESH['DP']"
+            f"{why}{label} {mesh.mesh_dim_names} has no data dim (named one of {list(DATA_NAMES)}): pass the group "
+            f"to average over, e.g. {label}['DP']"
         )
-    return VESCALE_DEVICE_MESH.get_group(name), f"VESCALE_DEVICE_MESH[{name!r}], the mesh's data dims"
+    return mesh.get_group(name), f"{label}[{name!r}], the mesh's data dims"
 
 
-def resolve_group(given: DeviceMesh | dist.ProcessGroup | None, what: str = "data_pg_or_device_mesh") -> tuple[dist.ProcessGroup, str]:
+def resolve_group(given: DeviceMesh | VeDeviceMesh | dist.ProcessGroup | None, what: str = "data_pg_or_device_mesh") -> tuple[dist.ProcessGroup, str]:
     """``given`` as a process group, and a description of it; None gives :func:`default_group`."""
     if given is None:
         return default_group()
@@ -64,7 +69,15 @@ def resolve_group(given: DeviceMesh | dist.ProcessGroup | None, what: str = "dat
         return given.get_group(), f"mesh[{name!r}]"
     if isinstance(given, dist.ProcessGroup):
         return given, "the ProcessGroup given"
-    raise TypeError(f"{what} must be a 1-D DeviceMesh, a ProcessGroup or None, got {type(given).__name__}")
+    if isinstance(given, VeDeviceMesh):  # the whole mesh, as vemesh's fully_shard takes it
+        if not given.is_initialized():
+            raise ValueError(f"{what} is a VeDeviceMesh that is not initialized: call init_device_mesh on it first")
+        if what == "data_pg_or_device_mesh":  # its data dims, as None means for the live mesh
+            return _data_group(given, "mesh")
+        raise TypeError(f"{what} must be a 1-D DeviceMesh, a ProcessGroup or None; got a whole VeDeviceMesh of dims "
+                        f"{given.mesh_dim_names}: pass one of its views, mesh[NAME]")
+    whole = ", a whole VeDeviceMesh (its data dims)" if what == "data_pg_or_device_mesh" else ""
+    raise TypeError(f"{what} must be a 1-D DeviceMesh{whole}, a ProcessGroup or None, got {type(given).__name__}")
 
 
 def check_covers_data(group: dist.ProcessGroup, described: str) -> None:
