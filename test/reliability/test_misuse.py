@@ -189,6 +189,35 @@ def test_ddp_given_the_whole_mesh_averages_over_its_data_dims_on_every_rank(as_r
         DDP(nn.Linear(4, 4), VeDeviceMesh())
 
 
+def test_fully_shard_given_a_torch_view_shards_over_it_when_it_is_the_data_dims(as_rank) -> None:
+    """``vemesh.parallel.fully_shard(module, mesh=mesh["dp_cp"])``, torch's habit: over that mesh, on every rank of
+    ``(DP, CP, TP) = (2, 2, 2)``, as with the mesh manager; ``(DP, CP)`` is torch's HSDP over both. A view that leaves
+    out a data rank (``DP`` alone) or holds a TP peer (``(DP, TP)``) is refused, naming the view to pass: FSDP2 would
+    average without some of the batch, or over other shards. A module with experts needs the manager (EDP). It once
+    raised "'DeviceMesh' object has no attribute 'layout'"."""
+    from vemesh.parallel import fully_shard
+    from vemesh.parallel.experts.style import EXPERT
+
+    for rank in range(8):
+        as_rank(rank, 8)
+        VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("DP", "CP", "TP"))
+        VESCALE_DEVICE_MESH.flatten(("DP", "CP"), "dp_cp")
+        data = VESCALE_DEVICE_MESH.layout.group_ranks(rank, "dp_cp")
+        sharded = fully_shard(nn.Linear(4, 4), mesh=VESCALE_DEVICE_MESH["dp_cp"])
+        assert sharded.weight.device_mesh.mesh.flatten().tolist() == data, rank
+        hsdp = fully_shard(nn.Linear(4, 4), mesh=VESCALE_DEVICE_MESH["DP", "CP"])
+        assert sorted(hsdp.weight.device_mesh.mesh.flatten().tolist()) == data, rank
+        for view in ("DP", ("DP", "TP")):
+            with pytest.raises(ValueError) as e:
+                fully_shard(nn.Linear(4, 4), mesh=VESCALE_DEVICE_MESH[view])
+            assert f"but this rank's data dims hold {data}: FSDP2 must shard over exactly those. Pass " \
+                "VESCALE_DEVICE_MESH['dp_cp'], or leave mesh out" in one_line(e.value)
+    moe = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    setattr(moe[1], EXPERT, True)
+    with pytest.raises(ValueError, match="the module holds experts .* pass mesh=VESCALE_DEVICE_MESH"):
+        fully_shard(moe, mesh=VESCALE_DEVICE_MESH["dp_cp"])
+
+
 def test_a_view_from_before_a_re_init_is_refused(as_rank) -> None:
     as_rank(1, 4)
     VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))

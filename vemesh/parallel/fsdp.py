@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -26,6 +27,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from vemesh.layout.data_dims import data_dims
 from vemesh.mesh import VESCALE_DEVICE_MESH
+from vemesh.mesh.views import check_view
+from vemesh.parallel.ddp.groups import data_ranks
 from vemesh.parallel.experts.style import expert_modules
 from vemesh.parallel.fused import fsdp_placement
 from vemesh.parallel.ties import check_ties
@@ -40,7 +43,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, check_tp_gradients: bool
     Args:
         module: a block, or the root once its blocks are sharded.
         mesh: the mesh manager (default ``VESCALE_DEVICE_MESH``): one ``ParallelDims.build`` built, or one built
-            by hand with the standard dim names (:mod:`vemesh.layout.data_dims`).
+            by hand with the standard dim names (:mod:`vemesh.layout.data_dims`). A torch ``DeviceMesh``, as torch's
+            ``fully_shard`` takes it, is sharded over as given, once checked to hold exactly this rank's data dims.
         check_tp_gradients: on a mesh with TP, check the replicas over TP at the first optimizer step (see the
             module docstring); ``False`` for parameters meant to differ by TP rank.
         kwargs: torch's (``mp_policy``, ``reshard_after_forward``, ...), for the experts too.
@@ -50,18 +54,22 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, check_tp_gradients: bool
     """
     mesh = VESCALE_DEVICE_MESH if mesh is None else mesh
     check_ties(module, "vemesh.parallel.fully_shard")
-    data = data_dims(mesh.layout)
-    if not data.batch:
-        raise ValueError(f"vemesh.parallel.fully_shard: the mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} has no "
-                         "data-parallel ranks to shard over (DP x CP = 1); leave FSDP out at DP 1, or give the mesh a "
-                         "DP or CP dim")
-    for experts in expert_modules(module):
-        if not isinstance(experts, FSDPModule):
-            torch_fully_shard(experts, mesh=mesh["EDP"], **kwargs)
-            experts.set_gradient_divide_factor(float(data.batch_size))
-            if mesh.size("EDP") > 1:  # sum over EDP, then divide (gloo has no PREMUL_SUM; on one rank
-                experts.set_force_sum_reduction_for_comms(True)  # torch 2.13 would divide twice)
-    fsdp_mesh = mesh[data.fsdp]
+    if isinstance(mesh, DeviceMesh):  # torch's habit, fully_shard(module, mesh=dp_mesh): over that mesh, as torch's
+        _check_data_view(mesh, module)
+        fsdp_mesh = mesh
+    else:
+        data = data_dims(mesh.layout)
+        if not data.batch:
+            raise ValueError(f"vemesh.parallel.fully_shard: the mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} has "
+                             "no data-parallel ranks to shard over (DP x CP = 1); leave FSDP out at DP 1, or give the "
+                             "mesh a DP or CP dim")
+        for experts in expert_modules(module):
+            if not isinstance(experts, FSDPModule):
+                torch_fully_shard(experts, mesh=mesh["EDP"], **kwargs)
+                experts.set_gradient_divide_factor(float(data.batch_size))
+                if mesh.size("EDP") > 1:  # sum over EDP, then divide (gloo has no PREMUL_SUM; on one rank
+                    experts.set_force_sum_reduction_for_comms(True)  # torch 2.13 would divide twice)
+        fsdp_mesh = mesh[data.fsdp]
     if any(fsdp_placement(p) is not None for p in module.parameters()):
         kwargs["shard_placement_fn"] = _with_fused(kwargs.get("shard_placement_fn"))
     sharded = torch_fully_shard(module, mesh=fsdp_mesh, **kwargs)
@@ -69,6 +77,23 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, check_tp_gradients: bool
     if tp is not None:
         _check_at_first_step(sharded, tp, fsdp_mesh.get_all_groups())
     return sharded
+
+
+def _check_data_view(view: DeviceMesh, module: nn.Module) -> None:
+    """A torch ``DeviceMesh`` given: a view of the live mesh's before its last ``reset`` or ``init_device_mesh`` is
+    refused, and, on a live mesh, one whose ranks are not exactly this rank's data dims (DP and CP): leaving some out,
+    their replicas would drift apart; holding a TP peer, FSDP2 would shard and average over ranks that hold other
+    shards. Experts need the mesh manager, which knows EDP."""
+    check_view(view, "mesh")
+    if any(not isinstance(m, FSDPModule) for m in expert_modules(module)):
+        raise ValueError("vemesh.parallel.fully_shard: the module holds experts (ExpertParallel), which shard over EDP: "
+                         "pass mesh=VESCALE_DEVICE_MESH (the default), not a view")
+    needed, given = data_ranks(), sorted(view.mesh.flatten().tolist())
+    if needed is not None and sorted(needed) != given:
+        names, fsdp = view.mesh_dim_names or (), data_dims(VESCALE_DEVICE_MESH.layout).fsdp
+        raise ValueError(f"vemesh.parallel.fully_shard: mesh {dict(zip(names, view.shape))} holds ranks {given}, but "
+                         f"this rank's data dims hold {sorted(needed)}: FSDP2 must shard over exactly those. Pass "
+                         f"VESCALE_DEVICE_MESH[{fsdp[0] if len(fsdp) == 1 else fsdp!r}], or leave mesh out")
 
 
 def _with_fused(user: Any) -> Any:

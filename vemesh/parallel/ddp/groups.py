@@ -24,7 +24,8 @@ from vemesh.layout.data_dims import DATA_NAMES, batch_dims, data_dims
 from vemesh.mesh import VESCALE_DEVICE_MESH, VeDeviceMesh
 from vemesh.mesh.views import check_view
 
-__all__ = ["SHARDED_OVER", "check_covers_data", "check_not_sharded_over", "default_group", "resolve_group", "sharded_over"]
+__all__ = ["SHARDED_OVER", "check_covers_data", "check_not_sharded_over", "data_ranks", "default_group", "resolve_group",
+           "sharded_over"]
 
 #: The attribute vemesh puts on a plain tensor that is one rank's slice of a whole (an EP rank's experts):
 #: ``(dim name, global ranks holding the other slices, this one included)``.
@@ -87,24 +88,35 @@ def check_covers_data(group: dist.ProcessGroup, described: str) -> None:
     gradient averaged without some of them differs between them, and their replicas drift apart, silently:
     ``mesh["DP"]`` on a ``(DP, CP, TP)`` mesh, or ``mesh["dp_shard"]`` on an HSDP mesh, are refused.
     """
-    if not VESCALE_DEVICE_MESH.is_initialized() or not VESCALE_DEVICE_MESH.is_member():
+    needed = data_ranks()
+    if not needed:
         return
-    layout = VESCALE_DEVICE_MESH.layout
-    try:
-        atoms = batch_dims(layout)
-    except ValueError:  # dims whose role the names do not tell: the group given is the user's word
-        return
-    if not atoms:
-        return
-    needed = layout.group_ranks(dist.get_rank(), atoms)
-    missing = sorted(set(needed) - set(dist.get_process_group_ranks(group)))
+    given = dist.get_process_group_ranks(group)
+    missing = sorted(set(needed) - set(given))
     if missing:
         raise ValueError(
-            f"the data-parallel group {sorted(dist.get_process_group_ranks(group))} ({described}) leaves out ranks "
-            f"{missing} of this rank's data dims {', '.join(atoms)} ({needed}), which hold other parts of the batch: "
+            f"the data-parallel group {sorted(given)} ({described}) leaves out ranks "
+            f"{missing} of this rank's data dims {', '.join(_atoms())} ({needed}), which hold other parts of the batch: "
             f"their gradients would never meet. Average over all of them: VESCALE_DEVICE_MESH['DP'] when DP is the only "
-            f"data dim, else flatten them (VESCALE_DEVICE_MESH.flatten({atoms!r}, 'dp_cp')) and pass that view"
+            f"data dim, else flatten them (VESCALE_DEVICE_MESH.flatten({_atoms()!r}, 'dp_cp')) and pass that view"
         )
+
+
+def _atoms() -> tuple[str, ...]:
+    return tuple(batch_dims(VESCALE_DEVICE_MESH.layout))
+
+
+def data_ranks() -> list[int] | None:
+    """The global ranks of this rank's data dims (DP and CP: each holds another part of the batch) on the live
+    ``VESCALE_DEVICE_MESH``; None without a live mesh this rank is in, or where the names do not tell the dims'
+    roles (then a group given is the user's word)."""
+    if not VESCALE_DEVICE_MESH.is_initialized() or not VESCALE_DEVICE_MESH.is_member():
+        return None
+    try:
+        atoms = _atoms()
+    except ValueError:
+        return None
+    return VESCALE_DEVICE_MESH.layout.group_ranks(dist.get_rank(), atoms) if atoms else None
 
 
 def ranks_along(mesh: DeviceMesh, dim: int) -> list[int]:
