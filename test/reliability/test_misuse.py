@@ -269,6 +269,20 @@ def test_clipping_summed_over_the_dp_group_is_refused(as_rank) -> None:
         in one_line(e.value)
 
 
+def test_clipping_given_one_pp_group_alone_takes_it_as_a_list_of_it(as_rank) -> None:
+    """``groups=mesh["PP"]`` or ``groups=mesh.get_group("PP")``, not in a list: the same norm as ``groups=[...]``. It
+    once raised "'int' object is not iterable"; the whole mesh still asks for a dim, naming them."""
+    as_rank(1, 4)
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "DP"))
+    model = nn.Linear(4, 4)
+    model.weight.grad, model.bias.grad = torch.ones(4, 4), torch.ones(4)
+    listed = clip_grad_norm_(model.parameters(), 1e9, groups=[VESCALE_DEVICE_MESH["PP"]])
+    for alone in (VESCALE_DEVICE_MESH["PP"], VESCALE_DEVICE_MESH.get_group("PP")):
+        assert torch.equal(clip_grad_norm_(model.parameters(), 1e9, groups=alone), listed)
+    with pytest.raises(ValueError, match=r"get_group\(\) needs a dim on a 2-D mesh; choose one of \('PP', 'DP'\)"):
+        clip_grad_norm_(model.parameters(), 1e9, groups=VESCALE_DEVICE_MESH)
+
+
 def test_clipping_summed_over_a_dtensor_mesh_is_refused(as_rank) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 

@@ -29,11 +29,14 @@ __all__ = ["total_norm", "clip_grad_norm_"]
 
 
 def pipeline_groups(groups: Sequence[dist.ProcessGroup] | None, argument: str = "groups") -> list[dist.ProcessGroup]:
-    """``groups`` as a list; None is ``[]``, but raises ``ValueError`` on a live mesh with PP > 1.
+    """``groups`` as a list (one group or 1-D mesh alone is a list of it); None is ``[]``, but raises ``ValueError``
+    on a live mesh with PP > 1.
 
     A pipeline stage holds part of the model: clipping it by its own norm clips every stage by a different,
     wrong norm, silently. ``groups=[VESCALE_DEVICE_MESH.get_group("PP")]`` sums the stages' parts.
     """
+    if isinstance(groups, dist.ProcessGroup) or hasattr(groups, "get_group"):  # one group, not in a list
+        groups = [groups]  # type: ignore[list-item]
     if groups is not None:
         out = []
         for g in groups:
