@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Iterator
@@ -159,10 +158,10 @@ def positions_argument(model: torch.nn.Module) -> str | None:
     return next((n for n in names if "position" in n or n in ("input_pos", "pos", "pos_ids")), None)
 
 
-def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
+def _worker(rank: int, spec: Spec, out: str) -> None:
     marks = {"started": time.time()}  # after the spawn and the imports it took to get here
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(spec.world_size), LOCAL_WORLD_SIZE=str(spec.world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world_size),
+                      LOCAL_WORLD_SIZE=str(spec.world_size))
     torch.set_num_threads(1)  # as the one-process run: the same kernels, the same figures run after run
     # gathering a 2-D (FSDP2 x TP) gradient whole warns that it takes two all-gathers: the check's own, not the user's
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -175,8 +174,10 @@ def _worker(rank: int, spec: Spec, port: int, out: str) -> None:
     try:
         factory, parallelize, step, names = functions(spec)
         marks["loaded"] = time.time()  # the user's modules imported (a library's model: seconds of its own)
-        dist.init_process_group("gloo", rank=rank, world_size=spec.world_size,
-                                timeout=timedelta(seconds=spec.timeout_s))
+        # the rendezvous through a file of this run's own folder: a port chosen here and bound later by rank 0 could
+        # be taken meanwhile (by another run's store, or a gloo connection), and a rank then met another job's store
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
+                                world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
         dims(spec.world_size, spec.degrees, spec.dp_replicate).build("cpu", mesh)
         marks["mesh"] = time.time()
         torch.manual_seed(SEED)
@@ -240,11 +241,8 @@ GRACE_S = 5.0
 def run_parallel(spec: Spec, out: str) -> list[int]:
     """The parallel run of ``spec``, each rank writing its record or its error into ``out``; returns the ranks still
     running 5 s after another had failed, which it stopped (they write neither)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "terminating process": ours
-    context = local_ranks.start(_worker, (spec, port, out), spec.world_size, join=False, preload=(__name__,))
+    context = local_ranks.start(_worker, (spec, out), spec.world_size, join=False, preload=(__name__,))
     deadline = time.monotonic() + spec.timeout_s + 60
     try:
         # on a rank's failure torch's join stops the others; the grace lets each reach and write its own error first

@@ -50,6 +50,7 @@ import os
 import platform
 import socket
 import statistics
+import tempfile
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -257,15 +258,14 @@ def _measure(rank: int, n: int, device: torch.device, sync: Any, quick: bool, gr
             -tp_dtensor_ops, flops.get("fp8", 0.0), transcendental, *attention], kinds
 
 
-def _worker(rank: int, n: int, port: int, device_type: str, quick: bool, out: str, repeat: int = 1) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, n: int, store: str, device_type: str, quick: bool, out: str, repeat: int = 1) -> None:
     backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    dist.init_process_group(backend, rank=rank, world_size=n)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=n)
     sync = (lambda: torch.cuda.synchronize()) if device_type == "cuda" else (lambda: None)  # noqa: E731
     groups = {}
     for size in divisors(n)[1:]:
@@ -355,9 +355,8 @@ def calibrate(nproc: int, output: str, *, device_type: str = "cpu", quick: bool 
         raise ValueError(f"--output {output} {why}: give a file in a directory that exists, such as profile.json")
     if device_type == "cuda" and torch.cuda.device_count() < nproc:
         raise ValueError(f"--nproc {nproc} on cuda needs {nproc} GPUs; this machine sees {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    local_ranks.start(_worker, (nproc, port, device_type, quick, output, repeat), nproc, join=True,
-                      preload=(__name__,))
+    # the rendezvous through a file of a folder of its own: a port chosen here could be taken before rank 0 binds it
+    with tempfile.TemporaryDirectory(prefix="vemesh-calibrate-") as folder:
+        local_ranks.start(_worker, (nproc, os.path.join(folder, "store"), device_type, quick, output, repeat), nproc,
+                          join=True, preload=(__name__,))
     return load_profile(output)
