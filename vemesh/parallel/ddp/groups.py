@@ -1,9 +1,9 @@
 """The group a data-parallel wrapper reduces over: resolved, defaulted from the live mesh, and checked.
 
 * :func:`resolve_group` turns what the user passed (a 1-D ``DeviceMesh``, a ``ProcessGroup``, a whole
-  ``VeDeviceMesh`` or None) into a process group. A whole mesh means its data dims. None means the live mesh's data dims (``grad`` of :func:`vemesh.layout.data_dims.data_dims`), not the
-  world: on ``(DP, TP) = (2, 2)`` the world holds each rank's TP peer, and averaging with it would mix
-  different shards. Without a live mesh, None is torch's default group, as in torch's DDP.
+  ``VeDeviceMesh`` or None) into a process group. A whole mesh means its data dims; None means the live mesh's
+  (``grad`` of :func:`vemesh.layout.data_dims.data_dims`), not the world: on ``(DP, TP) = (2, 2)`` the world
+  holds each rank's TP peer, and averaging with it would mix different shards. Without a live mesh, None is torch's default group, as in torch's DDP.
 * :func:`sharded_over` says over which ranks a parameter is already sharded: a DTensor's non-replicated
   mesh dims, or a plain slice vemesh tagged (experts held by one EP rank).
 * :func:`check_not_sharded_over` refuses a group that holds two ranks of one parameter's shards, naming
