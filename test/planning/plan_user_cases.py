@@ -68,6 +68,17 @@ def parallelize_torch_fsdp(model, mesh):
     return fully_shard(model)
 
 
+def parallelize_tp_then_torch_fsdp(model, mesh):
+    """torchtitan's TP plan, then torch's ``fully_shard`` with no mesh (as torch's FSDP2 examples call it): torch
+    raises ``TypeError: Invariant encountered: value was None when it should not be`` from inside FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    llama_jobs._tp(model, mesh, sequence_parallel=False)
+    for block in model.layers.values():
+        fully_shard(block)
+    return fully_shard(model)
+
+
 def parallelize_returns_none(model, mesh):
     DistributedDataParallel(model)
 

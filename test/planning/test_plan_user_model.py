@@ -30,9 +30,12 @@ MESH = {"PP": 1, "DP": 2, "CP": 1, "TP": 2, "EP": 1}
 DP4 = {"PP": 1, "DP": 4, "CP": 1, "TP": 1, "EP": 1}
 
 
-def _line(text: str) -> int:
-    """The line of ``plan_user_cases.py`` that holds ``text``: where the user's code failed."""
-    return next(i for i, line in enumerate(Path(CASES).read_text().splitlines(), 1) if text in line)
+def _line(text: str, after: str = "") -> int:
+    """The line of ``plan_user_cases.py`` that holds ``text`` (the first past the line that holds ``after``): where
+    the user's code failed."""
+    lines = Path(CASES).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line)
+    return next(i for i, line in enumerate(lines[start:], start + 1) if text in line)
 
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -313,6 +316,10 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "make_not_a_module returned a dict, not an nn.Module"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fails", f"{JOBS}:step"),
      "parallelize_fails failed at {cases}:{parallelize} in parallelize_fails: KeyError: 'layers.9'"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_tp_then_torch_fsdp", f"{JOBS}:step", "--tp", "2"),
+     "parallelize_tp_then_torch_fsdp failed at {cases}:{fsdp} in parallelize_tp_then_torch_fsdp: TypeError: Invariant "
+     "encountered: value was None when it should not be; FSDP2's fully_shard was given a mesh without dim names for "
+     "a parameter that TP already shards"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
      "parallelize_returns_none returned NoneType, not the model"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),
@@ -329,12 +336,15 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "takes (), but is called as step(model, micro_batch_size): one forward and backward of a micro-batch"),
 ])
 def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
-    model, parallelize, step = args
+    """Each says what went wrong in the user's words: torch's FSDP2 over the whole world on a model that TP shards
+    raised torch's own ``Invariant encountered: value was None``, and now also says what to write instead."""
+    model, parallelize, step, *more = args
     code, out, err = _cli(capsys, "--model", model, "--parallelize", parallelize, "--step", step, "--world-size", "4",
-                          "--global-batch-size", "4")
+                          "--global-batch-size", "4", *more)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("vemesh: error: "), err
-    lines = dict(make=_line("raise RuntimeError"), parallelize=_line("raise KeyError"), step=_line("loss.item()"))
+    lines = dict(make=_line("raise RuntimeError"), parallelize=_line("raise KeyError"), step=_line("loss.item()"),
+                 fsdp=_line("        fully_shard(block)", after="def parallelize_tp_then_torch_fsdp"))
     assert says.format(cases=os.path.relpath(CASES), cwd=os.getcwd(), **lines) in err, err
 
 

@@ -33,7 +33,7 @@ from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel.tp_replicas import TPReplicaError
 from vemesh.planning.fake_world import _forget_meshes
-from vemesh.planning.user_code import UserFunctions, unbindable, user_frame
+from vemesh.planning.user_code import UserFunctions, known_cause, unbindable, user_frame
 
 __all__ = ["SEED", "Spec", "Timeout", "UserError", "dims", "errors", "functions", "reference", "run_parallel"]
 
@@ -82,7 +82,7 @@ def _call(what: str, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except Exception as e:
         raise UserError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:400]}") from e
+                         f"{' '.join(str(e).split())[:400]}{known_cause(e)}") from e
 
 
 class UserError(Exception):

@@ -16,7 +16,7 @@ from torch import nn
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
-__all__ = ["CONTRACTS", "UserFunctions", "call", "resolve", "unbindable", "user_frame"]
+__all__ = ["CONTRACTS", "UserFunctions", "call", "known_cause", "resolve", "unbindable", "user_frame"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
 CONTRACTS = {
@@ -95,6 +95,29 @@ def user_frame(error: BaseException) -> str:
     return ""
 
 
+#: torch failures whose words do not say the user's mistake: (the torch function the error left, the exception's
+#: words it starts with) and what to write instead
+_KNOWN = {
+    ("_init_sharding_spec_tp", "Invariant encountered"):
+        "FSDP2's fully_shard was given a mesh without dim names for a parameter that TP already shards (torch's "
+        "fully_shard without mesh= shards over every rank of the world, TP peers included); shard over the data "
+        "dims beside TP: vemesh.parallel.fully_shard(module), which takes this rank's, or torch's "
+        "fully_shard(module, mesh=VESCALE_DEVICE_MESH['DP'])",
+}
+
+
+def known_cause(error: BaseException) -> str:
+    """``"; <what to write instead>"`` when ``error`` is a torch failure whose own words hide the user's mistake
+    (FSDP2's fully_shard over the whole world on a TP-sharded model raises ``Invariant encountered: value was None``);
+    else ''."""
+    text = str(error)
+    for frame in traceback.extract_tb(error.__traceback__):
+        for (function, start), say in _KNOWN.items():
+            if frame.name == function and text.startswith(start):
+                return f"; {say}"
+    return ""
+
+
 def unbindable(what: str, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
     """One line saying how ``fn``'s parameters differ from how vemesh calls it, when ``fn(*args, **kwargs)`` cannot
     bind (a step written without ``micro_batch_size``, a parallelize function without ``mesh``); else None."""
@@ -130,6 +153,6 @@ def call(what: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
     except ValueError as e:
         if str(e).startswith(("--", "the step ran")):
             raise
-        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}{known_cause(e)}") from e
     except Exception as e:
-        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}{known_cause(e)}") from e

@@ -154,3 +154,24 @@ def test_the_lineage_is_tracked_by_the_mesh_before_vemesh_parallel_is_imported(t
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert "refused: vemesh DistributedDataParallel: the tied parameter wte.weight and head.weight" in out.stdout, \
         out.stdout + out.stderr[-2000:]
+
+
+def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_world_on_tp(world) -> None:  # type: ignore[no-untyped-def]
+    """torch's ``fully_shard`` with no mesh (a 1-D mesh over the world) on a model that TP shards raises torch's own
+    ``TypeError: Invariant encountered: value was None`` from inside FSDP2. ``vemesh check`` reported those words
+    alone (a user of Hugging Face's Qwen2 with torch's FSDP2 example's habit got nothing else); now it says what to
+    write instead, as ``vemesh plan`` does (test_plan_user_model.py)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from vemesh.check.run import UserError, _call
+
+    world(4)
+
+    def parallelize(model, mesh):  # type: ignore[no-untyped-def]
+        torch_parallelize_module(model.mid, mesh["TP"], ColwiseParallel())
+        return torch_fully_shard(model)
+
+    with pytest.raises(UserError, match=r"TypeError: Invariant encountered: value was None when it should not be; "
+                                        r"FSDP2's fully_shard was given a mesh without dim names for a parameter "
+                                        r"that TP already shards .* vemesh.parallel.fully_shard\(module\)"):
+        _call("--parallelize", "mine:parallelize", parallelize, Tied(), mesh)
