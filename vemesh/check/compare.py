@@ -143,8 +143,18 @@ def _full_views(ranks: list[dict], key: Any, shape: torch.Size, batch: int = 1) 
     return [o for o in out if o.shape == shape]
 
 
+def _cut_over_cp(ranks: list[dict], key: Any, shape: torch.Size) -> bool:
+    """The output under ``key`` is a part of the sequence on CP rank 0: no view of its TP peers' outputs has the
+    one-process shape (so only a join over CP makes it)."""
+    first = sorted((r for r in ranks if r["coords"].get("CP", 0) == 0), key=lambda r: r["coords"].get("TP", 0))
+    values = [r["outputs"].get(key) for r in first]
+    return bool(values) and all(v is not None for v in values) and \
+        all(v.shape != shape for v in _tp_views(values, shape))
+
+
 def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> None:
     worst = (0.0, "")
+    cut = False  # under CP, some module's output was a part of the sequence
 
     def seen(diff: float, where: str) -> None:
         nonlocal worst
@@ -170,6 +180,7 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
                     result.outputs_not_comparable += 1
                     continue
                 diff = min(_difference(j, want, floor) for j in joined)
+                cut = cut or (result.degrees.get("CP", 1) > 1 and _cut_over_cp(mine, key, want.shape))
                 if diff > tol and len({r["coords"].get("CP", 0) for r in mine}) > 1:
                     diff = min(diff, *(_difference_of_rows(j, want, floor) for j in joined))
             result.outputs_compared += 1
@@ -201,6 +212,9 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
             bad.append((name, diff))
     result.gradients = sorted(bad, key=lambda x: -x[1])
     result.largest, result.largest_at = worst
+    # outputs that no join explains might be the cut ones: then it cannot tell
+    result.cp_whole_sequence = (result.degrees.get("CP", 1) > 1 and result.outputs_compared > 0 and not cut
+                                and not result.outputs_not_comparable)
 
 
 def modules_before(ref_outputs: list[dict], first_module: dict) -> set[str]:

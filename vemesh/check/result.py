@@ -42,6 +42,9 @@ class CheckResult:
     hints: list[str] = field(default_factory=list)
     #: the parallel run raised where one process did not (the plan's error, or vemesh's tie or TP-replica check)
     error: str = ""
+    #: under CP, no module's output was a part of the sequence: every CP rank ran the whole of it (the step does not
+    #: cut it), so the check compared data parallelism, not CP's
+    cp_whole_sequence: bool = False
     dropouts: int = 0
     random_ops: list[tuple[str, str]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -73,6 +76,10 @@ class CheckResult:
                          "Make the forward deterministic for the check (a factory argument), and check again")
         else:
             lines.append(f"vemesh check: DIFFERS from one process. {head}")
+        if self.cp_whole_sequence:
+            lines.append(f"  but CP {self.degrees['CP']} cut no sequence: every module's output on each CP rank is "
+                         "the whole sequence's, so each CP rank ran all of it and this checked DP alone; cut the "
+                         "inputs in the step with vemesh.parallel.context_parallel (docs/context-parallel.md)")
         for names in self.broken_ties:
             lines.append(f"  tie broken: {' and '.join(names)} are one parameter in the model as built and several "
                          "after parallelize: shard both ends the same way with vemesh.parallel.parallelize_module, "

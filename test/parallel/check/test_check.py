@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from vemesh.check import CheckInputError, check
-from vemesh.check.compare import _difference_of_rows, _full_views, modules_before
+from vemesh.check.compare import _difference_of_rows, _full_views, compare, modules_before
+from vemesh.check.result import CheckResult
 from vemesh.check import partial
 from vemesh.check.partial import ShardedInput
 from vemesh.check.partial import hint as partial_hint
@@ -66,6 +67,7 @@ def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_an
                for h in wrong.hints), wrong.hints
     right = check(f"module:{HF}:make_llama", f"{HF}:parallelize_ddp", f"{HF}:step_cp", world_size=2, cp=2)
     assert right.exact and right.outputs_not_comparable == 0, right.render()
+    assert not right.cp_whole_sequence and "cut no sequence" not in right.render()
 
 
 @pytest.mark.slow
@@ -605,6 +607,30 @@ def test_a_cp_shard_replicated_over_tp_is_joined_over_cp_even_when_tp_equals_cp(
     sp = [_rank(c, t, part[c].chunk(2, dim=1)[t].clone()) for c in range(2) for t in range(2)]
     assert any(torch.equal(v, whole) for v in _full_views(sp, ("h", 0), whole.shape))
 
+
+
+@pytest.mark.parametrize("layout, whole", [("whole", True), ("tp-columns", True), ("cp-parts", False),
+                                           ("cp-parts-tp-columns", False)])
+def test_a_cp_check_whose_step_cut_no_sequence_says_so(layout: str, whole: bool) -> None:
+    """CP 2 x TP 2 where every CP rank ran the whole sequence (a step without ``context_parallel``): every output
+    matches one process's, since CP peers draw the same batch, and the check said "exact" with nothing else. It
+    compared DP, not CP: the verdict now says that CP cut no sequence. TP's column shards of the whole sequence are
+    not a cut; a CP rank's part of it is, with or without TP's shards of it."""
+    seq = torch.arange(2 * 8 * 4, dtype=torch.float32).view(2, 8, 4)
+    chunks = seq.chunk(4, dim=1)
+    parts = [torch.cat([chunks[c], chunks[3 - c]], dim=1) for c in range(2)]  # as context_parallel cuts
+
+    def held(c: int, t: int) -> torch.Tensor:
+        value = parts[c] if layout.startswith("cp-parts") else seq
+        return value.chunk(2, dim=2)[t].clone() if layout.endswith("tp-columns") else value.clone()
+
+    ranks = [{"coords": {"CP": c, "TP": t}, "data_rank": 0, "outputs": {("h", 0): held(c, t)}, "grads": {}}
+             for c in range(2) for t in range(2)]
+    result = CheckResult("exact", {"DP": 1, "CP": 2, "TP": 2, "EP": 1}, 4, 2, 1e-4)
+    compare(result, {"outputs": [{("h", 0): seq}], "grads": {}}, ranks, 1e-4)
+    assert result.outputs_compared == 1 and result.largest == 0.0
+    assert result.cp_whole_sequence == whole
+    assert ("but CP 2 cut no sequence" in result.render()) == whole, result.render()
 
 
 def test_a_cp_shard_of_tokens_flattened_over_the_batch_is_joined_as_sequences() -> None:
