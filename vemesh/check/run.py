@@ -82,7 +82,16 @@ def _call(what: str, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except Exception as e:
         raise UserError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:400]}{known_cause(e)}") from e
+                         f"{_said(e)}{known_cause(e)}") from e
+
+
+def _said(error: BaseException) -> str:
+    """``error``'s words on one line: whole when vemesh raised it (its advice comes last: a broken tie's said how to
+    parallelize instead), else cut at 400 characters, with '...' where it was cut (torch's can hold a tensor)."""
+    text = " ".join(str(error).split())
+    if type(error).__module__.startswith("vemesh.") or len(text) <= 400:
+        return text
+    return text[:400] + "..."
 
 
 class UserError(Exception):

@@ -175,3 +175,27 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
                                         r"FSDP2's fully_shard was given a mesh without dim names for a parameter "
                                         r"that TP already shards .* vemesh.parallel.fully_shard\(module\)"):
         _call("--parallelize", "mine:parallelize", parallelize, Tied(), mesh)
+
+
+def test_the_checks_parallel_run_gives_vemeshs_own_errors_whole_and_cuts_others_visibly(world) -> None:  # type: ignore[no-untyped-def]
+    """A broken tie's error ends with what to write instead; ``vemesh check`` cut every error at 400 characters, in
+    the middle of that advice ("Parallelize with vemesh.parallel.paralleli", on Hugging Face's Qwen2 with tied
+    embeddings). vemesh's own errors are given whole; another over 400 characters (torch's can print a tensor) is cut
+    with '...' where it was cut."""
+    from vemesh.check.run import UserError, _call
+
+    world(4)
+
+    def untie(model, mesh):  # type: ignore[no-untyped-def]
+        torch_parallelize_module(model, mesh["TP"], ENDS)
+        return DistributedDataParallel(model)
+
+    with pytest.raises(UserError, match=r"BrokenTieError: .* or re-tie by hand after parallelizing "
+                                        r"\(lm_head.weight = wte.weight\)$"):
+        _call("--parallelize", "mine:untie", untie, Tied(), mesh)
+
+    def long(model, mesh):  # type: ignore[no-untyped-def]
+        raise RuntimeError("x" * 1000)
+
+    with pytest.raises(UserError, match=r"RuntimeError: x{400}\.\.\.$"):
+        _call("--parallelize", "mine:long", long, Tied(), mesh)
