@@ -63,3 +63,31 @@ def test_an_exception_in_another_thread_goes_to_the_previous_hook_and_the_job_go
         hangs.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_training_threads_error_while_the_watch_ends_the_job_prints_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """Once the watch is ending the job (a hang named, the report made or being made), the peers leave: a rank still
+    in a collective with one of them gets gloo's "Connection closed by peer" on its training thread. Its traceback
+    followed the report as if it were the cause (a Qwen2 job under TP and vemesh DDP, a rank asleep at step 3: two
+    runs of two). That error is the job ending, not news: the hook waits for the watch to exit the process. An error
+    before the watch ends the job is still the job's report."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        hangs = Hangs()
+        watch = hangs.start(tmp_path, 60.0, lambda: {"mesh": "one rank"})
+        ended: list[bool] = []
+        monkeypatch.setattr(watch, "_end", lambda reporter: ended.append(reporter))
+        error = RuntimeError("Connection closed by peer [127.0.0.1]:10653")
+        assert watch._ending.acquire(blocking=False)  # as _end holds it, on the watch's thread
+        hook = threading.Thread(target=watch._on_exception, args=(RuntimeError, error, None), daemon=True)
+        hook.start()
+        hook.join(timeout=1.0)
+        assert hook.is_alive() and ended == [] and not hasattr(watch, "exception")  # waiting for the exit, silent
+        assert "Connection closed" not in capsys.readouterr().err
+        watch._ending.release()
+        watch._on_exception(RuntimeError, error, None)  # not ending yet: it is the cause, printed and reported
+        assert ended == [True] and "Connection closed" in capsys.readouterr().err
+        hangs.close()
+    finally:
+        dist.destroy_process_group()

@@ -108,6 +108,9 @@ class HangWatch:
         elsewhere = thread_args is not None and thread_args.thread is not self.training_thread
         if kind is KeyboardInterrupt or self._stop.is_set() or elsewhere:
             return hook(thread_args) if thread_args is not None else hook(kind, value, tb)
+        if self._ending.locked():  # the watch is ending the job (its report made or being made): a peer that left
+            while True:            # broke this rank's collective, so its traceback (gloo's "Connection closed by
+                time.sleep(60)     # peer") would follow the report as if it were the cause; the watch exits
         self.exception = "".join(traceback.format_exception(kind, value, tb))
         print(self.exception, file=sys.stderr, flush=True)
         first = str(value).strip().splitlines()[0] if str(value).strip() else ""
