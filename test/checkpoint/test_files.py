@@ -81,6 +81,43 @@ def test_round_trip_restores_weights_state_hyperparameters_and_extra(two_saved) 
     assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
+@pytest.mark.parametrize("kind", ["lambda", "cosine", "one-cycle", "sequential", "plateau"])
+def test_an_lr_scheduler_resumes_through_extra_as_its_state_dict(tmp_path: Path, kind: str) -> None:
+    """docs/checkpoints.md's way for a scheduler: its state dict in ``extra`` (JSON: the object itself is refused,
+    test_bad_inputs.py), then ``load_state_dict``; the resumed run takes the uninterrupted run's learning rates."""
+    def build(opt: torch.optim.Optimizer):  # type: ignore[no-untyped-def]
+        lr = torch.optim.lr_scheduler
+        if kind == "lambda":
+            return lr.LambdaLR(opt, lambda s: 0.5 ** s)
+        if kind == "cosine":
+            return lr.CosineAnnealingLR(opt, T_max=8, eta_min=1e-4)
+        if kind == "one-cycle":
+            return lr.OneCycleLR(opt, max_lr=0.1, total_steps=8)
+        if kind == "sequential":
+            return lr.SequentialLR(opt, [lr.LinearLR(opt, 0.1, total_iters=3), lr.ExponentialLR(opt, 0.9)], [3])
+        return lr.ReduceLROnPlateau(opt, patience=0)
+
+    def run(model, opt, sched, steps: range) -> list[float]:  # type: ignore[no-untyped-def]
+        rates = []
+        for step in steps:
+            train(model, opt, 1)
+            sched.step(*([1.0 + step % 2] if kind == "plateau" else []))
+            rates.append(opt.param_groups[0]["lr"])
+        return rates
+
+    model, opt = make()
+    sched = build(opt)
+    first = run(model, opt, sched, range(4))
+    checkpoint.save(tmp_path / "ckpt", model=model, optimizer=opt, step=4, extra={"sched": sched.state_dict()})
+    whole = first + run(model, opt, sched, range(4, 8))
+    model, opt = make(seed=1)
+    sched = build(opt)
+    step, extra = checkpoint.load_latest(tmp_path / "ckpt", model=model, optimizer=opt)
+    sched.load_state_dict(extra["sched"])
+    assert first + run(model, opt, sched, range(step, 8)) == whole
+    assert len(set(whole)) > 1  # the rates move
+
+
 def test_layout_on_disk(two_saved) -> None:
     root, _, _ = two_saved
     names = sorted(p.name for p in root.iterdir())

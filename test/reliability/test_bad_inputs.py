@@ -217,7 +217,13 @@ def checkpoint_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]
         ("step-negative", lambda: checkpoint.save(tmp / "c", model=model, step=-1), ValueError, "step must be a non-negative int, got -1"),
         ("step-bool", lambda: checkpoint.save(tmp / "c", model=model, step=True), ValueError, "got True"),
         ("extra-not-json", lambda: checkpoint.save(tmp / "c", model=model, step=1, extra={"x": object()}), ValueError,
-         "extra must be JSON-serializable"),
+         "extra must be JSON-serializable; extra['x'] is a object, which JSON cannot hold"),
+        # an LR scheduler as torch users hold it: its state dict is JSON (it said only "Object of type LambdaLR is not
+        # JSON serializable")
+        ("extra-a-scheduler", lambda: checkpoint.save(tmp / "c", model=model, step=1, extra={"data": [1, {
+            "sched": torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters()), lambda s: 1.0)}]}),
+         ValueError, "extra['data'][1]['sched'] is a LambdaLR, which JSON cannot hold: put its state_dict() there "
+                     "instead (an LR scheduler's is JSON), and after load call its load_state_dict()"),
         ("lock-under-a-file", lambda: checkpoint.acquire_lock(tmp / "plain_file" / "ckpt"),
          checkpoint.CheckpointError, "is not writable"),
         ("lock-a-checkpoint", lambda: checkpoint.acquire_lock(step_dir), checkpoint.CheckpointError, "it is a checkpoint itself"),

@@ -109,7 +109,7 @@ def save(
     try:
         extra_json = json.loads(json.dumps(extra or {}))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"extra must be JSON-serializable: {e}") from None
+        raise ValueError(_not_json(extra, e)) from None
     root = Path(checkpoint_dir)
     all_ranks_here(f"checkpoint.save(step={step})")
     tensors, optim_meta = save_state(model, optimizer)
@@ -282,6 +282,31 @@ def load_latest(
 
 
 # --------------------------------------------------------------------------- helpers
+def _not_json(extra: Any, error: Exception) -> str:
+    """Why ``extra`` is refused, naming the first entry JSON cannot hold: an object with ``state_dict()`` (an LR
+    scheduler, a sampler) goes in as its state dict."""
+    def first(value: Any, at: str) -> tuple[str, Any] | None:
+        if isinstance(value, dict):
+            return next((f for k, v in value.items() if (f := first(v, f"{at}[{k!r}]"))), None)
+        if isinstance(value, (list, tuple)):
+            return next((f for i, v in enumerate(value) if (f := first(v, f"{at}[{i}]"))), None)
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            return at, value
+        return None
+
+    found = first(extra, "extra")
+    if found is None:
+        return f"extra must be JSON-serializable: {error}"
+    at, value = found
+    text = f"extra must be JSON-serializable; {at} is a {type(value).__name__}, which JSON cannot hold"
+    if callable(getattr(value, "state_dict", None)):
+        text += (": put its state_dict() there instead (an LR scheduler's is JSON), and after load call its "
+                 "load_state_dict() with that entry of the extra that load returns")
+    return text
+
+
 def _kind(path: Path) -> str:
     if not path.is_dir():
         raise CheckpointNotFoundError(f"no checkpoint at '{path}': no such directory")
