@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 import transformers as hf
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from vemesh import VESCALE_DEVICE_MESH
 from vemesh.ddp import DistributedDataParallel
@@ -73,6 +75,40 @@ def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:
     dims."""
     _tp(model, mesh)
     return DistributedDataParallel(model)
+
+
+def parallelize_sp_fsdp(model: nn.Module, mesh) -> nn.Module:
+    """TP with sequence parallelism, as torchtitan plans its Llama, by HF's module names: the residual stream and the
+    norms hold each TP rank's part of the sequence, gathered before the attention and the MLP; then FSDP2."""
+    tp = mesh["TP"]
+    parallelize_module(model, tp, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            **{k: v for k, v in TP_PLAN.items() if k.startswith("self_attn.") and k != "self_attn.o_proj"},
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def step_positions(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """:func:`step` with the whole sequence's positions given: under sequence parallelism HF's model would number
+    them from its embedding's output, each TP rank's part of the sequence."""
+    tokens = torch.randint(0, VOCAB, (micro_batch_size, SEQ + 1))
+    logits = model(input_ids=tokens[:, :-1], position_ids=torch.arange(SEQ).unsqueeze(0)).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach()
 
 
 def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ step, a learning-rate schedule), CUDA kernels, or a PP schedule (PP > 1 is refus
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from dataclasses import replace
@@ -177,6 +178,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     number of runs made."""
     if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
         return [refused_hint(*failed[0]["went"]["refused"])], 0
+    if (sequence := _sequence_positions_hint(spec, ref, failed)) is not None:
+        return [sequence], 0
     positions = _positions_hint(spec, ref, result)
     if positions and spec.degrees["TP"] == 1:  # with TP, a TP plan's recipe is tried first (below)
         return [positions], 0
@@ -226,6 +229,31 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     if positions and not hints:
         hints.append(positions)
     return hints, runs
+
+
+def _sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict]) -> str | None:
+    """Under sequence parallelism (a RowwiseParallel whose output is sharded), the forward raised where a tensor of a
+    part of the sequence met one TP times as long: likeliest, the model made its positions (position ids, rotary
+    tables, a causal mask) from the length of the hidden states it holds, each TP rank's part (Hugging Face's
+    decoders number them from the embedding's output)."""
+    tp = spec.degrees["TP"]
+    if tp == 1 or not failed or not failed[0].get("went", {}).get("sequence"):
+        return None
+    sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", failed[0]["message"])
+    if sizes is None:
+        return None
+    part, whole = sorted(map(int, sizes.groups()))
+    if whole != part * tp:
+        return None
+    arg = ref.get("positions_arg")
+    where = failed[0].get("module")
+    return (f"{'the forward of ' + where if where else 'the forward'} met a tensor of {part} positions with one of "
+            f"{whole} = {part} x TP {tp}: the plan shards the sequence over TP ({failed[0]['went']['sequence'][0]}'s "
+            f"RowwiseParallel gives each TP rank {part} of the {whole}), and a model that numbers its positions "
+            "from the length of the hidden states it holds (Hugging Face's decoders make their position ids, rotary "
+            "tables and causal mask from the embedding's output) numbers the part. Give it the whole sequence's "
+            + (f"positions: model(x, {arg}=torch.arange(T).unsqueeze(0)) in the step" if arg is not None else
+               "positions where your model numbers them"))
 
 
 def _positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from vemesh.check.record import plain_name
@@ -130,8 +130,9 @@ class Swap:
 def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, list[str]]]:
     """While active, torch's ``ColwiseParallel`` and ``RowwiseParallel`` as the user's parallelize function applies
     them to ``model``'s modules, with ``swaps``' recipes in their place; yields where each style went, by the
-    modules' names in ``model`` (``{"colwise": [...], "rowwise": [...], "swapped": [...]}``): a recipe tried says
-    which Linears it replaced, and the plan's own run says which scopes have a RowwiseParallel. Where torch's style
+    modules' names in ``model`` (``{"colwise": [...], "rowwise": [...], "swapped": [...]}``, and ``"sequence"``: the
+    RowwiseParallel ones whose output is sharded, sequence parallelism's): a recipe tried says which Linears it
+    replaced, and the plan's own run says which scopes have a RowwiseParallel. Where torch's style
     refuses a module (not an ``nn.Linear`` or ``nn.Embedding``), ``"refused"`` is its name, its class and the
     style's (:func:`refused_hint`)."""
     names = {id(m): plain_name(n) for n, m in model.named_modules()}
@@ -163,6 +164,8 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         if type(self) is not RowwiseParallel or name is None:
             return row_apply(self, module, device_mesh)
         went["rowwise"].append(name)
+        if isinstance(self.output_layouts[0], Shard):  # sequence parallelism: its output is a part of the sequence
+            went.setdefault("sequence", []).append(name)
         if name.rpartition(".")[0] not in gathered:
             return row_apply(self, module, device_mesh)
         went["swapped"].append(name)

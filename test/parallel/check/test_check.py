@@ -71,6 +71,22 @@ def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_an
 
 
 @pytest.mark.slow
+def test_hf_llama_under_sequence_parallelism_without_whole_positions_gets_the_positions_hint() -> None:
+    """torchtitan's sequence-parallel plan by HF's module names: HF's Llama numbers its positions from its
+    embedding's output, which holds each TP rank's part of the sequence, and its attention raised on RoPE tables of
+    64 positions against 128 with torch's words alone. The hint says why and what to give; with the whole sequence's
+    position_ids the check is exact."""
+    wrong = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_fsdp", f"{HF}:step", world_size=4, tp=2)
+    assert "must match the size of tensor b" in wrong.error and len(wrong.hints) == 1, wrong.render()
+    assert wrong.hints[0].startswith("the forward of model.layers.0.self_attn met a tensor of 64 positions with one "
+                                     "of 128 = 64 x TP 2: the plan shards the sequence over TP (model.embed_tokens's "
+                                     "RowwiseParallel gives each TP rank 64 of the 128)"), wrong.hints
+    assert wrong.hints[0].endswith("model(x, position_ids=torch.arange(T).unsqueeze(0)) in the step"), wrong.hints
+    right = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_fsdp", f"{HF}:step_positions", world_size=4, tp=2)
+    assert right.exact and right.outputs_not_comparable == 0, right.render()
+
+
+@pytest.mark.slow
 def test_hf_gpt2_under_cp_without_its_positions_cut_names_its_learned_position_embedding() -> None:
     """GPT-2's positions index a learned embedding (``wpe``, which holds parameters): without position_ids cut with
     the tokens it is the first module that differs, and the positions hint names it; with them the check is exact."""
