@@ -77,9 +77,10 @@ class CheckResult:
         else:
             lines.append(f"vemesh check: DIFFERS from one process. {head}")
         if self.cp_whole_sequence:
-            lines.append(f"  but CP {self.degrees['CP']} cut no sequence: every module's output on each CP rank is "
-                         "the whole sequence's, so each CP rank ran all of it and this checked DP alone; cut the "
-                         "inputs in the step with vemesh.parallel.context_parallel (docs/context-parallel.md)")
+            lines.append(f"  {'but' if self.exact else 'and'} CP {self.degrees['CP']} cut no sequence: every module's "
+                         "output on each CP rank is the whole sequence's, so each CP rank ran all of it and this "
+                         "checked DP alone; cut the inputs in the step with vemesh.parallel.context_parallel "
+                         "(docs/context-parallel.md)")
         for names in self.broken_ties:
             lines.append(f"  tie broken: {' and '.join(names)} are one parameter in the model as built and several "
                          "after parallelize: shard both ends the same way with vemesh.parallel.parallelize_module, "

@@ -647,6 +647,8 @@ def test_a_cp_check_whose_step_cut_no_sequence_says_so(layout: str, whole: bool)
     assert result.outputs_compared == 1 and result.largest == 0.0
     assert result.cp_whole_sequence == whole
     assert ("but CP 2 cut no sequence" in result.render()) == whole, result.render()
+    result.verdict = "differs"  # as when the plan is wrong too
+    assert ("\n  and CP 2 cut no sequence" in result.render()) == whole, result.render()
 
 
 def test_a_cp_shard_of_tokens_flattened_over_the_batch_is_joined_as_sequences() -> None:
