@@ -108,9 +108,8 @@ class HangWatch:
         elsewhere = thread_args is not None and thread_args.thread is not self.training_thread
         if kind is KeyboardInterrupt or self._stop.is_set() or elsewhere:
             return hook(thread_args) if thread_args is not None else hook(kind, value, tb)
-        if self._ending.locked():  # the watch is ending the job (its report made or being made): a peer that left
-            while True:            # broke this rank's collective, so its traceback (gloo's "Connection closed by
-                time.sleep(60)     # peer") would follow the report as if it were the cause; the watch exits
+        if self._ending.locked():  # ending the job already: a peer that left broke this rank's collective (gloo's
+            return self._end(reporter=False)  # "Connection closed by peer"): no news, no traceback; wait for the exit
         self.exception = "".join(traceback.format_exception(kind, value, tb))
         print(self.exception, file=sys.stderr, flush=True)
         first = str(value).strip().splitlines()[0] if str(value).strip() else ""
@@ -249,9 +248,8 @@ class HangWatch:
             if queued <= done:
                 self._pending.pop(pg, None)
                 continue
-            seq, since = self._pending.get(pg, (done + 1, now))
-            if seq != done + 1:
-                seq, since = done + 1, now
+            kept = self._pending.get(pg)  # when this collective was first seen pending
+            seq, since = kept if kept is not None and kept[0] == done + 1 else (done + 1, now)
             self._pending[pg] = (seq, since)
             if now - since >= limit and (not paced or self._all_stopped(limit)):
                 pace = f" (this job's steps take {step_pace(self.steps):.3g} s at p99)" if paced else ""
