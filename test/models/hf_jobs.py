@@ -79,7 +79,8 @@ def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:
 
 def parallelize_sp_fsdp(model: nn.Module, mesh) -> nn.Module:
     """TP with sequence parallelism, as torchtitan plans its Llama, by HF's module names: the residual stream and the
-    norms hold each TP rank's part of the sequence, gathered before the attention and the MLP; then FSDP2."""
+    norms hold each TP rank's part of the sequence, gathered before the attention and the MLP; then FSDP2 where the
+    mesh has data-parallel ranks."""
     tp = mesh["TP"]
     parallelize_module(model, tp, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -96,6 +97,8 @@ def parallelize_sp_fsdp(model: nn.Module, mesh) -> nn.Module:
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
+    if mesh.get_strategy_size("DP") == 1:
+        return model
     for layer in model.model.layers:
         fully_shard(layer)
     return fully_shard(model)

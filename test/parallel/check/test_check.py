@@ -76,13 +76,13 @@ def test_hf_llama_under_sequence_parallelism_without_whole_positions_gets_the_po
     embedding's output, which holds each TP rank's part of the sequence, and its attention raised on RoPE tables of
     64 positions against 128 with torch's words alone. The hint says why and what to give; with the whole sequence's
     position_ids the check is exact."""
-    wrong = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_fsdp", f"{HF}:step", world_size=4, tp=2)
+    wrong = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_fsdp", f"{HF}:step", world_size=2, tp=2)
     assert "must match the size of tensor b" in wrong.error and len(wrong.hints) == 1, wrong.render()
     assert wrong.hints[0].startswith("the forward of model.layers.0.self_attn met a tensor of 64 positions with one "
                                      "of 128 = 64 x TP 2: the plan shards the sequence over TP (model.embed_tokens's "
                                      "RowwiseParallel gives each TP rank 64 of the 128)"), wrong.hints
     assert wrong.hints[0].endswith("model(x, position_ids=torch.arange(T).unsqueeze(0)) in the step"), wrong.hints
-    right = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_fsdp", f"{HF}:step_positions", world_size=4, tp=2)
+    right = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_fsdp", f"{HF}:step_positions", world_size=2, tp=2)
     assert right.exact and right.outputs_not_comparable == 0, right.render()
 
 
