@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from vemesh.ddp import DistributedDataParallel as DDP
 from vemesh.parallel.ddp.grad_buffer import local_tensor
-from vemesh.optim import DistributedOptimizer
+from vemesh.optim import DistributedOptimizer, GradScaler
 
 LR, WD, STEPS, ATOL = 1e-3, 0.1, 5, 1e-5
 
@@ -31,6 +31,7 @@ CONTRACT = [
     "lr-scheduler[4x1]",
     "grad-scaler[4x1-adamw]",
     "grad-scaler[4x1-zero]",
+    "grad-scaler[2x2-zero-tp]",
     "dcp-round-trip[4x1]",
     "dcp-round-trip[2x2]",
     "dcp-zero-to-torch-ddp[4x1]",
@@ -142,6 +143,38 @@ def run_grad_scaler(mesh: DeviceMesh, zero: bool) -> None:
     start = [p.detach().clone() for p in model.parameters()]
     _loop(model, opt, mesh, range(1), scaler=scaler, poison=0)
     unchanged = all(torch.equal(a, p) for a, p in zip(start, model.parameters()))
+    scale_after_skip = scaler.get_scale()
+    _loop(model, opt, mesh, range(1, STEPS), scaler=scaler)
+    diff = max_param_diff(model, ref)
+    assert unchanged, "a rank stepped on the non-finite step"
+    assert scale_after_skip == 2.0**9, scale_after_skip
+    assert diff <= ATOL, f"param max diff {diff:.3g} after a skipped step"
+
+
+def run_grad_scaler_tp(mesh: DeviceMesh) -> None:
+    """DP 2 x TP 2 under ZeRO-1: the TP Linears are DTensors, the LayerNorm plain. torch's GradScaler refuses the mix
+    ("mixed torch.Tensor and DTensor", as with torch's own optimizers); vemesh's skips step 0 on every rank, halves the
+    scale, and trains as one process does. Step 0's infinity is in TP rank 0's shard of fc1's averaged gradient
+    alone: its TP peer sees none in its own, and steps unless the two agree (the plain LayerNorm, a replica on both,
+    would then differ between them)."""
+    ref, _, _ = reference_run(STEPS, 1, _adamw, None, False, False, skip=(0,))
+    model = DDP(_tp_model(mesh), mesh["DP"])
+    opt = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=LR, weight_decay=WD)
+    x, y = batch(0, 0)
+    torchs = torch.amp.GradScaler("cpu")
+    torchs.scale(F.mse_loss(model(_slice(mesh, x)), _slice(mesh, y))).backward()
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        torchs.unscale_(opt)
+    opt.zero_grad()
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    start = [full(p.detach()).clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler.scale(F.mse_loss(model(_slice(mesh, x)), _slice(mesh, y))).backward()
+    if mesh["TP"].get_local_rank() == 0:
+        model.module.fc1.weight.grad._local_tensor[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    unchanged = all(torch.equal(a, full(p.detach())) for a, p in zip(start, model.parameters()))
     scale_after_skip = scaler.get_scale()
     _loop(model, opt, mesh, range(1, STEPS), scaler=scaler)
     diff = max_param_diff(model, ref)
@@ -284,5 +317,6 @@ def contract_scenarios(results: Results, mesh: DeviceMesh, shape: tuple[int, int
         check(results, "dcp-zero-to-torch-ddp[4x1]", lambda: run_zero_to_torch_ddp(mesh))
     if shape == (2, 2):
         check(results, "dcp-round-trip[2x2]", lambda: run_dcp_round_trip(mesh))
+        check(results, "grad-scaler[2x2-zero-tp]", lambda: run_grad_scaler_tp(mesh))
         check(results, "vescale-call-form[2x2]", lambda: run_vescale_call_form(mesh))
         check(results, "seed-snippet[2x2]", run_seed_snippet)
