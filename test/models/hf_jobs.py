@@ -77,6 +77,12 @@ def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+def parallelize_forgot_tp(model: nn.Module, mesh) -> nn.Module:
+    """A parallelize function that applies no TP plan (written for DP 1, where it needs no wrapper): every TP rank
+    holds the whole model."""
+    return model
+
+
 def parallelize_sp_fsdp(model: nn.Module, mesh) -> nn.Module:
     """TP with sequence parallelism, as torchtitan plans its Llama, by HF's module names: the residual stream and the
     norms hold each TP rank's part of the sequence, gathered before the attention and the MLP; then FSDP2 where the

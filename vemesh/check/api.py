@@ -148,6 +148,9 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
     if ranks:
         result.broken_ties = ranks[0]["broken"]
         compare(result, ref, ranks, tol)
+        result.tp_whole_model = spec.degrees["TP"] > 1 and not any(r["on_tp"] for r in ranks) and all(
+            g is None or ref["grads"].get(n) is None or g.shape == ref["grads"][n].shape  # none sliced by hand
+            for r in ranks for n, g in r["grads"].items())
         if result.first_module is not None or result.gradients or result.broken_ties:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
     return ranks, failed, time.monotonic() - started

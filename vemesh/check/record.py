@@ -55,6 +55,15 @@ def data_parallel(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
 
 
+def on_tp(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor on a mesh with the TP dim (any placement: a TP plan's
+    sharded Linears, sequence parallelism's replicated norms, FSDP2's shards of them): TP touched the model."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) and "TP" in (p.device_mesh.mesh_dim_names or ())
+               for p in unwrap(model).parameters())
+
+
 def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 

@@ -45,6 +45,9 @@ class CheckResult:
     #: under CP, no module's output was a part of the sequence: every CP rank ran the whole of it (the step does not
     #: cut it), so the check compared data parallelism, not CP's
     cp_whole_sequence: bool = False
+    #: under TP, no parameter was a DTensor on the TP dim on any rank, and every gradient had one process's shape: the
+    #: parallelize function applied no TP, so each TP rank ran the whole model and the check compared DP alone
+    tp_whole_model: bool = False
     dropouts: int = 0
     random_ops: list[tuple[str, str]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -81,6 +84,10 @@ class CheckResult:
                          "output on each CP rank is the whole sequence's, so each CP rank ran all of it and this "
                          "checked DP alone; cut the inputs in the step with vemesh.parallel.context_parallel "
                          "(docs/context-parallel.md)")
+        if self.tp_whole_model:
+            lines.append(f"  {'but' if self.exact else 'and'} TP {self.degrees['TP']} sharded nothing: no parameter is a "
+                         "DTensor on the TP dim, so each TP rank ran the whole model and this checked DP alone; "
+                         "shard it in --parallelize (parallelize_module on mesh['TP'])")
         for names in self.broken_ties:
             lines.append(f"  tie broken: {' and '.join(names)} are one parameter in the model as built and several "
                          "after parallelize: shard both ends the same way with vemesh.parallel.parallelize_module, "

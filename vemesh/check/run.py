@@ -26,7 +26,7 @@ from vemesh import local_ranks
 from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
-                                 plain_name, unwrap)
+                                 on_tp, plain_name, unwrap)
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
@@ -219,7 +219,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
                     "broken": broken, "split": split, "went": went, "dropouts": det.dropouts,
-                    "data_parallel": data_parallel(model),
+                    "data_parallel": data_parallel(model), "on_tp": on_tp(model),
                     "random_ops": det.random_ops, "marks": marks},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))

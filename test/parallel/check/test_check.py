@@ -71,6 +71,18 @@ def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_an
 
 
 @pytest.mark.slow
+def test_a_tp_check_whose_plan_sharded_nothing_says_so() -> None:
+    """--tp 2 with a parallelize function that applies no TP: each TP rank runs the whole model, draws its DP rank's
+    batch, and matches one process exactly. The check said "exact" with nothing else, where it compared no TP at all
+    (found on HF's Qwen2 with FSDP2 alone under --tp 2); it now says TP sharded nothing. Every check of a real TP
+    plan in this file, and in docs/checking.md, has it False (each was run with an assertion of that)."""
+    result = check(f"module:{HF}:make_llama", f"{HF}:parallelize_forgot_tp", f"{HF}:step", world_size=2, tp=2)
+    assert result.exact and result.tp_whole_model, result.render()
+    assert "\n  but TP 2 sharded nothing: no parameter is a DTensor on the TP dim" in result.render()
+    assert result.to_json()["tp_whole_model"] is True
+
+
+@pytest.mark.slow
 def test_hf_llama_under_sequence_parallelism_without_whole_positions_gets_the_positions_hint() -> None:
     """torchtitan's sequence-parallel plan by HF's module names: HF's Llama numbers its positions from its
     embedding's output, which holds each TP rank's part of the sequence, and its attention raised on RoPE tables of
