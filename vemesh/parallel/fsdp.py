@@ -9,7 +9,8 @@ the global batch exact, as vemesh's DDP does for the same experts.
 
 On a mesh with TP, the first ``optimizer.step()`` over a sharded root's parameters first checks its replicas over TP
 (the parameters sharded over the data dims only): the same values on every TP rank but not the same gradient raises
-(:mod:`vemesh.parallel.tp_replicas`), as vemesh's DDP does after its first backward.
+(:mod:`vemesh.parallel.tp_replicas`), as vemesh's DDP does after its first backward. A step on gradients that a
+zero-bubble pipeline schedule added by hand, which FSDP2 never reduces, raises (:mod:`vemesh.parallel.weight_pass`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from vemesh.parallel.experts.style import expert_modules
 from vemesh.parallel.fused import fsdp_placement
 from vemesh.parallel.ties import check_ties
 from vemesh.parallel.tp_replicas import check_tp_gradients, tp_group_beside
+from vemesh.parallel.weight_pass import watch_weight_passes
 
 __all__ = ["fully_shard"]
 
@@ -73,6 +75,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, check_tp_gradients: bool
     if any(fsdp_placement(p) is not None for p in module.parameters()):
         kwargs["shard_placement_fn"] = _with_fused(kwargs.get("shard_placement_fn"))
     sharded = torch_fully_shard(module, mesh=fsdp_mesh, **kwargs)
+    if fsdp_mesh.size() > 1:  # a zero-bubble schedule's hand-added gradients, which FSDP2 misses, are refused
+        watch_weight_passes(sharded)
     tp = tp_group_beside(set(fsdp_mesh.mesh.flatten().tolist())) if check_tp_gradients else None
     if tp is not None:
         _check_at_first_step(sharded, tp, fsdp_mesh.get_all_groups())

@@ -197,7 +197,7 @@ def run_bf16(mesh: DeviceMesh) -> None:
             loss_of(plain, x[dp_rank * b : (dp_rank + 1) * b], y[dp_rank * b : (dp_rank + 1) * b], dp_rank, False).backward()
     _, ref_grads, _ = reference_run(1, 2, torch_optimizer("adamw"), None, False, False)
     grad_diff = max((full(p.grad).float() - ref_grads[0][n]).abs().max().item() for n, p in plain.module.named_parameters())
-    rounded = all(torch.equal(full(p.grad), full(g).to(torch.bfloat16)) for p, g in zip(plain.module.parameters(), plain._main_grads()))
+    rounded = all(torch.equal(full(p.grad), full(g).to(torch.bfloat16)) for p, g in zip(plain.module.parameters(), plain._main_grad_like))
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert diff <= BF16_ATOL, f"bf16 param max diff {diff:.3g} > {BF16_ATOL}"
     assert all(p.grad.dtype == torch.bfloat16 and p.main_grad.dtype == torch.float32 for p in plain.parameters())

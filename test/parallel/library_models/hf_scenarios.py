@@ -39,8 +39,8 @@ def make(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")
-    if kind == "llama":
-        return hf.LlamaForCausalLM(hf.LlamaConfig(intermediate_size=64, **common))
+    if kind in ("llama", "llama4"):  # llama4: 4 layers, for 4 pipeline stages of one
+        return hf.LlamaForCausalLM(hf.LlamaConfig(intermediate_size=64, **{**common, "num_hidden_layers": 2 + 2 * (kind == "llama4")}))
     if kind == "qwen3moe":
         return hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4,
                                                         num_experts_per_tok=2, norm_topk_prob=True, **common))
@@ -50,8 +50,8 @@ def make(kind: str) -> torch.nn.Module:
     raise ValueError(kind)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+def batch(step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -63,7 +63,8 @@ def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions:
 
 def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = make(kind)
-    losses = parity.one_process(model, (batch(step) for step in range(STEPS)), loss_of, lr=LR, eps=EPS)
+    size = 2 * BATCH if kind == "llama4" else BATCH  # the pipelines': 4 micro-batches of 1 on each of 2 DP ranks
+    losses = parity.one_process(model, (batch(step, size) for step in range(STEPS)), loss_of, lr=LR, eps=EPS)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -102,6 +103,95 @@ def train(dims: ParallelDims, kind: str, wrap: str, optimizer: str) -> dict[str,
 
 
 compare = parity.compare
+
+
+class Stage(torch.nn.Module):
+    """Pipeline stage ``stage`` of ``n_stages`` of an HF decoder-only model (docs/models.md's recipe): the embedding on
+    the first, its share of the decoder layers, the final norm and the head on the last, under HF's own names (layer 3
+    is ``model.layers.3`` on whichever stage holds it); its forward is HF's ``LlamaModel.forward`` for those parts."""
+
+    def __init__(self, hf_model: torch.nn.Module, stage: int, n_stages: int) -> None:
+        super().__init__()
+        inner, per = hf_model.model, len(hf_model.model.layers) // n_stages
+        first, last = stage == 0, stage == n_stages - 1
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = inner.embed_tokens if first else None
+        self.model.layers = torch.nn.ModuleDict({str(i): inner.layers[i] for i in range(stage * per, stage * per + per)})
+        self.model.rotary_emb = inner.rotary_emb
+        self.model.norm = inner.norm if last else None
+        self.lm_head = hf_model.lm_head if last else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.model.embed_tokens is not None:
+            h = self.model.embed_tokens(h)
+        positions = torch.arange(h.size(1), device=h.device).unsqueeze(0)
+        rope = self.model.rotary_emb(h, positions)
+        for layer in self.model.layers.values():
+            h = layer(h, position_embeddings=rope, position_ids=positions)
+        return self.lm_head(self.model.norm(h)) if self.lm_head is not None else h
+
+
+def pipelined(world_size: int, schedule: str, pp: int, tp: int, wrap: str) -> dict[str, Any]:
+    """HF Llama (4 layers) cut into :class:`Stage` s, run by torch's ``schedule`` on ``mesh["PP"]`` as a user calls it
+    (``schedule.step``), with HF's TP plan inside the stages and vemesh DDP (or FSDP2 on each layer and the stage)
+    over DP. Under a zero-bubble schedule the first step is tried before ``finish_grad_sync(force=True)`` (its
+    refusal is returned), then stepped with it; with FSDP2, which has nothing to call, the refusal alone."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from vemesh.parallel.schedules import MULTI_STAGE, ZERO_BUBBLE, schedule_class, stage_indices, stages_per_rank
+
+    dims = ParallelDims(world_size, pp=pp, tp=tp)
+    dims.build("cpu", mesh)
+    model, n_stages = make("llama4"), pp * stages_per_rank(schedule)
+    mine = stage_indices(mesh.lookup_rank("PP"), pp, schedule)
+    parts = [Stage(model, s, n_stages) for s in mine]
+    for layer in (layer for part in parts for layer in part.model.layers.values() if tp > 1):
+        parallelize_module(layer, mesh["TP"], LLAMA_TP)
+    if wrap == "fsdp":
+        for part in parts:
+            parity.wrap(part, part.model.layers.values(), "fsdp")
+    chunks = [DDP(part) if dims.dp > 1 and wrap == "ddp" else part for part in parts]
+    stages = [PipelineStage(c, s, n_stages, torch.device("cpu"), group=mesh.get_group("PP")) for c, s in zip(chunks, mine)]
+    loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731
+    run = schedule_class(schedule)(stages if schedule in MULTI_STAGE else stages[0], 2 * BATCH // dims.dp, loss_fn=loss_fn)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=LR, eps=EPS)
+    losses, refused, last = [], "", n_stages - 1 in mine
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = (t.chunk(dims.dp)[mesh.lookup_rank("DP") if dims.dp > 1 else 0].clone() for t in batch(step, 2 * BATCH))
+        held: list[torch.Tensor] = []
+        run.step(*(x,) * (0 in mine), **(dict(target=y, losses=held) if last else {}))
+        if schedule in ZERO_BUBBLE and dims.dp > 1:
+            if step == 0:
+                try:
+                    opt.step()
+                except RuntimeError as e:
+                    refused = str(e)
+            if wrap == "fsdp":
+                mesh.reset()
+                return {"refused": refused}
+            for c in chunks:
+                c.finish_grad_sync(force=True)
+        opt.step()
+        total = torch.stack(held).mean() if last else torch.zeros(())
+        dist.all_reduce(total)  # the last stage's DP x TP ranks hold the loss (the TP peers alike)
+        losses.append(total.item() / (dims.dp * tp))
+    params: dict[str, torch.Tensor] = {}
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, {k: v for c in chunks for k, v in parity.whole_params(c).items()})
+    for part in gathered:
+        params.update(part)
+    mesh.reset()
+    return {"losses": losses, "params": params, "refused": refused}
+
+
+PIPELINES = {  # name: (schedule, pp, tp, data-parallel wrapper), on 4 ranks (DP the rest)
+    "llama4-pp2-dp2-1f1b": ("1f1b", 2, 1, "ddp"),
+    "llama4-pp2-dp2-zbv": ("zbv", 2, 1, "ddp"),
+    "llama4-pp2-tp2-interleaved-1f1b": ("interleaved-1f1b", 2, 2, "ddp"),
+    "llama4-pp2-dp2-1f1b-fsdp2": ("1f1b", 2, 1, "fsdp"),
+    "llama4-pp2-dp2-zbv-fsdp2": ("zbv", 2, 1, "fsdp"),  # refused: FSDP2 misses the weight pass's gradients
+}
 
 
 CASES = {  # name: (degrees, model, wrapper, optimizer)
@@ -224,6 +314,13 @@ def worker(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, Any
     for name, (degrees, kind, wrap, optimizer) in cases.items():
         try:
             out[name] = compare(train(ParallelDims(world_size, **degrees), kind, wrap, optimizer), refs[kind])
+        except Exception:  # noqa: BLE001 - reported back to pytest
+            out[name] = {"error": traceback.format_exc()}
+            mesh.reset()
+    for name, (schedule, pp, tp, wrap) in PIPELINES.items():
+        try:
+            got = pipelined(world_size, schedule, pp, tp, wrap)
+            out[name] = dict(compare(got, reference("llama4")), refused=got["refused"]) if "params" in got else got
         except Exception:  # noqa: BLE001 - reported back to pytest
             out[name] = {"error": traceback.format_exc()}
             mesh.reset()

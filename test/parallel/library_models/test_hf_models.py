@@ -33,13 +33,20 @@ def four() -> list[dict]:
     return run_ranks(S.worker, 4, S.CASES, timeout=400, env={"OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("name", [*S.CASES, "llama-fsdp2-checkpoint-to-dp2-tp2"])
+@pytest.mark.parametrize("name", [*S.CASES, "llama-fsdp2-checkpoint-to-dp2-tp2", *S.PIPELINES])
 @pytest.mark.slow
 def test_hf_models_on_four_ranks_match_one_process(four, name) -> None:
     for rank, results in enumerate(four):
         o = results[name]
         assert "error" not in o, f"rank {rank}:\n{o.get('error')}"
+        if name.endswith("-zbv-fsdp2"):  # torch's FSDP2 misses the weight pass's hand-added gradients: refused
+            assert "AdamW.step() would use gradients that FSDP2 never reduced over the data ranks" in o["refused"] \
+                and "Use Schedule1F1B, ScheduleInterleaved1F1B or ScheduleGPipe with FSDP2" in o["refused"], o
+            continue
         assert o["loss_diff"] < TOL and o["param_diff"] < TOL, (rank, o)
+        if name.endswith("-zbv"):  # torch's weight pass added gradients by hand: stepping on them unaveraged raises
+            assert "AdamW.step() would use gradients of" in o["refused"] and "finish_grad_sync(force=True)" in \
+                o["refused"], (rank, o["refused"])
 
 
 def test_ranks_whose_experts_get_no_token_still_run_the_exchange_back(four) -> None:

@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor
 from vemesh.parallel.context.api import sharded_buffers
 from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_grad, local_tensor, make_buffers
 from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over, resolve_group
-from vemesh.parallel.ddp.support import (PipelineReducer, broadcast_from_first, check_bucket_size, check_experts,
-                                        check_params_kept, check_placement, like, release_params, step_guard,
-                                        tp_gradients_checked, weak_method, weak_param_hook)
+from vemesh.parallel.ddp.support import (GradsOutside, PipelineReducer, broadcast_from_first, check_bucket_size,
+                                        check_experts, check_params_kept, check_placement, like, release_params,
+                                        step_guard, tp_gradients_checked, weak_method, weak_param_hook)
 from vemesh.parallel.tp_replicas import tp_group_beside
 
 __all__ = ["DistributedDataParallel"]
@@ -41,7 +41,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
       ``gradient_as_bucket_view``; buckets all-reduce during backward, in order, so when ``loss.backward()``
       returns every ``.grad`` is the DP mean;
     * ``no_sync()`` accumulates locally; gradients accumulate until cleared by any of ``optimizer.zero_grad()``,
-      ``model.zero_grad()`` and :meth:`zero_grad_buffer`; a step over ``no_sync()`` gradients never averaged raises.
+      ``model.zero_grad()`` and :meth:`zero_grad_buffer`. A step on gradients never averaged raises: ``no_sync()``'s,
+      or those that torch's zero-bubble pipeline schedules add to ``.grad`` by hand (:meth:`finish_grad_sync`).
 
     Parameters and buffers are broadcast from the first rank of the DP group at construction, and buffers
     again before each forward with grad enabled (``broadcast_buffers``), except those a ``context_parallel``
@@ -50,8 +51,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     Args:
         module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
         data_pg_or_device_mesh: the data-parallel group: a 1-D DeviceMesh (``mesh["DP"]``), a ProcessGroup, a whole
-            ``VeDeviceMesh`` (its data dims), or None: the live ``VESCALE_DEVICE_MESH``'s data dims (``DP``, or ``dp_cp``
-            with CP: never the TP or PP peers), and torch's default group only without a live mesh (as torch's DDP).
+            ``VeDeviceMesh`` (its data dims), or None: the live ``VESCALE_DEVICE_MESH``'s data dims (``DP``, or
+            ``dp_cp`` with CP: never TP or PP peers); torch's default group only without a live mesh (as torch's).
             A group holding two ranks of one parameter's shards (a DTensor's TP peers) raises ``ValueError``.
         accumulate_allreduce_grads_in_fp32: accumulate and reduce gradients in fp32 even for bf16/fp16 parameters.
         overlap_grad_reduce: start each bucket's all-reduce during backward.
@@ -60,15 +61,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         broadcast_buffers: broadcast module buffers from DP rank 0 before each forward (torch's default).
         expert_data_parallel: for MoE with expert parallelism: the expert-data-parallel group (``mesh["EDP"]``),
             the ranks of the DP group that hold the same experts. Must come with ``expert_parameters``.
-        expert_parameters: the parameters of this rank's experts (they differ across the EP group).
-            Their gradients are summed over ``expert_data_parallel`` and divided by the DP size: each expert saw
-            the tokens its EP peers sent it, so this is the gradient of the mean loss over the DP group's batch.
-            They are broadcast from the first rank of ``expert_data_parallel``, the others from DP's first rank.
-            Left out (both), the experts that :class:`~vemesh.parallel.ExpertParallel` sharded are found by
-            themselves, with the live mesh's ``EDP``.
-        replicas: the fault-tolerant replica dim (:func:`vemesh.ft.start_replicas`): after the DP mean, each
-            buffer is averaged across the replicas taking part, through torchft; if that fails, the step
-            does not commit (:class:`~vemesh.optim.DistributedOptimizer` asks the replicas before stepping).
+        expert_parameters: the parameters of this rank's experts (they differ across the EP group). Their gradients
+            are summed over ``expert_data_parallel`` and divided by the DP size: each expert saw the tokens its EP
+            peers sent it, so this is the gradient of the mean loss over the DP group's batch. They are broadcast
+            from the first rank of ``expert_data_parallel``, the others from DP's first rank. Left out (both), the
+            experts that :class:`~vemesh.parallel.ExpertParallel` sharded are found with the live mesh's ``EDP``.
+        replicas: the fault-tolerant replica dim (:func:`vemesh.ft.start_replicas`): after the DP mean, each buffer
+            is averaged across the replicas taking part, through torchft; if that fails, the step does not commit
+            (:class:`~vemesh.optim.DistributedOptimizer` asks the replicas before stepping).
         check_tp_gradients: after the first averaged backward on a mesh with TP, raise if a plain-tensor replica
             over TP has different gradients there (:mod:`~vemesh.parallel.tp_replicas`).
 
@@ -178,6 +178,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._exposed: dict[int, torch.Tensor] = {}
         self._main_grad_like: list[torch.Tensor] = []  # main_grad shaped like each parameter (for norms)
         self._hooks: list[Any] = []
+        self._outside = GradsOutside()  # gradients computed without accumulation (torch's zero-bubble weight pass)
         for p in params:
             main_grad: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
             self._main_grad_like.append(like(p, main_grad))
@@ -187,6 +188,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 self._holder[id(p)] = torch.zeros_like(main_grad, dtype=p.dtype)
                 self._exposed[id(p)] = like(p, self._holder[id(p)])
                 self._hooks.append(p.register_hook(weak_param_hook(p, weak_method(self._fold_grad))))
+            self._hooks.append(p.register_hook(weak_param_hook(p, self._outside.computed)))
             self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
         # every torch optimizer asks this wrapper before it steps (the hook is removed with the wrapper)
         self._hooks.append(register_optimizer_step_pre_hook(step_guard(self)))
@@ -256,6 +258,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _post_accumulate(self, p: torch.Tensor) -> None:
         self._begin_pass()
         key = id(p)
+        self._outside.accumulated(key)
         exposed = self._exposed[key]
         if key in self._holder:
             self._expose(p)
@@ -315,6 +318,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._expose(p)
         self._arrived = set()
         self.holds_unsynced_grads = False
+        self._outside.clear(self.grad_buffers)
         self._tp_to_check = tp_gradients_checked(self, self._tp_to_check)
 
     def _abandon_pass(self) -> None:
@@ -338,10 +342,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if p.grad is not self._exposed[id(p)]:
                 self._expose(p)
         return missing
-
-    def _main_grads(self) -> list[torch.Tensor]:
-        """Every parameter's ``main_grad`` (fp32 when accumulating in fp32), as a DTensor for DTensor parameters."""
-        return self._main_grad_like
 
     def _norm_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The ``main_grad`` of the dense parameters, and of the plain-tensor experts (which differ across the EP
@@ -387,6 +387,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 for p in self._params:
                     self._expose(p)
         self.holds_unsynced_grads = False
+        self._outside.clear(self.grad_buffers)
 
     def zero_grad_buffer(self) -> None:
         """veScale's name for ``zero_grad(set_to_none=False)``: zero the buffer in place."""
@@ -402,8 +403,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 loss_fn(model(x0), y0).backward()   # accumulates only
             loss_fn(model(x1), y1).backward()       # averages the sum of both over DP
         """
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:

@@ -22,7 +22,7 @@ from vemesh.parallel.tp_replicas import check_tp_gradients
 
 __all__ = ["check_bucket_size", "broadcast_from_first",
            "PipelineReducer", "like", "weak_method", "release_params", "check_experts", "check_params_kept",
-           "weak_param_hook", "check_replicas", "check_placement", "tp_gradients_checked"]
+           "weak_param_hook", "check_replicas", "check_placement", "tp_gradients_checked", "GradsOutside"]
 
 def weak_method(method: Any) -> Any:
     """``method`` as a plain function that holds its object weakly (a no-op once the object is gone).
@@ -68,6 +68,48 @@ def release_params(params: Sequence[torch.Tensor], owner: Any, hooks: Sequence[A
                     delattr(p, attr)
 
 
+class GradsOutside:
+    """The parameters whose gradient autograd computed without adding it to ``.grad`` since the wrapper last averaged
+    or cleared: ``torch.autograd.grad``, as torch's zero-bubble pipeline schedules run their weight pass before they
+    add its result by hand (``weight.grad += dw``), where no hook of the wrapper sees it. A tensor hook on every
+    parameter (:meth:`computed`) fires for both; the post-accumulate hook (:meth:`accumulated`) only for a backward."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()  #: computed outside accumulation since the last average or clear
+        self._now: set[int] = set()  # computed in the running graph task, not accumulated (yet)
+        self._task = -1  # the graph task whose end is queued to collect them
+        self._versions: dict[int, int] = {}  # each gradient buffer's version at the last average or clear
+
+    def computed(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        self._now.add(id(p))
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # once per graph task (an aborted one leaves nothing queued behind it)
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._graph_ended)
+
+    def accumulated(self, key: int) -> None:
+        self._now.discard(key)
+
+    def _graph_ended(self) -> None:
+        self.ids |= self._now
+        self._now = set()
+
+    def clear(self, buffers: Sequence[Any]) -> None:
+        """After an average (or a clear): nothing computed outside is pending; the buffers' versions are noted."""
+        self.ids = set()
+        self._versions = {id(b): b.data._version for b in buffers}
+
+    def written(self, ddp: Any, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` was computed outside accumulation and changed since the wrapper averaged it: replaced,
+        or written in place (its buffer's or its low-precision copy's version moved on)."""
+        key = id(p)
+        if key not in self.ids or p.grad is None:
+            return False
+        buffer = ddp._buffer_of[key]
+        return (p.grad is not ddp._exposed[key] or buffer.data._version != self._versions.get(id(buffer))
+                or (key in ddp._holder and ddp._holder[key]._version != ddp._holder_version.get(key)))
+
+
 def step_guard(ddp: Any) -> Any:
     """The optimizer step pre-hook a wrapper owns (:func:`refuse_unapplied_step`), holding the wrapper weakly."""
     owner = weakref.ref(ddp)
@@ -84,7 +126,7 @@ def refuse_unapplied_step(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
     """What a wrapper's optimizer step pre-hook checks: no torch optimizer steps on ``ddp``'s gradients that skipped
     the DP average, or that were averaged across fault-tolerant replicas which did not vote to commit the step."""
     asks = getattr(optimizer, "_asks_replicas", False)  # ZeRO-1 asks the replicas itself
-    if not ddp.holds_unsynced_grads and (ddp.replicas is None or asks):
+    if not ddp.holds_unsynced_grads and (ddp.replicas is None or asks) and not ddp._outside.ids:
         return  # the common case
     ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
     mine = [p for p in ddp.averaged_parameters if id(p) in ids]
@@ -104,6 +146,16 @@ def refuse_unapplied_step(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
             f"{names[0]!r}) that were accumulated inside DistributedDataParallel.no_sync() and never averaged "
             "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
             "model.finish_grad_sync() before stepping"
+        )
+    by_hand = [ddp.parameter_names[id(p)] for p in mine if ddp._outside.written(ddp, p)]
+    if by_hand and (ddp.dp_size > 1 or ddp.replicas is not None):
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() would use gradients of {len(by_hand)} parameters (e.g. "
+            f"{by_hand[0]!r}) that torch.autograd.grad computed and that were written into .grad by hand after "
+            "DistributedDataParallel last averaged, so they were never averaged over the data-parallel group: torch's "
+            "zero-bubble pipeline schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) "
+            "do so in their weight pass. Call model.finish_grad_sync(force=True) on each stage's wrapper after "
+            "schedule.step(), or step the schedule with vemesh.parallel.schedules.run_schedule"
         )
 
 
