@@ -170,15 +170,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             params, experts, group, expert_group, bucket_size, fp32=accumulate_allreduce_grads_in_fp32
         )
         self._buffer_of = {id(p): b for b in self.grad_buffers for p in b.params}
-        # What this wrapper puts in param.grad: the main_grad view itself, or for a parameter whose
-        # dtype differs from the buffer's a "holder" copy in the parameter's dtype (versions tell
-        # whether anyone wrote to it since); wrapped as a DTensor like the parameter where needed.
+        # What this wrapper puts in param.grad: the main_grad view, or where the dtype differs from the buffer's a
+        # "holder" copy in the parameter's (versions tell whether anyone wrote to it since); a DTensor where needed.
         self._holder: dict[int, torch.Tensor] = {}
         self._holder_version: dict[int, int] = {}
         self._exposed: dict[int, torch.Tensor] = {}
         self._main_grad_like: list[torch.Tensor] = []  # main_grad shaped like each parameter (for norms)
         self._hooks: list[Any] = []
-        self._outside = GradsOutside()  # gradients computed without accumulation (torch's zero-bubble weight pass)
+        #: gradients computed without accumulation since the last average (torch's zero-bubble weight pass)
+        self.grads_outside = GradsOutside(self._exposed, self._buffer_of, self._holder, self._holder_version)
         for p in params:
             main_grad: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
             self._main_grad_like.append(like(p, main_grad))
@@ -188,7 +188,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 self._holder[id(p)] = torch.zeros_like(main_grad, dtype=p.dtype)
                 self._exposed[id(p)] = like(p, self._holder[id(p)])
                 self._hooks.append(p.register_hook(weak_param_hook(p, weak_method(self._fold_grad))))
-            self._hooks.append(p.register_hook(weak_param_hook(p, self._outside.computed)))
+            self._hooks.append(p.register_hook(weak_param_hook(p, self.grads_outside.computed)))
             self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._post_accumulate)))
         # every torch optimizer asks this wrapper before it steps (the hook is removed with the wrapper)
         self._hooks.append(register_optimizer_step_pre_hook(step_guard(self)))
@@ -258,7 +258,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _post_accumulate(self, p: torch.Tensor) -> None:
         self._begin_pass()
         key = id(p)
-        self._outside.accumulated(key)
+        self.grads_outside.accumulated(key)
         exposed = self._exposed[key]
         if key in self._holder:
             self._expose(p)
@@ -318,7 +318,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._expose(p)
         self._arrived = set()
         self.holds_unsynced_grads = False
-        self._outside.clear(self.grad_buffers)
+        self.grads_outside.clear(self.grad_buffers)
         self._tp_to_check = tp_gradients_checked(self, self._tp_to_check)
 
     def _abandon_pass(self) -> None:
@@ -387,7 +387,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 for p in self._params:
                     self._expose(p)
         self.holds_unsynced_grads = False
-        self._outside.clear(self.grad_buffers)
+        self.grads_outside.clear(self.grad_buffers)
 
     def zero_grad_buffer(self) -> None:
         """veScale's name for ``zero_grad(set_to_none=False)``: zero the buffer in place."""

@@ -74,7 +74,10 @@ class GradsOutside:
     add its result by hand (``weight.grad += dw``), where no hook of the wrapper sees it. A tensor hook on every
     parameter (:meth:`computed`) fires for both; the post-accumulate hook (:meth:`accumulated`) only for a backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, *tables: dict) -> None:
+        # a DDP wrapper's tables by parameter id, filled in place as it wraps (for :meth:`written`): what it put in
+        # .grad, its buffer, the low-precision copy and that copy's version when it wrote it; none for FSDP2's watch
+        self._tables = tables
         self.ids: set[int] = set()  #: computed outside accumulation since the last average or clear
         self._now: set[int] = set()  # computed in the running graph task, not accumulated (yet)
         self._task = -1  # the graph task whose end is queued to collect them
@@ -99,15 +102,15 @@ class GradsOutside:
         self.ids = set()
         self._versions = {id(b): b.data._version for b in buffers}
 
-    def written(self, ddp: Any, p: torch.Tensor) -> bool:
+    def written(self, p: torch.Tensor) -> bool:
         """Whether ``p.grad`` was computed outside accumulation and changed since the wrapper averaged it: replaced,
         or written in place (its buffer's or its low-precision copy's version moved on)."""
-        key = id(p)
+        key, (exposed, buffer_of, holder, holder_version) = id(p), self._tables
         if key not in self.ids or p.grad is None:
             return False
-        buffer = ddp._buffer_of[key]
-        return (p.grad is not ddp._exposed[key] or buffer.data._version != self._versions.get(id(buffer))
-                or (key in ddp._holder and ddp._holder[key]._version != ddp._holder_version.get(key)))
+        buffer = buffer_of[key]
+        return (p.grad is not exposed[key] or buffer.data._version != self._versions.get(id(buffer))
+                or (key in holder and holder[key]._version != holder_version.get(key)))
 
 
 def step_guard(ddp: Any) -> Any:
@@ -126,7 +129,7 @@ def refuse_unapplied_step(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
     """What a wrapper's optimizer step pre-hook checks: no torch optimizer steps on ``ddp``'s gradients that skipped
     the DP average, or that were averaged across fault-tolerant replicas which did not vote to commit the step."""
     asks = getattr(optimizer, "_asks_replicas", False)  # ZeRO-1 asks the replicas itself
-    if not ddp.holds_unsynced_grads and (ddp.replicas is None or asks) and not ddp._outside.ids:
+    if not ddp.holds_unsynced_grads and (ddp.replicas is None or asks) and not ddp.grads_outside.ids:
         return  # the common case
     ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
     mine = [p for p in ddp.averaged_parameters if id(p) in ids]
@@ -147,7 +150,7 @@ def refuse_unapplied_step(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
             "over the data-parallel group; run the last backward of the step outside no_sync(), or call "
             "model.finish_grad_sync() before stepping"
         )
-    by_hand = [ddp.parameter_names[id(p)] for p in mine if ddp._outside.written(ddp, p)]
+    by_hand = [ddp.parameter_names[id(p)] for p in mine if ddp.grads_outside.written(p)]
     if by_hand and (ddp.dp_size > 1 or ddp.replicas is not None):
         raise RuntimeError(
             f"{type(optimizer).__name__}.step() would use gradients of {len(by_hand)} parameters (e.g. "
