@@ -105,7 +105,7 @@ def regenerate(path: Path, check: bool, kinds: tuple[str, ...] = KINDS) -> list[
 API_MODULES = ["vemesh", "vemesh.mesh", "vemesh.layout", "vemesh.planning.mesh_plan", "vemesh.ddp", "vemesh.optim",
                "vemesh.checkpoint", "vemesh.parallel.context", "vemesh.ft", "vemesh.planning.estimate", "vemesh.planning.fit",
                "vemesh.planning", "vemesh.planning.measure", "vemesh.planning.fusion", "vemesh.planning.speedups",
-               "vemesh.hangs", "vemesh.parallel", "vemesh.check", "vemesh.models.llama3"]
+               "vemesh.hangs", "vemesh.parallel", "vemesh.parallel.schedules", "vemesh.check", "vemesh.models.llama3"]
 
 
 def _summary(obj: object) -> str:
