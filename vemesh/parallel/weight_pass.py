@@ -7,7 +7,7 @@ DP 2 under ZBV was 6e-3 from one process after 3 steps, where 1F1B was exact. ve
 ``finish_grad_sync(force=True)`` for them; FSDP2 has nothing to call, so the step raises.
 
 How it is seen: each FSDP2 parameter's unsharded tensor (the one autograd differentiates, made at the first
-all-gather and kept) gets a tensor hook, which fires for ``backward()`` and ``torch.autograd.grad`` alike, and a
+all-gather and kept; hooked after the module's first forward, whose hook then comes off) gets a tensor hook, which fires for ``backward()`` and ``torch.autograd.grad`` alike, and a
 post-accumulate hook, which fires for ``backward()`` only (:class:`vemesh.parallel.ddp.support.GradsOutside`). A
 gradient computed and never accumulated is a weight pass's.
 """
@@ -34,19 +34,22 @@ def watch_weight_passes(module: nn.Module) -> None:
     """Watch ``module`` (just sharded by torch's ``fully_shard`` over more than one rank): its parameters' unsharded
     tensors are hooked after its first forward, and an optimizer step over its parameters raises once a gradient
     of them was computed outside accumulation."""
-    seen, names = GradsOutside(), {}
+    seen, names, handle = GradsOutside(), {}, []
 
     def arm(mod: nn.Module, args: Any, out: Any) -> None:
         group = getattr(torch_fully_shard.state(mod), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", ()):
+        params = getattr(group, "fsdp_params", ())
+        for fsdp_param in params:
             tensor = getattr(fsdp_param, "_unsharded_param", None)
             if tensor is None or id(tensor) in names:
                 continue
             names[id(tensor)] = fsdp_param._param_fqn or "?"
             tensor.register_hook(lambda grad, t=tensor: seen.computed(t, grad))
             tensor.register_post_accumulate_grad_hook(lambda t: seen.accumulated(id(t)))
+        if len(names) == len(params):  # FSDP2 keeps each unsharded tensor from its first all-gather on: done
+            handle.pop().remove()
 
-    module.register_forward_hook(arm)
+    handle.append(module.register_forward_hook(arm))
     _WATCHED.append((weakref.ref(module), seen, names))
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_refuse))
