@@ -185,9 +185,28 @@ def listed(values: Sequence[object], most: int = 12) -> str:
     return shown + (", ..." if len(values) > most else "")
 
 
+def _joined(name: str, valid: Sequence[str]) -> list[str] | None:
+    """The valid names, two or more, that ``name`` joins with ``_`` in order (``DP_CP`` joins DP and CP), or None."""
+    ends: dict[int, list[str]] = {0: []}  # where a prefix of ``name`` ends -> the names that join it
+    for at in range(len(name) + 1):
+        if at not in ends or at == len(name):
+            continue
+        for v in valid:
+            start = at + (1 if at else 0)
+            if (at == 0 or name[at] == "_") and name.startswith(v, start) and start + len(v) not in ends:
+                ends[start + len(v)] = [*ends[at], v]
+    found = ends.get(len(name))
+    return found if found is not None and len(found) > 1 else None
+
+
 def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyError:
     """Build the ``KeyError`` for an unknown name, listing the valid ones and the closest match."""
     message = f"unknown {kind} {name!r}; valid {kind}s are {list(valid)}"
+    parts = _joined(name, valid) if isinstance(name, str) else None
+    if parts:  # torchtitan's habit, mesh["DP", "CP"]._flatten("DP_CP"): torch's mesh gets the name, vemesh's does not
+        return KeyError(f"{message}; {name!r} joins {' and '.join(parts)}: make it with "
+                        f"VESCALE_DEVICE_MESH.flatten({tuple(parts)!r}, {name!r}), which every query then knows "
+                        "(torch's _flatten on a view names torch's mesh only)")
     if isinstance(name, str):
         lowered = {v.lower(): v for v in valid}
         close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.5)

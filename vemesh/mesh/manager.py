@@ -41,10 +41,10 @@ from torch.distributed.device_mesh import DeviceMesh
 import vemesh.mesh.debug as debug
 from vemesh.mesh.lineage import track as track_ties
 from vemesh.layout.mesh_layout import Dims, MeshLayout
-from vemesh.mesh.queries import LayoutQueries
+from vemesh.mesh.queries import LayoutQueries, torch_dim
 from vemesh.mesh.startup import apply_timeout, build_mesh
 from vemesh.mesh.vescale_names import VeScaleAliases
-from vemesh.mesh.views import TorchViews
+from vemesh.mesh.views import TorchViews, torch_only
 
 __all__ = ["VeDeviceMesh", "VESCALE_DEVICE_MESH"]
 
@@ -72,6 +72,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
         self._member = False  # whether this rank is in the mesh (a mesh may cover part of the world)
         self._timeout: timedelta | None = None  # given to every group this mesh creates
         self._epoch = 0  # one more at every reset(): views of an older epoch are refused by the wrappers
+        self._entered: list[DeviceMesh] = []  # the torch meshes ``with`` made current, innermost last
 
     # ================================================================ set-up
     def init_device_mesh(
@@ -268,12 +269,13 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
             return None
         return self[dims]
 
-    def get_group(self, dim: Dims | None = None) -> dist.ProcessGroup:
+    def get_group(self, dim: Dims | None = None, *, mesh_dim: Dims | None = None) -> dist.ProcessGroup:
         """This rank's process group along one dim (a mesh dim, a flattened or a split one).
 
         ``get_group("TP")`` holds ranks ``[4, 5]`` on rank 5; ``get_group("DP")`` holds
-        ``[1, 3]`` on rank 1. ``dim`` may be omitted on a 1-D mesh.
+        ``[1, 3]`` on rank 1. ``dim`` may be omitted on a 1-D mesh; ``mesh_dim=`` is torch's name for it.
         """
+        dim = torch_dim(dim, mesh_dim, "get_group")
         if dim is None:
             if self.ndim != 1:
                 raise ValueError(f"get_group() needs a dim on a {self.ndim}-D mesh; choose one of {self.layout.names}")
@@ -281,6 +283,24 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
         if len(self.layout.resolve(dim)) != 1:
             raise ValueError(f"a process group runs along one dim; got {dim!r} (flatten() several dims first)")
         return self[dim].get_group()
+
+    def get_all_groups(self) -> list[dist.ProcessGroup]:
+        """This rank's group along each mesh dim, in mesh order, as torch's ``DeviceMesh.get_all_groups()``."""
+        return [self.get_group(name) for name in self.mesh_dim_names]
+
+    def __enter__(self) -> VeDeviceMesh:
+        """``with VESCALE_DEVICE_MESH:`` is torch's ``with mesh:`` on the global torch mesh (the one entered)."""
+        self._entered.append(self.mesh.__enter__())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._entered.pop().__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:  # only what the class and the instance lack: torch's privates
+        views = self.__dict__.get("_torch")
+        if views is not None and not name.startswith("__") and hasattr(views.mesh, name):
+            raise AttributeError(torch_only(name))
+        raise AttributeError(f"'VeDeviceMesh' object has no attribute {name!r}")
 
     def get_submeshes(self, dims: Dims) -> list[DeviceMesh]:
         """Every submesh along ``dims``: the world partitioned, ordered by the other dims.

@@ -17,7 +17,18 @@ from vemesh.layout.mesh_layout import Dims, as_index
 if TYPE_CHECKING:
     from vemesh.layout.mesh_layout import MeshLayout
 
-__all__ = ["LayoutQueries"]
+__all__ = ["LayoutQueries", "torch_dim"]
+
+
+def torch_dim(dim: Dims | None, mesh_dim: Dims | None, method: str) -> Dims | None:
+    """The dim a query was given, as vemesh names it (``dim``) or as torch's ``DeviceMesh`` does (``mesh_dim=``,
+    which torch's own code passes by keyword: ``mesh.size(mesh_dim=0)``); both at once is a ``TypeError``."""
+    if mesh_dim is None:
+        return dim
+    if dim is not None:
+        raise TypeError(f"{method}() got the dim twice: {dim!r} and mesh_dim={mesh_dim!r} (mesh_dim is torch's name "
+                        "for the same argument); give one")
+    return mesh_dim
 
 
 class LayoutQueries:
@@ -42,8 +53,11 @@ class LayoutQueries:
         """``("PP", "DP", "TP")`` on every rank of the example mesh."""
         return self.layout.dim_names
 
-    def size(self, dim: Dims | None = None) -> int:
-        """World size, or the size of a dim: ``size("TP")`` is 2 on every rank; an absent name raises ``KeyError``."""
+    def size(self, dim: Dims | None = None, *, mesh_dim: Dims | None = None) -> int:
+        """World size, or the size of a dim: ``size("TP")`` is 2 on every rank; an absent name raises ``KeyError``.
+
+        ``mesh_dim=`` is torch's name for ``dim`` (``DeviceMesh.size(mesh_dim=1)``), taken as well."""
+        dim = torch_dim(dim, mesh_dim, "size")
         if dim is None:
             return self.layout.world_size
         return self.layout.group_size(dim)
@@ -91,15 +105,17 @@ class LayoutQueries:
         """This rank's index along ``dim``: ``lookup_rank("DP")`` is 1 on ranks 2, 3, 6, 7 and 0 elsewhere."""
         return self.layout.index_in_group(self.get_rank(), dim, absent_ok=True)
 
-    def get_local_rank(self, dim: Dims | None = None) -> int:
+    def get_local_rank(self, dim: Dims | None = None, *, mesh_dim: Dims | None = None) -> int:
         """This rank's index along ``dim`` (torch's meaning), or without ``dim``, its index on its host.
 
         ``get_local_rank("TP")`` is what torch's ``mesh.get_local_rank("TP")`` gives: 1 on
-        rank 5; a name the mesh does not have raises ``KeyError``, as in torch.
+        rank 5; a name the mesh does not have raises ``KeyError``, as in torch. ``mesh_dim=`` is torch's name for
+        ``dim``, taken as well.
 
         ``get_local_rank()`` is torchrun's ``LOCAL_RANK`` (else ``rank % LOCAL_WORLD_SIZE``, else the global
         rank): with 4 devices per host rank 5 gets 1. Unlike veScale, no coordinate is found from it.
         """
+        dim = torch_dim(dim, mesh_dim, "get_local_rank")
         rank = self.get_rank()
         if dim is not None:
             return self.layout.index_in_group(rank, dim)

@@ -17,7 +17,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from vemesh.layout.mesh_layout import Dims, MeshLayout
 
-__all__ = ["TorchViews", "check_view"]
+__all__ = ["TorchViews", "check_view", "torch_only"]
+
+
+def torch_only(name: str) -> str:
+    """What a torch function that took ``VESCALE_DEVICE_MESH`` for a ``DeviceMesh`` meets when it reads one of the
+    torch mesh's own attributes (``name``), which the manager does not stand in for."""
+    return (f"VESCALE_DEVICE_MESH has no {name!r}, which torch's DeviceMesh has: it is vemesh's manager of the "
+            "mesh, not a torch DeviceMesh. Give torch's functions (distribute_tensor, fully_shard, "
+            "parallelize_module, DCP) VESCALE_DEVICE_MESH.mesh, the global torch mesh, or a view such as "
+            "VESCALE_DEVICE_MESH['TP']")
 
 
 def check_view(mesh: DeviceMesh, what: str) -> None:

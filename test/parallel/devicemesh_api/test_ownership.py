@@ -49,4 +49,5 @@ def test_the_mesh_is_composed_and_its_base_classes_read_only_its_public_answers(
                    and n.attr.startswith("_") and not n.attr.startswith("__")]
         assert not private, (base.__name__, private)
     mesh = VeDeviceMesh()
-    assert set(vars(mesh)) == {"_torch", "_layout", "_rank", "_coordinate", "_member", "_timeout", "_epoch"}
+    assert set(vars(mesh)) == {"_torch", "_layout", "_rank", "_coordinate", "_member", "_timeout", "_epoch",
+                               "_entered"}
