@@ -68,6 +68,11 @@ class GradBuffer:
             p.main_grad = self.data[start:end].view(t.shape)  # type: ignore[attr-defined]
         self._bucket_of = dict(zip(map(id, params), self.layout.bucket_of_param()))
         self._works: list[dist.Work] = []
+        #: the works of the last :meth:`wait`, held until the next. Dropped at once, a work's last reference can be
+        #: gloo's worker thread's, released a moment after the collective completes; a script that ends in that
+        #: moment aborts at exit, "terminate called without an active exception" (docs/troubleshooting.md). Held
+        #: here, it is freed by a thread that holds the GIL.
+        self._waited: list[dist.Work] = []
         self.reset()
 
     def reset(self) -> None:
@@ -111,7 +116,7 @@ class GradBuffer:
         """Wait for every started all-reduce and :meth:`reset`."""
         for work in self._works:
             work.wait()
-        self._works = []
+        self._waited, self._works = self._works, []
         self.reset()
 
     def _launch(self, index: int) -> None:

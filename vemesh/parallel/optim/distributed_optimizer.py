@@ -216,6 +216,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         #: The data-parallel group the shards are split over.
         self.dp_group = self.models[0].data_parallel_group
         self._pending: list[dist.Work] = []
+        self._waited: list[dist.Work] = []  #: the last gather's works, held as DDP's (grad_buffer.GradBuffer.wait)
         if self.overlap_param_gather:
             wait = weak_method(self._wait_gather)  # the modules must not keep this optimizer alive
             for m in self.models:
@@ -337,7 +338,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         for work in self._pending:
             work.wait()
-        self._pending = []
+        self._waited, self._pending = self._pending, []
         for shard in self.shards:
             shard.finish_gather()
         self._gathering = False
