@@ -305,6 +305,47 @@ def test_zero1_over_models_with_other_groups_is_refused(as_rank) -> None:
         DistributedOptimizer(torch.optim.AdamW, models=[a, b])
 
 
+@pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
+def test_requires_grad_changed_after_wrapping_is_refused_and_a_rewrap_trains_the_rest(as_rank, zero1) -> None:
+    """A parameter frozen after DDP wrapped the model got a zero gradient after the sync and was stepped (AdamW's
+    momentum and weight decay moved it), where torch's optimizers skip a parameter without a gradient; one unfrozen
+    after wrapping would never be averaged. Both are refused at the next training forward, naming the parameter;
+    wrapping again once the old wrapper and its optimizer are dropped trains the others and leaves it alone."""
+    as_rank(0, 2)
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2,), mesh_dim_names=("DP",))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def wrap():
+        model = DDP(net, VESCALE_DEVICE_MESH["DP"])
+        opt = DistributedOptimizer(torch.optim.AdamW, models=[model]) if zero1 else torch.optim.AdamW(model.parameters())
+        return model, opt
+
+    model, opt = wrap()
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    net[1].bias.requires_grad_(False)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError) as e:
+        model(torch.ones(3, 4))
+    assert one_line(e.value).startswith("parameter '1.bias' stopped requiring grad after DistributedDataParallel "
+                                        "wrapped the module: it would still get a gradient (zeros) and be stepped")
+    assert "build DDP (and the optimizer) again after freezing or unfreezing parameters" in one_line(e.value)
+    with pytest.raises(ValueError, match=r"already belongs to a vemesh DistributedDataParallel; wrap the module once "
+                                         r"\(to wrap it again, drop the old wrapper and the optimizers built on it"):
+        DDP(net, VESCALE_DEVICE_MESH["DP"])
+    del model, opt, e  # the error's traceback holds the old wrapper too
+    model, opt = wrap()
+    frozen = net[1].bias.detach().clone()
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    assert net[1].bias.grad is None and torch.equal(net[1].bias, frozen)
+    net[1].bias.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"^parameter '1.bias' requires grad, but did not when DistributedDataParallel "
+                                           r"wrapped the module: its gradient would never be averaged"):
+        model(torch.ones(3, 4))
+
+
 # --------------------------------------------------------------- wrappers (4 gloo ranks)
 @pytest.fixture(scope="module")
 def world() -> list[dict]:

@@ -111,9 +111,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         names = {id(p): n for n, p in module.named_parameters()}
         for p in params:
             if getattr(p, "_vemesh_ddp", lambda: None)() is not None:  # a live wrapper; a freed one is gone
-                raise ValueError(
-                    f"parameter {names[id(p)]!r} already belongs to a vemesh DistributedDataParallel; wrap the module once"
-                )
+                raise ValueError(f"parameter {names[id(p)]!r} already belongs to a vemesh DistributedDataParallel; wrap "
+                                 "the module once (to wrap it again, drop the old wrapper and the optimizers built on it "
+                                 "first: del model, opt)")
             if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
                 raise ValueError(f"parameter {names[id(p)]!r} has Partial placements {p.placements}; use Shard or Replicate")
         experts, expert_group = check_experts(group, expert_data_parallel, expert_parameters, params)
@@ -200,7 +200,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._in_backward:  # a backward pass raised before its end-of-backward callback ran
             self._abandon_pass()
         if torch.is_grad_enabled():
-            check_params_kept(self.module, self._module_params)
+            check_params_kept(self.module, self._module_params, self._buffer_of)
         if self.broadcast_buffers and self.dp_size > 1 and torch.is_grad_enabled():
             held = sharded_buffers()  # a context_parallel's shards differ by CP rank: never broadcast over them
             buffers = [b for b in self._module_buffers() if id(b) not in held]

@@ -4,7 +4,7 @@ hooks that hold their wrapper weakly."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import torch
@@ -162,13 +162,24 @@ def refuse_unapplied_step(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def check_params_kept(module: torch.nn.Module, wrapped: list[torch.Tensor]) -> None:
+def check_params_kept(module: torch.nn.Module, wrapped: list[torch.Tensor], trained: Container[int]) -> None:
     """``RuntimeError`` if ``module``'s parameters are no longer ``wrapped``: their gradients would never be averaged
-    (``parallelize_module`` or ``fully_shard`` applied after wrapping, for instance)."""
+    (``parallelize_module`` or ``fully_shard`` applied after wrapping, for instance); or if one's ``requires_grad``
+    is not what it was then (``trained``: the ids of those that required grad)."""
     now = list(module.parameters())
-    if len(now) == len(wrapped) and all(a is b for a, b in zip(now, wrapped)):
+    if len(now) == len(wrapped) and all(a is b and a.requires_grad is (id(a) in trained) for a, b in zip(now, wrapped)):
         return
     kept = {id(p) for p in wrapped}
+    flipped = next(((n, p) for n, p in module.named_parameters()
+                    if id(p) in kept and p.requires_grad is not (id(p) in trained)), None)
+    if flipped is not None:
+        name, p = flipped
+        what = ("requires grad, but did not when DistributedDataParallel wrapped the module: its gradient would "
+                "never be averaged" if p.requires_grad else
+                "stopped requiring grad after DistributedDataParallel wrapped the module: it would still get a "
+                "gradient (zeros) and be stepped, where torch's optimizers skip a parameter without one")
+        raise RuntimeError(f"parameter {name!r} {what}. Change requires_grad before wrapping: build DDP (and the "
+                           "optimizer) again after freezing or unfreezing parameters")
     name = next((n for n, p in module.named_parameters() if id(p) not in kept), "?")
     raise RuntimeError(
         f"the wrapped module's parameters changed after DistributedDataParallel wrapped it (e.g. {name!r} is a new "
