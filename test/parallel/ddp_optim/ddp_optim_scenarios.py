@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from ddp_optim_harness import (
     GLOBAL_BATCH,
     WEIGHT_DECAY,
@@ -231,6 +232,42 @@ def run_state_dict(mesh: DeviceMesh) -> None:
     assert all(same), "resumed run differs from the uninterrupted one"
 
 
+def run_freeze_mid_training(mesh: DeviceMesh) -> None:
+    """A layer frozen after 2 steps: wrapped again with the optimizer's state carried by name
+    (docs/data-parallel.md), ZeRO-1 over (DP, TP) = (2, 2) trains what torch's AdamW does in one process with the same
+    layer frozen (which skips it: no gradient)."""
+    from vemesh.optim import get_optimizer_state, set_optimizer_state
+
+    ref = make_net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    net = tp_model(mesh["TP"])
+
+    def wrap() -> tuple[DDP, DistributedOptimizer]:
+        model = DDP(net, mesh["DP"])
+        return model, DistributedOptimizer(torch.optim.AdamW, models=[model], lr=LR, weight_decay=WD)
+
+    model, opt = wrap()
+    cfg = Config("freeze", "zero", True)
+    for step in range(STEPS):
+        if step == 2:
+            saved = get_optimizer_state(model, opt)
+            opt.zero_grad()
+            net.fc1.requires_grad_(False)
+            ref.fc1.requires_grad_(False)
+            del model, opt
+            model, opt = wrap()
+            set_optimizer_state(model, opt, saved)
+        ref_opt.zero_grad()
+        x, y = batch(step, 0)
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        train_step(model, opt, mesh, cfg, step)
+    frozen = net.fc1.weight.grad is None and net.fc1.bias.grad is None
+    diff = max_param_diff(model, ref)
+    assert frozen, "the frozen layer kept a gradient"
+    assert diff <= PARITY_ATOL, f"param max diff {diff:.3g} > {PARITY_ATOL} after {STEPS} steps, fc1 frozen from step 2"
+
+
 def run_broadcast(mesh: DeviceMesh) -> None:
     """Each DP rank starts from different weights and buffers; wrapping makes all equal to DP rank 0's."""
     seed = mesh["DP"].get_local_rank()
@@ -338,6 +375,7 @@ def worker(rank: int, world_size: int) -> Results:
             check(results, "state_dict", lambda: run_state_dict(mesh))
             check(results, "errors", lambda: run_errors(mesh))
             check(results, "broadcast", lambda: run_broadcast(mesh))
+            check(results, "freeze_mid_training", lambda: run_freeze_mid_training(mesh))
         contract_scenarios(results, mesh, (dp, tp))
     check(results, "vescale_mesh", run_vescale_mesh)
     return results
