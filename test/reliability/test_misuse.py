@@ -346,6 +346,28 @@ def test_requires_grad_changed_after_wrapping_is_refused_and_a_rewrap_trains_the
         model(torch.ones(3, 4))
 
 
+@pytest.mark.parametrize("convert", ["wrapper.double()", "module.half()", "bf16 module.float()"])
+def test_a_dtype_changed_after_wrapping_is_named_with_the_parameter(as_rank, convert) -> None:
+    """``.double()`` on the wrapper, or ``.half()`` / ``.float()`` on the module inside, changes each parameter's dtype
+    in place (torch sets ``param.data``), and the wrapper's gradient buffer keeps the old one. autograd refused the
+    buffer's view with "attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype 'Double'",
+    naming no parameter and no cause; now the parameter, both dtypes and what to do."""
+    as_rank(0, 2)
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2,), mesh_dim_names=("DP",))
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    if convert.startswith("bf16"):
+        net.bfloat16()
+    model = DDP(net, VESCALE_DEVICE_MESH["DP"])
+    {"wrapper.double()": model.double, "module.half()": net.half, "bf16 module.float()": net.float}[convert]()
+    was, now = (torch.bfloat16, torch.float32) if convert.startswith("bf16") else (torch.float32, net[1].bias.dtype)
+    with pytest.raises(RuntimeError) as e:
+        model(torch.ones(3, 4, dtype=now)).float().sum().backward()
+    assert one_line(e.value).startswith(f"parameter '1.bias' is {now} on cpu, but was {was} on cpu when "
+                                        "DistributedDataParallel wrapped the module (.to(), .double(), .half() or "
+                                        ".cuda() ran on it since)")
+    assert "Convert the model before wrapping it" in one_line(e.value)
+
+
 # --------------------------------------------------------------- wrappers (4 gloo ranks)
 @pytest.fixture(scope="module")
 def world() -> list[dict]:

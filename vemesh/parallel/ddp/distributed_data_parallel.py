@@ -23,8 +23,8 @@ from vemesh.parallel.context.api import sharded_buffers
 from vemesh.parallel.ddp.grad_buffer import GradBuffer, local_grad, local_tensor, make_buffers
 from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over, resolve_group
 from vemesh.parallel.ddp.support import (GradsOutside, PipelineReducer, broadcast_from_first, check_bucket_size,
-                                        check_experts, check_params_kept, check_placement, like, release_params,
-                                        step_guard, tp_gradients_checked, weak_method, weak_param_hook)
+                                        check_experts, check_params_kept, check_placement, like, point_grad,
+                                        release_params, step_guard, tp_gradients_checked, weak_method, weak_param_hook)
 from vemesh.parallel.tp_replicas import tp_group_beside
 
 __all__ = ["DistributedDataParallel"]
@@ -264,7 +264,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._expose(p)
         elif p.grad is not exposed:  # autograd made a new tensor (.grad was None or replaced)
             p.main_grad.copy_(local_grad(p, p.grad))  # type: ignore[attr-defined]
-            p.grad = exposed
+            point_grad(p, exposed, self._param_names[key])
         # else: autograd accumulated in place into the buffer view
         self._arrived.add(key)
         if self._sync_this_pass and self.overlap_grad_reduce:
@@ -278,7 +278,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             holder.copy_(p.main_grad)  # type: ignore[attr-defined]
             self._holder_version[key] = holder._version
         if p.grad is not self._exposed[key]:
-            p.grad = self._exposed[key]
+            point_grad(p, self._exposed[key], self._param_names[key])
 
     def _end_pass(self) -> None:
         """End-of-backward callback: average now, or remember that the gradients are local only."""

@@ -188,6 +188,21 @@ def check_params_kept(module: torch.nn.Module, wrapped: list[torch.Tensor], trai
     )
 
 
+def point_grad(p: torch.Tensor, view: torch.Tensor, name: str) -> None:
+    """``p.grad = view`` (the wrapper's view of its gradient buffer); a ``RuntimeError`` naming the parameter if its
+    dtype or device changed after wrapping, where autograd's would only name the two dtypes."""
+    try:
+        p.grad = view
+    except RuntimeError as e:
+        if (p.dtype, p.device) == (view.dtype, view.device):
+            raise
+        raise RuntimeError(
+            f"parameter {name!r} is {p.dtype} on {p.device}, but was {view.dtype} on {view.device} when "
+            "DistributedDataParallel wrapped the module (.to(), .double(), .half() or .cuda() ran on it since): its "
+            "gradient buffer cannot hold the new gradients. Convert the model before wrapping it; to convert a wrapped "
+            "one, drop the wrapper and the optimizers built on it (del model, opt), convert, and wrap again") from e
+
+
 def check_bucket_size(bucket_size: int | None) -> int:
     if bucket_size is None:
         return DEFAULT_BUCKET_SIZE
