@@ -150,7 +150,7 @@ def predicted(procs: int, example_flags: list[str], plan_flags: list[str],
               plan: Callable[[list[str]], dict[str, Any]] | None = None) -> dict[str, Any]:
     flags = [f for i, f in enumerate(plan_flags) if f != "--n-layer" and (i == 0 or plan_flags[i - 1] != "--n-layer")]
     return (plan or vemesh_plan)(["--model", _model(example_flags, plan_flags), "--world-size", str(procs),
-                                  "--global-batch-size", "32", *flags])
+                                  "--global-batch-size", "32", "--device-type", "cpu", *flags])
 
 
 def vemesh_plan(args: list[str]) -> dict[str, Any]:
@@ -232,7 +232,7 @@ def compare(name: str, launch: Callable[..., tuple[int, str, str]] = torchrun,
         factory, parallelize = (f if ":" in f else f"{JOBS}:{f}" for f in (factory, parallelize))
         functions = ["--model", f"module:{factory}", "--parallelize", parallelize,
                      *(["--step", f"{jobs}:step"] if "--step" not in flags else []), "--global-batch-size", "8"]
-        plan_args = [*functions, "--world-size", str(procs), *flags]
+        plan_args = [*functions, "--world-size", str(procs), "--device-type", "cpu", *flags]  # the run's device
         with tempfile.TemporaryDirectory() as workdir:
             run, load = measured(procs, [*functions, *flags], workdir, ROOT / "bench" / "plan_user_run.py", launch)
         planned = plan(plan_args)

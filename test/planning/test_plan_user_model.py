@@ -206,8 +206,9 @@ def test_the_python_api_answers_what_the_cli_prints(capsys, monkeypatch) -> None
 def test_a_search_with_the_pipelines_loss_plans_pp_meshes_as_a_plan_of_each_does() -> None:
     """With ``--loss`` a search over the user's functions tries PP too (up to the blocks), each PP mesh traced through
     torch's schedule as ``--pp`` plans it: the same peak and bytes per PP rank. Without ``--loss``, no PP mesh."""
+    # on cpu: on cuda torch's foreach AdamW refuses this function's TP mesh, whose norms stay plain tensors
     fns = dict(parallelize=f"{JOBS}:parallelize_any", step=f"{JOBS}:step_any", world_size=2, global_batch_size=4,
-               device_memory="1GiB")
+               device_memory="1GiB", device_type="cpu")
     search = plan(f"module:{JOBS}:make_dense", loss=f"{JOBS}:loss_fn", **fns)
     tried = {(f["degrees"]["PP"], f["degrees"]["TP"]) for f in (*search["fits"], *search["rejected"])}
     assert tried == {(1, 1), (1, 2), (2, 1)} and not search["rejected"], search["rejected"]

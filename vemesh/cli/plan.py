@@ -45,7 +45,9 @@ def add_plan(commands: Any) -> argparse.ArgumentParser:
                       help="split DP into dp_replicate x dp_shard for HSDP (torchtitan's layout) and list the "
                       "flattens to make (default: 1, no split)")
     plan.add_argument("--device-type", choices=VALID_DEVICE_TYPES, default="cuda",
-                      help="device type written into the call (default: cuda)")
+                      help="the device the job runs on: written into the call, and without --device-profile the "
+                      "optimizer is planned as torch runs it there (cpu: a loop over tensors; else foreach) "
+                      "(default: cuda)")
     add_job_arguments(plan, positive)
     plan.set_defaults(run=run_plan)
     return plan

@@ -96,7 +96,10 @@ def answer(request: PlanRequest) -> Answer:
         raise ValueError("a plan of memory and bytes needs a model (--model gpt:... or module:MODULE:FACTORY)")
     job, memory = request.job(), request.memory()
     profile = load_profile(request.device_profile) if request.device_profile is not None else None
-    if profile is not None and profile.queued:  # a GPU: its optimizer's ops as torch runs it there
+    # a GPU (a queued profile's; without one, any --device-type but cpu): its optimizer as torch runs it there, foreach
+    # over whole tensors, whose temporaries a CPU's per-tensor loop never holds at once (a memory-only plan of a cuda
+    # job planned the CPU's: 12.4 GiB for 13.9 under vemesh DDP, docs/planning.md)
+    if profile.queued if profile is not None else request.device_type != "cpu":
         job = replace(job, device="cuda")
     if request.searches:
         per_host = request.devices_per_host or (profile.devices_per_host if profile is not None else None)

@@ -251,8 +251,8 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--dp-mode", choices=("ddp", "zero1", "fsdp"),
                      help="vemesh DDP + AdamW, + the ZeRO-1 DistributedOptimizer, or torch's FSDP2 (default: zero1)")
     job.add_argument("--micro-batch-size", type=positive, metavar="N",
-                     help="sequences per forward on a DP rank (default: the whole share, or 2 x PP micro-batches with "
-                     "PP; 1 when searching)")
+                     help="sequences per forward on a DP rank (default: the whole share; with PP 2 x PP micro-batches "
+                     "where they divide it, else the fewest of at least PP; 1 when searching)")
     job.add_argument("--pp-schedule", metavar="NAME", help="torch's pipeline schedule: gpipe, 1f1b, interleaved-1f1b, "
                      "interleaved-zb, zbv or dualpipev (default: 1f1b)")
     job.add_argument("--loss", metavar="MODULE:FUNCTION", help="with --pp and your functions: loss_fn(output, target), "

@@ -60,6 +60,8 @@ class PlanRequest:
     ep: int = 1
     dp_replicate: int = 1
     devices_per_host: int | None = None
+    #: where the job runs: the ``init_device_mesh`` call's device, and without a profile how the optimizer is planned
+    #: (``cpu``: torch's loop over tensors; any other: foreach over whole tensors, as on CUDA)
     device_type: str = "cuda"
     # the job
     global_batch_size: int | None = None

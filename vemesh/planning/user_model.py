@@ -328,15 +328,20 @@ def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, in
 
 
 def batch_split(global_batch_size: int, dp: int, micro_batch_size: int | None, pp: int) -> tuple[int, int]:
-    """The sequences per DP rank and the micro-batch (default the DP rank's batch; with PP 2 x PP micro-batches),
-    or a ``ValueError`` that names the value and the ones that would do."""
+    """The sequences per DP rank and the micro-batch (default the DP rank's batch; with PP 2 x PP micro-batches where
+    they divide it, else the fewest of at least PP, as torch's 1F1B needs), or a ``ValueError`` that names the value
+    and the ones that would do."""
     if global_batch_size % dp:
         near = sorted({max(dp, global_batch_size // dp * dp), -(-global_batch_size // dp) * dp})
         raise ValueError(f"DP {dp} does not divide the global batch of {global_batch_size} sequences: choose a "
                          f"--global-batch-size that is a multiple of {dp} (the nearest: "
                          f"{', '.join(map(str, near))}), or a mesh whose DP divides {global_batch_size}")
     per_dp = global_batch_size // dp
-    mbs = micro_batch_size or (per_dp // (2 * pp) if pp > 1 and per_dp % (2 * pp) == 0 else per_dp)
+    if micro_batch_size or pp == 1:
+        mbs = micro_batch_size or per_dp
+    else:
+        mbs = per_dp // (2 * pp) if per_dp % (2 * pp) == 0 else \
+            max((d for d in divisors(per_dp) if per_dp // d >= pp), default=per_dp)
     if per_dp % mbs:
         choices = listed(divisors(per_dp), 64)
         raise ValueError(f"a micro-batch of {mbs} sequences does not divide the {per_dp} sequences per DP rank "
