@@ -100,3 +100,15 @@ def test_a_pipelines_default_micro_batch_gives_torchs_schedule_enough_micro_batc
     out = plan(PlanRequest(model="gpt:n_layer=4,n_embd=16,n_head=2,vocab=64,seq_len=8", world_size=4, pp=4,
                            global_batch_size=6))
     assert (out["micro_batches"], out["micro_batch_size"]) == (6, 1), {k: out[k] for k in out if "micro" in k}
+
+
+def test_a_search_rejects_a_pp_mesh_with_too_few_micro_batches_in_the_planners_words() -> None:
+    """A search's PP meshes (estimated) ask torch's schedule as a traced ``--pp`` plan does, and a mesh it refuses is
+    rejected naming the fix; before, the rejection was torch's own "Number of microbatches (2) must be ..."."""
+    out = plan(PlanRequest(model="gpt:n_layer=16,n_embd=16,n_head=2,vocab=64,seq_len=8", world_size=16,
+                           device_memory="80GiB", global_batch_size=8))
+    reasons = {r["degrees"]["PP"]: r["reason"] for r in out["rejected"] if r["degrees"]["PP"] > 1}
+    assert reasons[4] == ("PP 4 under 1f1b: 2 micro-batches of 1 per DP rank (2 sequences), which torch's schedule "
+                          "refuses (Number of microbatches (2) must be greater than or equal to the number of stages "
+                          "(4).): give a --global-batch-size of more sequences per DP rank, or fewer PP ranks"), reasons
+    assert set(reasons) == {2, 4, 8, 16}, reasons

@@ -117,7 +117,7 @@ CLI = [
     # torch's own words alone said neither flag ("Number of microbatches (2) must be greater than or equal to ...")
     ("plan-too-few-micro-batches", ["plan", "--world-size", "4", "--pp", "4", "--model", "gpt:n_layer=4,n_embd=8,n_head=2",
                                     "--global-batch-size", "6", "--micro-batch-size", "3"],
-     "--pp 4 under 1f1b: 2 micro-batches of 3 per DP rank (6 sequences), which torch's schedule refuses (Number of "
+     "PP 4 under 1f1b: 2 micro-batches of 3 per DP rank (6 sequences), which torch's schedule refuses (Number of "
      "microbatches (2) must be greater than or equal to the number of stages (4).): choose --micro-batch-size from 1"),
     ("plan-too-few-sequences", ["plan", "--world-size", "4", "--pp", "4", "--model", "gpt:n_layer=4,n_embd=8,n_head=2",
                                 "--global-batch-size", "2"], "1 micro-batch of 2 per DP rank (2 sequences), which "

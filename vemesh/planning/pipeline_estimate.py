@@ -19,6 +19,7 @@ from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE, plan_buckets
 from vemesh.parallel.schedules import in_flight, stage_indices, stages_per_rank
 from vemesh.planning.activations import Trace, add_ops, trace_stage
 from vemesh.planning.estimate import Model, fsdp_local, local_numel, rank_shards, rank_static, stage_keys
+from vemesh.planning.pipeline_order import check_micro_batches
 from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.user_model import batch_split
 from vemesh.planning.wrapper_costs import wrapper_costs
@@ -46,6 +47,7 @@ def estimate_pipeline(job: Any, model: Model, *, dp: int, tp: int, pp: int, cp: 
         raise ValueError(f"CP {cp}{' x TP ' + str(tp) if job.sequence_parallel else ''} does not divide seq_len "
                          f"{cfg['block_size']}")
     per_dp, mbs = batch_split(job.global_batch_size, dp, job.micro_batch_size, pp)
+    check_micro_batches(job.pp_schedule, pp, per_dp, mbs)
     passes = per_dp // mbs
     grad_dim = ParallelDims(pp * dp * cp * tp, pp=pp, dp_shard=dp, cp=cp, tp=tp).grad_dim or "DP"  # the one rule
     width = 2 if job.dtype == "bf16" else 4

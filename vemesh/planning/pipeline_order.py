@@ -1,15 +1,17 @@
 """What torch's action list of a schedule says about each backward of a PP rank's stages, for
 :mod:`vemesh.planning.pipeline_replay`: the action its stage runs just before it, whether an earlier backward of the
 stage came first in the step, and whether the rank's gradients may change between a micro-batch's forward and its
-backward (another of the rank's stages starting or ending its backwards in between)."""
+backward (another of the rank's stages starting or ending its backwards in between); and whether the schedule takes
+the micro-batches at all."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from vemesh.layout.names import divisors, listed
 from vemesh.parallel.schedules import actions
 
-__all__ = ["backward_contexts", "gradients_may_change"]
+__all__ = ["backward_contexts", "check_micro_batches", "gradients_may_change"]
 
 
 def _compute(schedule: str, pp: int, pp_rank: int, n_microbatches: int) -> list[tuple[str, int, int]]:
@@ -59,3 +61,25 @@ def gradients_may_change(schedule: str, pp: int, pp_rank: int, n_microbatches: i
                 i < k < j for other in firsts if other != stage for k in (firsts[other], lasts[other])):
             out.add((stage, mb))
     return out
+
+
+def check_micro_batches(schedule: str, pp: int, per_dp: int, mbs: int) -> None:
+    """A ``ValueError`` naming the flags where torch's schedule refuses ``per_dp / mbs`` micro-batches over ``pp``
+    ranks (1F1B needs at least as many as stages), before any stage is built: its own rule, from its action list.
+    A traced pipeline and a search's estimate of one both ask it."""
+    def refusal(n: int) -> str | None:
+        try:
+            actions(schedule, pp, n)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    why = refusal(per_dp // mbs)
+    if why is None:
+        return
+    ok = [d for d in divisors(per_dp) if refusal(per_dp // d) is None]
+    fix = (f"choose --micro-batch-size from {listed(ok, 64)}" if ok else
+           "give a --global-batch-size of more sequences per DP rank, or fewer PP ranks")
+    n = per_dp // mbs
+    raise ValueError(f"PP {pp} under {schedule}: {n} micro-batch{'es' * (n != 1)} of {mbs} per DP rank ({per_dp} "
+                     f"sequence{'s' * (per_dp != 1)}), which torch's schedule refuses ({why.strip()}): {fix}")

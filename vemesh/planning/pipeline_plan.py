@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from vemesh.layout.names import divisors, listed
-from vemesh.parallel.schedules import MULTI_STAGE, actions, stage_indices, stages_per_rank
+from vemesh.parallel.schedules import MULTI_STAGE, stage_indices, stages_per_rank
 from vemesh.planning.estimate import RankMemory
+from vemesh.planning.pipeline_order import check_micro_batches
 from vemesh.planning.pipeline_replay import REPLAYED_SCHEDULES
 from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
@@ -98,7 +98,7 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
     """
     kwargs = trace_arguments(**job)
     degrees, pp, m = kwargs["degrees"], kwargs["degrees"]["PP"], kwargs["passes"]
-    _check_micro_batches(fns.pp_schedule, pp, m * kwargs["micro_batch_size"], kwargs["micro_batch_size"])
+    check_micro_batches(fns.pp_schedule, pp, m * kwargs["micro_batch_size"], kwargs["micro_batch_size"])
     if fns.loss is None:
         raise ValueError("with PP the planner runs torch's pipeline schedule, which computes the loss on the last "
                          "stage: give --loss MODULE:FUNCTION (loss_fn(output, target), as the schedule takes it)")
@@ -141,27 +141,6 @@ def predict_pipeline(fns: UserFunctions, **job: Any) -> MeshFit:
                                  c.memory_bytes, c.optimizer_bytes, c.ops, c.dtensor_ops, c.by_op, c.counts))
     return MeshFit(dict(degrees), classes, m, kwargs["micro_batch_size"], notes=tuple(dict.fromkeys(notes)),
                    dp_mode=counted[0].dp_mode, pp_schedule=fns.pp_schedule)
-
-
-def _check_micro_batches(schedule: str, pp: int, per_dp: int, mbs: int) -> None:
-    """A ``ValueError`` naming the flags where torch's schedule refuses ``per_dp / mbs`` micro-batches over ``pp``
-    ranks (1F1B needs at least as many as stages), before any stage is built: its own rule, from its action list."""
-    def refusal(n: int) -> str | None:
-        try:
-            actions(schedule, pp, n)
-        except ValueError as e:
-            return str(e)
-        return None
-
-    why = refusal(per_dp // mbs)
-    if why is None:
-        return
-    ok = [d for d in divisors(per_dp) if refusal(per_dp // d) is None]
-    fix = (f"choose --micro-batch-size from {listed(ok, 64)}" if ok else
-           "give a --global-batch-size of more sequences per DP rank, or fewer PP ranks")
-    n = per_dp // mbs
-    raise ValueError(f"--pp {pp} under {schedule}: {n} micro-batch{'es' * (n != 1)} of {mbs} per DP rank ({per_dp} "
-                     f"sequences), which torch's schedule refuses ({why.strip()}): {fix}")
 
 
 def _micro_batches(fns: UserFunctions, kwargs: dict[str, Any], notes: list[str]) -> dict[int, Counted]:
