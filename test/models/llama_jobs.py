@@ -218,3 +218,15 @@ def step_any(model_or_schedule, batch_size: int):
 
 
 loss_fn = llama.loss_fn
+
+
+def step_amp(model: nn.Module, micro_batch_size: int, device_type: str = "cuda") -> torch.Tensor:
+    """:func:`step` under torch's automatic mixed precision, as a CUDA training loop writes it: the forward and the
+    loss in ``torch.autocast(device_type, dtype=torch.bfloat16)``, the parameters staying fp32."""
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        return step(model, micro_batch_size)
+
+
+def step_amp_cpu(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """:func:`step_amp` with CPU autocast."""
+    return step_amp(model, micro_batch_size, "cpu")

@@ -161,6 +161,18 @@ def test_each_stage_action_is_a_phase_and_the_micro_batch_difference_drops_their
     assert collapse_actions(phases) == {"step F1 blocks": (7, {}), "step B1": (6, {}), "optimizer": (3, {})}
 
 
+def test_a_step_under_cuda_autocast_is_planned_in_its_low_precision_for_cuda() -> None:
+    """A step in ``torch.autocast("cuda", dtype=torch.bfloat16)``, as CUDA training loops write it: the trace's fake
+    CPU tensors made torch disable it, and the plan held fp32 activations where the run holds bf16 ones. For cuda it
+    is now CPU autocast of the same dtype (the plan of the same step under ``autocast("cpu")``); for cpu, torch's
+    own behaviour (disabled, the fp32 step's plan)."""
+    job = dict(parallelize=f"{JOBS}:parallelize_ddp", world_size=2, global_batch_size=4)
+    peak = {(s, d): plan(f"module:{JOBS}:make_dense", **job, step=f"{JOBS}:{s}", device_type=d)["classes"][0]["activations"]
+            for s, d in (("step", "cuda"), ("step_amp", "cuda"), ("step_amp_cpu", "cuda"), ("step_amp", "cpu"))}
+    assert peak["step_amp", "cuda"] == peak["step_amp_cpu", "cuda"] < peak["step", "cuda"], peak
+    assert peak["step_amp", "cpu"] == peak["step", "cuda"], peak
+
+
 def test_what_the_function_did_is_counted(capsys) -> None:
     """FSDP2 + TP: each rank holds a quarter of the weights (DP 2 x TP 2); DDP + TP holds half, and ZeRO-1 a copy."""
     docs = {}

@@ -4,19 +4,21 @@ of a plan, and each call's failure worded as one line that names the function an
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
-__all__ = ["CONTRACTS", "UserFunctions", "call", "known_cause", "resolve", "unbindable", "user_frame"]
+__all__ = ["CONTRACTS", "UserFunctions", "autocast_on", "call", "known_cause", "resolve", "unbindable", "user_frame"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
 CONTRACTS = {
@@ -156,3 +158,28 @@ def call(what: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}{known_cause(e)}") from e
     except Exception as e:
         raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}{known_cause(e)}") from e
+
+
+@contextlib.contextmanager
+def autocast_on(device: str) -> Iterator[None]:
+    """Inside, the user's ``torch.autocast("cuda", ...)`` (and ``torch.cuda.amp.autocast``) is CPU autocast of the
+    same dtype when the plan is for ``device`` "cuda": the trace's tensors are fake CPU ones, on which torch disables
+    CUDA autocast (CUDA is not available) and the step ran in fp32, twice the activations of the run it plans. CPU
+    autocast's op lists stand in for CUDA's: matmuls, linear and attention in the low precision, softmax, norms and
+    losses in fp32 on both. For any other device the user's autocast is left as torch runs it."""
+    if device != "cuda":
+        yield
+        return
+    cls = torch.amp.autocast_mode.autocast
+    original = cls.__init__
+
+    def on_cpu(self: Any, device_type: str, dtype: Any = None, *args: Any, **kwargs: Any) -> None:
+        if device_type == "cuda":
+            device_type, dtype = "cpu", dtype or torch.get_autocast_dtype("cuda")
+        original(self, device_type, dtype, *args, **kwargs)
+
+    cls.__init__ = on_cpu
+    try:
+        yield
+    finally:
+        cls.__init__ = original

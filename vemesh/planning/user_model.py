@@ -52,7 +52,7 @@ from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, mo
 from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
-from vemesh.planning.user_code import UserFunctions, call
+from vemesh.planning.user_code import UserFunctions, autocast_on, call
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
 
 __all__ = ["predict_user", "stage_signatures", "trace_arguments", "trace_user", "user_notes"]
@@ -168,7 +168,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     with _rank_model(fns, blocks, world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, pp_rank=pp_rank,
                      dtype=dtype, load_factor=load_factor) as (mesh, routed, box):
         model = box.pop()  # the caller's alone: a stage cut from it drops the rest
-        with chunks_on_demand(), local_shards(), tracker, contextlib.ExitStack() as held_sends:
+        with chunks_on_demand(), local_shards(), autocast_on(device), tracker, contextlib.ExitStack() as held_sends:
             stack = model.get_submodule(blocks[0]) if blocks is not None and pp == 1 else None
             kind = (blocks[0], type(next(model.get_submodule(blocks[0]).children()))) \
                 if blocks is not None and cut_at_blocks else None  # no module held
