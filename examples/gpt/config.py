@@ -85,6 +85,8 @@ class TrainConfig(BaseModel):
     sequence_parallel: bool = Field(False, description="shard activations along the sequence between TP regions")
     activation_checkpointing: bool = Field(False, description="keep only each block's input for backward and "
                                            "recompute the block there (torch.utils.checkpoint)")
+    compile: bool = Field(False, description="torch.compile each block in place (fullgraph; with CP, a graph "
+                          "break at the attention, whose ring runs eagerly), before FSDP2 or DDP wrap it")
     timeout_s: float = Field(600.0, gt=0, description="seconds a rank waits for the others, at start-up and in every collective")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available, else cpu (resolved here)")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="parameter and activation dtype")

@@ -193,7 +193,8 @@ def build_model(job: Job) -> None:
     wrap = dict(data_parallel="fsdp", mp_policy=MixedPrecisionPolicy(param_dtype=job.dtype, reduce_dtype=torch.float32)) \
         if cfg.fsdp else dict(data_parallel="ddp", overlap_grad_reduce=cfg.overlap_grad_reduce, replicas=job.replicas)
     job.chunks = [parallelize(p, VESCALE_DEVICE_MESH, sequence_parallel=cfg.sequence_parallel,
-                              activation_checkpointing=cfg.activation_checkpointing, **wrap) for p in job.parts]
+                              activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, **wrap)
+                  for p in job.parts]
     job.model = job.chunks[0] if dims.pp == 1 else job.chunks
     if cfg.fsdp and dims.tp > 1:  # the logits are TP's all-gathered output, which torch hands back as a view of it;
         # FSDP2's root warns that an in-place op on such a view would skip its hook. loss_fn and the sampler only read
@@ -203,7 +204,8 @@ def build_model(job: Job) -> None:
            f"n_embd={cfg.n_embd} seq_len={cfg.seq_len} dtype={cfg.dtype}"
            + (f" moe_experts={cfg.moe_experts} top_k={cfg.moe_top_k}" if cfg.moe_experts else "")
            + (" sequence-parallel" if cfg.sequence_parallel and dims.tp > 1 else "")
-           + (" activation-checkpointing" if cfg.activation_checkpointing else ""))
+           + (" activation-checkpointing" if cfg.activation_checkpointing else "")
+           + (" compiled" if cfg.compile else ""))
     if dims.pp > 1:  # every rank's place in the pipeline, found through the mesh, printed by rank 0
         lines = [None] * dist.get_world_size()
         dist.all_gather_object(lines, layout_line(stages, cfg.pp_schedule))

@@ -51,13 +51,16 @@ def assert_same_curve(run, ref, after: int = 0) -> None:
         # CP with DP and TP, ZeRO-1 over dp_cp; sequence parallelism cuts each CP rank's part again over TP
         (32, 8, ["--mesh-dims", "DP,CP,TP", "--mesh-shape", "2,2,2", "--sequence-parallel"]),
         (256, 4, ["--mesh-dims", "CP", "--mesh-shape", "4"]),  # CP alone, head-tail load balanced
+        # compiled blocks: the ring runs eagerly, a graph break at each attention (dynamo crashed inside it before)
+        (32, 2, ["--mesh-dims", "CP", "--mesh-shape", "2", "--compile"]),
     ],
-    ids=["dp2-cp2-tp2-sp", "cp4-seq256"],
+    ids=["dp2-cp2-tp2-sp", "cp4-seq256", "cp2-compiled"],
 )
 def test_context_parallel_matches_one_process(single, tmp_path, seq_len, nproc, args):
     run = run_train(tiny(seq_len) + args, tmp_path, nproc=nproc)
     assert "context parallel: CP=" in run.stdout and "ring attention" in run.stdout, run.describe()
     assert ("sequence-parallel" in run.stdout) == ("--sequence-parallel" in args), run.describe()
+    assert (" compiled" in run.stdout) == ("--compile" in args), run.describe()
     assert_same_curve(run, single[seq_len])
 
 

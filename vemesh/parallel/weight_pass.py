@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -49,7 +50,10 @@ def watch_weight_passes(module: nn.Module) -> None:
         if len(names) == len(params):  # FSDP2 keeps each unsharded tensor from its first all-gather on: done
             handle.pop().remove()
 
-    handle.append(module.register_forward_hook(arm))
+    # run eagerly, as FSDP2's own hooks are, where the module is compiled (``block.compile(fullgraph=True)``,
+    # torchtitan's habit): dynamo cannot trace a hook that registers hooks and removes its own handle
+    handle.append(module.register_forward_hook(torch._dynamo.disable(arm, recursive=True,
+                                                                     reason="vemesh's FSDP2 weight-pass watch")))
     _WATCHED.append((weakref.ref(module), seen, names))
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_refuse))

@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 
 from vemesh import VESCALE_DEVICE_MESH
 from vemesh.ddp import DistributedDataParallel
+from vemesh.models.gpt.model import MoE
 from vemesh.parallel import ExpertParallel, fully_shard
 
 
@@ -137,14 +138,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
 
 
 def parallelize(model: nn.Module, mesh: Any = None, *, data_parallel: str = "ddp", sequence_parallel: bool = False,
-                activation_checkpointing: bool = False, mp_policy: Any = None, **ddp_options: Any) -> nn.Module:
+                activation_checkpointing: bool = False, compile: bool = False, mp_policy: Any = None,
+                **ddp_options: Any) -> nn.Module:
     """Apply every parallelism of the mesh (as :class:`~vemesh.parallel.ParallelDims` builds it) to ``model``, in order.
 
     1. **TP** over ``mesh["TP"]`` (:func:`apply_tp`), with sequence parallelism if asked;
     2. **CP**: nothing to change in the model (its positions are a buffer, its attention torch's SDPA):
        the training step runs inside ``vemesh.parallel.context_parallel(mesh["CP"], buffers=[x, y, model.pos])``;
     3. **EP**: each MoE's grouped experts over ``mesh["EP"]`` (``ExpertParallel``);
-    4. **activation checkpointing** of every block;
+    4. **activation checkpointing** of every block; with ``compile``, every block compiled in place
+       (``block.compile(fullgraph=True)``, torchtitan's per-block compile), before FSDP2 or DDP wrap it; with CP
+       without ``fullgraph``: the CP ring runs eagerly, a graph break at the attention;
     5. **FSDP2** (``data_parallel="fsdp"``: ``vemesh.parallel.fully_shard`` per block, then the root; experts on
        EDP) or **DDP** (``"ddp"``: vemesh's DDP with no group, so over the mesh's data dims, experts over EDP;
        ``ddp_options`` go to it, e.g. ``replicas=``), or nothing (``"none"``).
@@ -165,6 +169,9 @@ def parallelize(model: nn.Module, mesh: Any = None, *, data_parallel: str = "ddp
         for moe in [m for m in model.modules() if hasattr(m, "router") and hasattr(m, "experts")]:
             parallelize_module(moe.experts, mesh["EP"], ExpertParallel())
     model.checkpoint_blocks = activation_checkpointing
+    if compile:  # whole graphs, but where the CP ring runs eagerly, or a MoE's routing sizes its tensors by the data
+        for block in model.h.values():
+            block.compile(fullgraph=mesh.get_strategy_size("CP") == 1 and not isinstance(block.mlp, MoE))
     if data_parallel == "fsdp":
         options = {} if mp_policy is None else {"mp_policy": mp_policy}
         for block in model.h.values():

@@ -86,6 +86,9 @@ class _Owed:
     done = False
 
 
+# a compiled model runs the ring eagerly: dynamo cannot trace torch's templated ring (it fails inside, with or
+# without fullgraph), so each attention is a graph break, which fullgraph=True refuses with this reason
+@torch._dynamo.disable(recursive=True, reason="vemesh's context_parallel runs its ring eagerly: under CP, compile without fullgraph=True (a graph break at each attention)")
 def _ring_sdpa(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
     """One SDPA call of the model, as this rank's rows of causal attention over the CP ring."""
     q, k, v = given["query"], given["key"], given["value"]
