@@ -174,9 +174,12 @@ def test_a_step_under_cuda_autocast_is_planned_in_its_low_precision_for_cuda() -
 
 
 def test_what_the_function_did_is_counted(capsys) -> None:
-    """FSDP2 + TP: each rank holds a quarter of the weights (DP 2 x TP 2); DDP + TP holds half, and ZeRO-1 a copy."""
+    """FSDP2 + TP: each rank holds a quarter of the weights (DP 2 x TP 2); DDP + TP holds half, and ZeRO-1 a copy.
+    The same FSDP2 function with each block compiled whole first (torchtitan's habit; dynamo failed on the trace's
+    fake tensors) is traced eagerly: the same plan, and a note that says so."""
     docs = {}
-    for name, parallelize in (("fsdp", "parallelize_fsdp"), ("ddp", "parallelize_ddp")):
+    for name, parallelize in (("fsdp", "parallelize_fsdp"), ("ddp", "parallelize_ddp"),
+                              ("compiled", "parallelize_fsdp_compiled")):
         code, out, err = _cli(capsys, "--model", f"module:{JOBS}:make_dense", "--parallelize", f"{JOBS}:{parallelize}",
                               "--step", f"{JOBS}:step", "--world-size", "4", "--tp", "2", "--global-batch-size", "4",
                               "--json")
@@ -191,6 +194,10 @@ def test_what_the_function_did_is_counted(capsys) -> None:
     # under TP the DDP parameters are DTensor halves (the embeddings and the head replicated), and ZeRO-1 keeps a copy
     assert full / 2 < ddp["params"] < 2 * full
     assert set(fsdp["bytes_per_step"]) == {"DP", "TP"} and set(docs["fsdp"]["how"]) >= {"activations", "not seen"}
+    compiled = [n for n in docs["compiled"]["notes"] if "torch.compile" in n]
+    assert docs["compiled"]["classes"] == docs["fsdp"]["classes"] and not any("torch.compile" in n for n in
+                                                                              docs["fsdp"]["notes"])
+    assert len(compiled) == 1 and "'layers.0'" in compiled[0] and "ran them eagerly" in compiled[0], compiled
 
 
 @pytest.mark.slow

@@ -146,7 +146,7 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
     result.random_ops = ref["random_ops"] + [op for r in ranks for op in r["random_ops"]]
     started = time.monotonic()
     if ranks:
-        result.broken_ties = ranks[0]["broken"]
+        result.broken_ties, result.compiled = ranks[0]["broken"], ranks[0]["compiled"]
         compare(result, ref, ranks, tol)
         result.tp_whole_model = spec.degrees["TP"] > 1 and not any(r["on_tp"] for r in ranks) and all(
             g is None or ref["grads"].get(n) is None or g.shape == ref["grads"][n].shape  # none sliced by hand

@@ -49,6 +49,8 @@ class CheckResult:
     #: parallelize function applied no TP, so each TP rank ran the whole model and the check compared DP alone
     tp_whole_model: bool = False
     dropouts: int = 0
+    #: the first module the user's functions compiled (torch.compile): both runs ran it eagerly
+    compiled: str | None = None
     random_ops: list[tuple[str, str]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -110,6 +112,9 @@ class CheckResult:
             lines += [f"    {name}: {diff:.3g}" for name, diff in self.gradients[:12]]
             if len(self.gradients) > 12:
                 lines.append(f"    and {len(self.gradients) - 12} more")
+        if self.compiled:
+            lines.append(f"  compiled: your functions compiled modules with torch.compile (the first: {self.compiled!r}); "
+                         "both runs ran them eagerly, so this checked the parallelization, not inductor's code")
         if self.dropouts:
             lines.append(f"  dropout: {self.dropouts} calls drew nothing in either run (p taken as 0)")
         if self.seconds:

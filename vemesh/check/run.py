@@ -33,7 +33,7 @@ from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel.tp_replicas import TPReplicaError
 from vemesh.planning.fake_world import _forget_meshes
-from vemesh.planning.user_code import UserFunctions, known_cause, unbindable, user_frame
+from vemesh.planning.user_code import UserFunctions, compiled_module, known_cause, unbindable, user_frame
 
 __all__ = ["SEED", "Spec", "Timeout", "UserError", "dims", "errors", "functions", "reference", "run_parallel"]
 
@@ -144,7 +144,7 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
     outputs, dropouts, random_ops = [], 0, []
     for d in range(dp):
         torch.manual_seed(SEED + 1 + d)
-        with Recorder(model) as rec, Deterministic(rec) as det:
+        with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det:
             _call("--step", names[2], step, model, spec.micro_batch_size)
         outputs.append(rec.outputs)
         dropouts += det.dropouts
@@ -204,7 +204,9 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         data_rank = mesh.get_local_rank("DP") if mesh.layout.has("DP") else 0
         marks["parallelized"] = time.time()
         torch.manual_seed(SEED + 1 + data_rank)
-        with Recorder(model) as rec, Deterministic(rec) as det:
+        # what the user's functions compiled runs eagerly in both runs (its recording hooks are not for dynamo to
+        # trace): the check is of the parallelization, not of inductor's code
+        with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det:
             outputs = rec.outputs
             try:
                 _call("--step", names[2], step, model, spec.micro_batch_size)
@@ -220,7 +222,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
                     "broken": broken, "split": split, "went": went, "dropouts": det.dropouts,
                     "data_parallel": data_parallel(model), "on_tp": on_tp(model),
-                    "random_ops": det.random_ops, "marks": marks},
+                    "random_ops": det.random_ops, "marks": marks, "compiled": compiled_module([model])},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()

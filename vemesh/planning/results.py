@@ -93,6 +93,7 @@ class Counted:
     counts: dict[str, int] = field(default_factory=dict)  #: :class:`vemesh.planning.fusion.Fusion`'s counts
     #: the model's largest kind of buffer: ``(name, bytes of one)`` (:class:`~vemesh.planning.fake_world.Held`)
     largest_buffer: tuple[str, int] | None = None
+    compiled: str | None = None  #: the first module the user's functions compiled (:func:`user_code.compiled_module`)
 
     @property
     def weights(self) -> int:
@@ -108,6 +109,14 @@ class Counted:
         name, size = self.largest_buffer
         return (f"the params column includes the model's own buffers, {_mib(held)} a rank, which TP, FSDP2 and ZeRO-1 "
                 f"leave whole; the largest: {name}, {_mib(size)} each")
+
+    def compiled_note(self) -> str | None:
+        """Said where the user's functions compiled modules: the trace ran them eagerly."""
+        if self.compiled is None:
+            return None
+        return (f"your functions compiled modules with torch.compile (the first: {self.compiled!r}); the trace ran them "
+                "eagerly, as it runs every step: the peak is eager's (inductor's recomputation is not modelled), and "
+                "--compile with --device-profile times what inductor fuses")
 
     @classmethod
     def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:

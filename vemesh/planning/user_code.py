@@ -18,7 +18,8 @@ from torch import nn
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
-__all__ = ["CONTRACTS", "UserFunctions", "autocast_on", "call", "known_cause", "resolve", "unbindable", "user_frame"]
+__all__ = ["CONTRACTS", "UserFunctions", "as_traced", "call", "compiled_module", "known_cause", "resolve", "unbindable",
+           "user_frame"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
 CONTRACTS = {
@@ -160,16 +161,30 @@ def call(what: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {e}{known_cause(e)}") from e
 
 
+def compiled_module(parts: list[nn.Module]) -> str | None:
+    """The name of the first module in ``parts`` that the user's functions compiled (``torch.compile(module)``,
+    ``module.compile()``: torchtitan's parallelize compiles each block), else None."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for part in parts:
+        for name, module in part.named_modules():
+            if isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None:
+                return name or type(module).__name__
+    return None
+
+
 @contextlib.contextmanager
-def autocast_on(device: str) -> Iterator[None]:
-    """Inside, the user's ``torch.autocast("cuda", ...)`` (and ``torch.cuda.amp.autocast``) is CPU autocast of the
-    same dtype when the plan is for ``device`` "cuda": the trace's tensors are fake CPU ones, on which torch disables
-    CUDA autocast (CUDA is not available) and the step ran in fp32, twice the activations of the run it plans. CPU
-    autocast's op lists stand in for CUDA's: matmuls, linear and attention in the low precision, softmax, norms and
-    losses in fp32 on both. For any other device the user's autocast is left as torch runs it."""
-    if device != "cuda":
-        yield
-        return
+def as_traced(device: str) -> Iterator[None]:
+    """The user's code as the trace runs it:
+
+    * what the user's functions compiled runs eagerly (``torch.compiler.set_stance("force_eager")``): dynamo would
+      compile it on the trace's fake tensors under the planner's modes, and fail there, and the trace is of the eager
+      step (``--compile`` times inductor's fusion on it);
+    * for ``device`` "cuda", the user's ``torch.autocast("cuda", ...)`` (and ``torch.cuda.amp.autocast``) is CPU
+      autocast of the same dtype: the trace's tensors are fake CPU ones, on which torch disables CUDA autocast (CUDA
+      is not available) and the step ran in fp32, twice the activations of the run it plans. CPU autocast's op lists
+      stand in for CUDA's: matmuls, linear and attention in the low precision, softmax, norms and losses in fp32 on
+      both. For any other device the user's autocast is left as torch runs it."""
     cls = torch.amp.autocast_mode.autocast
     original = cls.__init__
 
@@ -178,8 +193,10 @@ def autocast_on(device: str) -> Iterator[None]:
             device_type, dtype = "cpu", dtype or torch.get_autocast_dtype("cuda")
         original(self, device_type, dtype, *args, **kwargs)
 
-    cls.__init__ = on_cpu
+    if device == "cuda":
+        cls.__init__ = on_cpu
     try:
-        yield
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         cls.__init__ = original

@@ -52,7 +52,7 @@ from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, mo
 from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
-from vemesh.planning.user_code import UserFunctions, autocast_on, call
+from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
 
 __all__ = ["predict_user", "stage_signatures", "trace_arguments", "trace_user", "user_notes"]
@@ -168,7 +168,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     with _rank_model(fns, blocks, world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, pp_rank=pp_rank,
                      dtype=dtype, load_factor=load_factor) as (mesh, routed, box):
         model = box.pop()  # the caller's alone: a stage cut from it drops the rest
-        with chunks_on_demand(), local_shards(), autocast_on(device), tracker, contextlib.ExitStack() as held_sends:
+        with chunks_on_demand(), local_shards(), as_traced(device), tracker, contextlib.ExitStack() as held_sends:
             stack = model.get_submodule(blocks[0]) if blocks is not None and pp == 1 else None
             kind = (blocks[0], type(next(model.get_submodule(blocks[0]).children()))) \
                 if blocks is not None and cut_at_blocks else None  # no module held
@@ -239,12 +239,13 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                     if (line := _unknown(counter, mesh)) is not None:
                         raise ValueError(line)
     phases = {}
-    for phase, (peak, kinds, parts) in tracker.phase_peaks.items():
-        held = dict(parts, optimizer=kinds.get("Optstate", 0))
+    for phase, (peak, kinds, categories) in tracker.phase_peaks.items():
+        held = dict(categories, optimizer=kinds.get("Optstate", 0))
         held["activations"] = peak - sum(held.values())
         phases[phase] = (peak, held)
     one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
-                                    *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer)
+                                    *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
+                  compiled=compiled_module(parts))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
                       flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
@@ -405,4 +406,4 @@ def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
         notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
     if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
         notes.append(_READ_MODES[counted.dp_mode])
-    return notes + [n for n in (counted.buffers_note(),) if n is not None]
+    return notes + [n for n in (counted.buffers_note(), counted.compiled_note()) if n is not None]

@@ -44,6 +44,16 @@ def test_nanogpt_shape_is_exact_under_tp_with_the_fused_style_and_the_tie_kept()
     assert result.largest < 1e-5
 
 
+def test_a_parallelize_that_compiles_its_blocks_is_checked_eagerly_and_says_so() -> None:
+    """torchtitan compiles each block (fullgraph) in its parallelize: the check's recording hooks inside a compiled
+    block made dynamo fail the parallel run (\"torch.* op returned non-Tensor\"); both runs now run it eagerly."""
+    jobs = ROOT / "test" / "models" / "llama_jobs.py"
+    result = check(f"module:{jobs}:make_dense", f"{jobs}:parallelize_fsdp_compiled", f"{jobs}:step", world_size=4,
+                   tp=2, micro_batch_size=1)
+    assert result.exact and result.compiled == "layers.0", result.render()
+    assert "both runs ran them eagerly" in result.render()
+
+
 # examples/my_model at DP 2 x TP 2 (it was 0.975 off at blocks.0.proj with torch's ColwiseParallel on qkv) is
 # docs/checking.md's own example: test/docs runs that command and checks its "exact" verdict.
 
