@@ -114,6 +114,10 @@ GPT_CONFIGS.update({
     "gpt256-dp2-cp2": ([*WIDER, "--mesh-dims", "DP,CP", "--mesh-shape", "2,2"], ["--cp", "2"]),
     "gpt256-pp2-dp2-1f1b": ([*WIDER, "--mesh-shape", "2,2,1", "--pp-schedule", "1f1b", "--microbatches", "4"],
                             ["--pp", "2", "--pp-schedule", "1f1b", "--micro-batch-size", "4"]),
+    # torch.compile of each block (the example's --compile; inductor's C++ kernels on this CPU) against the plan's
+    # --compile rule (vemesh.planning.fusion), beside the eager runs above
+    "gpt256-dp4-zero1-compiled": ([*WIDER, "--mesh-shape", "4,1", "--compile"], ["--dp-mode", "zero1", "--compile"]),
+    "gpt256-dp2-tp2-compiled": ([*WIDER, "--mesh-shape", "2,2", "--compile"], ["--tp", "2", "--compile"]),
     # PP x TP, which issue 51 found long (1.30 on another size): its stages' TP inside torch's schedule
     "gpt256-pp2-tp2-1f1b": ([*WIDER, "--mesh-shape", "2,1,2", "--pp-schedule", "1f1b", "--microbatches", "8"],
                             ["--pp", "2", "--tp", "2", "--pp-schedule", "1f1b", "--micro-batch-size", "4"]),
