@@ -147,8 +147,9 @@ def parallelize(model: nn.Module, mesh: Any = None, *, data_parallel: str = "ddp
        the training step runs inside ``vemesh.parallel.context_parallel(mesh["CP"], buffers=[x, y, model.pos])``;
     3. **EP**: each MoE's grouped experts over ``mesh["EP"]`` (``ExpertParallel``);
     4. **activation checkpointing** of every block; with ``compile``, every block compiled in place
-       (``block.compile(fullgraph=True)``, torchtitan's per-block compile), before FSDP2 or DDP wrap it; with CP
-       without ``fullgraph``: the CP ring runs eagerly, a graph break at the attention;
+       (``block.compile(fullgraph=True)``, torchtitan's per-block compile), before FSDP2 or DDP wrap it; without
+       ``fullgraph`` with CP (the ring runs eagerly: a graph break at each attention) and in MoE blocks (the
+       routing sizes tensors by the data);
     5. **FSDP2** (``data_parallel="fsdp"``: ``vemesh.parallel.fully_shard`` per block, then the root; experts on
        EDP) or **DDP** (``"ddp"``: vemesh's DDP with no group, so over the mesh's data dims, experts over EDP;
        ``ddp_options`` go to it, e.g. ``replicas=``), or nothing (``"none"``).
