@@ -104,16 +104,6 @@ def parallelize_fsdp(model: llama.Llama, mesh) -> nn.Module:
     return fully_shard(model)
 
 
-def parallelize_fsdp_compiled(model: llama.Llama, mesh) -> nn.Module:
-    """``parallelize_fsdp`` with each block compiled whole before FSDP2 shards it, as torchtitan's parallelize does
-    (``apply_compile``: ``fullgraph=True``)."""
-    _model_parallel(model, mesh, sequence_parallel=True, checkpointed=False)
-    for block in model.layers.values():
-        block.compile(fullgraph=True)
-        fully_shard(block)
-    return fully_shard(model)
-
-
 def parallelize_ddp(model: llama.Llama, mesh) -> nn.Module:
     """TP without sequence parallelism, EP, and vemesh DDP over the mesh's data dims (ZeRO-1 is the optimizer's)."""
     _model_parallel(model, mesh, sequence_parallel=False, checkpointed=False)
@@ -240,3 +230,13 @@ def step_amp(model: nn.Module, micro_batch_size: int, device_type: str = "cuda")
 def step_amp_cpu(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
     """:func:`step_amp` with CPU autocast."""
     return step_amp(model, micro_batch_size, "cpu")
+
+
+def parallelize_fsdp_compiled(model: llama.Llama, mesh) -> nn.Module:
+    """``parallelize_fsdp`` with each block compiled whole before FSDP2 shards it, as torchtitan's parallelize does
+    (``apply_compile``: ``fullgraph=True``)."""
+    _model_parallel(model, mesh, sequence_parallel=True, checkpointed=False)
+    for block in model.layers.values():
+        block.compile(fullgraph=True)
+        fully_shard(block)
+    return fully_shard(model)
