@@ -29,6 +29,7 @@ from vemesh.models.gpt import GPT, GPTConfig, cut_stage, parallelize, split_laye
 from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import ParallelDims, context_parallel
 from vemesh.parallel.context import positions
+from vemesh.parallel.schedules import ZERO_BUBBLE
 
 
 def print0(*args, **kwargs) -> None:
@@ -192,6 +193,9 @@ def build_model(job: Job) -> None:
                 moe.count = sum_counts(job.dp_group)
     wrap = dict(data_parallel="fsdp", mp_policy=MixedPrecisionPolicy(param_dtype=job.dtype, reduce_dtype=torch.float32)) \
         if cfg.fsdp else dict(data_parallel="ddp", overlap_grad_reduce=cfg.overlap_grad_reduce, replicas=job.replicas)
+    if cfg.compile and cfg.pp_schedule in ZERO_BUBBLE and dims.pp > 1:  # their split backward keeps the graph for
+        # the weight pass, which a compiled backward that reuses its inputs' buffers refuses (torch's own switch)
+        torch._functorch.config.donated_buffer = False
     job.chunks = [parallelize(p, VESCALE_DEVICE_MESH, sequence_parallel=cfg.sequence_parallel,
                               activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, **wrap)
                   for p in job.parts]

@@ -61,14 +61,18 @@ def _same_curve(run, single, first_step=1):
         # CP's ring under activation checkpointing in a pipeline: torch's stage infers its shapes with a forward
         # that never goes backward, which context_parallel once took for a recompute owed outside the ring
         (4, "2,2", ["--mesh-dims", "PP,CP", "--activation-checkpointing"]),
+        # compiled blocks under a zero-bubble schedule: its split backward keeps the graph, which torch's compiled
+        # backward refused ("non-empty donated buffers") until the example turned that off
+        (2, "2,1,1", ["--pp-schedule", "interleaved-zb", "--compile"]),
     ],
     ids=["pp2-dp2-gpipe", "pp2-tp2-interleaved-1f1b", "pp4-8-microbatches", "pp2-dp2-zbv", "pp2-dp2-dualpipev",
-         "pp2-dp2-interleaved-zb", "pp2-dp2-cp2-fsdp", "pp2-cp2-checkpointed"],
+         "pp2-dp2-interleaved-zb", "pp2-dp2-cp2-fsdp", "pp2-cp2-checkpointed", "pp2-interleaved-zb-compiled"],
 )
 def test_pipeline_matches_single_process(single, tmp_path, nproc, mesh, extra):
     run = run_train(TINY + ["--mesh-shape", mesh, *extra], tmp_path, nproc=nproc, timeout=400)
     _same_curve(run, single)
     assert "sample after 6 steps:" in run.stdout
+    assert (" compiled" in run.stdout) == ("--compile" in extra), run.stdout
     if "zbv" in extra or "dualpipev" in extra:  # V-shaped: the last stage, and the loss, on PP rank 0
         assert "rank 0: PP rank 0 of 2: stage 0 (next stage on rank 2), stage 3 (next stage on rank -)" in run.stdout
 
