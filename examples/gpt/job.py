@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._functorch import config as functorch_config
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from config import TrainConfig
@@ -195,7 +196,7 @@ def build_model(job: Job) -> None:
         if cfg.fsdp else dict(data_parallel="ddp", overlap_grad_reduce=cfg.overlap_grad_reduce, replicas=job.replicas)
     if cfg.compile and cfg.pp_schedule in ZERO_BUBBLE and dims.pp > 1:  # their split backward keeps the graph for
         # the weight pass, which a compiled backward that reuses its inputs' buffers refuses (torch's own switch)
-        torch._functorch.config.donated_buffer = False
+        functorch_config.donated_buffer = False
     job.chunks = [parallelize(p, VESCALE_DEVICE_MESH, sequence_parallel=cfg.sequence_parallel,
                               activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, **wrap)
                   for p in job.parts]
