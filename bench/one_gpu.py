@@ -3,10 +3,11 @@
     python bench/one_gpu.py [--profile h200-sxm [--profile FILE ...]] [--json bench/results/one_gpu.json]
 
 For each model: ``examples/gpt/train.py --device cuda --dtype bf16`` in this process (one rank, ZeRO-1's optimizer,
-16 sequences of 1024 tokens, 40 steps; the last model with ``--activation-checkpointing``), the median step after
-step 10 from its metrics and ``torch.cuda.max_memory_allocated()``; then ``vemesh plan --model gpt:... --world-size
-1 --dtype bf16 --device-profile PROFILE --json`` for each profile given (a built-in name, or the file ``vemesh
-calibrate --device cuda`` wrote). It prints each pair and its ratio. Needs a CUDA device (it says so and exits 2
+16 sequences of 1024 tokens, 40 steps; one model with ``--activation-checkpointing``, two with ``--compile``: each
+block compiled by inductor), the median step after step 10 from its metrics and ``torch.cuda.max_memory_allocated()``;
+then ``vemesh plan --model gpt:... --world-size 1 --dtype bf16 --device-profile PROFILE --json`` (with ``--compile``
+for a compiled run) for each profile given (a built-in name, or the file ``vemesh calibrate --device cuda`` wrote),
+every plan at once after the runs, on the host's cores. It prints each pair and its ratio. Needs a CUDA device (it says so and exits 2
 without one); the built-in profiles are published specifications, so use the one of the GPU it runs on.
 """
 
@@ -14,22 +15,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# name: (layers, width, heads, activation checkpointing)
-MODELS = {"gpt-12x768": (12, 768, 12, False), "gpt-24x1024": (24, 1024, 16, False),
-          "gpt-24x1024-ac": (24, 1024, 16, True)}
+# name: (layers, width, heads, activation checkpointing, torch.compile)
+MODELS = {"gpt-12x768": (12, 768, 12, False, False), "gpt-24x1024": (24, 1024, 16, False, False),
+          "gpt-24x1024-ac": (24, 1024, 16, True, False), "gpt-12x768-compiled": (12, 768, 12, False, True),
+          "gpt-24x1024-compiled": (24, 1024, 16, False, True)}
 BATCH, SEQ, STEPS = 16, 1024, 40
 
 
-def measure(layers: int, width: int, heads: int, checkpointing: bool, metrics: Path) -> tuple[float, int]:
+def measure(layers: int, width: int, heads: int, checkpointing: bool, compiled: bool,
+            metrics: Path) -> tuple[float, int]:
     """(median seconds per step after step 10, CUDA peak bytes) of the example on this GPU."""
     sys.path.insert(0, str(ROOT / "examples" / "gpt"))
     import train
@@ -39,7 +44,7 @@ def measure(layers: int, width: int, heads: int, checkpointing: bool, metrics: P
                        "--n-head", str(heads), "--seq-len", str(SEQ), "--global-batch-size", str(BATCH), "--steps",
                        str(STEPS), "--eval-every", "0", "--sample-tokens", "0", "--log-every", "10",
                        "--max-data-bytes", "8000000", "--metrics-file", str(metrics)]
-                      + (["--activation-checkpointing"] if checkpointing else []))
+                      + (["--activation-checkpointing"] if checkpointing else []) + (["--compile"] if compiled else []))
     if code:
         raise SystemExit(f"the example exited with {code}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -47,12 +52,22 @@ def measure(layers: int, width: int, heads: int, checkpointing: bool, metrics: P
     return step, torch.cuda.max_memory_allocated()
 
 
-def predict(layers: int, width: int, heads: int, checkpointing: bool, profile: str) -> dict:
+def start_plan(layers: int, width: int, heads: int, checkpointing: bool, compiled: bool,
+               profile: str) -> subprocess.Popen:
+    """``vemesh plan`` of one run, started (one host thread: the plans run side by side)."""
     spec = f"gpt:n_layer={layers},n_embd={width},n_head={heads},seq_len={SEQ},vocab=256"
-    out = subprocess.run([sys.executable, "-m", "vemesh", "plan", "--model", spec, "--world-size", "1",
-                          "--global-batch-size", str(BATCH), "--dtype", "bf16", "--device-profile", profile, "--json"]
-                         + (["--activation-checkpointing"] if checkpointing else []),
-                         capture_output=True, text=True, check=True).stdout
+    return subprocess.Popen([sys.executable, "-m", "vemesh", "plan", "--model", spec, "--world-size", "1",
+                             "--global-batch-size", str(BATCH), "--dtype", "bf16", "--device-profile", profile, "--json"]
+                            + (["--activation-checkpointing"] if checkpointing else [])
+                            + (["--compile"] if compiled else []),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finish_plan(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(proc.args)} exited with {proc.returncode}:\n{err}")
     return json.loads(out)
 
 
@@ -76,25 +91,34 @@ def main() -> int:
         print("bench/one_gpu.py needs a CUDA device; this torch sees none", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'model':<16}{'profile':<22}{'step measured':>15}{'predicted':>11}{'ratio':>7}{'peak measured':>15}"
+    print(f"{'model':<22}{'profile':<22}{'step measured':>15}{'predicted':>11}{'ratio':>7}{'peak measured':>15}"
           f"{'predicted':>11}{'ratio':>7}")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, shape in MODELS.items():
-            step, peak = measure(*shape, Path(tmp) / f"{name}.jsonl")
-            plans = {profile: predict(*shape, profile) for profile in profiles}
+    with tempfile.TemporaryDirectory() as tmp:  # every run on the GPU first, then every plan at once on the host
+        runs, failed = {}, []
+        for name, shape in MODELS.items():  # a run that fails is said, and the others still run
+            try:
+                runs[name] = measure(*shape, Path(tmp) / f"{name}.jsonl")
+            except (Exception, SystemExit):
+                failed.append(name)
+                print(f"{name}: the run failed:\n{traceback.format_exc()}", file=sys.stderr)
+        started = {(name, p): start_plan(*MODELS[name], p) for name in runs for p in profiles}
+        for name, (step, peak) in runs.items():
+            plans = {profile: finish_plan(started[name, profile]) for profile in profiles}
             first = plans[profiles[0]]
             rows.append(dict(name=name, measured_step_s=step, measured_peak=peak, predicted_step_s=first["step_time"],
                              predicted_peak=first["peak"], time=first["time"],
                              by_profile={p: dict(step_s=plan["step_time"], peak=plan["peak"], time=plan["time"])
                                          for p, plan in plans.items()}))
             for profile, plan in plans.items():
-                print(f"{name:<16}{Path(profile).stem[:21]:<22}{step * 1e3:>12.1f} ms{plan['step_time'] * 1e3:>8.1f} ms"
+                print(f"{name:<22}{Path(profile).stem[:21]:<22}{step * 1e3:>12.1f} ms{plan['step_time'] * 1e3:>8.1f} ms"
                       f"{plan['step_time'] / step:>7.2f}{peak / 1e9:>12.2f} GB{plan['peak'] / 1e9:>8.2f} GB"
                       f"{plan['peak'] / peak:>7.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    if failed:
+        print(f"bench/one_gpu.py: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -271,6 +271,11 @@ class TrainConfig(BaseModel):
             object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         elif self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch build sees no CUDA device (use --device cpu or auto)")
+        ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+        if self.device == "cuda" and ranks > gpus:  # each rank takes the GPU of its LOCAL_RANK, nccl one per rank
+            raise ValueError(f"--device cuda: {ranks} processes on this host (torchrun's --nproc_per_node) but torch "
+                             f"sees {gpus} CUDA device{'s' * (gpus != 1)}; each rank needs its own: launch at most "
+                             f"{gpus} per host, or use --device cpu")
 
     def _check_mesh(self) -> None:
         """--mesh-shape and --mesh-dims: one size per name, the -1 filled in from the world size."""
@@ -364,6 +369,10 @@ class TrainConfig(BaseModel):
         if given:
             raise ValueError(f"--fsdp shards the optimizer state and reduces gradients itself; "
                              f"{', '.join(_flag(f) for f in given)} does not apply to it")
+        if dp * self.cp_size == 1:
+            shape = " x ".join(f"{n}={k}" for n, k in zip(self.mesh_dim_names, self._dims.mesh_shape))
+            raise ValueError(f"--fsdp shards over DP x CP, which is 1 on the mesh {shape}: give DP or CP more than one "
+                             f"rank (torchrun --nproc_per_node and --mesh-shape), or leave --fsdp out")
         if dp % self.dp_replicate:
             divisors = listed(all_divisors(dp), 64)
             raise ValueError(f"--dp-replicate {self.dp_replicate} does not divide the DP size {dp} (choose from {divisors})")

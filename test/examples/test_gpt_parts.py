@@ -94,6 +94,28 @@ def test_cuda_without_cuda():
         TrainConfig.from_args(["--device", "cuda"])
 
 
+def test_more_ranks_on_a_host_than_its_gpus_is_said_before_any_rank_takes_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for device in ("cuda", "auto"):
+        with pytest.raises(ConfigError, match=r"--device cuda: 2 processes on this host \(torchrun's --nproc_per_node\) "
+                                              r"but torch sees 1 CUDA device; each rank needs its own: launch at most "
+                                              r"1 per host, or use --device cpu"):
+            TrainConfig.from_args(["--device", device])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert TrainConfig.from_args(["--device", "auto"]).device == "cuda"
+
+
+@pytest.mark.parametrize("world, argv", [(1, []), (2, ["--mesh-shape", "2,1,1"]), (4, ["--mesh-shape", "1,4"])])
+def test_fsdp_without_ranks_to_shard_over_is_said_at_start(world, argv):
+    with pytest.raises(ConfigError, match=r"--fsdp shards over DP x CP, which is 1 on the mesh .*TP=\d: give DP or CP "
+                                          r"more than one rank \(torchrun --nproc_per_node and --mesh-shape\), or "
+                                          r"leave --fsdp out"):
+        config(argv + ["--fsdp"], world_size=world)
+    assert config(["--mesh-shape", "2,1", "--fsdp"], world_size=2).fsdp
+
+
 def test_boolean_flags_come_in_pairs():
     assert config([]).distributed_optimizer is True
     assert config(["--no-distributed-optimizer"]).distributed_optimizer is False
