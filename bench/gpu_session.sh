@@ -14,7 +14,9 @@
 #    gloo ranks sharing the GPU (the one_gpu test is step 1's script, so it is not run twice);
 # 5. `vemesh calibrate --device cuda --nproc 1`: the GPU's matmul rates (fp8 where it has them), memory bandwidth,
 #    framework time per op, attention's forward and backward apart -> $OUT/profile.json;
-# 6. bench/op_count.py: the ops the plan counts in a step beside the ops the real step dispatches on the GPU.
+# 6. bench/op_count.py: the ops the plan counts in a step beside the ops the real step dispatches on the GPU;
+# 7. bench/step_profile.py: what the example's step is bound by, eager and compiled (torch.profiler's kernels and
+#    host ops) -> $OUT/step_profile.json.
 #
 # Each step has its own time limit, so that a slow one leaves the others their turn. Every step's whole output is
 # appended to $OUT/session.log (the device tool brings back at most 8 files), and its last lines printed.
@@ -62,6 +64,7 @@ step tests 120 python3 -m pytest -o addopts= -p no:cacheprovider -m cuda -ra -q 
     test/examples/test_moe_dispatch.py
 step calibrate 120 python3 -m vemesh calibrate --device cuda --nproc 1 --output "$OUT/profile.json"
 step op_count 90 python3 bench/op_count.py --device cuda
+step step_profile 150 python3 bench/step_profile.py --json "$OUT/step_profile.json"
 python3 - "$OUT" <<'PY' || true
 import json, os, sys
 out = sys.argv[1]

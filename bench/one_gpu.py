@@ -40,6 +40,9 @@ def measure(layers: int, width: int, heads: int, checkpointing: bool, compiled: 
     import train
 
     torch.cuda.reset_peak_memory_stats()
+    # each compiled run from nothing: a block compiled before at another width recompiles with dynamic shapes (a
+    # first run on an H200 had the 24 x 1024 model's compiled step at 1.27x its eager one so)
+    torch._dynamo.reset()
     code = train.main(["--device", "cuda", "--dtype", "bf16", "--n-layer", str(layers), "--n-embd", str(width),
                        "--n-head", str(heads), "--seq-len", str(SEQ), "--global-batch-size", str(BATCH), "--steps",
                        str(STEPS), "--eval-every", "0", "--sample-tokens", "0", "--log-every", "10",
@@ -76,9 +79,17 @@ def main() -> int:
     parser.add_argument("--profile", action="append", default=None,
                         help="a device profile to predict with (NAME or FILE); repeat it to compare profiles on the "
                              "same measured runs (default h200-sxm)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)} "
+                                                                    "(default: all)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     profiles = args.profile or ["h200-sxm"]
+    models = args.models.split(",")
+    unknown = [n for n in models if n not in MODELS]
+    if unknown:
+        print(f"bench/one_gpu.py: --models: unknown {', '.join(unknown)} (choose from {', '.join(MODELS)})",
+              file=sys.stderr)
+        return 2
     from vemesh.planning.profiles import load_profile  # vemesh after the arguments: --help stays quick
 
     for profile in profiles:  # a bad name is said before any run on the GPU, not after it
@@ -96,9 +107,9 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:  # every run on the GPU first, then every plan at once on the host
         runs, failed = {}, []
-        for name, shape in MODELS.items():  # a run that fails is said, and the others still run
+        for name in models:  # a run that fails is said, and the others still run
             try:
-                runs[name] = measure(*shape, Path(tmp) / f"{name}.jsonl")
+                runs[name] = measure(*MODELS[name], Path(tmp) / f"{name}.jsonl")
             except (Exception, SystemExit):
                 failed.append(name)
                 print(f"{name}: the run failed:\n{traceback.format_exc()}", file=sys.stderr)

@@ -286,6 +286,15 @@ def test_a_calibrations_attention_backward_is_timed_apart_on_a_gpu_and_together_
     assert together == pytest.approx([s * s * h * k for (s, h), k in zip(shapes, heads)])  # 7 products in 7
 
 
+def test_a_gpus_attention_calls_have_the_heads_of_a_step_at_long_sequences() -> None:
+    """On a lent H200 one head of 8192 tokens (the fixed work of a call) ran at 0.15 of the matmul rate, where 32
+    heads ran at 0.76: a GPU's calls have at least 32 heads, a CPU's keep the fixed work."""
+    from vemesh.planning.device_rates import attention_heads
+
+    assert [attention_heads("cuda", s, 128) for s in (512, 2048, 8192)] == [2**36 // (7 * 512 * 512 * 128), 32, 32]
+    assert attention_heads("cpu", 1024, 128, quick=True) == 1 and attention_heads("cpu", 64, 4) == 2**27 // (7 * 64 * 64 * 4)
+
+
 @pytest.mark.slow
 def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
     out = tmp_path / "me.json"

@@ -24,12 +24,22 @@ def attention_grid(device: torch.device) -> tuple[tuple[int, ...], tuple[int, ..
     return (64, 256, 1024), (4, 16, 64, 128)
 
 
+def attention_heads(device_type: str, seq: int, head: int, quick: bool = False) -> int:
+    """The heads of one timed attention call at ``(seq, head)``: a fixed amount of work (about 30 ms on a CPU core
+    shared by two ranks: a few of its time slices, so that each sample sees its share; less at heads under 32, which
+    a CPU runs far below its matmul rate). On a GPU at least 32: one head of 8192 tokens is 64 blocks of queries for
+    an H200's 132 multiprocessors, and was timed at 0.15 of its matmul rate, where a step's 32 heads run at 0.76."""
+    work = 2**36 if device_type == "cuda" else 2**26 if quick else 2**30
+    per_head = 7 * 2 * seq * seq * head // 2
+    return max(32 if device_type == "cuda" else 1, int(work * min(1.0, head / 32)) // per_head)
+
+
 def attention_rates(device: torch.device, sync: Any, reps: int, quick: bool, apart: bool | None = None) -> list[float]:
     """FLOP/s per rank of fused causal attention, forward and backward, at each shape of :func:`attention_grid`
     (sequence lengths outer, head sizes inner), every rank at once: ``scaled_dot_product_attention`` as a step calls it
     (fp32 on a CPU, bf16 on a GPU, where the flash kernels need it), its FLOPs counted as the planner counts them
     (Q K^T and P V forward, five such products backward, half of them under the causal mask), enough heads a call for
-    a fixed amount of work.
+    a fixed amount of work (:func:`attention_heads`).
 
     With ``apart`` (the default on a GPU) the forward is also timed alone, and the list holds each shape's forward
     rate, then each shape's backward rate over its forward's: what the built-in GPU profiles hold apart (a
@@ -39,14 +49,11 @@ def attention_rates(device: torch.device, sync: Any, reps: int, quick: bool, apa
     F = torch.nn.functional
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     apart = device.type == "cuda" if apart is None else apart
-    # FLOPs a call (about 30 ms on a CPU core shared by two ranks: a few of its time slices, so that each sample sees
-    # its share); fewer at heads under 32, which a CPU runs far below its matmul rate
-    work = 2**36 if device.type == "cuda" else 2**26 if quick else 2**30
     rates, ratios = [], []
     for seq in attention_grid(device)[0]:
         for head in attention_grid(device)[1]:
             per_head = 7 * 2 * seq * seq * head // 2
-            heads = max(1, int(work * min(1.0, head / 32)) // per_head)
+            heads = attention_heads(device.type, seq, head, quick)
             q, k, v = (torch.randn(1, heads, seq, head, device=device, dtype=dtype, requires_grad=True)
                        for _ in range(3))
             grad = torch.ones(1, heads, seq, head, device=device, dtype=dtype)
