@@ -16,7 +16,8 @@
 #    framework time per op, attention's forward and backward apart -> $OUT/profile.json;
 # 6. bench/op_count.py: the ops the plan counts in a step beside the ops the real step dispatches on the GPU;
 # 7. bench/step_profile.py: what the example's step is bound by, eager and compiled (torch.profiler's kernels and
-#    host ops) -> $OUT/step_profile.json.
+#    host ops) -> $OUT/step_profile.json;
+# 8. bench/step_syncs.py: the host's waits for the GPU in a step, eager and compiled, by where they come from.
 #
 # Each step has its own time limit, so that a slow one leaves the others their turn. Every step's whole output is
 # appended to $OUT/session.log (the device tool brings back at most 8 files), and its last lines printed.
@@ -65,6 +66,7 @@ step tests 120 python3 -m pytest -o addopts= -p no:cacheprovider -m cuda -ra -q 
 step calibrate 120 python3 -m vemesh calibrate --device cuda --nproc 1 --output "$OUT/profile.json"
 step op_count 90 python3 bench/op_count.py --device cuda
 step step_profile 150 python3 bench/step_profile.py --json "$OUT/step_profile.json"
+step step_syncs 100 python3 bench/step_syncs.py
 python3 - "$OUT" <<'PY' || true
 import json, os, sys
 out = sys.argv[1]
