@@ -19,6 +19,22 @@ def test_without_a_gpu_it_says_so() -> None:
     assert proc.returncode == 2 and "needs a CUDA device; this torch sees none" in proc.stderr, proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
+@pytest.mark.parametrize("script", ["attention_rate.py", "step_profile.py", "step_syncs.py"])
+def test_the_other_gpu_scripts_say_they_need_one(script: str) -> None:
+    proc = subprocess.run([sys.executable, f"bench/{script}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"bench/{script} needs a CUDA device; this torch sees none" in proc.stderr, \
+        proc.stderr
+
+
+@pytest.mark.parametrize("script", ["one_gpu.py", "step_profile.py", "step_syncs.py"])
+def test_an_unknown_model_is_said_with_the_choices(script: str) -> None:
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--models", "gpt-12x768,gpt-7b"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--models: unknown gpt-7b (choose from gpt-12x768, gpt-24x1024" in proc.stderr, \
+        proc.stderr
+
+
 def test_an_unknown_profile_is_said_before_any_run() -> None:
     proc = subprocess.run([sys.executable, "bench/one_gpu.py", "--profile", "h200-sxm", "--profile", "h300"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
