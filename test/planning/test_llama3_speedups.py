@@ -226,6 +226,36 @@ def test_a_queued_device_runs_the_hosts_dispatch_under_its_own_work() -> None:
     assert Speedups().compute_seconds(c, 0, cpu, "bf16") == pytest.approx(device + host)
 
 
+def test_a_host_bound_step_says_so_and_its_compiled_plan_says_to_measure() -> None:
+    """Where the host's dispatch sets a GPU's compute, the step's compute line says so with the device's share; where
+    the eager step would be bound by the host, a plan with --compile says that its time there is not to be trusted:
+    on an H200, GPT 12 x 768's compiled step was 1.13 to 1.48x its eager one, planned at 0.81. A step the device
+    sets says neither (GPT 24 x 1024's compiled step there was planned within 2%)."""
+    from vemesh.planning.step_time import render, step_time
+
+    gpu = load_profile("h100-sxm").model_copy(update={"op_overhead_s": 1e-5, "dtensor_op_overhead_s": 0.0})
+    c = SimpleNamespace(name="every rank", flops=1e12, memory_bytes=4e9, optimizer_bytes=1e9, ops=1000, dtensor_ops=0,
+                        collectives={}, counts={"fused_bytes": 2e9, "kernels": 100})
+    device = 1e12 / (gpu.flops("bf16") * gpu.achievable) + 3e9 / gpu.memory_bandwidth
+    fit = SimpleNamespace(classes=[c], degrees={}, pp_schedule=None, micro_batches=1)
+    times = {}
+    for host_op, compile in ((1e-6, False), (1e-6, True), (1e-2, False), (1e-2, True)):
+        profile = gpu.model_copy(update={"op_overhead_s": host_op})
+        (t,) = step_time(fit, profile, dtype="bf16", dp_mode="ddp", grad_dims=(), sizes={}, links={},
+                         speed=Speedups(compile=compile))
+        times[host_op, compile] = t, render([t], profile)
+    bound = "the host's dispatch sets it; the device's work is"
+    note = "note: eager, this step is bound by the host's dispatch. --compile's time counts each compiled kernel"
+    assert 1000 * 1e-6 < device and not any(s in times[1e-6, c][1] for c in (False, True) for s in (bound, note))
+    t, text = times[1e-2, False]
+    assert t.compute == pytest.approx(1000 * 1e-2) and f"{bound} {device * 1e3:.3f} ms" in text and note not in text
+    t, text = times[1e-2, True]  # 100 kernels at 10 ms is the host's too
+    assert t.compute == pytest.approx(100 * 1e-2) and bound in text and note in text and "1.13 to 1.48x" in text
+    cpu = gpu.model_copy(update={"op_overhead_s": 1e-2, "queued": False})  # a CPU does both in turn: no bound
+    (t,) = step_time(fit, cpu, dtype="bf16", dp_mode="ddp", grad_dims=(), sizes={}, links={}, speed=Speedups(compile=True))
+    assert t.device is None and not t.compiled_host_bound
+
+
 # ---------------------------------------------------------------- the rules
 def _class(flops=1e12, linear=8e11, elements=1e9, memory=4e9, optimizer=1e9, ops=1000, fused=2e9, kernels=100):
     return SimpleNamespace(flops=flops, memory_bytes=memory, optimizer_bytes=optimizer, ops=ops, dtensor_ops=10,

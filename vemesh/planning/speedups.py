@@ -74,6 +74,13 @@ class Speedups:
 
     def compute_seconds(self, c: Any, index: int, profile: Any, dtype: str) -> float:
         """A rank class's compute (matmuls, memory-bound bytes, per-op time) under these switches."""
+        device, host = self.compute_parts(c, index, profile, dtype)
+        # a GPU runs its queue while the host dispatches the next ops: the slower of the two sets the pace
+        return max(device, host) if profile.queued else device + host
+
+    def compute_parts(self, c: Any, index: int, profile: Any, dtype: str) -> tuple[float, float]:
+        """A rank class's compute as ``(device, host)``: the device's work (matmuls, memory-bound bytes) and the host's
+        dispatch (the profile's time per op, each op or, under compile, each kernel)."""
         counts, rate = getattr(c, "counts", None) or {}, profile.flops(dtype) * profile.achievable
         attention = counts.get("attention_flops", 0)
         matmul = (c.flops - attention) / rate + attention_seconds(counts, profile, dtype)
@@ -93,9 +100,7 @@ class Speedups:
         else:
             moved = c.memory_bytes - c.optimizer_bytes + cast
             host = c.ops * profile.op_overhead_s + c.dtensor_ops * profile.dtensor_op_overhead_s
-        device = matmul + arithmetic + moved / profile.memory_bandwidth
-        # a GPU runs its queue while the host dispatches the next ops: the slower of the two sets the pace
-        return max(device, host) if profile.queued else device + host
+        return matmul + arithmetic + moved / profile.memory_bandwidth, host
 
     def matmul_seconds(self, flops: int, profile: Any, dtype: str) -> float:
         """The seconds of a TP-fed matmul of ``flops`` (under Float8 at the fp8 rate, but one that stays bf16): what

@@ -40,7 +40,7 @@ The step time is compute + exposed communication + optimizer + bubble; the slowe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vemesh.planning.profiles import DeviceProfile, Link
@@ -173,6 +173,10 @@ class StepTime:
     optimizer: float
     bubble: float
     dims: dict[str, DimTime] = field(default_factory=dict)
+    #: the device's work in ``compute`` where the host's dispatch set it instead (a queued profile's), else None
+    device: float | None = None
+    #: timed with --compile's rules where the eager step would be bound by the host's dispatch (a queued profile's)
+    compiled_host_bound: bool = False
 
     @property
     def exposed(self) -> float:
@@ -198,7 +202,8 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
         if not c.flops:  # an untimed trace (Job.timed false) counted nothing: a step of 0 s would be silently wrong
             raise ValueError(f"{c.name}: the plan counted no FLOPs (traced without timing, or not traced); a step "
                              "time needs a traced step planned with a device profile (Job(..., timed=True))")
-        compute = speed.compute_seconds(c, index, profile, dtype)
+        device, host = speed.compute_parts(c, index, profile, dtype)
+        compute = max(device, host) if profile.queued else device + host
         backward = compute * 2 / 3
         dims: dict[str, DimTime] = {}
         for dim, ops in sorted(c.collectives.items()):
@@ -233,12 +238,14 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
                 hidable, cover = 0.0, 0.0
             dims[dim] = DimTime(link_name, seconds, profile.overlap * min(hidable, cover))
         optimizer = c.optimizer_bytes / profile.memory_bandwidth
-        out.append(StepTime(c.name, compute, optimizer, 0.0, dims))
+        eager = Speedups().compute_parts(c, index, profile, dtype) if speed.compile else (0.0, 0.0)
+        out.append(StepTime(c.name, compute, optimizer, 0.0, dims, device if profile.queued and host > device else None,
+                            profile.queued and eager[1] > eager[0]))
     pp = fit.degrees.get("PP", 1)
     if pp > 1 and fit.pp_schedule and len(out) == pp:
         bubbles = pipeline_bubbles(fit.pp_schedule, pp, fit.micro_batches, [t.compute for t in out],
                                    profile.shared_compute)
-        out = [StepTime(t.name, t.compute, t.optimizer, b, t.dims) for t, b in zip(out, bubbles)]
+        out = [replace(t, bubble=b) for t, b in zip(out, bubbles)]
     return out
 
 
@@ -309,7 +316,8 @@ def render(times: list[StepTime], profile: DeviceProfile, width: int = 40) -> st
     t = max(times, key=lambda x: x.total)
     said = "measured by vemesh calibrate" if profile.measured else "published specifications, NOT MEASURED here"
     lines = [f"step time on {profile.name} ({said}): {t.total * 1e3:.3f} ms ({t.name}; the slowest class)"]
-    parts = [("compute", t.compute, ""), ("optimizer", t.optimizer, "")]
+    host = "" if t.device is None else f"  the host's dispatch sets it; the device's work is {t.device * 1e3:.3f} ms"
+    parts = [("compute", t.compute, host), ("optimizer", t.optimizer, "")]
     parts += [(f"{dim} exposed", d.exposed, f"  {d.link} link; {d.seconds * 1e3:.3f} ms in all, "
                f"{d.hidden * 1e3:.3f} ms hidden behind compute") for dim, d in t.dims.items()]
     if t.bubble:
@@ -317,4 +325,9 @@ def render(times: list[StepTime], profile: DeviceProfile, width: int = 40) -> st
     for name, seconds, why in parts:
         bar = "#" * round(width * seconds / t.total) if t.total else ""
         lines.append(f"  {name:<16}{_ms(seconds)}  |{bar:<{width}}|{why}")
+    if t.compiled_host_bound:
+        lines.append("  note: eager, this step is bound by the host's dispatch. --compile's time counts each compiled "
+                     "kernel at an eager op's host time, and there a GPU's compiled blocks cost the host more (on an "
+                     "H200, GPT 12 x 768's compiled step measured 1.13 to 1.48x its eager one, planned at 0.81; "
+                     "BENCHMARKS.md): measure before choosing compile for this job")
     return "\n".join(lines)
