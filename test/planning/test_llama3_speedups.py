@@ -251,6 +251,10 @@ def test_a_host_bound_step_says_so_and_its_compiled_plan_says_to_measure() -> No
     assert t.compute == pytest.approx(1000 * 1e-2) and f"{bound} {device * 1e3:.3f} ms" in text and note not in text
     t, text = times[1e-2, True]  # 100 kernels at 10 ms is the host's too
     assert t.compute == pytest.approx(100 * 1e-2) and bound in text and note in text and "1.13 to 1.48x" in text
+    from vemesh.planning.api import _time_parts
+
+    assert _time_parts(t)["host_bound_device_work"] == t.device and _time_parts(times[1e-6, True][0])[
+        "host_bound_device_work"] is None
     cpu = gpu.model_copy(update={"op_overhead_s": 1e-2, "queued": False})  # a CPU does both in turn: no bound
     (t,) = step_time(fit, cpu, dtype="bf16", dp_mode="ddp", grad_dims=(), sizes={}, links={}, speed=Speedups(compile=True))
     assert t.device is None and not t.compiled_host_bound

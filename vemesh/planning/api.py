@@ -175,7 +175,8 @@ def time_document(times: tuple[StepTime, ...], profile: DeviceProfile, fit: Any,
 
 
 def _time_parts(t: StepTime) -> dict[str, Any]:
-    return {"compute": t.compute, "optimizer": t.optimizer, "bubble": t.bubble, "exposed_communication": t.exposed,
+    return {"compute": t.compute, "host_bound_device_work": t.device, "optimizer": t.optimizer, "bubble": t.bubble,
+            "exposed_communication": t.exposed,
             "communication": {d: {"link": x.link, "seconds": x.seconds, "hidden": x.hidden, "exposed": x.exposed}
                               for d, x in t.dims.items()}}
 
