@@ -33,6 +33,16 @@ MODELS = {"gpt-12x768": (12, 768, 12, False, False), "gpt-24x1024": (24, 1024, 1
 BATCH, SEQ, STEPS = 16, 1024, 40
 
 
+def model_names(value: str) -> list[str]:
+    """``--models``: names of :data:`MODELS`, comma-separated (argparse's type: an unknown one is an error that
+    names the choices)."""
+    names = value.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)} (choose from {', '.join(MODELS)})")
+    return names
+
+
 def measure(layers: int, width: int, heads: int, checkpointing: bool, compiled: bool,
             metrics: Path) -> tuple[float, int]:
     """(median seconds per step after step 10, CUDA peak bytes) of the example on this GPU."""
@@ -79,17 +89,11 @@ def main() -> int:
     parser.add_argument("--profile", action="append", default=None,
                         help="a device profile to predict with (NAME or FILE); repeat it to compare profiles on the "
                              "same measured runs (default h200-sxm)")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)} "
-                                                                    "(default: all)")
+    parser.add_argument("--models", type=model_names, default=",".join(MODELS),
+                        help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     profiles = args.profile or ["h200-sxm"]
-    models = args.models.split(",")
-    unknown = [n for n in models if n not in MODELS]
-    if unknown:
-        print(f"bench/one_gpu.py: --models: unknown {', '.join(unknown)} (choose from {', '.join(MODELS)})",
-              file=sys.stderr)
-        return 2
     from vemesh.planning.profiles import load_profile  # vemesh after the arguments: --help stays quick
 
     for profile in profiles:  # a bad name is said before any run on the GPU, not after it
@@ -107,7 +111,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:  # every run on the GPU first, then every plan at once on the host
         runs, failed = {}, []
-        for name in models:  # a run that fails is said, and the others still run
+        for name in args.models:  # a run that fails is said, and the others still run
             try:
                 runs[name] = measure(*MODELS[name], Path(tmp) / f"{name}.jsonl")
             except (Exception, SystemExit):

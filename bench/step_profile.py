@@ -23,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from one_gpu import BATCH, MODELS, SEQ  # noqa: E402
+from one_gpu import BATCH, MODELS, SEQ, model_names  # noqa: E402
 
 WAIT, WARMUP, ACTIVE = 10, 2, 4
 
@@ -83,23 +83,18 @@ def profile(name: str, device: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt-12x768,gpt-12x768-compiled,gpt-24x1024,gpt-24x1024-compiled",
+    parser.add_argument("--models", type=model_names,
+                        default="gpt-12x768,gpt-12x768-compiled,gpt-24x1024,gpt-24x1024-compiled",
                         help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda (default), or cpu in fp32 to try the script where no GPU is")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
-    names = args.models.split(",")
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        print(f"bench/step_profile.py: --models: unknown {', '.join(unknown)} (choose from {', '.join(MODELS)})",
-              file=sys.stderr)
-        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/step_profile.py needs a CUDA device; this torch sees none", file=sys.stderr)
         return 2
     rows = []
-    for name in names:
+    for name in args.models:
         row = profile(name, args.device)
         rows.append(row)
         print(f"{name}: wall {row['wall_ms']:.1f} ms a step, device kernels {row['device_ms']:.1f} ms "

@@ -26,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from one_gpu import BATCH, MODELS, SEQ  # noqa: E402
+from one_gpu import BATCH, MODELS, SEQ, model_names  # noqa: E402
 
 WATCHED = 12  # the step whose waits are counted (the compiled models compile in the first ones)
 
@@ -92,21 +92,15 @@ def count(name: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt-12x768,gpt-12x768-compiled", help=f"comma-separated, from "
-                                                                                  f"{', '.join(MODELS)}")
+    parser.add_argument("--models", type=model_names, default="gpt-12x768,gpt-12x768-compiled",
+                        help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
-    names = args.models.split(",")
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        print(f"bench/step_syncs.py: --models: unknown {', '.join(unknown)} (choose from {', '.join(MODELS)})",
-              file=sys.stderr)
-        return 2
     if not torch.cuda.is_available():
         print("bench/step_syncs.py needs a CUDA device; this torch sees none", file=sys.stderr)
         return 2
     rows = []
-    for name in names:
+    for name in args.models:
         row = count(name)
         rows.append(row)
         print(f"{name}: {row['waits']} waits for the GPU in step {WATCHED}")
