@@ -260,6 +260,7 @@ class TrainConfig(BaseModel):
         self._check_fsdp()
         self._check_moe()
         self._check_ft()
+        self._check_fsdp_ranks()
         self._check_model_and_batch()
         self._check_checkpoints_and_faults()
         replicate = self.dp_replicate if self.fsdp else 1  # HSDP's split, and EP over DP x CP: checked above by flag
@@ -369,13 +370,16 @@ class TrainConfig(BaseModel):
         if given:
             raise ValueError(f"--fsdp shards the optimizer state and reduces gradients itself; "
                              f"{', '.join(_flag(f) for f in given)} does not apply to it")
-        if dp * self.cp_size == 1:
-            shape = " x ".join(f"{n}={k}" for n, k in zip(self.mesh_dim_names, self._dims.mesh_shape))
-            raise ValueError(f"--fsdp shards over DP x CP, which is 1 on the mesh {shape}: give DP or CP more than one "
-                             f"rank (torchrun --nproc_per_node and --mesh-shape), or leave --fsdp out")
         if dp % self.dp_replicate:
             divisors = listed(all_divisors(dp), 64)
             raise ValueError(f"--dp-replicate {self.dp_replicate} does not divide the DP size {dp} (choose from {divisors})")
+
+    def _check_fsdp_ranks(self) -> None:
+        """--fsdp needs ranks to shard over (after --ft-*'s checks: live fault tolerance refuses FSDP2 outright)."""
+        if self.fsdp and self.dp_size * self.cp_size == 1:
+            shape = " x ".join(f"{n}={k}" for n, k in zip(self.mesh_dim_names, self._dims.mesh_shape))
+            raise ValueError(f"--fsdp shards over DP x CP, which is 1 on the mesh {shape}: give DP or CP more than one "
+                             f"rank (torchrun --nproc_per_node and --mesh-shape), or leave --fsdp out")
 
     def _check_model_and_batch(self) -> None:
         """The model's heads split over TP; the global batch over DP, in whole micro-batches."""
