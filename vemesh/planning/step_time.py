@@ -328,6 +328,6 @@ def render(times: list[StepTime], profile: DeviceProfile, width: int = 40) -> st
     if t.compiled_host_bound:
         lines.append("  note: eager, this step is bound by the host's dispatch. --compile's time counts each compiled "
                      "kernel at an eager op's host time, and there a GPU's compiled blocks cost the host more (on an "
-                     "H200, GPT 12 x 768's compiled step measured 1.13 to 1.48x its eager one, planned at 0.81; "
-                     "BENCHMARKS.md): measure before choosing compile for this job")
+                     "H200, GPT 12 x 768's compiled step measured 1.13 to 1.48x its eager one, planned at 0.81): "
+                     "measure before choosing compile for this job")
     return "\n".join(lines)
