@@ -74,9 +74,7 @@ class Speedups:
 
     def compute_seconds(self, c: Any, index: int, profile: Any, dtype: str) -> float:
         """A rank class's compute (matmuls, memory-bound bytes, per-op time) under these switches."""
-        device, host = self.compute_parts(c, index, profile, dtype)
-        # a GPU runs its queue while the host dispatches the next ops: the slower of the two sets the pace
-        return max(device, host) if profile.queued else device + host
+        return paced(*self.compute_parts(c, index, profile, dtype), profile)
 
     def compute_parts(self, c: Any, index: int, profile: Any, dtype: str) -> tuple[float, float]:
         """A rank class's compute as ``(device, host)``: the device's work (matmuls, memory-bound bytes) and the host's
@@ -116,6 +114,12 @@ class Speedups:
     def gathered_bytes(self, nbytes: float) -> float:
         """FSDP2's all-gather bytes with the Float8 weights sent in 1 byte (half the 2-byte compute dtype's)."""
         return nbytes * (1 - 0.5 * self.float8_share) if self.float8_all_gather else nbytes
+
+
+def paced(device: float, host: float, profile: Any) -> float:
+    """A rank's compute from the device's work and the host's dispatch: a GPU runs its queue while the host
+    dispatches the next ops, so the slower of the two sets the pace (a queued profile's); a CPU does both in turn."""
+    return max(device, host) if profile.queued else device + host
 
 
 def attention_key(q_len: int, kv_len: int, head_dim: int, backward: bool = False) -> str:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vemesh.planning.profiles import DeviceProfile, Link
-from vemesh.planning.speedups import Speedups
+from vemesh.planning.speedups import Speedups, paced
 
 __all__ = ["WORLD", "DimTime", "StepTime", "collective_seconds", "fed_flops", "op_name", "pipeline_bubbles", "render", "ring",
            "step_time"]
@@ -203,7 +203,7 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
             raise ValueError(f"{c.name}: the plan counted no FLOPs (traced without timing, or not traced); a step "
                              "time needs a traced step planned with a device profile (Job(..., timed=True))")
         device, host = speed.compute_parts(c, index, profile, dtype)
-        compute = max(device, host) if profile.queued else device + host
+        compute = paced(device, host, profile)
         backward = compute * 2 / 3
         dims: dict[str, DimTime] = {}
         for dim, ops in sorted(c.collectives.items()):
