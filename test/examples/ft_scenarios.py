@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,9 +83,32 @@ def lighthouse(tmp: Path, heartbeat_ms: int = 5000, join_ms: int = 1000):
     proc = spawn([binary, "--min_replicas", "1", "--bind", f"[::]:{port}", "--heartbeat_timeout_ms",
                   str(heartbeat_ms), "--join_timeout_ms", str(join_ms)], tmp / "lighthouse.log")
     try:
+        listening(proc, port, tmp / "lighthouse.log")
         yield f"http://localhost:{port}"
     finally:
         kill(proc)
+
+
+def listening(proc: subprocess.Popen, port: int, log: Path, timeout: float = 120.0) -> None:
+    """Return once ``proc`` accepts connections on ``port``; fail if it exits first or does not within ``timeout``.
+
+    ``torchft_lighthouse`` imports torchft, and so torch, before it binds: on the suite's loaded cores that took over
+    10 s, and a replica started at once (from the forkserver, torch already imported) was refused for its whole
+    ``--ft-timeout-s 10`` and exited (``test_a_lighthouse_lost_mid_run_stops_the_replica_within_the_timeout``, with
+    6 pytest workers on 2 cores)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("localhost", port), timeout=1).close()
+            return
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args} exited with {proc.returncode} before listening on {port}: "
+                                 f"{log.read_text()[-2000:]}")
+        if time.monotonic() > end:
+            raise AssertionError(f"{proc.args} was not listening on {port} within {timeout:.0f}s")
+        time.sleep(0.05)
 
 
 def torchrun(args: list[str], log: Path, nproc: int = 2, torchrun_args: list[str] = ()) -> subprocess.Popen:
