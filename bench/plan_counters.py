@@ -34,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning import fusion, pipeline_plan
-from vemesh.planning.measure import FLOP_FORMULAS, NoModules
+from vemesh.planning.measure import FLOP_FORMULAS
+from vemesh.planning.step_tracker import NoModules
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "models"))
 from tiny_llama3_pipelines import tiny_pipeline  # noqa: E402  (the tests' pipelines)

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning.fusion import MemoryBoundBytes, step_counters
-from vemesh.planning.measure import FLOP_FORMULAS, NoModules
+from vemesh.planning.measure import FLOP_FORMULAS
+from vemesh.planning.step_tracker import NoModules
 
 
 class _Seen(TorchDispatchMode):
@@ -61,3 +62,27 @@ def test_without_flops_the_mode_runs_each_op_as_given() -> None:
     with beneath, MemoryBoundBytes() as moved:
         _step(1)
     assert "aten.silu_backward.default" in beneath.ops and moved.get_total_flops() == 0
+
+
+def test_a_fake_tensors_device_query_stops_at_the_first_mode_and_the_tracker_still_samples_what_it_missed() -> None:
+    """``prim.device`` (autograd asks it of every fake tensor from C++) is answered by the outermost of the planner's
+    modes, and no mode beneath sees it; the tracker still samples the bytes held there when they changed since its
+    last op (a storage FSDP2 grows with ``resize_``, between ops), and samples a step's phase as it begins."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vemesh.planning.step_tracker import StepTracker
+
+    tracker, seen = StepTracker(module_hooks=False), _Seen()
+    with FakeTensorMode(), tracker, seen, MemoryBoundBytes(flops=True):
+        x = torch.empty(1024, dtype=torch.uint8)
+        tracker.in_step = True
+        tracker.phase = "step"  # no op yet: the phase holds what is held as it begins
+        assert tracker.phase_peaks["step"][0] == 1024
+        x.untyped_storage().resize_(4096)  # not an op: no mode sees it
+        assert tracker.step_peak == 1024
+        assert torch.ops.prim.device.default(x) == torch.device("cpu")
+        x.untyped_storage().resize_(1024)
+        torch.ops.prim.device.default(x)  # nothing changed since: nothing sampled
+        tracker.phase = None
+    assert tracker.step_peak == 4096 and tracker.phase_peaks["step"][0] == 4096
+    assert seen.ops == ["aten.empty.memory_format"], seen.ops

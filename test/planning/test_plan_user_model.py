@@ -113,7 +113,7 @@ def test_each_stage_action_is_a_phase_and_the_micro_batch_difference_drops_their
     highest."""
     import torch
 
-    from vemesh.planning.measure import StepTracker
+    from vemesh.planning.step_tracker import StepTracker
     from vemesh.planning.step_parts import BlocksNotFound, collapse_actions, pipeline_parts
 
     class Stage:

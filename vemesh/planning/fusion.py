@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning.measure import FLOP_FORMULAS
+from vemesh.planning.step_tracker import answer_device, device_query
 from vemesh.planning.speedups import attention_key
 from vemesh.planning.storages import StorageTables, storage_key
 
@@ -271,6 +272,8 @@ class MemoryBoundBytes(TorchDispatchMode):
         return sum(self.flop_counts["Global"].values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if device_query(func, args):
+            return answer_device(args[0])
         kwargs = kwargs or {}
         if self._decomposing or func.namespace == "prim" or func.overloadpacket in _QUERIES:
             # metadata that a plain tensor answers in C++ without a dispatch; a fake tensor dispatches it wherever

@@ -28,15 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vemesh.planning.step_time import WORLD
+from vemesh.planning.step_tracker import StepTracker, answer_device, device_query
 from vemesh.planning.tp_overlap import FedMatmuls
 
-__all__ = ["CollectiveBytes", "NoModules", "RunMeter", "by_mesh_name", "mesh_names", "ops_by_mesh_name",
-           "payload_bytes"]
+__all__ = ["CollectiveBytes", "RunMeter", "by_mesh_name", "mesh_names", "ops_by_mesh_name", "payload_bytes"]
 
 _c10d = torch.ops.c10d
 _func = torch.ops._c10d_functional
@@ -134,6 +133,8 @@ class CollectiveBytes(TorchDispatchMode):
         self.fed = FedMatmuls(self.by_op)  #: which gathers and scatters async TP would overlap with their matmuls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if device_query(func, args):
+            return answer_device(args[0])
         if any(t is DTensor for t in types):  # let DTensor turn itself into local ops and collectives first
             return NotImplemented
         result = func(*args, **(kwargs or {}))
@@ -195,103 +196,6 @@ def by_mesh_name(counts: dict[str, int], mesh: Any) -> dict[str, int]:
     for group_name, n in counts.items():
         out[names.get(group_name, "other")] += n
     return dict(sorted(out.items()))
-
-
-class NoModules:
-    """Stands in for MemTracker's ModTracker when module hooks must stay off: a pipeline stage's backward
-    metadata inference runs ``autograd.grad`` on leaf inputs, which ModTracker's multi-grad hooks refuse."""
-
-    is_bw = False
-    parents = {"Global"}
-
-    def register_user_hooks(self, *hooks: Any) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> NoModules:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-class StepTracker(MemTracker):
-    """torch's MemTracker, over a whole run or one traced step.
-
-    * A root module called again (the next step, a micro-batch, an eval) starts a new iteration of
-      its per-module statistics instead of raising; the peak is kept.
-    * :attr:`peak_besides_weights`: the highest bytes held besides parameters and gradients.
-    * :attr:`step_peak`: the highest bytes held while :attr:`in_step` (the training steps of a run).
-    * ``module_hooks=False`` tracks storages only (every category is then "Activation"; the totals
-      are the same).
-    """
-
-    def __init__(self, module_hooks: bool = True) -> None:
-        super().__init__()
-        if not module_hooks:
-            self._mod_tracker = NoModules()  # type: ignore[assignment]
-        self.peak_besides_weights = 0
-        self.step_peak = 0
-        self.step_peak_by_kind: dict[str, int] = {}  #: the categories held at :attr:`step_peak` (MemTracker's names)
-        self.on_step_peak: Any = None  #: called at each new step peak; what it returns is kept in step_peak_parts
-        self.step_peak_parts: dict[str, int] = {}
-        self.in_step = False
-        #: the part of a step now running ("step", "optimizer"; None: not told), and each part's own peak:
-        #: ``{phase: (bytes, categories at it, on_step_peak's parts at it)}``; a phase is cut further by :attr:`part`
-        self._phase: str | None = None
-        self.part = ""  #: where a step is about its blocks (:mod:`vemesh.planning.step_parts`), reset with the phase
-        self.phase_peaks: dict[str, tuple[int, dict[str, int], dict[str, int]]] = {}
-        #: called with the bytes held (``Other`` left out) at each update (a replayed pipeline's window on its peak)
-        self.watch: Any = None
-
-    @property
-    def phase(self) -> str | None:
-        return self._phase
-
-    @phase.setter
-    def phase(self, value: str | None) -> None:
-        self._phase, self.part = value, ""
-
-    def track_weights(self, module: torch.nn.Module) -> None:
-        """Count ``module``'s parameters as parameters and their gradients as gradients (no module hooks needed)."""
-        self._track_module_params_and_buffers(module, install_grad_hooks=True)
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        if isinstance(self._mod_tracker, NoModules):  # no module's own statistics (torch's loop over them, every
-            for dev, snap in self._curr_mem_snap.items():  # op, finds none): each device's peak, as torch keeps it
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
-        else:
-            super()._update_peak_stats(peak_state)
-        if self.watch is not None:
-            self.watch(sum(s["Total"] - s.get(_MemRefType.OTH, 0) for s in self._curr_mem_snap.values()))
-        for snap in self._curr_mem_snap.values():
-            total = snap["Total"]
-            self.peak_besides_weights = max(self.peak_besides_weights,
-                                            total - snap.get(_MemRefType.PARAM, 0) - snap.get(_MemRefType.GRAD, 0))
-            if self.in_step:  # what RunMeter.exclude registered ("Other") is not device memory
-                held = total - snap.get(_MemRefType.OTH, 0)
-                top = held > self.step_peak
-                phase = None if self._phase is None else self._phase + self.part
-                in_phase = phase is not None and held > self.phase_peaks.get(phase, (0,))[0]
-                if not (top or in_phase):
-                    continue
-                kinds = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}
-                parts = self.on_step_peak() if self.on_step_peak is not None else {}
-                if top:
-                    self.step_peak, self.step_peak_by_kind, self.step_peak_parts = held, kinds, parts
-                if in_phase:
-                    self.phase_peaks[phase] = (held, kinds, parts)
-
-    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        try:
-            super()._pre_fw_hook(module, inputs)
-        except NotImplementedError:  # "does not support ... multiple iterative calls": the root again
-            self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
 
 
 class RunMeter:

@@ -127,7 +127,7 @@ def _size(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
 
 class Replay:
     """Replays a pipeline trace's micro-batches (see the module docstring). ``tracker`` is the trace's
-    :class:`~vemesh.planning.measure.StepTracker`, ``collectives`` its
+    :class:`~vemesh.planning.step_tracker.StepTracker`, ``collectives`` its
     :class:`~vemesh.planning.measure.CollectiveBytes`; :meth:`begin_step` gives each step's FLOP and memory-bound
     counters (:func:`vemesh.planning.fusion.step_counters`)."""
 
@@ -308,10 +308,10 @@ class Replay:
         device = self._device()
         start = self._held()
         for part, rise in effect.rises:  # each part's peak, as the tracker's part: the start plus its rise
-            self.tracker.part = part
             if release is not None and start + rise < self._held():  # a backward's later parts, past what its
-                release()  # forward kept: freed here, or those parts would peak at the start, not below it
-                release = None
+                release()  # forward kept: freed here (before the part begins, which the tracker sees at what is
+                release = None  # held then), or those parts would peak at the start, not below it
+            self.tracker.part = part
             torch.empty(max(start + rise - self._held(), 0), dtype=torch.uint8, device=device)  # held, freed at once
         if release is not None:
             release()

@@ -46,7 +46,8 @@ from vemesh.planning.estimate import RankMemory
 from vemesh.planning.fake_world import (Held, chunks_on_demand, copies_in_mode, cpu_kernel_shapes, fake_world,
                                        fakes_take_foreach, give_storage, local_shards, real_mesh_tensors, to_bf16)
 from vemesh.planning.fusion import step_counters
-from vemesh.planning.measure import CollectiveBytes, StepTracker, by_mesh_name, mesh_names, ops_by_mesh_name
+from vemesh.planning.measure import CollectiveBytes, by_mesh_name, mesh_names, ops_by_mesh_name
+from vemesh.planning.step_tracker import StepTracker
 from vemesh.planning.pipeline_trace import MetaExchange, build_schedule, pipeline_stages, sends_hold_tensors
 from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, more_ops
 from vemesh.planning.routing import routing

@@ -38,7 +38,7 @@ from vemesh.models.gpt.parallelize import parallelize
 from vemesh.optim import clip_grad_norm_
 from vemesh.planning.fake_world import real_mesh_tensors
 from vemesh.planning.fusion import step_counters
-from vemesh.planning.measure import StepTracker
+from vemesh.planning.step_tracker import StepTracker
 
 __all__ = ["WrapperCosts", "build_gpt", "wrapper_costs"]
 
