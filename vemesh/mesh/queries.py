@@ -8,7 +8,6 @@ See :mod:`vemesh.mesh.manager` for the 8-rank mesh the examples use.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -106,24 +105,25 @@ class LayoutQueries:
         return self.layout.index_in_group(self.get_rank(), dim, absent_ok=True)
 
     def get_local_rank(self, dim: Dims | None = None, *, mesh_dim: Dims | None = None) -> int:
-        """This rank's index along ``dim`` (torch's meaning), or without ``dim``, its index on its host.
+        """This rank's index along ``dim``, as torch's ``DeviceMesh.get_local_rank`` answers.
 
-        ``get_local_rank("TP")`` is what torch's ``mesh.get_local_rank("TP")`` gives: 1 on
-        rank 5; a name the mesh does not have raises ``KeyError``, as in torch. ``mesh_dim=`` is torch's name for
-        ``dim``, taken as well.
-
-        ``get_local_rank()`` is torchrun's ``LOCAL_RANK`` (else ``rank % LOCAL_WORLD_SIZE``, else the global
-        rank): with 4 devices per host rank 5 gets 1. Unlike veScale, no coordinate is found from it.
+        ``get_local_rank("TP")`` is what torch's ``mesh.get_local_rank("TP")`` gives: 1 on rank 5; a name the mesh
+        does not have raises ``KeyError``, as in torch. ``mesh_dim=`` is torch's name for ``dim``, taken as well.
+        Without ``dim``, as in torch: the index along a 1-D mesh's only dim, and on a mesh of more dims a
+        ``RuntimeError`` naming them. The index on the host (veScale's ``get_local_rank()``, the device to use) is
+        torchrun's ``int(os.environ["LOCAL_RANK"])``, not a mesh query: on a 1-D mesh over two hosts of 4 devices,
+        rank 5's index is 5 and its host's is 1.
         """
         dim = torch_dim(dim, mesh_dim, "get_local_rank")
-        rank = self.get_rank()
-        if dim is not None:
-            return self.layout.index_in_group(rank, dim)
-        if "LOCAL_RANK" in os.environ:
-            return int(os.environ["LOCAL_RANK"])
-        if "LOCAL_WORLD_SIZE" in os.environ:
-            return rank % int(os.environ["LOCAL_WORLD_SIZE"])
-        return rank
+        if dim is None:
+            names = self.layout.dim_names
+            if len(names) > 1:
+                raise RuntimeError(f"get_local_rank() needs a dim on a mesh of {len(names)} dims {names}, as torch's "
+                                   f"DeviceMesh does: get_local_rank({names[-1]!r}) is this rank's index along "
+                                   f"{names[-1]}; this rank's index on its host (the device to use) is torchrun's "
+                                   'int(os.environ["LOCAL_RANK"])')
+            dim = names[0]
+        return self.layout.index_in_group(self.get_rank(), dim)
 
     def to_global_rank(self, local_rank: int, dim: Dims) -> int:
         """Global rank of member ``local_rank`` of this rank's group along ``dim``.

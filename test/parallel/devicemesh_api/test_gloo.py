@@ -70,7 +70,9 @@ def _eight_ranks(rank, world):
     # the stage's own submesh carries its real group
     stage = mesh.get_global_pipeline_parallel_meshes()[mesh.lookup_rank("PP")]
     assert stage is mesh["DP", "TP"]
-    assert mesh.get_local_rank() == rank  # LOCAL_RANK from the launcher
+    assert mesh.get_local_rank("TP") == mesh.mesh.get_local_rank("TP") == rank % 2
+    with pytest.raises(RuntimeError, match=r"get_local_rank\(\) needs a dim on a mesh of 3 dims"):
+        mesh.get_local_rank()  # as torch's mesh of 3 dims; the host's index is LOCAL_RANK, not a mesh query
     checked += _two_half_meshes(rank)
     checked += _experts_beside_context(rank)
     dist.barrier()
@@ -193,7 +195,7 @@ def test_plain_python_gets_a_one_rank_group():
     code = (
         "from vemesh import VESCALE_DEVICE_MESH as m\n"
         "m.init_device_mesh('cpu', (1, 1))\n"
-        "print(m, m.get_strategy_size('TP'), m.get_local_rank())\n"
+        "print(m, m.get_strategy_size('TP'), m.get_local_rank('TP'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -37,6 +37,26 @@ def test_torchs_keyword_and_group_list_answer_as_torchs_mesh_on_every_rank(fake_
         assert [ranks(g) for g in mesh.get_all_groups()] == [ranks(g) for g in torch_mesh.get_all_groups()]
 
 
+@pytest.mark.parametrize("shape,names", MESHES, ids=lambda v: "x".join(map(str, v)) if isinstance(v[0], int) else "")
+def test_get_local_rank_without_a_dim_answers_or_refuses_as_torchs_mesh_on_every_rank(fake_mesh, shape, names) -> None:
+    """The index along a 1-D mesh's only dim; on more dims, torch's refusal, and the manager's names the dims and
+    where a rank's index on its host is (veScale answered that, which on a 1-D mesh over hosts is another number)."""
+    world = 1
+    for n in shape:
+        world *= n
+    for rank in range(world):
+        mesh = fake_mesh(rank, shape, names)
+        if len(shape) == 1:
+            assert mesh.get_local_rank() == mesh.mesh.get_local_rank() == rank
+            continue
+        with pytest.raises(RuntimeError, match="mesh_dim"):
+            mesh.mesh.get_local_rank()
+        with pytest.raises(RuntimeError, match=rf"get_local_rank\(\) needs a dim on a mesh of {len(names)} dims "
+                                               rf"\({', '.join(map(repr, names))}\).*get_local_rank\('TP'\) is this "
+                                               r"rank's index along TP.*int\(os.environ\[\"LOCAL_RANK\"\]\)"):
+            mesh.get_local_rank()
+
+
 def test_the_dim_given_twice_is_a_type_error_naming_both(fake_mesh) -> None:
     mesh = fake_mesh(5, (2, 2, 2), ("PP", "DP", "TP"))
     for call in (mesh.size, mesh.get_local_rank, mesh.get_group):
