@@ -35,9 +35,9 @@ from vemesh.models.gpt.parallelize import apply_tp
 from vemesh.parallel import ExpertParallel, context_parallel
 from vemesh.planning.fake_world import local_shards, quiet_sharding_propagation
 from vemesh.planning.measure import CollectiveBytes, by_mesh_name, ops_by_mesh_name
-from vemesh.planning.step_tracker import StepTracker
 from vemesh.planning.fusion import step_counters
 from vemesh.planning.routing import routing
+from vemesh.planning.step_tracker import StepTracker
 from vemesh.planning.wrapper_costs import build_gpt
 
 __all__ = ["ROLES", "Trace", "add_ops", "trace_stage"]

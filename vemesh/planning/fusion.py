@@ -48,8 +48,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning.measure import FLOP_FORMULAS
-from vemesh.planning.step_tracker import answer_device, device_query
 from vemesh.planning.speedups import attention_key
+from vemesh.planning.step_tracker import answer_device, device_query
 from vemesh.planning.storages import StorageTables, storage_key
 
 __all__ = ["Fusion", "MemoryBoundBytes", "moves_data", "step_counters"]

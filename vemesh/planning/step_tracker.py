@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
 __all__ = ["NoModules", "StepTracker", "answer_device", "device_query"]
