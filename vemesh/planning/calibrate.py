@@ -265,7 +265,9 @@ def _worker(rank: int, n: int, store: str, device_type: str, quick: bool, out: s
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=n)
+    # nccl bound to this rank's device (else it guesses it from the rank, and warns that a wrong guess hangs)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=n,
+                            device_id=device if device_type == "cuda" else None)
     sync = (lambda: torch.cuda.synchronize()) if device_type == "cuda" else (lambda: None)  # noqa: E731
     groups = {}
     for size in divisors(n)[1:]:
