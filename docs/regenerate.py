@@ -104,7 +104,8 @@ def regenerate(path: Path, check: bool, kinds: tuple[str, ...] = KINDS) -> list[
 #: The public modules whose names docs/api.md lists, in this order.
 API_MODULES = ["vemesh", "vemesh.mesh", "vemesh.layout", "vemesh.planning.mesh_plan", "vemesh.ddp", "vemesh.optim",
                "vemesh.checkpoint", "vemesh.parallel.context", "vemesh.ft", "vemesh.planning.estimate", "vemesh.planning.fit",
-               "vemesh.planning", "vemesh.planning.measure", "vemesh.planning.fusion", "vemesh.planning.speedups",
+               "vemesh.planning", "vemesh.planning.measure", "vemesh.planning.step_tracker", "vemesh.planning.fusion",
+               "vemesh.planning.speedups",
                "vemesh.hangs", "vemesh.parallel", "vemesh.parallel.schedules", "vemesh.check", "vemesh.models.llama3"]
 
 

@@ -104,6 +104,7 @@ class StepTracker(MemTracker):
 
     @property
     def phase(self) -> str | None:
+        """The part of a step now running (``"step"``, ``"optimizer"``, an action of a pipeline's; None: not told)."""
         return self._phase
 
     @phase.setter
