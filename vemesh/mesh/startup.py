@@ -24,7 +24,8 @@ from vemesh.layout.mesh_layout import MeshLayout
 from vemesh.layout.spec import MeshSpec
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "as_timeout", "apply_timeout", "build_mesh", "check_same_on_all_ranks", "ensure_process_group",
+    "DEFAULT_TIMEOUT", "as_timeout", "apply_timeout", "bound_device", "build_mesh", "check_same_on_all_ranks",
+    "ensure_process_group",
 ]
 
 #: How long a collective, or the start-up rendezvous, waits for the other ranks (NCCL's default;
@@ -147,10 +148,32 @@ def ensure_process_group(device_type: str, timeout: timedelta) -> bool:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = _job_store(rank, world_size, timeout)
         _wait_for_everyone(store, rank, world_size, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=bound_device(device_type, rank))
     else:  # a plain `python script.py`: one rank, no rendezvous needed
-        dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore(), timeout=timeout)
+        dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore(), timeout=timeout,
+                                device_id=bound_device(device_type, 0))
     return True
+
+
+def bound_device(device_type: str, rank: int) -> torch.device | None:
+    """The accelerator this rank works on, selected and given to ``init_process_group`` as ``device_id`` (None on
+    the CPU): torch then forms NCCL's communicator at once, so that a failure to form it is raised at start-up and
+    not at the first collective, and builds each mesh dim's group by splitting it rather than from scratch.
+
+    The device is the one torch's ``DeviceMesh`` would select: the current device where one was already selected
+    (``torch.cuda.set_device`` before the mesh), else torchrun's ``LOCAL_RANK``, else the rank modulo the devices
+    of the host; with ``CUDA_VISIBLE_DEVICES`` giving a process fewer devices, modulo those it sees.
+    """
+    module = getattr(torch, device_type, None)
+    if device_type == "cpu" or module is None or not module.is_available() or module.device_count() == 0:
+        return None
+    if module.is_initialized():
+        index = module.current_device()
+    else:
+        index = int(os.environ.get("LOCAL_RANK", rank)) % module.device_count()
+        module.set_device(index)
+    return torch.device(device_type, index)
 
 
 def _job_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:

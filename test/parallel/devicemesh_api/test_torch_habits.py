@@ -106,3 +106,62 @@ def test_a_name_torchs_flatten_made_on_a_view_gets_the_flatten_that_makes_it_for
     assert mesh.size("DP_CP") == 4 and mesh.get_local_rank("DP_CP") == 1
     with pytest.raises(KeyError, match=r"unknown dim name 'DP_XP'; valid dim names are .*; did you mean"):
         mesh["DP_XP"]  # not a join of the mesh's names: the usual error
+
+
+class _Accelerator:
+    """What :func:`vemesh.mesh.startup.bound_device` reads of ``torch.cuda``, on a machine of ``count`` devices."""
+
+    def __init__(self, count: int, current: int | None = None) -> None:
+        self.count, self.current, self.selected = count, current, None
+
+    def is_available(self) -> bool:
+        return self.count > 0
+
+    def device_count(self) -> int:
+        return self.count
+
+    def is_initialized(self) -> bool:
+        return self.current is not None
+
+    def current_device(self) -> int:
+        return self.current
+
+    def set_device(self, index: int) -> None:
+        self.selected = index
+
+
+@pytest.mark.parametrize("count, current, local_rank, rank, want", [
+    (8, None, "3", 11, 3),     # torchrun: LOCAL_RANK
+    (1, None, "3", 11, 0),     # CUDA_VISIBLE_DEVICES gave the process one device
+    (4, None, None, 6, 2),     # another launcher: the rank modulo the host's devices, as torch's DeviceMesh guesses
+    (8, 5, "3", 11, 5),        # the user selected a device before the mesh: kept
+    (0, None, "3", 11, None),  # no device
+])
+def test_a_cuda_rank_binds_the_device_torchs_mesh_would_select(monkeypatch, count, current, local_rank, rank,
+                                                               want) -> None:
+    """torch's ``init_process_group(device_id=...)`` forms NCCL's communicator at start-up and splits each mesh dim's
+    group from it; vemesh passes the device torch's ``DeviceMesh`` would select, and selects it (no GPU here: the
+    choice and its wiring into ``init_process_group`` are checked, not NCCL)."""
+    from vemesh.mesh import startup
+
+    accelerator = _Accelerator(count, current)
+    monkeypatch.setattr(torch, "cuda", accelerator)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    got = startup.bound_device("cuda", rank)
+    assert got == (None if want is None else torch.device("cuda", want))
+    assert accelerator.selected == (want if current is None else None)
+    assert startup.bound_device("cpu", rank) is None
+
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert startup.ensure_process_group("cuda", startup.DEFAULT_TIMEOUT)
+    assert seen["backend"] == "cpu:gloo,cuda:nccl" and seen["world_size"] == 1
+    assert seen["device_id"] == (None if want is None else torch.device("cuda", want if current is not None or
+                                                                          local_rank is not None else 0))
+    startup.ensure_process_group("cpu", startup.DEFAULT_TIMEOUT)
+    assert seen["backend"] == "gloo" and seen["device_id"] is None
