@@ -120,6 +120,11 @@ def _sdpa(k=None, **kwargs):
     (_sdpa(is_causal=True, k=torch.randn(1, 2, 16, 4)), "keys of 16 positions for queries of 8"),
     (lambda: torch.nn.functional.scaled_dot_product_attention(*[torch.randn(1, 2, 16, 4)] * 3, is_causal=True),
      "the queries hold 16 positions, but this CP rank's share of the buffers' 16 is 8"),
+    # attention by the model's own matmuls and softmax (Hugging Face's eager attention), which the ring never sees
+    (lambda: torch.nn.functional.softmax(torch.randn(1, 2, 8, 8), dim=-1, dtype=torch.float32),
+     "a softmax over a 8 x 8 score matrix inside context_parallel"),
+    (lambda: torch.randn(1, 2, 8, 8).softmax(-1), "sees only this CP rank's 8 of the 16 positions"),
+    (lambda: torch.softmax(torch.randn(1, 2, 8, 8), 3), 'attn_implementation="sdpa"'),
 ])
 def test_what_the_ring_cannot_compute_is_refused_on_every_rank(cp_rank, call, message) -> None:
     for rank in range(2):
@@ -131,6 +136,36 @@ def test_what_the_ring_cannot_compute_is_refused_on_every_rank(cp_rank, call, me
                 call()
         assert message in str(e.value) and "\n" not in str(e.value)
         assert x.shape == (1, 16)  # restored
+
+
+def test_a_softmax_that_is_not_over_this_ranks_positions_squared_runs(cp_rank) -> None:
+    """Only a square score matrix of this rank's positions per sequence and head is taken for attention: a softmax
+    over the vocabulary of each position, over a square of another size, or a MoE router's over as many experts as
+    the rank has positions, runs inside the context."""
+    cp_rank(1)
+    x = torch.zeros(1, 16)
+    with context_parallel(mesh["CP"], buffers=[x], buffer_seq_dims=[1]):
+        assert torch.softmax(torch.randn(1, 8, 100), -1).shape == (1, 8, 100)
+        assert torch.randn(2, 2, 4, 4).softmax(-1).shape == (2, 2, 4, 4)
+        assert torch.randn(1, 8, 8).softmax(-1).shape == (1, 8, 8)  # (batch, positions, 8 experts)
+        assert torch.randn(8, 8).softmax(-1).shape == (8, 8)  # (tokens, 8 experts)
+
+
+def test_hugging_faces_eager_attention_is_refused_under_context_parallel(cp_rank) -> None:
+    """``LlamaForCausalLM`` with ``attn_implementation="eager"`` computes attention with its own matmuls and softmax,
+    over the positions a CP rank holds: each rank would attend to its own share of the sequence only, and train (on 2
+    gloo ranks its second rank's logits were 0.20 off one process's). Refused on every rank; under SDPA it runs."""
+    hf = pytest.importorskip("transformers")
+    for rank in range(2):
+        cp_rank(rank)
+        torch.manual_seed(0)
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                   head_dim=8, attn_implementation="eager"))
+        x, p = torch.randint(0, 128, (2, 16)), torch.arange(16).expand(2, 16).contiguous()
+        with context_parallel(mesh["CP"], buffers=[x, p], buffer_seq_dims=[1, 1]):
+            with pytest.raises(ValueError, match='attention computed by the model itself.*attn_implementation="sdpa"'):
+                model(input_ids=x, position_ids=p)
 
 
 def test_a_cp_dim_of_one_rank_runs_the_block_as_it_is() -> None:

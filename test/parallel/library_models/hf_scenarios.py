@@ -108,7 +108,9 @@ compare = parity.compare
 class Stage(torch.nn.Module):
     """Pipeline stage ``stage`` of ``n_stages`` of an HF decoder-only model (docs/models.md's recipe): the embedding on
     the first, its share of the decoder layers, the final norm and the head on the last, under HF's own names (layer 3
-    is ``model.layers.3`` on whichever stage holds it); its forward is HF's ``LlamaModel.forward`` for those parts."""
+    is ``model.layers.3`` on whichever stage holds it); its forward is HF's ``LlamaModel.forward`` for those parts,
+    with HF's own causal mask (``create_causal_mask``: None under SDPA, which is causal by itself; a mask under eager
+    attention, which without one attends to every position, the later tokens too)."""
 
     def __init__(self, hf_model: torch.nn.Module, stage: int, n_stages: int) -> None:
         super().__init__()
@@ -120,14 +122,19 @@ class Stage(torch.nn.Module):
         self.model.rotary_emb = inner.rotary_emb
         self.model.norm = inner.norm if last else None
         self.lm_head = hf_model.lm_head if last else None
+        self.config = hf_model.config
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
         if self.model.embed_tokens is not None:
             h = self.model.embed_tokens(h)
         positions = torch.arange(h.size(1), device=h.device).unsqueeze(0)
         rope = self.model.rotary_emb(h, positions)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                                  position_ids=positions)
         for layer in self.model.layers.values():
-            h = layer(h, position_embeddings=rope, position_ids=positions)
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
         return self.lm_head(self.model.norm(h)) if self.lm_head is not None else h
 
 

@@ -96,3 +96,21 @@ def test_an_experts_forward_of_neither_contract_is_refused_by_name(fake_four) ->
 
     with pytest.raises(ValueError, match=r"Odd.forward takes \(x, a, b, c\)"):
         parallelize_module(Odd(), mesh["EP"], ExpertParallel())
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_pipeline_recipes_stages_chained_are_hfs_whole_model(attention) -> None:
+    """docs/models.md's stage module (:class:`hf_scenarios.Stage`), its stages run one after another in one process,
+    against HF's whole ``LlamaForCausalLM``: the logits equal under SDPA and under eager attention. Without HF's
+    causal mask eager attention sees every position, the later tokens too (0.43 off), and the model still trains."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                               attn_implementation=attention))
+    tokens = torch.randint(0, 128, (2, 16))
+    h = tokens
+    for stage in range(4):
+        h = S.Stage(model, stage, 4)(h)
+    torch.testing.assert_close(h, model(tokens).logits, rtol=0, atol=1e-6)

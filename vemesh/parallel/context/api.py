@@ -14,7 +14,9 @@ Inside ``with context_parallel(cp_mesh, buffers=[x, y, rope_cos], buffer_seq_dim
 
 What cannot be exact is refused, naming the value: an ``attn_mask`` or ``is_causal=False`` (only causal
 attention is computed by the ring), attention dropout, keys of another length than the queries, buffers
-of different lengths, a length CP does not divide, a query whose length is not the buffers' share. Load
+of different lengths, a length CP does not divide, a query whose length is not the buffers' share, and attention
+the model computes itself (a softmax over a ``(batch, heads, t, t)`` score matrix of this rank's ``t`` positions:
+Hugging Face's eager attention), which the ring never sees. Load
 balancing is exact wherever it is allowed (the ring knows which chunks each rank holds); it is on by default.
 
 Run the backward inside the context too (torch asks the same): activation checkpointing recomputes SDPA
@@ -46,6 +48,8 @@ from vemesh.mesh.views import check_view
 __all__ = ["context_parallel", "sharded_buffers"]
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention,)
+#: the softmaxes a model's own attention (not SDPA) calls: Hugging Face's eager attention calls ``F.softmax``
+_SOFTMAX = (F.softmax, torch.softmax, torch._C.TensorBase.softmax, torch.special.softmax)
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _STATE = threading.local()
 
@@ -131,6 +135,8 @@ class _RingSDPA(TorchFunctionMode):
         self.context = context
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _SOFTMAX:
+            _refuse_local_attention(self.context, args, kwargs or {})
         if func not in _SDPA:
             return func(*args, **(kwargs or {}))
         if _checkpointing():  # its recompute in backward would not pass through here, nor through F's attribute
@@ -140,6 +146,26 @@ class _RingSDPA(TorchFunctionMode):
                 "attention. Call it as torch.nn.functional.scaled_dot_product_attention"
             )
         return _ring_sdpa(self.context, dict(zip(_PARAMS, args)) | (kwargs or {}))
+
+
+def _refuse_local_attention(ctx: _Context, args: tuple, kwargs: dict[str, Any]) -> None:
+    """``ValueError`` for a softmax over a square score matrix of this CP rank's positions, per sequence and head
+    (``(batch, heads, t, t)``): attention computed by the model itself (Hugging Face's ``attn_implementation="eager"``,
+    nanoGPT's manual path), which the ring never sees, so that each rank would attend only to its own share of the
+    sequence, and train. A MoE router's ``(tokens, experts)`` or ``(batch, t, experts)`` is not taken for one, even
+    with as many experts as positions."""
+    x = args[0] if args else kwargs.get("input")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if ctx.seq_len is None or not isinstance(x, torch.Tensor) or not isinstance(dim, int) or x.dim() < 4:
+        return
+    local = ctx.seq_len // ctx.cp_mesh.size()
+    if x.size(-1) == x.size(-2) == local and dim % x.dim() >= x.dim() - 2:
+        raise ValueError(
+            f"a softmax over a {local} x {local} score matrix inside context_parallel: attention computed by the "
+            f"model itself, not by torch.nn.functional.scaled_dot_product_attention, sees only this CP rank's {local} "
+            f"of the {ctx.seq_len} positions (the ring runs SDPA's calls alone), and would train on that. Use SDPA "
+            "(Hugging Face: attn_implementation=\"sdpa\", not \"eager\")"
+        )
 
 
 def _owed(ctx: _Context, token: _Owed, grad: torch.Tensor) -> torch.Tensor:
