@@ -168,6 +168,31 @@ def test_hugging_faces_eager_attention_is_refused_under_context_parallel(cp_rank
                 model(input_ids=x, position_ids=p)
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_under_context_parallel(cp_rank, kind) -> None:
+    """Mistral's and Qwen2's sliding window (HF, SDPA): where a CP rank's share fits in the window, HF leaves the
+    window's mask out and calls SDPA causal, and the ring attends over the whole sequence: on 2 gloo ranks, a window
+    of 12 over 16 positions put the second rank's logits 0.06 (Mistral) and 0.04 (Qwen2) off one process's. Refused
+    on every rank; a window the sequence fits in (16) changes nothing, and runs."""
+    hf = pytest.importorskip("transformers")
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, attn_implementation="sdpa")
+    for window, refused in ((12, True), (16, False)):
+        for rank in range(2):
+            cp_rank(rank)
+            torch.manual_seed(0)
+            model = (hf.MistralForCausalLM(hf.MistralConfig(sliding_window=window, **common)) if kind == "mistral" else
+                     hf.Qwen2ForCausalLM(hf.Qwen2Config(use_sliding_window=True, sliding_window=window,
+                                                        max_window_layers=0, **common)))
+            x, p = torch.randint(0, 128, (2, 16)), torch.arange(16).expand(2, 16).contiguous()
+            with context_parallel(mesh["CP"], buffers=[x, p], buffer_seq_dims=[1, 1]):
+                if refused:
+                    with pytest.raises(ValueError, match="a sliding window of 12 positions .* the sequence holds 16"):
+                        model(input_ids=x, position_ids=p)
+                else:
+                    assert model(input_ids=x, position_ids=p).logits.shape == (2, 8, 128)
+
+
 def test_a_cp_dim_of_one_rank_runs_the_block_as_it_is() -> None:
     """A job's CP dim of size 1 (a mesh whose dims are named for a larger run): nothing is cut, even a length 2 x CP
     would not split, and the model's SDPA is its own. It recursed: the ring's one-rank path called F's SDPA, which

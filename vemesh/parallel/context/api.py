@@ -16,7 +16,8 @@ What cannot be exact is refused, naming the value: an ``attn_mask`` or ``is_caus
 attention is computed by the ring), attention dropout, keys of another length than the queries, buffers
 of different lengths, a length CP does not divide, a query whose length is not the buffers' share, and attention
 the model computes itself (a softmax over a ``(batch, heads, t, t)`` score matrix of this rank's ``t`` positions:
-Hugging Face's eager attention), which the ring never sees. Load
+Hugging Face's eager attention), which the ring never sees, and a calling attention's sliding window shorter than
+the sequence (Hugging Face's ``sliding_window``), which the ring does not apply. Load
 balancing is exact wherever it is allowed (the ring knows which chunks each rank holds); it is on by default.
 
 Run the backward inside the context too (torch asks the same): activation checkpointing recomputes SDPA
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -191,12 +193,42 @@ def _refuse(given: dict[str, Any], q: torch.Tensor, k: torch.Tensor, ctx: _Conte
         raise ValueError(f"{where}: keys of {k.size(-2)} positions for queries of {q.size(-2)} (a KV cache, or cross "
                          "attention) are refused: the ring needs self-attention over the sharded sequence")
     cp = ctx.cp_mesh.size()
+    window = _sliding_window()
+    if window is not None and q.size(-2) * cp > window:
+        raise ValueError(
+            f"{where}: the calling attention has a sliding window of {window} positions (Hugging Face's "
+            f"sliding_window), and the sequence holds {q.size(-2) * cp}: the ring computes causal attention over the "
+            "whole sequence, with no window (HF leaves its window's mask out where a CP rank's share fits in it). "
+            "Use CP where the sequence fits in the window, or a model without one"
+        )
     if ctx.seq_len is not None and q.size(-2) * cp != ctx.seq_len:
         raise ValueError(
             f"{where}: the queries hold {q.size(-2)} positions, but this CP rank's share of the buffers' "
             f"{ctx.seq_len} is {ctx.seq_len // cp}: pass every tensor that carries the sequence (tokens, positions, "
             "RoPE tables) in buffers="
         )
+
+
+def _sliding_window(depth: int = 8) -> int | None:
+    """The sliding window of the attention that called SDPA, where Hugging Face's attention gives one: its
+    ``sdpa_attention_forward`` takes it as ``sliding_window`` among its keyword arguments (Mistral, Qwen2 and
+    others), and some attention modules hold it as ``self.sliding_window`` (None on a layer of full attention).
+    Read from the calling frames, outside this module, as SDPA is not given it."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__") == __name__:
+            continue
+        names = frame.f_locals
+        kwargs, owner = names.get("kwargs"), names.get("self", names.get("module"))
+        window = kwargs.get("sliding_window") if isinstance(kwargs, dict) else None
+        if window is None and isinstance(owner, torch.nn.Module):
+            window = getattr(owner, "sliding_window", None)
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            return window
+    return None
 
 
 def _check_arguments(cp_mesh: Any, buffers: Sequence[torch.Tensor], dims: Sequence[int],
