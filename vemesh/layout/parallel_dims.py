@@ -35,7 +35,7 @@ averages dense gradients over ``dp_cp`` ``[1, 3, 5, 7, 9, 11, 13, 15]``, holds t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vemesh.layout.data_dims import DataDims, data_dims
@@ -82,6 +82,19 @@ class ParallelDims:
     ep: int = 1
     mesh_dims: tuple[str, ...] | None = None
     steps: tuple[tuple[str, tuple[Any, ...]], ...] = field(init=False, repr=False, compare=False)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ParallelDims:
+        """A keyword that names no degree is a ``TypeError`` naming it and the valid ones (``dp=2``, as ``vemesh
+        plan --dp`` reads, gets where DP goes)."""
+        valid = [f.name for f in fields(cls) if f.init]
+        unknown = [k for k in kwargs if k not in valid]
+        if unknown:
+            dp = next((kwargs[k] for k in unknown if k.lower() == "dp"), None)
+            hint = (f"; the DP degree is dp_shard (dp_replicate x dp_shard with HSDP): pass dp_shard={dp!r}"
+                    if dp is not None else "")
+            raise TypeError(f"ParallelDims got {', '.join(map(repr, unknown))}, which name{'s' if len(unknown) == 1 else ''} no degree; the valid "
+                            f"keywords are {', '.join(valid)}{hint}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:

@@ -156,3 +156,25 @@ def test_no_other_module_derives_a_dim() -> None:
                 if pattern.search(line) and not line.strip().startswith(('f"', '"', "'", 'r"')):  # not a message
                     found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dp=2), "ParallelDims got 'dp', which names no degree; the valid keywords are world_size, pp, dp_replicate, "
+                 "dp_shard, cp, tp, ep, mesh_dims; the DP degree is dp_shard (dp_replicate x dp_shard with HSDP): "
+                 "pass dp_shard=2"),
+    (dict(TP=2, etp=2), "ParallelDims got 'TP', 'etp', which name no degree; the valid keywords are world_size, pp, "
+                        "dp_replicate, dp_shard, cp, tp, ep, mesh_dims"),
+])
+def test_a_keyword_that_names_no_degree_is_one_line_naming_it_and_the_valid_ones(kwargs, message) -> None:
+    """``ParallelDims(8, dp=2)``, as ``vemesh plan --dp 2`` reads, is refused with where DP goes; a copy, a pickle and
+    ``dataclasses.replace`` still build it."""
+    import copy
+    import pickle
+    from dataclasses import replace
+
+    with pytest.raises(TypeError) as e:
+        ParallelDims(8, **kwargs)
+    assert str(e.value) == message
+    dims = ParallelDims(8, tp=2)
+    assert pickle.loads(pickle.dumps(dims)) == copy.deepcopy(dims) == dims
+    assert replace(dims, tp=4, dp_shard=2).tp == 4
