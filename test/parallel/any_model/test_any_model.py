@@ -193,6 +193,33 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_under_context_par
                     assert model(input_ids=x, position_ids=p).logits.shape == (2, 8, 128)
 
 
+def test_a_shift_of_a_cut_buffer_inside_the_context_is_refused_and_other_indexing_runs(cp_rank) -> None:
+    """A buffer the context holds cut, shifted by a position along its sequence dim (``y[:, 1:]``, ``F.pad``, HF's
+    ``labels=`` which pads and shifts inside the model's loss), pairs tokens of other parts of the sequence: on 2
+    gloo ranks, HF Llama's ``labels=`` loss was 4.8344 for one process's 4.8259. Refused; indexing that keeps the
+    whole share, another dim, or a token by number runs."""
+    hf = pytest.importorskip("transformers")
+    for rank in range(2):
+        cp_rank(rank)
+        y, positions = torch.zeros(2, 16, dtype=torch.long), torch.arange(16.0).expand(2, 16).clone()
+        with context_parallel(mesh["CP"], buffers=[y, positions], buffer_seq_dims=[1, -1]):
+            for shift in (lambda: y[:, 1:], lambda: y[..., :-1], lambda: positions[:, 2:6],
+                          lambda: torch.nn.functional.pad(y, (0, 1), value=-100)):
+                with pytest.raises(ValueError, match="of a buffer context_parallel holds cut, along its sequence dim 1"):
+                    shift()
+            assert y[:, :].shape == y[:, :8].shape == y[..., 0:8].shape == (2, 8)
+            assert y[1].shape == (8,) and y[:1].shape == (1, 8) and positions[:, None, :].shape == (2, 1, 8)
+            assert torch.nn.functional.pad(y, (0, 0, 1, 0)).shape == (3, 8)  # the batch dim
+        torch.manual_seed(0)
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                   head_dim=8, attn_implementation="sdpa"))
+        x, p = torch.randint(0, 128, (2, 16)), torch.arange(16).expand(2, 16).contiguous()
+        with context_parallel(mesh["CP"], buffers=[x, p], buffer_seq_dims=[1, 1]):
+            with pytest.raises(ValueError, match=r"F.pad\(..., \(0, 1\)\) of a buffer .* not with labels="):
+                model(input_ids=x, position_ids=p, labels=x)
+
+
 def test_a_cp_dim_of_one_rank_runs_the_block_as_it_is() -> None:
     """A job's CP dim of size 1 (a mesh whose dims are named for a larger run): nothing is cut, even a length 2 x CP
     would not split, and the model's SDPA is its own. It recursed: the ring's one-rank path called F's SDPA, which

@@ -17,7 +17,8 @@ attention is computed by the ring), attention dropout, keys of another length th
 of different lengths, a length CP does not divide, a query whose length is not the buffers' share, and attention
 the model computes itself (a softmax over a ``(batch, heads, t, t)`` score matrix of this rank's ``t`` positions:
 Hugging Face's eager attention), which the ring never sees, and a calling attention's sliding window shorter than
-the sequence (Hugging Face's ``sliding_window``), which the ring does not apply. Load
+the sequence (Hugging Face's ``sliding_window``), which the ring does not apply, and a buffer shifted by a position
+inside the context (``y[:, 1:]``, ``F.pad``, Hugging Face's ``labels=``), which pairs tokens of other parts. Load
 balancing is exact wherever it is allowed (the ring knows which chunks each rank holds); it is on by default.
 
 Run the backward inside the context too (torch asks the same): activation checkpointing recomputes SDPA
@@ -51,6 +52,7 @@ __all__ = ["context_parallel", "sharded_buffers"]
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention,)
 #: the softmaxes a model's own attention (not SDPA) calls: Hugging Face's eager attention calls ``F.softmax``
+_SHIFTS = (F.pad, torch.Tensor.__getitem__)  # how a sequence is shifted by a position: HF's labels=, x[:, 1:]
 _SOFTMAX = (F.softmax, torch.softmax, torch._C.TensorBase.softmax, torch.special.softmax)
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _STATE = threading.local()
@@ -65,9 +67,10 @@ class _Context:
     """One active ``context_parallel``: its mesh, options, sharded buffers and ring calls still owed a backward."""
 
     def __init__(self, cp_mesh: DeviceMesh, load_balance: bool, rotate: str, seq_len: int | None,
-                 buffer_ids: set[int]) -> None:
+                 buffer_dims: dict[int, int]) -> None:
         self.cp_mesh, self.load_balance, self.rotate = cp_mesh, load_balance, rotate
-        self.seq_len, self.buffer_ids = seq_len, buffer_ids
+        #: the ``id`` of each buffer held cut, and its sequence dim
+        self.seq_len, self.buffer_dims, self.buffer_ids = seq_len, buffer_dims, set(buffer_dims)
         self.pending = 0  # ring calls whose backward has not run
         #: of those, the calls under activation checkpointing (saved tensors hooked), each a weak reference to a
         #: token its autograd node holds: a call whose graph is gone (a forward that torch's pipeline stage runs only
@@ -139,6 +142,8 @@ class _RingSDPA(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func in _SOFTMAX:
             _refuse_local_attention(self.context, args, kwargs or {})
+        elif func in _SHIFTS and args and id(args[0]) in self.context.buffer_ids:
+            _refuse_shift(self.context, func, args, kwargs or {})
         if func not in _SDPA:
             return func(*args, **(kwargs or {}))
         if _checkpointing():  # its recompute in backward would not pass through here, nor through F's attribute
@@ -148,6 +153,37 @@ class _RingSDPA(TorchFunctionMode):
                 "attention. Call it as torch.nn.functional.scaled_dot_product_attention"
             )
         return _ring_sdpa(self.context, dict(zip(_PARAMS, args)) | (kwargs or {}))
+
+
+def _refuse_shift(ctx: _Context, func: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    """``ValueError`` for a buffer the context holds cut, padded or sliced along its sequence dim: a shift by a
+    position (Hugging Face's ``labels=``, which pads and shifts inside the model's loss; ``y[:, 1:]``). A rank's
+    share of the sequence is not contiguous under load balancing, nor at its edge, so a shift pairs tokens of other
+    chunks and drops one a chunk, and the loss is a little off, and trains."""
+    x, dim = args[0], ctx.buffer_dims[id(args[0])]
+    if func is F.pad:
+        pad = args[1] if len(args) > 1 else kwargs.get("pad", ())
+        k = x.dim() - 1 - dim  # F.pad's pairs run from the last dim
+        if not any(pad[2 * k:2 * k + 2]):
+            return
+        what = f"F.pad(..., {tuple(pad)})"
+    else:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if any(i is None or isinstance(i, (bool, torch.Tensor)) for i in index) or index.count(Ellipsis) > 1:
+            return
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            index = index[:at] + (slice(None),) * (x.dim() - len(index) + 1) + index[at + 1:]
+        cut = index[dim] if dim < len(index) else slice(None)
+        if not isinstance(cut, slice) or range(*cut.indices(x.size(dim))) == range(x.size(dim)):
+            return
+        what = "a slice [" + ":".join("" if v is None else str(v) for v in (cut.start, cut.stop)) + "]"
+    raise ValueError(
+        f"{what} of a buffer context_parallel holds cut, along its sequence dim {dim}: a shift by a position inside "
+        "the context pairs tokens of other parts of the sequence (a rank's share is not contiguous), and drops one a "
+        "part. Shift before the context and pass both as buffers (x, y = tokens[:, :-1], tokens[:, 1:]); with "
+        "Hugging Face, compute the loss from the logits and y, not with labels= (it shifts inside)"
+    )
 
 
 def _refuse_local_attention(ctx: _Context, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -301,7 +337,7 @@ def context_parallel(
             shard = shard_sequence(b, rank, size, dim=d, load_balance=load_balance).clone()
             b.resize_(shard.shape)
             b.copy_(shard)
-    context = _Context(cp_mesh, load_balance, rotate, seq_len, {id(b) for b in buffers})
+    context = _Context(cp_mesh, load_balance, rotate, seq_len, {id(b): d % b.dim() for b, d in zip(buffers, dims)})
     _STATE.active = [*getattr(_STATE, "active", []), context]
     original, F.scaled_dot_product_attention = F.scaled_dot_product_attention, _patched_sdpa
     try:
