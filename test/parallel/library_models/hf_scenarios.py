@@ -110,12 +110,17 @@ class Stage(torch.nn.Module):
     the first, its share of the decoder layers, the final norm and the head on the last, under HF's own names (layer 3
     is ``model.layers.3`` on whichever stage holds it); its forward is HF's ``LlamaModel.forward`` for those parts,
     with HF's own causal mask (``create_causal_mask``: None under SDPA, which is causal by itself; a mask under eager
-    attention, which without one attends to every position, the later tokens too)."""
+    attention, which without one attends to every position, the later tokens too). A model whose head is its
+    embedding (``tie_word_embeddings``) is refused: the two ends of the pipeline would train apart."""
 
     def __init__(self, hf_model: torch.nn.Module, stage: int, n_stages: int) -> None:
         super().__init__()
         inner, per = hf_model.model, len(hf_model.model.layers) // n_stages
         first, last = stage == 0, stage == n_stages - 1
+        if n_stages > 1 and hf_model.lm_head.weight is inner.embed_tokens.weight:
+            raise ValueError("the embedding and the head are one parameter (tie_word_embeddings=True): on the first "
+                             "and last stages each would get its own part of the gradient, and they would train "
+                             "apart; untie them (tie_word_embeddings=False) or sum the two ends' gradients each step")
         self.model = torch.nn.Module()
         self.model.embed_tokens = inner.embed_tokens if first else None
         self.model.layers = torch.nn.ModuleDict({str(i): inner.layers[i] for i in range(stage * per, stage * per + per)})

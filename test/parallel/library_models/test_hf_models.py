@@ -114,3 +114,20 @@ def test_the_pipeline_recipes_stages_chained_are_hfs_whole_model(attention) -> N
     for stage in range(4):
         h = S.Stage(model, stage, 4)(h)
     torch.testing.assert_close(h, model(tokens).logits, rtol=0, atol=1e-6)
+
+
+def test_the_pipeline_recipe_refuses_a_head_tied_to_the_embedding() -> None:
+    """A tied HF Llama cut by the recipe's stages: PP rank 0's embedding and the last rank's head would each get their
+    own part of the one parameter's gradient (0.105 apart after one SGD step on PP 2, with nothing said); refused.
+    One stage holds both ends, and runs as the whole model."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                               tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="the embedding and the head are one parameter .* train apart"):
+        S.Stage(model, 0, 2)
+    tokens = torch.randint(0, 128, (2, 16))
+    torch.testing.assert_close(S.Stage(model, 0, 1)(tokens), model(tokens).logits, rtol=0, atol=1e-6)
