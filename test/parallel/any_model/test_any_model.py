@@ -220,6 +220,20 @@ def test_a_shift_of_a_cut_buffer_inside_the_context_is_refused_and_other_indexin
                 model(input_ids=x, position_ids=p, labels=x)
 
 
+def test_torchs_multihead_attention_returning_its_weights_is_refused_and_without_them_runs(cp_rank) -> None:
+    """``nn.MultiheadAttention`` with ``need_weights=True`` (its default) computes its softmax itself to return the
+    weights, over a rank's share only (on 2 gloo ranks the second rank's output was 0.75 off one process's); refused.
+    With ``need_weights=False`` and ``is_causal=True`` it calls SDPA, which the ring computes."""
+    for rank in range(2):
+        cp_rank(rank)
+        mha, x = torch.nn.MultiheadAttention(16, 4, batch_first=True), torch.randn(2, 16, 16)
+        with context_parallel(mesh["CP"], buffers=[x], buffer_seq_dims=[1]):
+            causal = torch.nn.Transformer.generate_square_subsequent_mask(8)
+            with pytest.raises(ValueError, match="nn.MultiheadAttention with need_weights=True .* need_weights=False"):
+                mha(x, x, x, attn_mask=causal, is_causal=True)
+            assert mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0].shape == (2, 8, 16)
+
+
 def test_a_cp_dim_of_one_rank_runs_the_block_as_it_is() -> None:
     """A job's CP dim of size 1 (a mesh whose dims are named for a larger run): nothing is cut, even a length 2 x CP
     would not split, and the model's SDPA is its own. It recursed: the ring's one-rank path called F's SDPA, which

@@ -16,7 +16,7 @@ What cannot be exact is refused, naming the value: an ``attn_mask`` or ``is_caus
 attention is computed by the ring), attention dropout, keys of another length than the queries, buffers
 of different lengths, a length CP does not divide, a query whose length is not the buffers' share, and attention
 the model computes itself (a softmax over a ``(batch, heads, t, t)`` score matrix of this rank's ``t`` positions:
-Hugging Face's eager attention), which the ring never sees, and a calling attention's sliding window shorter than
+Hugging Face's eager attention; ``nn.MultiheadAttention`` with ``need_weights=True``), which the ring never sees, and a calling attention's sliding window shorter than
 the sequence (Hugging Face's ``sliding_window``), which the ring does not apply, and a buffer shifted by a position
 inside the context (``y[:, 1:]``, ``F.pad``, Hugging Face's ``labels=``), which pairs tokens of other parts. Load
 balancing is exact wherever it is allowed (the ring knows which chunks each rank holds); it is on by default.
@@ -144,6 +144,15 @@ class _RingSDPA(TorchFunctionMode):
             _refuse_local_attention(self.context, args, kwargs or {})
         elif func in _SHIFTS and args and id(args[0]) in self.context.buffer_ids:
             _refuse_shift(self.context, func, args, kwargs or {})
+        elif func is F.multi_head_attention_forward:
+            need_weights = (kwargs or {}).get("need_weights", args[15] if len(args) > 15 else True)
+            if need_weights:
+                raise ValueError(
+                    "nn.MultiheadAttention with need_weights=True (its default) inside context_parallel: it computes "
+                    "its attention itself to return the weights, over this CP rank's share of the sequence only, "
+                    "and would train on that. Call it with need_weights=False (and is_causal=True with the causal "
+                    "mask), so that it runs SDPA, which the ring computes"
+                )
         if func not in _SDPA:
             return func(*args, **(kwargs or {}))
         if _checkpointing():  # its recompute in backward would not pass through here, nor through F's attribute
