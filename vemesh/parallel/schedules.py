@@ -2,7 +2,8 @@
 
 One owner for what every pipeline user of vemesh asks of a schedule's name: its class in
 ``torch.distributed.pipelining``, how many stages a PP rank holds, which PP rank holds a stage (round-robin for the
-looped schedules, folded back for the V-shaped ones), and whether backward is split into input and weight passes.
+looped schedules, folded back for the V-shaped ones), whether backward is split into input and weight passes, and
+which consecutive layers each stage holds (:func:`split_layers`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 __all__ = ["MULTI_STAGE", "SCHEDULES", "V_SHAPED", "ZERO_BUBBLE", "actions", "in_flight", "run_schedule",
-           "schedule_class", "stage_indices", "stage_owner", "stages_per_rank"]
+           "schedule_class", "split_layers", "stage_indices", "stage_owner", "stages_per_rank"]
 
 #: The ``torch.distributed.pipelining`` schedule class of each ``--pp-schedule`` name. That package is
 #: imported when a pipeline is built (it adds about a second to every process's start-up otherwise).
@@ -44,6 +45,23 @@ def stage_owner(stage: int, pp_size: int, schedule: str) -> int:
     if schedule in V_SHAPED:
         return stage if stage < pp_size else 2 * pp_size - 1 - stage
     return stage % pp_size
+
+
+def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
+    """Consecutive blocks per stage, as even as possible (earlier stages take the remainder).
+
+    >>> split_layers(5, 2)
+    [[0, 1, 2], [3, 4]]
+    """
+    if n_stages > n_layer:
+        raise ValueError(f"{n_stages} pipeline stages cannot split {n_layer} layers (each stage needs at least one)")
+    base, extra = divmod(n_layer, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (s < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
 
 
 def stage_indices(pp_rank: int, pp_size: int, schedule: str) -> list[int]:

@@ -52,7 +52,7 @@ from torch import nn
 from vemesh.layout.names import divisors, listed
 from vemesh.models.gpt import model as model_module
 from vemesh.models.gpt.parallelize import gpt_tp_plan
-from vemesh.models.gpt.stages import split_layers
+from vemesh.parallel.schedules import split_layers
 
 __all__ = ["GPT_FIELDS", "Model", "ParamShard", "RankMemory", "build_model", "gpt_config", "load_model", "parse_size",
            "param_shards", "rank_shards", "rank_static", "stage_keys", "static_memory"]

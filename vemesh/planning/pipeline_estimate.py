@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from vemesh.layout.parallel_dims import ParallelDims
-from vemesh.models.gpt.stages import split_layers
+from vemesh.parallel.schedules import split_layers
 from vemesh.parallel.ddp.bucketing import DEFAULT_BUCKET_SIZE, plan_buckets
 from vemesh.parallel.schedules import in_flight, stage_indices, stages_per_rank
 from vemesh.planning.activations import Trace, add_ops, trace_stage

@@ -22,7 +22,7 @@ import parity  # noqa: E402
 
 from vemesh import VESCALE_DEVICE_MESH as mesh  # noqa: E402
 from vemesh.ddp import DistributedDataParallel as DDP  # noqa: E402
-from vemesh.parallel import ExpertParallel, ParallelDims, context_parallel, fully_shard  # noqa: E402
+from vemesh.parallel import DecoderStage, ExpertParallel, ParallelDims, context_parallel, fully_shard  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, EPS = 3, 4, 16, 128, 1e-3, 1e-6
 
@@ -105,46 +105,8 @@ def train(dims: ParallelDims, kind: str, wrap: str, optimizer: str) -> dict[str,
 compare = parity.compare
 
 
-class Stage(torch.nn.Module):
-    """Pipeline stage ``stage`` of ``n_stages`` of an HF decoder-only model (docs/models.md's recipe): the embedding on
-    the first, its share of the decoder layers, the final norm and the head on the last, under HF's own names (layer 3
-    is ``model.layers.3`` on whichever stage holds it); its forward is HF's ``LlamaModel.forward`` for those parts,
-    with HF's own causal mask (``create_causal_mask``: None under SDPA, which is causal by itself; a mask under eager
-    attention, which without one attends to every position, the later tokens too). A model whose head is its
-    embedding (``tie_word_embeddings``) is refused: the two ends of the pipeline would train apart."""
-
-    def __init__(self, hf_model: torch.nn.Module, stage: int, n_stages: int) -> None:
-        super().__init__()
-        inner, per = hf_model.model, len(hf_model.model.layers) // n_stages
-        first, last = stage == 0, stage == n_stages - 1
-        if n_stages > 1 and hf_model.lm_head.weight is inner.embed_tokens.weight:
-            raise ValueError("the embedding and the head are one parameter (tie_word_embeddings=True): on the first "
-                             "and last stages each would get its own part of the gradient, and they would train "
-                             "apart; untie them (tie_word_embeddings=False) or sum the two ends' gradients each step")
-        self.model = torch.nn.Module()
-        self.model.embed_tokens = inner.embed_tokens if first else None
-        self.model.layers = torch.nn.ModuleDict({str(i): inner.layers[i] for i in range(stage * per, stage * per + per)})
-        self.model.rotary_emb = inner.rotary_emb
-        self.model.norm = inner.norm if last else None
-        self.lm_head = hf_model.lm_head if last else None
-        self.config = hf_model.config
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        if self.model.embed_tokens is not None:
-            h = self.model.embed_tokens(h)
-        positions = torch.arange(h.size(1), device=h.device).unsqueeze(0)
-        rope = self.model.rotary_emb(h, positions)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                  position_ids=positions)
-        for layer in self.model.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-        return self.lm_head(self.model.norm(h)) if self.lm_head is not None else h
-
-
 def pipelined(world_size: int, schedule: str, pp: int, tp: int, wrap: str) -> dict[str, Any]:
-    """HF Llama (4 layers) cut into :class:`Stage` s, run by torch's ``schedule`` on ``mesh["PP"]`` as a user calls it
+    """HF Llama (4 layers) cut into vemesh's :class:`~vemesh.parallel.DecoderStage` s, run by torch's ``schedule`` on ``mesh["PP"]`` as a user calls it
     (``schedule.step``), with HF's TP plan inside the stages and vemesh DDP (or FSDP2 on each layer and the stage)
     over DP. Under a zero-bubble schedule the first step is tried before ``finish_grad_sync(force=True)`` (its
     refusal is returned), then stepped with it; with FSDP2, which has nothing to call, the refusal alone."""
@@ -156,12 +118,12 @@ def pipelined(world_size: int, schedule: str, pp: int, tp: int, wrap: str) -> di
     dims.build("cpu", mesh)
     model, n_stages = make("llama4"), pp * stages_per_rank(schedule)
     mine = stage_indices(mesh.lookup_rank("PP"), pp, schedule)
-    parts = [Stage(model, s, n_stages) for s in mine]
-    for layer in (layer for part in parts for layer in part.model.layers.values() if tp > 1):
+    parts = [DecoderStage(model, s, n_stages) for s in mine]
+    for layer in (layer for part in parts for layer in part.model.layers if tp > 1):
         parallelize_module(layer, mesh["TP"], LLAMA_TP)
     if wrap == "fsdp":
         for part in parts:
-            parity.wrap(part, part.model.layers.values(), "fsdp")
+            parity.wrap(part, list(part.model.layers), "fsdp")
     chunks = [DDP(part) if dims.dp > 1 and wrap == "ddp" else part for part in parts]
     stages = [PipelineStage(c, s, n_stages, torch.device("cpu"), group=mesh.get_group("PP")) for c, s in zip(chunks, mine)]
     loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731

@@ -17,28 +17,11 @@ from typing import Any
 from torch import nn
 
 from vemesh.models.gpt.model import GPT
-from vemesh.parallel.schedules import (MULTI_STAGE, SCHEDULES, V_SHAPED, ZERO_BUBBLE, stage_indices, stage_owner,
-                                       stages_per_rank)
+from vemesh.parallel.schedules import (MULTI_STAGE, SCHEDULES, V_SHAPED, ZERO_BUBBLE, split_layers, stage_indices,
+                                       stage_owner, stages_per_rank)
 
 __all__ = ["MULTI_STAGE", "SCHEDULES", "V_SHAPED", "ZERO_BUBBLE", "copy_stage", "cut_stage", "split_layers", "stage_indices",
            "stage_kinds", "stage_owner", "stages_per_rank"]
-
-
-def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
-    """Consecutive blocks per stage, as even as possible (earlier stages take the remainder).
-
-    >>> split_layers(5, 2)
-    [[0, 1, 2], [3, 4]]
-    """
-    if n_stages > n_layer:
-        raise ValueError(f"{n_stages} pipeline stages cannot split {n_layer} layers (each stage needs at least one)")
-    base, extra = divmod(n_layer, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        n = base + (s < extra)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
 
 
 def stage_kinds(n_blocks: int, pp_rank: int, pp: int, schedule: str, wrapped: Any = None) -> tuple:

@@ -19,7 +19,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from vemesh.ddp import DistributedDataParallel
 from vemesh.layout.names import divisors, listed
-from vemesh.models.gpt.stages import copy_stage, split_layers
+from vemesh.models.gpt.stages import copy_stage
+from vemesh.parallel.schedules import split_layers
 from vemesh.models.llama3.config import AC_MODES, check_ac
 from vemesh.models.llama3.model import Llama3
 from vemesh.parallel import fully_shard
