@@ -152,3 +152,31 @@ def step_cp(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         loss.backward()
     return loss.detach()
+
+
+def parallelize_pp(model: nn.Module, mesh) -> list:
+    """PP with torch's 1F1B: this PP rank's stage of HF's model as ``vemesh.parallel.DecoderStage`` cuts it (the
+    model's own forward over the stage's layers, under its own names), HF's TP plan on its layers (when the mesh has
+    TP), vemesh DDP where the mesh has data-parallel ranks; each given to torch's ``PipelineStage``."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from vemesh.parallel import DecoderStage
+
+    pp = mesh.get_strategy_size("PP")
+    part = DecoderStage(model, mesh.lookup_rank("PP"), pp)
+    if mesh.get_strategy_size("TP") > 1:
+        for layer in part.model.layers:
+            parallelize_module(layer, mesh["TP"], TP_PLAN)
+    if mesh.get_strategy_size("DP") > 1:
+        part = DistributedDataParallel(part)
+    return [PipelineStage(part, mesh.lookup_rank("PP"), pp, torch.device("cpu"), group=mesh["PP"].get_group())]
+
+
+def step_pp(schedule, batch_size: int) -> None:
+    """A DP rank's batch through torch's pipeline schedule (it splits the batch into micro-batches)."""
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
+    schedule.step(tokens[:, :-1].contiguous(), target=tokens[:, 1:].contiguous(), losses=[], return_outputs=False)
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())

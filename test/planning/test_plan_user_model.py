@@ -521,3 +521,32 @@ def test_the_loops_end_of_a_step_is_counted_and_timed(capsys) -> None:
     assert code == 2 and "--before-optimizer is your loop's end of a step, for your own functions" in err, err
     code, out, err = _cli(capsys, *base, "--before-optimizer", f"{JOBS}:no_such_function")
     assert code == 2 and "has no 'no_such_function'" in err and err.count("\n") == 1, err
+
+
+def test_hugging_faces_llama_is_planned_through_torchs_schedule_on_vemeshs_decoder_stages(capsys) -> None:
+    """HF's ``LlamaForCausalLM`` as transformers ships it, cut by ``vemesh.parallel.DecoderStage`` in the user's
+    parallelize function and run by torch's 1F1B over PP 2 x DP 2 x TP 2: each PP rank holds its stage's parameters
+    (the embedding on the first, the norm and head on the last, half of the layers each, split over TP), and the
+    stage's check against the whole model is not run on the planner's fake tensors, which hold no values."""
+    import transformers  # noqa: F401  (the test extra)
+
+    from vemesh.parallel import DecoderStage
+
+    hf = str(REPO / "test" / "models" / "hf_jobs.py")
+    code, out, err = _cli(capsys, "--model", f"module:{hf}:make_llama", "--parallelize", f"{hf}:parallelize_pp",
+                          "--step", f"{hf}:step_pp", "--loss", f"{hf}:loss_fn", "--world-size", "8", "--pp", "2",
+                          "--tp", "2", "--global-batch-size", "8", "--dp-mode", "ddp", "--device-type", "cpu",
+                          "--json")
+    assert code == 0, err
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hf_jobs_for_test", hf)
+    jobs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jobs)
+    model = jobs.make_llama()
+    classes = json.loads(out)["classes"]
+    assert [c["name"] for c in classes] == ["PP rank 0", "PP rank 1"]
+    for c, stage in zip(classes, (DecoderStage(model, s, 2) for s in range(2))):
+        tp_split = sum(p.numel() for n, p in stage.named_parameters() if n.endswith("proj.weight")) // 2
+        whole = sum(p.numel() for n, p in stage.named_parameters() if not n.endswith("proj.weight"))
+        assert abs(c["params"] - 4 * (whole + tp_split)) <= 1024, (c["name"], c["params"], 4 * (whole + tp_split))
+        assert c["activations"] > 0 and "PP" in c["bytes_per_step"] and "TP" in c["bytes_per_step"]

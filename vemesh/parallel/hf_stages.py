@@ -76,7 +76,9 @@ class DecoderStage(nn.Module):
         stage: this stage's index, ``0 <= stage < n_stages``.
         n_stages: the stages of the cut (PP, or PP times the stages a rank holds under an interleaved schedule).
         check: chain every stage of the cut on a short random sequence and compare with the whole model first
-            (two forwards of the model, in eval mode, without gradients); False skips it.
+            (two forwards of the model, in eval mode, without gradients); False skips it. Cut the model before
+            parallelizing it (TP, FSDP2): the check runs the model whole on this rank. Under ``vemesh plan``'s
+            trace (fake tensors: shapes, no values) there is nothing to compare, and it is not run.
 
     Raises:
         TypeError: a model without those modules.
@@ -125,6 +127,14 @@ class DecoderStage(nn.Module):
 def _check_cut(model: nn.Module, n_stages: int) -> None:
     """``ValueError`` unless the ``n_stages`` stages of ``model`` chained give its logits, on a short random sequence."""
     base = model.model
+    from torch._guards import detect_fake_mode
+
+    if detect_fake_mode(list(model.parameters())) is not None:  # vemesh plan's trace: no values, only shapes
+        return
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} is on the meta device, so its cut cannot be checked against it: build "
+                         "the stages after loading its weights, or pass check=False once a small model of the same "
+                         "class (its config with fewer layers and a smaller width) has passed the check")
     vocab = base.embed_tokens.num_embeddings
     length = min(16, getattr(model.config, "max_position_embeddings", 16) or 16)
     device = base.embed_tokens.weight.device

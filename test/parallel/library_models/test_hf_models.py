@@ -157,6 +157,11 @@ def test_a_decoder_stage_refuses_a_tied_head_a_forward_it_cannot_cut_and_bad_arg
         DecoderStage(_hf("llama"), 0, 6)
     with pytest.raises(TypeError, match="Sequential has no model, lm_head"):
         DecoderStage(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0, 2)
+    with torch.device("meta"):
+        on_meta = _hf("llama")
+    with pytest.raises(ValueError, match="on the meta device, so its cut cannot be checked .* check=False"):
+        DecoderStage(on_meta, 0, 2)
+    assert DecoderStage(on_meta, 1, 2, check=False).lm_head is on_meta.lm_head
     whole = _hf("llama-tied")  # one stage holds both ends: the whole model
     tokens = torch.randint(0, 128, (2, 16))
     torch.testing.assert_close(DecoderStage(whole, 0, 1)(tokens), whole(tokens).logits, rtol=0, atol=0)
