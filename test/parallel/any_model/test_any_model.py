@@ -151,6 +151,15 @@ def test_a_softmax_that_is_not_over_this_ranks_positions_squared_runs(cp_rank) -
         assert torch.randn(8, 8).softmax(-1).shape == (8, 8)  # (tokens, 8 experts)
 
 
+def _hf_llama(hf, attention: str) -> tuple:
+    """A one-layer HF Llama (seeded), 2 sequences of 16 tokens and their positions."""
+    torch.manual_seed(0)
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=8, attn_implementation=attention))
+    return model, torch.randint(0, 128, (2, 16)), torch.arange(16).expand(2, 16).contiguous()
+
+
 def test_hugging_faces_eager_attention_is_refused_under_context_parallel(cp_rank) -> None:
     """``LlamaForCausalLM`` with ``attn_implementation="eager"`` computes attention with its own matmuls and softmax,
     over the positions a CP rank holds: each rank would attend to its own share of the sequence only, and train (on 2
@@ -158,11 +167,7 @@ def test_hugging_faces_eager_attention_is_refused_under_context_parallel(cp_rank
     hf = pytest.importorskip("transformers")
     for rank in range(2):
         cp_rank(rank)
-        torch.manual_seed(0)
-        model = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                   head_dim=8, attn_implementation="eager"))
-        x, p = torch.randint(0, 128, (2, 16)), torch.arange(16).expand(2, 16).contiguous()
+        model, x, p = _hf_llama(hf, "eager")
         with context_parallel(mesh["CP"], buffers=[x, p], buffer_seq_dims=[1, 1]):
             with pytest.raises(ValueError, match='attention computed by the model itself.*attn_implementation="sdpa"'):
                 model(input_ids=x, position_ids=p)
@@ -210,11 +215,7 @@ def test_a_shift_of_a_cut_buffer_inside_the_context_is_refused_and_other_indexin
             assert y[:, :].shape == y[:, :8].shape == y[..., 0:8].shape == (2, 8)
             assert y[1].shape == (8,) and y[:1].shape == (1, 8) and positions[:, None, :].shape == (2, 1, 8)
             assert torch.nn.functional.pad(y, (0, 0, 1, 0)).shape == (3, 8)  # the batch dim
-        torch.manual_seed(0)
-        model = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                   head_dim=8, attn_implementation="sdpa"))
-        x, p = torch.randint(0, 128, (2, 16)), torch.arange(16).expand(2, 16).contiguous()
+        model, x, p = _hf_llama(hf, "sdpa")
         with context_parallel(mesh["CP"], buffers=[x, p], buffer_seq_dims=[1, 1]):
             with pytest.raises(ValueError, match=r"F.pad\(..., \(0, 1\)\) of a buffer .* not with labels="):
                 model(input_ids=x, position_ids=p, labels=x)
