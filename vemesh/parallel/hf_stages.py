@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vemesh.parallel.context.api import current_positions
 from vemesh.parallel.schedules import split_layers
 
 __all__ = ["DecoderStage"]
@@ -117,9 +118,14 @@ class DecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids ``(batch, seq)`` on the first stage, hidden states ``(batch, seq, hidden)`` on the others; the
-        logits on the last stage, the hidden states on the others."""
-        positions = torch.arange(x.size(1), device=x.device).unsqueeze(0)
+        logits on the last stage, the hidden states on the others. Positions count from 0, or inside
+        ``context_parallel`` are those of this CP rank's share of the sequence."""
+        within = current_positions(x.size(1), x.device)  # inside context_parallel: this CP rank's share's
+        positions = (torch.arange(x.size(1), device=x.device) if within is None else within).unsqueeze(0)
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if within is not None:  # a share's positions jump (load balancing: 0-3 and 12-15), which HF takes for packed
+            # sequences, each masked off from the others: a mask of no padding says there is one sequence
+            given["attention_mask"] = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
         h = self.model(**given, position_ids=positions, use_cache=False).last_hidden_state
         return self.lm_head(h) if self.lm_head is not None else h
 

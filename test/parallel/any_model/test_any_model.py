@@ -235,6 +235,30 @@ def test_torchs_multihead_attention_returning_its_weights_is_refused_and_without
             assert mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0].shape == (2, 8, 16)
 
 
+def test_a_decoder_stage_inside_context_parallel_takes_its_shares_positions(cp_rank) -> None:
+    """``current_positions`` is the global positions of a CP rank's share inside the context (None outside);
+    ``DecoderStage`` numbers its tokens by it, with a mask of no padding so that HF does not take a load-balanced
+    share's jump (0-3, 12-15) for two packed sequences and mask them apart (which the ring refuses). On 2 gloo ranks
+    two stages of an HF Llama chained inside the context gave one process's logits (6e-8)."""
+    hf = pytest.importorskip("transformers")
+    from vemesh.parallel import DecoderStage
+    from vemesh.parallel.context import current_positions
+
+    for rank, want in ((0, [0, 1, 2, 3, 12, 13, 14, 15]), (1, [4, 5, 6, 7, 8, 9, 10, 11])):
+        cp_rank(rank)
+        model, x, _ = _hf_llama(hf, "sdpa")
+        stage, seen = DecoderStage(model, 0, 1), []
+        stage.model.rotary_emb.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["position_ids"]),
+                                                         with_kwargs=True)
+        assert current_positions(16) is None
+        with context_parallel(mesh["CP"], buffers=[x], buffer_seq_dims=[1]):
+            assert current_positions(8).tolist() == want
+            with pytest.raises(ValueError, match="16 positions are not this CP rank's share of the buffers' sequence"):
+                current_positions(16)
+            assert stage(x).shape == (2, 8, 128)
+        assert seen[-1].tolist() == [want]
+
+
 def test_a_cp_dim_of_one_rank_runs_the_block_as_it_is() -> None:
     """A job's CP dim of size 1 (a mesh whose dims are named for a larger run): nothing is cut, even a length 2 x CP
     would not split, and the model's SDPA is its own. It recursed: the ring's one-rank path called F's SDPA, which

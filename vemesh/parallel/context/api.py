@@ -45,10 +45,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
-from vemesh.parallel.context.ring import ROTATE_METHODS, check_sequence_split, ring_attention, shard_sequence
+from vemesh.parallel.context.ring import ROTATE_METHODS, check_sequence_split, positions, ring_attention, shard_sequence
 from vemesh.mesh.views import check_view
 
-__all__ = ["context_parallel", "sharded_buffers"]
+__all__ = ["context_parallel", "current_positions", "sharded_buffers"]
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention,)
 #: the softmaxes a model's own attention (not SDPA) calls: Hugging Face's eager attention calls ``F.softmax``
@@ -56,6 +56,23 @@ _SHIFTS = (F.pad, torch.Tensor.__getitem__)  # how a sequence is shifted by a po
 _SOFTMAX = (F.softmax, torch.softmax, torch._C.TensorBase.softmax, torch.special.softmax)
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _STATE = threading.local()
+
+
+def current_positions(length: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """The global positions of this CP rank's ``length`` tokens inside an active :func:`context_parallel` (its
+    buffers' sequence cut as it cuts them), or None outside one (or in one of a single CP rank). A model that numbers
+    its positions from 0 would number a rank's share from 0: ask here instead. ``ValueError`` when ``length`` is not
+    this rank's share of the buffers' sequence."""
+    active = getattr(_STATE, "active", [])
+    if not active:
+        return None
+    ctx = active[-1]
+    cp = ctx.cp_mesh.size()
+    if ctx.seq_len is None or length * cp != ctx.seq_len:
+        raise ValueError(f"inside context_parallel, {length} positions are not this CP rank's share of the buffers' "
+                         f"sequence ({ctx.seq_len}, over CP {cp}): pass every tensor that carries the sequence in "
+                         "buffers=")
+    return positions(ctx.seq_len, ctx.cp_mesh.get_local_rank(), cp, load_balance=ctx.load_balance, device=device)
 
 
 def sharded_buffers() -> set[int]:
@@ -227,7 +244,9 @@ def _refuse(given: dict[str, Any], q: torch.Tensor, k: torch.Tensor, ctx: _Conte
     where = "F.scaled_dot_product_attention inside context_parallel"
     if given.get("attn_mask") is not None:
         raise ValueError(f"{where}: an attn_mask is refused (the ring computes causal attention only); "
-                         "pass is_causal=True and no mask")
+                         "pass is_causal=True and no mask (Hugging Face makes one where a rank's position_ids jump, "
+                         "as load balancing cuts them, taking them for packed sequences: give the model "
+                         "attention_mask=torch.ones_like(input_ids) with them)")
     if not given.get("is_causal", False):
         raise ValueError(f"{where}: is_causal=False is refused (the ring computes causal attention only); "
                          "pass is_causal=True")
