@@ -51,9 +51,6 @@ from vemesh.mesh.views import check_view
 __all__ = ["context_parallel", "current_positions", "sharded_buffers"]
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention,)
-#: the softmaxes a model's own attention (not SDPA) calls: Hugging Face's eager attention calls ``F.softmax``
-_SHIFTS = (F.pad, torch.Tensor.__getitem__)  # how a sequence is shifted by a position: HF's labels=, x[:, 1:]
-_SOFTMAX = (F.softmax, torch.softmax, torch._C.TensorBase.softmax, torch.special.softmax)
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _STATE = threading.local()
 
@@ -157,19 +154,9 @@ class _RingSDPA(TorchFunctionMode):
         self.context = context
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in _SOFTMAX:
-            _refuse_local_attention(self.context, args, kwargs or {})
-        elif func in _SHIFTS and args and id(args[0]) in self.context.buffer_ids:
-            _refuse_shift(self.context, func, args, kwargs or {})
-        elif func is F.multi_head_attention_forward:
-            need_weights = (kwargs or {}).get("need_weights", args[15] if len(args) > 15 else True)
-            if need_weights:
-                raise ValueError(
-                    "nn.MultiheadAttention with need_weights=True (its default) inside context_parallel: it computes "
-                    "its attention itself to return the weights, over this CP rank's share of the sequence only, "
-                    "and would train on that. Call it with need_weights=False (and is_causal=True with the causal "
-                    "mask), so that it runs SDPA, which the ring computes"
-                )
+        refuse = _REFUSE.get(func)  # every op of the model passes here: one lookup
+        if refuse is not None:
+            refuse(self.context, func, args, kwargs or {})
         if func not in _SDPA:
             return func(*args, **(kwargs or {}))
         if _checkpointing():  # its recompute in backward would not pass through here, nor through F's attribute
@@ -181,11 +168,24 @@ class _RingSDPA(TorchFunctionMode):
         return _ring_sdpa(self.context, dict(zip(_PARAMS, args)) | (kwargs or {}))
 
 
+def _refuse_weights(ctx: _Context, func: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    """``ValueError`` for ``nn.MultiheadAttention`` asked for its weights: it then computes its attention itself."""
+    if kwargs.get("need_weights", args[15] if len(args) > 15 else True):
+        raise ValueError(
+            "nn.MultiheadAttention with need_weights=True (its default) inside context_parallel: it computes its "
+            "attention itself to return the weights, over this CP rank's share of the sequence only, and would train "
+            "on that. Call it with need_weights=False (and is_causal=True with the causal mask), so that it runs "
+            "SDPA, which the ring computes"
+        )
+
+
 def _refuse_shift(ctx: _Context, func: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     """``ValueError`` for a buffer the context holds cut, padded or sliced along its sequence dim: a shift by a
     position (Hugging Face's ``labels=``, which pads and shifts inside the model's loss; ``y[:, 1:]``). A rank's
     share of the sequence is not contiguous under load balancing, nor at its edge, so a shift pairs tokens of other
     chunks and drops one a chunk, and the loss is a little off, and trains."""
+    if not args or id(args[0]) not in ctx.buffer_dims:
+        return
     x, dim = args[0], ctx.buffer_dims[id(args[0])]
     if func is F.pad:
         pad = args[1] if len(args) > 1 else kwargs.get("pad", ())
@@ -212,7 +212,7 @@ def _refuse_shift(ctx: _Context, func: Any, args: tuple, kwargs: dict[str, Any])
     )
 
 
-def _refuse_local_attention(ctx: _Context, args: tuple, kwargs: dict[str, Any]) -> None:
+def _refuse_local_attention(ctx: _Context, func: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     """``ValueError`` for a softmax over a square score matrix of this CP rank's positions, per sequence and head
     (``(batch, heads, t, t)``): attention computed by the model itself (Hugging Face's ``attn_implementation="eager"``,
     nanoGPT's manual path), which the ring never sees, so that each rank would attend only to its own share of the
@@ -230,6 +230,14 @@ def _refuse_local_attention(ctx: _Context, args: tuple, kwargs: dict[str, Any]) 
             f"of the {ctx.seq_len} positions (the ring runs SDPA's calls alone), and would train on that. Use SDPA "
             "(Hugging Face: attn_implementation=\"sdpa\", not \"eager\")"
         )
+
+
+#: what each torch function that can compute wrong under CP is checked by, inside the context: the softmaxes a model's
+#: own attention calls (Hugging Face's eager attention calls ``F.softmax``), ``nn.MultiheadAttention``'s forward, and
+#: how a sequence is shifted by a position (HF's ``labels=`` pads it, ``x[:, 1:]`` slices it)
+_REFUSE = {**dict.fromkeys((F.softmax, torch.softmax, torch._C.TensorBase.softmax, torch.special.softmax),
+                           _refuse_local_attention),
+           F.multi_head_attention_forward: _refuse_weights, F.pad: _refuse_shift, torch.Tensor.__getitem__: _refuse_shift}
 
 
 def _owed(ctx: _Context, token: _Owed, grad: torch.Tensor) -> torch.Tensor:
