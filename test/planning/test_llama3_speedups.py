@@ -62,7 +62,7 @@ def test_activation_checkpointing_modes(mode, want) -> None:
     (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--float8", "tensorwise"],
      "--float8 tensorwise runs the Linear matmuls in float8 in place of bf16 ones (torchao's training recipe): give "
      "--dtype bf16; got fp32"),
-    (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--async-tp", "--tp", "1"],
+    (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--compile", "--async-tp", "--tp", "1"],
      "--async-tp overlaps TP's all-gathers and reduce-scatters with the matmuls they feed, but the mesh has no TP "
      "(--tp 1): give --tp N, or leave --async-tp out"),
     (["--model", "llama3:8b", "--activation-checkpointing", "selective-0"],
@@ -72,6 +72,15 @@ def test_activation_checkpointing_modes(mode, want) -> None:
     (["--model", "llama3:8b", "--compile"], "--compile changes the predicted step time only"),
     (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--dtype", "bf16", "--float8-all-gather"],
      "--float8-all-gather sends FSDP2's Float8 weights in 1 byte: give --float8 tensorwise|rowwise too"),
+    # pairs torchtitan refuses, which a plan would time as if they ran
+    (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--dtype", "bf16", "--float8", "rowwise",
+      "--float8-all-gather"],
+     "--float8-all-gather with --float8 rowwise: torchao sends FSDP2's weights in Float8 only under tensorwise "
+     "scaling (torchtitan refuses the pair): give --float8 tensorwise, or leave --float8-all-gather out"),
+    (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--tp", "2", "--async-tp"],
+     "--async-tp is torch's micro-pipeline pass, which only torch.compile (inductor) runs: eager TP leaves every "
+     "all-gather and reduce-scatter exposed (torchtitan refuses async TP without compile): give --compile too, or "
+     "leave --async-tp out"),
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--activation-checkpointing", "selective-op"],
      "the GPT preset recomputes whole blocks (full) or none"),
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=3", "--tp", "1"], "--model gpt:n_layer=2,n_embd=64,n_head=3: the GPT "
@@ -362,7 +371,7 @@ def test_async_tp_hides_each_fused_gather_and_scatter_behind_its_own_matmuls_and
                   collectives={"TP": ops}, counts={"linear_flops": int(1e14), "linear_elements": 0})
     fit = MeshFit({"PP": 1, "DP": 1, "CP": 1, "TP": 8, "EP": 1}, [c], 1, 1)
     kwargs = dict(dtype="bf16", dp_mode="fsdp", grad_dims=("DP",), sizes={"TP": 8}, links={"TP": "host"})
-    sync, overlapped = step_time(fit, profile, **kwargs)[0], step_time(fit, profile, speed=Speedups(async_tp=True), **kwargs)[0]
+    sync, overlapped = step_time(fit, profile, **kwargs)[0], step_time(fit, profile, speed=Speedups(compile=True, async_tp=True), **kwargs)[0]
     tp = sync.dims["TP"]
     assert tp.hidden == 0 and overlapped.dims["TP"].seconds == pytest.approx(tp.seconds)
 
@@ -377,7 +386,7 @@ def test_async_tp_hides_each_fused_gather_and_scatter_behind_its_own_matmuls_and
     assert overlapped.dims["TP"].hidden == pytest.approx(hidden, rel=1e-6)
     assert overlapped.dims["TP"].exposed == pytest.approx(tp.seconds - hidden, rel=1e-6)  # the unfused ones stay
     # a float8 matmul is shorter, so it hides less
-    faster = step_time(fit, profile, speed=Speedups(async_tp=True, float8="tensorwise"), **kwargs)[0]
+    faster = step_time(fit, profile, speed=Speedups(compile=True, async_tp=True, float8="tensorwise"), **kwargs)[0]
     assert faster.dims["TP"].hidden < overlapped.dims["TP"].hidden
 
 
@@ -550,6 +559,12 @@ def test_a_llama3_search_with_trace_pp_plans_its_pp_meshes_as_pp_n_does(capsys) 
     assert any("plan it with --pp 2, or search with --trace-pp" in r for r in reasons), reasons
     assert found["fits"] and all(f["degrees"]["PP"] == 1 for f in found["fits"])
     misses = _traced_llama3.cache_info().misses
+    # where nothing fits, the search says what to ask it again with, the PP meshes it left out among them
+    assert main(["plan", *flags[:-1], "--device-memory", "1MiB"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "; search again with --activation-checkpointing full or selective-op; or --dp-mode fsdp (FSDP2 shards the "
+        "parameters and gradients too); or --trace-pp, which plans the 1 PP mesh left out")
+    assert _traced_llama3.cache_info().misses == misses  # the same traces, asked again
     assert main(["plan", *flags, "--device-memory", "1TiB", "--trace-pp"]) == 0
     assert _traced_llama3.cache_info().misses == misses + 1  # the PP mesh alone
     found = json.loads(capsys.readouterr().out)

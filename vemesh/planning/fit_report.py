@@ -180,7 +180,29 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
     if rejected:
         lines.append(f"{len(rejected)} mesh{'es' if len(rejected) != 1 else ''} rejected:")
         lines.extend(f"  {f.shape():28} {f.reason}" for f in rejected)
+    if not fits and device_memory:
+        lines.append(_none_fit(job, rejected))
     return "\n".join(lines)
+
+
+def _none_fit(job: Any, rejected: list[MeshFit]) -> str:
+    """What a search in which no mesh fits can be asked again with, from what it was asked: each switch that lowers
+    a mesh's peak and was not given, and the PP meshes it left out."""
+    tries = []
+    ac = job.activation_checkpointing
+    if ac in (False, "none") and not job.user:
+        tries.append("--activation-checkpointing " + ("full or selective-op" if job.llama3 else "full"))
+    if (job.micro_batch_size or 1) > 1:
+        tries.append(f"a --micro-batch-size below {job.micro_batch_size}")
+    if not job.user and job.mode in ("ddp", "zero1"):
+        tries.append("--dp-mode fsdp (FSDP2 shards the parameters and gradients too)")
+    unplanned = sum(f.reason is not None and f.reason.startswith("not planned in a search") for f in rejected)
+    if unplanned:
+        tries.append(f"--trace-pp, which plans the {unplanned} PP mesh{'es' if unplanned != 1 else ''} left out")
+    best = min((f for f in rejected if f.classes and f.traced), key=lambda f: f.peak, default=None)
+    lowest = (f"of the meshes traced, the lowest peak is {best.shape()}'s, {_size(best.peak, 1)}" if best is not None
+              else "no mesh was traced")
+    return f"none fits: {lowest}" + (f"; search again with {'; or '.join(tries)}" if tries else "")
 
 
 def _considered(job: Any, world_size: int) -> str:

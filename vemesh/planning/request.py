@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from vemesh.models.llama3.config import check_ac, config_of
-from vemesh.planning.speedups import FLOAT8, Speedups
+from vemesh.planning.speedups import Speedups
 
 __all__ = ["CHOICES", "JOB_FLAGS", "PlanRequest"]
 
@@ -162,16 +162,12 @@ class PlanRequest:
         if given and self.device_profile is None:
             raise ValueError(f"{given[0]} changes the predicted step time only (the peak is the eager trace's): give "
                              "--device-profile NAME|FILE too")
+        Speedups(self.compile, self.float8, self.float8_all_gather, self.async_tp)  # what the switches need of each other
         if self.float8 is not None:
-            if self.float8 not in FLOAT8:
-                raise ValueError(f"--float8 {self.float8!r}: choose one of {', '.join(FLOAT8)}")
             if (self.dtype or "fp32") != "bf16":
                 raise ValueError(f"--float8 {self.float8} runs the Linear matmuls in float8 in place of bf16 ones "
                                  f"(torchao's training recipe): give --dtype bf16; got {self.dtype or 'fp32'}")
         if self.float8_all_gather:
-            if self.float8 is None:
-                raise ValueError(f"--float8-all-gather sends FSDP2's Float8 weights in 1 byte: give --float8 "
-                                 f"{'|'.join(FLOAT8)} too")
             if (self.dp_mode or ("fsdp" if str(self.model).startswith("llama3:") else "zero1")) != "fsdp":
                 raise ValueError(f"--float8-all-gather is FSDP2's parameter all-gather: give --dp-mode fsdp; got "
                                  f"{self.dp_mode or 'zero1'}")

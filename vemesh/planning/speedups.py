@@ -62,11 +62,21 @@ class Speedups:
     bf16_fed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        """What each switch needs of the others, one line each: none of them plans a job that cannot run (torchtitan
+        refuses the same pairs)."""
         if self.float8 is not None and self.float8 not in FLOAT8:
             raise ValueError(f"--float8 {self.float8!r}: choose one of {', '.join(FLOAT8)}")
         if self.float8_all_gather and self.float8 is None:
             raise ValueError("--float8-all-gather sends FSDP2's Float8 weights in 1 byte: give --float8 "
                              f"{'|'.join(FLOAT8)} too")
+        if self.float8_all_gather and self.float8 != "tensorwise":
+            raise ValueError(f"--float8-all-gather with --float8 {self.float8}: torchao sends FSDP2's weights in Float8 "
+                             "only under tensorwise scaling (torchtitan refuses the pair): give --float8 tensorwise, "
+                             "or leave --float8-all-gather out")
+        if self.async_tp and not self.compile:
+            raise ValueError("--async-tp is torch's micro-pipeline pass, which only torch.compile (inductor) runs: "
+                             "eager TP leaves every all-gather and reduce-scatter exposed (torchtitan refuses async TP "
+                             "without compile): give --compile too, or leave --async-tp out")
 
     @property
     def any(self) -> bool:

@@ -106,7 +106,12 @@ def test_plan_exits_1_when_nothing_fits_so_that_a_script_stops_there(capsys) -> 
     (``vemesh plan ... && torchrun ...``); a mesh that fits exits 0. Before, all three exited 0."""
     tiny = ["plan", "--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--world-size", "2"]
     assert main([*tiny, "--device-memory", "1MiB"]) == 1
-    assert "; 0 fit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "; 0 fit" in out
+    # and what to ask again with: the switches that lower a peak, not given (the lowest traced peak first)
+    assert out.splitlines()[-1].startswith("none fits: of the meshes traced, the lowest peak is PP=2 x DP=1's, ")
+    assert out.splitlines()[-1].endswith("; search again with --activation-checkpointing full; or --dp-mode fsdp "
+                                         "(FSDP2 shards the parameters and gradients too)")
     assert main([*tiny, "--dp", "2", "--device-memory", "1MiB", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False
     assert main([*tiny, "--dp", "2", "--device-memory", "1GiB"]) == 0
