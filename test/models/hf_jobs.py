@@ -180,3 +180,93 @@ def step_pp(schedule, batch_size: int) -> None:
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def make_llama_eager() -> nn.Module:
+    """:func:`make_llama` with HF's eager attention (its own matmuls and softmax, masked by the mask it is given)."""
+    model = make_llama()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+class OwnStage(nn.Module):
+    """A pipeline stage module as users write one by hand for HF's Llama, under the model's own names: the embedding
+    on the first stage, its layers (each given the rotary positions), the norm and head on the last. It passes its
+    layers no attention mask, which under SDPA is causal by itself and under eager attention attends to every token;
+    ``norm=False`` forgets the final norm as well."""
+
+    def __init__(self, model: nn.Module, stage: int, n_stages: int, norm: bool = True) -> None:
+        super().__init__()
+        from vemesh.parallel.schedules import split_layers
+
+        base, last = model.model, stage == n_stages - 1
+        self.model = nn.Module()
+        self.model.embed_tokens = base.embed_tokens if stage == 0 else None
+        self.model.layers = nn.ModuleDict({str(i): base.layers[i]
+                                           for i in split_layers(len(base.layers), n_stages)[stage]})
+        self.model.rotary_emb = base.rotary_emb
+        self.model.norm = base.norm if last and norm else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
+        positions = self.model.rotary_emb(h, torch.arange(h.shape[1]).unsqueeze(0))
+        for layer in self.model.layers.values():
+            h = layer(h, position_embeddings=positions)
+        if self.model.norm is not None:
+            h = self.model.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def _own_stages(model: nn.Module, mesh, norm: bool) -> list:
+    from torch.distributed.pipelining import PipelineStage
+
+    pp, rank = mesh.get_strategy_size("PP"), mesh.lookup_rank("PP")
+    return [PipelineStage(OwnStage(model, rank, pp, norm), rank, pp, torch.device("cpu"), group=mesh["PP"].get_group())]
+
+
+def parallelize_pp_own_stage(model: nn.Module, mesh) -> list:
+    """PP with a hand-written stage module (:class:`OwnStage`)."""
+    return _own_stages(model, mesh, True)
+
+
+def parallelize_pp_own_stage_without_norm(model: nn.Module, mesh) -> list:
+    """PP with a hand-written stage module that forgets the final norm."""
+    return _own_stages(model, mesh, False)
+
+
+#: this process's stage wrappers from :func:`parallelize_pp_zbv`, for :func:`step_pp_zbv`
+_WRAPPERS: list[nn.Module] = []
+
+
+def parallelize_pp_zbv(model: nn.Module, mesh) -> list:
+    """PP with torch's ZBV schedule: this PP rank's two stages of the V (``DecoderStage``), each in vemesh DDP."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from vemesh.parallel import DecoderStage
+    from vemesh.parallel.schedules import stage_indices
+
+    pp, rank = mesh.get_strategy_size("PP"), mesh.lookup_rank("PP")
+    stages = [PipelineStage(DistributedDataParallel(DecoderStage(model, s, 2 * pp)), s, 2 * pp, torch.device("cpu"),
+                            group=mesh["PP"].get_group()) for s in stage_indices(rank, pp, "zbv")]
+    _WRAPPERS[:] = [s.submod for s in stages]
+    return stages
+
+
+def step_pp_zbv(schedule, batch_size: int) -> None:
+    """:func:`step_pp` through ``vemesh.parallel.schedules.run_schedule``, which averages DDP's gradients after the
+    zero-bubble schedule's hand-added weight gradients."""
+    from vemesh.parallel.schedules import run_schedule
+
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
+    run_schedule(schedule, "zbv", _WRAPPERS, tokens[:, :-1].contiguous(), target=tokens[:, 1:].contiguous(),
+                 losses=[], return_outputs=False)
+
+
+def make_llama_tied() -> nn.Module:
+    """:func:`make_llama` whose head is its embedding (``tie_word_embeddings=True``: Llama 3.2 1B's, Qwen2.5's small
+    sizes')."""
+    model = make_llama()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    return model

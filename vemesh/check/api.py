@@ -25,7 +25,9 @@ on this TP rank's part of their input (Qwen3's q/k norms: :mod:`vemesh.check.par
 
 What it proves: one step, at the size the factory builds, on CPU in fp32 (or the model's own dtype), computes the
 one-process forward and gradients within ``rtol``. What it does not: other sizes or steps, the optimizer (ZeRO-1's
-step, a learning-rate schedule), CUDA kernels, or a PP schedule (PP > 1 is refused).
+step, a learning-rate schedule), CUDA kernels. Under PP it runs torch's schedule over the stages your parallelize
+function returns, against the same step given torch's GPipe over the whole model as one stage: module outputs of the
+model's own modules each stage holds whole, every gradient, and the parameters no stage holds.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ import torch
 
 from vemesh.check.compare import compare, modules_before, tolerance
 from vemesh.check.partial import candidates as partial_candidates
-from vemesh.check.partial import dp_hint, first_shapes
+from vemesh.check.partial import dp_hint, first_shapes, zero_bubble_hint
 from vemesh.check.partial import hint as partial_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 from vemesh.layout.names import divisors, listed
+from vemesh.parallel.schedules import schedule_class
 
 __all__ = ["CheckInputError", "CheckResult", "check"]
 
@@ -54,14 +57,19 @@ __all__ = ["CheckInputError", "CheckResult", "check"]
 def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int | None = None, tp: int = 1,
           cp: int = 1, ep: int = 1, pp: int = 1, dp_replicate: int = 1, micro_batch_size: int = 2,
           model_kwargs: dict[str, Any] | None = None, rtol: float | None = None,
-          timeout_s: float = 300.0) -> CheckResult:
+          timeout_s: float = 300.0, loss: Any = None, pp_schedule: str = "1f1b") -> CheckResult:
     """Run ``parallelize`` on ``world_size`` gloo processes and one process, and compare (see the module docstring).
 
     Args:
         model: ``module:MODULE:FACTORY`` (or ``MODULE:FACTORY``, or a module-level callable): builds the model.
         parallelize: ``MODULE:FUNCTION``: ``parallelize(model, mesh)`` returns the model to step.
-        step: ``MODULE:FUNCTION``: ``step(model, micro_batch_size)``, one forward and backward.
-        world_size, dp, tp, cp, ep, dp_replicate: the degrees, as ``vemesh plan`` takes them (``dp`` fills the rest).
+        step: ``MODULE:FUNCTION``: ``step(model, micro_batch_size)``, one forward and backward; under PP
+            ``step(schedule, batch_size)``, a DP rank's batch through torch's schedule (``vemesh plan``'s PP step).
+        world_size, dp, tp, cp, ep, pp, dp_replicate: the degrees, as ``vemesh plan`` takes them (``dp`` fills the
+            rest). Under PP ``parallelize`` returns this PP rank's ``PipelineStage`` objects, as for the plan.
+        loss, pp_schedule: under PP, the schedule's ``loss_fn(output, target)`` (``MODULE:FUNCTION``) and
+            ``--pp-schedule``. A DP rank's batch is ``2 x stages`` micro-batches of ``micro_batch_size``; one process
+            runs the same step with torch's GPipe over one stage, the whole model.
         model_kwargs: given to the factory: a small configuration of the same code (``n_layer=2``).
         rtol: the largest relative difference (``max |a - b| / max |b|``, with ``max |b|`` at least 1% of the
             median tensor's: :data:`FLOOR`) called exact; default 1e-4 (2e-2 with bf16 or fp16 parameters).
@@ -71,30 +79,30 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
             one process (one line that names the value).
     """
     started = time.monotonic()
-    if pp != 1:
-        raise CheckInputError(f"--pp {pp}: the check compares one process with the parallel run at PP 1 (a "
-                              "pipeline schedule splits the step across ranks); check the stages' TP and data plan "
-                              "with --pp 1")
-    for flag, value in (("--world-size", world_size), ("--tp", tp), ("--cp", cp), ("--ep", ep),
+    for flag, value in (("--world-size", world_size), ("--tp", tp), ("--cp", cp), ("--ep", ep), ("--pp", pp),
                         ("--dp-replicate", dp_replicate), ("--micro-batch-size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckInputError(f"{flag} {value!r}: expected a positive integer")
-    if world_size % (tp * cp):
-        raise CheckInputError(f"--world-size {world_size} is not divisible by TP x CP = {tp} x {cp} = {tp * cp}; "
-                              f"choose TP x CP from {listed(divisors(world_size), 64)} (DP fills the rest)")
-    dp = world_size // (tp * cp) if dp is None else dp
-    degrees = {"DP": dp, "CP": cp, "TP": tp, "EP": ep}
+    _check_pipeline(pp, loss, pp_schedule)
+    if world_size % (pp * tp * cp):
+        dims_of = [("PP", pp)] * (pp > 1) + [("TP", tp), ("CP", cp)]
+        names, sizes = " x ".join(n for n, _ in dims_of), " x ".join(str(v) for _, v in dims_of)
+        raise CheckInputError(f"--world-size {world_size} is not divisible by {names} = {sizes} = {pp * tp * cp}; "
+                              f"choose {names} from {listed(divisors(world_size), 64)} (DP fills the rest)")
+    dp = world_size // (pp * tp * cp) if dp is None else dp
+    degrees = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep} if pp > 1 else {"DP": dp, "CP": cp, "TP": tp, "EP": ep}
     try:
         dims(world_size, degrees, dp_replicate)
-        if dp * tp * cp != world_size:
-            raise ValueError(f"DP x CP x TP = {dp} x {cp} x {tp} = {dp * cp * tp} is not the world size {world_size}")
+        if pp * dp * tp * cp != world_size:
+            raise ValueError(f"PP x DP x CP x TP = {pp} x {dp} x {cp} x {tp} = {pp * dp * cp * tp} is not the world "
+                             f"size {world_size}")
     except ValueError as e:
         raise CheckInputError(f"the degrees do not fit --world-size {world_size}: {e}") from None
     if world_size == 1:
         raise CheckInputError("--world-size 1: a parallel run needs at least 2 ranks; give --world-size 2 or more "
                               "with the degrees to check")
     spec = Spec(model, parallelize, step, dict(model_kwargs or {}), world_size, degrees, dp_replicate,
-                micro_batch_size, os.getcwd(), float(timeout_s))
+                micro_batch_size, os.getcwd(), float(timeout_s), loss=loss, pp_schedule=pp_schedule)
     factory, _, step_fn, names = functions(spec)
     _check_size(factory, spec, names)
     result = CheckResult("exact", degrees, world_size, micro_batch_size, 0.0)
@@ -104,6 +112,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     except UserError as e:
         raise CheckInputError(f"{e} (in one process, before any parallelizing)") from None
     result.rtol = tol = tolerance(rtol, ref["dtypes"])
+    spec = replace(spec, model_params=ref["params"]) if pp > 1 else spec
     t1, launched = time.monotonic(), time.time()
     ranks, failed, compared = _parallel(spec, ref, tol, result)
     t2 = time.monotonic()
@@ -151,9 +160,24 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
         result.tp_whole_model = spec.degrees["TP"] > 1 and not any(r["on_tp"] for r in ranks) and all(
             g is None or ref["grads"].get(n) is None or g.shape == ref["grads"][n].shape  # none sliced by hand
             for r in ranks for n, g in r["grads"].items())
-        if result.first_module is not None or result.gradients or result.broken_ties:
+        if result.first_module is not None or result.gradients or result.broken_ties or result.pipeline_cut_wrong:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
     return ranks, failed, time.monotonic() - started
+
+
+def _check_pipeline(pp: int, loss: Any, pp_schedule: str) -> None:
+    """``--pp``, ``--loss`` and ``--pp-schedule`` together, one line each where they do not go together."""
+    if pp > 1 and loss is None:
+        raise CheckInputError(f"--pp {pp} runs your stages through torch's pipeline schedule, which computes the loss "
+                              "on the last stage: give --loss MODULE:FUNCTION (loss_fn(output, target), as the "
+                              "schedule and vemesh plan take it)")
+    if pp == 1 and loss is not None:
+        raise CheckInputError("--loss is the pipeline schedule's loss_fn: give --pp N (2 or more) with it, or leave it "
+                              "out (without PP your step computes its own loss)")
+    try:
+        schedule_class(pp_schedule)
+    except ValueError as e:
+        raise CheckInputError(f"--pp-schedule: {e}") from None
 
 
 #: at most this many parallel runs with a recipe in the plan's place (:mod:`vemesh.check.recipes`) for the hints
@@ -297,8 +321,9 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
     replicated parameters run on this TP rank's part of their input, tried with torch's SequenceParallel on them
     (:mod:`vemesh.check.partial`). The hints are added to ``hints``; returns the parallel runs made."""
     if replicas is None:
-        said = dp_hint(result.degrees["DP"], len(result.gradients), result.gradients_compared,
-                       any(r.get("data_parallel", False) for r in ranks))
+        wrapped = any(r.get("data_parallel", False) for r in ranks)
+        said = (zero_bubble_hint(spec.pp_schedule, result.degrees["DP"], wrapped) if "PP" in result.degrees else None) \
+            or dp_hint(result.degrees["DP"], len(result.gradients), result.gradients_compared, wrapped)
         if said is not None:
             hints.append(said)
             return 0

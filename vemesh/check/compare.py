@@ -161,12 +161,16 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
         if diff > worst[0]:
             worst = (diff, where)
 
+    piped = result.degrees.get("PP", 1) > 1
+    result.outputs_partial = len({n for r in ranks for n in r.get("partial", ())})
     # module outputs, in the one-process run's forward order, DP rank by DP rank
     for d, ref_out in enumerate(ref["outputs"]):
         floor = _floor(list(ref_out.values()))
-        mine = [r for r in ranks if r["data_rank"] == d]
+        ranks_of_d = [r for r in ranks if r["data_rank"] == d]
         matched: list[str] = []
         for key, want in ref_out.items():
+            # under PP, the ranks whose stages ran that module of the model (each rank recorded only those)
+            mine = [r for r in ranks_of_d if key in r["outputs"]] if piped else ranks_of_d
             got = [r["outputs"].get(key) for r in mine]
             got = [g for g in got if g is not None]
             if not got:
@@ -204,12 +208,17 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
             elif got is not None and want is not None:
                 diffs.append(_difference(got, want, floor) if got.shape == want.shape else math.inf)
         if not diffs:
+            if want is not None and piped:  # a parameter no stage holds: the cut drops it
+                result.unheld.append(name)
             continue
         result.gradients_compared += 1
         diff = max(diffs)
         seen(diff, f"{name}'s gradient")
         if diff > tol:
             bad.append((name, diff))
+    if piped:  # a stage's parameter the model as built has under no such name: it cannot be paired
+        result.unknown = sorted({n for r in ranks for n in r["grads"]} - set(ref["grads"]))
+        result.split_ties = sorted({tuple(group) for r in ranks for group in r.get("apart", ())})
     result.gradients = sorted(bad, key=lambda x: -x[1])
     result.largest, result.largest_at = worst
     # outputs that no join explains might be the cut ones: then it cannot tell

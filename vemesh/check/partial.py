@@ -60,6 +60,20 @@ def dp_hint(dp: int, differing: int, compared: int, wrapped: bool) -> str | None
             "alone at DP 1 (--world-size equal to TP x CP)")
 
 
+def zero_bubble_hint(schedule: str, dp: int, wrapped: bool) -> str | None:
+    """The hint where every output matches and gradients differ under a schedule that splits the backward, with DP
+    above 1 and a data-parallel wrapper (``wrapped``), else None."""
+    from vemesh.parallel.schedules import ZERO_BUBBLE
+
+    if schedule not in ZERO_BUBBLE or dp < 2 or not wrapped:
+        return None
+    return (f"--pp-schedule {schedule} splits each backward, and torch's weight pass adds the weights' gradients by "
+            "hand, where no data-parallel wrapper's gradient hook sees them: they were not averaged over DP. With "
+            "vemesh's DDP call finish_grad_sync(force=True) on each stage's wrapper after schedule.step() in the "
+            "step, or step through vemesh.parallel.schedules.run_schedule(schedule, name, wrappers, ...); torch's "
+            "FSDP2 has nothing to call (use gpipe, 1f1b or interleaved-1f1b with it)")
+
+
 def _split_dim(got: Any, want: Any, tp: int) -> int | None:
     """The one dim along which shape ``got`` (a TP rank's plain output) is ``1 / tp`` of shape ``want`` (one
     process's)."""

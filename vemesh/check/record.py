@@ -17,6 +17,8 @@ records any other random op that a module's forward draws, so that a difference 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,9 +31,18 @@ from torch.utils._pytree import tree_flatten
 
 from vemesh.parallel.experts.style import EXPERT
 
-__all__ = ["Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients", "plain_name", "unwrap"]
+__all__ = ["Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients", "not_recorded", "parts",
+           "plain_name", "quiet_shape_inference", "unwrap"]
 
 _WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def parts(model: nn.Module | list[nn.Module]) -> list[tuple[nn.Module, bool]]:
+    """``(module, is a stage)`` for each part a run steps: the model (unwrapped), or under PP each stage's module
+    (a list of them: a ``PipelineStage``'s ``submod``), whose own root is not a module of the model as built."""
+    if isinstance(model, nn.Module):
+        return [(unwrap(model), False)]
+    return [(unwrap(m), True) for m in model]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -50,6 +61,8 @@ def data_parallel(model: nn.Module) -> bool:
     it or any module under it)."""
     from torch.distributed.fsdp import FSDPModule
 
+    if not isinstance(model, nn.Module):  # under PP: any stage's
+        return any(data_parallel(m) for m in model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return True
     return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
@@ -61,7 +74,7 @@ def on_tp(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) and "TP" in (p.device_mesh.mesh_dim_names or ())
-               for p in unwrap(model).parameters())
+               for part, _ in parts(model) for p in part.parameters())
 
 
 def plain_name(name: str) -> str:
@@ -99,7 +112,7 @@ def column_split_linears(model: nn.Module) -> list[tuple[str, int, int, int]]:
     ``r``-th block of all the rows. A fused ``[q|k|v]`` split so gives TP rank 0 all of q and part of k
     (:func:`vemesh.check.recipes.candidates`)."""
     found = []
-    for name, m in unwrap(model).named_modules():
+    for name, m in (nm for part, _ in parts(model) for nm in part.named_modules()):
         w = getattr(m, "weight", None)
         if not isinstance(m, nn.Linear) or not isinstance(w, DTensor):
             continue
@@ -116,12 +129,54 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+#: depth of :func:`not_recorded`: forwards that are not the step's
+_UNRECORDED = [0]
+
+
+@contextlib.contextmanager
+def not_recorded() -> Iterator[None]:
+    """Inside, no module output is recorded and no random op is: a forward that is not the step's (torch's pipeline
+    stage runs its module once on placeholder inputs to learn the shapes it sends, before the first micro-batch)."""
+    _UNRECORDED[0] += 1
+    try:
+        yield
+    finally:
+        _UNRECORDED[0] -= 1
+
+
+def quiet_shape_inference(stage: Any) -> None:
+    """``stage`` (a ``PipelineStage``) runs its shape-learning forward under :func:`not_recorded`."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:  # another torch: nothing of the kind to leave out
+        return
+
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with not_recorded():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = quiet
+
+
 class Recorder:
     """Record ``model``'s module outputs while active (a context manager), in the order the modules finish."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.modules = list(unwrap(model).named_modules(remove_duplicate=False))
+    def __init__(self, model: nn.Module | list[nn.Module], expected: dict[str, frozenset] | None = None) -> None:
+        self.modules = list(unwrap(model).named_modules(remove_duplicate=False)) if isinstance(model, nn.Module) \
+            else []
+        #: under PP (``model`` a list of stage modules, ``expected`` the model's modules' parameters by name): the
+        #: modules of a stage under a name of the model whose parameters are not that module's, left out: a stage's
+        #: own root, the base model's module over the stage's layers, a stand-in (``nn.Identity`` for the final norm
+        #: on the stages before the last)
+        self.partial: set[str] = set()
+        for part, stage in parts(model) if not isinstance(model, nn.Module) else ():
+            for n, m in part.named_modules(remove_duplicate=False):
+                if n and expected is not None and expected.get(plain_name(n)) == module_params(n, m):
+                    self.modules.append((n, m))
+                elif n:
+                    self.partial.add(plain_name(n))
         self.names = {id(m): plain_name(n) for n, m in self.modules}
+        #: each module's parameters by name (what a stage's modules are matched with under PP)
+        self.params = {plain_name(n): module_params(n, m) for n, m in self.modules}
         #: expert-parallel modules (vemesh's ExpertParallel): inside them each EP rank runs the tokens routed to its
         #: experts, in their order, which no join of one process's outputs makes; their own output is compared
         self.experts = {plain_name(n) for n, m in self.modules if getattr(m, EXPERT, False)}
@@ -135,12 +190,12 @@ class Recorder:
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
-        if name is not None and not _in_backward():
+        if name is not None and not _in_backward() and not _UNRECORDED[0]:
             self.stack.append(name)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self.names.get(id(module))
-        if name is None or _in_backward():
+        if name is None or _in_backward() or _UNRECORDED[0]:
             return
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
@@ -171,11 +226,18 @@ class Recorder:
         self._handles = []
 
 
-def gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Each parameter's whole gradient (None: none) under each of its names; collective for DTensors."""
+def module_params(name: str, module: nn.Module) -> frozenset:
+    """The names of ``module``'s parameters in the model (``name`` its own), wrappers left out."""
+    return frozenset(plain_name(f"{name}.{p}" if name else p) for p, _ in module.named_parameters(remove_duplicate=False))
+
+
+def gradients(model: nn.Module | list[nn.Module]) -> dict[str, torch.Tensor | None]:
+    """Each parameter's whole gradient (None: none) under each of its names; collective for DTensors. Under PP
+    (a list of this rank's stage modules) those of its stages'."""
     out: dict[str, torch.Tensor | None] = {}
-    for name, p in unwrap(model).named_parameters(remove_duplicate=False):
-        out[plain_name(name)] = None if p.grad is None else _whole(p.grad)
+    for part, _ in parts(model):
+        for name, p in part.named_parameters(remove_duplicate=False):
+            out[plain_name(name)] = None if p.grad is None else _whole(p.grad)
     return out
 
 
@@ -212,6 +274,6 @@ class Deterministic(TorchFunctionMode):
                 args = tuple(args[:4]) + ((0.0,) + tuple(args[5:]) if len(args) > 4 else ())
                 if "dropout_p" in kwargs:
                     kwargs["dropout_p"] = 0.0
-        elif func in _RANDOM and self.recorder.stack and not _in_backward():
+        elif func in _RANDOM and self.recorder.stack and not _in_backward() and not _UNRECORDED[0]:
             self.random_ops.append((self.recorder.stack[-1], getattr(func, "__name__", str(func))))
         return func(*args, **kwargs)

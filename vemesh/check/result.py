@@ -32,6 +32,15 @@ class CheckResult:
     gradients_compared: int = 0
     #: outputs the parallel run made in another shape that no join over TP gives (left out, counted)
     outputs_not_comparable: int = 0
+    #: under PP, the modules under a name of the model that a stage holds with other parameters than the model's
+    #: module of that name (the base model's module over the stage's layers, a stand-in): left out (counted)
+    outputs_partial: int = 0
+    #: under PP, the parameters of the model as built that no stage holds (their gradients were never computed)
+    unheld: list[str] = field(default_factory=list)
+    #: under PP, the stages' parameters whose names the model as built does not have (nothing to pair them with)
+    unknown: list[str] = field(default_factory=list)
+    #: under PP, the ties of the model as built whose ends the stages hold apart (each trains on its own part)
+    split_ties: list[tuple[str, ...]] = field(default_factory=list)
     #: the first module whose output differs: name, call, DP rank, relative difference; and the modules before it
     first_module: dict[str, Any] | None = None
     matched_before: list[str] = field(default_factory=list)
@@ -55,6 +64,12 @@ class CheckResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
+    def pipeline_cut_wrong(self) -> bool:
+        """Under PP, the stages do not hold the model as built: a parameter no stage holds, one named otherwise, or
+        a tie whose ends two stages hold."""
+        return bool(self.unheld or self.unknown or self.split_ties)
+
+    @property
     def exact(self) -> bool:
         """The parallel run computes what one process does (within :attr:`rtol`), and no tie was broken."""
         return self.verdict == "exact"
@@ -69,7 +84,9 @@ class CheckResult:
         head = (f"{mesh} on {self.world_size} gloo processes against one process, micro-batch "
                 f"{self.micro_batch_size}: {self.outputs_compared} module outputs and {self.gradients_compared} "
                 "gradients compared" + (f" ({self.outputs_not_comparable} outputs of another shape that no join of "
-                                        "TP or CP shards explains left out)" if self.outputs_not_comparable else ""))
+                                        "TP or CP shards explains left out)" if self.outputs_not_comparable else "")
+                + (f" ({self.outputs_partial} modules of a stage that are not the model's of their name, such as "
+                   "the base model over the stage's layers, left out)" if self.outputs_partial else ""))
         lines = []
         if self.exact:
             lines.append(f"vemesh check: exact. {head}; largest relative difference {self.largest:.1e}"
@@ -94,6 +111,21 @@ class CheckResult:
             lines.append(f"  tie broken: {' and '.join(names)} are one parameter in the model as built and several "
                          "after parallelize: shard both ends the same way with vemesh.parallel.parallelize_module, "
                          "or re-tie them")
+        if self.unheld:
+            shown = ", ".join(self.unheld[:6]) + (f" and {len(self.unheld) - 6} more" if len(self.unheld) > 6 else "")
+            them = "them" if len(self.unheld) > 1 else "it"
+            lines.append(f"  held by no stage ({len(self.unheld)}): {shown}: the model as built has {them} and no PP "
+                         f"rank's stages do, so the pipeline trains without {them}; give each to the stage whose part "
+                         "of the forward uses it")
+        for names in self.split_ties:
+            lines.append(f"  tie split across stages: {' and '.join(names)} are one parameter in the model as built, "
+                         "and two stages hold its ends: each gets its own part of the gradient and they train apart; "
+                         "keep the ends on one stage, or untie them before cutting (tie_word_embeddings=False)")
+        if self.unknown:
+            shown = ", ".join(self.unknown[:3]) + (f" and {len(self.unknown) - 3} more" if len(self.unknown) > 3 else "")
+            lines.append(f"  named otherwise than in the model ({len(self.unknown)}): {shown}: the check pairs each "
+                         "stage's parameters with the model's by name, so a stage module must keep the model's names "
+                         "(layer 3 as model.layers.3 on whichever stage holds it), as vemesh.parallel.DecoderStage does")
         if self.error:
             lines.append(f"  the parallel run raised where one process did not: {self.error}")
         if self.first_module is not None:
@@ -103,7 +135,8 @@ class CheckResult:
             if self.matched_before:
                 lines.append(f"  the modules just before it match: {', '.join(self.matched_before)}")
         lines += [f"  hint: {hint}" for hint in self.hints]
-        if self.gradients and self.first_module is None and not self.broken_ties and not self.error and not self.hints:
+        if self.gradients and self.first_module is None and not self.broken_ties and not self.error and not self.hints \
+                and not self.split_ties:
             lines.append("  every output matches but gradients differ: a parameter whose gradient is each TP rank's "
                          "part only (a norm over its own heads, or between sequence-parallel regions, without "
                          "SequenceParallel), or a gradient that DP does not average")

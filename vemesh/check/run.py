@@ -26,10 +26,11 @@ from vemesh import local_ranks
 from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
-                                 on_tp, plain_name, unwrap)
+                                 on_tp, parts, plain_name, quiet_shape_inference, unwrap)
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stages_per_rank
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel.tp_replicas import TPReplicaError
 from vemesh.planning.fake_world import _forget_meshes
@@ -59,6 +60,18 @@ class Spec:
     swaps: tuple[Swap, ...] = ()
     #: torch's SequenceParallel on modules as built, before the user's parallelize function (:mod:`vemesh.check.partial`)
     sharded: tuple[ShardedInput, ...] = ()
+    #: under PP: the schedule's ``loss_fn(output, target)`` reference, and the schedule (``--pp-schedule``)
+    loss: Any = None
+    pp_schedule: str = "1f1b"
+    #: under PP, the model's modules' parameters by name, from the one-process run: a stage's modules are recorded
+    #: where they are the model's (:class:`~vemesh.check.record.Recorder`)
+    model_params: dict[str, frozenset] | None = None
+
+    @property
+    def micro_batches(self) -> int:
+        """Under PP, the micro-batches a DP rank's batch is split into: two per stage (every schedule takes that
+        many); else 1 (the step runs one micro-batch)."""
+        return 2 * self.degrees.get("PP", 1) * stages_per_rank(self.pp_schedule) if self.degrees.get("PP", 1) > 1 else 1
 
 
 def functions(spec: Spec) -> tuple[Any, Any, Any, tuple[str, str, str]]:
@@ -66,13 +79,18 @@ def functions(spec: Spec) -> tuple[Any, Any, Any, tuple[str, str, str]]:
         raise CheckInputError("--parallelize MODULE:FUNCTION is required: the check compares what it builds with "
                               "one process")
     try:
-        fns = UserFunctions.of(spec.model, spec.parallelize, spec.step)
+        fns = UserFunctions.of(spec.model, spec.parallelize, spec.step, spec.loss, spec.pp_schedule)
     except ValueError as e:
         raise CheckInputError(str(e)) from None
     # said here, before any process starts: the parallel run would report it as where the runs differ
     if (wrong := unbindable("--parallelize", fns.names[1], fns.parallelize, "model", "mesh")) is not None:
         raise CheckInputError(wrong)
     return fns.factory, fns.parallelize, fns.step, fns.names
+
+
+def loss_of(spec: Spec) -> Any:
+    """Under PP, the schedule's ``loss_fn`` (``--loss``), resolved; else None."""
+    return UserFunctions.of(spec.model, spec.parallelize, spec.step, spec.loss, spec.pp_schedule).loss
 
 
 def _call(what: str, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -99,9 +117,9 @@ class UserError(Exception):
 
 
 def dims(world_size: int, degrees: dict[str, int], dp_replicate: int) -> Any:
-    names = tuple(n for n in ("DP", "CP", "TP") if degrees[n] > 1) or None
-    return ParallelDims(world_size, dp_replicate=dp_replicate, cp=degrees["CP"], tp=degrees["TP"], ep=degrees["EP"],
-                        mesh_dims=names)
+    names = tuple(n for n in ("PP", "DP", "CP", "TP") if degrees.get(n, 1) > 1) or None
+    return ParallelDims(world_size, pp=degrees.get("PP", 1), dp_replicate=dp_replicate, cp=degrees["CP"],
+                        tp=degrees["TP"], ep=degrees["EP"], mesh_dims=names)
 
 
 @contextlib.contextmanager
@@ -142,19 +160,63 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
         raise CheckInputError(f"--model {names[0]} returned {type(model).__name__}, not an nn.Module")
     dp = spec.degrees["DP"]
     outputs, dropouts, random_ops = [], 0, []
+    # under PP the step takes a schedule: here torch's over one stage, the whole model, cutting the batch into the
+    # parallel run's micro-batches (each schedule computes the loss of each and scales the gradients alike)
+    piped = spec.degrees.get("PP", 1) > 1
+    stepped = _whole_model_schedule(spec, model) if piped else model
+    summed: dict[torch.nn.Parameter, torch.Tensor] = {}
     for d in range(dp):
         torch.manual_seed(SEED + 1 + d)
         with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det:
-            _call("--step", names[2], step, model, spec.micro_batch_size)
+            _call("--step", names[2], step, stepped, spec.micro_batch_size * spec.micro_batches)
+        if piped:  # torch's schedule scales the gradients held by 1 / micro-batches at its end: each DP rank's apart
+            for p in model.parameters():
+                if p.grad is not None:
+                    summed[p] = summed[p] + p.grad if p in summed else p.grad
+                    p.grad = None
         outputs.append(rec.outputs)
         dropouts += det.dropouts
         random_ops += det.random_ops
+    for p, g in summed.items():
+        p.grad = g
     grads = {n: None if g is None else g / dp for n, g in gradients(model).items()}
     dtypes = {p.dtype for p in model.parameters()}
     # for the CP positions hint (vemesh.check.api): a learned position embedding takes positions as its indices
     embeddings = {plain_name(n) for n, m in unwrap(model).named_modules() if isinstance(m, torch.nn.Embedding)}
     return {"outputs": outputs, "grads": grads, "dropouts": dropouts, "random_ops": random_ops, "dtypes": dtypes,
-            "embeddings": embeddings, "positions_arg": positions_argument(unwrap(model))}
+            "embeddings": embeddings, "positions_arg": positions_argument(unwrap(model)), "params": rec.params}
+
+
+def _whole_model_schedule(spec: Spec, model: torch.nn.Module) -> Any:
+    """torch's GPipe over one stage holding ``model`` on this one-rank world, with the parallel run's micro-batches
+    and ``--loss``: what the user's PP step is given in one process."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage = PipelineStage(_Logits(model), 0, 1, torch.device("cpu"), group=dist.group.WORLD)
+    quiet_shape_inference(stage)
+    return ScheduleGPipe(stage, spec.micro_batches, loss_fn=loss_of(spec))
+
+
+class _Logits(torch.nn.Module):
+    """The model as built, as one pipeline stage: a stage returns tensors, so a Hugging Face ``ModelOutput`` gives
+    its ``logits`` (a tuple, its first tensor)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        out = self.model(*args)
+        if isinstance(out, torch.Tensor):
+            return out
+        if getattr(out, "logits", None) is not None:
+            return out.logits
+        first = next((t for t in (out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)), None)
+        if first is None:
+            raise UserError(f"the model as built returned {type(out).__name__}; as the one-process pipeline stage it "
+                            "must return the output the loss takes (a tensor, a ModelOutput with logits, or a tuple "
+                            "whose first item is it)")
+        return first
 
 
 def positions_argument(model: torch.nn.Module) -> str | None:
@@ -195,21 +257,31 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         apply(spec.sharded, model, mesh["TP"] if spec.sharded else None)
         with swapped(spec.swaps, model) as went:
             model = _call("--parallelize", names[1], parallelize, model, mesh)
-        if not isinstance(model, torch.nn.Module):
+        stepped = model
+        if spec.degrees.get("PP", 1) > 1:  # this PP rank's stages: the step runs torch's schedule over them
+            stepped, model = _schedule(spec, model, names[1])
+        elif not isinstance(model, torch.nn.Module):
             raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
-        params = {plain_name(n): p for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
+        params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}
+        piped = spec.degrees.get("PP", 1) > 1
+        # under PP a tie whose ends other stages hold is split across stages, not broken on this rank
         broken = [[plain_name(n) for n in group] for group in ties
-                  if len({id(params.get(plain_name(n))) for n in group}) > 1]
+                  if len({id(params[plain_name(n)]) if plain_name(n) in params or not piped else None
+                          for n in group} - ({None} if piped else set())) > 1]
+        apart = [[plain_name(n) for n in group] for group in ties
+                 if piped and any(plain_name(n) in params for n in group) and
+                 any(plain_name(n) not in params for n in group)]
         split = column_split_linears(model)
         data_rank = mesh.get_local_rank("DP") if mesh.layout.has("DP") else 0
         marks["parallelized"] = time.time()
         torch.manual_seed(SEED + 1 + data_rank)
         # what the user's functions compiled runs eagerly in both runs (its recording hooks are not for dynamo to
         # trace): the check is of the parallelization, not of inductor's code
-        with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det:
+        with torch.compiler.set_stance("force_eager"), Recorder(model, spec.model_params) as rec, \
+                Deterministic(rec) as det:
             outputs = rec.outputs
             try:
-                _call("--step", names[2], step, model, spec.micro_batch_size)
+                _call("--step", names[2], step, stepped, spec.micro_batch_size * spec.micro_batches)
             except UserError as e:
                 if not rec.stack:
                     raise
@@ -219,10 +291,12 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         grads = gradients(model)
         coords = {n: mesh.get_local_rank(n) for n in mesh.layout.dim_names}
         marks["gathered"] = time.time()
-        torch.save({"outputs": rec.outputs, "grads": grads, "coords": coords, "data_rank": data_rank,
-                    "broken": broken, "split": split, "went": went, "dropouts": det.dropouts,
+        torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
+                    "data_rank": data_rank,
+                    "broken": broken, "apart": apart, "split": split, "went": went, "dropouts": det.dropouts,
                     "data_parallel": data_parallel(model), "on_tp": on_tp(model),
-                    "random_ops": det.random_ops, "marks": marks, "compiled": compiled_module([model])},
+                    "random_ops": det.random_ops, "marks": marks,
+                    "compiled": compiled_module([part for part, _ in parts(model)])},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()
@@ -243,6 +317,22 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
                        "shapes": {k[0]: list(v.shape) for k, v in outputs.items() if k[1:] == (0, 0)}}, f)
         os.replace(part, os.path.join(out, f"error{rank}.json"))
         raise
+
+
+def _schedule(spec: Spec, returned: Any, name: str) -> tuple[Any, list[torch.nn.Module]]:
+    """torch's ``--pp-schedule`` over the stages ``--parallelize`` returned on this PP rank (checked against the
+    schedule's placement, as ``vemesh plan`` checks them), and their modules."""
+    from vemesh.planning.pipeline_trace import pipeline_stages
+
+    try:
+        stages = pipeline_stages(returned, name, mesh.get_local_rank("PP"), spec.degrees["PP"], spec.pp_schedule)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    for stage in stages:
+        quiet_shape_inference(stage)
+    many = spec.pp_schedule in MULTI_STAGE
+    run = schedule_class(spec.pp_schedule)(stages if many else stages[0], spec.micro_batches, loss_fn=loss_of(spec))
+    return run, [s.submod for s in stages]
 
 
 #: how long the other ranks get, once one has failed, to end on their own (writing their own error) before SIGTERM

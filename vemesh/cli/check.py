@@ -38,7 +38,12 @@ def add_check(commands: Any) -> argparse.ArgumentParser:
     sub.add_argument("--model-kwargs", type=model_kwargs, default={}, metavar="K=V,...",
                      help="keyword arguments for the factory: a small configuration of the same code")
     sub.add_argument("--parallelize", required=True, metavar="MODULE:FUNCTION", help="parallelize(model, mesh)")
-    sub.add_argument("--step", required=True, metavar="MODULE:FUNCTION", help="step(model, micro_batch_size)")
+    sub.add_argument("--step", required=True, metavar="MODULE:FUNCTION", help="step(model, micro_batch_size); with "
+                     "--pp, step(schedule, batch_size)")
+    sub.add_argument("--loss", default=None, metavar="MODULE:FUNCTION", help="with --pp: the schedule's "
+                     "loss_fn(output, target)")
+    sub.add_argument("--pp-schedule", default="1f1b", metavar="NAME", help="with --pp: torch's schedule "
+                     "(gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv, dualpipev; default 1f1b)")
     sub.add_argument("--world-size", type=positive, required=True, metavar="N", help="processes to run")
     for name in ("dp", "tp", "cp", "ep", "pp"):
         sub.add_argument(f"--{name}", type=positive, default=None if name == "dp" else 1, metavar="N",
@@ -64,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
         result = check(args.model, args.parallelize, args.step, world_size=args.world_size, dp=args.dp, tp=args.tp,
                        cp=args.cp, ep=args.ep, pp=args.pp, dp_replicate=args.dp_replicate,
                        micro_batch_size=args.micro_batch_size, model_kwargs=args.model_kwargs, rtol=args.rtol,
-                       timeout_s=args.timeout)
+                       timeout_s=args.timeout, loss=args.loss, pp_schedule=args.pp_schedule)
     except CheckInputError as e:
         raise UsageError(str(e)) from None
     print(json.dumps(result.to_json(), indent=2) if args.json else result.render())

@@ -538,6 +538,42 @@ def test_a_random_op_on_sharded_activations_is_named_as_the_cause_not_the_plan()
     assert "not a verdict on the plan" in result.render()
 
 
+# ------------------------------------------------------------------------------------------------ pipelines
+HF = str(ROOT / "test" / "models" / "hf_jobs.py")
+
+
+@pytest.mark.slow  # three runs of 2 processes, two of 4
+def test_pipeline_stages_are_checked_against_the_whole_model_in_one_process() -> None:
+    """Under PP the check runs torch's schedule over the stages the parallelize function returns, against the same
+    step given torch's GPipe over the whole model as one stage. HF's Llama cut by DecoderStage over ZBV (two stages
+    a rank) with vemesh DDP is exact when the step averages the weight pass's gradients (run_schedule), and without
+    it every output matches, the gradients differ and the hint says what to call. A stage module written by hand
+    that passes no attention mask is named at the first attention under eager attention (it attends to the later
+    tokens), one that forgets the final norm is told by the parameter no stage holds, and a head tied to the embedding
+    held by the first and last stages is told as a tie split across stages."""
+    pipe = dict(world_size=2, pp=2, micro_batch_size=1, loss=f"{HF}:loss_fn")
+    zbv = dict(pipe, world_size=4, pp_schedule="zbv")
+    result = check(f"module:{HF}:make_llama_eager", f"{HF}:parallelize_pp_zbv", f"{HF}:step_pp_zbv", **zbv)
+    assert result.exact and result.gradients_compared == 57 and result.outputs_compared > 1000, result.render()
+    # not the model's modules of their names: the base model over a stage's layers, the stand-in final norm
+    assert result.outputs_partial == 3
+    unsynced = check(f"module:{HF}:make_llama_eager", f"{HF}:parallelize_pp_zbv", f"{HF}:step_pp", **zbv)
+    assert not unsynced.exact and unsynced.first_module is None and unsynced.gradients, unsynced.render()
+    assert "finish_grad_sync(force=True)" in unsynced.hints[0] and "--pp-schedule zbv" in unsynced.hints[0]
+    own = check(f"module:{HF}:make_llama_eager", f"{HF}:parallelize_pp_own_stage", f"{HF}:step_pp", **pipe)
+    assert not own.exact and own.first_module["module"] == "model.layers.0.self_attn.o_proj", own.render()
+    assert own.matched_before[-1] == "model.layers.0.self_attn.v_proj"
+    normless = check(f"module:{HF}:make_llama", f"{HF}:parallelize_pp_own_stage_without_norm", f"{HF}:step_pp", **pipe)
+    assert not normless.exact and normless.unheld == ["model.norm.weight"], normless.render()
+    assert normless.first_module["module"] == "lm_head"
+    assert "held by no stage (1): model.norm.weight: the model as built has it" in normless.render()
+    # a head tied to the embedding, its ends on the first and last stages: each gets its own part of the gradient
+    tied = check(f"module:{HF}:make_llama_tied", f"{HF}:parallelize_pp_own_stage", f"{HF}:step_pp", **pipe)
+    assert tied.split_ties == [("model.embed_tokens.weight", "lm_head.weight")], tied.render()
+    assert [n for n, _ in tied.gradients] == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert not tied.broken_ties and "every output matches" not in tied.render()
+
+
 # ------------------------------------------------------------------------------------------------ the command
 def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["check", "--model", f"module:{nano('make_local')}", "--parallelize", nano("wrong_fused_colwise"),
@@ -555,7 +591,13 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     (["--model", "gpt:make"], "--model gpt:make: no module named 'gpt'"),  # a gpt.py's make: not a preset
     (["--world-size", "6", "--tp", "4"], "--world-size 6 is not divisible by TP x CP = 4 x 1 = 4; choose TP x CP from 1, 2, "
      "3, 6"),
-    (["--pp", "2"], "--pp 2: the check compares one process with the parallel run at PP 1"),
+    (["--pp", "2"], "--pp 2 runs your stages through torch's pipeline schedule, which computes the loss on the last "
+     "stage: give --loss MODULE:FUNCTION"),
+    (["--loss", nano("step")], "--loss is the pipeline schedule's loss_fn: give --pp N (2 or more) with it"),
+    (["--pp", "2", "--loss", nano("step"), "--pp-schedule", "1f2b"], "--pp-schedule: pipeline schedule '1f2b': "
+     "choose one of gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv, dualpipev"),
+    (["--pp", "2", "--loss", nano("step")], "--world-size 2 is not divisible by PP x TP x CP = 2 x 2 x 1 = 4; choose "
+     "PP x TP x CP from 1, 2"),
     (["--step", nano("make")], "--step " + nano("make") + " takes (**kwargs), but is called as "
                                "step(model, micro_batch_size)"),
     (["--parallelize", nano("make")], "takes (**kwargs), but is called as parallelize(model, mesh), mesh being VESCALE_DEVICE_MESH"),
