@@ -7,7 +7,8 @@ from __future__ import annotations
 from torch import nn
 
 from vemesh.models.gpt.model import GPT, GPTConfig
-from vemesh.models.gpt.planned import parallelize_for, step  # noqa: F401  (the step vemesh check runs)
+from vemesh.models.gpt.planned import loss_fn, parallelize_for, pipeline_step_for, step  # noqa: F401  (what vemesh
+# check runs: the step, and with PP the schedule's loss and step)
 
 
 def make(**kwargs: object) -> nn.Module:
@@ -17,3 +18,7 @@ def make(**kwargs: object) -> nn.Module:
 
 parallelize_ddp = parallelize_for("ddp", "fp32", False, False)
 parallelize_fsdp_sp = parallelize_for("fsdp", "fp32", True, False)
+
+#: with PP: the example's stages (vemesh DDP on each), its step of a batch through torch's 1F1B
+parallelize_pp = parallelize_for("ddp", "fp32", False, False, "1f1b")
+pipeline_step = pipeline_step_for("1f1b")

@@ -205,6 +205,13 @@ class _Logits(torch.nn.Module):
         super().__init__()
         self.model = model
 
+    def __getattr__(self, name: str) -> Any:
+        """The model's own attributes (a step that reads its stages' modules' ``config`` finds the model's)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
     def forward(self, *args: Any) -> torch.Tensor:
         out = self.model(*args)
         if isinstance(out, torch.Tensor):

@@ -644,6 +644,15 @@ def test_the_examples_gpt_is_exact_with_its_own_parallelize(parallelize: str, kw
 LLAMA3 = str(ROOT / "test" / "models" / "llama3_check_jobs.py")
 
 
+@pytest.mark.slow  # one run of 4 processes
+def test_the_examples_gpt_stages_are_exact_under_its_pipeline_step() -> None:
+    """examples/gpt's own PP cut (vemesh.models.gpt.stages), each stage in vemesh DDP, through the example's step of a
+    batch through torch's 1F1B: the planner's GPT preset with PP, checked against one process."""
+    result = check(f"module:{GPT}:make", f"{GPT}:parallelize_pp", f"{GPT}:pipeline_step", world_size=4, pp=2,
+                   loss=f"{GPT}:loss_fn", model_kwargs={"n_layer": 4})
+    assert result.exact and result.gradients_compared > 60 and result.outputs_compared > 400, result.render()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallelize, degrees", [
     ("parallelize_fsdp_selective", dict(world_size=4, tp=2)),
