@@ -25,7 +25,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-__all__ = ["ShardedInput", "apply", "candidates", "dp_hint", "first_shapes", "hint"]
+from vemesh.parallel.schedules import ZERO_BUBBLE
+
+__all__ = ["ShardedInput", "apply", "candidates", "dp_hint", "first_shapes", "hint", "zero_bubble_hint"]
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,6 @@ def dp_hint(dp: int, differing: int, compared: int, wrapped: bool) -> str | None
 def zero_bubble_hint(schedule: str, dp: int, wrapped: bool) -> str | None:
     """The hint where every output matches and gradients differ under a schedule that splits the backward, with DP
     above 1 and a data-parallel wrapper (``wrapped``), else None."""
-    from vemesh.parallel.schedules import ZERO_BUBBLE
-
     if schedule not in ZERO_BUBBLE or dp < 2 or not wrapped:
         return None
     return (f"--pp-schedule {schedule} splits each backward, and torch's weight pass adds the weights' gradients by "

@@ -34,6 +34,7 @@ from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stages_per_ra
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel.tp_replicas import TPReplicaError
 from vemesh.planning.fake_world import _forget_meshes
+from vemesh.planning.pipeline_trace import pipeline_stages
 from vemesh.planning.user_code import UserFunctions, compiled_module, known_cause, unbindable, user_frame
 
 __all__ = ["SEED", "Spec", "Timeout", "UserError", "dims", "errors", "functions", "reference", "run_parallel"]
@@ -329,8 +330,6 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
 def _schedule(spec: Spec, returned: Any, name: str) -> tuple[Any, list[torch.nn.Module]]:
     """torch's ``--pp-schedule`` over the stages ``--parallelize`` returned on this PP rank (checked against the
     schedule's placement, as ``vemesh plan`` checks them), and their modules."""
-    from vemesh.planning.pipeline_trace import pipeline_stages
-
     try:
         stages = pipeline_stages(returned, name, mesh.get_local_rank("PP"), spec.degrees["PP"], spec.pp_schedule)
     except ValueError as e:
