@@ -11,7 +11,8 @@ from torch import nn
 
 from vemesh.models.llama3.config import Llama3Config
 from vemesh.models.llama3.model import Llama3
-from vemesh.models.llama3.planned import parallelize_for, step  # noqa: F401  (the step vemesh check runs)
+from vemesh.models.llama3.planned import loss_fn, parallelize_for, pipeline_step_for, step  # noqa: F401  (what
+# vemesh check runs: the step, and with PP the schedule's loss and step)
 
 #: grouped-query attention (4 query heads over 2 KV heads), as Llama 3's 8:1 is, on a width check runs in seconds
 TINY = Llama3Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=256, seq_len=32)
@@ -25,3 +26,7 @@ parallelize_fsdp = parallelize_for("fsdp", "fp32", "none")
 parallelize_fsdp_selective = parallelize_for("fsdp", "fp32", "selective-op")
 parallelize_ddp = parallelize_for("ddp", "fp32", "full")
 
+
+#: with PP: the preset's stages under FSDP2, its step of a batch through torch's 1F1B, and its loss
+parallelize_pp = parallelize_for("fsdp", "fp32", "none", "1f1b")
+pipeline_step = pipeline_step_for("1f1b")

@@ -653,6 +653,15 @@ def test_the_examples_gpt_stages_are_exact_under_its_pipeline_step() -> None:
     assert result.exact and result.gradients_compared > 60 and result.outputs_compared > 400, result.render()
 
 
+@pytest.mark.slow  # one run of 4 processes
+def test_the_llama3_presets_stages_are_exact_under_tp_with_loss_parallel() -> None:
+    """The Llama 3 preset's PP cut under FSDP2 with TP and sequence parallelism, its step through torch's 1F1B inside
+    loss_parallel (the last stage returns DTensor logits): what `vemesh plan --model llama3:... --pp N` traces."""
+    result = check(f"module:{LLAMA3}:make", f"{LLAMA3}:parallelize_pp", f"{LLAMA3}:pipeline_step", world_size=4,
+                   pp=2, tp=2, loss=f"{LLAMA3}:loss_fn", model_kwargs={"n_layers": 4})
+    assert result.exact and result.gradients_compared == 39 and result.outputs_compared > 200, result.render()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallelize, degrees", [
     ("parallelize_fsdp_selective", dict(world_size=4, tp=2)),
