@@ -161,16 +161,15 @@ class Recorder:
     """Record ``model``'s module outputs while active (a context manager), in the order the modules finish."""
 
     def __init__(self, model: nn.Module | list[nn.Module], expected: dict[str, frozenset] | None = None) -> None:
-        self.modules = list(unwrap(model).named_modules(remove_duplicate=False)) if isinstance(model, nn.Module) \
-            else []
+        self.modules: list[tuple[str, nn.Module]] = []
         #: under PP (``model`` a list of stage modules, ``expected`` the model's modules' parameters by name): the
         #: modules of a stage under a name of the model whose parameters are not that module's, left out: a stage's
         #: own root, the base model's module over the stage's layers, a stand-in (``nn.Identity`` for the final norm
         #: on the stages before the last)
         self.partial: set[str] = set()
-        for part, stage in parts(model) if not isinstance(model, nn.Module) else ():
+        for part, stage in parts(model):
             for n, m in part.named_modules(remove_duplicate=False):
-                if n and expected is not None and expected.get(plain_name(n)) == module_params(n, m):
+                if not stage or (n and expected is not None and expected.get(plain_name(n)) == module_params(n, m)):
                     self.modules.append((n, m))
                 elif n:
                     self.partial.add(plain_name(n))

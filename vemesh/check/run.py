@@ -272,13 +272,13 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
             raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
         params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}
         piped = spec.degrees.get("PP", 1) > 1
-        # under PP a tie whose ends other stages hold is split across stages, not broken on this rank
-        broken = [[plain_name(n) for n in group] for group in ties
-                  if len({id(params[plain_name(n)]) if plain_name(n) in params or not piped else None
-                          for n in group} - ({None} if piped else set())) > 1]
-        apart = [[plain_name(n) for n in group] for group in ties
-                 if piped and any(plain_name(n) in params for n in group) and
-                 any(plain_name(n) not in params for n in group)]
+        ends = [[params.get(plain_name(n)) for n in group] for group in ties]  # None: not held here
+        # a tie is broken where this rank holds its ends as several parameters; under PP, of the ends it holds (the
+        # others are other stages': a tie split across stages)
+        broken = [[plain_name(n) for n in group] for group, held in zip(ties, ends)
+                  if len({id(p) for p in held if p is not None or not piped}) > 1]
+        apart = [[plain_name(n) for n in group] for group, held in zip(ties, ends)
+                 if piped and None in held and any(p is not None for p in held)]
         split = column_split_linears(model)
         data_rank = mesh.get_local_rank("DP") if mesh.layout.has("DP") else 0
         marks["parallelized"] = time.time()
