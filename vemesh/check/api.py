@@ -110,7 +110,9 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     try:
         ref = reference(spec, factory, step_fn, names)
     except UserError as e:
-        raise CheckInputError(f"{e} (in one process, before any parallelizing)") from None
+        raise CheckInputError(f"{e} (in one process, before any parallelizing)" + (
+            "; with --pp the step is given torch's schedule, not the model: step(schedule, batch_size) runs "
+            "schedule.step(inputs, target=targets)" if pp > 1 else "")) from None
     result.rtol = tol = tolerance(rtol, ref["dtypes"])
     spec = replace(spec, model_params=ref["params"]) if pp > 1 else spec
     t1, launched = time.monotonic(), time.time()

@@ -563,6 +563,9 @@ def test_pipeline_stages_are_checked_against_the_whole_model_in_one_process() ->
     own = check(f"module:{HF}:make_llama_eager", f"{HF}:parallelize_pp_own_stage", f"{HF}:step_pp", **pipe)
     assert not own.exact and own.first_module["module"] == "model.layers.0.self_attn.o_proj", own.render()
     assert own.matched_before[-1] == "model.layers.0.self_attn.v_proj"
+    with pytest.raises(CheckInputError, match=r"'ScheduleGPipe' object is not callable \(in one process, before any "
+                       r"parallelizing\); with --pp the step is given torch's schedule, not the model"):
+        check(f"module:{HF}:make_llama", f"{HF}:parallelize_pp", f"{HF}:step", **pipe)  # a step of one micro-batch
     normless = check(f"module:{HF}:make_llama", f"{HF}:parallelize_pp_own_stage_without_norm", f"{HF}:step_pp", **pipe)
     assert not normless.exact and normless.unheld == ["model.norm.weight"], normless.render()
     assert normless.first_module["module"] == "lm_head"
