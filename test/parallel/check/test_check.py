@@ -542,15 +542,16 @@ def test_a_random_op_on_sharded_activations_is_named_as_the_cause_not_the_plan()
 HF = str(ROOT / "test" / "models" / "hf_jobs.py")
 
 
-@pytest.mark.slow  # three runs of 2 processes, two of 4
+@pytest.mark.slow  # two runs of 2 processes, two of 4
 def test_pipeline_stages_are_checked_against_the_whole_model_in_one_process() -> None:
     """Under PP the check runs torch's schedule over the stages the parallelize function returns, against the same
     step given torch's GPipe over the whole model as one stage. HF's Llama cut by DecoderStage over ZBV (two stages
     a rank) with vemesh DDP is exact when the step averages the weight pass's gradients (run_schedule), and without
     it every output matches, the gradients differ and the hint says what to call. A stage module written by hand
-    that passes no attention mask is named at the first attention under eager attention (it attends to the later
-    tokens), one that forgets the final norm is told by the parameter no stage holds, and a head tied to the embedding
-    held by the first and last stages is told as a tie split across stages."""
+    that forgets the final norm is told by the parameter no stage holds, and a head tied to the embedding held by the
+    first and last stages is told as a tie split across stages. (The same hand-written stage passing no attention
+    mask under eager attention, named at model.layers.0.self_attn.o_proj, is docs/checking.md's shown run, which the
+    docs tests run.)"""
     pipe = dict(world_size=2, pp=2, micro_batch_size=1, loss=f"{HF}:loss_fn")
     zbv = dict(pipe, world_size=4, pp_schedule="zbv")
     result = check(f"module:{HF}:make_llama_eager", f"{HF}:parallelize_pp_zbv", f"{HF}:step_pp_zbv", **zbv)
@@ -560,9 +561,6 @@ def test_pipeline_stages_are_checked_against_the_whole_model_in_one_process() ->
     unsynced = check(f"module:{HF}:make_llama_eager", f"{HF}:parallelize_pp_zbv", f"{HF}:step_pp", **zbv)
     assert not unsynced.exact and unsynced.first_module is None and unsynced.gradients, unsynced.render()
     assert "finish_grad_sync(force=True)" in unsynced.hints[0] and "--pp-schedule zbv" in unsynced.hints[0]
-    own = check(f"module:{HF}:make_llama_eager", f"{HF}:parallelize_pp_own_stage", f"{HF}:step_pp", **pipe)
-    assert not own.exact and own.first_module["module"] == "model.layers.0.self_attn.o_proj", own.render()
-    assert own.matched_before[-1] == "model.layers.0.self_attn.v_proj"
     with pytest.raises(CheckInputError, match=r"'ScheduleGPipe' object is not callable \(in one process, before any "
                        r"parallelizing\); with --pp the step is given torch's schedule, not the model"):
         check(f"module:{HF}:make_llama", f"{HF}:parallelize_pp", f"{HF}:step", **pipe)  # a step of one micro-batch
