@@ -71,7 +71,7 @@ def zero_bubble_hint(schedule: str, dp: int, wrapped: bool) -> str | None:
             "hand, where no data-parallel wrapper's gradient hook sees them: they were not averaged over DP. With "
             "vemesh's DDP call finish_grad_sync(force=True) on each stage's wrapper after schedule.step() in the "
             "step, or step through vemesh.parallel.schedules.run_schedule(schedule, name, wrappers, ...); torch's "
-            "FSDP2 has nothing to call (use gpipe, 1f1b or interleaved-1f1b with it)")
+            "DDP and FSDP2 have nothing to call (use gpipe, 1f1b or interleaved-1f1b with them)")
 
 
 def _split_dim(got: Any, want: Any, tp: int) -> int | None:
