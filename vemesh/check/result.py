@@ -112,7 +112,7 @@ class CheckResult:
                          "after parallelize: shard both ends the same way with vemesh.parallel.parallelize_module, "
                          "or re-tie them")
         if self.unheld:
-            shown = ", ".join(self.unheld[:6]) + (f" and {len(self.unheld) - 6} more" if len(self.unheld) > 6 else "")
+            shown = _some(self.unheld, 6)
             them = "them" if len(self.unheld) > 1 else "it"
             lines.append(f"  held by no stage ({len(self.unheld)}): {shown}: the model as built has {them} and no PP "
                          f"rank's stages do, so the pipeline trains without {them}; give each to the stage whose part "
@@ -122,7 +122,7 @@ class CheckResult:
                          "and two stages hold its ends: each gets its own part of the gradient and they train apart; "
                          "keep the ends on one stage, or untie them before cutting (tie_word_embeddings=False)")
         if self.unknown:
-            shown = ", ".join(self.unknown[:3]) + (f" and {len(self.unknown) - 3} more" if len(self.unknown) > 3 else "")
+            shown = _some(self.unknown, 3)
             lines.append(f"  named otherwise than in the model ({len(self.unknown)}): {shown}: the check pairs each "
                          "stage's parameters with the model's by name, so a stage module must keep the model's names "
                          "(layer 3 as model.layers.3 on whichever stage holds it), as vemesh.parallel.DecoderStage does")
@@ -159,3 +159,8 @@ class CheckResult:
                 outer[at] += f" ({', '.join(inner)})"
             lines.append("  time: " + ", ".join(outer))
         return "\n".join(lines)
+
+
+def _some(names: list[str], n: int) -> str:
+    """The first ``n`` of ``names``, and how many more."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
