@@ -542,6 +542,27 @@ def test_a_random_op_on_sharded_activations_is_named_as_the_cause_not_the_plan()
 HF = str(ROOT / "test" / "models" / "hf_jobs.py")
 
 
+def test_under_pp_a_stage_parameter_named_otherwise_and_one_no_stage_holds_are_said_not_exact() -> None:
+    """The check pairs each stage's parameters with the model's by name: a stage module that renames them (its layers
+    under another attribute) cannot be paired, and the model's names go unheld; both are said, and neither run is
+    "exact". A tie whose ends two PP ranks hold is said once, however many ranks report it."""
+    g = torch.ones(3)
+    ref = {"outputs": [{}], "grads": {"layers.0.w": g, "head.w": g}, "params": {}}
+    ranks = [{"data_rank": 0, "outputs": {}, "grads": {"blocks.0.w": g}, "coords": {"PP": 0}, "partial": {"blocks"},
+              "apart": [["embed.w", "head.w"]]},
+             {"data_rank": 0, "outputs": {}, "grads": {"head.w": g}, "coords": {"PP": 1}, "partial": set(),
+              "apart": [["embed.w", "head.w"]]}]
+    result = CheckResult("exact", {"PP": 2, "DP": 1, "CP": 1, "TP": 1, "EP": 1}, 2, 1, 1e-4)
+    compare(result, ref, ranks, 1e-4)
+    assert (result.unknown, result.unheld, result.split_ties) == (["blocks.0.w"], ["layers.0.w"],
+                                                                  [("embed.w", "head.w")])
+    assert result.pipeline_cut_wrong and result.gradients_compared == 1 and result.outputs_partial == 1
+    text = result.render()
+    assert "held by no stage (1): layers.0.w: the model as built has it" in text
+    assert "named otherwise than in the model (1): blocks.0.w: the check pairs each stage's parameters" in text
+    assert text.count("tie split across stages: embed.w and head.w") == 1
+
+
 @pytest.mark.slow  # two runs of 2 processes, two of 4
 def test_pipeline_stages_are_checked_against_the_whole_model_in_one_process() -> None:
     """Under PP the check runs torch's schedule over the stages the parallelize function returns, against the same
