@@ -179,7 +179,15 @@ def test_two_agents_whose_restart_counts_differ_start_the_job_on_their_next_roun
         agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True))
         time.sleep(2)
-    outs = [a.communicate(timeout=240)[0] for a in agents]
+    deadline = time.monotonic() + 240
+    try:
+        outs = [a.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for a in agents]
+    except subprocess.TimeoutExpired:  # both agents' words, not only the first's: which node's workers stopped where
+        for a in agents:
+            a.kill()
+        outs = [a.communicate()[0] for a in agents]
+        pytest.fail("the two agents did not finish in 240 s:\n" +
+                    "\n".join(f"--- agent {i}:\n{o[-3000:]}" for i, o in enumerate(outs)))
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outs)
     up = sorted(re.findall(r"up: rank (\d), restart (\d)", "".join(outs)))  # the workers' lines may interleave
     assert [rank for rank, _ in up] == ["0", "1", "2", "3"], up
