@@ -153,10 +153,16 @@ def test_ddp_over_one_hsdp_part_is_refused(as_rank) -> None:
 
 
 def test_ddp_without_a_group_on_a_mesh_without_data_dims_raises(as_rank) -> None:
+    """Without a data dim (torchtitan's ParallelDims leaves out dims of size 1) the refusal says what to do at DP 1,
+    and the way it gives works: a 'DP' dim of size 1 averages over the rank alone. It once said "pass the group to
+    average over, e.g. VESCALE_DEVICE_MESH['DP']", a view this mesh does not have."""
     as_rank(1, 4)
     VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "TP"))
-    with pytest.raises(ValueError, match=r"VESCALE_DEVICE_MESH \('PP', 'TP'\) has no data dim"):
+    with pytest.raises(ValueError, match=r"VESCALE_DEVICE_MESH \('PP', 'TP'\) has no data dim .* data parallel is 1 "
+                                         r"on it, .* or give init_device_mesh a 'DP' dim of size 1"):
         DDP(nn.Linear(4, 4))
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("DP", "PP", "TP"))
+    assert dist.get_process_group_ranks(DDP(nn.Linear(4, 4)).data_parallel_group) == [1]
 
 
 def test_ddp_given_the_whole_mesh_averages_over_its_data_dims_on_every_rank(as_rank) -> None:
@@ -183,7 +189,7 @@ def test_ddp_given_the_whole_mesh_averages_over_its_data_dims_on_every_rank(as_r
         "('DP', 'TP'): pass one of its views, mesh[NAME]" in one_line(e.value)
     as_rank(1, 4)
     VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "TP"))
-    with pytest.raises(ValueError, match=r"mesh \('PP', 'TP'\) has no data dim .* e.g. mesh\['DP'\]"):
+    with pytest.raises(ValueError, match=r"mesh \('PP', 'TP'\) has no data dim .* Leave the model unwrapped"):
         DDP(nn.Linear(4, 4), VESCALE_DEVICE_MESH)
     with pytest.raises(ValueError, match="data_pg_or_device_mesh is a VeDeviceMesh that is not initialized"):
         DDP(nn.Linear(4, 4), VeDeviceMesh())

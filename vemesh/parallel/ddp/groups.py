@@ -48,9 +48,10 @@ def _data_group(mesh: VeDeviceMesh, label: str, why: str = "") -> tuple[dist.Pro
     """The group of ``mesh``'s data dims (``grad`` of :func:`vemesh.layout.data_dims.data_dims`), and its description."""
     name = data_dims(mesh.layout).grad
     if name is None:
-        raise ValueError(
-            f"{why}{label} {mesh.mesh_dim_names} has no data dim (named one of {list(DATA_NAMES)}): pass the group "
-            f"to average over, e.g. {label}['DP']"
+        raise ValueError(  # every dim has a known role (data_dims raised on one it does not know): DP is 1
+            f"{why}{label} {mesh.mesh_dim_names} has no data dim (named one of {list(DATA_NAMES)}): data parallel is "
+            f"1 on it, and there is nothing to average. Leave the model unwrapped on this mesh, or give "
+            f"init_device_mesh a 'DP' dim of size 1 (its group is each rank alone)"
         )
     return mesh.get_group(name), f"{label}[{name!r}], the mesh's data dims"
 
