@@ -98,6 +98,13 @@ def test_activation_checkpointing_modes(mode, want) -> None:
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4,moe_experts=6", "--ep", "4", "--tp", "1"],
      "EP 4 does not divide the 6 experts: each EP rank holds experts / EP of them; choose EP from 1, 2 (dividing both "
      "the experts and DP 8)"),
+    # a zero-bubble pipeline under FSDP2: refused before a trace, where the optimizer refused it from inside one
+    (["--model", "llama3:8b", "--pp", "2", "--tp", "2", "--pp-schedule", "zbv"], "--pp-schedule zbv with --dp-mode "
+     "fsdp (the Llama 3 preset's default) over DP x CP = 2: torch's zero-bubble schedules add the weight pass's "
+     "gradients outside autograd's hooks, so FSDP2 never reduces them; plan zbv with --dp-mode ddp or zero1, or fsdp "
+     "with --pp-schedule gpipe, 1f1b or interleaved-1f1b"),
+    (["--model", "gpt:n_layer=4,n_embd=64,n_head=4", "--pp", "2", "--tp", "2", "--pp-schedule", "interleaved-zb",
+      "--dp-mode", "fsdp"], "--pp-schedule interleaved-zb with --dp-mode fsdp over DP x CP = 2: torch's zero-bubble"),
     (["--model", "llama3:8b", "--dtype", "bf16", "--float8", "tensorwise", "--device-profile", "a100-sxm-80gb",
       "--tp", "1", "--dp", "1"], "device profile 'a100-sxm-80gb' has no matmul throughput for fp8"),
 ])

@@ -28,7 +28,7 @@ from vemesh.models.llama3.config import check_ac, config_of
 from vemesh.models.llama3.config import linear_share as llama3_linear_share
 from vemesh.layout.names import divisors
 from vemesh.parallel.context.ring import check_sequence_split
-from vemesh.parallel.schedules import schedule_class, stage_owner, stages_per_rank
+from vemesh.parallel.schedules import ZERO_BUBBLE, schedule_class, stage_owner, stages_per_rank
 from vemesh.planning.estimate import Model, check_degrees, gpt_config, load_model, rank_static, stage_keys
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
@@ -185,6 +185,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         cfg = config_of(job.model)
         if pp > 1:
             schedule_class(job.pp_schedule)  # a ValueError names the schedules
+            _check_zero_bubble(job, dp * cp)
             n_stages = pp * stages_per_rank(job.pp_schedule)
             if n_stages > cfg.n_layers:
                 raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; {job.model} has "
@@ -208,12 +209,24 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                                  "moe_every=1")
     if pp > 1:
         schedule_class(job.pp_schedule)  # a ValueError names the schedules
+        _check_zero_bubble(job, dp * cp)
         n_stages = pp * stages_per_rank(job.pp_schedule)
         if n_stages > model.n_layer:
             raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; the model has {model.n_layer}")
         if not trace_pipeline:
             return estimate_pipeline(job, model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     return _traced_preset(_as_traced(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
+
+
+def _check_zero_bubble(job: Job, data_ranks: int) -> None:
+    """A preset's zero-bubble pipeline with FSDP2 over data ranks, refused before a trace (as the example refuses it;
+    it was the optimizer's refusal from inside the trace): FSDP2 misses the weight pass's gradients (weight_pass)."""
+    if job.pp_schedule in ZERO_BUBBLE and job.mode == "fsdp" and data_ranks > 1:
+        default = " (the Llama 3 preset's default)" if job.llama3 else ""
+        raise ValueError(f"--pp-schedule {job.pp_schedule} with --dp-mode fsdp{default} over DP x CP = {data_ranks}: "
+                         "torch's zero-bubble schedules add the weight pass's gradients outside autograd's hooks, so "
+                         f"FSDP2 never reduces them; plan {job.pp_schedule} with --dp-mode ddp or zero1, or fsdp with "
+                         "--pp-schedule gpipe, 1f1b or interleaved-1f1b")
 
 
 def _as_traced(job: Job) -> Job:
