@@ -527,6 +527,20 @@ def test_an_uneven_pipeline_is_traced_by_blocks_and_its_difference_matches_the_w
         assert c.flops == whole[rank].flops and c.peak == pytest.approx(whole[rank].peak, rel=1e-5), rank
 
 
+@pytest.mark.slow  # two traced plans of llama3:8b: about 10 s alone
+def test_the_llama3_preset_plans_hsdp_as_fsdp_over_its_shard_dim() -> None:
+    """``--dp-replicate 2`` (HSDP, as torchtitan's dp_replicate): each rank holds what FSDP over the shard dim alone
+    holds, and sends its DP bytes over dp_shard (the reduce-scatter) and dp_replicate (the all-reduce of its shard).
+    It was refused: vemesh's fully_shard flattened the 2-D mesh's rank tensor under the plan's fake tensors."""
+    from vemesh.planning import fit
+
+    job = PlanRequest(model="llama3:8b,seq_len=256", world_size=8, global_batch_size=8, dtype="bf16").job()
+    hsdp, fsdp = fit.predict(job, dp=4, tp=2, dp_replicate=2), fit.predict(job, dp=2, tp=2)
+    assert hsdp.classes[0].static == fsdp.classes[0].static
+    sent = hsdp.classes[0].sent
+    assert sent["dp_shard"] == fsdp.classes[0].sent["DP"] and 0 < sent["dp_replicate"] < sent["dp_shard"], sent
+
+
 @pytest.mark.slow
 def test_the_llama3_8b_preset_is_planned_with_its_switches_in_the_json(capsys) -> None:
     argv = ["plan", "--model", "llama3:8b", "--world-size", "8", "--dtype", "bf16", "--global-batch-size", "16",

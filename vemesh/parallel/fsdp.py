@@ -77,10 +77,20 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, check_tp_gradients: bool
     sharded = torch_fully_shard(module, mesh=fsdp_mesh, **kwargs)
     if fsdp_mesh.size() > 1:  # a zero-bubble schedule's hand-added gradients, which FSDP2 misses, are refused
         watch_weight_passes(sharded)
-    tp = tp_group_beside(set(fsdp_mesh.mesh.flatten().tolist())) if check_tp_gradients else None
+    tp = tp_group_beside(set(_ranks(fsdp_mesh))) if check_tp_gradients else None
     if tp is not None:
         _check_at_first_step(sharded, tp, fsdp_mesh.get_all_groups())
     return sharded
+
+
+def _ranks(mesh: DeviceMesh) -> list[int]:
+    """The global ranks of ``mesh``, read into Python before they are flattened: under a plan's fake tensors,
+    reshaping the rank tensor of an HSDP mesh (2-D) made a fake tensor, whose ``tolist`` has no values to give (the
+    Llama 3 preset with ``--dp-replicate`` was refused so)."""
+    ranks = mesh.mesh.tolist()
+    while ranks and isinstance(ranks[0], list):
+        ranks = [r for row in ranks for r in row]
+    return ranks
 
 
 def _check_data_view(view: DeviceMesh, module: nn.Module) -> None:
@@ -92,7 +102,7 @@ def _check_data_view(view: DeviceMesh, module: nn.Module) -> None:
     if any(not isinstance(m, FSDPModule) for m in expert_modules(module)):
         raise ValueError("vemesh.parallel.fully_shard: the module holds experts (ExpertParallel), which shard over EDP: "
                          "pass mesh=VESCALE_DEVICE_MESH (the default), not a view")
-    needed, given = data_ranks(), sorted(view.mesh.flatten().tolist())
+    needed, given = data_ranks(), sorted(_ranks(view))
     if needed is not None and sorted(needed) != given:
         names, fsdp = view.mesh_dim_names or (), data_dims(VESCALE_DEVICE_MESH.layout).fsdp
         raise ValueError(f"vemesh.parallel.fully_shard: mesh {dict(zip(names, view.shape))} holds ranks {given}, but "
