@@ -103,6 +103,13 @@ def test_activation_checkpointing_modes(mode, want) -> None:
      "fsdp (the Llama 3 preset's default) over DP x CP = 2: torch's zero-bubble schedules add the weight pass's "
      "gradients outside autograd's hooks, so FSDP2 never reduces them; plan zbv with --dp-mode ddp or zero1, or fsdp "
      "with --pp-schedule gpipe, 1f1b or interleaved-1f1b"),
+    (["--model", "llama3:8b", "--world-size", "64", "--pp", "32", "--pp-schedule", "interleaved-1f1b"],
+     "64 pipeline stages need at least as many blocks; llama3:8b has 32"),
+    (["--model", "llama3:8b", "--pp", "2", "--tp", "2", "--pp-schedule", "dualpipev", "--dp-mode", "ddp",
+      "--activation-checkpointing", "selective-op"], "--activation-checkpointing selective-op with --pp-schedule "
+     "dualpipev: torch's selective checkpoint allows one backward through a region, and a zero-bubble schedule runs "
+     "two (the input pass, then the weight pass); choose full or selective-N, or --pp-schedule gpipe, 1f1b or "
+     "interleaved-1f1b"),
     (["--model", "gpt:n_layer=4,n_embd=64,n_head=4", "--pp", "2", "--tp", "2", "--pp-schedule", "interleaved-zb",
       "--dp-mode", "fsdp"], "--pp-schedule interleaved-zb with --dp-mode fsdp over DP x CP = 2: torch's zero-bubble"),
     (["--model", "llama3:8b", "--dtype", "bf16", "--float8", "tensorwise", "--device-profile", "a100-sxm-80gb",

@@ -182,14 +182,8 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                             dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor, timed=job.timed,
                             device=job.device)
     if job.llama3:
-        cfg = config_of(job.model)
         if pp > 1:
-            schedule_class(job.pp_schedule)  # a ValueError names the schedules
-            _check_zero_bubble(job, dp * cp)
-            n_stages = pp * stages_per_rank(job.pp_schedule)
-            if n_stages > cfg.n_layers:
-                raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; {job.model} has "
-                                 f"{cfg.n_layers}")
+            _check_pipeline(job, pp, dp * cp, config_of(job.model).n_layers, job.model)
         return _traced_llama3(_as_traced(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
     if not isinstance(job.model, str):
         raise ValueError(f"a model given as {type(job.model).__name__} needs its step (step=...) to be traced; "
@@ -208,19 +202,26 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                 raise ValueError(f"MoE with {why} is not modeled yet; plan it with dp-mode ddp or zero1, "
                                  "moe_every=1")
     if pp > 1:
-        schedule_class(job.pp_schedule)  # a ValueError names the schedules
-        _check_zero_bubble(job, dp * cp)
-        n_stages = pp * stages_per_rank(job.pp_schedule)
-        if n_stages > model.n_layer:
-            raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; the model has {model.n_layer}")
+        _check_pipeline(job, pp, dp * cp, model.n_layer, "the model")
         if not trace_pipeline:
             return estimate_pipeline(job, model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     return _traced_preset(_as_traced(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
 
 
-def _check_zero_bubble(job: Job, data_ranks: int) -> None:
-    """A preset's zero-bubble pipeline with FSDP2 over data ranks, refused before a trace (as the example refuses it;
-    it was the optimizer's refusal from inside the trace): FSDP2 misses the weight pass's gradients (weight_pass)."""
+def _check_pipeline(job: Job, pp: int, data_ranks: int, blocks: int, model: str) -> None:
+    """A preset's pipeline, refused before a trace: an unknown schedule; more stages than blocks; a zero-bubble
+    schedule with FSDP2 over data ranks (FSDP2 misses the weight pass's gradients, as the example says) or under
+    selective-op (torch's selective checkpoint takes one backward a region; the input and weight passes are two),
+    each of which was refused from inside a trace, naming the preset's functions."""
+    schedule_class(job.pp_schedule)  # a ValueError names the schedules
+    if pp * stages_per_rank(job.pp_schedule) > blocks:
+        raise ValueError(f"{pp * stages_per_rank(job.pp_schedule)} pipeline stages need at least as many blocks; "
+                         f"{model} has {blocks}")
+    if job.pp_schedule in ZERO_BUBBLE and job.activation_checkpointing == "selective-op":
+        raise ValueError(f"--activation-checkpointing selective-op with --pp-schedule {job.pp_schedule}: torch's "
+                         "selective checkpoint allows one backward through a region, and a zero-bubble schedule runs "
+                         "two (the input pass, then the weight pass); choose full or selective-N, or --pp-schedule "
+                         "gpipe, 1f1b or interleaved-1f1b")
     if job.pp_schedule in ZERO_BUBBLE and job.mode == "fsdp" and data_ranks > 1:
         default = " (the Llama 3 preset's default)" if job.llama3 else ""
         raise ValueError(f"--pp-schedule {job.pp_schedule} with --dp-mode fsdp{default} over DP x CP = {data_ranks}: "
