@@ -604,3 +604,16 @@ def test_a_llama3_search_with_trace_pp_plans_its_pp_meshes_as_pp_n_does(capsys) 
     assert _traced_llama3.cache_info().misses == misses
     alone = json.loads(capsys.readouterr().out)
     assert (piped[0]["peak"], piped[0]["step_time"]) == (alone["peak"], alone["step_time"])
+
+
+def test_selective_checkpointing_under_a_zero_bubble_schedule_names_why_torch_refuses_it() -> None:
+    """A user's own functions (here the preset's, past its up-front refusal) under torch's selective activation
+    checkpoint and a zero-bubble schedule meet torch's "Trying to backward an extra time" in the trace; the plan's
+    line adds why (two backward passes through each stage) and what to choose instead."""
+    from models.tiny_llama3_pipelines import tiny_pipeline
+
+    fns, kwargs = tiny_pipeline("zbv", "ddp", 4, 2, 1, ac="selective-op")
+    with pytest.raises(ValueError, match=r"Trying to backward an extra time.*; a zero-bubble schedule \(interleaved-zb, "
+                                         r"zbv, dualpipev\) runs two backward passes through each stage.*choose gpipe, "
+                                         r"1f1b or interleaved-1f1b"):
+        trace_pipeline(fns, kwargs)

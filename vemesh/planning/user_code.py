@@ -106,6 +106,11 @@ _KNOWN = {
         "fully_shard without mesh= shards over every rank of the world, TP peers included); shard over the data "
         "dims beside TP: vemesh.parallel.fully_shard(module), which takes this rank's, or torch's "
         "fully_shard(module, mesh=VESCALE_DEVICE_MESH['DP'])",
+    ("__torch_dispatch__", "Trying to backward an extra time. You are only allowed to backward once on any region "
+     "computed under selective activation checkpoint"):
+        "a zero-bubble schedule (interleaved-zb, zbv, dualpipev) runs two backward passes through each stage, the "
+        "input's and then the weights', and torch's selective activation checkpoint allows one; checkpoint those "
+        "blocks whole (torch.utils.checkpoint without a context_fn), or choose gpipe, 1f1b or interleaved-1f1b",
 }
 
 
