@@ -550,3 +550,16 @@ def test_hugging_faces_llama_is_planned_through_torchs_schedule_on_vemeshs_decod
         whole = sum(p.numel() for n, p in stage.named_parameters() if not n.endswith("proj.weight"))
         assert abs(c["params"] - 4 * (whole + tp_split)) <= 1024, (c["name"], c["params"], 4 * (whole + tp_split))
         assert c["activations"] > 0 and "PP" in c["bytes_per_step"] and "TP" in c["bytes_per_step"]
+
+
+def test_hsdp_under_tp_is_planned_and_its_byte_columns_keep_their_names_apart(capsys) -> None:
+    """A user's FSDP2 function on ``--dp-replicate 2`` (HSDP) beside TP 2: planned (vemesh's fully_shard once read
+    a 2-D mesh's ranks through a fake tensor under the plan), and the bytes table's header keeps ``TP`` and
+    ``dp_replicate`` (12 letters, the width of a column) apart: it printed ``TPdp_replicate``."""
+    code, out, err = _cli(capsys, "--model", f"module:{JOBS}:make_dense", "--parallelize", f"{JOBS}:parallelize_fsdp",
+                          "--step", f"{JOBS}:step", "--world-size", "8", "--tp", "2", "--dp-replicate", "2",
+                          "--global-batch-size", "8")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = lines[lines.index(next(x for x in lines if x.startswith("bytes each rank's collectives"))) + 1]
+    assert header.split() == ["TP", "dp_replicate", "dp_shard"], header

@@ -127,9 +127,10 @@ def render_fit(job: Job, fit: MeshFit) -> str:
     if dims:
         sdiv, sunit = _unit(max(max(c.sent.values(), default=0) for c in fit.classes))
         lines.append(f"bytes each rank's collectives move per step, by mesh dim ({sunit}):")
-        lines.append(f"  {'':{width}}" + "".join(f"{k:>12}" for k in dims))
+        cols = [max(12, len(k) + 2) for k in dims]  # dp_replicate is 12 letters: a column wider than its name
+        lines.append(f"  {'':{width}}" + "".join(f"{k:>{n}}" for k, n in zip(dims, cols)))
         for c in fit.classes:
-            lines.append(f"  {c.name:{width}}" + "".join(f"{c.sent.get(k, 0) / sdiv:12.2f}" for k in dims))
+            lines.append(f"  {c.name:{width}}" + "".join(f"{c.sent.get(k, 0) / sdiv:{n}.2f}" for k, n in zip(dims, cols)))
     else:
         lines.append("no collectives: a single rank")
     lines.extend(f"note: {n}" for n in fit.notes)
