@@ -98,6 +98,10 @@ def test_activation_checkpointing_modes(mode, want) -> None:
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4,moe_experts=6", "--ep", "4", "--tp", "1"],
      "EP 4 does not divide the 6 experts: each EP rank holds experts / EP of them; choose EP from 1, 2 (dividing both "
      "the experts and DP 8)"),
+    # a search planned every mesh with DP whole, silently not the HSDP asked for
+    (["--model", "llama3:8b", "--device-memory", "80GiB", "--dp-replicate", "2"], "--dp-replicate 2 is HSDP on one "
+     "mesh; a search plans every mesh with DP unsplit, so its figures would not be HSDP's: search without it, then "
+     "plan the mesh chosen with --dp N --tp M --dp-replicate 2"),
     # a zero-bubble pipeline under FSDP2: refused before a trace, where the optimizer refused it from inside one
     (["--model", "llama3:8b", "--pp", "2", "--tp", "2", "--pp-schedule", "zbv"], "--pp-schedule zbv with --dp-mode "
      "fsdp (the Llama 3 preset's default) over DP x CP = 2: torch's zero-bubble schedules add the weight pass's "
