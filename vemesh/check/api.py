@@ -105,7 +105,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
                 micro_batch_size, os.getcwd(), float(timeout_s), loss=loss, pp_schedule=pp_schedule)
     factory, _, step_fn, names = functions(spec)
     _check_size(factory, spec, names)
-    result = CheckResult("exact", degrees, world_size, micro_batch_size, 0.0)
+    result = CheckResult("exact", degrees, world_size, micro_batch_size, 0.0, dp_replicate=dp_replicate)
     t0 = time.monotonic()
     try:
         ref = reference(spec, factory, step_fn, names)

@@ -62,6 +62,7 @@ class CheckResult:
     compiled: str | None = None
     random_ops: list[tuple[str, str]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    dp_replicate: int = 1  #: HSDP's replica degree: DP is split into dp_replicate x dp_shard
 
     @property
     def pipeline_cut_wrong(self) -> bool:
@@ -80,7 +81,9 @@ class CheckResult:
 
     def render(self) -> str:
         """The verdict in words: what ``vemesh check`` prints."""
-        mesh = " x ".join(f"{k} {v}" for k, v in self.degrees.items() if v > 1) or "one rank"
+        mesh = " x ".join(f"{k} {v}" + (f" (dp_replicate {self.dp_replicate} x dp_shard {v // self.dp_replicate})"
+                                          if k == "DP" and self.dp_replicate > 1 else "")
+                          for k, v in self.degrees.items() if v > 1) or "one rank"
         head = (f"{mesh} on {self.world_size} gloo processes against one process, micro-batch "
                 f"{self.micro_batch_size}: {self.outputs_compared} module outputs and {self.gradients_compared} "
                 "gradients compared" + (f" ({self.outputs_not_comparable} outputs of another shape that no join of "

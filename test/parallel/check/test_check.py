@@ -783,6 +783,13 @@ def test_the_ranks_of_an_hsdp_data_rank_off_the_first_shard_are_joined_too() -> 
     assert [torch.equal(v, whole) for v in _full_views(ranks, ("h", 0), whole.shape)] == [True]
 
 
+def test_an_hsdp_check_names_dps_split() -> None:
+    """``--dp-replicate 2`` is said in the verdict's mesh (it read "DP 4 x TP 2", as plain FSDP over 4 would)."""
+    result = CheckResult("exact", {"DP": 4, "CP": 1, "TP": 2, "EP": 1}, 8, 2, 1e-4, dp_replicate=2)
+    assert "DP 4 (dp_replicate 2 x dp_shard 2) x TP 2 on 8 gloo processes" in result.render()
+    assert "DP 4 x TP 2 on 8" in CheckResult("exact", {"DP": 4, "TP": 2}, 8, 2, 1e-4).render()
+
+
 TITAN = str(ROOT / "test" / "models" / "titan_jobs.py")
 
 
