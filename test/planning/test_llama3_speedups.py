@@ -102,6 +102,10 @@ def test_activation_checkpointing_modes(mode, want) -> None:
     (["--model", "llama3:8b", "--device-memory", "80GiB", "--dp-replicate", "2"], "--dp-replicate 2 is HSDP on one "
      "mesh; a search plans every mesh with DP unsplit, so its figures would not be HSDP's: search without it, then "
      "plan the mesh chosen with --dp N --tp M --dp-replicate 2"),
+    # planned as plain ZeRO-1 over all of DP, the split printed but planned as nothing
+    (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--dp-replicate", "2", "--tp", "1"], "--dp-replicate 2 splits DP "
+     "for FSDP2's HSDP (replicas of FSDP shards); zero1 averages over all of DP: give --dp-mode fsdp, or leave "
+     "--dp-replicate out"),
     # a zero-bubble pipeline under FSDP2: refused before a trace, where the optimizer refused it from inside one
     (["--model", "llama3:8b", "--pp", "2", "--tp", "2", "--pp-schedule", "zbv"], "--pp-schedule zbv with --dp-mode "
      "fsdp (the Llama 3 preset's default) over DP x CP = 2: torch's zero-bubble schedules add the weight pass's "

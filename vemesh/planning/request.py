@@ -112,6 +112,11 @@ class PlanRequest:
         if ac.startswith("selective") and not llama3:
             raise ValueError(f"--activation-checkpointing {ac}: the GPT preset recomputes whole blocks (full) or "
                              "none; selective-op and selective-N are the Llama 3 preset's (--model llama3:8b)")
+        mode = self.dp_mode or ("fsdp" if llama3 else "zero1")
+        if self.dp_replicate != 1 and not user and mode != "fsdp":  # the split would change nothing planned
+            raise ValueError(f"--dp-replicate {self.dp_replicate} splits DP for FSDP2's HSDP (replicas of FSDP "
+                             f"shards); {mode} averages over all of DP: give --dp-mode fsdp, or leave "
+                             "--dp-replicate out")
         if self.sequence_parallel and llama3:
             raise ValueError("--sequence-parallel: the Llama 3 preset always runs TP with sequence parallelism, as "
                              "torchtitan does")
