@@ -19,7 +19,10 @@ TP peers'), and every parameter's gradient by name (gathered whole), and names a
 Where the run went wrong in the scope of a Linear that looks fused and is split as torch's ``ColwiseParallel``
 splits, it runs again with the fused recipes in that style's place and says which one made it exact
 (:mod:`vemesh.check.recipes`); where the module that went wrong holds parameters of a split Linear's whole output
-width (OLMo 2's q/k norms), it tries the gathered layout on that Linear's scope. Where every output matches and
+width (OLMo 2's q/k norms), it tries the gathered layout on that Linear's scope. Before those, where that scope's
+module counts heads by the whole model's count (Falcon's ``num_heads``), it tries the counts set to this rank's
+(:mod:`vemesh.check.heads`), and where a forward changed a TP style's output in place, a copy of it
+(:mod:`vemesh.check.clones`). Where every output matches and
 gradients differ, it says whether DP's average is missing, or tries torch's ``SequenceParallel`` on the modules run
 on this TP rank's part of their input (Qwen3's q/k norms: :mod:`vemesh.check.partial`).
 
@@ -33,7 +36,6 @@ model's own modules each stage holds whole, every gradient, and the parameters n
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import time
 from dataclasses import replace
@@ -42,9 +44,14 @@ from typing import Any
 import torch
 
 from vemesh.check.compare import compare, modules_before, tolerance
+from vemesh.check.clones import candidate as clones_candidate
+from vemesh.check.clones import hint as clones_hint
+from vemesh.check.heads import candidate as heads_candidate
+from vemesh.check.heads import hint as heads_hint
 from vemesh.check.partial import candidates as partial_candidates
 from vemesh.check.partial import dp_hint, first_shapes, zero_bubble_hint
 from vemesh.check.partial import hint as partial_hint
+from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
@@ -207,20 +214,24 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     number of runs made."""
     if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
         return [refused_hint(*failed[0]["went"]["refused"])], 0
-    if (sequence := _sequence_positions_hint(spec, ref, failed)) is not None:
+    if (sequence := sequence_positions_hint(spec, ref, failed)) is not None:
         return [sequence], 0
-    positions = _positions_hint(spec, ref, result)
+    positions = positions_hint(spec, ref, result)
     if positions and spec.degrees["TP"] == 1:  # with TP, a TP plan's recipe is tried first (below)
         return [positions], 0
     located = _located(ref, result, ranks, failed) if result.verdict == "differs" else None
+    fixes = _module_fixes(spec, ref, tol, result, located, (failed or ranks or [{}])[0])
+    if fixes is not None and fixes[1]:  # the whole model's head counts, or a change in place, were the cause
+        return fixes[0], len(fixes[0])
     hints: list[str] = []
     swaps: tuple[Swap, ...] = ()
     done: set[str] = set()
-    runs = 0
+    runs = 0 if fixes is None else len(fixes[0])
     while located is not None and runs < MAX_TRIES:
         first, before, split, went = located
-        found = candidates(first, split, before, done) or width_candidates(first, split, _widths(ref, first), before,
-                                                                           done)
+        # a RowwiseParallel Linear's bias is its own output's width, not a norm over another's
+        widths = set() if first in went.get("rowwise", ()) else _widths(ref, first)
+        found = candidates(first, split, before, done) or width_candidates(first, split, widths, before, done)
         if not found:
             break
         cand, tried, fixed = found[0], [], None
@@ -257,63 +268,37 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         runs += _partial_hints(spec, ref, tol, result, ranks, replicas, hints)
     if positions and not hints:
         hints.append(positions)
+    if fixes is not None and not hints:  # tried, not the cause: said where nothing else is
+        hints += fixes[0]
     return hints, runs
 
 
-def _sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict]) -> str | None:
-    """Under sequence parallelism (a RowwiseParallel whose output is sharded), the forward raised where a tensor of a
-    part of the sequence met one TP times as long: likeliest, the model made its positions (position ids, rotary
-    tables, a causal mask) from the length of the hidden states it holds, each TP rank's part (Hugging Face's
-    decoders number them from the embedding's output)."""
-    tp = spec.degrees["TP"]
-    if tp == 1 or not failed or not failed[0].get("went", {}).get("sequence"):
+def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, located: tuple | None,
+                  record: dict) -> tuple[list[str], bool] | None:
+    """Where the run went wrong in the scope of a split Linear whose module counts heads (``record``: a rank's), the
+    parallel run again with those counts divided by TP (:mod:`vemesh.check.heads`); where a forward then (or at
+    once) changed a TP style's output in place, again with a copy of it (:mod:`vemesh.check.clones`), the counts
+    kept. The hints, and whether the last run was exact; None where neither applies."""
+    if located is None:
         return None
-    sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", failed[0]["message"])
-    if sizes is None:
-        return None
-    part, whole = sorted(map(int, sizes.groups()))
-    if whole != part * tp:
-        return None
-    arg = ref.get("positions_arg")
-    where = failed[0].get("module")
-    return (f"{'the forward of ' + where if where else 'the forward'} met a tensor of {part} positions with one of "
-            f"{whole} = {part} x TP {tp}: the plan shards the sequence over TP ({failed[0]['went']['sequence'][0]}'s "
-            f"RowwiseParallel gives each TP rank {part} of the {whole}), and a model that numbers its positions "
-            "from the length of the hidden states it holds (Hugging Face's decoders make their position ids, rotary "
-            "tables and causal mask from the embedding's output) numbers the part. Give it the whole sequence's "
-            + (f"positions: model(x, {arg}=torch.arange(T).unsqueeze(0)) in the step" if arg is not None else
-               "positions where your model numbers them"))
-
-
-def _positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
-    """Under CP, the first module that differs (the ones before it match, and gradients differ) holds no parameters
-    or is an embedding: it computes from positions (a rotary embedding, a learned position embedding such as GPT-2's
-    ``wpe``) and saw this rank's local positions, not its part of the sequence's."""
-    first, cp = result.first_module, spec.degrees["CP"]
-    if cp == 1 or first is None or not first["module"] or not result.gradients:
-        return None
-    if first["module"] in ref.get("embeddings", ()):
-        what = "is an embedding"
-    elif not any(n.startswith(first["module"] + ".") for n in ref["grads"]):
-        what = "holds no parameters"
-    else:
-        return None
-    return (f"{first['module']} {what} and is the first module that differs under CP {cp}; likeliest, it computes "
-            "from positions (a rotary or learned position embedding) and got this rank's local ones, where it needs "
-            "each token's position in the whole sequence. "
-            f"context_parallel cuts the sequence into {2 * cp} chunks (CP rank r keeps chunks r and {2 * cp - 1} - r); "
-            + _positions_recipe(ref.get("positions_arg")))
-
-
-def _positions_recipe(arg: str | None) -> str:
-    """How to give the model its positions cut with the tokens: by the name its forward takes them under, else to
-    the module that numbers them."""
-    cut = ("cut the positions with the tokens: positions = torch.arange(T).expand(B, T).contiguous() in "
-           "buffers=[..., positions] with buffer_seq_dims=[..., 1], ")
-    if arg is not None:
-        return cut + f"then model(x, {arg}=positions) (or a RoPE table in buffers, with its sequence dim)"
-    return (cut + "then give them to the module that numbers the positions: your model's forward takes none by "
-            "name (or put its RoPE table in buffers, with its sequence dim)")
+    recipe = heads_candidate(located[0], located[2], located[3].get("colwise", []), record.get("heads", {}))
+    copied = clones_candidate(record.get("message", ""), located[0], located[3])
+    tries = [((recipe,), (), "", "")] if recipe is not None else [((), copied, located[0], "")] if copied else []
+    hints: list[str] = []
+    exact = False
+    while tries:  # the counts alone first; where a change in place then raised, with the copy too
+        heads, cloned, where, before = tries.pop()  # before: where the counts alone left the run
+        trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
+        t_ranks, t_failed, _ = _parallel(replace(spec, heads=heads, cloned=cloned), ref, tol, trial)
+        now = _located(ref, trial, t_ranks, t_failed) if not trial.exact else None
+        exact, outcome = trial.exact, "" if trial.exact else _outcome(trial, now)
+        if cloned and exact and heads:  # the counts cleared their scope, and the copy did the rest
+            hints[-1] = heads_hint(recipe, located[1] is None, before, cleared=True)
+        hints.append(clones_hint(cloned, where, outcome) if cloned else heads_hint(recipe, located[1] is None, outcome))
+        if not exact and not cloned and now is not None and t_failed and \
+                (more := copied or clones_candidate(t_failed[0]["message"], now[0], t_failed[0]["went"])):
+            tries.append((heads, more, now[0], outcome))
+    return (hints, exact) if hints else None
 
 
 def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], replicas: dict | None,

@@ -214,6 +214,12 @@ def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], 
                 and n.rpartition(".")[0] in swap.scopes()]  # the RowwiseParallel it replaced, not a kept recipe's
         extra = f", with RowwiseParallel(input_layouts=Replicate()) on {_names(rows)}," if rows else ""
         then = "makes the check exact" if not outcome else f"clears its scope (the check then {outcome})"
+        if swap.recipe == "gathered":  # the fused styles did not clear it: the rows' layout is not proven
+            return (head + f"Tried: {swap.style()} in its place{extra} {then}: every TP rank then computes the whole "
+                    "of what reads its output. The fused styles did not clear it, so either its rows are "
+                    f"{c.parts} fused parts ({what}) that the forward mixes with plain tensors (Phi-3's rotary "
+                    "embedding), or they are head by head and the forward needs every head (Bloom's ALiBi): use that "
+                    "(docs/checking.md: a fused [q|k|v] or [gate|up] projection)")
         return (head + f"Tried: {swap.style()} in its place{extra} {then}. Its rows are {c.parts} fused parts "
                 f"({what}) of {c.out_features // c.parts} rows each, and TP rank 0 held its first "
                 f"{c.out_features // c.tp} rows, not its share of each part: use that (docs/checking.md: a fused "

@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vemesh import local_ranks
+from vemesh.check.clones import set_clones
+from vemesh.check.heads import LocalHeads, head_counts, set_heads
 from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
@@ -61,6 +63,10 @@ class Spec:
     swaps: tuple[Swap, ...] = ()
     #: torch's SequenceParallel on modules as built, before the user's parallelize function (:mod:`vemesh.check.partial`)
     sharded: tuple[ShardedInput, ...] = ()
+    #: head counts set to this rank's after the user's parallelize function (:mod:`vemesh.check.heads`)
+    heads: tuple[LocalHeads, ...] = ()
+    #: the modules whose output a forward hook copies (:mod:`vemesh.check.clones`)
+    cloned: tuple[str, ...] = ()
     #: under PP: the schedule's ``loss_fn(output, target)`` reference, and the schedule (``--pp-schedule``)
     loss: Any = None
     pp_schedule: str = "1f1b"
@@ -247,6 +253,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # a wrong plan's shape error: ours
     os.chdir(spec.cwd)
     split: list[tuple[str, int, int, int]] = []  # the Linears split as ColwiseParallel splits (for a hint)
+    heads: dict[str, tuple[str, dict[str, int]]] = {}  # the head counts of their scopes (for a hint)
     failed_in = None  # the module whose forward raised in the step
     went: dict[str, list[str]] = {}  # where the plan's ColwiseParallel and RowwiseParallel went (recipes.swapped)
     outputs: dict[tuple[str, int, int], torch.Tensor] = {}  # the step's module outputs so far (their shapes, on error)
@@ -270,6 +277,10 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
             stepped, model = _schedule(spec, model, names[1])
         elif not isinstance(model, torch.nn.Module):
             raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
+        split = column_split_linears(model)
+        heads = head_counts(model, split)  # as the user's function left them, before a recipe sets them
+        set_heads(spec.heads, model)
+        set_clones(spec.cloned, model)
         params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}
         piped = spec.degrees.get("PP", 1) > 1
         ends = [[params.get(plain_name(n)) for n in group] for group in ties]  # None: not held here
@@ -279,7 +290,6 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
                   if len({id(p) for p in held if p is not None or not piped}) > 1]
         apart = [[plain_name(n) for n in group] for group, held in zip(ties, ends)
                  if piped and None in held and any(p is not None for p in held)]
-        split = column_split_linears(model)
         data_rank = mesh.get_local_rank("DP") if mesh.layout.has("DP") else 0
         marks["parallelized"] = time.time()
         torch.manual_seed(SEED + 1 + data_rank)
@@ -301,7 +311,8 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
                     "data_rank": data_rank,
-                    "broken": broken, "apart": apart, "split": split, "went": went, "dropouts": det.dropouts,
+                    "broken": broken, "apart": apart, "split": split, "heads": heads, "went": went,
+                    "dropouts": det.dropouts,
                     "data_parallel": data_parallel(model), "on_tp": on_tp(model),
                     "random_ops": det.random_ops, "marks": marks,
                     "compiled": compiled_module([part for part, _ in parts(model)])},
@@ -318,7 +329,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         part = os.path.join(out, f"error{rank}.json.part")
         with open(part, "w") as f:
             json.dump({"kind": kind, "message": " ".join(text.split()), "module": failed_in, "split": split,
-                       "went": went, "trace": traceback.format_exc(limit=-6),
+                       "heads": heads, "went": went, "trace": traceback.format_exc(limit=-6),
                        # for a hint (vemesh.check.partial): the replicas whose gradients differ over TP, and the
                        # shape of each module's first output
                        "params": [plain_name(n) for n in getattr(cause, "names", [])],

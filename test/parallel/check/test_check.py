@@ -315,7 +315,7 @@ def test_the_positions_hint_names_the_keyword_the_models_forward_takes_them_by()
     (before, every model got ``position_ids=``, which torchtitan's forward does not take)."""
     from torch import nn
 
-    from vemesh.check import api
+    from vemesh.check import positions
     from vemesh.check.result import CheckResult
     from vemesh.check.run import Spec, positions_argument
 
@@ -338,10 +338,10 @@ def test_the_positions_hint_names_the_keyword_the_models_forward_takes_them_by()
     result.first_module = {"module": "layers.0.attention.rope", "call": 0, "dp_rank": 0}
     result.gradients = [("layers.0.attention.wq.weight", 0.1)]
     ref = {"grads": {"layers.0.attention.wq.weight": None}, "positions_arg": "positions"}
-    hint = api._positions_hint(spec, ref, result)
+    hint = positions.positions_hint(spec, ref, result)
     assert hint.startswith("layers.0.attention.rope holds no parameters and is the first module that differs under "
                            "CP 2") and "then model(x, positions=positions)" in hint, hint
-    hint = api._positions_hint(spec, dict(ref, positions_arg=None), result)
+    hint = positions.positions_hint(spec, dict(ref, positions_arg=None), result)
     assert "give them to the module that numbers the positions: your model's forward takes none by name" in hint
 
 
@@ -463,6 +463,79 @@ def test_hf_olmo2_width_norms_under_llamas_plan_get_the_gathered_layout_tried() 
     assert "Tried: ColwiseParallel(output_layouts=Replicate()) on model.layers.0.self_attn.k_proj, " \
         "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.v_proj (and their 3 alike), with RowwiseParallel(" \
         "input_layouts=Replicate()) on model.layers.0.self_attn.o_proj and its 1 alike, makes the check exact" in text
+
+
+@pytest.mark.slow  # four runs of 2 processes
+def test_hf_attentions_that_read_their_head_counts_get_them_set_to_this_ranks_and_the_fix_is_exact() -> None:
+    """HF's Falcon views its head-major query_key_value by ``self.num_heads``: under torch's plain styles the view
+    raises. With its head counts divided by TP (the first recipe), it then raises in its block, which adds into the
+    MLP's RowwiseParallel output in place (a ``to_local()`` view); with a copy of that output too, it is exact. The
+    plan written as the two hints say is exact. Before, the hint tried the fused styles on query_key_value and said
+    none cleared it."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    wrong = check(f"module:{jobs}:make_falcon", f"{jobs}:naive", f"{jobs}:step", world_size=2, tp=2)
+    assert wrong.verdict == "differs" and "in the forward of transformer.h.0.self_attention" in wrong.error, \
+        wrong.render()
+    heads, copy = wrong.hints
+    assert heads.startswith("transformer.h.0.self_attention (and its 1 alike) reads its head counts from its own "
+                            "attributes (num_heads = 4, num_kv_heads = 4)") and \
+        "(module.num_heads //= 2; module.num_kv_heads //= 2)" in heads and "that clears it, and the check then " \
+        "raises in transformer.h.0, which the next hint makes exact" in heads, heads
+    assert copy.startswith("the forward of transformer.h.0 changes in place") and "transformer.h.*.mlp.dense_4h_to_h" \
+        in copy and copy.endswith("(docs/checking.md: a forward that changes a TP output in place)"), copy
+    assert "which makes the check exact" in copy and wrong.seconds["recipes tried"] > 0
+    assert check(f"module:{jobs}:make_falcon", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
+
+
+@pytest.mark.slow  # two runs of 2 processes
+def test_hf_opts_heads_folded_into_its_sequence_are_named_by_its_head_count_not_by_out_projs_bias() -> None:
+    """HF's OPT views q, k and v by ``view(bsz, -1, self.num_heads, head_dim)``: under TP 2 the ``-1`` takes the
+    rest, each rank's heads fold into the sequence, and nothing raises. out_proj differs; the hint sets num_heads to
+    this rank's and that is exact. Before, out_proj's bias (the whole width, as a RowwiseParallel Linear's is) was
+    read as a norm over k_proj's whole width, and the gathered layout was offered."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    wrong = check(f"module:{jobs}:make_opt", f"{jobs}:naive", f"{jobs}:step", world_size=2, tp=2)
+    assert not wrong.error and wrong.first_module["module"] == "model.decoder.layers.0.self_attn.out_proj", \
+        wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("model.decoder.layers.0.self_attn (and its 1 alike) reads its head counts") and \
+        "the run differs from there on" in text and "(module.num_heads //= 2)" in text and \
+        "which makes the check exact" in text, text
+
+
+def test_head_counts_are_the_split_linears_scopes_ints_named_for_heads_that_tp_divides() -> None:
+    """Of the module holding each Linear split over TP: ``num_heads``, ``num_kv_heads``, ``n_head`` (divisible by
+    TP); not ``head_dim``, ``num_key_value_groups`` (TP leaves it) or a count TP does not divide. The candidate is
+    the scope of the Linear near the module that went wrong, with every module of its class and counts."""
+    from torch import nn
+
+    from vemesh.check.clones import REFUSAL
+    from vemesh.check.clones import candidate as clone_candidate
+    from vemesh.check.heads import LocalHeads, head_counts, set_heads
+    from vemesh.check.heads import candidate as heads_candidate
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+            self.num_heads, self.num_kv_heads, self.n_head, self.head_dim = 4, 2, 4, 2
+            self.num_key_value_groups, self.odd_heads, self.flag_heads = 2, 3, True
+
+    model = nn.Sequential(Attention(), Attention())
+    split = [("0.qkv", 24, 8, 2), ("1.qkv", 24, 8, 2)]
+    counts = head_counts(model, split)
+    assert counts == {s: ("test_head_counts_are_the_split_linears_scopes_ints_named_for_heads_that_tp_divides."
+                          "<locals>.Attention", {"num_heads": 4, "num_kv_heads": 2, "n_head": 4}) for s in "01"}
+    recipe = heads_candidate("0", split, ["0.qkv", "1.qkv"], counts)
+    assert recipe == LocalHeads(("0", "1"), (("n_head", 4), ("num_heads", 4), ("num_kv_heads", 2)), 2)
+    assert heads_candidate("0.out", split, ["0.qkv", "1.qkv"], counts) == recipe  # a sibling: in its scope
+    assert heads_candidate("0", split, [], counts) is None  # split by a style other than torch's ColwiseParallel
+    set_heads((recipe,), model)
+    assert [(m.num_heads, m.num_kv_heads, m.head_dim) for m in model] == [(2, 1, 2), (2, 1, 2)]
+    went = {"rowwise": ["h.0.mlp.down", "h.0.attn.out", "h.1.mlp.down", "h.1.attn.out", "x.proj"]}
+    assert clone_candidate(f"Output 0 {REFUSAL}", "h.0", went) == ("h.0.attn.out", "h.0.mlp.down", "h.1.attn.out",
+                                                                   "h.1.mlp.down")
+    assert clone_candidate("shape '[2, 4]' is invalid", "h.0", went) is None
 
 
 def test_a_module_with_a_split_linears_whole_width_gets_its_scopes_linears_for_the_gathered_layout() -> None:

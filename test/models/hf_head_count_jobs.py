@@ -1,0 +1,64 @@
+"""HF transformers' decoders whose attention reads its own head counts, as the library ships them, for ``vemesh check``.
+
+Falcon (``parallel_attn``, the 7B's block) views its fused, head-major ``query_key_value`` by ``self.num_heads``, and
+its block adds the attention's output into the MLP's in place (``mlp_output += attention_output``); OPT views q, k
+and v by ``view(bsz, -1, self.num_heads, head_dim)``, so under TP the ``-1`` takes the rest and the heads fold into
+the sequence, silently. ``naive`` is torch's styles as for any Linears (wrong on both); ``fixed`` adds what the
+check's hints say: the head counts set to this rank's, and on Falcon a copy of the MLP's output (exact)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transformers import FalconConfig, FalconForCausalLM, OPTConfig, OPTForCausalLM
+
+VOCAB = 128
+
+
+def make_falcon() -> nn.Module:
+    return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          multi_query=False, new_decoder_architecture=False, parallel_attn=True,
+                                          bias=False, alibi=False, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def make_opt() -> nn.Module:
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64,
+                                    dropout=0.0, attention_dropout=0.0))
+
+
+def step(model: nn.Module, micro_batch_size: int) -> None:
+    ids = torch.randint(0, VOCAB, (micro_batch_size, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def _layers(model: nn.Module) -> tuple[list[nn.Module], dict[str, str], str]:
+    """Each decoder layer, its plan (``c``: ColwiseParallel, ``r``: RowwiseParallel) and its attention's name."""
+    if isinstance(model, FalconForCausalLM):
+        return list(model.transformer.h), {"self_attention.query_key_value": "c", "self_attention.dense": "r",
+                                           "mlp.dense_h_to_4h": "c", "mlp.dense_4h_to_h": "r"}, "self_attention"
+    return list(model.model.decoder.layers), {"self_attn.q_proj": "c", "self_attn.k_proj": "c", "self_attn.v_proj": "c",
+                                              "self_attn.out_proj": "r", "fc1": "c", "fc2": "r"}, "self_attn"
+
+
+def naive(model: nn.Module, mesh: object) -> nn.Module:
+    layers, plan, _ = _layers(model)
+    for layer in layers:
+        parallelize_module(layer, mesh["TP"], {k: ColwiseParallel() if v == "c" else RowwiseParallel()  # type: ignore[index]
+                                               for k, v in plan.items()})
+    return model
+
+
+def fixed(model: nn.Module, mesh: object) -> nn.Module:
+    tp = mesh["TP"].size()  # type: ignore[index]
+    model = naive(model, mesh)
+    layers, _, attention = _layers(model)
+    for layer in layers:
+        attn = layer.get_submodule(attention)
+        for name in ("num_heads", "num_kv_heads"):  # the whole model's counts: this rank's heads are 1/tp of them
+            if hasattr(attn, name):
+                setattr(attn, name, getattr(attn, name) // tp)
+        if isinstance(model, FalconForCausalLM):  # its block adds into the MLP's output in place
+            layer.mlp.dense_4h_to_h.register_forward_hook(lambda module, args, out: out.clone())
+    return model

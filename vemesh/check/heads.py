@@ -1,0 +1,103 @@
+"""The recipe ``vemesh check`` tries where an attention reads the whole model's head counts under TP.
+
+torch's ``ColwiseParallel`` shards a projection's weight; it never changes the attributes of the module that reads the
+projection's output. Many attentions reshape by their own head count (``view(B, T, self.num_heads, head_dim)``: HF's
+Falcon, Bloom, GPT-J, OPT, StableLM, GPTBigCode): under TP each rank holds ``num_heads / TP`` heads of rows, so the
+view raises (``shape '[2, 16, 4, 3, 16]' is invalid``) or, where a ``-1`` takes the rest, silently folds heads into
+the sequence (OPT's ``view(bsz, -1, self.num_heads, head_dim)``). Megatron keeps ``num_attention_heads_per_partition``
+for this; torchtitan's attention views by ``-1`` heads. The fix in the user's parallelize function is one line per
+attribute: ``module.num_heads //= tp``.
+
+Each rank records, for the module that holds each Linear split by rows over TP (the projection's scope), its integer
+attributes that count heads (:func:`head_counts`: a name with ``head`` in it, not a size, a dim or a group count,
+divisible by TP). Where the run went wrong in such a scope, the check runs again with those attributes divided by TP
+on that module and its alike (every layer's: the same class and the same counts), set after the user's parallelize
+function returns (:func:`set_heads`), and :func:`hint` says whether that made the check exact. The check decides:
+a layout the divided counts misread (CodeGen's ``mp_num`` groups) still differs, and is not offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from vemesh.check.record import parts, plain_name
+
+__all__ = ["LocalHeads", "candidate", "head_counts", "hint", "set_heads"]
+
+#: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
+_NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
+
+
+def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]]) -> dict[str, tuple[str, dict[str, int]]]:
+    """For the module that holds each Linear of ``split`` (:func:`vemesh.check.record.column_split_linears`): its class
+    and its integer attributes that count heads and that the Linear's TP degree divides, by the module's name."""
+    degree = {n.rpartition(".")[0]: tp for n, _, _, tp in split}
+    found: dict[str, tuple[str, dict[str, int]]] = {}
+    for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
+        name = plain_name(name)
+        tp = degree.get(name)
+        if tp is None or name in found:
+            continue
+        counts = {k: v for k, v in vars(module).items() if "head" in k.lower() and type(v) is int and v >= tp
+                  and v % tp == 0 and not any(w in k.lower() for w in _NOT_COUNTS)}
+        if counts:
+            found[name] = (type(module).__qualname__, counts)
+    return found
+
+
+@dataclass(frozen=True)
+class LocalHeads:
+    """The recipe: on each of ``modules``, each of ``counts`` (attribute, the whole model's value) set to the value
+    divided by ``tp``."""
+
+    modules: tuple[str, ...]
+    counts: tuple[tuple[str, int], ...]
+    tp: int
+
+
+def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[str],
+              heads: dict[str, tuple[str, dict[str, int]]]) -> LocalHeads | None:
+    """The recipe for where the run went wrong (module ``first``: the one whose forward raised, or the first that
+    differs): the scope of a Linear that torch's ColwiseParallel split (``colwise``: where the plan's style went), if
+    that scope counts heads (``heads``: :func:`head_counts`), with its alike; None where there is none."""
+    for name, _, _, tp in split:
+        scope = name.rpartition(".")[0]
+        if scope not in heads or name not in colwise or not (
+                not first or first == scope or first.startswith(scope + ".") or scope.startswith(first + ".")):
+            continue
+        kind, counts = heads[scope]
+        alike = tuple(sorted(s for s, (k, c) in heads.items() if (k, c) == (kind, counts)))
+        return LocalHeads(alike, tuple(sorted(counts.items())), tp)
+    return None
+
+
+def set_heads(recipes: tuple[LocalHeads, ...], model: nn.Module) -> None:
+    """Each recipe's counts set to this rank's on its modules of ``model`` (after the user's parallelize function)."""
+    for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
+        for recipe in recipes:
+            if plain_name(name) in recipe.modules:
+                for attr, whole in recipe.counts:
+                    setattr(module, attr, whole // recipe.tp)
+
+
+def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False) -> str:
+    """The hint for ``recipe``, tried: ``outcome`` is ``""`` where it made the check exact, else where the run still
+    went wrong; ``cleared``: past the recipe's modules, where another recipe then made it exact (the next hint)."""
+    r = recipe
+    first = r.modules[0]
+    alike = f" (and its {len(r.modules) - 1} alike)" if len(r.modules) > 1 else ""
+    counts = ", ".join(f"{a} = {v}" for a, v in r.counts)
+    head = (f"{first}{alike} reads its head counts from its own attributes ({counts}), the whole model's, "
+            f"while TP {r.tp} gives each rank 1/{r.tp} of the heads of the projections it reads; "
+            + ("the forward raised there. " if raised else "the run differs from there on. "))
+    tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= {r.tp}' for a, _ in r.counts)}) on " \
+            f"{first}{alike} after your parallelize function"
+    fix = ("Do that in your parallelize function (torch's TP styles shard the weights, never a module's attributes; "
+           "a view by -1 heads needs none) (docs/checking.md: an attention that reads its head counts)")
+    if not outcome:
+        return head + tried + ", which makes the check exact. " + fix
+    if cleared:
+        return head + tried + f": that clears it, and the check then {outcome}, which the next hint makes exact. " + fix
+    return head + tried + f": the check then {outcome}, so its head counts are not the cause, or not the only one"
