@@ -275,18 +275,18 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
 
 def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, located: tuple | None,
                   record: dict) -> tuple[list[str], bool] | None:
-    """Where the run went wrong in the scope of a split Linear whose module counts heads (``record``: a rank's), the
-    parallel run again with those counts divided by TP (:mod:`vemesh.check.heads`); where a forward then (or at
-    once) changed a TP style's output in place, again with a copy of it (:mod:`vemesh.check.clones`), the counts
-    kept. The hints, and whether the last run was exact; None where neither applies."""
+    """Where the run went wrong in the scope of a split Linear whose module counts heads by the whole model's count
+    (``record``: a rank's), the parallel run again with those counts divided by TP (:mod:`vemesh.check.heads`);
+    where a forward changed a TP style's output in place, first or then, again with a copy of it
+    (:mod:`vemesh.check.clones`), with the counts where they cleared their scope. The hints, and whether the last
+    run was exact; None where neither applies."""
     if located is None:
         return None
     recipe = heads_candidate(located[0], located[2], located[3].get("colwise", []), record.get("heads", {}))
     copied = clones_candidate(record.get("message", ""), located[0], located[3])
-    tries = [((recipe,), (), "", "")] if recipe is not None else [((), copied, located[0], "")] if copied else []
-    hints: list[str] = []
-    exact = False
-    while tries:  # the counts alone first; where a change in place then raised, with the copy too
+    heads = (recipe,) if recipe is not None and not copied else ()  # a change in place raised first: the copy first
+    tries, hints, exact = [(heads, copied or (), located[0], "")] if heads or copied else [], [], False
+    while tries:
         heads, cloned, where, before = tries.pop()  # before: where the counts alone left the run
         trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
         t_ranks, t_failed, _ = _parallel(replace(spec, heads=heads, cloned=cloned), ref, tol, trial)
@@ -295,8 +295,9 @@ def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, locate
         if cloned and exact and heads:  # the counts cleared their scope, and the copy did the rest
             hints[-1] = heads_hint(recipe, located[1] is None, before, cleared=True)
         hints.append(clones_hint(cloned, where, outcome) if cloned else heads_hint(recipe, located[1] is None, outcome))
-        if not exact and not cloned and now is not None and t_failed and \
-                (more := copied or clones_candidate(t_failed[0]["message"], now[0], t_failed[0]["went"])):
+        if exact or now is None or not t_failed or len(hints) > 1:
+            break
+        if heads and (more := clones_candidate(t_failed[0]["message"], now[0], t_failed[0]["went"])):
             tries.append((heads, more, now[0], outcome))
     return (hints, exact) if hints else None
 

@@ -10,7 +10,8 @@ attribute: ``module.num_heads //= tp``.
 
 Each rank records, for the module that holds each Linear split by rows over TP (the projection's scope), its integer
 attributes that count heads (:func:`head_counts`: a name with ``head`` in it, not a size, a dim or a group count,
-divisible by TP). Where the run went wrong in such a scope, the check runs again with those attributes divided by TP
+divisible by TP) and that the user's parallelize function left as the model was built (a count it set already is
+this rank's). Where the run went wrong in such a scope, the check runs again with those attributes divided by TP
 on that module and its alike (every layer's: the same class and the same counts), set after the user's parallelize
 function returns (:func:`set_heads`), and :func:`hint` says whether that made the check exact. The check decides:
 a layout the divided counts misread (CodeGen's ``mp_num`` groups) still differs, and is not offered.
@@ -24,26 +25,37 @@ from torch import nn
 
 from vemesh.check.record import parts, plain_name
 
-__all__ = ["LocalHeads", "candidate", "head_counts", "hint", "set_heads"]
+__all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "hint", "set_heads"]
 
 #: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
 _NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
 
 
-def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]]) -> dict[str, tuple[str, dict[str, int]]]:
+def counts_of(model: nn.Module) -> dict[str, tuple[str, dict[str, int]]]:
+    """Every module's class and integer attributes that count heads (a name with ``head`` in it, not a size, a dim
+    or a group count), by the module's name. Taken before the user's parallelize function too, to tell the whole
+    model's counts from counts the function set already."""
+    found = {}
+    for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
+        counts = {k: v for k, v in vars(module).items() if "head" in k.lower() and type(v) is int and v > 1
+                  and not any(w in k.lower() for w in _NOT_COUNTS)}
+        if counts:
+            found[plain_name(name)] = (type(module).__qualname__, counts)
+    return found
+
+
+def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
+                built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, tuple[str, dict[str, int]]]:
     """For the module that holds each Linear of ``split`` (:func:`vemesh.check.record.column_split_linears`): its class
-    and its integer attributes that count heads and that the Linear's TP degree divides, by the module's name."""
+    and its head counts (:func:`counts_of`) that are still the model's as built (``built``, :func:`counts_of` of it)
+    and that the Linear's TP degree divides, by the module's name."""
     degree = {n.rpartition(".")[0]: tp for n, _, _, tp in split}
     found: dict[str, tuple[str, dict[str, int]]] = {}
-    for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
-        name = plain_name(name)
-        tp = degree.get(name)
-        if tp is None or name in found:
-            continue
-        counts = {k: v for k, v in vars(module).items() if "head" in k.lower() and type(v) is int and v >= tp
-                  and v % tp == 0 and not any(w in k.lower() for w in _NOT_COUNTS)}
-        if counts:
-            found[name] = (type(module).__qualname__, counts)
+    for name, (kind, counts) in counts_of(model).items():
+        tp, whole = degree.get(name), built.get(name, ("", {}))[1]
+        kept = {k: v for k, v in counts.items() if tp and v % tp == 0 and whole.get(k) == v}
+        if kept:
+            found[name] = (kind, kept)
     return found
 
 

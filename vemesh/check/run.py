@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from vemesh import local_ranks
 from vemesh.check.clones import set_clones
-from vemesh.check.heads import LocalHeads, head_counts, set_heads
+from vemesh.check.heads import LocalHeads, counts_of, head_counts, set_heads
 from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
@@ -270,6 +270,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         model = _call("--model", names[0], factory, **spec.model_kwargs)
         ties = tie_groups(model)
         apply(spec.sharded, model, mesh["TP"] if spec.sharded else None)
+        built = counts_of(model)  # the head counts as built (vemesh.check.heads)
         with swapped(spec.swaps, model) as went:
             model = _call("--parallelize", names[1], parallelize, model, mesh)
         stepped = model
@@ -278,7 +279,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         elif not isinstance(model, torch.nn.Module):
             raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
         split = column_split_linears(model)
-        heads = head_counts(model, split)  # as the user's function left them, before a recipe sets them
+        heads = head_counts(model, split, built)  # as the user's function left them, before a recipe sets them
         set_heads(spec.heads, model)
         set_clones(spec.cloned, model)
         params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}

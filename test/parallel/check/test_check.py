@@ -505,13 +505,14 @@ def test_hf_opts_heads_folded_into_its_sequence_are_named_by_its_head_count_not_
 
 def test_head_counts_are_the_split_linears_scopes_ints_named_for_heads_that_tp_divides() -> None:
     """Of the module holding each Linear split over TP: ``num_heads``, ``num_kv_heads``, ``n_head`` (divisible by
-    TP); not ``head_dim``, ``num_key_value_groups`` (TP leaves it) or a count TP does not divide. The candidate is
+    TP, as the model was built); not ``head_dim``, ``num_key_value_groups`` (TP leaves it), a count TP does not
+    divide, or one the user's function set already. The candidate is
     the scope of the Linear near the module that went wrong, with every module of its class and counts."""
     from torch import nn
 
     from vemesh.check.clones import REFUSAL
     from vemesh.check.clones import candidate as clone_candidate
-    from vemesh.check.heads import LocalHeads, head_counts, set_heads
+    from vemesh.check.heads import LocalHeads, counts_of, head_counts, set_heads
     from vemesh.check.heads import candidate as heads_candidate
 
     class Attention(nn.Module):
@@ -523,7 +524,11 @@ def test_head_counts_are_the_split_linears_scopes_ints_named_for_heads_that_tp_d
 
     model = nn.Sequential(Attention(), Attention())
     split = [("0.qkv", 24, 8, 2), ("1.qkv", 24, 8, 2)]
-    counts = head_counts(model, split)
+    built = counts_of(model)
+    model[1].num_heads = 2  # set to this rank's by the user's function already: not the whole model's
+    assert head_counts(model, split, built)["1"][1] == {"num_kv_heads": 2, "n_head": 4}
+    model[1].num_heads = 4
+    counts = head_counts(model, split, built)
     assert counts == {s: ("test_head_counts_are_the_split_linears_scopes_ints_named_for_heads_that_tp_divides."
                           "<locals>.Attention", {"num_heads": 4, "num_kv_heads": 2, "n_head": 4}) for s in "01"}
     recipe = heads_candidate("0", split, ["0.qkv", "1.qkv"], counts)
