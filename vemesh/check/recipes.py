@@ -4,7 +4,7 @@ A Linear whose rows look like fused parts (``c_attn``, ``qkv``, ``gate_up`` in i
 over ``C`` inputs: :func:`fused_parts`), split over TP in plain blocks as torch's ``ColwiseParallel`` splits them,
 is the likeliest cause when a module after it in its scope differs, or the forward raised there
 (:func:`candidates`). Its name and shape alone cannot tell ``[q|k|v]`` from a head-major ``[q_h k_h v_h]`` (GPT-NeoX's
-and Bloom's ``query_key_value``, which ``ColwiseParallel`` shards exactly), so the check does not guess: it runs the
+and Bloom's ``query_key_value``, whose rows ``ColwiseParallel`` shards exactly by heads), so the check does not guess: it runs the
 parallel run again with each recipe in the style's place (:class:`Swap`, applied in each rank by :func:`swapped`
 while the user's parallelize function runs), and the hint says which one made the check exact, or that none did.
 
@@ -227,7 +227,7 @@ def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], 
     said = "; ".join(f"{s.style()}: {outcome}" for s, _, outcome in tried)
     return (head + f"Tried in its place: {said}. None cleared it, so how its rows are split is not the cause, or not "
             "the only one: look at where the tries still went wrong (a head-major [q_h k_h v_h] Linear, as GPT-NeoX "
-            "and Bloom ship, is exact under ColwiseParallel)")
+            "ships, is exact under ColwiseParallel where its forward views it by -1 heads)")
 
 
 def width_hint(candidate: Candidate, first: str, tried: list[tuple[Swap, list[str], str]], fixed: bool) -> str:
