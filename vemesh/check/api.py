@@ -53,7 +53,7 @@ from vemesh.check.partial import dp_hint, first_shapes, zero_bubble_hint
 from vemesh.check.partial import hint as partial_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
-from vemesh.check.result import CheckInputError, CheckResult
+from vemesh.check.result import CheckInputError, CheckResult, phases
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 from vemesh.layout.names import divisors, listed
 from vemesh.parallel.schedules import schedule_class
@@ -127,7 +127,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     t2 = time.monotonic()
     result.dropouts = ref["dropouts"]
     result.hints, tries = _hints(spec, ref, tol, result, ranks, failed)
-    result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1 - compared, **_phases(ranks, launched),
+    result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1 - compared, **phases(ranks, launched),
                       "compare": compared}
     if tries:
         result.seconds["recipes tried"] = time.monotonic() - t2
@@ -225,6 +225,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         return fixes[0], len(fixes[0])
     hints: list[str] = []
     swaps: tuple[Swap, ...] = ()
+    cloned: tuple[str, ...] = ()
+    copies: tuple = ((), "")
     done: set[str] = set()
     runs = 0 if fixes is None else len(fixes[0])
     while located is not None and runs < MAX_TRIES:
@@ -245,10 +247,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
                 continue  # no RowwiseParallel in its scope to take the gathered output
             if runs == MAX_TRIES:
                 break
-            trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
-            t_ranks, t_failed, _ = _parallel(replace(spec, swaps=swaps + (swap,)), ref, tol, trial)
-            runs += 1
-            now = _located(ref, trial, t_ranks, t_failed) if not trial.exact else None
+            trial, t_ranks, t_failed, now, copies, n = _copied(spec, ref, tol, result, swaps + (swap,), cloned)
+            runs += n
             replaced = (t_ranks[0]["went"] if t_ranks else t_failed[0]["went"] if t_failed else {}).get("swapped", [])
             tried.append((swap, replaced, "" if trial.exact else _outcome(trial, now)))
             if trial.exact or (now is not None and not any(near(now[0], n) for n in cand.names)):
@@ -257,8 +257,12 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         if not tried:
             continue
         cleared = tried[-1][2] == "" or fixed is not None
-        hints.append(hint(cand, before is None, tried, cleared) if cand.parts > 1 else
+        copied = cleared and copies[0] != cloned  # the recipe cleared it with a copy of a TP output (clones)
+        hints.append(hint(cand, before is None, tried, cleared, copied) if cand.parts > 1 else
                      width_hint(cand, first, tried, cleared))
+        if copied:
+            cloned = copies[0]
+            hints.append(clones_hint(cloned, copies[1], tried[-1][2]))
         if not cleared or tried[-1][2] == "":
             break
         swaps, located = swaps + (tried[-1][0],), fixed
@@ -271,6 +275,28 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     if fixes is not None and not hints:  # tried, not the cause: said where nothing else is
         hints += fixes[0]
     return hints, runs
+
+
+def _run(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[CheckResult, list, list, tuple | None]:
+    """A recipe's parallel run (``spec`` carries it): its result, its ranks' records and errors, where it went wrong."""
+    trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
+    t_ranks, t_failed, _ = _parallel(spec, ref, tol, trial)
+    return trial, t_ranks, t_failed, _located(ref, trial, t_ranks, t_failed) if not trial.exact else None
+
+
+def _copied(spec: Spec, ref: dict, tol: float, result: CheckResult, swaps: tuple[Swap, ...],
+            cloned: tuple[str, ...]) -> tuple[CheckResult, list, list, tuple | None, tuple, int]:
+    """The parallel run with ``swaps`` (and the copies ``cloned``); where a forward then changed a TP style's output in
+    place, again with a copy of it too (:mod:`vemesh.check.clones`), kept where that went further. The run, its
+    records, where it went wrong, the copies made and where the first one was needed, and the runs made."""
+    trial, t_ranks, t_failed, now = _run(replace(spec, swaps=swaps, cloned=cloned), ref, tol, result)
+    more = None if trial.exact or cloned or not t_failed else \
+        clones_candidate(t_failed[0].get("message", ""), now and now[0], t_failed[0]["went"])
+    if more:
+        again = _run(replace(spec, swaps=swaps, cloned=more), ref, tol, result)
+        if again[0].exact or again[3] != now:
+            return (*again, (more, now[0]), 2)
+    return trial, t_ranks, t_failed, now, (cloned, ""), 1 + bool(more)
 
 
 def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, located: tuple | None,
@@ -288,16 +314,14 @@ def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, locate
     tries, hints, exact = [(heads, copied or (), located[0], "")] if heads or copied else [], [], False
     while tries:
         heads, cloned, where, before = tries.pop()  # before: where the counts alone left the run
-        trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
-        t_ranks, t_failed, _ = _parallel(replace(spec, heads=heads, cloned=cloned), ref, tol, trial)
-        now = _located(ref, trial, t_ranks, t_failed) if not trial.exact else None
+        trial, t_ranks, t_failed, now = _run(replace(spec, heads=heads, cloned=cloned), ref, tol, result)
         exact, outcome = trial.exact, "" if trial.exact else _outcome(trial, now)
         if cloned and exact and heads:  # the counts cleared their scope, and the copy did the rest
             hints[-1] = heads_hint(recipe, located[1] is None, before, cleared=True)
         hints.append(clones_hint(cloned, where, outcome) if cloned else heads_hint(recipe, located[1] is None, outcome))
         if exact or now is None or not t_failed or len(hints) > 1:
             break
-        if heads and (more := clones_candidate(t_failed[0]["message"], now[0], t_failed[0]["went"])):
+        if heads and (more := clones_candidate(t_failed[0].get("message", ""), now[0], t_failed[0]["went"])):
             tries.append((heads, more, now[0], outcome))
     return (hints, exact) if hints else None
 
@@ -349,17 +373,6 @@ def _outcome(trial: CheckResult, located: tuple | None) -> str:
     if trial.gradients:
         return f"differs in {trial.gradients[0][0]}'s gradient"
     return (trial.error or "differs")[:160]
-
-
-def _phases(ranks: list[dict], launched: float) -> dict[str, float]:
-    """Where the parallel run's time went, on its slowest rank at each mark (after the first process started)."""
-    if not ranks:
-        return {}
-    at = {k: max(r["marks"][k] for r in ranks) for k in ranks[0]["marks"]}
-    return {"processes start": at["started"] - launched, "your code's imports": at["loaded"] - at["started"],
-            "mesh": at["mesh"] - at["loaded"],
-            "build and parallelize": at["parallelized"] - at["mesh"], "step": at["stepped"] - at["parallelized"],
-            "gather": at["gathered"] - at["stepped"]}
 
 
 def _check_size(factory: Any, spec: Spec, names: tuple[str, str, str]) -> None:

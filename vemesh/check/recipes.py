@@ -190,11 +190,13 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         ColwiseParallel._apply, RowwiseParallel._apply = col_apply, row_apply  # type: ignore[method-assign]
 
 
-def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], str]], fixed: bool) -> str:
+def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], str]], fixed: bool,
+         copied: bool = False) -> str:
     """The hint for ``candidate``: ``tried`` is each recipe run, the modules it replaced, and what the check said then
     (``""``: exact; else where it still differed or raised); none where the plan split it with a style of its own
     (not torch's ColwiseParallel), which no recipe can take the place of. ``fixed``: the last one tried cleared the
-    Linear's scope (exact, or the first difference is now elsewhere: another cause, with its own hint)."""
+    Linear's scope (exact, or the first difference is now elsewhere: another cause, with its own hint); ``copied``:
+    with a copy of a TP style's output, which the next hint names (:mod:`vemesh.check.clones`)."""
     c = candidate
     what = "[q|k|v]" if c.parts == 3 else "[gate|up] or [k|v]"
     alike = f" and its {len(c.names) - 1} alike" if len(c.names) > 1 else ""
@@ -212,14 +214,16 @@ def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], 
         swap, replaced, outcome = tried[-1]
         rows = [n for n in replaced if swap.recipe == "gathered" and n not in swap.linears
                 and n.rpartition(".")[0] in swap.scopes()]  # the RowwiseParallel it replaced, not a kept recipe's
-        extra = f", with RowwiseParallel(input_layouts=Replicate()) on {_names(rows)}," if rows else ""
+        withs = ([f"RowwiseParallel(input_layouts=Replicate()) on {_names(rows)}"] if rows else []) + \
+            ["the copy of the next hint"] * copied
+        extra = f", with {' and '.join(withs)}," if withs else ""
         then = "makes the check exact" if not outcome else f"clears its scope (the check then {outcome})"
         if swap.recipe == "gathered":  # the fused styles did not clear it: the rows' layout is not proven
             return (head + f"Tried: {swap.style()} in its place{extra} {then}: every TP rank then computes the whole "
-                    "of what reads its output. The fused styles did not clear it, so either its rows are "
-                    f"{c.parts} fused parts ({what}) that the forward mixes with plain tensors (Phi-3's rotary "
-                    "embedding), or they are head by head and the forward needs every head (Bloom's ALiBi): use that "
-                    "(docs/checking.md: a fused [q|k|v] or [gate|up] projection)")
+                    "of what reads its output. The fused styles did not clear it: its rows are fused parts that the "
+                    "forward mixes with plain tensors (Phi-3's rotary embedding), or parts of unequal sizes "
+                    "(Falcon-7B's multi-query [q|k|v], one k and one v head), or heads that the forward needs all of "
+                    "(Bloom's ALiBi): use that (docs/checking.md: a fused [q|k|v] or [gate|up] projection)")
         return (head + f"Tried: {swap.style()} in its place{extra} {then}. Its rows are {c.parts} fused parts "
                 f"({what}) of {c.out_features // c.parts} rows each, and TP rank 0 held its first "
                 f"{c.out_features // c.tp} rows, not its share of each part: use that (docs/checking.md: a fused "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CheckInputError", "CheckResult"]
+__all__ = ["CheckInputError", "CheckResult", "phases"]
 
 #: the parallel run's phases in :attr:`CheckResult.seconds`, on its slowest rank
 _PHASES = ("processes start", "your code's imports", "mesh", "build and parallelize", "step", "gather")
@@ -167,3 +167,14 @@ class CheckResult:
 def _some(names: list[str], n: int) -> str:
     """The first ``n`` of ``names``, and how many more."""
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def phases(ranks: list[dict], launched: float) -> dict[str, float]:
+    """Where the parallel run's time went, on its slowest rank at each mark (after the first process started)."""
+    if not ranks:
+        return {}
+    at = {k: max(r["marks"][k] for r in ranks) for k in ranks[0]["marks"]}
+    return {"processes start": at["started"] - launched, "your code's imports": at["loaded"] - at["started"],
+            "mesh": at["mesh"] - at["loaded"],
+            "build and parallelize": at["parallelized"] - at["mesh"], "step": at["stepped"] - at["parallelized"],
+            "gather": at["gathered"] - at["stepped"]}

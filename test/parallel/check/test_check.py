@@ -309,6 +309,48 @@ def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_wit
     assert len(runs) == 1
 
 
+def test_a_recipe_whose_run_then_changes_a_tp_output_in_place_is_tried_again_with_a_copy(monkeypatch) -> None:
+    """In process, Falcon-7B's shape: a multi-query query_key_value ([q|k|v], one k and one v head) split by torch's
+    ColwiseParallel raises in the attention; the fused recipes do not clear it, and the gathered one clears it but
+    the block then adds into the MLP's RowwiseParallel output in place. That recipe is run again with a copy of the
+    RowwiseParallel outputs in the block, which makes the check exact: two hints, the gathered layout with the
+    copy, then the copy. Before, the gathered recipe was said not to clear it."""
+    from vemesh.check import api
+    from vemesh.check.clones import REFUSAL
+    from vemesh.check.result import CheckResult
+    from vemesh.check.run import Spec
+
+    split = [("h.0.attn.qkv", 96, 64, 2), ("h.1.attn.qkv", 96, 64, 2)]
+    went = {"colwise": ["h.0.attn.qkv", "h.1.attn.qkv"], "rowwise": ["h.0.attn.dense", "h.0.mlp.down",
+                                                                   "h.1.attn.dense", "h.1.mlp.down"]}
+    runs: list[tuple] = []
+
+    def parallel(spec, ref, tol, result):
+        runs.append((tuple(s.recipe for s in spec.swaps), spec.cloned))
+        swapped = [n for s in spec.swaps for n in s.linears] + ["h.0.attn.dense", "h.1.attn.dense"] * bool(spec.swaps)
+        record = {"split": split, "went": dict(went, swapped=swapped)}
+        if [s.recipe for s in spec.swaps] != ["gathered"]:
+            result.verdict, result.error = "differs", "shape '[2, 16, 6, 16]' is invalid"
+            return [], [dict(record, module="h.0.attn", message=result.error)], 0.0
+        if "h.0.mlp.down" not in spec.cloned:
+            result.verdict, result.error = "differs", f"Output 0 {REFUSAL}"
+            return [], [dict(record, module="h.0", message=result.error)], 0.0
+        return [record], [], 0.0
+
+    monkeypatch.setattr(api, "_parallel", parallel)
+    spec = Spec("m", "p", "s", {}, 2, {"DP": 1, "CP": 1, "TP": 2, "EP": 1}, 1, 2, ".", 60.0)
+    result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
+    ranks, failed, _ = api._parallel(spec, {}, 1e-4, result)
+    hints, tries = api._hints(spec, {}, 1e-4, result, ranks, failed)
+    copies = ("h.0.attn.dense", "h.0.mlp.down", "h.1.attn.dense", "h.1.mlp.down")
+    assert runs[1:] == [(("local",), ()), (("global",), ()), (("gathered",), ()), (("gathered",), copies)], runs
+    assert tries == 4 and len(hints) == 2, hints
+    assert "RowwiseParallel(input_layouts=Replicate()) on h.0.attn.dense and its 1 alike and the copy of the next " \
+        "hint, makes the check exact" in hints[0] and "Falcon-7B's multi-query [q|k|v]" in hints[0], hints[0]
+    assert hints[1].startswith("the forward of h.0 changes in place") and "h.*.attn.dense, h.*.mlp.down" in \
+        hints[1] and "which makes the check exact" in hints[1], hints[1]
+
+
 def test_the_positions_hint_names_the_keyword_the_models_forward_takes_them_by() -> None:
     """HF's ``position_ids``, torchtitan's ``positions``, gpt-fast's ``input_pos``: the hint's recipe calls the model
     with its own keyword; a forward that takes no positions by name gets the module that numbers them named instead
