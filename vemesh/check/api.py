@@ -190,7 +190,7 @@ def _check_pipeline(pp: int, loss: Any, pp_schedule: str) -> None:
 
 
 #: at most this many parallel runs with a recipe in the plan's place (:mod:`vemesh.check.recipes`) for the hints
-MAX_TRIES = 6
+MAX_TRIES = 8
 
 
 def _located(ref: dict, result: CheckResult, ranks: list[dict],
@@ -223,10 +223,10 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     fixes = _module_fixes(spec, ref, tol, result, located, (failed or ranks or [{}])[0])
     if fixes is not None and fixes[1]:  # the whole model's head counts, or a change in place, were the cause
         return fixes[0], len(fixes[0])
+    counts = () if fixes is None or fixes[2] is None else (fixes[2],)  # tried with the fused recipe too
     hints: list[str] = []
     swaps: tuple[Swap, ...] = ()
     cloned: tuple[str, ...] = ()
-    copies: tuple = ((), "")
     done: set[str] = set()
     runs = 0 if fixes is None else len(fixes[0])
     while located is not None and runs < MAX_TRIES:
@@ -241,13 +241,16 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         if not set(cand.names) <= set(went["colwise"]):  # split by another style: no recipe can take its place
             hints.append(hint(cand, before is None, [], False))
             break
-        for recipe in RECIPES if cand.parts > 1 else ("gathered",):  # a whole-width Linear: gathered alone
-            swap = Swap(cand.names, cand.parts, recipe)
+        local_heads = ("local-heads",) * any(cand.name.rpartition(".")[0] in c.modules for c in counts)
+        for recipe in (RECIPES[0], *local_heads, *RECIPES[1:]) if cand.parts > 1 else ("gathered",):
+            swap = Swap(cand.names, cand.parts, recipe)  # (a whole-width Linear: the gathered recipe alone)
             if recipe == "gathered" and not any(r.rpartition(".")[0] in swap.scopes() for r in went["rowwise"]):
                 continue  # no RowwiseParallel in its scope to take the gathered output
             if runs == MAX_TRIES:
                 break
-            trial, t_ranks, t_failed, now, copies, n = _copied(spec, ref, tol, result, swaps + (swap,), cloned)
+            heads = counts if any(s.recipe == "local-heads" for s in (*swaps, swap)) else ()
+            trial, t_ranks, t_failed, now, copies, n = _copied(replace(spec, heads=heads), ref, tol, result,
+                                                               swaps + (swap,), cloned)
             runs += n
             replaced = (t_ranks[0]["went"] if t_ranks else t_failed[0]["went"] if t_failed else {}).get("swapped", [])
             tried.append((swap, replaced, "" if trial.exact else _outcome(trial, now)))
@@ -260,6 +263,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         copied = cleared and copies[0] != cloned  # the recipe cleared it with a copy of a TP output (clones)
         hints.append(hint(cand, before is None, tried, cleared, copied) if cand.parts > 1 else
                      width_hint(cand, first, tried, cleared))
+        if cleared and tried[-1][0].recipe == "local-heads":  # which counts, and how to set them
+            hints.append(heads_hint(counts[0], before is None, "", fused=f"FusedColwiseParallel({cand.parts})"))
         if copied:
             cloned = copies[0]
             hints.append(clones_hint(cloned, copies[1], tried[-1][2]))
@@ -300,12 +305,12 @@ def _copied(spec: Spec, ref: dict, tol: float, result: CheckResult, swaps: tuple
 
 
 def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, located: tuple | None,
-                  record: dict) -> tuple[list[str], bool] | None:
+                  record: dict) -> tuple[list[str], bool, Any] | None:
     """Where the run went wrong in the scope of a split Linear whose module counts heads by the whole model's count
     (``record``: a rank's), the parallel run again with those counts divided by TP (:mod:`vemesh.check.heads`);
     where a forward changed a TP style's output in place, first or then, again with a copy of it
     (:mod:`vemesh.check.clones`), with the counts where they cleared their scope. The hints, and whether the last
-    run was exact; None where neither applies."""
+    run was exact, and the head counts' recipe (None where there is none); None where neither applies."""
     if located is None:
         return None
     recipe = heads_candidate(located[0], located[2], located[3].get("colwise", []), record.get("heads", {}))
@@ -323,7 +328,7 @@ def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, locate
             break
         if heads and (more := clones_candidate(t_failed[0].get("message", ""), now[0], t_failed[0]["went"])):
             tries.append((heads, more, now[0], outcome))
-    return (hints, exact) if hints else None
+    return (hints, exact, recipe) if hints else None
 
 
 def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], replicas: dict | None,

@@ -94,9 +94,10 @@ def set_heads(recipes: tuple[LocalHeads, ...], model: nn.Module) -> None:
                     setattr(module, attr, whole // recipe.tp)
 
 
-def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False) -> str:
+def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, fused: str = "") -> str:
     """The hint for ``recipe``, tried: ``outcome`` is ``""`` where it made the check exact, else where the run still
-    went wrong; ``cleared``: past the recipe's modules, where another recipe then made it exact (the next hint)."""
+    went wrong; ``cleared``: past the recipe's modules, where another recipe then made it exact (the next hint);
+    ``fused``: the fused style it was tried with (the hint before)."""
     r = recipe
     first = r.modules[0]
     alike = f" (and its {len(r.modules) - 1} alike)" if len(r.modules) > 1 else ""
@@ -109,7 +110,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False) 
     fix = ("Do that in your parallelize function (torch's TP styles shard the weights, never a module's attributes; "
            "a view by -1 heads needs none) (docs/checking.md: an attention that reads its head counts)")
     if not outcome:
-        return head + tried + ", which makes the check exact. " + fix
+        return head + tried + (f", with {fused} in its projection's place (the hint before)" if fused else "") + \
+            ", which makes the check exact. " + fix
     if cleared:
         return head + tried + f": that clears it, and the check then {outcome}, which the next hint makes exact. " + fix
     return head + tried + f": the check then {outcome}, so its head counts are not the cause, or not the only one"

@@ -11,6 +11,8 @@ while the user's parallelize function runs), and the hint says which one made th
 The recipes, tried in this order on the Linear and its alike (every split Linear of the same last name and shape):
 
 * ``local``: ``FusedColwiseParallel(N)``, for a forward that reads its output as this rank's heads;
+* ``local-heads``: the same, with the head counts of the module that reads it set to this rank's (MPT's ``Wqkv``,
+  chunked into q, k and v and viewed by ``self.n_heads``: :mod:`vemesh.check.heads`), where that module counts heads;
 * ``global``: ``FusedColwiseParallel(N, use_local_output=False)``, for one written with global sizes;
 * ``gathered``: ``ColwiseParallel(output_layouts=Replicate())`` with ``RowwiseParallel(input_layouts=Replicate())``
   on the RowwiseParallel Linears of its scope (the projection after it), for a forward that also mixes the parts
@@ -119,6 +121,7 @@ class Swap:
 
     def style(self) -> str:
         return {"local": f"FusedColwiseParallel({self.parts})",
+                "local-heads": f"FusedColwiseParallel({self.parts}) with its reader's head counts set to this rank's",
                 "global": f"FusedColwiseParallel({self.parts}, use_local_output=False)",
                 "gathered": "ColwiseParallel(output_layouts=Replicate())"}[self.recipe]
 
@@ -155,7 +158,7 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             style.src_data_rank = self.src_data_rank
             return col_apply(style, module, device_mesh)
         fused = FusedColwiseParallel(swap.parts, input_layouts=self.input_layouts[0],
-                                     use_local_output=swap.recipe == "local")
+                                     use_local_output=swap.recipe != "global")
         fused.src_data_rank = self.src_data_rank
         return fused._apply(module, device_mesh)  # its own call of ColwiseParallel._apply goes to torch's
 

@@ -351,6 +351,45 @@ def test_a_recipe_whose_run_then_changes_a_tp_output_in_place_is_tried_again_wit
         hints[1] and "which makes the check exact" in hints[1], hints[1]
 
 
+def test_a_fused_linear_read_by_its_modules_head_count_gets_the_local_recipe_with_the_counts_set(monkeypatch) -> None:
+    """In process: a fused [q|k|v] chunked into three and viewed by its attention's ``self.n_head`` (as a user writes
+    it). torch's ColwiseParallel raises in the attention; the counts set alone do not clear it (the parts are
+    still cut in plain blocks), nor FusedColwiseParallel(3) alone (the view reads the whole model's count);
+    both together make the check exact, and the hints say the style and the counts to set."""
+    from vemesh.check import api
+    from vemesh.check.heads import LocalHeads
+    from vemesh.check.result import CheckResult
+    from vemesh.check.run import Spec
+
+    split = [("h.0.attn.qkv", 96, 32, 2), ("h.1.attn.qkv", 96, 32, 2)]
+    heads = {f"h.{i}.attn": ("Attention", {"n_head": 4}) for i in (0, 1)}
+    went = {"colwise": ["h.0.attn.qkv", "h.1.attn.qkv"], "rowwise": ["h.0.attn.proj", "h.1.attn.proj"]}
+    runs: list[tuple] = []
+
+    def parallel(spec, ref, tol, result):
+        recipes = tuple(s.recipe for s in spec.swaps)
+        runs.append((recipes, spec.heads))
+        record = {"split": split, "heads": heads, "went": dict(went, swapped=[n for s in spec.swaps for n in s.linears])}
+        if recipes != ("local-heads",) or not spec.heads:
+            result.verdict, result.error = "differs", "shape '[2, 16, 4, 8]' is invalid"
+            return [], [dict(record, module="h.0.attn", message=result.error)], 0.0
+        return [record], [], 0.0
+
+    monkeypatch.setattr(api, "_parallel", parallel)
+    spec = Spec("m", "p", "s", {}, 2, {"DP": 1, "CP": 1, "TP": 2, "EP": 1}, 1, 2, ".", 60.0)
+    result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
+    ranks, failed, _ = api._parallel(spec, {}, 1e-4, result)
+    hints, tries = api._hints(spec, {}, 1e-4, result, ranks, failed)
+    counts = (LocalHeads(("h.0.attn", "h.1.attn"), (("n_head", 4),), 2),)
+    assert runs[1:] == [((), counts), (("local",), ()), (("local-heads",), counts)], runs
+    assert tries == 3 and len(hints) == 2, hints
+    assert "Tried: FusedColwiseParallel(3) with its reader's head counts set to this rank's in its place makes the " \
+        "check exact" in hints[0], hints[0]
+    assert "(module.n_head //= 2) on h.0.attn (and its 1 alike) after your parallelize function, with " \
+        "FusedColwiseParallel(3) in its projection's place (the hint before), which makes the check exact" in \
+        hints[1], hints[1]
+
+
 def test_the_positions_hint_names_the_keyword_the_models_forward_takes_them_by() -> None:
     """HF's ``position_ids``, torchtitan's ``positions``, gpt-fast's ``input_pos``: the hint's recipe calls the model
     with its own keyword; a forward that takes no positions by name gets the module that numbers them named instead
