@@ -105,7 +105,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
     head = (f"{first}{alike} reads its head counts from its own attributes ({counts}), the whole model's, "
             f"while TP {r.tp} gives each rank 1/{r.tp} of the heads of the projections it reads; "
             + ("the forward raised there. " if raised else "the run differs from there on. "))
-    tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= {r.tp}' for a, _ in r.counts)}) on " \
+    tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= tp' for a, _ in r.counts)}, with tp = " \
+            f"mesh['TP'].size(), {r.tp} here) on " \
             f"{first}{alike} after your parallelize function"
     fix = ("Do that in your parallelize function (torch's TP styles shard the weights, never a module's attributes; "
            "a view by -1 heads needs none) (docs/checking.md: an attention that reads its head counts)")

@@ -385,7 +385,7 @@ def test_a_fused_linear_read_by_its_modules_head_count_gets_the_local_recipe_wit
     assert tries == 3 and len(hints) == 2, hints
     assert "Tried: FusedColwiseParallel(3) with its reader's head counts set to this rank's in its place makes the " \
         "check exact" in hints[0], hints[0]
-    assert "(module.n_head //= 2) on h.0.attn (and its 1 alike) after your parallelize function, with " \
+    assert "(module.n_head //= tp, with tp = mesh['TP'].size(), 2 here) on h.0.attn (and its 1 alike) after your parallelize function, with " \
         "FusedColwiseParallel(3) in its projection's place (the hint before), which makes the check exact" in \
         hints[1], hints[1]
 
@@ -560,7 +560,7 @@ def test_hf_attentions_that_read_their_head_counts_get_them_set_to_this_ranks_an
     heads, copy = wrong.hints
     assert heads.startswith("transformer.h.0.self_attention (and its 1 alike) reads its head counts from its own "
                             "attributes (num_heads = 4, num_kv_heads = 4)") and \
-        "(module.num_heads //= 2; module.num_kv_heads //= 2)" in heads and "that clears it, and the check then " \
+        "(module.num_heads //= tp; module.num_kv_heads //= tp, with tp = mesh['TP'].size(), 2 here)" in heads and "that clears it, and the check then " \
         "raises in transformer.h.0, which the next hint makes exact" in heads, heads
     assert copy.startswith("the forward of transformer.h.0 changes in place") and "transformer.h.*.mlp.dense_4h_to_h" \
         in copy and copy.endswith("(docs/checking.md: a forward that changes a TP output in place)"), copy
@@ -580,7 +580,7 @@ def test_hf_opts_heads_folded_into_its_sequence_are_named_by_its_head_count_not_
         wrong.render()
     (text,) = wrong.hints
     assert text.startswith("model.decoder.layers.0.self_attn (and its 1 alike) reads its head counts") and \
-        "the run differs from there on" in text and "(module.num_heads //= 2)" in text and \
+        "the run differs from there on" in text and "(module.num_heads //= tp, with tp = mesh['TP'].size(), 2 here)" in text and \
         "which makes the check exact" in text, text
 
 
