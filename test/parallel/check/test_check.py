@@ -309,16 +309,26 @@ def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_wit
     assert len(runs) == 1
 
 
+def _hints_of(parallel, monkeypatch) -> tuple[list[str], int]:  # type: ignore[no-untyped-def]
+    """The hints of a TP 2 check whose parallel runs, the plan's and each recipe's, are ``parallel`` (in process)."""
+    from vemesh.check import api
+    from vemesh.check.result import CheckResult
+    from vemesh.check.run import Spec
+
+    monkeypatch.setattr(api, "_parallel", parallel)
+    spec = Spec("m", "p", "s", {}, 2, {"DP": 1, "CP": 1, "TP": 2, "EP": 1}, 1, 2, ".", 60.0)
+    result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
+    ranks, failed, _ = api._parallel(spec, {}, 1e-4, result)
+    return api._hints(spec, {}, 1e-4, result, ranks, failed)
+
+
 def test_a_recipe_whose_run_then_changes_a_tp_output_in_place_is_tried_again_with_a_copy(monkeypatch) -> None:
     """In process, Falcon-7B's shape: a multi-query query_key_value ([q|k|v], one k and one v head) split by torch's
     ColwiseParallel raises in the attention; the fused recipes do not clear it, and the gathered one clears it but
     the block then adds into the MLP's RowwiseParallel output in place. That recipe is run again with a copy of the
     RowwiseParallel outputs in the block, which makes the check exact: two hints, the gathered layout with the
     copy, then the copy. Before, the gathered recipe was said not to clear it."""
-    from vemesh.check import api
     from vemesh.check.clones import REFUSAL
-    from vemesh.check.result import CheckResult
-    from vemesh.check.run import Spec
 
     split = [("h.0.attn.qkv", 96, 64, 2), ("h.1.attn.qkv", 96, 64, 2)]
     went = {"colwise": ["h.0.attn.qkv", "h.1.attn.qkv"], "rowwise": ["h.0.attn.dense", "h.0.mlp.down",
@@ -337,11 +347,7 @@ def test_a_recipe_whose_run_then_changes_a_tp_output_in_place_is_tried_again_wit
             return [], [dict(record, module="h.0", message=result.error)], 0.0
         return [record], [], 0.0
 
-    monkeypatch.setattr(api, "_parallel", parallel)
-    spec = Spec("m", "p", "s", {}, 2, {"DP": 1, "CP": 1, "TP": 2, "EP": 1}, 1, 2, ".", 60.0)
-    result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
-    ranks, failed, _ = api._parallel(spec, {}, 1e-4, result)
-    hints, tries = api._hints(spec, {}, 1e-4, result, ranks, failed)
+    hints, tries = _hints_of(parallel, monkeypatch)
     copies = ("h.0.attn.dense", "h.0.mlp.down", "h.1.attn.dense", "h.1.mlp.down")
     assert runs[1:] == [(("local",), ()), (("global",), ()), (("gathered",), ()), (("gathered",), copies)], runs
     assert tries == 4 and len(hints) == 2, hints
@@ -356,10 +362,7 @@ def test_a_fused_linear_read_by_its_modules_head_count_gets_the_local_recipe_wit
     it). torch's ColwiseParallel raises in the attention; the counts set alone do not clear it (the parts are
     still cut in plain blocks), nor FusedColwiseParallel(3) alone (the view reads the whole model's count);
     both together make the check exact, and the hints say the style and the counts to set."""
-    from vemesh.check import api
     from vemesh.check.heads import LocalHeads
-    from vemesh.check.result import CheckResult
-    from vemesh.check.run import Spec
 
     split = [("h.0.attn.qkv", 96, 32, 2), ("h.1.attn.qkv", 96, 32, 2)]
     heads = {f"h.{i}.attn": ("Attention", {"n_head": 4}) for i in (0, 1)}
@@ -375,11 +378,7 @@ def test_a_fused_linear_read_by_its_modules_head_count_gets_the_local_recipe_wit
             return [], [dict(record, module="h.0.attn", message=result.error)], 0.0
         return [record], [], 0.0
 
-    monkeypatch.setattr(api, "_parallel", parallel)
-    spec = Spec("m", "p", "s", {}, 2, {"DP": 1, "CP": 1, "TP": 2, "EP": 1}, 1, 2, ".", 60.0)
-    result = CheckResult("exact", spec.degrees, 2, 2, 1e-4)
-    ranks, failed, _ = api._parallel(spec, {}, 1e-4, result)
-    hints, tries = api._hints(spec, {}, 1e-4, result, ranks, failed)
+    hints, tries = _hints_of(parallel, monkeypatch)
     counts = (LocalHeads(("h.0.attn", "h.1.attn"), (("n_head", 4),), 2),)
     assert runs[1:] == [((), counts), (("local",), ()), (("local-heads",), counts)], runs
     assert tries == 3 and len(hints) == 2, hints
