@@ -113,9 +113,23 @@ def test_an_absent_standard_name_is_said_absent_not_another_dim(as_rank) -> None
     mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
     with pytest.raises(KeyError) as e:
         mesh["CP"]
-    assert one_line(e.value) == "unknown dim name 'CP'; valid dim names are ['DP', 'TP']; the mesh has no CP dim"
+    assert one_line(e.value) == ("unknown dim name 'CP'; valid dim names are ['DP', 'TP']; the mesh has no CP dim (a "
+                                 "strategy of size 1 is left out of a mesh: VESCALE_DEVICE_MESH.get_strategy_size('CP') "
+                                 "answers 1 for it)")
+    assert mesh.get_strategy_size("CP") == 1  # as the message says
     with pytest.raises(KeyError, match="did you mean 'TP'"):
         mesh["Tp"]  # a typo of a dim the mesh has is still suggested
+
+
+def test_a_standard_name_the_mesh_spells_otherwise_is_told_its_spelling_not_the_closest_letters() -> None:
+    """``mesh["DP"]`` on torchtitan's lower-case names once suggested 'tp' (the closest letters)."""
+    from vemesh.layout.names import unknown_name_error
+
+    assert str(unknown_name_error("dim name", "DP", ("dp_shard", "tp"))).endswith("this mesh spells DP as 'dp_shard'\"")
+    assert str(unknown_name_error("dim name", "DP", ("dp_replicate", "dp_shard", "tp"))).endswith(
+        "this mesh spells DP as 'dp_replicate' and 'dp_shard': name one, or make DP of them with "
+        "VESCALE_DEVICE_MESH.flatten(('dp_replicate', 'dp_shard'), 'DP')\"")
+    assert str(unknown_name_error("dim name", "tp", ("DP", "TP"))).endswith("did you mean 'TP'?\"")
 
 
 # ------------------------------------------------------------------- wrappers (fake backend)

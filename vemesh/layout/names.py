@@ -210,10 +210,17 @@ def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyErro
     if isinstance(name, str):
         lowered = {v.lower(): v for v in valid}
         close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.5)
-        standard = {s.lower() for s in STANDARD_STRATEGIES}
-        if close and name.lower() in standard and close[0] in standard and close[0] != name.lower():
-            # 'CP' on a mesh with 'TP' is another parallelism, not a typo: say it is absent
-            message += f"; the mesh has no {name.upper()} dim"
+        standard = name.upper() if name.upper() in STANDARD_STRATEGIES else None
+        spelled = other_spellings(standard, valid) if standard else []
+        if spelled:  # 'DP' on ('dp_shard', 'tp'): the mesh's own spelling, not the closest letters ('tp')
+            message += f"; this mesh spells {standard} as {' and '.join(map(repr, spelled))}"
+            if len(spelled) > 1:  # torchtitan's dp_replicate x dp_shard: one name needs them flattened
+                message += f": name one, or make {standard} of them with VESCALE_DEVICE_MESH.flatten({tuple(spelled)!r}, {standard!r})"
+        elif standard and standard not in valid:
+            # 'CP' on a mesh with 'TP' is another parallelism, not a typo: say it is absent, and how a function that
+            # runs on meshes with and without it asks (a strategy of size 1 is left out of the planner's meshes)
+            message += (f"; the mesh has no {standard} dim (a strategy of size 1 is left out of a mesh: "
+                        f"VESCALE_DEVICE_MESH.get_strategy_size({standard!r}) answers 1 for it)")
         elif close:
             message += f"; did you mean {lowered[close[0]]!r}?"
     return KeyError(message)
