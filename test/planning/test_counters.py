@@ -86,3 +86,25 @@ def test_a_fake_tensors_device_query_stops_at_the_first_mode_and_the_tracker_sti
         tracker.phase = None
     assert tracker.step_peak == 4096 and tracker.phase_peaks["step"][0] == 4096
     assert seen.ops == ["aten.empty.memory_format"], seen.ops
+
+
+def test_an_in_place_op_that_returns_nothing_is_counted_writing_what_its_schema_marks() -> None:
+    """torch's foreach ops and its fused AdamW write in place and return nothing: they were counted reading their
+    tensors only. AdamW's step now moves the same bytes as a loop over tensors (``foreach=False``) as with foreach
+    (21 x the parameter's bytes here, each op reading and writing), and fused AdamW moves 7 x: it reads the parameter,
+    its gradient and both moments once and writes the parameter and the moments (its schema marks the gradients as
+    written too, for unscaling them in place, which it does only with a grad_scale)."""
+    p = torch.nn.Parameter(torch.zeros(1000))
+    p.grad = torch.ones(1000)
+    moved = {}
+    for name, how in (("for-loop", dict(foreach=False)), ("foreach", dict(foreach=True)), ("fused", dict(fused=True))):
+        opt = torch.optim.AdamW([p], **how)
+        opt.step()  # the state made
+        with MemoryBoundBytes() as counted:
+            opt.step()
+        moved[name] = round(counted.bytes / p.nbytes)
+    assert moved == {"for-loop": 21, "foreach": 21, "fused": 7}, moved
+    m = [torch.zeros(100) for _ in range(3)]
+    with MemoryBoundBytes() as counted:
+        torch._foreach_mul_(m, 0.9)
+    assert counted.bytes == 2 * 3 * 400  # each list read and written

@@ -18,6 +18,7 @@ import pytest
 from launch import launch_script, plan_here
 from vemesh.cli import main
 from vemesh.planning import pipeline_plan, plan, step_parts
+from vemesh.planning.request import PlanRequest
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.pipeline_plan import predict_pipeline, trace_pipeline
 from vemesh.planning.user_model import predict_user, trace_arguments, trace_user
@@ -371,15 +372,43 @@ def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
 def test_an_optimizer_step_that_fails_on_cuda_is_one_line_naming_why(capsys) -> None:
     """HF's Qwen3-MoE with its experts as DTensors over EP and the rest plain under vemesh DDP: on a GPU profile the
     plan steps torch's AdamW as torch runs it on cuda (foreach), which refuses the mix; said in one line, with the
-    way out, where it was a traceback from inside torch."""
+    way out, where it was a traceback from inside torch. The way out is planned as the hint says (torch's loop,
+    ``--optimizer-implementation for-loop``); fused AdamW refuses the mix as foreach does."""
     hf = str(REPO / "test" / "models" / "hf_jobs.py")
-    code, out, err = _cli(capsys, "--model", f"module:{hf}:make_qwen3_moe", "--parallelize", f"{hf}:parallelize_ddp",
-                          "--step", f"{hf}:step", "--world-size", "2", "--ep", "2", "--dp-mode", "ddp",
-                          "--global-batch-size", "8", "--device-profile", "h100-sxm")
+    args = ("--model", f"module:{hf}:make_qwen3_moe", "--parallelize", f"{hf}:parallelize_ddp", "--step", f"{hf}:step",
+            "--world-size", "2", "--ep", "2", "--dp-mode", "ddp", "--global-batch-size", "8", "--device-profile",
+            "h100-sxm")
+    code, out, err = _cli(capsys, *args)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith(f"vemesh: error: AdamW (foreach, as torch runs it on cuda).step() failed on what "
                           f"--parallelize {hf}:parallelize_ddp returned: RuntimeError: aten._foreach_mul_"), err
     assert "its parameters mix DTensors and plain tensors" in err and "foreach=False" in err, err
+    assert err.rstrip().endswith("and plan it so with --optimizer-implementation for-loop"), err
+    code, out, err = _cli(capsys, *args, "--optimizer-implementation", "fused")
+    assert code == 2 and err.startswith("vemesh: error: AdamW (fused, --optimizer-implementation).step() failed"), err
+    assert "aten._fused_adamw_.default got mixed torch.Tensor and DTensor" in err, err
+    code, out, err = _cli(capsys, *args, "--optimizer-implementation", "for-loop")
+    assert code == 0 and "step time on h100-sxm" in out, err
+
+
+def test_the_optimizer_implementation_changes_the_optimizers_ops_and_bytes_not_the_model(capsys) -> None:
+    """torchtitan's three optimizer implementations on a GPU profile, on the same FSDP2 plan: the same peak; the loop
+    over tensors and foreach move the same bytes (each of AdamW's ops reads and writes its tensors; foreach's were
+    counted reading them only), and fused AdamW a third of them (it reads the parameter, its gradient and the two
+    moments once, and writes three: 7 bytes of the loop's 21). A value that is none of them is one line naming the
+    three."""
+    times = {}
+    for how in ("for-loop", "foreach", "fused"):
+        answered = plan(f"module:{JOBS}:make_dense", parallelize=f"{JOBS}:parallelize_fsdp", step=f"{JOBS}:step",
+                        world_size=4, global_batch_size=4, device_profile="h100-sxm", optimizer_implementation=how)
+        times[how] = (answered["peak"], answered["time"]["optimizer"])
+        assert answered["optimizer_implementation"] == how
+    assert len({peak for peak, _ in times.values()}) == 1, times
+    assert times["for-loop"][1] == pytest.approx(times["foreach"][1], rel=1e-4), times
+    assert times["fused"][1] / times["foreach"][1] == pytest.approx(1 / 3, rel=0.01), times
+    with pytest.raises(ValueError, match=r"^--optimizer-implementation 'fast': choose one of for-loop, foreach, fused "
+                       r"\(or leave it out: as torch picks on the device\)$"):
+        PlanRequest(model=f"module:{JOBS}:make_dense", world_size=4, optimizer_implementation="fast")
 
 
 @pytest.mark.parametrize("extra, says", [

@@ -420,12 +420,14 @@ def test_a_search_by_time_times_its_pipeline_meshes_with_their_bubble() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, mode, tp, per_pass", [("1f1b", "zero1", 1, 0.02), ("interleaved-1f1b", "fsdp", 2, 0.12)])
+@pytest.mark.parametrize("schedule, mode, tp, per_pass", [("1f1b", "zero1", 1, 0.02), ("interleaved-1f1b", "fsdp", 2, 0.13)])
 def test_a_searchs_pipeline_estimate_is_near_its_traced_plan(schedule, mode, tp, per_pass) -> None:
     """The estimate a search makes of a PP mesh against the plan that traces torch's schedule on every PP rank (PP 2
     of 8 ranks, on the same profile): the FLOPs equal (with TP too: DTensor's sharding propagation is not counted);
     what two more micro-batches add to the memory-bound bytes within ``per_pass`` (the data-parallel wrapper's work
-    on each micro-batch, :mod:`vemesh.planning.wrapper_costs`: before it, ZeRO-1's estimate had a quarter of it); the
+    on each micro-batch, :mod:`vemesh.planning.wrapper_costs`: before it, ZeRO-1's estimate had a quarter of it; FSDP2
+    with TP 2 at 1.11 on PP rank 1, and 1.12 since the writes of in-place ops that return nothing are counted, its
+    copy-out and the gradients' scaling, which the estimate scales from a world without TP a little more); the
     peak within 10% (FSDP2 holds every unit unsharded, its gradients in fp32, through a pipeline's step: it was
     0.84 to 0.92); the step within 15% (measured 0.87 to 0.95 at this width, 0.95 to 1.04 at width 2048, where it
     was 0.63 to 0.74 under DDP and FSDP2)."""

@@ -68,12 +68,12 @@ class Job:
     before_optimizer: Any = None  #: ``--before-optimizer MODULE:FUNCTION`` (or the function): the loop's end of a step
     moe_load_factor: float = 1.0  #: the busiest EP rank's share of the slots over the balanced share
     timed: bool = False  #: count what a step-time prediction needs (FLOPs, memory-bound bytes, ops) while tracing
-    #: the device the step runs on, as its optimizer runs there: on ``cuda`` torch's foreach AdamW and ZeRO-1's runs
-    #: whole, a few ops for every tensor, where a CPU steps each tensor (each 512K chunk) in turn (a queued profile's)
+    #: where the step runs (a queued profile's): on ``cuda`` foreach AdamW, ZeRO-1's runs whole; a CPU's 512K chunks
     device: str = "cpu"
     #: what GPU users turn on, modelled on the traced step (:mod:`vemesh.planning.step_time`), not traced
     speed: Any = None  #: :class:`vemesh.planning.speedups.Speedups` (compile, Float8, async TP), None for none
     trace_pp: bool = False  #: a search traces its PP meshes through torch's schedule, as ``--pp N`` does
+    optimizer_implementation: str | None = None  #: ``for-loop``, ``foreach``, ``fused``; None: as torch on ``device``
 
     @property
     def mode(self) -> str:
@@ -146,7 +146,7 @@ def _traced_llama3(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_
         fns, world_size=pp * dp * cp * tp, degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
         dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
         dtype="fp32" if job.mode == "fsdp" else job.dtype, dp_mode=job.mode, load_factor=1.0, timed=job.timed,
-        device=job.device)
+        device=job.device, optimizer_implementation=job.optimizer_implementation)
 
 
 @functools.lru_cache(maxsize=64)  # a search asked again (another device memory, placement or ranking) traces nothing
@@ -160,7 +160,7 @@ def _traced_preset(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_
         fns, world_size=pp * dp * cp * tp, degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
         dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
         dtype="fp32" if job.mode == "fsdp" else job.dtype, dp_mode=job.mode, load_factor=job.moe_load_factor,
-        timed=job.timed, device=job.device)
+        timed=job.timed, device=job.device, optimizer_implementation=job.optimizer_implementation)
     return replace(fit, notes=tuple(n for n in fit.notes if not n.startswith("dp mode ")))
 
 
@@ -180,7 +180,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                             degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, dp_replicate=dp_replicate,
                             global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
                             dtype=job.dtype, dp_mode=job.dp_mode, load_factor=job.moe_load_factor, timed=job.timed,
-                            device=job.device)
+                            device=job.device, optimizer_implementation=job.optimizer_implementation)
     if job.llama3:
         if pp > 1:
             _check_pipeline(job, pp, dp * cp, config_of(job.model).n_layers, job.model)

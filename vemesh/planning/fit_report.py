@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vemesh.planning.request import OPTIMIZER_IMPLEMENTATIONS
+
 if TYPE_CHECKING:  # torch is imported only when a model is planned: `vemesh show` starts fast
     from vemesh.planning.fit import Job, MeshFit
 
@@ -67,7 +69,8 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
     """The JSON of one mesh's prediction."""
     return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
             "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
-            "dp_mode": fit.dp_mode or job.mode, "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
+            "dp_mode": fit.dp_mode or job.mode, "optimizer_implementation": job.optimizer_implementation
+            or ("foreach" if job.device == "cuda" else "for-loop"), "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
             "speedups": ({k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")}
                          if job.speed else None), "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
             "peak": fit.peak, "activations_traced": fit.traced, "notes": list(fit.notes), "classes": [_class_row(c) for c in fit.classes],
@@ -102,7 +105,8 @@ def render_fit(job: Job, fit: MeshFit) -> str:
     speed = job.speed
     on = [n for n, v in (("compile", speed.compile), (f"float8 {speed.float8}", speed.float8),
                          ("float8 all-gather", speed.float8_all_gather), ("async TP", speed.async_tp)) if v] if speed else []
-    lines = [f"job: {job.name}, {job.dtype}, {fit.dp_mode or job.mode}" + ac_text + batch
+    given = f", AdamW {job.optimizer_implementation}" if job.optimizer_implementation else ""
+    lines = [f"job: {job.name}, {job.dtype}, {fit.dp_mode or job.mode}" + given + ac_text + batch
              + (f", {job.pp_schedule}" if d["PP"] > 1 else "") + (f"; timed with {', '.join(on)}" if on else ""),
              f"memory per rank ({unit}):" if fit.traced else f"static memory per rank ({unit}); ACTIVATIONS ARE NOT "
              "INCLUDED: give your step (--step MODULE:FUNCTION) and the planner traces them:"]
@@ -271,6 +275,10 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--global-batch-size", type=positive, metavar="N", help="sequences per step (default: 32)")
     job.add_argument("--dtype", choices=("fp32", "bf16"), help="parameter and compute dtype (default: fp32)")
     job.add_argument("--optimizer", choices=("adamw",), default="adamw", help="the optimizer (AdamW's two moments)")
+    job.add_argument("--optimizer-implementation", choices=OPTIMIZER_IMPLEMENTATIONS, help="how AdamW steps, as "
+                     "torchtitan's optimizer.implementation names it: torch's loop over tensors (foreach=False), its "
+                     "foreach kernels, or its fused kernel (default: as torch picks on the device: foreach on a GPU, "
+                     "the loop on cpu)")
     job.add_argument("--dp-mode", choices=("ddp", "zero1", "fsdp"),
                      help="vemesh DDP + AdamW, + the ZeRO-1 DistributedOptimizer, or torch's FSDP2 (default: zero1)")
     job.add_argument("--micro-batch-size", type=positive, metavar="N",

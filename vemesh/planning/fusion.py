@@ -170,7 +170,8 @@ class Fusion:
                         self._pending.pop(storage_key(t), None)
             return
         reads = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
-        writes = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        # an in-place op that returns nothing (foreach's, fused AdamW) writes what its schema marks
+        writes = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)] or written(func, args, kwargs)
         if func.overloadpacket in _LINEAR:
             a, b = reads[-2], reads[-1]
             self.linear_flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
@@ -288,6 +289,8 @@ class MemoryBoundBytes(TorchDispatchMode):
         matmul = packet in self.flop_registry
         if not matmul and moves_data(func) and not collective:
             tensors = [t for t in tree_leaves((args, kwargs, result)) if isinstance(t, torch.Tensor)]
+            if not any(isinstance(t, torch.Tensor) for t in tree_leaves(result)):
+                tensors += written(func, args, kwargs)  # an in-place op that returns nothing also writes
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         self.fusion.see(func, args, kwargs, result, matmul=matmul, collective=collective)
         return result
@@ -313,6 +316,20 @@ class MemoryBoundBytes(TorchDispatchMode):
         if formula is not None:
             self.flop_counts["Global"][func._overloadpacket] += formula(*args, **kwargs, out_val=out)
         return out
+
+
+def written(func: Any, args: tuple, kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place, as its schema marks them (``Tensor(a!)[] self``): what an op that returns
+    nothing writes. torch's foreach ops (``_foreach_mul_(exp_avgs, beta1)``) and its fused AdamW (params, both moments)
+    return nothing, and were counted as reading their tensors only: AdamW's step on a GPU at about half its bytes."""
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
+            if arg.name == "grads" and (kwargs or {}).get("grad_scale") is None:
+                continue  # fused Adam's schema lets it unscale the gradients in place; without a scale it reads them
+            out += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
 
 
 @contextmanager

@@ -61,7 +61,8 @@ def _context(fns: UserFunctions, kwargs: dict[str, Any]) -> tuple:
         degrees["DP"] = degrees["DP"] > 1
     cut = kwargs["blocks"][0] if kwargs.get("blocks") else None
     return (fns, cut, tuple(sorted(degrees.items())), kwargs["dp_replicate"], kwargs["micro_batch_size"],
-            kwargs["dtype"], kwargs["dp_mode"], kwargs["load_factor"], kwargs["timed"], kwargs["device"])
+            kwargs["dtype"], kwargs["dp_mode"], kwargs["load_factor"], kwargs["timed"], kwargs["device"],
+            kwargs.get("optimizer_implementation"))
 
 
 def _records(fns: UserFunctions, kwargs: dict[str, Any]) -> dict[tuple, list[Any]] | None:

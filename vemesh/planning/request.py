@@ -14,17 +14,21 @@ from typing import Any
 from vemesh.models.llama3.config import check_ac, config_of
 from vemesh.planning.speedups import Speedups
 
-__all__ = ["CHOICES", "JOB_FLAGS", "PlanRequest"]
+__all__ = ["CHOICES", "JOB_FLAGS", "OPTIMIZER_IMPLEMENTATIONS", "PlanRequest"]
 
 #: What a search by time may choose for each mesh (``--choose``), besides the mesh itself.
 CHOICES = ("micro-batch-size", "activation-checkpointing")
+
+#: How AdamW steps (``--optimizer-implementation``), as torchtitan's ``optimizer.implementation`` names it: torch's
+#: loop over tensors (``foreach=False``), its foreach kernels (``foreach=True``) or its fused kernel (``fused=True``).
+OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 
 #: The fields that describe a job: given without a model they would be ignored, so they are refused.
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
                               "pp_schedule", "rank_by", "parallelize", "step", "loss", "before_optimizer", "moe_load_factor",
                               "sequence_parallel", "activation_checkpointing", "device_profile", "choose", "compile",
                               "float8", "float8_all_gather", "async_tp", "trace_pp",
-                              "jobs")
+                              "jobs", "optimizer_implementation")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class PlanRequest:
     #: ``none``, ``full`` (``True``), and for the Llama 3 preset ``selective-op`` or ``selective-N``
     activation_checkpointing: bool | str = False
     moe_load_factor: float | str | None = None
+    #: one of :data:`OPTIMIZER_IMPLEMENTATIONS`; None: as torch picks on the device (foreach on a GPU, else the loop)
+    optimizer_implementation: str | None = None
     # what GPU users turn on for speed (vemesh.planning.speedups): rules on the traced step's time
     compile: bool = False
     float8: str | None = None  #: ``tensorwise`` or ``rowwise``
@@ -121,6 +127,9 @@ class PlanRequest:
             raise ValueError("--sequence-parallel: the Llama 3 preset always runs TP with sequence parallelism, as "
                              "torchtitan does")
         self._check_speedups()
+        if self.optimizer_implementation not in (None, *OPTIMIZER_IMPLEMENTATIONS):
+            raise ValueError(f"--optimizer-implementation {self.optimizer_implementation!r}: choose one of "
+                             f"{', '.join(OPTIMIZER_IMPLEMENTATIONS)} (or leave it out: as torch picks on the device)")
         if self.before_optimizer is not None and not user:
             raise ValueError("--before-optimizer is your loop's end of a step, for your own functions (--parallelize, "
                              "--step); the GPT preset runs the example's (its clipping and loss all-reduces)")
@@ -228,7 +237,8 @@ class PlanRequest:
                    pp_schedule=self.pp_schedule or "1f1b", sequence_parallel=self.sequence_parallel,
                    activation_checkpointing=ac if llama3 else ac == "full", parallelize=self.parallelize,
                    step=self.step, loss=self.loss, before_optimizer=self.before_optimizer, moe_load_factor=factor,
-                   timed=self.device_profile is not None, speed=speed if speed.any else None, trace_pp=self.trace_pp)
+                   timed=self.device_profile is not None, speed=speed if speed.any else None, trace_pp=self.trace_pp,
+                   optimizer_implementation=self.optimizer_implementation)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanRequest:

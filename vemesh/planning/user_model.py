@@ -39,7 +39,6 @@ from torch import nn
 
 from vemesh.layout.data_dims import data_dims
 from vemesh.layout.names import divisors, listed
-from vemesh.optim import DistributedOptimizer
 from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.planning.estimate import RankMemory
@@ -54,6 +53,7 @@ from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
 from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module
+from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
 
 __all__ = ["predict_user", "stage_signatures", "trace_arguments", "trace_user", "user_notes"]
@@ -107,38 +107,6 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
     return given or ("fsdp" if fsdp else "zero1"), ddps
 
 
-def _step(optimizer: torch.optim.Optimizer, device: str, name: str) -> None:
-    """``optimizer.step()``; its failure one line, naming the optimizer and how torch runs it on ``device``."""
-    try:
-        optimizer.step()
-    except Exception as e:
-        how = " (foreach, as torch runs it on cuda)" if device == "cuda" else ""
-        hint = ("; its parameters mix DTensors and plain tensors, which torch's foreach kernels refuse: make them all "
-                "DTensors (FSDP2 over every module, or distribute the rest), or run the optimizer with foreach=False"
-                if "mixed torch.Tensor and DTensor" in str(e) else "")
-        raise ValueError(f"{type(optimizer).__name__}{how}.step() failed on what --parallelize {name} returned: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0]}{hint}") from e
-
-
-def _optimizer(parts: list[nn.Module], mode: str, ddps: list[Any], device: str) -> torch.optim.Optimizer:
-    on_gpu = dict(foreach=True) if device == "cuda" else {}  # as torch runs it there; a fake tensor is a CPU one
-    if mode == "zero1":
-        return DistributedOptimizer(torch.optim.AdamW, models=ddps, main_param_chunk=0 if on_gpu else None, **on_gpu)
-    return torch.optim.AdamW([p for part in parts for p in part.parameters() if p.requires_grad], **on_gpu)
-
-
-def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
-    """Gradient accumulation as torch users write it: no gradient sync but on the last micro-batch."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    if not last and hasattr(model, "no_sync"):
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
 def _unknown(counter: Any, mesh: Any) -> str | None:
     """One line for collectives on groups that are none of the mesh's names, or None."""
     known = mesh_names(mesh)  # the mesh's names, and torch's default group
@@ -155,7 +123,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                micro_batch_size: int, passes: int, dtype: str = "fp32", dp_mode: str | None = None,
                load_factor: float = 1.0, blocks: tuple[str, int] | None = None, timed: bool = False,
                device: str = "cpu", pp_rank: int = 0, exchange: MetaExchange | None = None,
-               cut_at_blocks: bool = True) -> Counted:
+               cut_at_blocks: bool = True, optimizer_implementation: str | None = None) -> Counted:
     """One trace on rank 0 (see the module docstring); ``blocks=(path, k)`` keeps the first ``k`` blocks and (unless
     not ``cut_at_blocks``) cuts each phase at them; ``timed`` also counts what a step-time prediction needs (FLOPs,
     memory-bound bytes, ops: about 10% more tracing).
@@ -183,7 +151,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             del model  # the function's result holds what it kept (a stage cut from the model drops the rest)
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = held_now = Held(parts, ddps)
-            optimizer = _optimizer(parts, mode, ddps, device)
+            optimizer = optimizer_for(parts, mode, ddps, device, optimizer_implementation)
             held_now.param_buffers = [s.param_data for s in getattr(optimizer, "shards", ())]
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
@@ -216,7 +184,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                         if pp > 1:  # the schedule splits the batch and runs every micro-batch
                             call("--step", step_name, fns.step, run, n * micro_batch_size)
                         for i in range(n if pp == 1 else 0):
-                            with _no_sync(wrapped, i == n - 1):
+                            with no_sync(wrapped, i == n - 1):
                                 call("--step", step_name, fns.step, wrapped, micro_batch_size)
                         if fns.before_optimizer is not None:  # the loop's own end of the step: clipping, a loss
                             # not held to the peak in the warm-up: DTensor's first sharding propagation of a foreach
@@ -227,7 +195,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                             tracker.in_step = True
                         before = memory_bound.bytes
                         tracker.phase = first + "optimizer"
-                        _step(optimizer, device, fns.names[1])
+                        step_optimizer(optimizer, device, fns.names[1], optimizer_implementation)
                         stepped.append(memory_bound.bytes - before)
                     counter.counting = tracker.in_step = False
                     tracker.phase = None
@@ -354,11 +322,13 @@ def batch_split(global_batch_size: int, dp: int, micro_batch_size: int | None, p
 
 def trace_arguments(*, world_size: int, degrees: dict[str, int], dp_replicate: int = 1, global_batch_size: int,
                     micro_batch_size: int | None, dtype: str, dp_mode: str | None, load_factor: float,
-                    timed: bool = False, device: str = "cpu") -> dict[str, Any]:
+                    timed: bool = False, device: str = "cpu",
+                    optimizer_implementation: str | None = None) -> dict[str, Any]:
     """:func:`trace_user`'s keywords: the micro-batch (default the DP rank's batch; with PP 2 x PP of them), checked."""
     per_dp, mbs = batch_split(global_batch_size, degrees["DP"], micro_batch_size, degrees.get("PP", 1))
     return dict(world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, micro_batch_size=mbs,
-                passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor, timed=timed, device=device)
+                passes=per_dp // mbs, dtype=dtype, dp_mode=dp_mode, load_factor=load_factor, timed=timed, device=device,
+                optimizer_implementation=optimizer_implementation)
 
 
 def predict_user(fns: UserFunctions, **job: Any) -> Any:
