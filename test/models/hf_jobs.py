@@ -83,6 +83,12 @@ def parallelize_forgot_tp(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def parallelize_tp(model: nn.Module, mesh) -> nn.Module:
+    """HF's TP plan alone (TP the whole mesh: nothing to average)."""
+    _tp(model, mesh)
+    return model
+
+
 def parallelize_sp_fsdp(model: nn.Module, mesh) -> nn.Module:
     """TP with sequence parallelism, as torchtitan plans its Llama, by HF's module names: the residual stream and the
     norms hold each TP rank's part of the sequence, gathered before the attention and the MLP; then FSDP2 where the

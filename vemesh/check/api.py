@@ -46,8 +46,7 @@ import torch
 from vemesh.check.compare import compare, modules_before, tolerance
 from vemesh.check.clones import candidate as clones_candidate
 from vemesh.check.clones import hint as clones_hint
-from vemesh.check.heads import candidate as heads_candidate
-from vemesh.check.heads import hint as heads_hint
+from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint, uneven_hint
 from vemesh.check.partial import candidates as partial_candidates
 from vemesh.check.partial import dp_hint, first_shapes, zero_bubble_hint
 from vemesh.check.partial import hint as partial_hint
@@ -208,12 +207,13 @@ def _located(ref: dict, result: CheckResult, ranks: list[dict],
 
 def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict],
            failed: list[dict]) -> tuple[list[str], int]:
-    """For a Linear that may be a fused projection split in plain blocks where the run went wrong, the recipes
-    tried in its place (each a parallel run: :mod:`vemesh.check.recipes`) and which one cleared it. Where one clears
-    its scope and the run then goes wrong elsewhere, the next candidate there is tried with it kept. With the
-    number of runs made."""
+    """For a Linear that may be a fused projection split in plain blocks where the run went wrong, the recipes tried
+    in its place (each a parallel run: :mod:`vemesh.check.recipes`) and which cleared it; where one clears its scope
+    and the run goes wrong elsewhere, the next candidate there is tried with it kept. With the runs made."""
     if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
         return [refused_hint(*failed[0]["went"]["refused"])], 0
+    if failed and (uneven := uneven_hint(failed[0].get("module"), failed[0]["split"], failed[0].get("head_dims", {}))):
+        return [uneven], 0  # a TP degree that does not divide a projection's heads: no recipe helps
     if (sequence := sequence_positions_hint(spec, ref, failed)) is not None:
         return [sequence], 0
     positions = positions_hint(spec, ref, result)

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from vemesh import local_ranks
 from vemesh.check.clones import set_clones
-from vemesh.check.heads import LocalHeads, counts_of, head_counts, set_heads
+from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_dims, set_heads
 from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
@@ -254,6 +254,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
     os.chdir(spec.cwd)
     split: list[tuple[str, int, int, int]] = []  # the Linears split as ColwiseParallel splits (for a hint)
     heads: dict[str, tuple[str, dict[str, int]]] = {}  # the head counts of their scopes (for a hint)
+    widths: dict[str, int] = {}  # and their head_dim (for a hint: a TP degree that does not divide the heads)
     failed_in = None  # the module whose forward raised in the step
     went: dict[str, list[str]] = {}  # where the plan's ColwiseParallel and RowwiseParallel went (recipes.swapped)
     outputs: dict[tuple[str, int, int], torch.Tensor] = {}  # the step's module outputs so far (their shapes, on error)
@@ -280,6 +281,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
             raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
         split = column_split_linears(model)
         heads = head_counts(model, split, built)  # as the user's function left them, before a recipe sets them
+        widths = head_dims(model, split)
         set_heads(spec.heads, model)
         set_clones(spec.cloned, model)
         params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}
@@ -330,7 +332,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         part = os.path.join(out, f"error{rank}.json.part")
         with open(part, "w") as f:
             json.dump({"kind": kind, "message": " ".join(text.split()), "module": failed_in, "split": split,
-                       "heads": heads, "went": went, "trace": traceback.format_exc(limit=-6),
+                       "heads": heads, "head_dims": widths, "went": went, "trace": traceback.format_exc(limit=-6),
                        # for a hint (vemesh.check.partial): the replicas whose gradients differ over TP, and the
                        # shape of each module's first output
                        "params": [plain_name(n) for n in getattr(cause, "names", [])],

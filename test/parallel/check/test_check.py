@@ -545,6 +545,26 @@ def test_hf_olmo2_width_norms_under_llamas_plan_get_the_gathered_layout_tried() 
         "input_layouts=Replicate()) on model.layers.0.self_attn.o_proj and its 1 alike, makes the check exact" in text
 
 
+@pytest.mark.slow  # one run of 4 processes
+def test_a_tp_degree_that_does_not_divide_the_kv_heads_is_named_with_the_degrees_that_do() -> None:
+    """HF's Qwen3-MoE (4 query heads, 2 KV heads of 32) under TP 4: each rank holds 16 of k_proj's 64 features, and
+    the attention's view by head_dim raises. The hint names the projection, its heads and the TP degrees that divide
+    every split projection's heads; no recipe is tried. Before, the error alone, with no hint."""
+    from vemesh.check.heads import uneven_hint
+
+    result = check(f"module:{HF}:make_qwen3_moe", f"{HF}:parallelize_tp", f"{HF}:step", world_size=4, tp=4,
+                   micro_batch_size=1)
+    assert not result.exact and result.error and "is invalid for input of size" in result.error, result.render()
+    assert result.hints == [
+        "TP 4 splits model.layers.0.self_attn.k_proj's 2 heads (64 output features, head_dim 32 on "
+        "model.layers.0.self_attn) over 4 ranks: each would hold 16 features, part of a head, and the forward raised "
+        "there. TP must divide the heads of every projection it splits (a GQA model's KV heads are the fewest): "
+        "choose TP from 1, 2 for this model"], result.render()
+    split = [("a.q", 128, 128, 2), ("a.k", 64, 128, 2)]
+    assert uneven_hint("a", split, {"a": 32}) is None  # TP 2 divides both: not the cause
+    assert uneven_hint("a", split, {}) is None  # no head_dim on the module: nothing said
+
+
 @pytest.mark.slow  # four runs of 2 processes
 def test_hf_attentions_that_read_their_head_counts_get_them_set_to_this_ranks_and_the_fix_is_exact() -> None:
     """HF's Falcon views its head-major query_key_value by ``self.num_heads``: under torch's plain styles the view
