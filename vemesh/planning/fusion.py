@@ -288,10 +288,10 @@ class MemoryBoundBytes(TorchDispatchMode):
         packet, collective = func.overloadpacket, func in collective_ops
         matmul = packet in self.flop_registry
         if not matmul and moves_data(func) and not collective:
-            tensors = [t for t in tree_leaves((args, kwargs, result)) if isinstance(t, torch.Tensor)]
-            if not any(isinstance(t, torch.Tensor) for t in tree_leaves(result)):
-                tensors += written(func, args, kwargs)  # an in-place op that returns nothing also writes
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            reads = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            # an in-place op that returns nothing (foreach's, fused AdamW) writes what its schema marks
+            writes = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)] or written(func, args, kwargs)
+            self.bytes += sum(t.numel() * t.element_size() for t in (*reads, *writes))
         self.fusion.see(func, args, kwargs, result, matmul=matmul, collective=collective)
         return result
 
@@ -321,7 +321,8 @@ class MemoryBoundBytes(TorchDispatchMode):
 def written(func: Any, args: tuple, kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place, as its schema marks them (``Tensor(a!)[] self``): what an op that returns
     nothing writes. torch's foreach ops (``_foreach_mul_(exp_avgs, beta1)``) and its fused AdamW (params, both moments)
-    return nothing, and were counted as reading their tensors only: AdamW's step on a GPU at about half its bytes."""
+    return nothing, and were counted as reading their tensors only: foreach AdamW's step at 14 of its 21 bytes per
+    parameter byte, fused AdamW's at 4 of 7."""
     out: list[torch.Tensor] = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
