@@ -391,6 +391,21 @@ def test_an_optimizer_step_that_fails_on_cuda_is_one_line_naming_why(capsys) -> 
     assert code == 0 and "step time on h100-sxm" in out, err
 
 
+def test_a_tp_degree_that_does_not_divide_the_kv_heads_is_said_with_the_degrees_that_do(capsys) -> None:
+    """HF's Qwen3-MoE (2 KV heads of 32) under TP 4: the attention's view raises on a quarter of k_proj's 64
+    features. The plan's one line says why after the user's error, as vemesh check does, so that a search rejects the
+    mesh with its reason."""
+    hf = str(REPO / "test" / "models" / "hf_jobs.py")
+    code, out, err = _cli(capsys, "--model", f"module:{hf}:make_qwen3_moe", "--parallelize", f"{hf}:parallelize_tp",
+                          "--step", f"{hf}:step", "--world-size", "4", "--tp", "4", "--global-batch-size", "4")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "is invalid for input of size" in err and err.rstrip().endswith(
+        "; TP 4 splits model.layers.0.self_attn.k_proj's 2 heads (64 output features, head_dim 32 on "
+        "model.layers.0.self_attn) over 4 ranks: each would hold 16 features, part of a head, and the step raised. "
+        "TP must divide the heads of every projection it splits (a GQA model's KV heads are the fewest): choose TP "
+        "from 1, 2 for this model"), err
+
+
 def test_the_optimizer_implementation_changes_the_optimizers_ops_and_bytes_not_the_model(capsys) -> None:
     """torchtitan's three optimizer implementations on a GPU profile, on the same FSDP2 plan: the same peak; the loop
     over tensors and foreach move the same bytes (each of AdamW's ops reads and writes its tensors; foreach's were

@@ -46,16 +46,16 @@ import torch
 from vemesh.check.compare import compare, modules_before, tolerance
 from vemesh.check.clones import candidate as clones_candidate
 from vemesh.check.clones import hint as clones_hint
-from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint, uneven_hint
+from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.partial import candidates as partial_candidates
-from vemesh.check.partial import dp_hint, first_shapes, zero_bubble_hint
-from vemesh.check.partial import hint as partial_hint
+from vemesh.check.partial import dp_hint, first_shapes, hint as partial_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, phases
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 from vemesh.layout.names import divisors, listed
 from vemesh.parallel.schedules import schedule_class
+from vemesh.parallel.tp_split import uneven_hint
 
 __all__ = ["CheckInputError", "CheckResult", "check"]
 

@@ -17,21 +17,19 @@ function returns (:func:`set_heads`), and :func:`hint` says whether that made th
 a layout the divided counts misread (CodeGen's ``mp_num`` groups) still differs, and is not offered.
 
 A TP degree that does not divide a split projection's heads (GQA's few KV heads: 2 of them over TP 4) leaves a rank
-part of a head, and the attention's view raises. No recipe helps; :func:`uneven_hint` names the projection, its
-heads (its output over its module's ``head_dim``, HF's and torchtitan's name) and the TP degrees that divide them.
+part of a head, and the attention's view raises. No recipe helps: :func:`vemesh.parallel.tp_split.uneven_hint` names
+the projection, its heads and the TP degrees that divide them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import nn
 
-from vemesh.check.record import parts, plain_name
-from vemesh.layout.names import divisors, listed
+from vemesh.parallel.tp_split import parts, plain_name
 
-__all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "head_dims", "hint", "set_heads", "uneven_hint"]
+__all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "hint", "set_heads"]
 
 #: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
 _NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
@@ -122,32 +120,3 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
     if cleared:
         return head + tried + f": that clears it, and the check then {outcome}, which the next hint makes exact. " + fix
     return head + tried + f": the check then {outcome}, so its head counts are not the cause, or not the only one"
-
-
-def head_dims(model: nn.Module, split: list[tuple[str, int, int, int]]) -> dict[str, int]:
-    """The ``head_dim`` (an integer attribute) of the module holding each Linear of ``split``, by the module's name."""
-    scopes = {n.rpartition(".")[0] for n, *_ in split}
-    found = {}
-    for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
-        dim = vars(module).get("head_dim")
-        if plain_name(name) in scopes and type(dim) is int and dim > 0:
-            found[plain_name(name)] = dim
-    return found
-
-
-def uneven_hint(first: str | None, split: list[tuple[str, int, int, int]], dims: dict[str, int]) -> str | None:
-    """Where the forward of ``first`` raised: the hint for a projection in its scope whose heads (``out_features /
-    head_dim``, ``dims``: :func:`head_dims`) its TP degree does not divide; None where there is none."""
-    heads = {n: (out // dims[n.rpartition(".")[0]], out, tp) for n, out, _, tp in split
-             if n.rpartition(".")[0] in dims and out % dims[n.rpartition(".")[0]] == 0}
-    for name, (count, out, tp) in heads.items():
-        scope = name.rpartition(".")[0]
-        if count % tp == 0 or not first or not (first == scope or first.startswith(scope + ".")
-                                                or scope.startswith(first + ".")):
-            continue
-        fewest = math.gcd(*(c for c, _, _ in heads.values()))
-        return (f"TP {tp} splits {name}'s {count} heads ({out} output features, head_dim {dims[scope]} on {scope}) "
-                f"over {tp} ranks: each would hold {out // tp} features, part of a head, and the forward raised "
-                f"there. TP must divide the heads of every projection it splits (a GQA model's KV heads are the "
-                f"fewest): choose TP from {listed(divisors(fewest))} for this model")
-    return None

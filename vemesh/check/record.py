@@ -30,31 +30,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from vemesh.parallel.experts.style import EXPERT
+from vemesh.parallel.tp_split import column_split_linears, parts, plain_name, unwrap
 
 __all__ = ["Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients", "not_recorded", "parts",
            "plain_name", "quiet_shape_inference", "unwrap"]
-
-_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
-
-
-def parts(model: nn.Module | list[nn.Module]) -> list[tuple[nn.Module, bool]]:
-    """``(module, is a stage)`` for each part a run steps: the model (unwrapped), or under PP each stage's module
-    (a list of them: a ``PipelineStage``'s ``submod``), whose own root is not a module of the model as built."""
-    if isinstance(model, nn.Module):
-        return [(unwrap(model), False)]
-    return [(unwrap(m), True) for m in model]
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module under torch's or vemesh's DDP (``.module``) and ``torch.compile`` (``._orig_mod``)."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
 
 def data_parallel(model: nn.Module) -> bool:
     """Whether ``model`` is wrapped in a data-parallel module the check knows: torch's or vemesh's DDP, or FSDP2 (on
@@ -75,10 +54,6 @@ def on_tp(model: nn.Module) -> bool:
 
     return any(isinstance(p, DTensor) and "TP" in (p.device_mesh.mesh_dim_names or ())
                for part, _ in parts(model) for p in part.parameters())
-
-
-def plain_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -104,25 +79,6 @@ def _column_shard(module: nn.Module, t: torch.Tensor) -> torch.Tensor | None:
         return None
     out = _StridedShard(t.dim() - 1, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(t.dim() - 1)
     return DTensor.from_local(t.detach(), w.device_mesh, [out], run_check=False)
-
-
-def column_split_linears(model: nn.Module) -> list[tuple[str, int, int, int]]:
-    """``(name, out_features, in_features, TP degree)`` of each Linear whose weight's rows are split over its mesh's
-    ``TP`` dim (or its one dim) in plain blocks, as torch's ``ColwiseParallel`` splits them: TP rank ``r`` holds the
-    ``r``-th block of all the rows. A fused ``[q|k|v]`` split so gives TP rank 0 all of q and part of k
-    (:func:`vemesh.check.recipes.candidates`)."""
-    found = []
-    for name, m in (nm for part, _ in parts(model) for nm in part.named_modules()):
-        w = getattr(m, "weight", None)
-        if not isinstance(m, nn.Linear) or not isinstance(w, DTensor):
-            continue
-        mesh = w.device_mesh
-        names = mesh.mesh_dim_names or ()
-        at = names.index("TP") if "TP" in names else 0 if mesh.ndim == 1 else None
-        p = w.placements[at] if at is not None else None
-        if isinstance(p, Shard) and p.dim == 0 and mesh.size(at) > 1:
-            found.append((plain_name(name), m.out_features, m.in_features, mesh.size(at)))
-    return found
 
 
 def _in_backward() -> bool:

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from vemesh import local_ranks
 from vemesh.check.clones import set_clones
-from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_dims, set_heads
+from vemesh.check.heads import LocalHeads, counts_of, head_counts, set_heads
 from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
@@ -35,6 +35,7 @@ from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stages_per_rank
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel.tp_replicas import TPReplicaError
+from vemesh.parallel.tp_split import head_dims
 from vemesh.planning.fake_world import _forget_meshes
 from vemesh.planning.pipeline_trace import pipeline_stages
 from vemesh.planning.user_code import UserFunctions, compiled_module, known_cause, unbindable, user_frame

@@ -41,6 +41,7 @@ from vemesh.layout.data_dims import data_dims
 from vemesh.layout.names import divisors, listed
 from vemesh.parallel import fully_shard
 from vemesh.parallel.ddp import DistributedDataParallel
+from vemesh.parallel.tp_split import column_split_linears, head_dims, uneven_hint
 from vemesh.planning.estimate import RankMemory
 from vemesh.planning.fake_world import (Held, chunks_on_demand, copies_in_mode, cpu_kernel_shapes, fake_world,
                                        fakes_take_foreach, give_storage, local_shards, real_mesh_tensors, to_bf16)
@@ -184,7 +185,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                         if pp > 1:  # the schedule splits the batch and runs every micro-batch
                             call("--step", step_name, fns.step, run, n * micro_batch_size)
                         for i in range(n if pp == 1 else 0):
-                            with no_sync(wrapped, i == n - 1):
+                            with no_sync(wrapped, i == n - 1), _said_uneven_heads(wrapped):
                                 call("--step", step_name, fns.step, wrapped, micro_batch_size)
                         if fns.before_optimizer is not None:  # the loop's own end of the step: clipping, a loss
                             # not held to the peak in the warm-up: DTensor's first sharding propagation of a foreach
@@ -224,6 +225,21 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                       by_op=more_ops(ops[2], ops[1], passes - 2) if passes > 2 else ops[2],
                       counts=more_counts(counts[2], counts[1], passes - 2))
     return one
+
+
+@contextlib.contextmanager
+def _said_uneven_heads(model: nn.Module) -> Iterator[None]:
+    """A step that raises where TP splits a projection's heads unevenly (2 KV heads over TP 4: each rank part of a
+    head) says so after its error, as ``vemesh check`` does (:func:`vemesh.parallel.tp_split.uneven_hint`): a search
+    rejects such a mesh with the reason, not the attention's view error alone."""
+    try:
+        yield
+    except ValueError as e:
+        split = column_split_linears(model)
+        said = uneven_hint(None, split, head_dims(model, split))
+        if said is None:
+            raise
+        raise ValueError(f"{e}; {said}") from e
 
 
 @contextlib.contextmanager

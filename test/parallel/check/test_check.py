@@ -550,7 +550,7 @@ def test_a_tp_degree_that_does_not_divide_the_kv_heads_is_named_with_the_degrees
     """HF's Qwen3-MoE (4 query heads, 2 KV heads of 32) under TP 4: each rank holds 16 of k_proj's 64 features, and
     the attention's view by head_dim raises. The hint names the projection, its heads and the TP degrees that divide
     every split projection's heads; no recipe is tried. Before, the error alone, with no hint."""
-    from vemesh.check.heads import uneven_hint
+    from vemesh.parallel.tp_split import uneven_hint
 
     result = check(f"module:{HF}:make_qwen3_moe", f"{HF}:parallelize_tp", f"{HF}:step", world_size=4, tp=4,
                    micro_batch_size=1)
