@@ -115,8 +115,8 @@ def test_an_absent_standard_name_is_said_absent_not_another_dim(as_rank) -> None
         mesh["CP"]
     assert one_line(e.value) == ("unknown dim name 'CP'; valid dim names are ['DP', 'TP']; the mesh has no CP dim (a "
                                  "strategy of size 1 is left out of a mesh: VESCALE_DEVICE_MESH.get_strategy_size('CP') "
-                                 "answers 1 for it)")
-    assert mesh.get_strategy_size("CP") == 1  # as the message says
+                                 "answers 1 for it, get_optional_mesh('CP') None)")
+    assert mesh.get_strategy_size("CP") == 1 and mesh.get_optional_mesh("CP") is None  # as the message says
     with pytest.raises(KeyError, match="did you mean 'TP'"):
         mesh["Tp"]  # a typo of a dim the mesh has is still suggested
 

@@ -220,7 +220,8 @@ def unknown_name_error(kind: str, name: object, valid: Sequence[str]) -> KeyErro
             # 'CP' on a mesh with 'TP' is another parallelism, not a typo: say it is absent, and how a function that
             # runs on meshes with and without it asks (a strategy of size 1 is left out of the planner's meshes)
             message += (f"; the mesh has no {standard} dim (a strategy of size 1 is left out of a mesh: "
-                        f"VESCALE_DEVICE_MESH.get_strategy_size({standard!r}) answers 1 for it)")
+                        f"VESCALE_DEVICE_MESH.get_strategy_size({standard!r}) answers 1 for it, "
+                        f"get_optional_mesh({standard!r}) None)")
         elif close:
             message += f"; did you mean {lowered[close[0]]!r}?"
     return KeyError(message)
