@@ -400,10 +400,9 @@ def test_a_tp_degree_that_does_not_divide_the_kv_heads_is_said_with_the_degrees_
                           "--step", f"{hf}:step", "--world-size", "4", "--tp", "4", "--global-batch-size", "4")
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "is invalid for input of size" in err and err.rstrip().endswith(
-        "; TP 4 splits model.layers.0.self_attn.k_proj's 2 heads (64 output features, head_dim 32 on "
-        "model.layers.0.self_attn) over 4 ranks: each would hold 16 features, part of a head, and the step raised. "
-        "TP must divide the heads of every projection it splits (a GQA model's KV heads are the fewest): choose TP "
-        "from 1, 2 for this model"), err
+        "; TP 4 does not divide model.layers.0.self_attn.k_proj's 2 heads (head_dim 32): each rank would hold 16 of "
+        "its 64 features, part of a head. Choose TP from 1, 2, which divide the heads of every projection TP splits"), \
+        err
 
 
 def test_the_optimizer_implementation_changes_the_optimizers_ops_and_bytes_not_the_model(capsys) -> None:

@@ -87,8 +87,7 @@ def uneven_hint(first: str | None, split: list[tuple[str, int, int, int]], dims:
                                                          or scope.startswith(first + ".")):
             continue
         fewest = math.gcd(*(c for c, _, _ in heads.values()))
-        return (f"TP {tp} splits {name}'s {count} heads ({out} output features, head_dim {dims[scope]} on {scope}) "
-                f"over {tp} ranks: each would hold {out // tp} features, part of a head, and the "
-                f"{'forward raised there' if first else 'step raised'}. TP must divide the heads of every projection it splits (a GQA model's KV heads are the "
-                f"fewest): choose TP from {listed(divisors(fewest))} for this model")
+        return (f"TP {tp} does not divide {name}'s {count} heads (head_dim {dims[scope]}): each rank would hold "
+                f"{out // tp} of its {out} features, part of a head. Choose TP from {listed(divisors(fewest))}, which "
+                "divide the heads of every projection TP splits")
     return None

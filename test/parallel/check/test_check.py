@@ -556,10 +556,9 @@ def test_a_tp_degree_that_does_not_divide_the_kv_heads_is_named_with_the_degrees
                    micro_batch_size=1)
     assert not result.exact and result.error and "is invalid for input of size" in result.error, result.render()
     assert result.hints == [
-        "TP 4 splits model.layers.0.self_attn.k_proj's 2 heads (64 output features, head_dim 32 on "
-        "model.layers.0.self_attn) over 4 ranks: each would hold 16 features, part of a head, and the forward raised "
-        "there. TP must divide the heads of every projection it splits (a GQA model's KV heads are the fewest): "
-        "choose TP from 1, 2 for this model"], result.render()
+        "TP 4 does not divide model.layers.0.self_attn.k_proj's 2 heads (head_dim 32): each rank would hold 16 of its "
+        "64 features, part of a head. Choose TP from 1, 2, which divide the heads of every projection TP splits"], \
+        result.render()
     split = [("a.q", 128, 128, 2), ("a.k", 64, 128, 2)]
     assert uneven_hint("a", split, {"a": 32}) is None  # TP 2 divides both: not the cause
     assert uneven_hint("a", split, {}) is None  # no head_dim on the module: nothing said
