@@ -4,14 +4,21 @@ Falcon (``parallel_attn``, the 7B's block) views its fused, head-major ``query_k
 its block adds the attention's output into the MLP's in place (``mlp_output += attention_output``); OPT views q, k
 and v by ``view(bsz, -1, self.num_heads, head_dim)``, so under TP the ``-1`` takes the rest and the heads fold into
 the sequence, silently. ``naive`` is torch's styles as for any Linears (wrong on both); ``fixed`` adds what the
-check's hints say: the head counts set to this rank's, and on Falcon a copy of the MLP's output (exact)."""
+check's hints say: the head counts set to this rank's, and on Falcon a copy of the MLP's output (exact).
+
+T5 (encoder and decoder) adds to each attention's scores a bias per head: its first self-attention of each stack
+computes it from ``relative_attention_bias`` (an Embedding of buckets x ``n_heads``), and each cross-attention starts
+from zeros of ``(1, self.n_heads, ...)``. ``naive_t5`` is torch's styles on q, k, v, o and the MLP: the scores of this
+rank's heads meet the bias of every head, and the sum raises. ``fixed_t5`` also shards the table over TP on its heads
+and sets ``n_heads`` to this rank's (exact)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from transformers import FalconConfig, FalconForCausalLM, OPTConfig, OPTForCausalLM
+from transformers import FalconConfig, FalconForCausalLM, OPTConfig, OPTForCausalLM, T5Config, \
+    T5ForConditionalGeneration
 
 VOCAB = 128
 
@@ -26,6 +33,12 @@ def make_opt() -> nn.Module:
     return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
                                     num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64,
                                     dropout=0.0, attention_dropout=0.0))
+
+
+def make_t5() -> nn.Module:
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                               num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                                               decoder_start_token_id=0, pad_token_id=0))
 
 
 def step(model: nn.Module, micro_batch_size: int) -> None:
@@ -61,4 +74,25 @@ def fixed(model: nn.Module, mesh: object) -> nn.Module:
                 setattr(attn, name, getattr(attn, name) // tp)
         if isinstance(model, FalconForCausalLM):  # its block adds into the MLP's output in place
             layer.mlp.dense_4h_to_h.register_forward_hook(lambda module, args, out: out.clone())
+    return model
+
+
+def naive_t5(model: nn.Module, mesh: object, tables: bool = False) -> nn.Module:
+    for module in model.modules():
+        if type(module).__name__ == "T5Attention":
+            plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+            if tables and module.has_relative_attention_bias:  # a column per head: this rank's heads
+                plan["relative_attention_bias"] = ColwiseParallel()
+            parallelize_module(module, mesh["TP"], plan)  # type: ignore[index]
+        elif type(module).__name__ == "T5DenseActDense":
+            parallelize_module(module, mesh["TP"], {"wi": ColwiseParallel(), "wo": RowwiseParallel()})  # type: ignore[index]
+    return model
+
+
+def fixed_t5(model: nn.Module, mesh: object) -> nn.Module:
+    tp = mesh["TP"].size()  # type: ignore[index]
+    model = naive_t5(model, mesh, tables=True)
+    for module in model.modules():
+        if type(module).__name__ == "T5Attention":
+            module.n_heads //= tp  # the cross-attention's zeros of (1, n_heads, ...): this rank's heads
     return model

@@ -20,8 +20,9 @@ Where the run went wrong in the scope of a Linear that looks fused and is split 
 splits, it runs again with the fused recipes in that style's place and says which one made it exact
 (:mod:`vemesh.check.recipes`); where the module that went wrong holds parameters of a split Linear's whole output
 width (OLMo 2's q/k norms), it tries the gathered layout on that Linear's scope. Before those, where that scope's
-module counts heads by the whole model's count (Falcon's ``num_heads``), it tries the counts set to this rank's
-(:mod:`vemesh.check.heads`), and where a forward changed a TP style's output in place, a copy of it
+module counts heads by the whole model's count (Falcon's ``num_heads``), it tries the counts set to this rank's,
+with the module's tables of a column per head sharded over TP (T5's relative position bias) (:mod:`vemesh.check.heads`),
+and where a forward changed a TP style's output in place, a copy of it
 (:mod:`vemesh.check.clones`). Where every output matches and
 gradients differ, it says whether DP's average is missing, or tries torch's ``SequenceParallel`` on the modules run
 on this TP rank's part of their input (Qwen3's q/k norms: :mod:`vemesh.check.partial`).
@@ -51,7 +52,7 @@ from vemesh.check.partial import candidates as partial_candidates
 from vemesh.check.partial import dp_hint, first_shapes, hint as partial_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
-from vemesh.check.result import CheckInputError, CheckResult, phases
+from vemesh.check.result import CheckInputError, CheckResult, check_size, phases
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 from vemesh.layout.names import divisors, listed
 from vemesh.parallel.schedules import schedule_class
@@ -110,7 +111,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     spec = Spec(model, parallelize, step, dict(model_kwargs or {}), world_size, degrees, dp_replicate,
                 micro_batch_size, os.getcwd(), float(timeout_s), loss=loss, pp_schedule=pp_schedule)
     factory, _, step_fn, names = functions(spec)
-    _check_size(factory, spec, names)
+    check_size(factory, spec, names)
     result = CheckResult("exact", degrees, world_size, micro_batch_size, 0.0, dp_replicate=dp_replicate)
     t0 = time.monotonic()
     try:
@@ -313,7 +314,8 @@ def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, locate
     run was exact, and the head counts' recipe (None where there is none); None where neither applies."""
     if located is None:
         return None
-    recipe = heads_candidate(located[0], located[2], located[3].get("colwise", []), record.get("heads", {}))
+    recipe = heads_candidate(located[0], located[2], located[3].get("colwise", []), record.get("heads", {}),
+                             record.get("tables", {}))
     copied = clones_candidate(record.get("message", ""), located[0], located[3])
     heads = (recipe,) if recipe is not None and not copied else ()  # a change in place raised first: the copy first
     tries, hints, exact = [(heads, copied or (), located[0], "")] if heads or copied else [], [], False
@@ -378,33 +380,3 @@ def _outcome(trial: CheckResult, located: tuple | None) -> str:
     if trial.gradients:
         return f"differs in {trial.gradients[0][0]}'s gradient"
     return (trial.error or "differs")[:160]
-
-
-def _check_size(factory: Any, spec: Spec, names: tuple[str, str, str]) -> None:
-    """A model the machine cannot hold ``world_size + 1`` times (with gradients) is refused before it is built."""
-    try:
-        with torch.device("meta"):
-            model = factory(**spec.model_kwargs)
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    except Exception:  # a factory that cannot run on meta is built for real: nothing to say in advance
-        return
-    need = nbytes * 3 * (spec.world_size + 1)  # parameters, gradients and a margin, in each process and this one
-    available = _available_memory()
-    if available and need > 0.8 * available:
-        gib = 1 << 30
-        raise CheckInputError(
-            f"--model {names[0]} builds {nbytes / gib:.1f} GiB of parameters; the check holds it in "
-            f"{spec.world_size + 1} processes with its gradients (about {need / gib:.0f} GiB), and this machine has "
-            f"{available / gib:.0f} GiB available: check a smaller configuration of the same code, e.g. "
-            "--model-kwargs n_layer=2,n_embd=128 (the plan's structure does not depend on depth or width)")
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -16,6 +16,13 @@ on that module and its alike (every layer's: the same class and the same counts)
 function returns (:func:`set_heads`), and :func:`hint` says whether that made the check exact. The check decides:
 a layout the divided counts misread (CodeGen's ``mp_num`` groups) still differs, and is not offered.
 
+Some attentions also hold a table with a column per head: T5's ``relative_attention_bias``, an ``nn.Embedding`` of
+``(buckets, n_heads)`` whose rows are added to the attention's scores. Under TP its output still has every head, and
+the sum with this rank's scores raises (``size of tensor a (2) must match ... (4)``). Each rank records, of the model
+as built, the Embeddings whose width is a head count of the module that holds them (:func:`head_tables`); the recipe
+shards those of its modules over TP on their heads (torch's ``ColwiseParallel`` on the Embedding, before the user's
+parallelize function, so that a data-parallel wrapper sees the sharded weight), with the counts set.
+
 A TP degree that does not divide a split projection's heads (GQA's few KV heads: 2 of them over TP 4) leaves a rank
 part of a head, and the attention's view raises. No recipe helps: :func:`vemesh.parallel.tp_split.uneven_hint` names
 the projection, its heads and the TP degrees that divide them.
@@ -25,11 +32,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from vemesh.parallel.tp_split import parts, plain_name
 
-__all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "hint", "set_heads"]
+__all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "head_tables", "hint", "set_heads",
+           "shard_tables"]
 
 #: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
 _NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
@@ -63,21 +74,35 @@ def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
     return found
 
 
+def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, str]:
+    """The Embeddings of ``model`` as built whose width is a head count (``built``: :func:`counts_of` of it) of the
+    module that holds them, by name, with that module's name: a table with a column per head (T5's
+    ``relative_attention_bias``)."""
+    found = {}
+    for name, module in model.named_modules():
+        scope = name.rpartition(".")[0]
+        if isinstance(module, nn.Embedding) and module.embedding_dim in built.get(scope, ("", {}))[1].values():
+            found[name] = scope
+    return found
+
+
 @dataclass(frozen=True)
 class LocalHeads:
     """The recipe: on each of ``modules``, each of ``counts`` (attribute, the whole model's value) set to the value
-    divided by ``tp``."""
+    divided by ``tp``; and each of ``tables`` (:func:`head_tables` of those modules) sharded over TP on its heads."""
 
     modules: tuple[str, ...]
     counts: tuple[tuple[str, int], ...]
     tp: int
+    tables: tuple[str, ...] = ()
 
 
 def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[str],
-              heads: dict[str, tuple[str, dict[str, int]]]) -> LocalHeads | None:
+              heads: dict[str, tuple[str, dict[str, int]]], tables: dict[str, str] | None = None) -> LocalHeads | None:
     """The recipe for where the run went wrong (module ``first``: the one whose forward raised, or the first that
     differs): the scope of a Linear that torch's ColwiseParallel split (``colwise``: where the plan's style went), if
-    that scope counts heads (``heads``: :func:`head_counts`), with its alike; None where there is none."""
+    that scope counts heads (``heads``: :func:`head_counts`), with its alike and their per-head tables (``tables``:
+    :func:`head_tables`); None where there is none."""
     for name, _, _, tp in split:
         scope = name.rpartition(".")[0]
         if scope not in heads or name not in colwise or not (
@@ -85,7 +110,8 @@ def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[
             continue
         kind, counts = heads[scope]
         alike = tuple(sorted(s for s, (k, c) in heads.items() if (k, c) == (kind, counts)))
-        return LocalHeads(alike, tuple(sorted(counts.items())), tp)
+        held = tuple(sorted(t for t, s in (tables or {}).items() if s in alike))
+        return LocalHeads(alike, tuple(sorted(counts.items())), tp, held)
     return None
 
 
@@ -96,6 +122,14 @@ def set_heads(recipes: tuple[LocalHeads, ...], model: nn.Module) -> None:
             if plain_name(name) in recipe.modules:
                 for attr, whole in recipe.counts:
                     setattr(module, attr, whole // recipe.tp)
+
+
+def shard_tables(recipes: tuple[LocalHeads, ...], model: nn.Module, mesh: Any) -> None:
+    """Each recipe's per-head tables of ``model`` (as built, before the user's parallelize function) sharded over
+    ``mesh["TP"]`` on their heads: torch's ``ColwiseParallel`` on each Embedding (its weight ``Shard(1)``, its output
+    this rank's heads)."""
+    for name in (t for recipe in recipes for t in recipe.tables):
+        parallelize_module(model.get_submodule(name), mesh["TP"], ColwiseParallel())
 
 
 def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, fused: str = "") -> str:
@@ -112,6 +146,10 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
     tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= tp' for a, _ in r.counts)}, with tp = " \
             f"mesh['TP'].size(), {r.tp} here) on " \
             f"{first}{alike} after your parallelize function"
+    if r.tables:
+        tables = r.tables[0] + (f" (and its {len(r.tables) - 1} alike)" if len(r.tables) > 1 else "")
+        tried += (f", and the tables with a column per head that they hold, {tables}, sharded over TP on their heads "
+                  "(ColwiseParallel() on each, in the TP plan of the module that holds it)")
     fix = ("Do that in your parallelize function (torch's TP styles shard the weights, never a module's attributes; "
            "a view by -1 heads needs none) (docs/checking.md: an attention that reads its head counts)")
     if not outcome:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CheckInputError", "CheckResult", "phases"]
+__all__ = ["CheckInputError", "CheckResult", "check_size", "phases"]
 
 #: the parallel run's phases in :attr:`CheckResult.seconds`, on its slowest rank
 _PHASES = ("processes start", "your code's imports", "mesh", "build and parallelize", "step", "gather")
@@ -178,3 +178,36 @@ def phases(ranks: list[dict], launched: float) -> dict[str, float]:
             "mesh": at["mesh"] - at["loaded"],
             "build and parallelize": at["parallelized"] - at["mesh"], "step": at["stepped"] - at["parallelized"],
             "gather": at["gathered"] - at["stepped"]}
+
+
+def check_size(factory: Any, spec: Any, names: tuple[str, str, str]) -> None:
+    """A model the machine cannot hold ``world_size + 1`` times (with gradients) is refused before it is built
+    (``spec``: the check's :class:`~vemesh.check.run.Spec`)."""
+    import torch  # here: this module is read without torch (the CLI's result types)
+
+    try:
+        with torch.device("meta"):
+            model = factory(**spec.model_kwargs)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    except Exception:  # a factory that cannot run on meta is built for real: nothing to say in advance
+        return
+    need = nbytes * 3 * (spec.world_size + 1)  # parameters, gradients and a margin, in each process and this one
+    available = _available_memory()
+    if available and need > 0.8 * available:
+        gib = 1 << 30
+        raise CheckInputError(
+            f"--model {names[0]} builds {nbytes / gib:.1f} GiB of parameters; the check holds it in "
+            f"{spec.world_size + 1} processes with its gradients (about {need / gib:.0f} GiB), and this machine has "
+            f"{available / gib:.0f} GiB available: check a smaller configuration of the same code, e.g. "
+            "--model-kwargs n_layer=2,n_embd=128 (the plan's structure does not depend on depth or width)")
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from vemesh import local_ranks
 from vemesh.check.clones import set_clones
-from vemesh.check.heads import LocalHeads, counts_of, head_counts, set_heads
+from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, set_heads, shard_tables
 from vemesh.check.partial import ShardedInput, apply
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
@@ -255,6 +255,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
     os.chdir(spec.cwd)
     split: list[tuple[str, int, int, int]] = []  # the Linears split as ColwiseParallel splits (for a hint)
     heads: dict[str, tuple[str, dict[str, int]]] = {}  # the head counts of their scopes (for a hint)
+    tables: dict[str, str] = {}  # the Embeddings with a column per head, by name, with their scope (for a hint)
     widths: dict[str, int] = {}  # and their head_dim (for a hint: a TP degree that does not divide the heads)
     failed_in = None  # the module whose forward raised in the step
     went: dict[str, list[str]] = {}  # where the plan's ColwiseParallel and RowwiseParallel went (recipes.swapped)
@@ -273,6 +274,8 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         ties = tie_groups(model)
         apply(spec.sharded, model, mesh["TP"] if spec.sharded else None)
         built = counts_of(model)  # the head counts as built (vemesh.check.heads)
+        tables = head_tables(model, built)
+        shard_tables(spec.heads, model, mesh)
         with swapped(spec.swaps, model) as went:
             model = _call("--parallelize", names[1], parallelize, model, mesh)
         stepped = model
@@ -315,7 +318,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
                     "data_rank": data_rank,
-                    "broken": broken, "apart": apart, "split": split, "heads": heads, "went": went,
+                    "broken": broken, "apart": apart, "split": split, "heads": heads, "tables": tables, "went": went,
                     "dropouts": det.dropouts,
                     "data_parallel": data_parallel(model), "on_tp": on_tp(model),
                     "random_ops": det.random_ops, "marks": marks,
@@ -333,7 +336,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         part = os.path.join(out, f"error{rank}.json.part")
         with open(part, "w") as f:
             json.dump({"kind": kind, "message": " ".join(text.split()), "module": failed_in, "split": split,
-                       "heads": heads, "head_dims": widths, "went": went, "trace": traceback.format_exc(limit=-6),
+                       "heads": heads, "tables": tables, "head_dims": widths, "went": went, "trace": traceback.format_exc(limit=-6),
                        # for a hint (vemesh.check.partial): the replicas whose gradients differ over TP, and the
                        # shape of each module's first output
                        "params": [plain_name(n) for n in getattr(cause, "names", [])],

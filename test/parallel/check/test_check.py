@@ -586,6 +586,28 @@ def test_hf_attentions_that_read_their_head_counts_get_them_set_to_this_ranks_an
     assert check(f"module:{jobs}:make_falcon", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
 
 
+@pytest.mark.slow  # three runs of 2 processes
+def test_hf_t5s_table_of_a_bias_per_head_is_sharded_with_its_head_counts_and_the_fix_is_exact() -> None:
+    """HF's T5 adds to each attention's scores a bias of every head: from ``relative_attention_bias`` (an Embedding of
+    buckets x heads) in each stack's first self-attention, from zeros of ``(1, self.n_heads, ...)`` in each
+    cross-attention. Under torch's styles on its Linears, this rank's scores meet every head's bias and the sum raises.
+    The recipe sets ``n_heads`` to this rank's and shards the two tables over TP on their heads, and that is exact; so
+    is the plan written as the hint says, with the cross-attention's position bias (zeros on both TP ranks, this
+    rank's heads) compared as shards. Before, the hint tried the head counts alone and said they were "not the cause,
+    or not the only one", and those zeros were left out of the comparison as outputs no join explains."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    wrong = check(f"module:{jobs}:make_t5", f"{jobs}:naive_t5", f"{jobs}:step", world_size=2, tp=2)
+    assert wrong.verdict == "differs" and "in the forward of encoder.block.0.layer.0.SelfAttention" in wrong.error, \
+        wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("decoder.block.0.layer.0.SelfAttention (and its 5 alike) reads its head counts from its "
+                           "own attributes (n_heads = 4)") and "(module.n_heads //= tp, with tp" in text and \
+        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias (and its 1 alike), sharded over TP on their " \
+        "heads (ColwiseParallel() on each" in text and "which makes the check exact" in text, text
+    fixed = check(f"module:{jobs}:make_t5", f"{jobs}:fixed_t5", f"{jobs}:step", world_size=2, tp=2)
+    assert fixed.exact and fixed.outputs_not_comparable == 0, fixed.render()
+
+
 @pytest.mark.slow  # two runs of 2 processes
 def test_hf_opts_heads_folded_into_its_sequence_are_named_by_its_head_count_not_by_out_projs_bias() -> None:
     """HF's OPT views q, k and v by ``view(bsz, -1, self.num_heads, head_dim)``: under TP 2 the ``-1`` takes the
@@ -887,6 +909,16 @@ def test_a_degree_the_users_function_refuses_on_every_rank_is_its_own_error_not_
 
 def _rank(cp: int, tp: int, value: torch.Tensor) -> dict:
     return {"coords": {"CP": cp, "TP": tp}, "outputs": {("h", 0): value}}
+
+
+def test_equal_tp_outputs_are_one_value_and_joined_as_shards_only_where_nothing_else_explains_them() -> None:
+    """TP peers holding equal values are a replica; joined as shards (zeros over each rank's heads: T5's
+    cross-attention's position bias) only when asked, as compare() asks where no other view has the shape."""
+    zeros, whole = torch.zeros(1, 2, 3), torch.zeros(1, 4, 3)
+    ranks = [_rank(0, t, zeros.clone()) for t in range(2)]
+    assert _full_views(ranks, ("h", 0), whole.shape) == []
+    assert [v.shape for v in _full_views(ranks, ("h", 0), whole.shape, equal_shards=True)] == [whole.shape]
+    assert [v.shape for v in _full_views(ranks, ("h", 0), zeros.shape)] == [zeros.shape]  # a replica: one value
 
 
 def test_a_cp_shard_replicated_over_tp_is_joined_over_cp_even_when_tp_equals_cp() -> None:
