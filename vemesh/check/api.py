@@ -49,7 +49,8 @@ from vemesh.check.clones import candidate as clones_candidate
 from vemesh.check.clones import hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.partial import candidates as partial_candidates
-from vemesh.check.partial import dp_hint, first_shapes, hint as partial_hint, zero_bubble_hint
+from vemesh.check.partial import dp_hint, first_shapes, hint as partial_hint, row_candidates, summed_hint, \
+    zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_size, phases
@@ -349,8 +350,10 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
         params, shapes = [n for n, _ in result.gradients], first_shapes(ranks)
     else:
         params, shapes = replicas.get("params", []), replicas.get("shapes", {})
-    runs = 0
-    for recipe in partial_candidates(params, ref, shapes, result.degrees["TP"])[:MAX_TRIES]:
+    runs, exact = _summed_hints(spec, ref, tol, result, ranks, hints) if replicas is None else (0, False)
+    if exact:
+        return runs
+    for recipe in partial_candidates(params, ref, shapes, result.degrees["TP"])[:MAX_TRIES - runs]:
         trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
         t_ranks, t_failed, _ = _parallel(replace(spec, sharded=(recipe,)), ref, tol, trial)
         runs += 1
@@ -361,8 +364,25 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
             still = [n for n in params if n.rpartition(".")[0] in recipe.modules]
         hints.append(partial_hint(recipe, "" if trial.exact else _outcome(trial, located), still))
         if trial.exact:
-            break
+            return runs
+    if replicas is not None and runs < MAX_TRIES - 1:  # the gradients, from a run without vemesh's replica check
+        seen, seen_ranks, _, _ = _run(replace(spec, replica_check=False), ref, tol, result)
+        runs += 1 + _summed_hints(spec, ref, tol, seen, seen_ranks, hints, MAX_TRIES - runs - 1)[0]
     return runs
+
+
+def _summed_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], hints: list[str],
+                  tries: int = MAX_TRIES) -> tuple[int, bool]:
+    """Unsplit Linears whose gradient differs in one block of rows (``result``, ``ranks``: a run's), tried with
+    SumGradOverTP on those features (:func:`vemesh.check.partial.row_candidates`); the hints are added to ``hints``.
+    Returns the parallel runs made, and whether the last was exact."""
+    found = row_candidates([n for n, _ in result.gradients], ref, ranks, ranks[0]["went"], tol) if ranks else []
+    for runs, summed in enumerate(found[:tries], 1):
+        trial, _, _, located = _run(replace(spec, summed=(summed,)), ref, tol, result)
+        hints.append(summed_hint(summed, "" if trial.exact else _outcome(trial, located)))
+        if trial.exact:
+            return runs, True
+    return min(len(found), tries), False
 
 
 def _widths(ref: dict, module: str) -> set[int]:

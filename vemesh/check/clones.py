@@ -20,13 +20,13 @@ from torch import nn
 
 from vemesh.check.record import parts, plain_name
 
-__all__ = ["candidate", "hint", "set_clones"]
+__all__ = ["candidate", "hint", "layer_pattern", "set_clones"]
 
 #: what autograd says where a view made by ``to_local()`` is changed in place
 REFUSAL = "of _ToTorchTensor is a view and is being modified inplace"
 
 
-def _pattern(name: str) -> str:
+def layer_pattern(name: str) -> str:
     """``name`` with each layer's index as ``*`` (``h.0.mlp.c_proj`` -> ``h.*.mlp.c_proj``)."""
     return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
 
@@ -36,8 +36,8 @@ def candidate(message: str, first: str | None, went: dict) -> tuple[str, ...] | 
     change a ``to_local()`` view in place) and their alike; None where the error is another or there are none."""
     if first is None or REFUSAL not in message:
         return None
-    inside = {_pattern(n) for n in went.get("rowwise", []) if not first or n.startswith(first + ".")}
-    names = tuple(sorted(n for n in went.get("rowwise", []) if _pattern(n) in inside))
+    inside = {layer_pattern(n) for n in went.get("rowwise", []) if not first or n.startswith(first + ".")}
+    names = tuple(sorted(n for n in went.get("rowwise", []) if layer_pattern(n) in inside))
     return names or None
 
 
@@ -51,7 +51,7 @@ def set_clones(names: tuple[str, ...], model: nn.Module) -> None:
 def hint(names: tuple[str, ...], first: str, outcome: str) -> str:
     """The hint for the hook on ``names`` tried: ``outcome`` ``""`` where it made the check exact, else where the run
     still went wrong."""
-    every = sorted({_pattern(n) for n in names})
+    every = sorted({layer_pattern(n) for n in names})
     where = ", ".join(every) + (" (* every layer)" if any("*" in n for n in every) else "")
     head = (f"the forward of {first or 'the root'} changes in place a tensor that torch's TP styles hand on as a view "
             "(DTensor.to_local()), which autograd refuses. ")

@@ -15,6 +15,14 @@ Two causes give that verdict, and the check tells them apart:
   become DTensors replicated over TP, their input this rank's shard along ``d``, and torch sums the weights'
   gradients over TP in the backward. torchtitan's Qwen3 plan does the same (``SequenceParallel(sequence_dim=2)``
   on its DTensor q and k). The hint says whether that made the check exact (:func:`hint`).
+* **A replicated module's output reaches this rank's heads outside torch's styles.** DeepSeek-V3's
+  ``kv_a_proj_with_mqa`` returns ``[compressed_kv | k_pe]``: ``compressed_kv`` enters ``kv_b_proj`` (ColwiseParallel,
+  which sums its input's gradient over TP), but ``k_pe``, the rotary key every head shares, is expanded to this rank's
+  heads directly, so its gradient is this rank's heads' share, and every parameter before it trains on a partial
+  gradient. The sign in the run: the rows of that Linear's weight gradient for those features differ from one process
+  and the other rows match (:func:`row_candidates`). The check runs again with
+  :class:`vemesh.parallel.SumGradOverTP` on those features of that Linear and its alike (:class:`SummedFeatures`,
+  after the user's parallelize function) and says whether that made it exact (:func:`summed_hint`).
 """
 
 from __future__ import annotations
@@ -25,9 +33,13 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
+from vemesh.check.clones import layer_pattern
+from vemesh.check.record import parts, plain_name
 from vemesh.parallel.schedules import ZERO_BUBBLE
+from vemesh.parallel.summed_grad import SumGradOverTP
 
-__all__ = ["ShardedInput", "apply", "candidates", "dp_hint", "first_shapes", "hint", "zero_bubble_hint"]
+__all__ = ["ShardedInput", "SummedFeatures", "apply", "candidates", "dp_hint", "first_shapes", "hint", "row_candidates",
+           "sum_features", "summed_hint", "zero_bubble_hint"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,75 @@ def dp_hint(dp: int, differing: int, compared: int, wrapped: bool) -> str | None
             "and one process averages the DP ranks' (as DDP and FSDP do). Wrap the model in --parallelize "
             "(vemesh.ddp.DistributedDataParallel, vemesh.parallel.fully_shard, or torch's), or check the TP plan "
             "alone at DP 1 (--world-size equal to TP x CP)")
+
+
+@dataclass(frozen=True)
+class SummedFeatures:
+    """:class:`~vemesh.parallel.summed_grad.SumGradOverTP` on the output features ``start:stop`` (of ``width``) of
+    ``modules`` (names in the model as built), applied after the user's parallelize function."""
+
+    modules: tuple[str, ...]
+    start: int
+    stop: int
+    width: int
+    seen: str = ""  #: the module whose gradient showed the block of rows (the last layer's)
+
+    def style(self) -> str:
+        return f"SumGradOverTP(start={self.start}" + (f", stop={self.stop})" if self.stop < self.width else ")")
+
+
+def sum_features(recipes: tuple[SummedFeatures, ...], model: Any, mesh: Any) -> None:
+    """Each recipe's style on its modules of ``model`` (after the user's parallelize function), over ``mesh["TP"]``."""
+    for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
+        for recipe in recipes:
+            if plain_name(name) in recipe.modules:
+                SumGradOverTP(recipe.start, recipe.stop)._apply(module, mesh["TP"])
+
+
+def row_candidates(params: list[str], ref: dict, ranks: list[dict], went: dict, tol: float) -> list[SummedFeatures]:
+    """Of the Linears (2-D weights) among ``params`` (those whose gradients differ) that no TP style split (``went``:
+    where the plan's ColwiseParallel and RowwiseParallel went), those whose weight gradient on some rank differs from
+    one process's in one block of rows and matches in the others: the recipe for those features, each with its alike
+    (the same name in the other layers, of the same shape). Only the last layer shows the block: the layers before it
+    get its partial gradient too, in every row."""
+    styled = set(went.get("colwise", [])) | set(went.get("rowwise", []))
+    found: dict[tuple[str, int, int, int], set[str]] = {}
+    for name in params:
+        module, _, leaf = name.rpartition(".")
+        want = ref["grads"].get(name)
+        if leaf != "weight" or module in styled or module in ref.get("embeddings", ()) or want is None or \
+                want.dim() != 2 or want.shape[0] < 2:  # an Embedding's rows are tokens: those a batch used differ
+            continue
+        scale = max(want.abs().max().item(), 1e-30)
+        for got in (r["grads"].get(name) for r in ranks):
+            if got is None or got.shape != want.shape:
+                continue
+            rows = ((got.double() - want.double()).abs().amax(dim=1) > tol * scale).nonzero().flatten().tolist()
+            if rows and len(rows) < want.shape[0] and rows == list(range(rows[0], rows[-1] + 1)):
+                found.setdefault((layer_pattern(module), rows[0], rows[-1] + 1, want.shape[0]), set()).add(module)
+                break
+    alike = {key: {n.rpartition(".")[0] for n, g in ref["grads"].items() if n.endswith(".weight") and g is not None
+                   and layer_pattern(n.rpartition(".")[0]) == key[0] and g.dim() == 2 and g.shape[0] == key[3]}
+             for key in found}
+    return [SummedFeatures(tuple(sorted(alike[key] | seen)), key[1], key[2], key[3], min(seen))
+            for key, seen in sorted(found.items())]
+
+
+def summed_hint(recipe: SummedFeatures, outcome: str) -> str:
+    """The hint for ``recipe``, tried: ``outcome`` is ``""`` where the check was then exact, else where it still went
+    wrong."""
+    mods = recipe.modules
+    named = mods[0] + (f" (and its {len(mods) - 1} alike)" if len(mods) > 1 else "")
+    head = (f"{named} is split by no TP style, and on {recipe.seen} the rows {recipe.start} to {recipe.stop - 1} of "
+            "its weight's gradient differ from one process while its other rows match: features "
+            f"{recipe.start}:{recipe.stop} of its output (of {recipe.width}) reach this rank's heads outside torch's TP "
+            "styles (a key every head shares, as DeepSeek-V3's k_pe), so each TP rank's backward gives them its own "
+            "heads' share of the gradient, and every parameter before them trains on a part of its gradient. ")
+    tried = (f"Tried: vemesh.parallel.{recipe.style()} on it, in your TP plan (the features' gradient summed over "
+             "TP in the backward)")
+    if not outcome:
+        return head + tried + ", which makes the check exact (docs/checking.md: an output every head reads)"
+    return head + tried + f": the check then {outcome}, so that is not the cause, or not the only one"
 
 
 def zero_bubble_hint(schedule: str, dp: int, wrapped: bool) -> str | None:

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from vemesh import local_ranks
 from vemesh.check.clones import set_clones
 from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, set_heads, shard_tables
-from vemesh.check.partial import ShardedInput, apply
+from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
                                  on_tp, parts, plain_name, quiet_shape_inference, unwrap)
@@ -34,6 +34,7 @@ from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stages_per_rank
 from vemesh.parallel.ties import BrokenTieError, tie_groups
+from vemesh.parallel import tp_replicas
 from vemesh.parallel.tp_replicas import TPReplicaError
 from vemesh.parallel.tp_split import head_dims
 from vemesh.planning.fake_world import _forget_meshes
@@ -68,6 +69,9 @@ class Spec:
     heads: tuple[LocalHeads, ...] = ()
     #: the modules whose output a forward hook copies (:mod:`vemesh.check.clones`)
     cloned: tuple[str, ...] = ()
+    #: SumGradOverTP on features of modules, after the user's parallelize function (:mod:`vemesh.check.partial`)
+    summed: tuple[SummedFeatures, ...] = ()
+    replica_check: bool = True  #: False: vemesh DDP's and FSDP2's check of the replicas over TP off (their gradients)
     #: under PP: the schedule's ``loss_fn(output, target)`` reference, and the schedule (``--pp-schedule``)
     loss: Any = None
     pp_schedule: str = "1f1b"
@@ -276,6 +280,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         built = counts_of(model)  # the head counts as built (vemesh.check.heads)
         tables = head_tables(model, built)
         shard_tables(spec.heads, model, mesh)
+        tp_replicas.CHECKING = spec.replica_check
         with swapped(spec.swaps, model) as went:
             model = _call("--parallelize", names[1], parallelize, model, mesh)
         stepped = model
@@ -288,6 +293,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         widths = head_dims(model, split)
         set_heads(spec.heads, model)
         set_clones(spec.cloned, model)
+        sum_features(spec.summed, model, mesh)
         params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}
         piped = spec.degrees.get("PP", 1) > 1
         ends = [[params.get(plain_name(n)) for n in group] for group in ties]  # None: not held here

@@ -29,10 +29,15 @@ class TPReplicaError(RuntimeError):
         self.names = list(names or [])
 
 
+#: False in a process of ``vemesh check``'s run that compares every gradient with one process instead (its replicas'
+#: gradients then reach the comparison, where a wrapper's check would stop the run first)
+CHECKING = True
+
+
 def tp_group_beside(data_ranks: set[int]) -> dist.ProcessGroup | None:
     """The live mesh's TP group when it has more than one rank and shares none but this one with ``data_ranks``;
-    None otherwise (no mesh, no TP, TP of 1, the fake backend)."""
-    if not (mesh.is_initialized() and mesh.layout.has("TP")) or mesh.get_strategy_size("TP") == 1:
+    None otherwise (no mesh, no TP, TP of 1, the fake backend, :data:`CHECKING` off)."""
+    if not CHECKING or not (mesh.is_initialized() and mesh.layout.has("TP")) or mesh.get_strategy_size("TP") == 1:
         return None
     tp = mesh.get_group("TP")
     if dist.get_backend(tp) == "fake" or set(dist.get_process_group_ranks(tp)) & (data_ranks - {dist.get_rank()}):
@@ -85,7 +90,9 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
         batches = ("the TP ranks were given different batches; every TP rank of a DP rank must see the same one "
                    "(seed the data by the DP rank, not the global rank).\n")
         inputs = ("the module's input is this rank's part only (a norm over its own heads, or between sequence-"
-                  "parallel regions): give it SequenceParallel; `vemesh check` names the module and tries it.\n")
+                  "parallel regions): give it SequenceParallel; or an output of a replicated module reaches this "
+                  "rank's heads outside the TP styles (DeepSeek-V3's k_pe): give it vemesh.parallel.SumGradOverTP; "
+                  "`vemesh check` names the module and tries both.\n")
         if agreed and bad:  # the other replicas agree: the TP ranks saw the same batch
             causes = (f"Likeliest: {inputs}(The other {agreed} replicas' gradients agree across TP, so the TP ranks "
                       "saw the same batch.)\n")

@@ -608,6 +608,52 @@ def test_hf_t5s_table_of_a_bias_per_head_is_sharded_with_its_head_counts_and_the
     assert fixed.exact and fixed.outputs_not_comparable == 0, fixed.render()
 
 
+@pytest.mark.slow  # three runs of 4 processes, one of 2
+def test_hf_deepseek_v3s_shared_rotary_key_gets_its_gradient_summed_over_tp_and_the_fix_is_exact() -> None:
+    """HF's DeepSeek-V3 under TP on its split Linears alone: MLA's k_pe (features 32:40 of the replicated
+    kv_a_proj_with_mqa) reaches each rank's heads outside torch's styles, so its gradient is each rank's heads'
+    share. Every output matches; on the last layer's kv_a_proj_with_mqa only k_pe's rows of the gradient differ, on
+    every parameter before it all of them. Under vemesh DDP its check of the replicas over TP stops the backward; the
+    check runs again without it, for the gradients. The recipe, SumGradOverTP(start=32) on each layer's
+    kv_a_proj_with_mqa, is exact, and so is the plan written with it. Before, the check showed DDP's error alone (and
+    without DDP, that gradients differ, with no module)."""
+    jobs = str(ROOT / "test" / "models" / "hf_deepseek_jobs.py")
+    wrong = check(f"module:{jobs}:make", f"{jobs}:naive_ddp", f"{jobs}:step", world_size=4, tp=2)
+    assert "TPReplicaError" in wrong.error and "vemesh.parallel.SumGradOverTP" in wrong.error, wrong.render()
+    assert wrong.seconds["recipes tried"] > 0
+    (text,) = wrong.hints
+    assert text.startswith("model.layers.0.self_attn.kv_a_proj_with_mqa (and its 2 alike) is split by no TP style, "
+                           "and on model.layers.2.self_attn.kv_a_proj_with_mqa the rows 32 to 39 of its weight's "
+                           "gradient differ") and "features 32:40 of its output (of 40)" in text and \
+        "Tried: vemesh.parallel.SumGradOverTP(start=32) on it" in text and "makes the check exact" in text, text
+    assert check(f"module:{jobs}:make", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
+
+
+def test_a_block_of_rows_that_differs_in_an_unsplit_linears_gradient_is_the_summed_recipe() -> None:
+    """Rows 2 to 3 of ``a.1.p``'s gradient differ and the others match: features 2:4 of its output, tried on ``a.0.p``
+    too (its alike, all of whose rows differ); a Linear split by a TP style, a gradient differing in every row or in
+    two blocks, and a 1-D one are not candidates."""
+    want = torch.ones(4, 3)
+    block, every, two = want.clone(), want * 2, want.clone()
+    block[2:] = 5
+    two[0], two[3] = 5, 5
+    grads = {"a.0.p.weight": every, "a.1.p.weight": block, "b.weight": block, "c.weight": every, "d.weight": two,
+             "e.bias": torch.ones(4)}
+    ref = {"grads": {n: (torch.ones(4) if n.endswith("bias") else want) for n in grads}}
+    found = partial.row_candidates(list(grads), ref, [{"grads": grads}], {"colwise": ["b"]}, 1e-4)
+    assert found == [partial.SummedFeatures(("a.0.p", "a.1.p"), 2, 4, 4, "a.1.p")], found
+    assert found[0].style() == "SumGradOverTP(start=2)"
+    assert partial.SummedFeatures(("x",), 1, 3, 4).style() == "SumGradOverTP(start=1, stop=3)"
+
+
+@pytest.mark.parametrize("kwargs", [dict(start=-1), dict(start=2, stop=2), dict(start=1.0), dict(stop="4")])
+def test_sum_grad_over_tp_refuses_a_bad_range_naming_it(kwargs: dict) -> None:
+    from vemesh.parallel import SumGradOverTP
+
+    with pytest.raises(ValueError, match=r"SumGradOverTP\(start=.*: start must be an int >= 0, and stop None"):
+        SumGradOverTP(**kwargs)
+
+
 @pytest.mark.slow  # two runs of 2 processes
 def test_hf_opts_heads_folded_into_its_sequence_are_named_by_its_head_count_not_by_out_projs_bias() -> None:
     """HF's OPT views q, k and v by ``view(bsz, -1, self.num_heads, head_dim)``: under TP 2 the ``-1`` takes the
