@@ -10,15 +10,21 @@ T5 (encoder and decoder) adds to each attention's scores a bias per head: its fi
 computes it from ``relative_attention_bias`` (an Embedding of buckets x ``n_heads``), and each cross-attention starts
 from zeros of ``(1, self.n_heads, ...)``. ``naive_t5`` is torch's styles on q, k, v, o and the MLP: the scores of this
 rank's heads meet the bias of every head, and the sum raises. ``fixed_t5`` also shards the table over TP on its heads
-and sets ``n_heads`` to this rank's (exact)."""
+and sets ``n_heads`` to this rank's (exact).
+
+GPT-OSS keeps ``sinks``, one logit per head, a parameter of its attention that it concatenates to the scores: under
+torch's styles on q, k, v and o (``naive_gpt_oss``) the shapes disagree and the forward raises; ``fixed_gpt_oss`` adds
+``vemesh.parallel.HeadwiseParallel(("sinks",))`` on the attention (exact)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from transformers import FalconConfig, FalconForCausalLM, OPTConfig, OPTForCausalLM, T5Config, \
-    T5ForConditionalGeneration
+from transformers import FalconConfig, FalconForCausalLM, GptOssConfig, GptOssForCausalLM, OPTConfig, OPTForCausalLM, \
+    T5Config, T5ForConditionalGeneration
+
+from vemesh.parallel import HeadwiseParallel
 
 VOCAB = 128
 
@@ -39,6 +45,14 @@ def make_t5() -> nn.Module:
     return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
                                                decoder_start_token_id=0, pad_token_id=0))
+
+
+def make_gpt_oss() -> nn.Module:
+    return GptOssForCausalLM(GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                          max_position_embeddings=64, attn_implementation="eager",
+                                          layer_types=["sliding_attention", "full_attention"]))
 
 
 def step(model: nn.Module, micro_batch_size: int) -> None:
@@ -96,3 +110,17 @@ def fixed_t5(model: nn.Module, mesh: object) -> nn.Module:
         if type(module).__name__ == "T5Attention":
             module.n_heads //= tp  # the cross-attention's zeros of (1, n_heads, ...): this rank's heads
     return model
+
+
+def naive_gpt_oss(model: nn.Module, mesh: object, sinks: bool = False) -> nn.Module:
+    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan["self_attn.o_proj"] = RowwiseParallel()
+    if sinks:  # one logit per head: this rank's heads'
+        plan["self_attn"] = HeadwiseParallel(("sinks",))
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["TP"], plan)  # type: ignore[index]
+    return model
+
+
+def fixed_gpt_oss(model: nn.Module, mesh: object) -> nn.Module:
+    return naive_gpt_oss(model, mesh, sinks=True)

@@ -18,10 +18,14 @@ a layout the divided counts misread (CodeGen's ``mp_num`` groups) still differs,
 
 Some attentions also hold a table with a column per head: T5's ``relative_attention_bias``, an ``nn.Embedding`` of
 ``(buckets, n_heads)`` whose rows are added to the attention's scores. Under TP its output still has every head, and
-the sum with this rank's scores raises (``size of tensor a (2) must match ... (4)``). Each rank records, of the model
-as built, the Embeddings whose width is a head count of the module that holds them (:func:`head_tables`); the recipe
-shards those of its modules over TP on their heads (torch's ``ColwiseParallel`` on the Embedding, before the user's
-parallelize function, so that a data-parallel wrapper sees the sharded weight), with the counts set.
+the sum with this rank's scores raises (``size of tensor a (2) must match ... (4)``). GPT-OSS keeps ``sinks``, a
+parameter of one logit per head, and concatenates it to the scores, which raises the same way. Each rank records, of
+the model as built, the Embeddings whose width is a head count of the module that holds them, and that module's own
+parameters with a dim of that many (:func:`head_tables`; a module that counts no heads in an attribute counts its
+projections' output over its ``head_dim``). The recipe shards those of its modules over TP on their heads, before the
+user's parallelize function, so that a data-parallel wrapper sees the sharded weight: torch's ``ColwiseParallel`` on
+an Embedding, :class:`vemesh.parallel.HeadwiseParallel` on the module holding a parameter; with the counts set where
+the module has them, alone where it has none.
 
 A TP degree that does not divide a split projection's heads (GQA's few KV heads: 2 of them over TP 4) leaves a rank
 part of a head, and the attention's view raises. No recipe helps: :func:`vemesh.parallel.tp_split.uneven_hint` names
@@ -37,6 +41,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+from vemesh.check.clones import layer_pattern
+from vemesh.parallel.headwise import HeadwiseParallel
 from vemesh.parallel.tp_split import parts, plain_name
 
 __all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "head_tables", "hint", "set_heads",
@@ -74,27 +80,40 @@ def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
     return found
 
 
-def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, str]:
-    """The Embeddings of ``model`` as built whose width is a head count (``built``: :func:`counts_of` of it) of the
-    module that holds them, by name, with that module's name: a table with a column per head (T5's
-    ``relative_attention_bias``)."""
-    found = {}
-    for name, module in model.named_modules():
-        scope = name.rpartition(".")[0]
-        if isinstance(module, nn.Embedding) and module.embedding_dim in built.get(scope, ("", {}))[1].values():
-            found[name] = scope
+def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, tuple[str, int]]:
+    """What ``model`` as built holds with a value per head beside its projections, by name, with the name of the
+    module that holds it and the dim of the heads: the Embeddings whose width is a head count of that module (T5's
+    ``relative_attention_bias``; dim -1: ``ColwiseParallel`` shards it), and that module's own parameters with a dim of
+    that many (GPT-OSS's ``sinks``). A module's head counts are its integer counts (``built``: :func:`counts_of` of
+    the model) and, where it has an integer ``head_dim``, its child Linears' output features over it."""
+    found: dict[str, tuple[str, int]] = {}
+    for scope, module in model.named_modules():
+        heads = set(built.get(scope, ("", {}))[1].values())
+        width = getattr(module, "head_dim", None)
+        if type(width) is int and width > 0:
+            heads |= {c.out_features // width for c in module.children() if isinstance(c, nn.Linear)
+                      and c.out_features % width == 0 and c.out_features > width}
+        prefix = scope + "." if scope else ""
+        for name, child in module.named_children():
+            if isinstance(child, nn.Embedding) and child.embedding_dim in heads:
+                found[prefix + name] = (scope, -1)
+        for name, p in module.named_parameters(recurse=False):
+            dim = next((d for d, n in enumerate(p.shape) if n in heads), None)
+            if dim is not None:
+                found[prefix + name] = (scope, dim)
     return found
 
 
 @dataclass(frozen=True)
 class LocalHeads:
     """The recipe: on each of ``modules``, each of ``counts`` (attribute, the whole model's value) set to the value
-    divided by ``tp``; and each of ``tables`` (:func:`head_tables` of those modules) sharded over TP on its heads."""
+    divided by ``tp``; and each of ``tables`` (:func:`head_tables` of those modules: name, heads dim) sharded over TP
+    on its heads."""
 
     modules: tuple[str, ...]
     counts: tuple[tuple[str, int], ...]
     tp: int
-    tables: tuple[str, ...] = ()
+    tables: tuple[tuple[str, int], ...] = ()
 
 
 def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[str],
@@ -103,14 +122,19 @@ def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[
     differs): the scope of a Linear that torch's ColwiseParallel split (``colwise``: where the plan's style went), if
     that scope counts heads (``heads``: :func:`head_counts`), with its alike and their per-head tables (``tables``:
     :func:`head_tables`); None where there is none."""
+    tables = tables or {}
     for name, _, _, tp in split:
         scope = name.rpartition(".")[0]
-        if scope not in heads or name not in colwise or not (
+        holds = any(s == scope for s, _ in tables.values())
+        if (scope not in heads and not holds) or name not in colwise or not (
                 not first or first == scope or first.startswith(scope + ".") or scope.startswith(first + ".")):
             continue
-        kind, counts = heads[scope]
-        alike = tuple(sorted(s for s, (k, c) in heads.items() if (k, c) == (kind, counts)))
-        held = tuple(sorted(t for t, s in (tables or {}).items() if s in alike))
+        if scope in heads:
+            kind, counts = heads[scope]
+            alike = tuple(sorted(s for s, (k, c) in heads.items() if (k, c) == (kind, counts)))
+        else:  # no counts: its alike are the other layers' modules holding the same
+            counts, alike = {}, tuple(sorted({s for s, _ in tables.values() if layer_pattern(s) == layer_pattern(scope)}))
+        held = tuple(sorted((t, d) for t, (s, d) in tables.items() if s in alike))
         return LocalHeads(alike, tuple(sorted(counts.items())), tp, held)
     return None
 
@@ -127,9 +151,35 @@ def set_heads(recipes: tuple[LocalHeads, ...], model: nn.Module) -> None:
 def shard_tables(recipes: tuple[LocalHeads, ...], model: nn.Module, mesh: Any) -> None:
     """Each recipe's per-head tables of ``model`` (as built, before the user's parallelize function) sharded over
     ``mesh["TP"]`` on their heads: torch's ``ColwiseParallel`` on each Embedding (its weight ``Shard(1)``, its output
-    this rank's heads)."""
-    for name in (t for recipe in recipes for t in recipe.tables):
-        parallelize_module(model.get_submodule(name), mesh["TP"], ColwiseParallel())
+    this rank's heads), :class:`~vemesh.parallel.HeadwiseParallel` on the module holding each parameter."""
+    params: dict[tuple[str, int], list[str]] = {}
+    for name, dim in (t for recipe in recipes for t in recipe.tables):
+        scope, _, attr = name.rpartition(".")
+        if dim < 0:
+            parallelize_module(model.get_submodule(name), mesh["TP"], ColwiseParallel())
+        else:
+            params.setdefault((scope, dim), []).append(attr)
+    for (scope, dim), names in params.items():
+        parallelize_module(model.get_submodule(scope), mesh["TP"], HeadwiseParallel(tuple(names), dim))
+
+
+def _held(tables: tuple[tuple[str, int], ...]) -> str:
+    """What sharding ``tables`` (a recipe's) means, in the hint's words."""
+    def named(names: list[str]) -> str:
+        return names[0] + (f" (and its {len(names) - 1} alike)" if len(names) > 1 else "")
+
+    embeddings, params = [n for n, d in tables if d < 0], [(n, d) for n, d in tables if d >= 0]
+    said = []
+    if embeddings:
+        said.append(f"the tables with a column per head that they hold, {named(embeddings)}, sharded over TP on their "
+                    "heads (ColwiseParallel() on each, in the TP plan of the module that holds it)")
+    if params:
+        attrs = tuple(sorted({n.rpartition(".")[2] for n, _ in params}))
+        dim = f", dim={params[0][1]}" if params[0][1] else ""
+        said.append(f"their parameters with a value per head, {named([n for n, _ in params])}, sharded over TP on "
+                    f"their heads (vemesh.parallel.HeadwiseParallel({attrs!r}{dim}) on the module that holds them, in "
+                    "your TP plan)")
+    return " and ".join(said)
 
 
 def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, fused: str = "") -> str:
@@ -139,17 +189,21 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
     r = recipe
     first = r.modules[0]
     alike = f" (and its {len(r.modules) - 1} alike)" if len(r.modules) > 1 else ""
+    where = "the forward raised there. " if raised else "the run differs from there on. "
+    if not r.counts:  # what it holds per head alone
+        attrs = ", ".join(sorted({n.rpartition(".")[2] for n, _ in r.tables}))
+        head = (f"{first}{alike} keeps a value per head in {attrs}, whole, while TP {r.tp} gives each rank 1/{r.tp} "
+                f"of the heads of its projections; " + where)
+        tried = f"Tried: {_held(r.tables)}"
+        if not outcome:
+            return head + tried + ", which makes the check exact (docs/checking.md: an attention that reads its head counts)"
+        return head + tried + f": the check then {outcome}, so that is not the cause, or not the only one"
     counts = ", ".join(f"{a} = {v}" for a, v in r.counts)
     head = (f"{first}{alike} reads its head counts from its own attributes ({counts}), the whole model's, "
-            f"while TP {r.tp} gives each rank 1/{r.tp} of the heads of the projections it reads; "
-            + ("the forward raised there. " if raised else "the run differs from there on. "))
+            f"while TP {r.tp} gives each rank 1/{r.tp} of the heads of the projections it reads; " + where)
     tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= tp' for a, _ in r.counts)}, with tp = " \
             f"mesh['TP'].size(), {r.tp} here) on " \
-            f"{first}{alike} after your parallelize function"
-    if r.tables:
-        tables = r.tables[0] + (f" (and its {len(r.tables) - 1} alike)" if len(r.tables) > 1 else "")
-        tried += (f", and the tables with a column per head that they hold, {tables}, sharded over TP on their heads "
-                  "(ColwiseParallel() on each, in the TP plan of the module that holds it)")
+            f"{first}{alike} after your parallelize function" + (f", and {_held(r.tables)}" if r.tables else "")
     fix = ("Do that in your parallelize function (torch's TP styles shard the weights, never a module's attributes; "
            "a view by -1 heads needs none) (docs/checking.md: an attention that reads its head counts)")
     if not outcome:

@@ -14,6 +14,8 @@
   vemesh's DDP, ZeRO-1 and ``fully_shard`` refuse a model whose tie was broken (:func:`check_ties`);
 * :class:`SumGradOverTP` (:mod:`~vemesh.parallel.summed_grad`): a torch style for a replicated module whose output
   reaches this rank's heads outside torch's styles (DeepSeek-V3's shared rotary key): its gradient summed over TP;
+* :class:`HeadwiseParallel` (:mod:`~vemesh.parallel.headwise`): a torch style for a module's own per-head
+  parameters (GPT-OSS's attention sinks), sharded over TP, each rank's forward reading its heads' slice;
 * :class:`DecoderStage` (:mod:`~vemesh.parallel.hf_stages`): a pipeline stage of a Hugging Face causal LM, run by the
   model's own forward under its own parameter names, checked against the whole model as it is built;
 * :func:`~vemesh.parallel.attention.shard_cpu_attention`: torch's CPU attention kernel sharded over heads or batch on
@@ -26,6 +28,7 @@ from vemesh.parallel.experts import ExpertParallel, ExpertTensorParallel
 from vemesh.parallel.fsdp import fully_shard
 from vemesh.parallel.attention import shard_cpu_attention
 from vemesh.parallel.fused import FusedColwiseParallel
+from vemesh.parallel.headwise import HeadwiseParallel
 from vemesh.parallel.hf_stages import DecoderStage
 from vemesh.parallel.summed_grad import SumGradOverTP
 from vemesh.parallel.ties import check_ties, parallelize_module, track_ties
@@ -33,5 +36,5 @@ from vemesh.parallel.ties import check_ties, parallelize_module, track_ties
 shard_cpu_attention()
 track_ties()
 
-__all__ = ["DecoderStage", "ExpertParallel", "FusedColwiseParallel", "check_ties", "parallelize_module", "ExpertTensorParallel", "ParallelDims", "SumGradOverTP", "context_parallel",
+__all__ = ["DecoderStage", "ExpertParallel", "HeadwiseParallel", "FusedColwiseParallel", "check_ties", "parallelize_module", "ExpertTensorParallel", "ParallelDims", "SumGradOverTP", "context_parallel",
            "fully_shard"]

@@ -654,6 +654,74 @@ def test_sum_grad_over_tp_refuses_a_bad_range_naming_it(kwargs: dict) -> None:
         SumGradOverTP(**kwargs)
 
 
+@pytest.mark.slow  # three runs of 2 processes
+def test_hf_gpt_oss_sinks_are_sharded_over_tp_by_headwise_parallel_and_the_fix_is_exact() -> None:
+    """HF's GPT-OSS concatenates its ``sinks`` (a parameter of one logit per head) to this rank's attention scores:
+    under torch's styles on q, k, v and o the forward raises. Its attention counts no heads in an attribute; its
+    heads are its projections' output over its ``head_dim``. The recipe, HeadwiseParallel(('sinks',)) on each
+    attention, is exact, and so is the plan written with it. Before, the check showed the shape error alone."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    wrong = check(f"module:{jobs}:make_gpt_oss", f"{jobs}:naive_gpt_oss", f"{jobs}:step", world_size=2, tp=2)
+    assert wrong.verdict == "differs" and "in the forward of model.layers.0.self_attn" in wrong.error, wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("model.layers.0.self_attn (and its 1 alike) keeps a value per head in sinks, whole, while "
+                           "TP 2 gives each rank 1/2 of the heads of its projections; the forward raised there") and \
+        "model.layers.0.self_attn.sinks (and its 1 alike), sharded over TP on their heads " \
+        "(vemesh.parallel.HeadwiseParallel(('sinks',)) on the module" in text and "makes the check exact" in text, text
+    assert check(f"module:{jobs}:make_gpt_oss", f"{jobs}:fixed_gpt_oss", f"{jobs}:step", world_size=2, tp=2).exact
+
+
+def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dtensor() -> None:
+    """On rank 1 of a fake world of 2: ``sinks`` (4 heads) becomes a DTensor of 4 whose local part is heads 2 and 3;
+    the forward reads that plain slice, and after it (also after one that raises) the parameter is the DTensor again.
+    Bad input is one line naming the value."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.parallel import HeadwiseParallel
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sinks = torch.nn.Parameter(torch.arange(4.0))
+            self.seen: list[torch.Tensor] = []
+
+        def forward(self, fail: bool) -> None:
+            self.seen.append(self.sinks)
+            if fail:
+                raise RuntimeError("in the forward")
+
+    for params in ((), "sinks"):
+        with pytest.raises(ValueError, match=r"HeadwiseParallel\(params=.*\): params must be a non-empty sequence"):
+            HeadwiseParallel(params)
+    with pytest.raises(ValueError, match=r"HeadwiseParallel\(dim=0.5\): dim must be an int"):
+        HeadwiseParallel(("sinks",), 0.5)  # type: ignore[arg-type]
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("TP",))
+        module, style = Attention(), HeadwiseParallel(("sinks",))
+        style.src_data_rank = None  # each rank's own values (the fake world moves no data)
+        style._apply(module, mesh)
+        assert isinstance(module.sinks, DTensor) and module.sinks.shape == (4,)
+        module(False)
+        assert not isinstance(module.seen[0], DTensor) and module.seen[0].tolist() == [2.0, 3.0]
+        with pytest.raises(RuntimeError, match="in the forward"):
+            module(True)
+        assert isinstance(module.sinks, DTensor) and isinstance(module._parameters["sinks"], torch.nn.Parameter)
+        with pytest.raises(ValueError, match=r"on Attention: it has no parameter 'bias' of its own; its parameters: "
+                                             r"\['sinks'\]"):
+            HeadwiseParallel(("bias",))._apply(Attention(), mesh)
+        odd = Attention()
+        odd.sinks = torch.nn.Parameter(torch.ones(3))
+        with pytest.raises(ValueError, match=r"Attention.sinks of shape \(3,\): it must be a plain tensor whose dim 0 "
+                                             r"TP 2 divides"):
+            HeadwiseParallel(("sinks",))._apply(odd, mesh)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow  # two runs of 2 processes
 def test_hf_opts_heads_folded_into_its_sequence_are_named_by_its_head_count_not_by_out_projs_bias() -> None:
     """HF's OPT views q, k and v by ``view(bsz, -1, self.num_heads, head_dim)``: under TP 2 the ``-1`` takes the
