@@ -21,11 +21,12 @@ splits, it runs again with the fused recipes in that style's place and says whic
 (:mod:`vemesh.check.recipes`); where the module that went wrong holds parameters of a split Linear's whole output
 width (OLMo 2's q/k norms), it tries the gathered layout on that Linear's scope. Before those, where that scope's
 module counts heads by the whole model's count (Falcon's ``num_heads``), it tries the counts set to this rank's,
-with the module's tables of a column per head sharded over TP (T5's relative position bias) (:mod:`vemesh.check.heads`),
-and where a forward changed a TP style's output in place, a copy of it
-(:mod:`vemesh.check.clones`). Where every output matches and
-gradients differ, it says whether DP's average is missing, or tries torch's ``SequenceParallel`` on the modules run
-on this TP rank's part of their input (Qwen3's q/k norms: :mod:`vemesh.check.partial`).
+with what the module keeps per head sharded over TP (T5's relative position bias, GPT-OSS's sinks; alone where it
+counts no heads) (:mod:`vemesh.check.heads`), and where a forward changed a TP style's output in place, a copy of it
+(:mod:`vemesh.check.clones`). Where every output matches and gradients differ, it says whether DP's average is
+missing, or tries ``SumGradOverTP`` on the features of an unsplit Linear whose gradient differs in those rows alone
+(DeepSeek-V3's k_pe), and torch's ``SequenceParallel`` on the modules run on this TP rank's part of their input
+(Qwen3's q/k norms) (:mod:`vemesh.check.partial`).
 
 What it proves: one step, at the size the factory builds, on CPU in fp32 (or the model's own dtype), computes the
 one-process forward and gradients within ``rtol``. What it does not: other sizes or steps, the optimizer (ZeRO-1's
@@ -337,9 +338,12 @@ def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, locate
 def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], replicas: dict | None,
                    hints: list[str]) -> int:
     """Every output matched and gradients differ (or vemesh's DDP or FSDP2 raised that replicas over TP got other
-    gradients on each TP rank: ``replicas``, the failed rank's record): DP's missing average, or modules with
-    replicated parameters run on this TP rank's part of their input, tried with torch's SequenceParallel on them
-    (:mod:`vemesh.check.partial`). The hints are added to ``hints``; returns the parallel runs made."""
+    gradients on each TP rank: ``replicas``, the failed rank's record): DP's missing average; an unsplit Linear's
+    features read by every head, tried with SumGradOverTP (:func:`_summed_hints`); or modules with replicated
+    parameters run on this TP rank's part of their input, tried with torch's SequenceParallel on them
+    (:mod:`vemesh.check.partial`). Where a wrapper raised, the SequenceParallel tries come first, then a run without its
+    check of the replicas gives the gradients the SumGradOverTP tries read. The hints are added to ``hints``; returns
+    the parallel runs made."""
     if replicas is None:
         wrapped = any(r.get("data_parallel", False) for r in ranks)
         said = (zero_bubble_hint(spec.pp_schedule, result.degrees["DP"], wrapped) if "PP" in result.degrees else None) \

@@ -117,7 +117,8 @@ class LocalHeads:
 
 
 def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[str],
-              heads: dict[str, tuple[str, dict[str, int]]], tables: dict[str, str] | None = None) -> LocalHeads | None:
+              heads: dict[str, tuple[str, dict[str, int]]],
+              tables: dict[str, tuple[str, int]] | None = None) -> LocalHeads | None:
     """The recipe for where the run went wrong (module ``first``: the one whose forward raised, or the first that
     differs): the scope of a Linear that torch's ColwiseParallel split (``colwise``: where the plan's style went), if
     that scope counts heads (``heads``: :func:`head_counts`), with its alike and their per-head tables (``tables``:
