@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from vemesh.layout.names import divisors
+
 __all__ = ["HeadwiseParallel"]
 
 
@@ -59,11 +61,15 @@ class HeadwiseParallel(ParallelStyle):
             if name not in own:
                 raise ValueError(f"{self!r} on {type(module).__name__}: it has no parameter {name!r} of its own; its "
                                  f"parameters: {sorted(own) or 'none'}")
-            p = own[name]
-            if isinstance(p, DTensor) or p.dim() == 0 or not -p.dim() <= self.dim < p.dim() or \
-                    p.shape[self.dim] % device_mesh.size():
-                raise ValueError(f"{self!r} on {type(module).__name__}.{name} of shape {tuple(p.shape)}: it must be "
-                                 f"a plain tensor whose dim {self.dim} TP {device_mesh.size()} divides")
+            p, tp, where = own[name], device_mesh.size(), f"{self!r} on {type(module).__name__}.{name}"
+            if isinstance(p, DTensor):
+                raise ValueError(f"{where}: it is a DTensor already ({p.placements}); give it one style")
+            if not -p.dim() <= self.dim < p.dim():
+                raise ValueError(f"{where} of shape {tuple(p.shape)}: dim {self.dim} is not one of its dims")
+            if p.shape[self.dim] % tp:
+                heads = p.shape[self.dim]
+                raise ValueError(f"{where} of shape {tuple(p.shape)}: TP {tp} does not divide its {heads} heads on dim "
+                                 f"{self.dim}; choose TP from {', '.join(str(d) for d in divisors(heads))}")
             # from src_data_rank's values (rank 0's, as torch's styles; None: each rank's own), as ColwiseParallel does
             whole = distribute_tensor(p.detach(), device_mesh, [Shard(self.dim)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(whole, requires_grad=p.requires_grad))

@@ -715,9 +715,11 @@ def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dten
             HeadwiseParallel(("bias",))._apply(Attention(), mesh)
         odd = Attention()
         odd.sinks = torch.nn.Parameter(torch.ones(3))
-        with pytest.raises(ValueError, match=r"Attention.sinks of shape \(3,\): it must be a plain tensor whose dim 0 "
-                                             r"TP 2 divides"):
+        with pytest.raises(ValueError, match=r"Attention.sinks of shape \(3,\): TP 2 does not divide its 3 heads on "
+                                             r"dim 0; choose TP from 1, 3"):
             HeadwiseParallel(("sinks",))._apply(odd, mesh)
+        with pytest.raises(ValueError, match=r"Attention.sinks of shape \(4,\): dim 1 is not one of its dims"):
+            HeadwiseParallel(("sinks",), dim=1)._apply(Attention(), mesh)
     finally:
         dist.destroy_process_group()
 
