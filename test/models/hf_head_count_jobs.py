@@ -14,7 +14,8 @@ and sets ``n_heads`` to this rank's (exact).
 
 GPT-OSS keeps ``sinks``, one logit per head, a parameter of its attention that it concatenates to the scores: under
 torch's styles on q, k, v and o (``naive_gpt_oss``) the shapes disagree and the forward raises; ``fixed_gpt_oss`` adds
-``vemesh.parallel.HeadwiseParallel(("sinks",))`` on the attention (exact)."""
+``vemesh.parallel.HeadwiseParallel(("sinks",))`` on the attention, and vemesh's ``ExpertParallel`` on its experts where
+the mesh has EP (exact)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from transformers import FalconConfig, FalconForCausalLM, GptOssConfig, GptOssForCausalLM, OPTConfig, OPTForCausalLM, \
     T5Config, T5ForConditionalGeneration
 
-from vemesh.parallel import HeadwiseParallel
+from vemesh.parallel import ExpertParallel, HeadwiseParallel, fully_shard
 
 VOCAB = 128
 
@@ -123,4 +124,14 @@ def naive_gpt_oss(model: nn.Module, mesh: object, sinks: bool = False) -> nn.Mod
 
 
 def fixed_gpt_oss(model: nn.Module, mesh: object) -> nn.Module:
-    return naive_gpt_oss(model, mesh, sinks=True)
+    """:func:`naive_gpt_oss` with the sinks sharded, its experts over EP where the mesh has EP (GPT-OSS's experts
+    take the routed contract under their own argument names), and FSDP2 where it has DP."""
+    model = naive_gpt_oss(model, mesh, sinks=True)
+    if mesh.get_strategy_size("EP") > 1:  # type: ignore[attr-defined]
+        for layer in model.model.layers:
+            parallelize_module(layer.mlp.experts, mesh["EP"], ExpertParallel())  # type: ignore[index]
+    if mesh.get_strategy_size("DP") > 1:  # type: ignore[attr-defined]
+        for layer in model.model.layers:
+            fully_shard(layer)
+        model = fully_shard(model)
+    return model

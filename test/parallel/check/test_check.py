@@ -654,12 +654,14 @@ def test_sum_grad_over_tp_refuses_a_bad_range_naming_it(kwargs: dict) -> None:
         SumGradOverTP(**kwargs)
 
 
-@pytest.mark.slow  # three runs of 2 processes
+@pytest.mark.slow  # two runs of 2 processes, one of 4
 def test_hf_gpt_oss_sinks_are_sharded_over_tp_by_headwise_parallel_and_the_fix_is_exact() -> None:
     """HF's GPT-OSS concatenates its ``sinks`` (a parameter of one logit per head) to this rank's attention scores:
     under torch's styles on q, k, v and o the forward raises. Its attention counts no heads in an attribute; its
     heads are its projections' output over its ``head_dim``. The recipe, HeadwiseParallel(('sinks',)) on each
-    attention, is exact, and so is the plan written with it. Before, the check showed the shape error alone."""
+    attention, is exact, and so is the plan written with it, also with ExpertParallel on its experts over EP 2
+    (GPT-OSS's experts name their routed arguments router_indices and routing_weights). Before, the check showed
+    the shape error alone, and ExpertParallel refused GPT-OSS's experts."""
     jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
     wrong = check(f"module:{jobs}:make_gpt_oss", f"{jobs}:naive_gpt_oss", f"{jobs}:step", world_size=2, tp=2)
     assert wrong.verdict == "differs" and "in the forward of model.layers.0.self_attn" in wrong.error, wrong.render()
@@ -668,7 +670,8 @@ def test_hf_gpt_oss_sinks_are_sharded_over_tp_by_headwise_parallel_and_the_fix_i
                            "TP 2 gives each rank 1/2 of the heads of its projections; the forward raised there") and \
         "model.layers.0.self_attn.sinks (and its 1 alike), sharded over TP on their heads " \
         "(vemesh.parallel.HeadwiseParallel(('sinks',)) on the module" in text and "makes the check exact" in text, text
-    assert check(f"module:{jobs}:make_gpt_oss", f"{jobs}:fixed_gpt_oss", f"{jobs}:step", world_size=2, tp=2).exact
+    fixed = check(f"module:{jobs}:make_gpt_oss", f"{jobs}:fixed_gpt_oss", f"{jobs}:step", world_size=4, tp=2, ep=2)
+    assert fixed.exact and fixed.degrees["EP"] == 2, fixed.render()
 
 
 def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dtensor() -> None:

@@ -7,7 +7,8 @@ contracts, told apart by its signature:
   grouped by expert, in expert order, with the count per expert ``[E]``, and returns ``[T, D]`` in the same order
   (``w1 [E, H, D]``, ``w2 [E, D, H]``, ``w3 [E, H, D]``, biases ``[E, ...]`` too);
 * **routed** (Hugging Face transformers 5's experts: ``MixtralExperts``, ``Qwen3MoeExperts`` and the other classes
-  its ``use_experts_implementation`` decorates): ``forward(hidden_states, top_k_index, top_k_weights)`` takes the
+  its ``use_experts_implementation`` decorates; GPT-OSS's ``GptOssExperts``, whose arguments are named
+  ``router_indices`` and ``routing_weights``): ``forward(hidden_states, top_k_index, top_k_weights)`` takes the
   tokens ``[N, D]`` in their own order with each token's ``k`` experts and router weights ``[N, k]``, returns the
   weighted sum ``[N, D]``, and the module's ``num_experts`` is ``E`` (``gate_up_proj [E, 2I, D]``,
   ``down_proj [E, D, I]``). Each (token, choice) slot travels to its expert's rank, the module's own forward runs
@@ -177,6 +178,10 @@ def _check_grouped(module: nn.Module, ep: int, style_name: str) -> list[tuple[st
     return params
 
 
+#: the routed contract's index and weight arguments, by their names: transformers' decorated experts, GPT-OSS's own
+ROUTED_NAMES = (("top_k_index", "top_k_weights"), ("router_indices", "routing_weights"))
+
+
 def _contract(module: nn.Module, style_name: str) -> str:
     """``"grouped"`` or ``"routed"``: which forward the experts module has (see the module docstring)."""
     try:
@@ -185,7 +190,7 @@ def _contract(module: nn.Module, style_name: str) -> str:
         return "grouped"
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
-    if len(names) == 3 and names[1:] == ["top_k_index", "top_k_weights"]:
+    if len(names) == 3 and tuple(names[1:]) in ROUTED_NAMES:
         experts = {p.size(0) for p in module.parameters(recurse=False)}
         if getattr(module, "num_experts", None) not in experts:
             raise ValueError(f"{style_name}: {type(module).__name__} has the routed contract, whose num_experts must be "
