@@ -132,10 +132,12 @@ def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[
             continue
         if scope in heads:
             kind, counts = heads[scope]
-            alike = tuple(sorted(s for s, (k, c) in heads.items() if (k, c) == (kind, counts)))
+            others = {s for s, (k, c) in heads.items() if (k, c) == (kind, counts)}
         else:  # no counts: its alike are the other layers' modules holding the same
-            counts, alike = {}, tuple(sorted({s for s, _ in tables.values() if layer_pattern(s) == layer_pattern(scope)}))
-        held = tuple(sorted((t, d) for t, (s, d) in tables.items() if s in alike))
+            counts, others = {}, {s for s, _ in tables.values() if layer_pattern(s) == layer_pattern(scope)}
+        alike = (scope, *sorted(others - {scope}))  # where the run went wrong first: the hint names it
+        held = tuple(sorted(((t, d) for t, (s, d) in tables.items() if s in alike), key=lambda t: (
+            tables[t[0]][0] != scope, t)))
         return LocalHeads(alike, tuple(sorted(counts.items())), tp, held)
     return None
 

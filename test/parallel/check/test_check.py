@@ -600,9 +600,9 @@ def test_hf_t5s_table_of_a_bias_per_head_is_sharded_with_its_head_counts_and_the
     assert wrong.verdict == "differs" and "in the forward of encoder.block.0.layer.0.SelfAttention" in wrong.error, \
         wrong.render()
     (text,) = wrong.hints
-    assert text.startswith("decoder.block.0.layer.0.SelfAttention (and its 5 alike) reads its head counts from its "
+    assert text.startswith("encoder.block.0.layer.0.SelfAttention (and its 5 alike) reads its head counts from its "
                            "own attributes (n_heads = 4)") and "(module.n_heads //= tp, with tp" in text and \
-        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias (and its 1 alike), sharded over TP on their " \
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias (and its 1 alike), sharded over TP on their " \
         "heads (ColwiseParallel() on each" in text and "which makes the check exact" in text, text
     fixed = check(f"module:{jobs}:make_t5", f"{jobs}:fixed_t5", f"{jobs}:step", world_size=2, tp=2)
     assert fixed.exact and fixed.outputs_not_comparable == 0, fixed.render()
