@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from vemesh.layout.names import divisors
+from vemesh.parallel.tp_split import one_tp_dim
 
 __all__ = ["HeadwiseParallel"]
 
@@ -53,9 +54,7 @@ class HeadwiseParallel(ParallelStyle):
         return f"HeadwiseParallel({self.params!r}, dim={self.dim})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if device_mesh.ndim != 1:
-            raise ValueError(f"{self!r} shards over one mesh dim (TP); got a {device_mesh.ndim}-D mesh "
-                             f"{device_mesh.mesh_dim_names}: give parallelize_module mesh['TP']")
+        one_tp_dim(repr(self), device_mesh)
         own = dict(module.named_parameters(recurse=False))
         for name in self.params:
             if name not in own:

@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from vemesh.parallel.tp_split import one_tp_dim
+
 __all__ = ["SumGradOverTP"]
 
 
@@ -57,9 +59,7 @@ class SumGradOverTP(ParallelStyle):
         return f"SumGradOverTP(start={self.start}, stop={self.stop})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if device_mesh.ndim != 1:
-            raise ValueError(f"SumGradOverTP sums over one mesh dim (TP); got a {device_mesh.ndim}-D mesh "
-                             f"{device_mesh.mesh_dim_names}: give parallelize_module mesh['TP']")
+        one_tp_dim(repr(self), device_mesh)
         module.register_forward_hook(partial(self._summed, device_mesh))
         return module
 

@@ -9,13 +9,14 @@ model as built (:func:`plain_name`), over each part a run steps (:func:`parts`: 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from vemesh.layout.names import divisors, listed
 
-__all__ = ["column_split_linears", "head_dims", "parts", "plain_name", "uneven_hint", "unwrap"]
+__all__ = ["column_split_linears", "head_dims", "one_tp_dim", "parts", "plain_name", "uneven_hint", "unwrap"]
 
 _WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
@@ -91,3 +92,10 @@ def uneven_hint(first: str | None, split: list[tuple[str, int, int, int]], dims:
                 f"{out // tp} of its {out} features, part of a head. Choose TP from {listed(divisors(fewest))}, which "
                 "divide the heads of every projection TP splits")
     return None
+
+
+def one_tp_dim(style: str, mesh: Any) -> None:
+    """Raise, naming ``style`` (a TP style's repr), unless ``mesh`` has one dim: the TP mesh a style works over."""
+    if mesh.ndim != 1:
+        raise ValueError(f"{style} works over one mesh dim (TP); got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: give "
+                         "parallelize_module mesh['TP']")

@@ -683,7 +683,7 @@ def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dten
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from vemesh.parallel import HeadwiseParallel
+    from vemesh.parallel import HeadwiseParallel, SumGradOverTP
 
     class Attention(torch.nn.Module):
         def __init__(self) -> None:
@@ -723,6 +723,11 @@ def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dten
             HeadwiseParallel(("sinks",))._apply(odd, mesh)
         with pytest.raises(ValueError, match=r"Attention.sinks of shape \(4,\): dim 1 is not one of its dims"):
             HeadwiseParallel(("sinks",), dim=1)._apply(Attention(), mesh)
+        flat = init_device_mesh("cpu", (1, 2), mesh_dim_names=("DP", "TP"))
+        for style in (HeadwiseParallel(("sinks",)), SumGradOverTP(start=1)):
+            with pytest.raises(ValueError, match=r"works over one mesh dim \(TP\); got a 2-D mesh \('DP', 'TP'\): "
+                                                 r"give parallelize_module mesh\['TP'\]"):
+                style._apply(Attention(), flat)
     finally:
         dist.destroy_process_group()
 
