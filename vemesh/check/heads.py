@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from vemesh.check.clones import layer_pattern
@@ -46,7 +47,7 @@ from vemesh.parallel.headwise import HeadwiseParallel
 from vemesh.parallel.tp_split import parts, plain_name
 
 __all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "head_tables", "hint", "set_heads",
-           "shard_tables"]
+           "shard_tables", "unsharded"]
 
 #: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
 _NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
@@ -102,6 +103,16 @@ def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) 
             if dim is not None:
                 found[prefix + name] = (scope, dim)
     return found
+
+
+def unsharded(tables: dict[str, tuple[str, int]], params: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """Of ``tables`` (:func:`head_tables`), those whose parameter (``params``: the parallelized model's, by name as
+    built) the user's parallelize function left unsharded over TP: a DTensor on a mesh with a TP dim is sharded
+    already (FSDP2's over the data dims alone is not)."""
+    def on_tp(p: Any) -> bool:
+        return isinstance(p, DTensor) and "TP" in (p.device_mesh.mesh_dim_names or ())
+
+    return {n: v for n, v in tables.items() if not on_tp(params.get(n + ".weight" if v[1] < 0 else n))}
 
 
 @dataclass(frozen=True)

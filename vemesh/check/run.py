@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from vemesh import local_ranks
 from vemesh.check.clones import set_clones
-from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, set_heads, shard_tables
+from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, set_heads, shard_tables, unsharded
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
@@ -35,7 +35,6 @@ from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stages_per_rank
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel import tp_replicas
-from vemesh.parallel.tp_replicas import TPReplicaError
 from vemesh.parallel.tp_split import head_dims
 from vemesh.planning.fake_world import _forget_meshes
 from vemesh.planning.pipeline_trace import pipeline_stages
@@ -259,7 +258,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
     os.chdir(spec.cwd)
     split: list[tuple[str, int, int, int]] = []  # the Linears split as ColwiseParallel splits (for a hint)
     heads: dict[str, tuple[str, dict[str, int]]] = {}  # the head counts of their scopes (for a hint)
-    tables: dict[str, str] = {}  # the Embeddings with a column per head, by name, with their scope (for a hint)
+    tables: dict[str, tuple[str, int]] = {}  # what is kept per head, by name: its scope, heads dim (for a hint)
     widths: dict[str, int] = {}  # and their head_dim (for a hint: a TP degree that does not divide the heads)
     failed_in = None  # the module whose forward raised in the step
     went: dict[str, list[str]] = {}  # where the plan's ColwiseParallel and RowwiseParallel went (recipes.swapped)
@@ -295,6 +294,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         set_clones(spec.cloned, model)
         sum_features(spec.summed, model, mesh)
         params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}
+        tables = unsharded(tables, params)  # those the user's function sharded over TP already are no recipe's
         piped = spec.degrees.get("PP", 1) > 1
         ends = [[params.get(plain_name(n)) for n in group] for group in ties]  # None: not held here
         # a tie is broken where this rank holds its ends as several parameters; under PP, of the ends it holds (the
@@ -335,7 +335,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 -- written for the parent, then raised so that the others stop
         cause = e.__cause__ if isinstance(e, UserError) and e.__cause__ is not None else e
-        kind = ("tie" if isinstance(cause, BrokenTieError) else "tp_replicas" if isinstance(cause, TPReplicaError)
+        kind = ("tie" if isinstance(cause, BrokenTieError) else "tp_replicas" if isinstance(cause, tp_replicas.TPReplicaError)
                 else "input" if isinstance(e, CheckInputError) else "user" if isinstance(e, UserError) else "other")
         text = str(e) if isinstance(e, (UserError, CheckInputError)) else f"{type(e).__name__}: {e}"
         # whole or absent: the parent may terminate this process while it writes

@@ -723,6 +723,15 @@ def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dten
             HeadwiseParallel(("sinks",))._apply(odd, mesh)
         with pytest.raises(ValueError, match=r"Attention.sinks of shape \(4,\): dim 1 is not one of its dims"):
             HeadwiseParallel(("sinks",), dim=1)._apply(Attention(), mesh)
+        # a recipe leaves alone what the user's function sharded over TP already (FSDP2's shards over DP are not)
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from vemesh.check.heads import unsharded
+
+        dp = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (2,), mesh_dim_names=("DP",)), [Shard(0)])
+        tables = {"a.sinks": ("a", 0), "b.sinks": ("b", 0), "c.sinks": ("c", 0), "d.table": ("d", -1)}
+        params = {"a.sinks": module.sinks, "b.sinks": dp, "c.sinks": torch.ones(4), "d.table.weight": module.sinks}
+        assert unsharded(tables, params) == {"b.sinks": ("b", 0), "c.sinks": ("c", 0)}
         flat = init_device_mesh("cpu", (1, 2), mesh_dim_names=("DP", "TP"))
         for style in (HeadwiseParallel(("sinks",)), SumGradOverTP(start=1)):
             with pytest.raises(ValueError, match=r"works over one mesh dim \(TP\); got a 2-D mesh \('DP', 'TP'\): "
