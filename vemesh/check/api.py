@@ -51,7 +51,7 @@ from vemesh.check.clones import hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.partial import candidates as partial_candidates
 from vemesh.check.partial import dp_hint, first_shapes, hint as partial_hint, row_candidates, summed_hint, \
-    zero_bubble_hint
+    twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_size, phases
@@ -378,9 +378,13 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
 def _summed_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], hints: list[str],
                   tries: int = MAX_TRIES) -> tuple[int, bool]:
     """Unsplit Linears whose gradient differs in one block of rows (``result``, ``ranks``: a run's), tried with
-    SumGradOverTP on those features (:func:`vemesh.check.partial.row_candidates`); the hints are added to ``hints``.
-    Returns the parallel runs made, and whether the last was exact."""
-    found = row_candidates([n for n, _ in result.gradients], ref, ranks, ranks[0]["went"], tol) if ranks else []
+    SumGradOverTP on those features (:func:`vemesh.check.partial.row_candidates`), or said summed twice; the hints are
+    added to ``hints``. Returns the parallel runs made, and whether nothing else is to be tried (exact, or said)."""
+    params = [n for n, _ in result.gradients]
+    found = row_candidates(params, ref, ranks, ranks[0]["went"], tol) if ranks else []
+    if ranks and not found and (twice := twice_hint(params, ref, ranks, ranks[0]["went"], tol, result.degrees["TP"])):
+        hints.append(twice)
+        return 0, True  # said: no recipe to try
     for runs, summed in enumerate(found[:tries], 1):
         trial, _, _, located = _run(replace(spec, summed=(summed,)), ref, tol, result)
         hints.append(summed_hint(summed, "" if trial.exact else _outcome(trial, located)))

@@ -28,7 +28,10 @@ Two causes give that verdict, and the check tells them apart:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
@@ -39,7 +42,7 @@ from vemesh.parallel.schedules import ZERO_BUBBLE
 from vemesh.parallel.summed_grad import SumGradOverTP
 
 __all__ = ["ShardedInput", "SummedFeatures", "apply", "candidates", "dp_hint", "first_shapes", "hint", "row_candidates",
-           "sum_features", "summed_hint", "zero_bubble_hint"]
+           "sum_features", "summed_hint", "twice_hint", "zero_bubble_hint"]
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,14 @@ def sum_features(recipes: tuple[SummedFeatures, ...], model: Any, mesh: Any) -> 
                 SumGradOverTP(recipe.start, recipe.stop)._apply(module, mesh["TP"])
 
 
-def row_candidates(params: list[str], ref: dict, ranks: list[dict], went: dict, tol: float) -> list[SummedFeatures]:
+def _row_blocks(params: list[str], ref: dict, ranks: list[dict], went: dict,
+                tol: float) -> Iterator[tuple[str, int, int, int, float | None]]:
     """Of the Linears (2-D weights) among ``params`` (those whose gradients differ) that no TP style split (``went``:
-    where the plan's ColwiseParallel and RowwiseParallel went), those whose weight gradient on some rank differs from
-    one process's in one block of rows and matches in the others: the recipe for those features, each with its alike
-    (the same name in the other layers, of the same shape). Only the last layer shows the block: the layers before it
-    get its partial gradient too, in every row."""
+    where the plan's ColwiseParallel and RowwiseParallel went), each whose weight gradient on some rank differs from
+    one process's in one block of rows and matches in the others: ``(module, start, stop, width, times)``, where
+    ``times`` is None when its TP peers hold other values in those rows (each its own heads' share), else how many
+    times one process's those rows are (the same on every TP rank: summed over TP once too often)."""
     styled = set(went.get("colwise", [])) | set(went.get("rowwise", []))
-    found: dict[tuple[str, int, int, int], set[str]] = {}
     for name in params:
         module, _, leaf = name.rpartition(".")
         want = ref["grads"].get(name)
@@ -112,18 +115,52 @@ def row_candidates(params: list[str], ref: dict, ranks: list[dict], went: dict, 
                 want.dim() != 2 or want.shape[0] < 2:  # an Embedding's rows are tokens: those a batch used differ
             continue
         scale = max(want.abs().max().item(), 1e-30)
-        for got in (r["grads"].get(name) for r in ranks):
+        for r in ranks:
+            got = r["grads"].get(name)
             if got is None or got.shape != want.shape:
                 continue
             rows = ((got.double() - want.double()).abs().amax(dim=1) > tol * scale).nonzero().flatten().tolist()
-            if rows and len(rows) < want.shape[0] and rows == list(range(rows[0], rows[-1] + 1)):
-                found.setdefault((layer_pattern(module), rows[0], rows[-1] + 1, want.shape[0]), set()).add(module)
-                break
+            if not rows or len(rows) == want.shape[0] or rows != list(range(rows[0], rows[-1] + 1)):
+                continue
+            block = slice(rows[0], rows[-1] + 1)
+            peers = [q["grads"].get(name) for q in ranks if q["data_rank"] == r["data_rank"]
+                     and q["coords"].get("CP", 0) == r["coords"].get("CP", 0)]
+            if any(g is not None and not torch.allclose(g[block], got[block], rtol=tol, atol=tol * scale) for g in peers):
+                yield module, block.start, block.stop, want.shape[0], None
+            else:
+                yield module, block.start, block.stop, want.shape[0], \
+                    float((got[block].double() * want[block]).sum() / want[block].double().square().sum().clamp_min(1e-300))
+            break
+
+
+def row_candidates(params: list[str], ref: dict, ranks: list[dict], went: dict, tol: float) -> list[SummedFeatures]:
+    """Of :func:`_row_blocks`, those whose TP peers hold each its own share: the recipe for those features, each with
+    its alike (the same name in the other layers, of the same shape). Only the last layer shows the block: the layers
+    before it get its partial gradient too, in every row."""
+    found: dict[tuple[str, int, int, int], set[str]] = {}
+    for module, start, stop, width, times in _row_blocks(params, ref, ranks, went, tol):
+        if times is None:
+            found.setdefault((layer_pattern(module), start, stop, width), set()).add(module)
     alike = {key: {n.rpartition(".")[0] for n, g in ref["grads"].items() if n.endswith(".weight") and g is not None
                    and layer_pattern(n.rpartition(".")[0]) == key[0] and g.dim() == 2 and g.shape[0] == key[3]}
              for key in found}
     return [SummedFeatures(tuple(sorted(alike[key] | seen)), key[1], key[2], key[3], min(seen))
             for key, seen in sorted(found.items())]
+
+
+def twice_hint(params: list[str], ref: dict, ranks: list[dict], went: dict, tol: float, tp: int) -> str | None:
+    """The hint where an unsplit Linear's block of gradient rows is ``tp`` times one process's on every TP rank: those
+    features' gradient was summed over TP where torch's styles sum it already (a SumGradOverTP, or an all-reduce of
+    the user's own, over too many features); None where there is none."""
+    for module, start, stop, width, times in _row_blocks(params, ref, ranks, went, tol):
+        if times is not None and abs(times - tp) < 0.01 * tp:
+            return (f"on {module} (split by no TP style) the rows {start} to {stop - 1} of its weight's gradient are "
+                    f"{tp} times one process's on every TP rank, its other rows match: features {start}:{stop} of its "
+                    f"output (of {width}) have their gradient summed over TP where torch's styles sum it already. If "
+                    "your plan has vemesh.parallel.SumGradOverTP (or an all-reduce of your own) on it, keep it to the "
+                    "features only this rank's heads read outside torch's styles (docs/checking.md: an output every "
+                    "head reads)")
+    return None
 
 
 def summed_hint(recipe: SummedFeatures, outcome: str) -> str:

@@ -630,20 +630,37 @@ def test_hf_deepseek_v3s_shared_rotary_key_gets_its_gradient_summed_over_tp_and_
 
 
 def test_a_block_of_rows_that_differs_in_an_unsplit_linears_gradient_is_the_summed_recipe() -> None:
-    """Rows 2 to 3 of ``a.1.p``'s gradient differ and the others match: features 2:4 of its output, tried on ``a.0.p``
-    too (its alike, all of whose rows differ); a Linear split by a TP style, a gradient differing in every row or in
-    two blocks, and a 1-D one are not candidates."""
+    """Rows 2 to 3 of ``a.1.p``'s gradient differ, each TP rank's its own share, and the others match: features 2:4 of
+    its output, tried on ``a.0.p`` too (its alike, all of whose rows differ); a Linear split by a TP style, a gradient
+    differing in every row or in two blocks, and a 1-D one are not candidates. Rows that are TP times one process's on
+    both TP ranks were summed twice: no recipe, the hint says so."""
     want = torch.ones(4, 3)
-    block, every, two = want.clone(), want * 2, want.clone()
-    block[2:] = 5
+    every, two = want * 2, want.clone()
     two[0], two[3] = 5, 5
-    grads = {"a.0.p.weight": every, "a.1.p.weight": block, "b.weight": block, "c.weight": every, "d.weight": two,
-             "e.bias": torch.ones(4)}
-    ref = {"grads": {n: (torch.ones(4) if n.endswith("bias") else want) for n in grads}}
-    found = partial.row_candidates(list(grads), ref, [{"grads": grads}], {"colwise": ["b"]}, 1e-4)
+
+    def block(value: float) -> torch.Tensor:
+        g = want.clone()
+        g[2:] = value
+        return g
+
+    def ranks(first: torch.Tensor, second: torch.Tensor) -> list[dict]:
+        grads = [{"a.0.p.weight": every, "a.1.p.weight": g, "b.weight": g, "c.weight": every, "d.weight": two,
+                  "e.bias": torch.ones(4)} for g in (first, second)]
+        return [{"grads": g, "data_rank": 0, "coords": {"TP": t}} for t, g in enumerate(grads)]
+
+    ref = {"grads": {n: (torch.ones(4) if n.endswith("bias") else want) for n in ranks(want, want)[0]["grads"]}}
+    shares = ranks(block(0.3), block(1.7))
+    params = list(ref["grads"])
+    found = partial.row_candidates(params, ref, shares, {"colwise": ["b"]}, 1e-4)
     assert found == [partial.SummedFeatures(("a.0.p", "a.1.p"), 2, 4, 4, "a.1.p")], found
     assert found[0].style() == "SumGradOverTP(start=2)"
     assert partial.SummedFeatures(("x",), 1, 3, 4).style() == "SumGradOverTP(start=1, stop=3)"
+    assert partial.twice_hint(params, ref, shares, {"colwise": ["b"]}, 1e-4, 2) is None
+    twice = ranks(block(2.0), block(2.0))
+    assert partial.row_candidates(params, ref, twice, {"colwise": ["b"]}, 1e-4) == []
+    text = partial.twice_hint(params, ref, twice, {"colwise": ["b"]}, 1e-4, 2)
+    assert text.startswith("on a.1.p (split by no TP style) the rows 2 to 3 of its weight's gradient are 2 times one "
+                           "process's on every TP rank"), text
 
 
 @pytest.mark.parametrize("kwargs", [dict(start=-1), dict(start=2, stop=2), dict(start=1.0), dict(stop="4")])
