@@ -75,4 +75,6 @@ class SumGradOverTP(ParallelStyle):
                              "dim; start and stop must lie within them")
         local = DTensor.from_local(out[..., self.start:stop], mesh, [Replicate()], run_check=False)
         summed = local.to_local(grad_placements=[Partial()])
-        return torch.cat([out[..., :self.start], summed, out[..., stop:]], dim=-1)
+        if self.start == 0 and stop == width:  # the whole output: no copy of it
+            return summed
+        return torch.cat([out[..., :self.start], summed, out[..., stop:]], dim=-1)  # one copy of the output
