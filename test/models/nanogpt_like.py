@@ -255,3 +255,16 @@ def wrong_row_input(model: GPT, mesh: object) -> nn.Module:
 def wrong_sp_norm(model: GPT, mesh: object) -> nn.Module:
     """ln_2 between two sequence-parallel regions left without SequenceParallel."""
     return _sp(model, mesh, norm=False)
+
+
+def stale_entry(model: GPT, mesh: object) -> nn.Module:
+    """The right plan, with an entry a plan written for another model keeps: ``attn.q_proj`` (nanoGPT's attention
+    has one fused ``c_attn``). torch's parallelize_module warns and skips it; the run is exact."""
+    for block in model.transformer.h:
+        torch_parallelize_module(block, mesh["TP"], {"attn.q_proj": ColwiseParallel()})  # type: ignore[index]
+    return parallelize(model, mesh)
+
+
+def typo(model: GPT, mesh: object) -> nn.Module:
+    """A parallelize function that raises before any step: the attribute is ``transformer``."""
+    return parallelize(model.transformr, mesh)  # type: ignore[attr-defined]

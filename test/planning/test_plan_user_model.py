@@ -222,6 +222,27 @@ def test_the_python_api_answers_what_the_cli_prints(capsys, monkeypatch) -> None
     assert all(f["peak"] <= 2**30 for f in search["fits"]) and all(r["reason"] for r in search["rejected"])
 
 
+def test_a_plan_entry_torch_skips_is_said_and_planned_as_it_would_run(monkeypatch) -> None:
+    """A TP plan entry that names no submodule (a plan written for another model's names): torch's parallelize_module
+    warns and skips it, and the plan, which hides the user's warnings, said nothing. It is a note now, once (not
+    once per block traced), with where torch looked."""
+    monkeypatch.syspath_prepend(str(MINE))
+    import mymodel
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    def stale(model, mesh):  # type: ignore[no-untyped-def]
+        for block in model.blocks:
+            parallelize_module(block, mesh["TP"], {"attn.q_proj": ColwiseParallel()})
+        return mymodel.parallelize(model, mesh)
+
+    with_stale = plan(mymodel.make, parallelize=stale, step=mymodel.step, world_size=4, tp=2, global_batch_size=4)
+    said = [n for n in with_stale["notes"] if "parallelize_module skipped" in n]
+    assert said == ["torch's parallelize_module skipped 1 plan entry whose name matches no submodule: 'attn.q_proj' in "
+                    "Block (no child matches 'attn'). What it names stays unsharded, replicated on every TP rank (and "
+                    "planned so: the figures are of the model as it would run); name each module as the model names "
+                    "it (print(model) shows the names)"], with_stale["notes"]
+
+
 @pytest.mark.slow
 def test_a_search_with_the_pipelines_loss_plans_pp_meshes_as_a_plan_of_each_does() -> None:
     """With ``--loss`` a search over the user's functions tries PP too (up to the blocks), each PP mesh traced through

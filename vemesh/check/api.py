@@ -46,12 +46,10 @@ from typing import Any
 import torch
 
 from vemesh.check.compare import compare, modules_before, tolerance
-from vemesh.check.clones import candidate as clones_candidate
-from vemesh.check.clones import hint as clones_hint
+from vemesh.check.clones import candidate as clones_candidate, hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
-from vemesh.check.partial import candidates as partial_candidates
-from vemesh.check.partial import dp_hint, first_shapes, hint as partial_hint, row_candidates, summed_hint, \
-    twice_hint, zero_bubble_hint
+from vemesh.check.partial import candidates as partial_candidates, dp_hint, first_shapes, hint as partial_hint, \
+    row_candidates, summed_hint, twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_size, phases
@@ -156,13 +154,15 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
         ranks = [torch.load(f, weights_only=False) for f in files] if not (failed or missing or result.error) else []
     if failed and failed[0]["kind"] == "input":
         raise CheckInputError(failed[0]["message"])
+    result.skipped_plan = (ranks or failed or [{}])[0].get("skipped", [])  # the plan entries torch skipped
     if gone and not result.error:  # a process gone without a word: the kernel's kill, or gloo's abort
         result.verdict, result.error = "differs", (
             f"rank(s) {gone} of the parallel run ended without a result or an error (killed, out of memory, or "
             "aborted by gloo: a collective of another size on each rank?)"
             + (f"; the others: {failed[0]['message']}" if failed else ""))
-    elif failed:
-        result.verdict, result.error = "differs", failed[0]["message"]
+    elif failed:  # the user's code raised before the step ("failed": nothing compared), or a wrong plan did
+        before = failed[0]["kind"] == "user" and failed[0].get("before_step")
+        result.verdict, result.error = "failed" if before else "differs", failed[0]["message"]
     result.random_ops = ref["random_ops"] + [op for r in ranks for op in r["random_ops"]]
     started = time.monotonic()
     if ranks:

@@ -5,10 +5,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vemesh.parallel.plan_keys import describe
+
 __all__ = ["CheckInputError", "CheckResult", "check_size", "phases"]
 
 #: the parallel run's phases in :attr:`CheckResult.seconds`, on its slowest rank
 _PHASES = ("processes start", "your code's imports", "mesh", "build and parallelize", "step", "gather")
+
+
+#: what a plan entry that torch skipped means for the verdict, in a run that computed the model and in one that did not
+_SKIPPED_THEN = {True: "the numbers are right; the memory and the speed are not what the plan meant",
+                 False: "beside the modules the plan did shard"}
 
 
 class CheckInputError(ValueError):
@@ -19,7 +26,9 @@ class CheckInputError(ValueError):
 class CheckResult:
     """What ``vemesh check`` found; :meth:`render` is the text it prints, :meth:`to_json` its ``--json``."""
 
-    #: ``"exact"``, ``"differs"`` (a wrong plan), or ``"random"`` (a random op in the forward makes them differ)
+    #: ``"exact"``, ``"differs"`` (a wrong plan), ``"random"`` (a random op in the forward makes them differ), or
+    #: ``"failed"`` (the user's code raised in the parallel run before its step: in the factory, the parallelize
+    #: function or the stages' set-up; nothing was compared)
     verdict: str
     degrees: dict[str, int]
     world_size: int
@@ -61,6 +70,9 @@ class CheckResult:
     #: the first module the user's functions compiled (torch.compile): both runs ran it eagerly
     compiled: str | None = None
     random_ops: list[tuple[str, str]] = field(default_factory=list)
+    #: ``(key, token, owner class)`` of the TP plan entries that torch's ``parallelize_module`` skipped because their
+    #: names match no submodule (:mod:`vemesh.parallel.plan_keys`): what they name ran unsharded
+    skipped_plan: list[tuple[str, str, str]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     dp_replicate: int = 1  #: HSDP's replica degree: DP is split into dp_replicate x dp_shard
 
@@ -99,6 +111,9 @@ class CheckResult:
             ops = ", ".join(sorted({f"{op} in {m or 'the root'}" for m, op in self.random_ops}))
             lines.append(f"  {ops}: the two runs draw them differently, so they differ (not a verdict on the plan). "
                          "Make the forward deterministic for the check (a factory argument), and check again")
+        elif self.verdict == "failed":
+            lines.append(f"vemesh check: NOT CHECKED: the parallel run ({mesh} on {self.world_size} gloo processes) "
+                         "failed before its step, so nothing was compared; one process ran the model as built")
         else:
             lines.append(f"vemesh check: DIFFERS from one process. {head}")
         if self.cp_whole_sequence:
@@ -129,8 +144,11 @@ class CheckResult:
             lines.append(f"  named otherwise than in the model ({len(self.unknown)}): {shown}: the check pairs each "
                          "stage's parameters with the model's by name, so a stage module must keep the model's names "
                          "(layer 3 as model.layers.3 on whichever stage holds it), as vemesh.parallel.DecoderStage does")
+        if self.skipped_plan:
+            lines.append(f"  {'but ' if self.exact else ''}{describe(self.skipped_plan, _SKIPPED_THEN[self.exact])}")
         if self.error:
-            lines.append(f"  the parallel run raised where one process did not: {self.error}")
+            lines.append(f"  {'' if self.verdict == 'failed' else 'the parallel run raised where one process did not: '}"
+                         f"{self.error}")
         if self.first_module is not None:
             fm = self.first_module
             lines.append(f"  first module whose output differs: {fm['module'] or '(the root)'} (forward call "

@@ -34,7 +34,7 @@ from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stages_per_rank
 from vemesh.parallel.ties import BrokenTieError, tie_groups
-from vemesh.parallel import tp_replicas
+from vemesh.parallel import plan_keys, tp_replicas
 from vemesh.parallel.tp_split import head_dims
 from vemesh.planning.fake_world import _forget_meshes
 from vemesh.planning.pipeline_trace import pipeline_stages
@@ -260,7 +260,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
     heads: dict[str, tuple[str, dict[str, int]]] = {}  # the head counts of their scopes (for a hint)
     tables: dict[str, tuple[str, int]] = {}  # what is kept per head, by name: its scope, heads dim (for a hint)
     widths: dict[str, int] = {}  # and their head_dim (for a hint: a TP degree that does not divide the heads)
-    failed_in = None  # the module whose forward raised in the step
+    failed_in, skipped = None, []  # the module whose forward raised in the step; the plan entries torch skipped
     went: dict[str, list[str]] = {}  # where the plan's ColwiseParallel and RowwiseParallel went (recipes.swapped)
     outputs: dict[tuple[str, int, int], torch.Tensor] = {}  # the step's module outputs so far (their shapes, on error)
     try:
@@ -280,7 +280,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         tables = head_tables(model, built)
         shard_tables(spec.heads, model, mesh)
         tp_replicas.CHECKING = spec.replica_check
-        with swapped(spec.swaps, model) as went:
+        with swapped(spec.swaps, model) as went, plan_keys.skipped_plan_keys() as skipped:
             model = _call("--parallelize", names[1], parallelize, model, mesh)
         stepped = model
         if spec.degrees.get("PP", 1) > 1:  # this PP rank's stages: the step runs torch's schedule over them
@@ -327,7 +327,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
                     "broken": broken, "apart": apart, "split": split, "heads": heads, "tables": tables, "went": went,
                     "dropouts": det.dropouts,
                     "data_parallel": data_parallel(model), "on_tp": on_tp(model),
-                    "random_ops": det.random_ops, "marks": marks,
+                    "random_ops": det.random_ops, "marks": marks, "skipped": skipped,
                     "compiled": compiled_module([part for part, _ in parts(model)])},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))
@@ -343,8 +343,8 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         with open(part, "w") as f:
             json.dump({"kind": kind, "message": " ".join(text.split()), "module": failed_in, "split": split,
                        "heads": heads, "tables": tables, "head_dims": widths, "went": went, "trace": traceback.format_exc(limit=-6),
-                       # for a hint (vemesh.check.partial): the replicas whose gradients differ over TP, and the
-                       # shape of each module's first output
+                       "before_step": "parallelized" not in marks, "skipped": skipped,  # the step not reached
+                       # for a hint (vemesh.check.partial): the replicas whose grads differ over TP, each module's output shape
                        "params": [plain_name(n) for n in getattr(cause, "names", [])],
                        "shapes": {k[0]: list(v.shape) for k, v in outputs.items() if k[1:] == (0, 0)}}, f)
         os.replace(part, os.path.join(out, f"error{rank}.json"))

@@ -33,7 +33,8 @@ def add_check(commands: Any) -> argparse.ArgumentParser:
         description="Run your factory, parallelize function and step (those vemesh plan takes) once in one process "
                     "and once on N gloo processes of this machine, from the same seeds and inputs, and compare every "
                     "module's output and every gradient. Exit 0 when they match (exact), 1 when they differ (the "
-                    "first module that differs and the gradients are named), 2 on bad input.")
+                    "first module that differs and the gradients are named), 2 on bad input or when your code "
+                    "raised in the parallel run before its step (nothing compared).")
     sub.add_argument("--model", required=True, metavar="module:MODULE:FACTORY", help="builds the model")
     sub.add_argument("--model-kwargs", type=model_kwargs, default={}, metavar="K=V,...",
                      help="keyword arguments for the factory: a small configuration of the same code")
@@ -73,4 +74,4 @@ def _run(args: argparse.Namespace) -> int:
     except CheckInputError as e:
         raise UsageError(str(e)) from None
     print(json.dumps(result.to_json(), indent=2) if args.json else result.render())
-    return 0 if result.exact else 1
+    return 0 if result.exact else 2 if result.verdict == "failed" else 1

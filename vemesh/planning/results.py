@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from vemesh.parallel.plan_keys import describe
 from vemesh.planning.estimate import RankMemory
 
 __all__ = ["Counted", "MeshFit", "RankClass", "more_counts", "more_ops"]
@@ -94,6 +95,8 @@ class Counted:
     #: the model's largest kind of buffer: ``(name, bytes of one)`` (:class:`~vemesh.planning.fake_world.Held`)
     largest_buffer: tuple[str, int] | None = None
     compiled: str | None = None  #: the first module the user's functions compiled (:func:`user_code.compiled_module`)
+    #: the TP plan entries torch's parallelize_module skipped, once each (:mod:`vemesh.parallel.plan_keys`)
+    skipped_plan: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def weights(self) -> int:
@@ -117,6 +120,11 @@ class Counted:
         return (f"your functions compiled modules with torch.compile (the first: {self.compiled!r}); the trace ran them "
                 "eagerly, as it runs every step: the peak is eager's (inductor's recomputation is not modelled), and "
                 "--compile with --device-profile times what inductor fuses")
+
+    def skipped_note(self) -> str | None:
+        """Said where torch's parallelize_module skipped entries of the user's TP plan: planned unsharded."""
+        return describe(list(self.skipped_plan), "and planned so: the figures are of the model as it would run") \
+            if self.skipped_plan else None
 
     @classmethod
     def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:

@@ -39,7 +39,7 @@ from torch import nn
 
 from vemesh.layout.data_dims import data_dims
 from vemesh.layout.names import divisors, listed
-from vemesh.parallel import fully_shard
+from vemesh.parallel import fully_shard, plan_keys
 from vemesh.parallel.ddp import DistributedDataParallel
 from vemesh.parallel.tp_split import column_split_linears, head_dims, uneven_hint
 from vemesh.planning.estimate import RankMemory
@@ -142,7 +142,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             stack = model.get_submodule(blocks[0]) if blocks is not None and pp == 1 else None
             kind = (blocks[0], type(next(model.get_submodule(blocks[0]).children()))) \
                 if blocks is not None and cut_at_blocks else None  # no module held
-            wrapped = _wrap(fns, model, mesh, degrees, dp_mode)
+            with plan_keys.skipped_plan_keys() as skipped:
+                wrapped = _wrap(fns, model, mesh, degrees, dp_mode)
             if pp > 1:
                 stages = pipeline_stages(wrapped, parallelize_name, pp_rank, pp, fns.pp_schedule)
                 parts = [stage.submod for stage in stages]
@@ -215,7 +216,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         phases[phase] = (peak, held)
     one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
                                     *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
-                  compiled=compiled_module(parts))
+                  compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
                       flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
@@ -393,4 +394,4 @@ def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
         notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
     if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
         notes.append(_READ_MODES[counted.dp_mode])
-    return notes + [n for n in (counted.buffers_note(), counted.compiled_note()) if n is not None]
+    return notes + [n for n in (counted.buffers_note(), counted.compiled_note(), counted.skipped_note()) if n is not None]

@@ -758,6 +758,50 @@ def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dten
         dist.destroy_process_group()
 
 
+def test_the_plan_entries_torch_skips_are_recorded_with_where_it_looked_and_other_warnings_pass() -> None:
+    """On a fake world of 2: a key that matches no child at its first name, and one whose first name matches and
+    whose rest does not (torch's recursion warns with the rest and the child), each recorded once per call; a
+    warning of another kind is emitted as it was; the entry that resolves shards."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.parallel.plan_keys import describe, skipped_plan_keys
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(4, 12)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("TP",))
+        blocks = [Block(), Block()]
+        with pytest.warns(UserWarning, match="the user's own") as other, skipped_plan_keys() as skipped:
+            for block in blocks:
+                parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.q_proj": ColwiseParallel(),
+                                                 "self_attn.o_proj": ColwiseParallel()})
+            warnings.warn("the user's own")
+        assert len(other) == 1 and all(isinstance(b.attn.qkv.weight, DTensor) for b in blocks)
+        assert skipped == [("q_proj", "q_proj", "Attention"), ("self_attn.o_proj", "self_attn", "Block")] * 2
+        assert describe(skipped, "then") == (
+            "torch's parallelize_module skipped 2 plan entries whose name matches no submodule: 'q_proj' in Attention "
+            "(2 times), 'self_attn.o_proj' in Block (no child matches 'self_attn') (2 times). What they name stays "
+            "unsharded, replicated on every TP rank (then); name each module as the model names it (print(model) "
+            "shows the names)")
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow  # two runs of 2 processes
 def test_hf_opts_heads_folded_into_its_sequence_are_named_by_its_head_count_not_by_out_projs_bias() -> None:
     """HF's OPT views q, k and v by ``view(bsz, -1, self.num_heads, head_dim)``: under TP 2 the ``-1`` takes the
@@ -988,6 +1032,27 @@ def test_bad_input_is_one_line_naming_the_value(argv: list[str], message: str,
     assert err.count("\n") == 1 and err.startswith("vemesh: error: ") and message in err, err
 
 
+def test_a_parallelize_that_raises_is_not_checked_and_a_plan_entry_torch_skipped_is_named(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A parallelize function that raises in the parallel run (a typo) was "DIFFERS from one process" with 0 outputs
+    compared, exit 1: a verdict on numbers never computed. It is "NOT CHECKED", exit 2, with the user's frame. And
+    a plan entry that names no submodule, which torch's parallelize_module skips with a warning on each rank's
+    stderr, leaves the run exact but is said on the verdict, once, with where torch looked."""
+    code = main(["check", "--model", f"module:{nano('make')}", "--parallelize", nano("typo"), "--step", nano("step"),
+                 "--world-size", "2", "--tp", "2"])
+    out = capsys.readouterr().out
+    assert code == 2 and out.startswith("vemesh check: NOT CHECKED: the parallel run (TP 2 on 2 gloo processes) "
+                                        "failed before its step"), out
+    assert "--parallelize " + nano("typo") + " failed at test/models/nanogpt_like.py:" in out and \
+        "AttributeError: 'GPT' object has no attribute 'transformr'" in out and "raised where" not in out, out
+    stale = run("make", "stale_entry")
+    assert stale.exact and set(stale.skipped_plan) == {("q_proj", "q_proj", "CausalSelfAttention")}, stale.render()
+    said = stale.render().splitlines()[1]
+    assert said.startswith("  but torch's parallelize_module skipped 1 plan entry whose name matches no submodule: "
+                           "'q_proj' in CausalSelfAttention (2 times). What it names stays unsharded"), said
+    assert "the numbers are right" in said and "could not be resolved" not in capsys.readouterr().err
+
+
 def test_a_step_that_raises_in_one_process_is_bad_input() -> None:
     with pytest.raises(CheckInputError, match=r"in one process, before any parallelizing"):
         check(f"module:{nano('make')}", nano("parallelize"), nano("make"), world_size=2, tp=2)
@@ -1052,7 +1117,7 @@ def test_a_degree_the_users_function_refuses_on_every_rank_is_its_own_error_not_
     the first had failed, so the ones that had not yet written their error were named as gone without a word
     ("killed, out of memory, or aborted by gloo"); they now get a grace to end on their own."""
     result = check(f"module:{LLAMA3}:make", f"{LLAMA3}:parallelize_fsdp", f"{LLAMA3}:step", world_size=4, tp=4)
-    assert not result.exact
+    assert result.verdict == "failed", result.render()  # the function's own refusal: no verdict on the plan
     assert "ValueError: TP 4 does not divide Llama 3's 2 KV heads; choose TP from 1, 2" in result.error
     assert "ended without a result" not in result.error, result.error
 
