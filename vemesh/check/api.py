@@ -3,10 +3,8 @@
 It runs the user's three functions (the planner's: ``make()``, ``parallelize(model, mesh)``,
 ``step(model, micro_batch_size)``) twice on this machine, for real:
 
-1. in this process, once for each data-parallel rank's inputs, the gradients summed and divided by DP (what DP's
-   averaging gives);
-2. on ``world_size`` gloo processes that it starts itself, with the mesh that ``ParallelDims`` builds for the degrees
-   (as ``vemesh plan`` builds it), each rank stepping the inputs of its DP rank.
+1. in this process, once for each data-parallel rank's inputs, the gradients summed and divided by DP;
+2. on ``world_size`` gloo processes that it starts itself, with the mesh ``ParallelDims`` builds for the degrees.
 
 Both build the model from the same seed. Before each step the RNG is seeded with ``seed + 1 + d`` for DP rank ``d``,
 so a step that draws its tokens with ``torch.randint`` draws DP rank ``d``'s batch in both runs, and the TP (CP, EP)
@@ -38,6 +36,7 @@ model's own modules each stage holds whole, every gradient, and the parameters n
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from dataclasses import replace
@@ -51,7 +50,7 @@ from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.partial import candidates as partial_candidates, dp_hint, first_shapes, hint as partial_hint, \
     row_candidates, summed_hint, twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
-from vemesh.check.recipes import RECIPES, Swap, candidates, hint, near, refused_hint, width_candidates, width_hint
+from vemesh.check.recipes import RECIPES, Swap, all_stages, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_size, phases
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 from vemesh.layout.names import divisors, listed
@@ -200,12 +199,12 @@ def _located(ref: dict, result: CheckResult, ranks: list[dict],
     """Where a run went wrong, for :func:`~vemesh.check.recipes.candidates`: the first module that differs (and the
     modules before it) or the one whose forward raised, the Linears split in plain blocks, and where the plan's
     styles went; None where no module is named."""
-    if ranks and result.first_module is not None:
-        return (result.first_module["module"], modules_before(ref["outputs"], result.first_module),
-                ranks[0]["split"], ranks[0]["went"])
-    if failed and failed[0].get("module") is not None:
-        return failed[0]["module"], None, failed[0]["split"], failed[0]["went"]
-    return None
+    differs = bool(ranks) and result.first_module is not None  # else raised, where failed[0] says (or nowhere)
+    if not (records := ranks if differs else failed[:1] if failed and failed[0].get("module") is not None else []):
+        return None
+    split, went = all_stages(records, ref["grads"]) if "PP" in result.degrees else (records[0]["split"], records[0]["went"])
+    return (result.first_module["module"], modules_before(ref["outputs"], result.first_module), split, went) \
+        if differs else (failed[0]["module"], None, split, went)
 
 
 def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict],
@@ -407,4 +406,5 @@ def _outcome(trial: CheckResult, located: tuple | None) -> str:
         return f"raises in {located[0] or 'the root'}"
     if trial.gradients:
         return f"differs in {trial.gradients[0][0]}'s gradient"
-    return (trial.error or "differs")[:160]
+    # the error's words, not its frame: a site-packages path filled the 160 characters before the error's own text
+    return re.sub(r" failed at \S+ in [\w<>.]+: ", " failed: ", trial.error)[:160] if trial.error else "differs"

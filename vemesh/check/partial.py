@@ -204,12 +204,15 @@ def _split_dim(got: Any, want: Any, tp: int) -> int | None:
 
 
 def first_shapes(ranks: list[dict]) -> dict[str, list[int]]:
-    """The shape of each module's first output on the first TP rank of DP rank 0 (the other dims' coordinates 0)."""
-    first = min((r for r in ranks if r["data_rank"] == 0),
-                key=lambda r: tuple(sorted(r["coords"].items())), default=None)
-    if first is None:
-        return {}
-    return {k[0]: list(v.shape) for k, v in first["outputs"].items() if k[1:] == (0, 0)}
+    """The shape of each module's first output on the first TP rank of DP rank 0 (the other dims' coordinates 0), on
+    every PP rank: each holds its own stages' modules."""
+    shapes: dict[str, list[int]] = {}
+    for pp in sorted({r["coords"].get("PP", 0) for r in ranks}):
+        first = min((r for r in ranks if r["data_rank"] == 0 and r["coords"].get("PP", 0) == pp),
+                    key=lambda r: tuple(sorted(r["coords"].items())), default=None)
+        if first is not None:
+            shapes |= {k[0]: list(v.shape) for k, v in first["outputs"].items() if k[1:] == (0, 0)}
+    return shapes
 
 
 def candidates(params: list[str], ref: dict, shapes: dict[str, list[int]], tp: int) -> list[ShardedInput]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -58,6 +59,27 @@ def near(first: str, name: str) -> bool:
     """Module ``first`` is in the scope of Linear ``name`` (its parent's), under it, or holds it ("" is the root)."""
     scope = name.rpartition(".")[0]
     return not first or name.startswith(first + ".") or first == scope or first.startswith(scope + ".")
+
+
+def all_stages(records: list[dict], grads: dict[str, Any]) -> tuple[list[tuple[str, int, int, int]], dict]:
+    """Under PP, the split Linears and where the plan's styles went (``split`` and ``went`` of the ranks'
+    ``records``) on every stage: each rank records its own stages' modules, and a rank whose stage raised may be the
+    only one to record anything. Merged over ``records``, then each split Linear's alike in the model as built
+    (``grads``: the one-process run's gradients by name; the same last name and weight shape) counted as split, and as
+    ColwiseParallel where it is, so that a recipe goes to every stage's layers and not to this stage's alone."""
+    split = list(dict.fromkeys(tuple(s) for r in records for s in r["split"]))
+    went = {k: list(dict.fromkeys(n for r in records for n in r["went"].get(k, ()))) for k in records[0]["went"]}
+    held = {n for n, *_ in split}
+    for name, out_features, in_features, tp in list(split):
+        last = name.rpartition(".")[2]
+        for other, g in grads.items():
+            module, _, kind = other.rpartition(".")
+            if kind == "weight" and module not in held and module.rpartition(".")[2] == last and g is not None \
+                    and tuple(g.shape) == (out_features, in_features):
+                split.append((module, out_features, in_features, tp))
+                held.add(module)
+                went["colwise"] += [module] if name in went.get("colwise", ()) else []
+    return split, went
 
 
 @dataclass(frozen=True)

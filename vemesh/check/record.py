@@ -145,15 +145,17 @@ class Recorder:
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
-        if name is not None and not _in_backward() and not _UNRECORDED[0]:
-            self.stack.append(name)
+        if name is not None and not _in_backward():  # also where not recorded: a pipeline stage's shape inference
+            self.stack.append(name)  # runs the first forward, and a wrong plan raises there first (where, said)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self.names.get(id(module))
-        if name is None or _in_backward() or _UNRECORDED[0]:
+        if name is None or _in_backward():
             return
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
+        if _UNRECORDED[0]:
+            return
         if self.experts and any(s in self.experts for s in self.stack):  # inside one: the routed tokens
             return
         call = self.calls.get(name, 0)

@@ -32,6 +32,7 @@ from vemesh.check.record import (Deterministic, Recorder, column_split_linears, 
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
+from vemesh.parallel.hf_stages import unchecked
 from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stages_per_rank
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel import plan_keys, tp_replicas
@@ -71,9 +72,8 @@ class Spec:
     #: SumGradOverTP on features of modules, after the user's parallelize function (:mod:`vemesh.check.partial`)
     summed: tuple[SummedFeatures, ...] = ()
     replica_check: bool = True  #: False: vemesh DDP's and FSDP2's check of the replicas over TP off (their gradients)
-    #: under PP: the schedule's ``loss_fn(output, target)`` reference, and the schedule (``--pp-schedule``)
-    loss: Any = None
-    pp_schedule: str = "1f1b"
+    loss: Any = None  #: under PP: the schedule's ``loss_fn(output, target)`` reference
+    pp_schedule: str = "1f1b"  #: and the schedule (``--pp-schedule``)
     #: under PP, the model's modules' parameters by name, from the one-process run: a stage's modules are recorded
     #: where they are the model's (:class:`~vemesh.check.record.Recorder`)
     model_params: dict[str, frozenset] | None = None
@@ -280,7 +280,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         tables = head_tables(model, built)
         shard_tables(spec.heads, model, mesh)
         tp_replicas.CHECKING = spec.replica_check
-        with swapped(spec.swaps, model) as went, plan_keys.skipped_plan_keys() as skipped:
+        with swapped(spec.swaps, model) as went, plan_keys.skipped_plan_keys() as skipped, unchecked(bool(spec.heads or spec.sharded)):
             model = _call("--parallelize", names[1], parallelize, model, mesh)
         stepped = model
         if spec.degrees.get("PP", 1) > 1:  # this PP rank's stages: the step runs torch's schedule over them

@@ -25,7 +25,9 @@ parameters). Drop the whole model after building the stage, and only the stage's
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +37,22 @@ from vemesh.parallel.context.api import current_positions
 from vemesh.parallel.schedules import split_layers
 
 __all__ = ["DecoderStage"]
+
+
+#: depth of :func:`unchecked`
+_UNCHECKED = [0]
+
+
+@contextlib.contextmanager
+def unchecked(on: bool = True) -> Iterator[None]:
+    """While active (where ``on``), :class:`DecoderStage` does not check its cut against the whole model: for
+    ``vemesh check``, whose recipes may shard a model's per-head parameters over TP before the user's function cuts
+    it, and which compares the whole run with one process itself."""
+    _UNCHECKED[0] += on
+    try:
+        yield
+    finally:
+        _UNCHECKED[0] -= on
 
 
 class _Layers(nn.ModuleList):
@@ -78,7 +96,8 @@ class DecoderStage(nn.Module):
         n_stages: the stages of the cut (PP, or PP times the stages a rank holds under an interleaved schedule).
         check: chain every stage of the cut on a short random sequence and compare with the whole model first
             (two forwards of the model, in eval mode, without gradients); False skips it. Cut the model before
-            parallelizing it (TP, FSDP2): the check runs the model whole on this rank. Under ``vemesh plan``'s
+            parallelizing it (TP, FSDP2): the check runs the model whole on this rank (where a model parallelized
+            in part fails it, the error says so). Under ``vemesh plan``'s
             trace (fake tensors: shapes, no values) there is nothing to compare, and it is not run.
 
     Raises:
@@ -113,7 +132,7 @@ class DecoderStage(nn.Module):
         if not self.last:
             self.model.norm = nn.Identity()
         self.lm_head = head if self.last else None
-        if check and n_stages > 1:
+        if check and n_stages > 1 and not _UNCHECKED[0]:
             _check_cut(model, n_stages)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,6 +172,17 @@ def _check_cut(model: nn.Module, n_stages: int) -> None:
             h = tokens
             for s in range(n_stages):
                 h = DecoderStage(model, s, n_stages, check=False)(h)
+    except Exception as e:
+        from torch.distributed.tensor import DTensor
+
+        sharded = next(((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+        if sharded is None:
+            raise
+        # a model parallelized whole runs whole (its collectives on every rank); one parallelized in part does not
+        raise ValueError(f"{type(model).__name__} was parallelized before the cut ({sharded[0]} is a DTensor "
+                         f"{tuple(sharded[1].placements)} on {sharded[1].device_mesh.mesh_dim_names}), and the check "
+                         f"of the cut, which runs the model whole, raised: {type(e).__name__}: {e}. Cut it first "
+                         "(DecoderStage), then apply your TP plan and FSDP2 to the stage; or pass check=False") from e
     finally:
         for m, training in modes:
             m.training = training

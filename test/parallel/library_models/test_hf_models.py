@@ -165,3 +165,25 @@ def test_a_decoder_stage_refuses_a_tied_head_a_forward_it_cannot_cut_and_bad_arg
     whole = _hf("llama-tied")  # one stage holds both ends: the whole model
     tokens = torch.randint(0, 128, (2, 16))
     torch.testing.assert_close(DecoderStage(whole, 0, 1)(tokens), whole(tokens).logits, rtol=0, atol=0)
+    # parallelized before the cut (on rank 0 of a fake world of 2): the check would run this rank's shards whole
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.parallel.hf_stages import unchecked
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        sharded = _hf("llama")  # q_proj split, the rest whole: its forward raises on this rank's heads
+        parallelize_module(sharded.model.layers[0], init_device_mesh("cpu", (2,), mesh_dim_names=("TP",)),
+                           {"self_attn.q_proj": ColwiseParallel()})
+        with pytest.raises(ValueError, match=r"LlamaForCausalLM was parallelized before the cut "
+                                             r"\(model.layers.0.self_attn.q_proj.weight is a DTensor \(Shard\(dim=0\),\) "
+                                             r"on \('TP',\)\), and the check of the cut, which runs the model whole, "
+                                             r"raised: RuntimeError: .* Cut it first \(DecoderStage\), then apply"):
+            DecoderStage(sharded, 0, 2)
+        with unchecked():  # vemesh check's recipes shard per-head parameters before the user's function cuts
+            assert DecoderStage(sharded, 1, 2).lm_head is sharded.lm_head
+    finally:
+        dist.destroy_process_group()
