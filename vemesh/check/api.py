@@ -48,7 +48,7 @@ from vemesh.check.compare import compare, modules_before, tolerance
 from vemesh.check.clones import candidate as clones_candidate, hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.partial import candidates as partial_candidates, dp_hint, first_shapes, hint as partial_hint, \
-    row_candidates, summed_hint, twice_hint, zero_bubble_hint
+    on_every_stage, row_candidates, summed_hint, twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, all_stages, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_size, phases
@@ -190,8 +190,7 @@ def _check_pipeline(pp: int, loss: Any, pp_schedule: str) -> None:
         raise CheckInputError(f"--pp-schedule: {e}") from None
 
 
-#: at most this many parallel runs with a recipe in the plan's place (:mod:`vemesh.check.recipes`) for the hints
-MAX_TRIES = 8
+MAX_TRIES = 8  #: at most this many parallel runs with a recipe in the plan's place (:mod:`vemesh.check.recipes`)
 
 
 def _located(ref: dict, result: CheckResult, ranks: list[dict],
@@ -351,8 +350,9 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
             hints.append(said)
             return 0
         params, shapes = [n for n, _ in result.gradients], first_shapes(ranks)
-    else:
-        params, shapes = replicas.get("params", []), replicas.get("shapes", {})
+    else:  # under PP, one stage's rank said it: the others' alike too
+        params, shapes = on_every_stage(replicas.get("params", []), replicas.get("shapes", {}), ref) \
+            if "PP" in result.degrees else (replicas.get("params", []), replicas.get("shapes", {}))
     runs, exact = _summed_hints(spec, ref, tol, result, ranks, hints) if replicas is None else (0, False)
     if exact:
         return runs

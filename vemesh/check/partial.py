@@ -215,6 +215,21 @@ def first_shapes(ranks: list[dict]) -> dict[str, list[int]]:
     return shapes
 
 
+def on_every_stage(params: list[str], shapes: dict[str, list[int]], ref: dict) -> tuple[list[str], dict]:
+    """Under PP, where one stage's rank alone said which replicas' gradients differ over TP (the backward raised on
+    the last stage first, and the others were stopped): ``params`` with each one's alike in the model as built (the
+    one-process run's gradients, by :func:`~vemesh.check.clones.layer_pattern`), and ``shapes`` with each alike
+    module's output shape taken as its own's."""
+    patterns = {layer_pattern(n): n for n in params}
+    more = [n for n in ref["grads"] if n not in params and layer_pattern(n) in patterns]
+    shapes = dict(shapes)
+    for name in more:
+        module, known = name.rpartition(".")[0], patterns[layer_pattern(name)].rpartition(".")[0]
+        if module not in shapes and known in shapes:
+            shapes[module] = shapes[known]
+    return list(params) + more, shapes
+
+
 def candidates(params: list[str], ref: dict, shapes: dict[str, list[int]], tp: int) -> list[ShardedInput]:
     """The modules that own parameters ``params`` (those whose gradients differ) and whose output on a TP rank
     (``shapes``: :func:`first_shapes`, or what a failed rank recorded) is a plain tensor split over TP along one dim,

@@ -18,6 +18,7 @@ records any other random op that a module's forward draws, so that a difference 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -234,3 +235,13 @@ class Deterministic(TorchFunctionMode):
         elif func in _RANDOM and self.recorder.stack and not _in_backward() and not _UNRECORDED[0]:
             self.random_ops.append((self.recorder.stack[-1], getattr(func, "__name__", str(func))))
         return func(*args, **kwargs)
+
+
+def positions_argument(model: nn.Module) -> str | None:
+    """The name under which ``model``'s forward takes the tokens' positions (HF's ``position_ids``, torchtitan's
+    ``positions``, gpt-fast's ``input_pos``), or None where it takes none by name: for the CP positions hint."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return None
+    return next((n for n in names if "position" in n or n in ("input_pos", "pos", "pos_ids")), None)

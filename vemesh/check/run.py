@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, 
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
-                                 on_tp, parts, plain_name, quiet_shape_inference, unwrap)
+                                 on_tp, parts, plain_name, positions_argument, quiet_shape_inference, unwrap)
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
@@ -110,8 +109,9 @@ def _call(what: str, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except Exception as e:
-        raise UserError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: "
-                         f"{_said(e)}{known_cause(e)}") from e
+        said = _raised_by_vemesh(e) or e  # not torch's pipeline stage's own error raised from it
+        raise UserError(f"{what} {name} failed{user_frame(e)}: {type(said).__name__}: "
+                         f"{_said(said)}{known_cause(said)}") from e
 
 
 def _said(error: BaseException) -> str:
@@ -237,14 +237,12 @@ class _Logits(torch.nn.Module):
         return first
 
 
-def positions_argument(model: torch.nn.Module) -> str | None:
-    """The name under which ``model``'s forward takes the tokens' positions (HF's ``position_ids``, torchtitan's
-    ``positions``, gpt-fast's ``input_pos``), or None where it takes none by name: for the CP positions hint."""
-    try:
-        names = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):  # a forward without a signature Python can read
-        return None
-    return next((n for n in names if "position" in n or n in ("input_pos", "pos", "pos_ids")), None)
+def _raised_by_vemesh(error: BaseException) -> BaseException | None:
+    """The tie or TP-replica error of vemesh's wrappers in ``error``'s chain of causes, or None: torch's pipeline
+    stage raises its own ``RuntimeError`` ("Failed to run stage backward") from what the backward raised."""
+    while error is not None and not isinstance(error, (BrokenTieError, tp_replicas.TPReplicaError)):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def _worker(rank: int, spec: Spec, out: str) -> None:
@@ -334,7 +332,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 -- written for the parent, then raised so that the others stop
-        cause = e.__cause__ if isinstance(e, UserError) and e.__cause__ is not None else e
+        cause = _raised_by_vemesh(e) or (e.__cause__ if isinstance(e, UserError) and e.__cause__ is not None else e)
         kind = ("tie" if isinstance(cause, BrokenTieError) else "tp_replicas" if isinstance(cause, tp_replicas.TPReplicaError)
                 else "input" if isinstance(e, CheckInputError) else "user" if isinstance(e, UserError) else "other")
         text = str(e) if isinstance(e, (UserError, CheckInputError)) else f"{type(e).__name__}: {e}"

@@ -397,7 +397,8 @@ def test_the_positions_hint_names_the_keyword_the_models_forward_takes_them_by()
 
     from vemesh.check import positions
     from vemesh.check.result import CheckResult
-    from vemesh.check.run import Spec, positions_argument
+    from vemesh.check.record import positions_argument
+    from vemesh.check.run import Spec
 
     class Titan(nn.Module):
         def forward(self, tokens, positions=None, attention_masks=None): ...
@@ -989,25 +990,31 @@ def test_pipeline_stages_are_checked_against_the_whole_model_in_one_process() ->
     assert not tied.broken_ties and "every output matches" not in tied.render()
 
 
-@pytest.mark.slow  # a run of 4 processes and the recipes' runs, each
-@pytest.mark.parametrize("model, parallelize, hint", [
-    ("make_qwen3", "qwen3_without_norms", "model.layers.0.self_attn.k_norm and 3 more hold parameters replicated over "
-     "TP"),
-    ("make_phi3", "phi3_naive", "model.layers.0.self_attn.qkv_proj (Linear 64 -> 192) and its 1 alike split by rows"),
-    ("make_gpt_oss", "gpt_oss_naive", "model.layers.0.self_attn (and its 1 alike) keeps a value per head in sinks"),
+@pytest.mark.slow  # a run of 4 or 8 processes and the recipes' runs, each
+@pytest.mark.parametrize("model, parallelize, world_size, hint", [
+    ("make_qwen3", "qwen3_without_norms", 4, "model.layers.0.self_attn.k_norm and 3 more hold parameters replicated "
+     "over TP"),
+    ("make_qwen3", "qwen3_without_norms_ddp", 8, "model.layers.0.self_attn.k_norm and 3 more hold parameters "
+     "replicated over TP"),
+    ("make_phi3", "phi3_naive", 4, "model.layers.0.self_attn.qkv_proj (Linear 64 -> 192) and its 1 alike split by "
+     "rows"),
+    ("make_gpt_oss", "gpt_oss_naive", 4, "model.layers.0.self_attn (and its 1 alike) keeps a value per head in sinks"),
 ])
-def test_under_pp_a_recipe_is_tried_on_every_stages_layers_and_makes_the_check_exact(model: str, parallelize: str,
-                                                                                     hint: str) -> None:
-    """PP 2 x TP 2, layer 0 on the first stage and layer 1 on the second. Each rank records its own stage's modules:
-    the recipes were tried on layer 0's alone ("the check then differs in model.layers.1...", a second hint); a
-    forward that raised in a stage's shape inference (its first) was not located, so Phi-3 got no hint; and GPT-OSS's
-    sinks, sharded before the user's function cut the model, failed DecoderStage's check of the cut. One hint each
-    now, tried on both stages, exact."""
+def test_under_pp_a_recipe_is_tried_on_every_stages_layers_and_makes_the_check_exact(
+        model: str, parallelize: str, world_size: int, hint: str) -> None:
+    """PP 2 x TP 2 (x DP 2 under vemesh DDP), layer 0 on the first stage and layer 1 on the second. Each rank records
+    its own stage's modules: the recipes were tried on layer 0's alone ("the check then differs in
+    model.layers.1..."); a forward that raised in a stage's shape inference (its first) was not located, so Phi-3 got
+    no hint; GPT-OSS's sinks, sharded before the user's function cut the model, failed DecoderStage's check of the
+    cut; and vemesh DDP's TPReplicaError, which torch's stage raises its own error from, was not seen (no hint), and
+    named the last stage's norms alone. One hint each now, tried on both stages, exact."""
     jobs = str(ROOT / "test" / "models" / "hf_pp_jobs.py")
     result = check(f"module:{jobs}:{model}", f"{jobs}:{parallelize}", f"{jobs}:step_pp", loss=f"{jobs}:loss_fn",
-                   world_size=4, pp=2, tp=2, micro_batch_size=1)
+                   world_size=world_size, pp=2, tp=2, micro_batch_size=1)
     assert result.verdict == "differs" and len(result.hints) == 1, result.render()
     assert hint in result.hints[0] and "makes the check exact" in result.hints[0], result.hints[0]
+    assert ("in step_pp: TPReplicaError: the gradient of model.layers.1.self_attn" in result.error) == \
+        parallelize.endswith("_ddp"), result.error
 
 
 # ------------------------------------------------------------------------------------------------ the command
