@@ -30,6 +30,19 @@ def step(model: nn.Module, micro_batch_size: int) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
+def step_cp(model: nn.Module, micro_batch_size: int) -> None:
+    """:func:`step` with the tokens, labels and positions cut over ``mesh["CP"]`` by ``context_parallel``."""
+    from vemesh import VESCALE_DEVICE_MESH
+    from vemesh.parallel import context_parallel
+
+    ids = torch.randint(0, VOCAB, (micro_batch_size, SEQ + 1))
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    positions = torch.arange(SEQ).expand(micro_batch_size, SEQ).contiguous()
+    with context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=[x, y, positions], buffer_seq_dims=[1, 1, 1]):
+        logits = model(input_ids=x, position_ids=positions).logits
+        nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+
+
 def _tp(model: nn.Module, mesh, norms: bool) -> nn.Module:
     """The vocabulary-parallel tied pair (kept one parameter by vemesh's parallelize_module), HF's Llama-like plan on
     each layer, and with ``norms`` SequenceParallel on the q and k norms over the heads' dim (2)."""

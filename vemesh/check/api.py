@@ -345,7 +345,7 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
     if replicas is None:
         wrapped = any(r.get("data_parallel", False) for r in ranks)
         said = (zero_bubble_hint(spec.pp_schedule, result.degrees["DP"], wrapped) if "PP" in result.degrees else None) \
-            or dp_hint(result.degrees["DP"], len(result.gradients), result.gradients_compared, wrapped)
+            or dp_hint(result.degrees, len(result.gradients), result.gradients_compared, wrapped)
         if said is not None:
             hints.append(said)
             return 0

@@ -65,16 +65,26 @@ def apply(recipes: tuple[ShardedInput, ...], model: nn.Module, tp_mesh: Any) -> 
                                SequenceParallel(sequence_dim=recipe.dim, use_local_output=True))
 
 
-def dp_hint(dp: int, differing: int, compared: int, wrapped: bool) -> str | None:
-    """The hint where every gradient differs with DP above 1 and the parallelize function wrapped no data-parallel
-    module the check knows (``wrapped``: :func:`vemesh.check.record.data_parallel`), else None."""
-    if dp < 2 or not compared or differing < compared or wrapped:
+def dp_hint(degrees: dict[str, int], differing: int, compared: int, wrapped: bool) -> str | None:
+    """The hint where every gradient differs with DP or CP above 1 (the dims a data-parallel wrapper averages the
+    gradients over) and the parallelize function wrapped no data-parallel module the check knows (``wrapped``:
+    :func:`vemesh.check.record.data_parallel`), else None."""
+    data = {d: degrees.get(d, 1) for d in ("DP", "CP") if degrees.get(d, 1) > 1}
+    if not data or not compared or differing < compared or wrapped:
         return None
-    return (f"every gradient differs ({differing} of {compared}) and every output matches, with DP {dp}, and "
-            "--parallelize wrapped no data-parallel module (DDP, FSDP2): each DP rank kept its own batch's gradients, "
-            "and one process averages the DP ranks' (as DDP and FSDP do). Wrap the model in --parallelize "
-            "(vemesh.ddp.DistributedDataParallel, vemesh.parallel.fully_shard, or torch's), or check the TP plan "
-            "alone at DP 1 (--world-size equal to TP x CP)")
+    named = " x ".join(f"{d} {n}" for d, n in data.items())
+    if "CP" not in data:
+        return (f"every gradient differs ({differing} of {compared}) and every output matches, with {named}, and "
+                "--parallelize wrapped no data-parallel module (DDP, FSDP2): each DP rank kept its own batch's "
+                "gradients, and one process averages the DP ranks' (as DDP and FSDP do). Wrap the model in "
+                "--parallelize (vemesh.ddp.DistributedDataParallel, vemesh.parallel.fully_shard, or torch's), or check "
+                "the TP plan alone at DP 1 (--world-size equal to TP x CP)")
+    return (f"every gradient differs ({differing} of {compared}) and every output matches, with {named}, and "
+            "--parallelize wrapped no data-parallel module (DDP, FSDP2): each CP rank kept the gradients of its own "
+            "part of the sequence" + (" of its DP rank's batch" if "DP" in data else "") + ", where one process has "
+            f"the whole's. A data-parallel wrapper averages them over {' x '.join(data)} (each CP rank's loss is a "
+            "mean over its part): wrap the model in --parallelize (vemesh.ddp.DistributedDataParallel or "
+            "vemesh.parallel.fully_shard, which take the mesh's data dims, DP and CP)")
 
 
 @dataclass(frozen=True)

@@ -517,15 +517,20 @@ def test_hf_qwen3_per_head_norms_refused_by_ddp_get_sequence_parallel_on_the_hea
     assert result.hints == [partial_hint(ShardedInput(tuple(sorted(norms)), 2), "", [])], result.render()
 
 
-@pytest.mark.slow  # one run of 4 processes
-def test_dp_without_a_data_parallel_wrapper_is_said_and_no_tp_recipe_is_tried() -> None:
-    """HF's Qwen3 at DP 2 x TP 2 with a TP plan and no DDP or FSDP2: every gradient is each DP rank's own batch's.
-    The check says so, and tries no TP recipe (its norms' fault hides behind this one until DP is averaged)."""
+@pytest.mark.slow  # one run of 4 processes each
+@pytest.mark.parametrize("step, degrees, said", [("step", {}, "DP 2"), ("step_cp", {"cp": 2}, "CP 2")])
+def test_dp_without_a_data_parallel_wrapper_is_said_and_no_tp_recipe_is_tried(step: str, degrees: dict,
+                                                                               said: str) -> None:
+    """HF's Qwen3 at DP 2 x TP 2 (or CP 2 x TP 2) with a TP plan and no DDP or FSDP2: every gradient is each DP
+    rank's own batch's (each CP rank's own part of the sequence's). The check says so, and tries no TP recipe (its
+    norms' fault hides behind this one until the gradients are averaged). Under CP it offered SequenceParallel on
+    lm_head and 20 more modules, which raised."""
     q3 = str(ROOT / "test" / "models" / "hf_qwen3_jobs.py")
-    result = check(f"module:{q3}:make", f"{q3}:parallelize_tp_without_norms", f"{q3}:step", world_size=4, tp=2)
+    result = check(f"module:{q3}:make", f"{q3}:parallelize_tp_without_norms", f"{q3}:{step}", world_size=4, tp=2,
+                   **degrees)
     (text,) = result.hints
-    assert text.startswith("every gradient differs (25 of 25) and every output matches, with DP 2, and --parallelize "
-                           "wrapped no data-parallel module (DDP, FSDP2)"), result.render()
+    assert text.startswith(f"every gradient differs (25 of 25) and every output matches, with {said}, and "
+                           "--parallelize wrapped no data-parallel module (DDP, FSDP2)"), result.render()
     assert "recipes tried" not in result.seconds
 
 
@@ -896,10 +901,16 @@ def test_the_partial_gradient_candidates_are_modules_split_over_tp_whose_own_gra
     assert partial.candidates(params, ref, shapes, tp=2) == [ShardedInput(("ln",), 1),
                                                              ShardedInput(("a.norm", "b.norm"), 2)]
     assert partial.candidates(params, ref, shapes, tp=1) == []
-    assert partial.dp_hint(2, 25, 25, False).startswith("every gradient differs (25 of 25) and every output matches, "
-                                                        "with DP 2, and --parallelize wrapped no data-parallel module")
-    assert partial.dp_hint(2, 4, 25, False) is None and partial.dp_hint(1, 25, 25, False) is None
-    assert partial.dp_hint(2, 25, 25, True) is None  # DDP or FSDP2 there: another cause
+    assert partial.dp_hint({"DP": 2, "TP": 2}, 25, 25, False).startswith(
+        "every gradient differs (25 of 25) and every output matches, with DP 2, and --parallelize wrapped no "
+        "data-parallel module")
+    assert partial.dp_hint({"DP": 2}, 4, 25, False) is None and partial.dp_hint({"DP": 1, "TP": 2}, 25, 25, False) is None
+    assert partial.dp_hint({"DP": 2}, 25, 25, True) is None  # DDP or FSDP2 there: another cause
+    # CP's gradients are a data-parallel wrapper's to average too (a plan without one was offered SequenceParallel)
+    assert "with CP 2, and --parallelize wrapped no data-parallel module (DDP, FSDP2): each CP rank kept the " \
+        "gradients of its own part of the sequence, where one process has the whole's. A data-parallel wrapper " \
+        "averages them over CP" in partial.dp_hint({"DP": 1, "CP": 2, "TP": 2}, 25, 25, False)
+    assert "with DP 2 x CP 2" in partial.dp_hint({"DP": 2, "CP": 2}, 25, 25, False)
     recipe = ShardedInput(("a.norm", "b.norm"), 2)
     assert "Tried: SequenceParallel(sequence_dim=2, use_local_output=True) on them makes the check exact" in \
         partial_hint(recipe, "", [])
