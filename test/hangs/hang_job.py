@@ -2,7 +2,7 @@
 one fault injected (argv[1]):
 
 * ``sleep``: rank 3 sleeps in compute at step 3 (a hang: its DP group waits for it);
-* ``skip``: rank 3 skips its DP all-reduce at step 3;
+* ``skip``: rank 3 skips its DP all-reduce at step 3 (``skip-end``: no barrier after, each program ends as it would);
 * ``size``: rank 1 enters the TP all-reduce at step 3 with the wrong size;
 * ``slow``: rank 2 sleeps 50 ms before every DP all-reduce, 30 steps (a straggler, no hang);
 * ``kill``: rank 2 kills itself with SIGKILL at step 3 (no dump, no fatal-error file: as the OOM killer does);
@@ -46,8 +46,11 @@ def vemesh_job(fault: str) -> None:
         y = torch.ones(1000 if wrong else 256)
         dist.all_reduce(y, group=mesh.get_group("TP"))
         x = compute(x, rank, step, fault)
-        if not (fault == "skip" and rank == 3 and step == 3):
+        if not (fault.startswith("skip") and rank == 3 and step == 3):
             dist.all_reduce(x, group=mesh.get_group("DP"))
+    if fault == "skip-end":  # as a training script ends (torch warns where it does not destroy its groups)
+        dist.destroy_process_group()
+        return
     dist.barrier()
     from vemesh import hangs
 
@@ -123,4 +126,8 @@ if __name__ == "__main__":
     fault = sys.argv[1]
     torch_job() if fault == "torch" else paced_job(fault) if fault.startswith("paced") else vemesh_job(fault)
     sys.stdout.flush()
+    if fault == "skip-end":  # the program's exit hooks (vemesh's dump at exit), then no C++ teardown: torch's gloo
+        import atexit  # group aborts the process ("terminate called") now and then under load while a peer waits
+
+        atexit._run_exitfuncs()
     os._exit(0)

@@ -27,12 +27,12 @@ def entry(dim: str, seq: int, t: int, *, op: str = "all_reduce", size=(1024,), d
 
 
 def write(tmp: Path, rank: int, entries: list[dict], *, frames=None, steps=(), world: int = 4, run: str = "b",
-          at: int = 2) -> None:
+          at: int = 2, ended: bool = False) -> None:
     groups = {PG[d]: {"dim": d, "ranks": LAYOUT.group(rank, (d,))} for d in ("DP", "TP")}
     groups["0"] = {"dim": "world", "ranks": list(range(world))}
     doc = {"rank": rank, "world_size": world, "run": run, "time_ns": at, "host": "h", "flight_recorder": {"entries": entries},
            "mesh": {"shape": [2, 2], "dim_names": ["DP", "TP"], "strides": [2, 1], "first_rank": 0, "groups": groups},
-           "steps": list(steps), "fired_by": 1, "reason": "",
+           "steps": list(steps), "fired_by": 1, "reason": "", "ended": ended,
            "stacks": [{"thread": "MainThread", "main": True, "frames": frames or [["/x/train.py", 10, "main", "step()"]]}]}
     (tmp / f"rank-{rank}.json").write_text(json.dumps(doc))
 
@@ -67,6 +67,26 @@ def test_a_skipped_collective_is_a_mismatch_of_steps(tmp_path):
     (m,) = found.mismatches
     assert m.group.ranks == [1, 3] and m.seq == 2
     assert "rank(s) [3] reached #2 a step later: they skipped a DP collective of step 2" in found.text()
+
+
+def test_ranks_whose_program_ended_are_said_so_not_dead(tmp_path):
+    """On gloo a skipped collective need not hang: the skipping rank's next one pairs with its peer's, and the ranks
+    that ran one collective fewer end their program while a peer waits on its last. Their dumps, written as the
+    program ended, say so: they were named DEAD ("left no dump (killed, OOM-killed, or it exited)"). A run whose
+    every rank ended is a healthy one: nothing said."""
+    steps = [(0, 1), (100 * MS, 2), (200 * MS, 3)]
+    for r in range(4):
+        own = [entry("DP", 1, 10 * MS), entry("DP", 2, 110 * MS if r != 3 else 210 * MS)]
+        if r == 1:
+            own.append(entry("DP", 3, 210 * MS, done=False))
+        write(tmp_path, r, own, steps=steps, ended=r != 1)
+    text = diagnose(load(tmp_path)).text()
+    assert "ENDED: rank 0, 2, 3 ended their program normally while the others still had collectives to run (the " \
+        "last step marked: 3 on rank 0, 3 on rank 2, 3 on rank 3)" in text and "DEAD" not in text, text
+    assert "rank(s) [3] reached #2 a step later" in text
+    for r in range(4):
+        write(tmp_path, r, [entry("DP", 1, 10 * MS)], steps=steps, ended=True)
+    assert "ENDED" not in diagnose(load(tmp_path)).text()
 
 
 def test_different_sizes_at_one_number_are_a_mismatch_but_a_scatter_is_not(tmp_path):

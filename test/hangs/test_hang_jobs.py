@@ -40,6 +40,23 @@ def test_a_skipped_dp_all_reduce_is_named(tmp_path):
     assert "rank(s) [3] reached #3 a step later: they skipped a DP collective of step 3" in text, text
 
 
+def test_a_skipped_dp_all_reduce_whose_peers_end_names_them_ended_not_dead(tmp_path):
+    """No barrier after the loop: on gloo rank 3's next DP all-reduce pairs with rank 1's of step 3, so ranks 0, 2
+    and 3 finish, destroy their process groups and end while rank 1 waits on its last, and fails as their connections
+    close. The report named them "DEAD: ... left no dump (killed, OOM-killed, or it exited)" and said "rank 0, 2, 3
+    died": their dumps at exit raised, the mesh's groups being destroyed, and would not have said that they ended."""
+    code, took, out = torchrun(4, [str(JOB), "skip-end"], tmp_path, after_s=6)
+    text = report(out)
+    assert code != 0 and took < TIMEOUT_S + 30
+    assert "MISMATCH in the DP group [1, 3] (TP=1) at its collective #3" in text, text
+    assert "ENDED: rank 0, 2, 3 ended their program normally while the others still had collectives to run (the " \
+        "last step marked: 5 on rank 0, 5 on rank 2, 5 on rank 3)" in text, text
+    assert "DEAD" not in text and "died" not in out, out
+    # the ended ranks destroyed their groups first, as torch asks: their dumps at exit were a traceback each
+    # ("Could not resolve the process group") and no file
+    assert "Exception ignored in atexit" not in out and "Could not resolve" not in out, out
+
+
 def test_a_wrong_sized_tp_all_reduce_is_named(tmp_path):
     """gloo aborts the rank that receives more than it posted (rank 0 here, whose TP peer rank 1 sent 1000 floats
     for its 256): that rank cannot dump, so its faulthandler file and its peers' recorders tell it."""

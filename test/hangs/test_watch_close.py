@@ -11,7 +11,7 @@ import threading
 
 import torch.distributed as dist
 
-from vemesh.hangs.watch import Hangs
+from vemesh.hangs.process import Hangs
 
 
 def test_close_gives_back_every_hook_thread_and_file(tmp_path, monkeypatch) -> None:

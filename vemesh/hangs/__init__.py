@@ -1,7 +1,7 @@
 """Hangs and stragglers named in mesh terms, on torch's Flight Recorder.
 
 * :mod:`vemesh.hangs.watch`: ``VEMESH_HANG_DIR`` (or ``init_device_mesh(hang_dir=)``): the recorder on, a
-  watchdog per rank, every rank's dump on a hang, the diagnosis printed once (:data:`~vemesh.hangs.watch.HANGS`);
+  watchdog per rank, every rank's dump on a hang, the diagnosis printed once (:data:`~vemesh.hangs.process.HANGS`);
 * :mod:`vemesh.hangs.record`: what the watch reads of this process (the recorder, the stacks);
 * :mod:`vemesh.hangs.diagnose`: reads the dumps (vemesh's, or torch's own with a mesh shape
   and dim names) and says which dim, which group, which rank never came; stragglers per dim;
@@ -21,7 +21,7 @@ def paused() -> Any:
     of your own). While it lasts, no rank's watch calls a wait on it a hang by the job's pace; the conservative
     threshold (half the collective timeout, or ``VEMESH_HANG_AFTER``) still holds. vemesh's checkpoints declare
     theirs. ``with vemesh.hangs.paused(): evaluate(model)``."""
-    from vemesh.hangs.watch import HANGS  # torch.distributed on first use: `vemesh diagnose` starts fast
+    from vemesh.hangs.process import HANGS  # torch.distributed on first use: `vemesh diagnose` starts fast
 
     return HANGS.progress.paused()
 
@@ -31,7 +31,7 @@ def dump() -> "Path | None":
 
     The watch does it at a normal interpreter exit too; call it in scripts that end with ``os._exit``.
     """
-    from vemesh.hangs.watch import HANGS  # torch.distributed is imported on first use: `vemesh diagnose` starts fast
+    from vemesh.hangs.process import HANGS  # torch.distributed is imported on first use: `vemesh diagnose` starts fast
 
     return HANGS.dump()
 
@@ -42,7 +42,7 @@ def straggler_summary(mesh: Any = None, since_ns: int = 0) -> "str | None":
     torch's Flight Recorder must be on (``VEMESH_HANG_DIR``, or ``TORCH_FR_BUFFER_SIZE``, before the first collective).
     """
     from vemesh.hangs.gather import straggler_summary as gathered  # communicates: torch.distributed on first use
-    from vemesh.hangs.watch import HANGS  # torch.distributed on first use: `vemesh diagnose` starts fast
+    from vemesh.hangs.process import HANGS  # torch.distributed on first use: `vemesh diagnose` starts fast
 
     if mesh is None:
         from vemesh import VESCALE_DEVICE_MESH as mesh  # the live mesh imports torch: on first use only

@@ -178,6 +178,14 @@ class Diagnosis:
                 late = sorted(r for r, st in steps.items() if st == max(steps.values()))
                 out.append(f"  rank(s) {late} reached #{s.seq} a step later: they skipped a {s.group.dim} collective "
                            f"of step {min(steps.values())} (or the others ran one more)")
+        ended = sorted(r for r, d in job.ranks.items() if d.ended)
+        if ended and len(ended) < job.world_size:  # a healthy run's ranks all end, each dumping at its exit
+            last = {r: job.ranks[r].steps[-1][1] for r in ended if job.ranks[r].steps}
+            out.append(f"ENDED: rank {', '.join(map(str, ended))} ended {'its' if len(ended) == 1 else 'their'} program "
+                       "normally while the others still had collectives to run" + (
+                           f" (the last step marked: {', '.join(f'{s} on rank {r}' for r, s in last.items())})"
+                           if last else "") + ": a rank that runs fewer collectives than its peers ends first, and "
+                       "they wait on it (gloo's peers fail as its connections close)")
         for r in self.dead:
             out += self._dead(r)
         for i, s in enumerate(self.stuck):

@@ -139,6 +139,7 @@ class RankDump:
     host: str = ""
     fatal: str = ""  # what faulthandler wrote when the process died (gloo aborts a rank on a size mismatch)
     dumped: bool = True
+    ended: bool = False  # the dump was written as the rank's program ended (at the interpreter's normal exit)
     exception: str = ""  # the traceback, when the rank's script raised
     #: pg name -> this rank's group of that name (a name is the same on every rank, its ranks are not:
     #: torch's mesh makes DP's groups [0, 2] and [1, 3] under one name)
@@ -207,6 +208,7 @@ def rank_dump(doc: dict[str, Any], known: RankDump | None = None) -> RankDump:
     rank = int(doc["rank"])
     dump = known or RankDump(rank)
     dump.dumped, dump.host, dump.exception = True, doc.get("host", ""), doc.get("exception", "")
+    dump.ended = bool(doc.get("ended"))
     dump.entries = _entries(rank, doc["flight_recorder"])
     dump.stacks, dump.steps = doc.get("stacks", []), [tuple(s) for s in doc.get("steps", [])]
     groups = doc.get("mesh", {}).get("groups", {})

@@ -1,16 +1,13 @@
 """The hang watch: a per-rank watchdog on torch's Flight Recorder, and every rank's dump on a hang.
 
-:class:`HangWatch` is one rank's watchdog (its thread, files, store keys and hooks, each undone by ``close()``).
-:class:`Hangs` owns the process's watch and step marks; :data:`HANGS` is the process's instance, which
-``init_device_mesh(hang_dir=...)`` (or ``VEMESH_HANG_DIR``) starts and ``VESCALE_DEVICE_MESH.mark_step`` feeds.
+:class:`HangWatch` is one rank's watchdog (its thread, files, store keys and hooks, each undone by ``close()``);
+:mod:`vemesh.hangs.process` owns the process's watch and step marks.
 The watch holds a reference to what describes the mesh; the mesh holds nothing of the watch. What the watch
 reads of the process is :mod:`vemesh.hangs.record`; ranks reach each other through the job's store only.
 """
 
 from __future__ import annotations
 
-import atexit
-import collections
 import faulthandler
 import json
 import os
@@ -27,22 +24,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 
 from vemesh.hangs.diagnose import diagnose, load
 from vemesh.hangs.dumps import dead_line, rank_place
 from vemesh.hangs.pace import (SAMPLE_S, Busy, Progress, parse_beat, step_pace, straggler, straggler_line,
                                threshold)
-from vemesh.hangs.record import (ENV_AFTER, ENV_DIR, EXIT_CODE, fatal_file, hang_after, prepare, recorder_json,
-                                 stacks, straggler_window)
+from vemesh.hangs.record import ENV_AFTER, EXIT_CODE, fatal_file, recorder_json, stacks, straggler_window
 
-__all__ = ["HANGS", "HangWatch", "Hangs"]
+__all__ = ["HangWatch"]
 
 _POLL_S = 0.5
-#: seconds between a rank's heartbeats in the job's store (one small write per rank: 1,024 ranks make 1,024 a second)
-_BEAT_S = 1.0
-#: how long, after the launcher's SIGTERM, a rank is given to answer before it is called dead
-_DEAD_WINDOW_S = 6.0
+_BEAT_S = 1.0  #: seconds between a rank's heartbeats in the job's store (1,024 ranks make 1,024 writes a second)
+_DEAD_WINDOW_S = 6.0  #: how long, after the launcher's SIGTERM, a rank is given to answer before it is called dead
 _PREFIX = "vemesh_hang/"
 
 
@@ -61,10 +54,9 @@ class HangWatch:
         self.window = straggler_window()
         self.busy = Busy(self.window or 60.0)  # this rank's share of time outside collectives, for its heartbeat
         self._finished, self.store, self.rank, self.world_size, self.steps = 0, store, rank, world_size, steps
-        # this watch's keys: a second init_device_mesh starts clean (all ranks number their watches alike); a restart
-        # has a store of its own (mesh.startup._job_store), and its count, each agent's own, stays out of the keys
+        # this watch's keys: a second init_device_mesh starts clean (all ranks number their watches alike; a restart's
+        # store is its own, mesh.startup._job_store); one id for the job's dumps keeps a reused directory's apart
         self.keys = f"{_PREFIX}{number}/"
-        # one id for this job's dumps, the same on every rank: a directory reused across runs keeps them apart
         self.run_id = store.compare_set(self.keys + "run", "", uuid.uuid4().hex).decode()
         self._pending: dict[str, tuple[int, float]] = {}  # pg id -> (first pending seq, when first seen)
         self._stop, self._ending = threading.Event(), threading.Lock()
@@ -80,6 +72,7 @@ class HangWatch:
         sys.excepthook = self._on_exception
         threading.excepthook = lambda args: self._on_exception(args.exc_type, args.exc_value, args.exc_traceback, args)
         self.store.set(self.keys + f"beat/{rank}", self.progress.beat())  # the first beat before the first collective
+        self._mesh()  # as the mesh is now: what a dump at the program's end says if its groups are gone by then
         self._thread = threading.Thread(target=self._run, name="vemesh-hang-watch", daemon=True)
         self._thread.start()
 
@@ -186,9 +179,8 @@ class HangWatch:
         found = straggler({r: b[3] for r, b in enumerate(beats)})
         if found is not None:
             rank, factor, median = found
-            where, groups = rank_place(self.describe() or {}, rank)
-            print(straggler_line(rank, where, groups, factor, beats[rank][3], median, self.window), file=sys.stderr,
-                  flush=True)
+            print(straggler_line(rank, *rank_place(self.describe() or {}, rank), factor, beats[rank][3], median,
+                                 self.window), file=sys.stderr, flush=True)
 
     def _on_sigterm(self) -> None:
         """The launcher ends the job (torchrun sends SIGTERM to every rank when one exits). A rank already ending
@@ -328,6 +320,15 @@ class HangWatch:
         """Remove this rank's fatal-error file if faulthandler wrote nothing to it (the rank did not crash)."""
         fatal_file(Path(self._fatal.name), drop_empty=True)
 
+    def _mesh(self) -> dict[str, Any]:
+        """The mesh's description, or as last described where its groups are gone (a program that ends with
+        ``destroy_process_group()``, as torch asks, then dumps at its exit)."""
+        try:
+            self._described = self.describe()
+        except Exception:  # noqa: BLE001 -- torch cannot resolve a destroyed group's name
+            pass
+        return getattr(self, "_described", None) or {}
+
     def dump(self) -> Path:
         """Write this rank's dump (recorder, stacks, mesh, steps) and return its path."""
         try:
@@ -338,73 +339,10 @@ class HangWatch:
         doc = {
             "vemesh_hang_dump": 1, "run": self.run_id, "rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
             "pid": os.getpid(), "time_ns": time.time_ns(), "after_s": self.after_s,
-            "fired_by": int(by) if by else None, "reason": reason,
-            "exception": getattr(self, "exception", ""), "mesh": self.describe(), "steps": list(self.steps), "stacks": stacks(), "flight_recorder": recorder_json(True),
+            "fired_by": int(by) if by else None, "reason": reason, "ended": getattr(self, "ended", False),  # at exit
+            "exception": getattr(self, "exception", ""), "mesh": self._mesh(), "steps": list(self.steps), "stacks": stacks(), "flight_recorder": recorder_json(True),
         }
-        path = self.directory / f"rank-{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
+        path, tmp = self.directory / f"rank-{self.rank}.json", self.directory / f"rank-{self.rank}.tmp"
         tmp.write_text(json.dumps(doc))
         tmp.replace(path)
         return path
-
-
-class Hangs:
-    """The process's hang watch and step marks (one instance, :data:`HANGS`; tests can build their own).
-
-    ``mark_step(n)`` keeps the latest 1024 ``(time_ns, step)``; ``start`` replaces the running watch with a new
-    one; ``dump`` writes this rank's dump of a healthy run (also at a normal interpreter exit); ``close`` stops
-    the watch and takes back the exit hook.
-    """
-
-    def __init__(self) -> None:
-        self.steps: collections.deque[tuple[int, int]] = collections.deque(maxlen=1024)
-        #: this rank's progress and declared pauses, for the heartbeat (kept across watches)
-        self.progress = Progress()
-        self.watch: HangWatch | None = None
-        self._started = 0  # watches started in this process: each has its own store keys
-        self._at_exit = False
-
-    def mark_step(self, step: int) -> None:
-        self.steps.append((time.time_ns(), step))
-
-    def start(self, directory: str | os.PathLike, timeout_s: float, describe: Callable[[], dict[str, Any]]) -> HangWatch:
-        """Start this process's watch (closing an older one): the recorder must be on and the store reachable."""
-        prepare()
-        if int(os.environ["TORCH_FR_BUFFER_SIZE"]) <= 0:
-            raise ValueError(f"{ENV_DIR} needs torch's Flight Recorder, but TORCH_FR_BUFFER_SIZE="
-                             f"{os.environ['TORCH_FR_BUFFER_SIZE']}; unset it or make it positive")
-        if self.watch is not None:
-            self.watch.close()
-        self._started += 1
-        store = dist.distributed_c10d._get_default_store()
-        self.watch = HangWatch(directory, hang_after(timeout_s), describe, store, dist.get_rank(), dist.get_world_size(),
-                               self._started, self.steps, self.progress)
-        if not self._at_exit:
-            atexit.register(self._dump_at_exit)
-            self._at_exit = True
-        return self.watch
-
-    def _dump_at_exit(self) -> None:
-        if self.watch is not None and not self.watch.closed:
-            self.dump()
-
-    def dump(self) -> Path | None:
-        """Write this rank's dump now (:func:`vemesh.hangs.dump`); None when no watch runs."""
-        if self.watch is None:
-            return None
-        path = self.watch.dump()
-        self.watch.drop_empty_fatal()
-        return path
-
-    def close(self) -> None:
-        """Stop the watch (its thread, hooks and files) and take back the exit hook."""
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        if self._at_exit:
-            atexit.unregister(self._dump_at_exit)
-            self._at_exit = False
-
-
-#: The process's hang watch.
-HANGS = Hangs()

@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from vemesh.hangs import record
-from vemesh.hangs.watch import HANGS
+from vemesh.hangs.process import HANGS
 from vemesh.layout.describe import check_layout, describe_layout
 from vemesh.layout.mesh_layout import MeshLayout
 from vemesh.mesh.views import TorchViews
