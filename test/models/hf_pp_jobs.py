@@ -1,9 +1,8 @@
 """Hugging Face models cut into pipeline stages by ``vemesh.parallel.DecoderStage``, each stage under a TP plan that
 is wrong as a user writes it, for ``vemesh check``'s recipes under PP: each PP rank holds its own stage's layers, and
 a recipe must reach every stage's (it reached the first stage's only, and on GPT-OSS it broke the stage's own check of
-the cut). The models and their plans are those of ``hf_qwen3_jobs`` (q/k norms left replicated), ``hf_phi3_jobs``
-(a fused ``qkv_proj`` under torch's ColwiseParallel) and ``hf_head_count_jobs`` (GPT-OSS's sinks left whole), with
-their heads untied (a tied head cannot be cut)."""
+the cut). The models and their plans are those of ``hf_qwen3_jobs`` (q/k norms left replicated) and
+``hf_head_count_jobs`` (GPT-OSS's sinks left whole), with their heads untied (a tied head cannot be cut)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import hf_head_count_jobs
-import hf_phi3_jobs
 import hf_qwen3_jobs
-from vemesh.parallel import DecoderStage, FusedColwiseParallel
+from vemesh.parallel import DecoderStage
 
 VOCAB, SEQ = 128, 16
 ATTENTION = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -36,8 +34,6 @@ def make_gpt_oss() -> nn.Module:
     return _untied(hf_head_count_jobs.make_gpt_oss())
 
 
-make_phi3 = hf_phi3_jobs.make
-
 
 def _stages(model: nn.Module, mesh, plan: dict, ddp: bool = False) -> list:
     """This PP rank's stage (1F1B: one), ``plan`` on each of its layers over TP, in vemesh DDP with ``ddp``, given to
@@ -57,11 +53,6 @@ def _stages(model: nn.Module, mesh, plan: dict, ddp: bool = False) -> list:
 def qwen3_without_norms(model: nn.Module, mesh, ddp: bool = False) -> list:
     return _stages(model, mesh, ATTENTION | {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                                              "mlp.down_proj": RowwiseParallel()}, ddp)
-
-
-def phi3_naive(model: nn.Module, mesh) -> list:
-    return _stages(model, mesh, {"self_attn.qkv_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                                 "mlp.gate_up_proj": FusedColwiseParallel(2), "mlp.down_proj": RowwiseParallel()})
 
 
 def gpt_oss_naive(model: nn.Module, mesh) -> list:
