@@ -81,7 +81,9 @@ def test_a_dead_rank_is_named_with_its_groups_within_seconds(tmp_path, fault):
     assert dumped - died < 15, (dumped - died, out[-3000:])  # every live rank dumped within 15 s of the death
     assert "DEAD: rank 2 (DP=1, TP=0): its heartbeat stopped and it left no dump (killed, OOM-killed, or it exited); "\
            "its groups: DP [0, 2], TP [2, 3]" in text, text
-    assert "vemesh: rank 2 died" in out, out[-3000:]
+    # failed once in a whole suite's run (ci86, not beside burners: 8 of 8 passed there): say the headline and lines
+    headline = next((line for line in out.splitlines() if "every rank wrote its dump" in line), "")
+    assert "vemesh: rank 2 died" in out, (headline, text[:1500])
 
 
 def test_with_the_defaults_a_rank_asleep_after_the_warm_up_is_named_by_the_jobs_pace(tmp_path):
