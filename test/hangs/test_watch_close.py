@@ -91,3 +91,27 @@ def test_the_training_threads_error_while_the_watch_ends_the_job_prints_nothing(
         hangs.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rank_that_answered_the_launchers_sigterm_is_alive_though_its_heartbeat_stopped(tmp_path, monkeypatch):
+    """A rank that got torchrun's SIGTERM waits in its signal handler for the scan, and its heartbeat stops. When the
+    reporter names the dead, that rank's stale beat must not make it dead (ci86 named a live rank with the killed
+    one); a rank with a stale beat and no answer is dead, and a rank that answered but never dumped within the
+    reporter's wait (``ending_alive=False``) is too."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        hangs = Hangs()
+        watch = hangs.start(tmp_path, 60.0, lambda: {"mesh": "one rank"})
+        stale = "1.0|1.0|0|-"  # a heartbeat from 1970
+        for rank in (1, 2, 3):
+            watch.store.set(watch.keys + f"beat/{rank}", stale)
+        watch.store.set(watch.keys + "term/1", "1")
+        watch.store.set(watch.keys + "ending/3", "1")
+        assert [watch._silent(r) for r in (1, 2, 3)] == [False, True, False]
+        assert [watch._silent(r, ending_alive=False) for r in (1, 2, 3)] == [True, True, True]
+        watch.store.set(watch.keys + "dumped/1", "1")
+        assert watch._silent(1, ending_alive=False) is None  # it dumped: accounted for
+        hangs.close()
+    finally:
+        dist.destroy_process_group()

@@ -196,6 +196,8 @@ class HangWatch:
             if dead and self._claim(f"rank {dead[0]} died: the launcher ended the job"):
                 self._end(reporter=True, dead=dead)
             self.store.set(self.keys + "clean", "1")
+            if self.store.check([self.keys + "fired"]):  # another rank reports (one raised meanwhile): dump for it
+                self._end(reporter=False)
         else:
             end = time.monotonic() + _DEAD_WINDOW_S + 5
             while time.monotonic() < end and not self.store.check([self.keys + "clean"]):
@@ -307,10 +309,11 @@ class HangWatch:
     def _silent(self, rank: int, stale_s: float = 2 * _BEAT_S, ending_alive: bool = True) -> bool | None:
         """No dump, no fatal-error file, and a heartbeat older than ``stale_s`` (two beats): a rank that is gone.
         None (falsy) for a rank that dumped or wrote its fatal-error file: accounted for. A rank that said it is
-        ending (dumping) is alive while ``ending_alive``."""
+        ending (dumping), or that answered the launcher's SIGTERM (its heartbeat stops while it waits for the scan),
+        is alive while ``ending_alive``."""
         if self.store.check([self.keys + f"dumped/{rank}"]) or fatal_file(self.directory / f"rank-{rank}.fatal.txt"):
             return None
-        if ending_alive and self.store.check([self.keys + f"ending/{rank}"]):
+        if ending_alive and any(self.store.check([self.keys + f"{k}/{rank}"]) for k in ("ending", "term")):
             return False
         key = self.keys + f"beat/{rank}"
         beat = parse_beat(self.store.get(key).decode())[0] if self.store.check([key]) else 0.0
