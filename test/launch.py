@@ -67,8 +67,10 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
 
 # What the server imports once for every rank it starts. torch._dynamo: torch imports it lazily on the first call
 # of an optimizer's step or zero_grad (1 to 1.5 s a process). train: the GPT example, when examples/gpt is on the
-# path (the example's tests put it there); a module that is not found is skipped by the server.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "vemesh", "launch", "train"]
+# path (the example's tests put it there); a module that is not found is skipped by the server. transformers: the
+# library models' ranks (2.5 s of CPU a rank; test/conftest.py gives vemesh.local_ranks' server the same).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "vemesh", "launch", "train",
+           "transformers", "transformers.modeling_utils"]
 
 
 def _context() -> Any:

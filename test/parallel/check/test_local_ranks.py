@@ -45,3 +45,25 @@ def test_a_ranks_error_reaches_the_caller() -> None:
 
     with pytest.raises(mp.ProcessRaisedException, match="rank 1's own error"):
         local_ranks.start(_fail, (), 2, join=True)
+
+
+def test_the_libraries_a_users_code_uses_are_named_for_the_server_and_its_own_modules_are_not(tmp_path,
+                                                                                               monkeypatch) -> None:
+    """A user's file that imports an installed library (by module, and a class of it) and a file beside it: the
+    library's modules this process imported are named, in the order it imported them; the user's own files, the
+    standard library, torch (imported by the server anyway) and vemesh are not."""
+    pytest.importorskip("hypothesis")
+    (tmp_path / "helpers.py").write_text("def width():\n    return 8\n")
+    (tmp_path / "usermodel.py").write_text(
+        "import json\nimport torch\nimport hypothesis\nfrom hypothesis.strategies import integers\n"
+        "import helpers\nimport vemesh\n\ndef make():\n    return torch.nn.Linear(helpers.width(), 2)\n\n"
+        "class Step:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usermodel
+
+    names = local_ranks.libraries_of([usermodel.make, usermodel.Step])
+    assert "hypothesis" in names and "hypothesis.strategies" in names, names
+    assert {n.partition(".")[0] for n in names} == {"hypothesis"}, names
+    order = list(sys.modules)
+    assert names == sorted(names, key=order.index)
+    assert local_ranks.libraries_of([len, print]) == []  # builtins: nothing to import
