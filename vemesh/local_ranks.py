@@ -61,7 +61,10 @@ def libraries_of(functions: Iterable[Any]) -> list[str]:
         if scope is None:  # a class or another callable: its module's globals
             scope = vars(sys.modules.get(getattr(fn, "__module__", None) or "", types.ModuleType("_")))
         for value in list(scope.values()):
-            name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            try:  # a lazy proxy may raise more than AttributeError when asked
+                name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            except Exception:
+                continue
             if isinstance(name, str) and name:
                 roots.add(name.partition(".")[0])
     roots -= {"vemesh", "__main__", *(p.partition(".")[0] for p in PRELOAD)}

@@ -49,7 +49,8 @@ def test_a_ranks_error_reaches_the_caller() -> None:
 
 def test_the_libraries_a_users_code_uses_are_named_for_the_server_and_its_own_modules_are_not(tmp_path,
                                                                                                monkeypatch) -> None:
-    """A user's file that imports an installed library (by module, and a class of it) and a file beside it: the
+    """A user's file that imports an installed library (by module, and a class of it), a file beside it, and holds an
+    object that raises when asked anything: the
     library's modules this process imported are named, in the order it imported them; the user's own files, the
     standard library, torch (imported by the server anyway) and vemesh are not."""
     pytest.importorskip("hypothesis")
@@ -57,7 +58,9 @@ def test_the_libraries_a_users_code_uses_are_named_for_the_server_and_its_own_mo
     (tmp_path / "usermodel.py").write_text(
         "import json\nimport torch\nimport hypothesis\nfrom hypothesis.strategies import integers\n"
         "import helpers\nimport vemesh\n\ndef make():\n    return torch.nn.Linear(helpers.width(), 2)\n\n"
-        "class Step:\n    pass\n")
+        "class Step:\n    pass\n\n"
+        "class Proxy:\n    def __getattribute__(self, name):\n        raise RuntimeError('not loaded yet')\n\n"
+        "lazy = Proxy()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     import usermodel
 
