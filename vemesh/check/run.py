@@ -371,7 +371,8 @@ def run_parallel(spec: Spec, out: str) -> list[int]:
     """The parallel run of ``spec``, each rank writing its record or its error into ``out``; returns the ranks still
     running 5 s after another had failed, which it stopped (they write neither)."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "terminating process": ours
-    libraries = local_ranks.libraries_of([*functions(spec)[:3], loss_of(spec)])  # transformers: once, not a rank
+    fns = UserFunctions.of(spec.model, spec.parallelize, spec.step, spec.loss, spec.pp_schedule)
+    libraries = local_ranks.libraries_of([fns.factory, fns.parallelize, fns.step, fns.loss])  # once, not a rank
     context = local_ranks.start(_worker, (spec, out), spec.world_size, join=False, preload=(__name__, *libraries))
     deadline = time.monotonic() + spec.timeout_s + 60
     try:
