@@ -98,10 +98,6 @@ def test_activation_checkpointing_modes(mode, want) -> None:
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4,moe_experts=6", "--ep", "4", "--tp", "1"],
      "EP 4 does not divide the 6 experts: each EP rank holds experts / EP of them; choose EP from 1, 2 (dividing both "
      "the experts and DP 8)"),
-    # a search planned every mesh with DP whole, silently not the HSDP asked for
-    (["--model", "llama3:8b", "--device-memory", "80GiB", "--dp-replicate", "2"], "--dp-replicate 2 is HSDP on one "
-     "mesh; a search plans every mesh with DP unsplit, so its figures would not be HSDP's: search without it, then "
-     "plan the mesh chosen with --dp N --tp M --dp-replicate 2"),
     # planned as plain ZeRO-1 over all of DP, the split printed but planned as nothing
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--dp-replicate", "2", "--tp", "1"], "--dp-replicate 2 splits DP "
      "for FSDP2's HSDP (replicas of FSDP shards); zero1 averages over all of DP: give --dp-mode fsdp, or leave "

@@ -619,11 +619,15 @@ def test_hugging_faces_llama_is_planned_through_torchs_schedule_on_vemeshs_decod
 def test_hsdp_under_tp_is_planned_and_its_byte_columns_keep_their_names_apart(capsys) -> None:
     """A user's FSDP2 function on ``--dp-replicate 2`` (HSDP) beside TP 2: planned (vemesh's fully_shard once read
     a 2-D mesh's ranks through a fake tensor under the plan), and the bytes table's header keeps ``TP`` and
-    ``dp_replicate`` (12 letters, the width of a column) apart: it printed ``TPdp_replicate``."""
+    ``dp_replicate`` (12 letters, the width of a column) apart: it printed ``TPdp_replicate``. Timed, each part of
+    the step's bar starts in one column: ``dp_replicate exposed`` pushed its own 4 letters to the right."""
     code, out, err = _cli(capsys, "--model", f"module:{JOBS}:make_dense", "--parallelize", f"{JOBS}:parallelize_fsdp",
                           "--step", f"{JOBS}:step", "--world-size", "8", "--tp", "2", "--dp-replicate", "2",
-                          "--global-batch-size", "8")
+                          "--global-batch-size", "8", "--device-profile", "h100-sxm")
     assert code == 0, err
     lines = out.splitlines()
     header = lines[lines.index(next(x for x in lines if x.startswith("bytes each rank's collectives"))) + 1]
     assert header.split() == ["TP", "dp_replicate", "dp_shard"], header
+    bars = [x for x in lines if x.startswith("  ") and "|" in x]
+    assert any(x.lstrip().startswith("dp_replicate exposed") for x in bars), out
+    assert len({x.index("|") for x in bars}) == 1, "\n".join(bars)

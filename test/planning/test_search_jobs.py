@@ -87,3 +87,28 @@ def test_a_search_in_two_processes_is_the_search_in_one(capfd) -> None:
     assert [f["degrees"]["PP"] for f in found[1]["fits"]].count(1) < len(found[1]["fits"])  # PP meshes among them
     assert found[2] == found[1]
     assert progress[2] == progress[1] == ["vemesh: traced PP=2"], progress
+
+
+@pytest.mark.slow  # a search of three traced meshes, then each alone: about 15 s
+def test_a_search_with_dp_replicate_plans_each_mesh_as_its_one_mesh_plan_does() -> None:
+    """``--dp-replicate 2`` in a search (it was refused: the search planned every DP whole): each mesh that fits is
+    planned and placed as ``--dp N --tp M --dp-replicate 2`` plans it alone, its DP bytes on ``dp_shard`` and
+    ``dp_replicate``, the replicas between the hosts; a DP that 2 does not divide, and a GPT-preset PP mesh (whose
+    estimate shards over all of DP) without ``--trace-pp``, are rejected with their reason."""
+    from vemesh.planning.api import answer
+    from vemesh.planning.request import PlanRequest
+
+    shape = dict(model="gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=32", world_size=8, global_batch_size=8,
+                 micro_batch_size=1, dp_mode="fsdp", devices_per_host=4, dp_replicate=2)
+    searched = answer(PlanRequest(**shape, device_memory="80GiB")).document()
+    assert searched["dp_replicate"] == 2 and sorted(f["degrees"]["TP"] for f in searched["fits"]) == [1, 2, 4]
+    for row in searched["fits"]:
+        alone = answer(PlanRequest(**shape, dp=row["degrees"]["DP"], tp=row["degrees"]["TP"])).document()
+        assert (row["peak"], row["classes"]) == (alone["peak"], alone["classes"])
+        sent = row["classes"][0]["bytes_per_step"]
+        assert sent["dp_replicate"] > 0 and (sent.get("dp_shard", 0) > 0) == (row["degrees"]["DP"] > 2), sent
+        assert row["inter_host_dims"] == alone["placement"]["crossing_hosts"] and "dp_replicate" in row["inter_host_dims"]
+    reasons = {tuple(r["degrees"][d] for d in ("PP", "DP", "TP")): r["reason"] for r in searched["rejected"]}
+    assert reasons[2, 1, 4] == "DP 1 is not a multiple of --dp-replicate 2: HSDP splits DP into 2 replicas of DP / 2 ranks"
+    assert reasons[2, 4, 1].startswith("not planned in a search: under HSDP the GPT preset's PP meshes are traced"), reasons
+    assert reasons[2, 4, 1].endswith("plan it with --pp 2 --dp-replicate 2, or search with --trace-pp"), reasons

@@ -42,8 +42,8 @@ def add_plan(commands: Any) -> argparse.ArgumentParser:
     plan.add_argument("--ep", type=positive, default=1, metavar="N",
                       help="expert-parallel degree; reuses the DP x CP ranks, so it must divide DP x CP (default: 1)")
     plan.add_argument("--dp-replicate", type=positive, default=1, metavar="N",
-                      help="split DP into dp_replicate x dp_shard for HSDP (torchtitan's layout) and list the "
-                      "flattens to make (default: 1, no split)")
+                      help="split DP into dp_replicate x dp_shard for HSDP (torchtitan's layout; a search splits "
+                      "every mesh's DP) and list the flattens to make (default: 1, no split)")
     plan.add_argument("--device-type", choices=VALID_DEVICE_TYPES, default="cuda",
                       help="the device the job runs on: written into the call, and without --device-profile the "
                       "optimizer is planned as torch runs it there (cpu: a loop over tensors; else foreach) "
@@ -151,7 +151,7 @@ def _search(request: PlanRequest, as_json: bool) -> int:
         print_json(found.document())
     else:
         print(render_search(found.job, request.world_size, found.device_memory, request.devices_per_host,
-                            request.order, list(found.fits), list(found.rejected)))
+                            request.order, list(found.fits), list(found.rejected), dp_replicate=request.dp_replicate))
     return 0 if found.fits else 1
 
 

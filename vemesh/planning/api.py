@@ -72,7 +72,7 @@ class Answer:
         r = self.request
         if self.mesh is None:
             doc = search_document(self.job, r.world_size, self.device_memory, r.devices_per_host, r.order,
-                                  list(self.fits), list(self.rejected))
+                                  list(self.fits), list(self.rejected), dp_replicate=r.dp_replicate)
             if self.profile is not None:
                 for row, f in zip(doc["fits"], self.fits):
                     row.update(time_document(f.times, self.profile, f, self.job))
@@ -108,7 +108,7 @@ def answer(request: PlanRequest) -> Answer:
         timed = (lambda f, m: time_of(f, m, profile, job, speedups_of)) if profile is not None else None
         fits, rejected = search(job, request.world_size, device_memory=memory, devices_per_host=per_host,
                                 cp=request.cp, ep=request.ep, rank_by=request.order, timed=timed,
-                                choose=request.choices, jobs=request.jobs or 1)
+                                choose=request.choices, jobs=request.jobs or 1, dp_replicate=request.dp_replicate)
         return Answer(request, job, memory, fits=tuple(fits), rejected=tuple(rejected), profile=profile)
     mesh = mesh_of(request, profile.devices_per_host if profile is not None else None)
     if profile is not None or mesh.devices_per_host:

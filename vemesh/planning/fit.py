@@ -1,17 +1,16 @@
 """Will it fit? Each rank class's peak memory and each dim's bytes per step, for a mesh or for every mesh.
 
-:func:`predict` answers for one mesh (degrees PP, DP, CP, TP, EP), :func:`search` for every mesh of a
-world size, ranked. One engine answers every mesh: the user's factory, parallelize function and step traced on a
-fake world (:mod:`vemesh.planning.user_model`), and the GPT preset the same way, through its own functions
+:func:`predict` answers for one mesh (degrees PP, DP, CP, TP, EP), :func:`search` for every mesh of a world size,
+ranked. The user's factory, parallelize function and step are traced on a fake world
+(:mod:`vemesh.planning.user_model`), and the presets the same way, through their own functions
 (:mod:`vemesh.models.gpt.planned`). With PP each PP rank is traced through torch's own schedule class
 (:mod:`vemesh.planning.pipeline_trace`): the micro-batches in flight, the receive buffers and the sends are the
-schedule's, not a formula's. Checked against real runs of the same functions (``bench/plan_accuracy.py``,
-``test/parallel/ddp_optim/test_fit.py``).
+schedule's, not a formula's. Checked against real runs (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim``).
 
-What is not traced: a mesh whose weights, gradients and optimizer state alone exceed the device is rejected from
-:func:`vemesh.planning.estimate.rank_static` (the model on the meta device read with the wrappers' rules, equal to
-the byte to what vemesh DDP, ZeRO-1 and FSDP2 allocate, but for ZeRO-1's padding) without a trace; and a module
-factory given without its step has only those static bytes and its DP bytes.
+What is not traced: a search's GPT-preset meshes with PP, without ``--trace-pp``
+(:mod:`vemesh.planning.pipeline_estimate`); a mesh whose weights, gradients and optimizer state alone exceed the
+device, rejected from :func:`vemesh.planning.estimate.rank_static` (equal to the byte to what vemesh DDP, ZeRO-1
+and FSDP2 allocate, but for ZeRO-1's padding); a module factory given without its step (its static and DP bytes).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from vemesh.planning.estimate import Model, check_degrees, gpt_config, load_mode
 from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
-from vemesh.planning.search_jobs import gib, run, static_over, variants
+from vemesh.planning.search_jobs import gib, not_searched, run, static_over, variants
 from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline, shared_records
 from vemesh.planning.speedups import linear_share
@@ -169,8 +168,8 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     """The prediction per rank class for the mesh ``(PP, DP, CP, TP)`` (EP folded over DP x CP).
 
     ``trace_pipeline=False`` (a search without ``--trace-pp``) plans a GPT-preset mesh with PP by
-    :func:`~vemesh.planning.pipeline_estimate.estimate_pipeline`.
-    Raises ``ValueError`` (one line, naming the value) for what the job or the mesh cannot be.
+    :func:`~vemesh.planning.pipeline_estimate.estimate_pipeline` (not under HSDP). Raises ``ValueError`` (one line,
+    naming the value) for what the job or the mesh cannot be.
     """
     if job.user:
         if job.dp_mode is not None and job.dp_mode not in ("ddp", "zero1", "fsdp"):
@@ -203,7 +202,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                                  "moe_every=1")
     if pp > 1:
         _check_pipeline(job, pp, dp * cp, model.n_layer, "the model")
-        if not trace_pipeline:
+        if not trace_pipeline and dp_replicate == 1:  # the estimate shards over all of DP: HSDP is traced
             return estimate_pipeline(job, model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     return _traced_preset(_as_traced(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
 
@@ -253,7 +252,7 @@ def _static_only(model: Model, job: Job, *, dp: int, tp: int, pp: int, cp: int, 
 def search(job: Job, world_size: int, *, device_memory: int | None = None, devices_per_host: int | None = None,
            cp: int = 1, ep: int = 1, rank_by: str | None = None,
            timed: Callable[[MeshFit, MeshPlan], list[Any]] | None = None,
-           choose: tuple[str, ...] = (), jobs: int = 1) -> tuple[list[MeshFit], list[MeshFit]]:
+           choose: tuple[str, ...] = (), jobs: int = 1, dp_replicate: int = 1) -> tuple[list[MeshFit], list[MeshFit]]:
     """Every ``(PP, DP, CP, TP)`` mesh of ``world_size`` ranks (CP and EP as given): ``(fitting, rejected)``.
 
     With ``devices_per_host`` (and more ranks than one host), each mesh's dims are placed on the hosts
@@ -270,6 +269,7 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
     variant that fits is timed and the fastest kept (more micro-batches shrink the bubble).
 
     ``jobs``: the meshes are planned in that many processes at once (:mod:`vemesh.planning.search_jobs`).
+    ``dp_replicate``: each mesh's DP split for HSDP (:func:`~vemesh.planning.search_jobs.not_searched` says which not).
     """
     rank_by = rank_by or ("time" if timed else "inter-host" if devices_per_host else "peak")
     if rank_by not in RANKINGS:
@@ -299,20 +299,20 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
             degrees = {"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}
             if tp > limit.get("n_head", 1) or pp > n_layer:
                 continue  # not even a candidate: more TP ranks than heads, more stages than blocks
-            if job.llama3 and pp > 1 and not job.trace_pp:  # no estimate stands in for the schedule's trace
-                slots.append(MeshFit(degrees, [], 0, 0, reason="not planned in a search: the Llama 3 preset's PP "
-                                     f"meshes are traced through torch's schedule (seconds to minutes each); plan "
-                                     f"it with --pp {pp}, or search with --trace-pp"))
+            reason = not_searched(job, degrees, dp_replicate)
+            if reason is not None:
+                slots.append(MeshFit(degrees, [], 0, 0, reason=reason))
                 continue
             if not job.user and not job.llama3 and pp == 1 and device_memory is not None:  # a trace saved where the weights cannot fit
-                over = static_over(job, device_memory, dp=dp, tp=tp, cp=cp, ep=ep, degrees=degrees)
+                over = static_over(job, device_memory, dp=dp // dp_replicate, tp=tp, cp=cp, ep=ep, degrees=degrees)
                 if over is not None:
                     slots.append(over)
                     continue
-            mesh = plan_mesh(world_size, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, devices_per_host=devices_per_host)
+            mesh = plan_mesh(world_size, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, dp_replicate=dp_replicate,
+                             devices_per_host=devices_per_host)
             slots.append((variants(job, choose, job.global_batch_size // dp if job.global_batch_size % dp == 0 else 0),
                           degrees, mesh))
-    tasks = [(slot[0], slot[1], device_memory) for slot in slots if isinstance(slot, tuple)]
+    tasks = [(slot[0], slot[1], device_memory, dp_replicate) for slot in slots if isinstance(slot, tuple)]
     # in processes, the PP meshes first, the longest pipelines first: a traced pipeline costs about its PP ranks
     planned = iter(run(_tried, tasks, jobs, cost=lambda task: task[1]["PP"]))
     fits, rejected = [], []
@@ -346,19 +346,19 @@ def search(job: Job, world_size: int, *, device_memory: int | None = None, devic
     return fits, rejected
 
 
-def _tried(tried: list[Job], degrees: dict[str, int], device_memory: int | None) -> list[tuple[int, MeshFit | str]]:
+def _tried(tried: list[Job], degrees: dict[str, int], memory: int | None, hsdp: int) -> list[tuple[int, MeshFit | str]]:
     """One mesh of a search: each variant's plan, or the line that refuses it, by the variant's index; without PP up to
     the first that fits (the same FLOPs in fewer passes), with PP every one (more micro-batches shrink the bubble)."""
     out: list[tuple[int, MeshFit | str]] = []
     pp, dp, cp, tp, ep = (degrees[d] for d in ("PP", "DP", "CP", "TP", "EP"))
     for index, variant in enumerate(tried):
         try:
-            fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, trace_pipeline=variant.trace_pp)
+            fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=hsdp, trace_pipeline=variant.trace_pp)
         except ValueError as e:
             out.append((index, str(e)))
             continue
         out.append((index, fit))
-        if pp == 1 and (device_memory is None or fit.peak <= device_memory):
+        if pp == 1 and (memory is None or fit.peak <= memory):
             break
     return out
 

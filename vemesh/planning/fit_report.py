@@ -78,10 +78,10 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
 
 
 def search_document(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,
-                    rank_by: str, fits: list[MeshFit], rejected: list[MeshFit]) -> dict[str, Any]:
+                    rank_by: str, fits: list[MeshFit], rejected: list[MeshFit], dp_replicate: int = 1) -> dict[str, Any]:
     """The JSON of a search: the meshes that fit, best first, and the rejected ones with their reasons."""
     return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "world_size": world_size, "device_memory": device_memory,
-            "devices_per_host": devices_per_host, "ranked_by": rank_by,
+            "devices_per_host": devices_per_host, "ranked_by": rank_by, "dp_replicate": dp_replicate,
             "fits": [{"degrees": f.degrees, "order": list(f.order), "peak": f.peak,
                       "inter_host_bytes_per_step": f.slow_bytes,
                       "inter_host_dims": list(f.slow_dims), "micro_batch_size": f.micro_batch_size,
@@ -142,8 +142,8 @@ def render_fit(job: Job, fit: MeshFit) -> str:
 
 
 def render_search(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,
-                  rank_by: str, fits: list[MeshFit], rejected: list[MeshFit], top: int = 10) -> str:
-    """The meshes that fit, ranked, and why the others do not."""
+                  rank_by: str, fits: list[MeshFit], rejected: list[MeshFit], top: int = 10, dp_replicate: int = 1) -> str:
+    """The meshes that fit, ranked, and why the others do not; with ``dp_replicate``, each mesh's DP split for HSDP."""
     cost = {"time": "the shortest predicted step, each mesh's dims placed on the hosts",
             "inter-host": "the fewest bytes a rank sends per step between hosts, then the lowest peak"}.get(
         rank_by, "the lowest peak per rank")
@@ -156,7 +156,9 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
              + ("each mesh's own micro-batch (the mbs column), " if chosen else
                 f"micro-batch {job.micro_batch_size} (--micro-batch-size B sets it), " if job.micro_batch_size else
                 "micro-batches of 2 x PP per DP rank, ")
-             + f"{job.dtype}, {job.dp_mode or ('as the function applies' if job.user else 'zero1')}; ranked by {cost}",
+             + f"{job.dtype}, {job.dp_mode or ('as the function applies' if job.user else 'zero1')}"
+             + (f", HSDP: each DP split into dp_replicate {dp_replicate} x dp_shard DP / {dp_replicate}"
+                if dp_replicate > 1 else "") + f"; ranked by {cost}",
              f"{len(fits) + len(rejected)} meshes considered (" + _considered(job, world_size) + f"); {len(fits)} fit"
              + (f"; the best {min(top, len(fits))}:" if fits else "")]
     timed = any(f.times for f in fits)

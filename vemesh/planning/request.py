@@ -150,10 +150,6 @@ class PlanRequest:
         if self.jobs is not None and not self.searches:
             raise ValueError("--jobs is for a search (--device-memory, none of --pp, --dp, --tp): a plan of one mesh "
                              "runs in one process")
-        if self.dp_replicate != 1 and self.searches:  # each mesh would be planned with its DP whole: not HSDP's
-            raise ValueError(f"--dp-replicate {self.dp_replicate} is HSDP on one mesh; a search plans every mesh with "
-                             "DP unsplit, so its figures would not be HSDP's: search without it, then plan the mesh "
-                             f"chosen with --dp N --tp M --dp-replicate {self.dp_replicate}")
         if self.trace_pp and not self.searches:
             raise ValueError("--trace-pp is for a search (--device-memory, none of --pp, --dp, --tp): a plan of one "
                              "mesh with --pp N traces its pipeline already")

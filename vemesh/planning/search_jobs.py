@@ -31,7 +31,7 @@ from vemesh.planning.estimate import check_degrees, load_model, rank_static, sta
 from vemesh.planning.pipeline_plan import shared_records
 from vemesh.planning.results import MeshFit, RankClass
 
-__all__ = ["gib", "run", "static_over", "variants"]
+__all__ = ["gib", "not_searched", "run", "static_over", "variants"]
 
 #: what each worker imports before its first mesh (the planner, and through it torch), in the server where there is one
 PRELOAD = ("vemesh.planning.fit",)
@@ -108,6 +108,22 @@ def variants(job: Any, choose: tuple[str, ...], per_dp: int) -> list[Any]:
     if "activation-checkpointing" in choose and job.activation_checkpointing in (False, "none"):
         checkpointing.append(True)
     return [replace(job, micro_batch_size=m, activation_checkpointing=ac) for ac in checkpointing for m in sizes]
+
+
+def not_searched(job: Any, degrees: dict[str, int], dp_replicate: int) -> str | None:
+    """Why a search does not plan the mesh of ``degrees``, in one line, or None: a DP that ``dp_replicate`` (HSDP's
+    replicas) does not divide; without ``--trace-pp``, a preset's PP mesh that only a trace through torch's schedule
+    plans (the Llama 3 preset's; the GPT preset's under HSDP, which its estimate, sharding over all of DP, is not)."""
+    pp, dp = degrees["PP"], degrees["DP"]
+    if dp % dp_replicate:
+        return (f"DP {dp} is not a multiple of --dp-replicate {dp_replicate}: HSDP splits DP into {dp_replicate} "
+                f"replicas of DP / {dp_replicate} ranks")
+    if pp == 1 or job.user or job.trace_pp or not (job.llama3 or dp_replicate > 1):
+        return None
+    what = "the Llama 3 preset's PP meshes are" if job.llama3 else "under HSDP the GPT preset's PP meshes are"
+    return (f"not planned in a search: {what} traced through torch's schedule (seconds to minutes each); plan it "
+            f"with --pp {pp}{f' --dp-replicate {dp_replicate}' if dp_replicate > 1 else ''}, or search with "
+            "--trace-pp")
 
 
 def static_over(job: Any, device_memory: int, *, dp: int, tp: int, cp: int, ep: int,

@@ -322,9 +322,10 @@ def render(times: list[StepTime], profile: DeviceProfile, width: int = 40) -> st
                f"{d.hidden * 1e3:.3f} ms hidden behind compute") for dim, d in t.dims.items()]
     if t.bubble:
         parts.append(("PP bubble", t.bubble, ""))
+    label = max(16, *(len(name) + 1 for name, _, _ in parts))  # "dp_replicate exposed" is 20 letters
     for name, seconds, why in parts:
         bar = "#" * round(width * seconds / t.total) if t.total else ""
-        lines.append(f"  {name:<16}{_ms(seconds)}  |{bar:<{width}}|{why}")
+        lines.append(f"  {name:<{label}}{_ms(seconds)}  |{bar:<{width}}|{why}")
     if t.compiled_host_bound:
         lines.append("  note: eager, this step is bound by the host's dispatch. --compile's time counts each compiled "
                      "kernel at an eager op's host time, and there a GPU's compiled blocks cost the host more (on an "
