@@ -22,6 +22,7 @@ import site
 import sys
 import sysconfig
 import types
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,18 @@ def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, prel
     how = method()
     if how == "forkserver":  # no effect once the server runs: it keeps what it imported
         multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *preload])
+    try:
+        return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join,
+                                  start_method=how)
+    except (EOFError, ConnectionError):  # the server stopped before forking a rank
+        if how != "forkserver" or not preload:
+            raise
+    # Python's server passes over a module whose import raises ImportError, and stops at any other error (it printed
+    # the module's traceback above): started again without ``preload``, each rank imports those modules itself
+    roots = sorted({name.partition(".")[0] for name in preload})
+    warnings.warn(f"the ranks' server stopped at an error importing {', '.join(roots)} (above); each rank imports "
+                  "it itself", RuntimeWarning, stacklevel=2)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join, start_method=how)
 
 

@@ -70,3 +70,26 @@ def test_the_libraries_a_users_code_uses_are_named_for_the_server_and_its_own_mo
     order = list(sys.modules)
     assert names == sorted(names, key=order.index)
     assert local_ranks.libraries_of([len, print]) == []  # builtins: nothing to import
+
+
+@pytest.mark.slow  # a program of its own, and its server started twice: about 6 s
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here")
+def test_a_library_that_raises_in_the_server_is_imported_by_each_rank_instead(tmp_path) -> None:
+    """A library the parent imported may raise in the ranks' server something other than ImportError, which Python's
+    server does not pass over: it stopped, and the ranks never started ("EOFError: unexpected EOF"). The server is
+    started again without it, the ranks run, and a warning names the library. In a program of its own: this one's
+    server is running already."""
+    import subprocess
+
+    (tmp_path / "badlib.py").write_text("import os\nif os.environ['PARENT_PID'] != str(os.getpid()):\n"
+                                        "    raise RuntimeError('badlib imports in its parent only')\n")
+    (tmp_path / "job.py").write_text(
+        "import os, sys\nos.environ['PARENT_PID'] = str(os.getpid())\nimport badlib\nfrom vemesh import local_ranks\n\n"
+        "def hello(rank):\n    print('rank', rank, 'ran', flush=True)\n\n"
+        "if __name__ == '__main__':\n    local_ranks.start(hello, (), 2, join=True, preload=('badlib',))\n")
+    done = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.split("\n")[:2]) == ["rank 0 ran", "rank 1 ran"], done.stdout
+    assert "badlib imports in its parent only" in done.stderr  # the server's own traceback
+    assert "the ranks' server stopped at an error importing badlib (above); each rank imports it itself" in done.stderr
