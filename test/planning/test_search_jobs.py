@@ -90,20 +90,28 @@ def test_a_search_in_two_processes_is_the_search_in_one(capfd) -> None:
 
 
 @pytest.mark.slow  # a search of three traced meshes, then each alone: about 15 s
-def test_a_search_with_dp_replicate_plans_each_mesh_as_its_one_mesh_plan_does() -> None:
+def test_a_search_with_dp_replicate_plans_each_mesh_as_the_command_it_gives_for_it(capsys) -> None:
     """``--dp-replicate 2`` in a search (it was refused: the search planned every DP whole): each mesh that fits is
-    planned and placed as ``--dp N --tp M --dp-replicate 2`` plans it alone, its DP bytes on ``dp_shard`` and
-    ``dp_replicate``, the replicas between the hosts; a DP that 2 does not divide, and a GPT-preset PP mesh (whose
-    estimate shards over all of DP) without ``--trace-pp``, are rejected with their reason."""
-    from vemesh.planning.api import answer
-    from vemesh.planning.request import PlanRequest
+    planned and placed as the command the search gives for it plans it alone (``plan_alone``; the text names #1's),
+    its DP bytes on ``dp_shard`` and ``dp_replicate``, the replicas between the hosts. That command carries the
+    search's micro-batch size: a plan of one mesh otherwise takes the DP rank's whole share, and gave another peak.
+    A DP that 2 does not divide, and a GPT-preset PP mesh (whose estimate shards over all of DP) without
+    ``--trace-pp``, are rejected with their reason."""
+    import shlex
 
-    shape = dict(model="gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=32", world_size=8, global_batch_size=8,
-                 micro_batch_size=1, dp_mode="fsdp", devices_per_host=4, dp_replicate=2)
-    searched = answer(PlanRequest(**shape, device_memory="80GiB")).document()
+    from vemesh.cli import main
+
+    flags = ["plan", "--model", "gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=32", "--world-size", "8",
+             "--global-batch-size", "8", "--dp-mode", "fsdp", "--devices-per-host", "4", "--dp-replicate", "2",
+             "--device-memory", "80GiB"]
+    assert main(flags + ["--json"]) == 0
+    searched = json.loads(capsys.readouterr().out)
     assert searched["dp_replicate"] == 2 and sorted(f["degrees"]["TP"] for f in searched["fits"]) == [1, 2, 4]
     for row in searched["fits"]:
-        alone = answer(PlanRequest(**shape, dp=row["degrees"]["DP"], tp=row["degrees"]["TP"])).document()
+        command = shlex.split(row["plan_alone"])
+        assert command[:2] == ["vemesh", "plan"] and "--device-memory" in command and "--micro-batch-size" in command
+        assert main(command[1:] + ["--json"]) == 0
+        alone = json.loads(capsys.readouterr().out)
         assert (row["peak"], row["classes"]) == (alone["peak"], alone["classes"])
         sent = row["classes"][0]["bytes_per_step"]
         assert sent["dp_replicate"] > 0 and (sent.get("dp_shard", 0) > 0) == (row["degrees"]["DP"] > 2), sent
@@ -112,3 +120,6 @@ def test_a_search_with_dp_replicate_plans_each_mesh_as_its_one_mesh_plan_does() 
     assert reasons[2, 1, 4] == "DP 1 is not a multiple of --dp-replicate 2: HSDP splits DP into 2 replicas of DP / 2 ranks"
     assert reasons[2, 4, 1].startswith("not planned in a search: under HSDP the GPT preset's PP meshes are traced"), reasons
     assert reasons[2, 4, 1].endswith("plan it with --pp 2 --dp-replicate 2, or search with --trace-pp"), reasons
+    assert main(flags) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "plan #1 alone (each rank class, its placement, the lines to paste): " + searched["fits"][0]["plan_alone"])

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import shlex
 import sys
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import Any
 
 from vemesh.cli.common import UsageError, check_rank, check_world, degree, positive, print_json, print_warnings
@@ -144,15 +146,44 @@ def _progress() -> Iterator[None]:
 
 
 def _search(request: PlanRequest, as_json: bool) -> int:
-    """``vemesh plan --model ... --device-memory ...`` without a shape: every mesh that fits, ranked."""
+    """``vemesh plan --model ... --device-memory ...`` without a shape: every mesh that fits, ranked, and the command
+    that plans the best alone."""
     with _progress():
         found = _answer(request)
     if as_json:
-        print_json(found.document())
+        doc = found.document()
+        for row, fit in zip(doc["fits"], found.fits):
+            row["plan_alone"] = plan_alone(request, fit)
+        print_json(doc)
     else:
         print(render_search(found.job, request.world_size, found.device_memory, request.devices_per_host,
                             request.order, list(found.fits), list(found.rejected), dp_replicate=request.dp_replicate))
+        if found.fits:
+            print(f"plan #1 alone (each rank class, its placement, the lines to paste): {plan_alone(request, found.fits[0])}")
     return 0 if found.fits else 1
+
+
+#: a search's flags that a plan of one mesh does not take, or takes from the mesh
+_SEARCH_ONLY = ("pp", "dp", "cp", "tp", "micro_batch_size", "choose", "jobs", "trace_pp", "rank_by")
+
+
+def plan_alone(request: PlanRequest, fit: Any) -> str:
+    """The ``vemesh plan`` command that plans ``fit``'s mesh of a search alone, with the figures the search gave it:
+    the search's flags but a search's own, the mesh's degrees and micro-batch size (a search's default is 1, a plan
+    of one mesh's the DP rank's whole share), and what ``--choose`` chose."""
+    words = ["vemesh", "plan"]
+    for field in fields(PlanRequest):
+        value = getattr(request, field.name)
+        if field.name in _SEARCH_ONLY or value is None or value is False or value == field.default:
+            continue
+        words += [f"--{field.name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    d = fit.degrees
+    for dim in ("PP", "DP", "CP", "TP"):
+        words += [f"--{dim.lower()}", str(d[dim])] if d[dim] > 1 or dim != "CP" else []
+    words += ["--micro-batch-size", str(fit.micro_batch_size)]
+    if fit.activation_checkpointing and not request.activation_checkpointing:  # chosen by --choose
+        words += ["--activation-checkpointing"]
+    return shlex.join(words)
 
 
 def _plan_header(plan: MeshPlan) -> str:
