@@ -21,6 +21,7 @@ import os
 import site
 import sys
 import sysconfig
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -48,9 +49,12 @@ def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, prel
     how = method()
     if how == "forkserver":  # no effect once the server runs: it keeps what it imported
         multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *preload])
-    try:
+    def started() -> Any:
         return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join,
                                   start_method=how)
+
+    try:
+        return started()
     except (EOFError, ConnectionError):  # the server stopped before forking a rank
         if how != "forkserver" or not preload:
             raise
@@ -60,7 +64,12 @@ def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, prel
     warnings.warn(f"the ranks' server stopped at an error importing {', '.join(roots)} (above); each rank imports "
                   "it itself", RuntimeWarning, stacklevel=2)
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
-    return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join, start_method=how)
+    for wait in (0.1, 0.2, 0.5, 1, 2, 4):  # started again once it has exited: until then its socket refuses
+        try:
+            return started()
+        except (EOFError, ConnectionError):
+            time.sleep(wait)
+    return started()
 
 
 def libraries_of(functions: Iterable[Any]) -> list[str]:
