@@ -99,6 +99,11 @@ def test_activation_checkpointing_modes(mode, want) -> None:
      "EP 4 does not divide the 6 experts: each EP rank holds experts / EP of them; choose EP from 1, 2 (dividing both "
      "the experts and DP 8)"),
     # planned as plain ZeRO-1 over all of DP, the split printed but planned as nothing
+    # a search in which no mesh's DP splits into the replicas asked for: each mesh rejected, then "search again with
+    # --activation-checkpointing full", which could not help
+    (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--dp-mode", "fsdp", "--device-memory", "80GiB", "--cp", "2",
+      "--dp-replicate", "8"], "--dp-replicate 8 splits each mesh's DP into 8 replicas, and no DP of 8 ranks (CP 2) is a "
+     "multiple of it: choose one of 1, 2, 4"),
     (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--dp-replicate", "2", "--tp", "1"], "--dp-replicate 2 splits DP "
      "for FSDP2's HSDP (replicas of FSDP shards); zero1 averages over all of DP: give --dp-mode fsdp, or leave "
      "--dp-replicate out"),

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vemesh.layout.names import divisors
 from vemesh.models.llama3.config import check_ac, config_of
 from vemesh.planning.speedups import Speedups
 
@@ -150,6 +151,11 @@ class PlanRequest:
         if self.jobs is not None and not self.searches:
             raise ValueError("--jobs is for a search (--device-memory, none of --pp, --dp, --tp): a plan of one mesh "
                              "runs in one process")
+        data = self.world_size // self.cp if isinstance(self.cp, int) and self.cp > 0 else 0
+        if self.dp_replicate != 1 and self.searches and data and data % self.dp_replicate:  # no mesh's DP splits so
+            raise ValueError(f"--dp-replicate {self.dp_replicate} splits each mesh's DP into {self.dp_replicate} "
+                             f"replicas, and no DP of {self.world_size} ranks (CP {self.cp}) is a multiple of it: "
+                             f"choose one of {', '.join(map(str, divisors(data)))}")
         if self.trace_pp and not self.searches:
             raise ValueError("--trace-pp is for a search (--device-memory, none of --pp, --dp, --tp): a plan of one "
                              "mesh with --pp N traces its pipeline already")
