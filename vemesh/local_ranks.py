@@ -49,6 +49,7 @@ def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, prel
     how = method()
     if how == "forkserver":  # no effect once the server runs: it keeps what it imported
         multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *preload])
+
     def started() -> Any:
         return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join,
                                   start_method=how)

@@ -178,8 +178,8 @@ def plan_alone(request: PlanRequest, fit: Any) -> str:
             continue
         words += [f"--{field.name.replace('_', '-')}"] + ([] if value is True else [str(value)])
     d = fit.degrees
-    for dim in ("PP", "DP", "CP", "TP"):
-        words += [f"--{dim.lower()}", str(d[dim])] if d[dim] > 1 or dim != "CP" else []
+    for dim in ("PP", "DP", "CP", "TP") if d["CP"] > 1 else ("PP", "DP", "TP"):
+        words += [f"--{dim.lower()}", str(d[dim])]
     words += ["--micro-batch-size", str(fit.micro_batch_size)]
     if fit.activation_checkpointing and not request.activation_checkpointing:  # chosen by --choose
         words += ["--activation-checkpointing"]
