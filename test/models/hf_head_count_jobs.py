@@ -12,6 +12,15 @@ from zeros of ``(1, self.n_heads, ...)``. ``naive_t5`` is torch's styles on q, k
 rank's heads meet the bias of every head, and the sum raises. ``fixed_t5`` also shards the table over TP on its heads
 and sets ``n_heads`` to this rank's (exact).
 
+Bloom views its head-major ``query_key_value`` by ``self.num_heads`` too, and is handed its ALiBi bias, built once in
+the model for every head (``(batch * n_head, 1, seq)``), which it adds to its scores: ``naive`` is torch's
+styles; ``heads_bloom`` also sets ``num_heads`` to this rank's (the bias still has every head, and ``baddbmm``
+raises); ``fixed_bloom`` also slices the bias to this rank's heads with
+``vemesh.parallel.HeadwiseParallel(inputs={"alibi": 0}, heads=n_head)`` (exact). Falcon with ``alibi=True``
+(``make_falcon_alibi``) hands its attention the bias and its mask as ``(batch, heads, ...)``, heads on dim 1; MPT
+(``make_mpt``) fuses ``[q|k|v]`` in ``Wqkv``, counts ``n_heads`` and is handed its bias as ``position_bias`` of
+``(heads, 1, seq)``.
+
 GPT-OSS keeps ``sinks``, one logit per head, a parameter of its attention that it concatenates to the scores: under
 torch's styles on q, k, v and o (``naive_gpt_oss``) the shapes disagree and the forward raises; ``fixed_gpt_oss`` adds
 ``vemesh.parallel.HeadwiseParallel(("sinks",))`` on the attention, and vemesh's ``ExpertParallel`` on its experts where
@@ -22,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from transformers import FalconConfig, FalconForCausalLM, GptOssConfig, GptOssForCausalLM, OPTConfig, OPTForCausalLM, \
-    T5Config, T5ForConditionalGeneration
+from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GptOssConfig, \
+    GptOssForCausalLM, MptConfig, MptForCausalLM, OPTConfig, OPTForCausalLM, T5Config, T5ForConditionalGeneration
 
 from vemesh.parallel import ExpertParallel, HeadwiseParallel, fully_shard
 
@@ -34,6 +43,22 @@ def make_falcon() -> nn.Module:
     return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           multi_query=False, new_decoder_architecture=False, parallel_attn=True,
                                           bias=False, alibi=False, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def make_falcon_alibi() -> nn.Module:
+    return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          multi_query=False, new_decoder_architecture=False, parallel_attn=True,
+                                          bias=False, alibi=True, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def make_mpt() -> nn.Module:
+    return MptForCausalLM(MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, expansion_ratio=2,
+                                    max_seq_len=32, resid_pdrop=0.0, emb_pdrop=0.0))
+
+
+def make_bloom() -> nn.Module:
+    return BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
+                                        attention_dropout=0.0))
 
 
 def make_opt() -> nn.Module:
@@ -63,7 +88,10 @@ def step(model: nn.Module, micro_batch_size: int) -> None:
 
 def _layers(model: nn.Module) -> tuple[list[nn.Module], dict[str, str], str]:
     """Each decoder layer, its plan (``c``: ColwiseParallel, ``r``: RowwiseParallel) and its attention's name."""
-    if isinstance(model, FalconForCausalLM):
+    if isinstance(model, MptForCausalLM):
+        return list(model.transformer.blocks), {"attn.Wqkv": "c", "attn.out_proj": "r", "ffn.up_proj": "c",
+                                                "ffn.down_proj": "r"}, "attn"
+    if isinstance(model, (FalconForCausalLM, BloomForCausalLM)):
         return list(model.transformer.h), {"self_attention.query_key_value": "c", "self_attention.dense": "r",
                                            "mlp.dense_h_to_4h": "c", "mlp.dense_4h_to_h": "r"}, "self_attention"
     return list(model.model.decoder.layers), {"self_attn.q_proj": "c", "self_attn.k_proj": "c", "self_attn.v_proj": "c",
@@ -89,6 +117,22 @@ def fixed(model: nn.Module, mesh: object) -> nn.Module:
                 setattr(attn, name, getattr(attn, name) // tp)
         if isinstance(model, FalconForCausalLM):  # its block adds into the MLP's output in place
             layer.mlp.dense_4h_to_h.register_forward_hook(lambda module, args, out: out.clone())
+    return model
+
+
+def heads_bloom(model: nn.Module, mesh: object) -> nn.Module:
+    """:func:`naive` with each attention's ``num_heads`` set to this rank's, its ALiBi bias left whole."""
+    for layer in naive(model, mesh).transformer.h:
+        layer.self_attention.num_heads //= mesh["TP"].size()  # type: ignore[index]
+    return model
+
+
+def fixed_bloom(model: nn.Module, mesh: object) -> nn.Module:
+    """:func:`heads_bloom` with the ALiBi bias each attention is handed sliced to this rank's heads (exact)."""
+    model = heads_bloom(model, mesh)
+    for layer in model.transformer.h:
+        parallelize_module(layer, mesh["TP"], {  # type: ignore[index]
+            "self_attention": HeadwiseParallel(inputs={"alibi": 0}, heads=model.config.n_head)})
     return model
 
 

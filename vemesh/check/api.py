@@ -315,7 +315,7 @@ def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, locate
     if located is None:
         return None
     recipe = heads_candidate(located[0], located[2], located[3].get("colwise", []), record.get("heads", {}),
-                             record.get("tables", {}))
+                             record.get("tables", {}), record.get("handed", {}))
     copied = clones_candidate(record.get("message", ""), located[0], located[3])
     heads = (recipe,) if recipe is not None and not copied else ()  # a change in place raised first: the copy first
     tries, hints, exact = [(heads, copied or (), located[0], "")] if heads or copied else [], [], False

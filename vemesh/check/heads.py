@@ -27,6 +27,13 @@ user's parallelize function, so that a data-parallel wrapper sees the sharded we
 an Embedding, :class:`vemesh.parallel.HeadwiseParallel` on the module holding a parameter; with the counts set where
 the module has them, alone where it has none.
 
+Some attentions are handed a tensor of every head rather than holding one: HF's Bloom builds its ALiBi bias in the
+model, ``(batch * n_head, 1, seq)``, and hands it to each attention, whose scores are this rank's heads under TP. Each
+rank records, at the first forward of each module that counts heads, the shapes of the tensors it is handed
+(:func:`watch_inputs`); an input other than the first (the hidden states, whose first dim is the batch) whose first
+dim holds one of the module's head counts, once or once per sequence of the batch, is sliced to this rank's heads in
+the recipe (:class:`vemesh.parallel.HeadwiseParallel` with ``inputs``), with the counts.
+
 A TP degree that does not divide a split projection's heads (GQA's few KV heads: 2 of them over TP 4) leaves a rank
 part of a head, and the attention's view raises. No recipe helps: :func:`vemesh.parallel.tp_split.uneven_hint` names
 the projection, its heads and the TP degrees that divide them.
@@ -34,10 +41,11 @@ the projection, its heads and the TP degrees that divide them.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -47,7 +55,7 @@ from vemesh.parallel.headwise import HeadwiseParallel
 from vemesh.parallel.tp_split import parts, plain_name
 
 __all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "head_tables", "hint", "set_heads",
-           "shard_tables", "unsharded"]
+           "shard_tables", "unsharded", "watch_inputs"]
 
 #: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
 _NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
@@ -67,17 +75,20 @@ def counts_of(model: nn.Module) -> dict[str, tuple[str, dict[str, int]]]:
 
 
 def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
-                built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, tuple[str, dict[str, int]]]:
-    """For the module that holds each Linear of ``split`` (:func:`vemesh.check.record.column_split_linears`): its class
-    and its head counts (:func:`counts_of`) that are still the model's as built (``built``, :func:`counts_of` of it)
-    and that the Linear's TP degree divides, by the module's name."""
+                built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, tuple[str, dict[str, int], dict[str, int]]]:
+    """For the module that holds each Linear of ``split`` (:func:`vemesh.check.record.column_split_linears`): its
+    class, its head counts (:func:`counts_of`) that are still the model's as built (``built``, :func:`counts_of` of it)
+    and that the Linear's TP degree divides, and the model's counts as built of those and of the ones the user's
+    function set to this rank's already (the heads of what its forward is handed: :func:`per_head_inputs`), by the
+    module's name."""
     degree = {n.rpartition(".")[0]: tp for n, _, _, tp in split}
-    found: dict[str, tuple[str, dict[str, int]]] = {}
+    found: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {}
     for name, (kind, counts) in counts_of(model).items():
         tp, whole = degree.get(name), built.get(name, ("", {}))[1]
         kept = {k: v for k, v in counts.items() if tp and v % tp == 0 and whole.get(k) == v}
-        if kept:
-            found[name] = (kind, kept)
+        done = {k: v for k, v in whole.items() if tp and v % tp == 0 and counts.get(k) == v // tp}
+        if kept or done:
+            found[name] = (kind, kept, {**done, **kept})
     return found
 
 
@@ -125,41 +136,90 @@ class LocalHeads:
     counts: tuple[tuple[str, int], ...]
     tp: int
     tables: tuple[tuple[str, int], ...] = ()
+    #: the inputs of their forward sliced to this rank's heads: (argument name, heads dim, the whole model's heads)
+    inputs: tuple[tuple[str, int, int], ...] = ()
+
+
+def watch_inputs(heads: dict[str, Any], model: nn.Module) -> dict[str, list]:
+    """The tensors handed to each module of ``heads`` (:func:`head_counts`) at its first forward, in order, as
+    ``[argument name, shape]``, by the module's name: filled as the step runs."""
+    seen: dict[str, list] = {}
+    for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
+        if plain_name(name) not in heads:
+            continue
+        try:
+            names = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            names = []
+
+        def record(_: nn.Module, args: tuple, kwargs: dict, name: str = plain_name(name), names: list = names) -> None:
+            given = [*zip(names, args), *kwargs.items()]
+            seen.setdefault(name, [[n, list(t.shape)] for n, t in given if isinstance(t, torch.Tensor)])
+
+        module.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
+
+
+def per_head_inputs(handed: list, counts: dict[str, int]) -> tuple[tuple[str, int, int], ...]:
+    """Of the tensors a module was handed (:func:`watch_inputs`), those of one of its head counts ``counts``:
+    ``(name, dim, heads)``. The first, the hidden states, gives the batch. Its first dim holds the heads once, or
+    once per sequence (Bloom's ALiBi, ``(batch * heads, 1, seq)``), and is not the batch's own (a mask, positions);
+    or its first dim is the batch's (or 1) and its second the heads (Falcon's, ``(batch, heads, 1, seq)``)."""
+    if not handed:
+        return ()
+    batch, found = handed[0][1][0] if handed[0][1] else None, []
+    for name, shape in handed[1:]:
+        for heads in sorted(set(counts.values()), reverse=True):
+            if shape and shape[0] != batch and shape[0] in (heads, heads * (batch or 0)):
+                found.append((name, 0, heads))
+            elif len(shape) > 1 and shape[0] in (batch, 1) and shape[1] == heads:
+                found.append((name, 1, heads))
+            else:
+                continue
+            break
+    return tuple(found)
 
 
 def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[str],
-              heads: dict[str, tuple[str, dict[str, int]]],
-              tables: dict[str, tuple[str, int]] | None = None) -> LocalHeads | None:
+              heads: dict[str, tuple[str, dict[str, int], dict[str, int]]],
+              tables: dict[str, tuple[str, int]] | None = None, handed: dict[str, list] | None = None) -> LocalHeads | None:
     """The recipe for where the run went wrong (module ``first``: the one whose forward raised, or the first that
     differs): the scope of a Linear that torch's ColwiseParallel split (``colwise``: where the plan's style went), if
-    that scope counts heads (``heads``: :func:`head_counts`), with its alike and their per-head tables (``tables``:
-    :func:`head_tables`); None where there is none."""
-    tables = tables or {}
+    that scope counts heads (``heads``: :func:`head_counts`), with its alike, their per-head tables (``tables``:
+    :func:`head_tables`) and the per-head inputs it was handed (``handed``: :func:`watch_inputs`,
+    :func:`per_head_inputs`); None where there is none."""
+    tables, handed = tables or {}, handed or {}
     for name, _, _, tp in split:
         scope = name.rpartition(".")[0]
         holds = any(s == scope for s, _ in tables.values())
-        if (scope not in heads and not holds) or name not in colwise or not (
+        kind, counts, whole = heads.get(scope, ("", {}, {}))
+        inputs = per_head_inputs(handed.get(scope, []), whole)
+        if not (counts or inputs or holds) or name not in colwise or not (
                 not first or first == scope or first.startswith(scope + ".") or scope.startswith(first + ".")):
             continue
         if scope in heads:
-            kind, counts = heads[scope]
-            others = {s for s, (k, c) in heads.items() if (k, c) == (kind, counts)}
+            others = {s for s, (k, c, w) in heads.items() if (k, c, w) == (kind, counts, whole)}
         else:  # no counts: its alike are the other layers' modules holding the same
-            counts, others = {}, {s for s, _ in tables.values() if layer_pattern(s) == layer_pattern(scope)}
+            others = {s for s, _ in tables.values() if layer_pattern(s) == layer_pattern(scope)}
         alike = (scope, *sorted(others - {scope}))  # where the run went wrong first: the hint names it
         held = tuple(sorted(((t, d) for t, (s, d) in tables.items() if s in alike), key=lambda t: (
             tables[t[0]][0] != scope, t)))
-        return LocalHeads(alike, tuple(sorted(counts.items())), tp, held)
+        return LocalHeads(alike, tuple(sorted(counts.items())), tp, held, inputs)
     return None
 
 
-def set_heads(recipes: tuple[LocalHeads, ...], model: nn.Module) -> None:
-    """Each recipe's counts set to this rank's on its modules of ``model`` (after the user's parallelize function)."""
+def set_heads(recipes: tuple[LocalHeads, ...], model: nn.Module, mesh: Any) -> None:
+    """Each recipe's counts set to this rank's on its modules of ``model`` (after the user's parallelize function),
+    and the inputs it names sliced to this rank's heads (:class:`~vemesh.parallel.HeadwiseParallel` on each, over
+    ``mesh["TP"]``)."""
     for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
         for recipe in recipes:
             if plain_name(name) in recipe.modules:
                 for attr, whole in recipe.counts:
                     setattr(module, attr, whole // recipe.tp)
+                for heads in sorted({h for _, _, h in recipe.inputs}):
+                    named = {n: d for n, d, h in recipe.inputs if h == heads}
+                    parallelize_module(module, mesh["TP"], HeadwiseParallel(inputs=named, heads=heads))
 
 
 def shard_tables(recipes: tuple[LocalHeads, ...], model: nn.Module, mesh: Any) -> None:
@@ -196,6 +256,15 @@ def _held(tables: tuple[tuple[str, int], ...]) -> str:
     return " and ".join(said)
 
 
+def _handed(inputs: tuple[tuple[str, int, int], ...]) -> str:
+    """What slicing ``inputs`` (a recipe's) means, in the hint's words."""
+    styles = [f"HeadwiseParallel(inputs={ {n: d for n, d, h in inputs if h == heads}!r}, heads={heads})"
+              for heads in sorted({h for _, _, h in inputs})]
+    names = ", ".join(n for n, _, _ in inputs)
+    return (f"the input{'s' * (len(inputs) > 1)} of every head that its forward is handed, {names}, sliced to this "
+            f"rank's heads (vemesh.parallel.{' and '.join(styles)} on the module, in your TP plan)")
+
+
 def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, fused: str = "") -> str:
     """The hint for ``recipe``, tried: ``outcome`` is ``""`` where it made the check exact, else where the run still
     went wrong; ``cleared``: past the recipe's modules, where another recipe then made it exact (the next hint);
@@ -204,11 +273,14 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
     first = r.modules[0]
     alike = f" (and its {len(r.modules) - 1} alike)" if len(r.modules) > 1 else ""
     where = "the forward raised there. " if raised else "the run differs from there on. "
-    if not r.counts:  # what it holds per head alone
+    if not r.counts:  # what it holds or is handed per head alone (its counts are this rank's, or it has none)
         attrs = ", ".join(sorted({n.rpartition(".")[2] for n, _ in r.tables}))
-        head = (f"{first}{alike} keeps a value per head in {attrs}, whole, while TP {r.tp} gives each rank 1/{r.tp} "
+        what = ([f"keeps a value per head in {attrs}"] if r.tables else []) + (
+            [f"is handed {', '.join(n for n, _, _ in r.inputs)} with a value for every head"] if r.inputs else [])
+        head = (f"{first}{alike} {' and '.join(what)}, whole, while TP {r.tp} gives each rank 1/{r.tp} "
                 f"of the heads of its projections; " + where)
-        tried = f"Tried: {_held(r.tables)}"
+        tried = "Tried: " + " and ".join(([_held(r.tables)] if r.tables else []) + ([_handed(r.inputs)] if r.inputs
+                                                                                    else []))
         if not outcome:
             return head + tried + ", which makes the check exact (docs/checking.md: an attention that reads its head counts)"
         return head + tried + f": the check then {outcome}, so that is not the cause, or not the only one"
@@ -217,7 +289,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
             f"while TP {r.tp} gives each rank 1/{r.tp} of the heads of the projections it reads; " + where)
     tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= tp' for a, _ in r.counts)}, with tp = " \
             f"mesh['TP'].size(), {r.tp} here) on " \
-            f"{first}{alike} after your parallelize function" + (f", and {_held(r.tables)}" if r.tables else "")
+            f"{first}{alike} after your parallelize function" + (f", and {_held(r.tables)}" if r.tables else "") + \
+        (f", and {_handed(r.inputs)}" if r.inputs else "")
     fix = ("Do that in your parallelize function (torch's TP styles shard the weights, never a module's attributes; "
            "a view by -1 heads needs none) (docs/checking.md: an attention that reads its head counts)")
     if not outcome:

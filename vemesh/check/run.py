@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 
 from vemesh import local_ranks
 from vemesh.check.clones import set_clones
-from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, set_heads, shard_tables, unsharded
+from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, set_heads, shard_tables, unsharded, \
+    watch_inputs
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
@@ -118,9 +119,7 @@ def _said(error: BaseException) -> str:
     """``error``'s words on one line: whole when vemesh raised it (its advice comes last: a broken tie's said how to
     parallelize instead), else cut at 400 characters, with '...' where it was cut (torch's can hold a tensor)."""
     text = " ".join(str(error).split())
-    if type(error).__module__.startswith("vemesh.") or len(text) <= 400:
-        return text
-    return text[:400] + "..."
+    return text if type(error).__module__.startswith("vemesh.") or len(text) <= 400 else text[:400] + "..."
 
 
 class UserError(Exception):
@@ -138,7 +137,6 @@ def _one_rank_world(mesh_dims: tuple[str, ...] = ("DP",)) -> Iterator[None]:
     """A world of one gloo rank with ``VESCALE_DEVICE_MESH`` built on it, for a step that asks the mesh (its CP
     degree, its groups): the parallel run's mesh dims (``mesh_dims``), every one of size 1, so that a step that takes
     ``mesh["CP"]`` for ``context_parallel`` runs there as it is written. Undone after."""
-
     if dist.is_initialized():
         raise CheckInputError("vemesh check runs both worlds itself: call it before init_process_group (or from "
                               "another process), not inside a distributed job")
@@ -255,7 +253,8 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # a wrong plan's shape error: ours
     os.chdir(spec.cwd)
     split: list[tuple[str, int, int, int]] = []  # the Linears split as ColwiseParallel splits (for a hint)
-    heads: dict[str, tuple[str, dict[str, int]]] = {}  # the head counts of their scopes (for a hint)
+    heads: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {}  # the head counts of their scopes (for a hint)
+    handed: dict[str, list] = {}  # the tensors each of those scopes was handed (for a hint)
     tables: dict[str, tuple[str, int]] = {}  # what is kept per head, by name: its scope, heads dim (for a hint)
     widths: dict[str, int] = {}  # and their head_dim (for a hint: a TP degree that does not divide the heads)
     failed_in, skipped = None, []  # the module whose forward raised in the step; the plan entries torch skipped
@@ -288,7 +287,8 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         split = column_split_linears(model)
         heads = head_counts(model, split, built)  # as the user's function left them, before a recipe sets them
         widths = head_dims(model, split)
-        set_heads(spec.heads, model)
+        set_heads(spec.heads, model, mesh)
+        handed = watch_inputs(heads, model)  # the tensors each of them is handed, as the step runs
         set_clones(spec.cloned, model)
         sum_features(spec.summed, model, mesh)
         params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}
@@ -321,12 +321,10 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         coords = {n: mesh.get_local_rank(n) for n in mesh.layout.dim_names}
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
-                    "data_rank": data_rank,
-                    "broken": broken, "apart": apart, "split": split, "heads": heads, "tables": tables, "went": went,
-                    "dropouts": det.dropouts,
-                    "data_parallel": data_parallel(model), "on_tp": on_tp(model),
-                    "random_ops": det.random_ops, "marks": marks, "skipped": skipped,
-                    "compiled": compiled_module([part for part, _ in parts(model)])},
+                    "data_rank": data_rank, "broken": broken, "apart": apart, "split": split, "heads": heads,
+                    "handed": handed, "tables": tables, "went": went, "dropouts": det.dropouts,
+                    "data_parallel": data_parallel(model), "on_tp": on_tp(model), "random_ops": det.random_ops,
+                    "marks": marks, "skipped": skipped, "compiled": compiled_module([part for part, _ in parts(model)])},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()
@@ -340,8 +338,9 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         part = os.path.join(out, f"error{rank}.json.part")
         with open(part, "w") as f:
             json.dump({"kind": kind, "message": " ".join(text.split()), "module": failed_in, "split": split,
-                       "heads": heads, "tables": tables, "head_dims": widths, "went": went, "trace": traceback.format_exc(limit=-6),
-                       "before_step": "parallelized" not in marks, "skipped": skipped,  # the step not reached
+                       "heads": heads, "handed": handed, "tables": tables, "head_dims": widths, "went": went,
+                       "trace": traceback.format_exc(limit=-6), "skipped": skipped,
+                       "before_step": "parallelized" not in marks,  # the step not reached
                        # for a hint (vemesh.check.partial): the replicas whose grads differ over TP, each module's output shape
                        "params": [plain_name(n) for n in getattr(cause, "names", [])],
                        "shapes": {k[0]: list(v.shape) for k, v in outputs.items() if k[1:] == (0, 0)}}, f)

@@ -11,13 +11,22 @@ whole model's, and the optimizer steps this rank's heads. During the module's fo
 rank's slice, a plain tensor (``to_local()``, whose gradient flows back into the DTensor), as FSDP2 swaps in its
 unsharded parameters; after the forward (also one that raises) the DTensor is put back. Heads are split as
 ``ColwiseParallel`` splits a projection's rows: rank ``r`` holds block ``r`` of ``TP`` contiguous blocks.
+
+Some attentions are handed a tensor with a value per head rather than holding one. HF's Bloom builds its ALiBi bias
+once in the model, of every head (``(batch * n_head, 1, seq)``), and hands it to each attention, which adds it to the
+scores of its own heads: under TP, with ``num_heads`` set to this rank's, the sizes disagree and ``baddbmm`` raises.
+``HeadwiseParallel(inputs={"alibi": 0}, heads=n_head)`` slices each named input to this rank's heads before the
+forward: along ``dim`` its size is a multiple ``k * heads`` (``k`` groups of every head, heads inner, as
+``reshape(batch * heads, ...)`` folds them), and rank ``r`` keeps block ``r`` of each group's heads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -31,27 +40,41 @@ __all__ = ["HeadwiseParallel"]
 
 class HeadwiseParallel(ParallelStyle):
     """The module's own parameters ``params`` (their names on it) sharded over the TP mesh along ``dim``, each rank's
-    forward reading its own slice as a plain tensor. For per-head parameters beside ColwiseParallel projections, as
-    GPT-OSS's attention sinks::
+    forward reading its own slice as a plain tensor; and the tensors its forward is handed as ``inputs`` (argument
+    name: its heads dim, of ``heads`` heads), each sliced to this rank's heads. For per-head parameters beside
+    ColwiseParallel projections, as GPT-OSS's attention sinks, and Bloom's ALiBi bias::
 
         parallelize_module(layer, mesh["TP"], {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "self_attn": HeadwiseParallel(("sinks",)),  # one logit per head: this rank's heads'
         })
+        parallelize_module(layer, mesh["TP"], {  # Bloom: (batch * n_head, 1, seq), this rank's heads of each
+            "self_attention": HeadwiseParallel(inputs={"alibi": 0}, heads=config.n_head)})
     """
 
-    def __init__(self, params: Sequence[str], dim: int = 0) -> None:
+    def __init__(self, params: Sequence[str] = (), dim: int = 0, *, inputs: Mapping[str, int] | None = None,
+                 heads: int | None = None) -> None:
         super().__init__()
-        if isinstance(params, str) or not params or not all(isinstance(p, str) and p for p in params):
+        if isinstance(params, str) or not all(isinstance(p, str) and p for p in params) or not (params or inputs):
             raise ValueError(f"HeadwiseParallel(params={params!r}): params must be a non-empty sequence of the "
-                             "module's parameter names, e.g. ('sinks',)")
+                             "module's parameter names, e.g. ('sinks',), or give the per-head inputs of its forward "
+                             "(inputs={'alibi': 0}, heads=N)")
         if type(dim) is not int:
             raise ValueError(f"HeadwiseParallel(dim={dim!r}): dim must be an int, the parameters' heads dim")
-        self.params, self.dim = tuple(params), dim
+        given = dict(inputs) if isinstance(inputs, Mapping) else {}
+        if inputs is not None and not (given and all(isinstance(k, str) and k and type(v) is int
+                                                     for k, v in given.items())):
+            raise ValueError(f"HeadwiseParallel(inputs={inputs!r}): inputs must map each argument name of the "
+                             "module's forward to its heads dim, e.g. {'alibi': 0}")
+        if (heads is not None or given) and not (type(heads) is int and heads > 1 and given):
+            raise ValueError(f"HeadwiseParallel(inputs={inputs!r}, heads={heads!r}): heads is the whole model's count "
+                             "of heads in the inputs, an int of 2 or more, given with inputs")
+        self.params, self.dim, self.inputs, self.heads = tuple(params), dim, given, heads
 
     def __repr__(self) -> str:
-        return f"HeadwiseParallel({self.params!r}, dim={self.dim})"
+        said = [f"{self.params!r}, dim={self.dim}"] if self.params else []
+        return f"HeadwiseParallel({', '.join(said + ([f'inputs={self.inputs!r}, heads={self.heads}'] * bool(self.inputs)))})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         one_tp_dim(repr(self), device_mesh)
@@ -72,9 +95,45 @@ class HeadwiseParallel(ParallelStyle):
             # from src_data_rank's values (rank 0's, as torch's styles; None: each rank's own), as ColwiseParallel does
             whole = distribute_tensor(p.detach(), device_mesh, [Shard(self.dim)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(whole, requires_grad=p.requires_grad))
-        module.register_forward_pre_hook(self._local)
-        module.register_forward_hook(self._restore, always_call=True)
+        if self.params:
+            module.register_forward_pre_hook(self._local)
+            module.register_forward_hook(self._restore, always_call=True)
+        if self.inputs:
+            self._slice_inputs(module, device_mesh)
         return module
+
+    def _slice_inputs(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        """A pre-hook on ``module`` that hands its forward this rank's heads of each of :attr:`inputs`."""
+        tp, rank, heads, where = device_mesh.size(), device_mesh.get_local_rank(), self.heads, \
+            f"{self!r} on {type(module).__name__}"
+        assert heads is not None
+        if heads % tp:
+            raise ValueError(f"{where}: TP {tp} does not divide its {heads} heads; choose TP from "
+                             f"{', '.join(str(d) for d in divisors(heads))}")
+        try:  # the forward's arguments (a bound method's, without self)
+            known = dict(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):  # not to be inspected: keyword arguments alone are found
+            known = {}
+        names = [n for n, a in known.items() if a.kind in (a.POSITIONAL_ONLY, a.POSITIONAL_OR_KEYWORD)]
+        missing = [n for n in self.inputs if known and n not in known]
+        if missing and not any(a.kind == a.VAR_KEYWORD for a in known.values()):
+            raise ValueError(f"{where}: its forward takes no argument {missing[0]!r}; its arguments: {', '.join(known)}")
+
+        def local(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            args, kwargs = list(args), dict(kwargs)
+            for name, dim in self.inputs.items():
+                at = names.index(name) if name in names and names.index(name) < len(args) else None
+                t = args[at] if at is not None else kwargs.get(name)
+                if t is None:  # not given (an optional input): no heads to slice
+                    continue
+                t = _this_ranks(t, dim, heads, rank, tp, f"{where}: input {name!r}")
+                if at is not None:
+                    args[at] = t
+                else:
+                    kwargs[name] = t
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(local, with_kwargs=True)
 
     def _local(self, module: nn.Module, args: Any) -> None:
         held = {}
@@ -88,3 +147,21 @@ class HeadwiseParallel(ParallelStyle):
         if stack:
             module._parameters.update(stack.pop())
         return out
+
+
+def _this_ranks(t: Any, dim: int, heads: int, rank: int, tp: int, where: str) -> torch.Tensor:
+    """Of ``t``, whose ``dim`` holds ``k * heads`` values (``k`` groups of every head, heads inner), rank ``rank``'s
+    block of each group's heads: ``k * heads / tp`` values."""
+    if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
+        kind = f"a DTensor ({t.placements}), whose placements say which heads each rank holds" \
+            if isinstance(t, DTensor) else type(t).__name__
+        raise ValueError(f"{where} is {kind}: HeadwiseParallel slices a plain tensor of every head")
+    if not -t.dim() <= dim < t.dim():
+        raise ValueError(f"{where} of shape {tuple(t.shape)}: dim {dim} is not one of its dims")
+    dim %= t.dim()
+    n, local = t.shape[dim], heads // tp
+    if n % heads:
+        raise ValueError(f"{where} of shape {tuple(t.shape)}: its dim {dim} holds {n}, not a multiple of its {heads} "
+                         "heads (one value per head, or groups of every head folded in, as batch * heads)")
+    grouped = t.reshape(*t.shape[:dim], n // heads, heads, *t.shape[dim + 1:])
+    return grouped.narrow(dim + 1, rank * local, local).reshape(*t.shape[:dim], n // heads * local, *t.shape[dim + 1:])

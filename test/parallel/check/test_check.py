@@ -365,7 +365,7 @@ def test_a_fused_linear_read_by_its_modules_head_count_gets_the_local_recipe_wit
     from vemesh.check.heads import LocalHeads
 
     split = [("h.0.attn.qkv", 96, 32, 2), ("h.1.attn.qkv", 96, 32, 2)]
-    heads = {f"h.{i}.attn": ("Attention", {"n_head": 4}) for i in (0, 1)}
+    heads = {f"h.{i}.attn": ("Attention", {"n_head": 4}, {"n_head": 4}) for i in (0, 1)}
     went = {"colwise": ["h.0.attn.qkv", "h.1.attn.qkv"], "rowwise": ["h.0.attn.proj", "h.1.attn.proj"]}
     runs: list[tuple] = []
 
@@ -697,6 +697,117 @@ def test_hf_gpt_oss_sinks_are_sharded_over_tp_by_headwise_parallel_and_the_fix_i
     assert fixed.exact and fixed.degrees["EP"] == 2, fixed.render()
 
 
+@pytest.mark.slow  # three runs of 2 processes, one of 4, and the recipes tried on Bloom, Falcon and MPT
+def test_hf_blooms_alibi_bias_is_sliced_to_this_ranks_heads_with_its_head_counts_and_the_fix_is_exact() -> None:
+    """HF's Bloom views its head-major query_key_value by ``self.num_heads`` and is handed its ALiBi bias of every
+    head, ``(batch * n_head, 1, seq)``, built once in the model. Under torch's styles the view raises; with the counts
+    set alone, the bias meets this rank's scores and ``baddbmm`` raises. The recipe sets the counts and slices the bias
+    with HeadwiseParallel(inputs={'alibi': 0}, heads=4), and is exact; where the user's function set the counts
+    already, the bias alone is tried; the plan written so is exact at TP 2 and TP 4 (micro-batch 3). Falcon with ALiBi
+    (bias and mask of (batch, heads, ...): dim 1) and MPT (a fused [q|k|v] with its bias as position_bias) get theirs.
+    Before, the check offered only the gathered layout (every TP rank computing every head), and nothing where the
+    counts were set."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    style = "(vemesh.parallel.HeadwiseParallel(inputs={'alibi': 0}, heads=4) on the module, in your TP plan)"
+    wrong = check(f"module:{jobs}:make_bloom", f"{jobs}:naive", f"{jobs}:step", world_size=2, tp=2)
+    assert wrong.verdict == "differs" and "in the forward of transformer.h.0.self_attention" in wrong.error, \
+        wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("transformer.h.0.self_attention (and its 1 alike) reads its head counts from its own "
+                           "attributes (num_heads = 4)") and "(module.num_heads //= tp, with tp = mesh['TP'].size(), 2 " \
+        "here)" in text and f"and the input of every head that its forward is handed, alibi, sliced to this rank's heads " \
+        f"{style}, which makes the check exact" in text, text
+    half = check(f"module:{jobs}:make_bloom", f"{jobs}:heads_bloom", f"{jobs}:step", world_size=2, tp=2)
+    assert "baddbmm" in half.error or "expanded size" in half.error, half.render()
+    (text,) = half.hints
+    assert text.startswith("transformer.h.0.self_attention (and its 1 alike) is handed alibi with a value for every "
+                           "head, whole, while TP 2 gives each rank 1/2 of the heads of its projections; the forward "
+                           "raised there") and f"{style}, which makes the check exact" in text, text
+    assert check(f"module:{jobs}:make_bloom", f"{jobs}:fixed_bloom", f"{jobs}:step", world_size=2, tp=2).exact
+    fixed = check(f"module:{jobs}:make_bloom", f"{jobs}:fixed_bloom", f"{jobs}:step", world_size=4, tp=4,
+                  micro_batch_size=3)
+    assert fixed.exact, fixed.render()
+    # Falcon with ALiBi hands its attention the bias and its mask as (batch, heads, 1 or seq, seq): both on dim 1
+    falcon = check(f"module:{jobs}:make_falcon_alibi", f"{jobs}:naive", f"{jobs}:step", world_size=2, tp=2)
+    assert "HeadwiseParallel(inputs={'attention_mask': 1, 'alibi': 1}, heads=4)" in falcon.hints[0] and \
+        "that clears it" in falcon.hints[0] and "which makes the check exact" in falcon.hints[1], falcon.render()
+    # MPT: a fused [q|k|v], n_heads and a bias of (heads, 1, seq) handed as position_bias, tried together
+    mpt = check(f"module:{jobs}:make_mpt", f"{jobs}:naive", f"{jobs}:step", world_size=2, tp=2)
+    assert "FusedColwiseParallel(3) with its reader's head counts set to this rank's" in mpt.hints[0] and \
+        "HeadwiseParallel(inputs={'position_bias': 0}, heads=4)" in mpt.hints[1] and "with FusedColwiseParallel(3) " \
+        "in its projection's place (the hint before), which makes the check exact" in mpt.hints[1], mpt.render()
+
+
+def test_the_inputs_of_every_head_are_told_apart_from_the_hidden_states_masks_and_positions() -> None:
+    """In process: of what a module was handed (``[name, shape]``, the hidden states first), an input whose first dim
+    is one of its head counts, once or once per sequence of the batch (Bloom's ALiBi), or whose first dim is the
+    batch's (or 1) and its second the heads (Falcon's ALiBi and its mask), is a per-head input; a mask or positions of
+    the batch's own first dim and one head is not, nor is a count that matches no dim."""
+    from vemesh.check.heads import per_head_inputs
+
+    handed = [["hidden_states", [2, 16, 64]], ["residual", [2, 16, 64]], ["alibi", [8, 1, 16]],
+              ["attention_mask", [2, 1, 16, 16]], ["position_ids", [2, 16]], ["bias", [4, 16, 16]],
+              ["falcon_alibi", [2, 4, 1, 16]], ["shared", [1, 4, 16, 16]]]
+    assert per_head_inputs(handed, {"num_heads": 4}) == (("alibi", 0, 4), ("bias", 0, 4), ("falcon_alibi", 1, 4),
+                                                         ("shared", 1, 4))
+    assert per_head_inputs(handed[:6], {"num_heads": 4, "num_kv_heads": 2}) == (("alibi", 0, 4), ("bias", 0, 4))
+    assert per_head_inputs(handed[:6], {"num_heads": 8}) == (("alibi", 0, 8),)  # 8 heads of one sequence
+    assert per_head_inputs(handed, {"num_heads": 3}) == ()
+    assert per_head_inputs([["x", [4, 16, 64]], ["mask", [4, 1, 16, 16]]], {"num_heads": 4}) == ()  # the batch's own
+    assert per_head_inputs([], {"num_heads": 4}) == ()
+
+
+def test_headwise_parallel_slices_the_inputs_of_every_head_to_this_ranks_by_name_or_place() -> None:
+    """On rank 1 of a fake world of 2, heads=4: an input of ``k * 4`` values on its dim (k groups of every head, heads
+    inner) reaches the forward as each group's heads 2 and 3, given by keyword or by place; None passes. Bad input is
+    one line naming the value and what it takes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.parallel import HeadwiseParallel
+
+    class Attention(torch.nn.Module):
+        def forward(self, x: torch.Tensor, alibi: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> tuple:
+            return alibi, bias
+
+    for kwargs, said in (({}, r"params must be a non-empty sequence .* or give the per-head inputs"),
+                         ({"inputs": {"alibi": 0}}, r"heads=None\): heads is the whole model's count"),
+                         ({"inputs": {"alibi": 0}, "heads": 1}, r"an int of 2 or more, given with inputs"),
+                         ({"params": ("sinks",), "heads": 4}, r"heads=4\): heads is the whole model's count .* "
+                                                               r"given with inputs"),
+                         ({"inputs": {"alibi": "0"}, "heads": 4}, r"inputs=\{'alibi': '0'\}\): inputs must map each"),
+                         ({"inputs": ["alibi"], "heads": 4}, r"inputs must map each argument name")):
+        with pytest.raises(ValueError, match=said):
+            HeadwiseParallel(**kwargs)
+    assert repr(HeadwiseParallel(inputs={"alibi": 0}, heads=4)) == "HeadwiseParallel(inputs={'alibi': 0}, heads=4)"
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("TP",))
+        module = HeadwiseParallel(inputs={"alibi": 0, "bias": 1}, heads=4)._apply(Attention(), mesh)
+        alibi = torch.arange(8.0).reshape(8, 1)  # 2 sequences x 4 heads, folded as batch * heads
+        bias = torch.arange(4.0).reshape(1, 4)
+        for args, kwargs in (((torch.ones(1), alibi), {"bias": bias}), ((torch.ones(1),), {"alibi": alibi, "bias": bias}),
+                             ((torch.ones(1), alibi, bias), {})):
+            got, got_bias = module(*args, **kwargs)
+            assert got.flatten().tolist() == [2.0, 3.0, 6.0, 7.0] and got_bias.tolist() == [[2.0, 3.0]]
+        assert module(torch.ones(1)) == (None, None)
+        with pytest.raises(ValueError, match=r"input 'alibi' of shape \(6, 1\): its dim 0 holds 6, not a multiple of "
+                                             r"its 4 heads"):
+            module(torch.ones(1), torch.ones(6, 1))
+        with pytest.raises(ValueError, match=r"input 'alibi' is list: HeadwiseParallel slices a plain tensor"):
+            module(torch.ones(1), [1.0])
+        with pytest.raises(ValueError, match=r"input 'bias' of shape \(4,\): dim 1 is not one of its dims"):
+            module(torch.ones(1), bias=torch.ones(4))
+        with pytest.raises(ValueError, match=r"on Attention: its forward takes no argument 'alibis'; its arguments: "
+                                             r"x, alibi, bias"):
+            HeadwiseParallel(inputs={"alibis": 0}, heads=4)._apply(Attention(), mesh)
+        with pytest.raises(ValueError, match=r"on Attention: TP 2 does not divide its 3 heads; choose TP from 1, 3"):
+            HeadwiseParallel(inputs={"alibi": 0}, heads=3)._apply(Attention(), mesh)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dtensor() -> None:
     """On rank 1 of a fake world of 2: ``sinks`` (4 heads) becomes a DTensor of 4 whose local part is heads 2 and 3;
     the forward reads that plain slice, and after it (also after one that raises) the parameter is the DTensor again.
@@ -846,17 +957,19 @@ def test_head_counts_are_the_split_linears_scopes_ints_named_for_heads_that_tp_d
     model = nn.Sequential(Attention(), Attention())
     split = [("0.qkv", 24, 8, 2), ("1.qkv", 24, 8, 2)]
     built = counts_of(model)
-    model[1].num_heads = 2  # set to this rank's by the user's function already: not the whole model's
-    assert head_counts(model, split, built)["1"][1] == {"num_kv_heads": 2, "n_head": 4}
+    model[1].num_heads = 2  # set to this rank's by the user's function already: not the whole model's to set
+    assert head_counts(model, split, built)["1"][1:] == ({"num_kv_heads": 2, "n_head": 4},
+                                                        {"num_heads": 4, "num_kv_heads": 2, "n_head": 4})
     model[1].num_heads = 4
     counts = head_counts(model, split, built)
+    whole = {"num_heads": 4, "num_kv_heads": 2, "n_head": 4}
     assert counts == {s: ("test_head_counts_are_the_split_linears_scopes_ints_named_for_heads_that_tp_divides."
-                          "<locals>.Attention", {"num_heads": 4, "num_kv_heads": 2, "n_head": 4}) for s in "01"}
+                          "<locals>.Attention", whole, whole) for s in "01"}
     recipe = heads_candidate("0", split, ["0.qkv", "1.qkv"], counts)
     assert recipe == LocalHeads(("0", "1"), (("n_head", 4), ("num_heads", 4), ("num_kv_heads", 2)), 2)
     assert heads_candidate("0.out", split, ["0.qkv", "1.qkv"], counts) == recipe  # a sibling: in its scope
     assert heads_candidate("0", split, [], counts) is None  # split by a style other than torch's ColwiseParallel
-    set_heads((recipe,), model)
+    set_heads((recipe,), model, None)
     assert [(m.num_heads, m.num_kv_heads, m.head_dim) for m in model] == [(2, 1, 2), (2, 1, 2)]
     went = {"rowwise": ["h.0.mlp.down", "h.0.attn.out", "h.1.mlp.down", "h.1.attn.out", "x.proj"]}
     assert clone_candidate(f"Output 0 {REFUSAL}", "h.0", went) == ("h.0.attn.out", "h.0.mlp.down", "h.1.attn.out",
