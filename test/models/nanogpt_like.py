@@ -133,6 +133,12 @@ def make_local(**kwargs: object) -> GPT:
     return GPT(**{**SMALL, "local": True, **kwargs})  # type: ignore[arg-type]
 
 
+def make_named(name: str, what: str = "", fn: str = "") -> GPT:
+    """A factory whose keyword arguments are named as vemesh's own call of it names its arguments (``--model-kwargs
+    name=qk,what=...,fn=...``): they reach the factory, not vemesh."""
+    return make_local(**({"qk_norm": True} if name == "qk" else {}))
+
+
 def step(model: nn.Module, micro_batch_size: int) -> None:
     vocab = SMALL["vocab"]
     tokens = torch.randint(0, vocab, (micro_batch_size, SMALL["block_size"] + 1))

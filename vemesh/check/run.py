@@ -104,7 +104,7 @@ def loss_of(spec: Spec) -> Any:
     return UserFunctions.of(spec.model, spec.parallelize, spec.step, spec.loss, spec.pp_schedule).loss
 
 
-def _call(what: str, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def _call(what: str, name: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     if (wrong := unbindable(what, name, fn, *args, **kwargs)) is not None:
         raise UserError(wrong)
     try:

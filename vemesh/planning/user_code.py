@@ -126,7 +126,7 @@ def known_cause(error: BaseException) -> str:
     return ""
 
 
-def unbindable(what: str, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+def unbindable(what: str, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> str | None:
     """One line saying how ``fn``'s parameters differ from how vemesh calls it, when ``fn(*args, **kwargs)`` cannot
     bind (a step written without ``micro_batch_size``, a parallelize function without ``mesh``); else None."""
     try:

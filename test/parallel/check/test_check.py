@@ -137,6 +137,7 @@ def test_hf_qwen3_moe_under_cp_is_exact_with_and_without_ep(parallelize: str, ep
     ("make_local", "parallelize_local", {}),
     ("make_local", "parallelize_local", {"qk_norm": True}),
     ("make", "parallelize_sp", {}),
+    ("make_named", "parallelize_local", {"name": "qk", "what": "w", "fn": "f"}),  # vemesh's own call's names: the user's
 ])
 def test_corrected_plans_are_exact(factory: str, parallelize: str, kwargs: dict) -> None:
     result = run(factory, parallelize, model_kwargs=kwargs)
