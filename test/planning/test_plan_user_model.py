@@ -195,6 +195,11 @@ def test_what_the_function_did_is_counted(capsys) -> None:
     # under TP the DDP parameters are DTensor halves (the embeddings and the head replicated), and ZeRO-1 keeps a copy
     assert full / 2 < ddp["params"] < 2 * full
     assert set(fsdp["bytes_per_step"]) == {"DP", "TP"} and set(docs["fsdp"]["how"]) >= {"activations", "not seen"}
+    # FSDP2's gradients are none at the peak (made by its reduce-scatters after it): the text says why the column is 0
+    code, out, err = _cli(capsys, "--model", f"module:{JOBS}:make_dense", "--parallelize", f"{JOBS}:parallelize_fsdp",
+                          "--step", f"{JOBS}:step", "--world-size", "4", "--tp", "2", "--global-batch-size", "4")
+    assert fsdp["grads"] == 0 and "(FSDP2: each column is what the rank holds at its peak; grads 0: the peak falls " \
+        "before FSDP2 reduce-scatters the step's first gradient, and zero_grad() freed the last step's)" in out, out
     compiled = [n for n in docs["compiled"]["notes"] if "torch.compile" in n]
     assert docs["compiled"]["classes"] == docs["fsdp"]["classes"] and not any("torch.compile" in n for n in
                                                                               docs["fsdp"]["notes"])
