@@ -21,6 +21,11 @@ raises); ``fixed_bloom`` also slices the bias to this rank's heads with
 (``make_mpt``) fuses ``[q|k|v]`` in ``Wqkv``, counts ``n_heads`` and is handed its bias as ``position_bias`` of
 ``(heads, 1, seq)``.
 
+Cohere with ``use_qk_norm`` normalizes q and k by a LayerNorm of a weight per head, ``(heads, head_dim)`` (its
+attention views them by ``-1`` heads): under torch's styles (``naive_cohere``) this rank's heads meet every head's
+weight and the norm raises; ``fixed_cohere`` shards those weights on their heads with
+``HeadwiseParallel(("weight",))`` on each norm (exact).
+
 GPT-OSS keeps ``sinks``, one logit per head, a parameter of its attention that it concatenates to the scores: under
 torch's styles on q, k, v and o (``naive_gpt_oss``) the shapes disagree and the forward raises; ``fixed_gpt_oss`` adds
 ``vemesh.parallel.HeadwiseParallel(("sinks",))`` on the attention, and vemesh's ``ExpertParallel`` on its experts where
@@ -31,8 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GptOssConfig, \
-    GptOssForCausalLM, MptConfig, MptForCausalLM, OPTConfig, OPTForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM, FalconConfig, \
+    FalconForCausalLM, GptOssConfig, GptOssForCausalLM, MptConfig, MptForCausalLM, OPTConfig, OPTForCausalLM, T5Config, T5ForConditionalGeneration
 
 from vemesh.parallel import ExpertParallel, HeadwiseParallel, fully_shard
 
@@ -49,6 +54,12 @@ def make_falcon_alibi() -> nn.Module:
     return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           multi_query=False, new_decoder_architecture=False, parallel_attn=True,
                                           bias=False, alibi=True, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def make_cohere() -> nn.Module:
+    return CohereForCausalLM(CohereConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                                          use_qk_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
 def make_mpt() -> nn.Module:
@@ -134,6 +145,21 @@ def fixed_bloom(model: nn.Module, mesh: object) -> nn.Module:
         parallelize_module(layer, mesh["TP"], {  # type: ignore[index]
             "self_attention": HeadwiseParallel(inputs={"alibi": 0}, heads=model.config.n_head)})
     return model
+
+
+def naive_cohere(model: nn.Module, mesh: object, norms: bool = False) -> nn.Module:
+    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    if norms:  # a weight per head: this rank's heads'
+        plan.update({"self_attn.q_norm": HeadwiseParallel(("weight",)), "self_attn.k_norm": HeadwiseParallel(("weight",))})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["TP"], plan)  # type: ignore[index]
+    return model
+
+
+def fixed_cohere(model: nn.Module, mesh: object) -> nn.Module:
+    return naive_cohere(model, mesh, norms=True)
 
 
 def naive_t5(model: nn.Module, mesh: object, tables: bool = False) -> nn.Module:

@@ -95,9 +95,11 @@ def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
 def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, tuple[str, int]]:
     """What ``model`` as built holds with a value per head beside its projections, by name, with the name of the
     module that holds it and the dim of the heads: the Embeddings whose width is a head count of that module (T5's
-    ``relative_attention_bias``; dim -1: ``ColwiseParallel`` shards it), and that module's own parameters with a dim of
-    that many (GPT-OSS's ``sinks``). A module's head counts are its integer counts (``built``: :func:`counts_of` of
-    the model) and, where it has an integer ``head_dim``, its child Linears' output features over it."""
+    ``relative_attention_bias``; dim -1: ``ColwiseParallel`` shards it), that module's own parameters with a dim of
+    that many (GPT-OSS's ``sinks``), and those of 2 dims or more of its children that hold no module (Cohere's
+    ``q_norm``, a LayerNorm of ``(heads, head_dim)``; a norm's one weight per feature is not one). A module's head
+    counts are its integer counts (``built``: :func:`counts_of` of the model) and, where it has an integer
+    ``head_dim``, its child Linears' output features over it."""
     found: dict[str, tuple[str, int]] = {}
     for scope, module in model.named_modules():
         heads = set(built.get(scope, ("", {}))[1].values())
@@ -106,10 +108,13 @@ def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) 
             heads |= {c.out_features // width for c in module.children() if isinstance(c, nn.Linear)
                       and c.out_features % width == 0 and c.out_features > width}
         prefix = scope + "." if scope else ""
+        own = list(module.named_parameters(recurse=False))
         for name, child in module.named_children():
             if isinstance(child, nn.Embedding) and child.embedding_dim in heads:
                 found[prefix + name] = (scope, -1)
-        for name, p in module.named_parameters(recurse=False):
+            elif not isinstance(child, nn.Linear) and next(child.children(), None) is None:
+                own += [(f"{name}.{n}", p) for n, p in child.named_parameters(recurse=False) if p.dim() > 1]
+        for name, p in own:
             dim = next((d for d, n in enumerate(p.shape) if n in heads), None)
             if dim is not None:
                 found[prefix + name] = (scope, dim)
@@ -274,7 +279,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
     alike = f" (and its {len(r.modules) - 1} alike)" if len(r.modules) > 1 else ""
     where = "the forward raised there. " if raised else "the run differs from there on. "
     if not r.counts:  # what it holds or is handed per head alone (its counts are this rank's, or it has none)
-        attrs = ", ".join(sorted({n.rpartition(".")[2] for n, _ in r.tables}))
+        attrs = ", ".join(sorted({next((n[len(m) + 1:] for m in r.modules if n.startswith(m + ".")),
+                                       n.rpartition(".")[2]) for n, _ in r.tables}))  # named from their attention
         what = ([f"keeps a value per head in {attrs}"] if r.tables else []) + (
             [f"is handed {', '.join(n for n, _, _ in r.inputs)} with a value for every head"] if r.inputs else [])
         head = (f"{first}{alike} {' and '.join(what)}, whole, while TP {r.tp} gives each rank 1/{r.tp} "

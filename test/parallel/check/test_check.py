@@ -809,6 +809,24 @@ def test_headwise_parallel_slices_the_inputs_of_every_head_to_this_ranks_by_name
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two runs of 2 processes, one of the recipe
+def test_hf_coheres_norm_of_a_weight_per_head_is_sharded_over_tp_and_the_fix_is_exact() -> None:
+    """HF's Cohere with ``use_qk_norm`` normalizes q and k by LayerNorms whose weight is ``(heads, head_dim)``, children
+    of its attention: under torch's styles on its Linears the norm meets this rank's heads with every head's weight and
+    raises. The recipe shards both weights on their heads (HeadwiseParallel(('weight',)) on each norm), exact, and so
+    is the plan written so. Before, the check showed the shape error alone: it looked for per-head parameters on the
+    attention itself, not on its norms."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    wrong = check(f"module:{jobs}:make_cohere", f"{jobs}:naive_cohere", f"{jobs}:step", world_size=2, tp=2)
+    assert "in the forward of model.layers.0.self_attn.q_norm" in wrong.error, wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("model.layers.0.self_attn (and its 1 alike) keeps a value per head in k_norm.weight, "
+                           "q_norm.weight, whole") and "(vemesh.parallel.HeadwiseParallel(('weight',)) on the module " \
+        "that holds them, in your TP plan), which makes the check exact" in text, text
+    fixed = check(f"module:{jobs}:make_cohere", f"{jobs}:fixed_cohere", f"{jobs}:step", world_size=2, tp=2)
+    assert fixed.exact, fixed.render()
+
+
 def test_headwise_parallel_hands_the_forward_this_ranks_heads_and_keeps_the_dtensor() -> None:
     """On rank 1 of a fake world of 2: ``sinks`` (4 heads) becomes a DTensor of 4 whose local part is heads 2 and 3;
     the forward reads that plain slice, and after it (also after one that raises) the parameter is the DTensor again.
