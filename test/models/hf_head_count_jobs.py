@@ -21,6 +21,11 @@ raises); ``fixed_bloom`` also slices the bias to this rank's heads with
 (``make_mpt``) fuses ``[q|k|v]`` in ``Wqkv``, counts ``n_heads`` and is handed its bias as ``position_bias`` of
 ``(heads, 1, seq)``.
 
+Persimmon views its head-major ``query_key_value`` by ``self.num_heads`` and normalizes q and k per head by LayerNorms
+of ``head_dim`` (``q_layernorm``, ``k_layernorm``): with the counts set, each TP rank's norm weights get its own heads'
+gradient only. ``fixed_persimmon`` sets the counts and puts torch's ``SequenceParallel(sequence_dim=2)`` on the norms
+(their weights replicated DTensors, whose gradients torch sums over TP): exact.
+
 Cohere with ``use_qk_norm`` normalizes q and k by a LayerNorm of a weight per head, ``(heads, head_dim)`` (its
 attention views them by ``-1`` heads): under torch's styles (``naive_cohere``) this rank's heads meet every head's
 weight and the norm raises; ``fixed_cohere`` shards those weights on their heads with
@@ -35,9 +40,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from transformers import BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM, FalconConfig, \
-    FalconForCausalLM, GptOssConfig, GptOssForCausalLM, MptConfig, MptForCausalLM, OPTConfig, OPTForCausalLM, T5Config, T5ForConditionalGeneration
+    FalconForCausalLM, GptOssConfig, GptOssForCausalLM, MptConfig, MptForCausalLM, OPTConfig, OPTForCausalLM, \
+    PersimmonConfig, PersimmonForCausalLM, T5Config, T5ForConditionalGeneration
 
 from vemesh.parallel import ExpertParallel, HeadwiseParallel, fully_shard
 
@@ -54,6 +60,12 @@ def make_falcon_alibi() -> nn.Module:
     return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           multi_query=False, new_decoder_architecture=False, parallel_attn=True,
                                           bias=False, alibi=True, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def make_persimmon() -> nn.Module:
+    return PersimmonForCausalLM(PersimmonConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+                                                qk_layernorm=True))
 
 
 def make_cohere() -> nn.Module:
@@ -99,6 +111,9 @@ def step(model: nn.Module, micro_batch_size: int) -> None:
 
 def _layers(model: nn.Module) -> tuple[list[nn.Module], dict[str, str], str]:
     """Each decoder layer, its plan (``c``: ColwiseParallel, ``r``: RowwiseParallel) and its attention's name."""
+    if isinstance(model, PersimmonForCausalLM):
+        return list(model.model.layers), {"self_attn.query_key_value": "c", "self_attn.dense": "r",
+                                          "mlp.dense_h_to_4h": "c", "mlp.dense_4h_to_h": "r"}, "self_attn"
     if isinstance(model, MptForCausalLM):
         return list(model.transformer.blocks), {"attn.Wqkv": "c", "attn.out_proj": "r", "ffn.up_proj": "c",
                                                 "ffn.down_proj": "r"}, "attn"
@@ -144,6 +159,15 @@ def fixed_bloom(model: nn.Module, mesh: object) -> nn.Module:
     for layer in model.transformer.h:
         parallelize_module(layer, mesh["TP"], {  # type: ignore[index]
             "self_attention": HeadwiseParallel(inputs={"alibi": 0}, heads=model.config.n_head)})
+    return model
+
+
+def fixed_persimmon(model: nn.Module, mesh: object) -> nn.Module:
+    """:func:`naive` with the head counts set to this rank's and the per-head norms' gradients summed over TP."""
+    for layer in naive(model, mesh).model.layers:
+        layer.self_attn.num_heads //= mesh["TP"].size()  # type: ignore[index]
+        parallelize_module(layer.self_attn, mesh["TP"], {  # type: ignore[index]
+            n: SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("q_layernorm", "k_layernorm")})
     return model
 
 

@@ -51,10 +51,9 @@ from vemesh.check.partial import candidates as partial_candidates, dp_hint, firs
     on_every_stage, row_candidates, summed_hint, twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, all_stages, candidates, hint, near, refused_hint, width_candidates, width_hint
-from vemesh.check.result import CheckInputError, CheckResult, check_size, phases
+from vemesh.check.result import CheckInputError, CheckResult, check_pipeline, check_size, phases
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
 from vemesh.layout.names import divisors, listed
-from vemesh.parallel.schedules import schedule_class
 from vemesh.parallel.tp_split import uneven_hint
 
 __all__ = ["CheckInputError", "CheckResult", "check"]
@@ -89,7 +88,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
                         ("--dp-replicate", dp_replicate), ("--micro-batch-size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckInputError(f"{flag} {value!r}: expected a positive integer")
-    _check_pipeline(pp, loss, pp_schedule)
+    check_pipeline(pp, loss, pp_schedule)
     if world_size % (pp * tp * cp):
         dims_of = [("PP", pp)] * (pp > 1) + [("TP", tp), ("CP", cp)]
         names, sizes = " x ".join(n for n, _ in dims_of), " x ".join(str(v) for _, v in dims_of)
@@ -173,21 +172,6 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
         if result.first_module is not None or result.gradients or result.broken_ties or result.pipeline_cut_wrong:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
     return ranks, failed, time.monotonic() - started
-
-
-def _check_pipeline(pp: int, loss: Any, pp_schedule: str) -> None:
-    """``--pp``, ``--loss`` and ``--pp-schedule`` together, one line each where they do not go together."""
-    if pp > 1 and loss is None:
-        raise CheckInputError(f"--pp {pp} runs your stages through torch's pipeline schedule, which computes the loss "
-                              "on the last stage: give --loss MODULE:FUNCTION (loss_fn(output, target), as the "
-                              "schedule and vemesh plan take it)")
-    if pp == 1 and loss is not None:
-        raise CheckInputError("--loss is the pipeline schedule's loss_fn: give --pp N (2 or more) with it, or leave it "
-                              "out (without PP your step computes its own loss)")
-    try:
-        schedule_class(pp_schedule)
-    except ValueError as e:
-        raise CheckInputError(f"--pp-schedule: {e}") from None
 
 
 MAX_TRIES = 8  #: at most this many parallel runs with a recipe in the plan's place (:mod:`vemesh.check.recipes`)
@@ -275,7 +259,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     replicas = failed[0] if failed and failed[0].get("kind") == "tp_replicas" else None  # vemesh DDP's or FSDP2's check
     if runs < MAX_TRIES and not result.broken_ties and (replicas is not None or (
             result.verdict == "differs" and result.gradients and result.first_module is None and not result.error)):
-        runs += _partial_hints(spec, ref, tol, result, ranks, replicas, hints)
+        runs += _partial_hints(spec, ref, tol, result, ranks, replicas, hints)[0]
     if positions and not hints:
         hints.append(positions)
     if fixes is not None and not hints:  # tried, not the cause: said where nothing else is
@@ -330,32 +314,36 @@ def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, locate
             break
         if heads and (more := clones_candidate(t_failed[0].get("message", ""), now[0], t_failed[0]["went"])):
             tries.append((heads, more, now[0], outcome))
+    if hints and heads and not (exact or cloned or trial.error or trial.first_module) and trial.gradients:
+        more_hints: list[str] = []  # the counts cleared the forward; gradients left (Persimmon's norms over its heads)
+        exact = _partial_hints(replace(spec, heads=heads), ref, tol, trial, t_ranks, None, more_hints)[1]
+        hints = hints[:-1] + [heads_hint(recipe, located[1] is None, outcome, cleared=exact)] + more_hints
     return (hints, exact, recipe) if hints else None
 
 
 def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], replicas: dict | None,
-                   hints: list[str]) -> int:
+                   hints: list[str]) -> tuple[int, bool]:
     """Every output matched and gradients differ (or vemesh's DDP or FSDP2 raised that replicas over TP got other
     gradients on each TP rank: ``replicas``, the failed rank's record): DP's missing average; an unsplit Linear's
     features read by every head, tried with SumGradOverTP (:func:`_summed_hints`); or modules with replicated
     parameters run on this TP rank's part of their input, tried with torch's SequenceParallel on them
     (:mod:`vemesh.check.partial`). Where a wrapper raised, the SequenceParallel tries come first, then a run without its
     check of the replicas gives the gradients the SumGradOverTP tries read. The hints are added to ``hints``; returns
-    the parallel runs made."""
+    the parallel runs made, and whether the last made the check exact."""
     if replicas is None:
         wrapped = any(r.get("data_parallel", False) for r in ranks)
         said = (zero_bubble_hint(spec.pp_schedule, result.degrees["DP"], wrapped) if "PP" in result.degrees else None) \
             or dp_hint(result.degrees, len(result.gradients), result.gradients_compared, wrapped)
         if said is not None:
             hints.append(said)
-            return 0
+            return 0, False
         params, shapes = [n for n, _ in result.gradients], first_shapes(ranks)
     else:  # under PP, one stage's rank said it: the others' alike too
         params, shapes = on_every_stage(replicas.get("params", []), replicas.get("shapes", {}), ref) \
             if "PP" in result.degrees else (replicas.get("params", []), replicas.get("shapes", {}))
-    runs, exact = _summed_hints(spec, ref, tol, result, ranks, hints) if replicas is None else (0, False)
-    if exact:
-        return runs
+    runs, said = _summed_hints(spec, ref, tol, result, ranks, hints) if replicas is None else (0, None)
+    if said:
+        return runs, said == "exact"
     for recipe in partial_candidates(params, ref, shapes, result.degrees["TP"])[:MAX_TRIES - runs]:
         trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
         t_ranks, t_failed, _ = _parallel(replace(spec, sharded=(recipe,)), ref, tol, trial)
@@ -367,29 +355,30 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
             still = [n for n in params if n.rpartition(".")[0] in recipe.modules]
         hints.append(partial_hint(recipe, "" if trial.exact else _outcome(trial, located), still))
         if trial.exact:
-            return runs
+            return runs, True
     if replicas is not None and runs < MAX_TRIES - 1:  # the gradients, from a run without vemesh's replica check
         seen, seen_ranks, _, _ = _run(replace(spec, replica_check=False), ref, tol, result)
         runs += 1 + _summed_hints(spec, ref, tol, seen, seen_ranks, hints, MAX_TRIES - runs - 1)[0]
-    return runs
+    return runs, False
 
 
 def _summed_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict], hints: list[str],
-                  tries: int = MAX_TRIES) -> tuple[int, bool]:
+                  tries: int = MAX_TRIES) -> tuple[int, str | None]:
     """Unsplit Linears whose gradient differs in one block of rows (``result``, ``ranks``: a run's), tried with
     SumGradOverTP on those features (:func:`vemesh.check.partial.row_candidates`), or said summed twice; the hints are
-    added to ``hints``. Returns the parallel runs made, and whether nothing else is to be tried (exact, or said)."""
+    added to ``hints``. Returns the parallel runs made, and why nothing else is to be tried ("exact", or "said": no recipe
+    to try), or None."""
     params = [n for n, _ in result.gradients]
     found = row_candidates(params, ref, ranks, ranks[0]["went"], tol) if ranks else []
     if ranks and not found and (twice := twice_hint(params, ref, ranks, ranks[0]["went"], tol, result.degrees["TP"])):
         hints.append(twice)
-        return 0, True  # said: no recipe to try
+        return 0, "said"
     for runs, summed in enumerate(found[:tries], 1):
         trial, _, _, located = _run(replace(spec, summed=(summed,)), ref, tol, result)
         hints.append(summed_hint(summed, "" if trial.exact else _outcome(trial, located)))
         if trial.exact:
-            return runs, True
-    return min(len(found), tries), False
+            return runs, "exact"
+    return min(len(found), tries), None
 
 
 def _widths(ref: dict, module: str) -> set[int]:

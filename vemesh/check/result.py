@@ -229,3 +229,20 @@ def _available_memory() -> int:
     except OSError:
         pass
     return 0
+
+
+def check_pipeline(pp: int, loss: Any, pp_schedule: str) -> None:
+    """``--pp``, ``--loss`` and ``--pp-schedule`` together, one line each where they do not go together."""
+    if pp > 1 and loss is None:
+        raise CheckInputError(f"--pp {pp} runs your stages through torch's pipeline schedule, which computes the loss "
+                              "on the last stage: give --loss MODULE:FUNCTION (loss_fn(output, target), as the "
+                              "schedule and vemesh plan take it)")
+    if pp == 1 and loss is not None:
+        raise CheckInputError("--loss is the pipeline schedule's loss_fn: give --pp N (2 or more) with it, or leave it "
+                              "out (without PP your step computes its own loss)")
+    from vemesh.parallel.schedules import schedule_class  # here: this module is read without torch
+
+    try:
+        schedule_class(pp_schedule)
+    except ValueError as e:
+        raise CheckInputError(f"--pp-schedule: {e}") from None

@@ -809,6 +809,24 @@ def test_headwise_parallel_slices_the_inputs_of_every_head_to_this_ranks_by_name
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two runs of 2 processes, and the recipes tried
+def test_hf_persimmons_head_counts_then_its_norms_over_its_heads_are_each_said_and_the_fix_is_exact() -> None:
+    """HF's Persimmon views its head-major query_key_value by ``self.num_heads`` and normalizes q and k per head by
+    LayerNorms of head_dim. The counts set to this rank's clear the forward; each rank's norm weights then get its own
+    heads' gradient only, and SequenceParallel(sequence_dim=2) on the norms makes it exact: two hints, the first saying
+    the next makes it exact. The plan written so is exact. Before, the counts' hint was dropped (the forward cleared,
+    the gradients left), and the check offered the gathered layout instead: every TP rank computing every head."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    wrong = check(f"module:{jobs}:make_persimmon", f"{jobs}:naive", f"{jobs}:step", world_size=2, tp=2)
+    heads, norms = wrong.hints
+    assert heads.startswith("model.layers.0.self_attn (and its 1 alike) reads its head counts from its own attributes "
+                            "(num_heads = 4)") and "that clears it, and the check then differs in " in heads and \
+        "which the next hint makes exact" in heads, heads
+    assert "SequenceParallel(sequence_dim=2, use_local_output=True) on them makes the check exact" in norms, norms
+    fixed = check(f"module:{jobs}:make_persimmon", f"{jobs}:fixed_persimmon", f"{jobs}:step", world_size=2, tp=2)
+    assert fixed.exact, fixed.render()
+
+
 @pytest.mark.slow  # two runs of 2 processes, one of the recipe
 def test_hf_coheres_norm_of_a_weight_per_head_is_sharded_over_tp_and_the_fix_is_exact() -> None:
     """HF's Cohere with ``use_qk_norm`` normalizes q and k by LayerNorms whose weight is ``(heads, head_dim)``, children
