@@ -198,8 +198,9 @@ def test_what_the_function_did_is_counted(capsys) -> None:
     # FSDP2's gradients are none at the peak (made by its reduce-scatters after it): the text says why the column is 0
     code, out, err = _cli(capsys, "--model", f"module:{JOBS}:make_dense", "--parallelize", f"{JOBS}:parallelize_fsdp",
                           "--step", f"{JOBS}:step", "--world-size", "4", "--tp", "2", "--global-batch-size", "4")
-    assert fsdp["grads"] == 0 and "(FSDP2: each column is what the rank holds at its peak; grads 0: the peak falls " \
-        "before FSDP2 reduce-scatters the step's first gradient, and zero_grad() freed the last step's)" in out, out
+    assert fsdp["grads"] == 0 and "(FSDP2: each column is what the rank holds at its peak; grads are the sharded " \
+        "gradients FSDP2's reduce-scatters make, none yet at the peak (zero_grad() freed the last step's); the " \
+        "unsharded ones before them count in activations)" in out, out
     compiled = [n for n in docs["compiled"]["notes"] if "torch.compile" in n]
     assert docs["compiled"]["classes"] == docs["fsdp"]["classes"] and not any("torch.compile" in n for n in
                                                                               docs["fsdp"]["notes"])

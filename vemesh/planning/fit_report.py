@@ -128,8 +128,9 @@ def render_fit(job: Job, fit: MeshFit) -> str:
                      "which holds a second copy of DTensor parameters; the optimizer's state and the fp32 masters are "
                      "split over DP)")
     if (fit.dp_mode or job.mode) == "fsdp" and fit.traced and d["DP"] > 1 and any(not c.static.grads for c in fit.classes):
-        lines.append("  (FSDP2: each column is what the rank holds at its peak; grads 0: the peak falls before FSDP2 "
-                     "reduce-scatters the step's first gradient, and zero_grad() freed the last step's)")
+        lines.append("  (FSDP2: each column is what the rank holds at its peak; grads are the sharded gradients FSDP2's "
+                     "reduce-scatters make, none yet at the peak (zero_grad() freed the last step's); the unsharded ones "
+                     "before them count in activations)")
     dims = sorted({k for c in fit.classes for k in c.sent})
     if dims:
         sdiv, sunit = _unit(max(max(c.sent.values(), default=0) for c in fit.classes))
