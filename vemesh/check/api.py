@@ -150,6 +150,8 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
         # not have reached the same error in the 5 s it was given)
         gone = [r for r in missing if not os.path.exists(os.path.join(out, f"error{r}.json"))
                 and not (failed and r in stopped)]
+        if gone and not any(os.path.exists(os.path.join(out, f"started{r}")) for r in range(spec.world_size)):
+            raise CheckInputError(NOT_STARTED)  # no rank reached vemesh's code: nothing of the plan was run
         ranks = [torch.load(f, weights_only=False) for f in files] if not (failed or missing or result.error) else []
     if failed and failed[0]["kind"] == "input":
         raise CheckInputError(failed[0]["message"])
@@ -175,6 +177,11 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
     return ranks, failed, time.monotonic() - started
 
 
+#: every rank of the parallel run ended before it reached vemesh's code
+NOT_STARTED = ("the parallel run's processes ended while they started, before any ran your functions (their own error "
+               "is printed above): each starts by importing your main script again, as Python's multiprocessing and "
+               "torch's spawn do, so a script that calls vemesh check at its top level must call it under "
+               "`if __name__ == \"__main__\":`")
 MAX_TRIES = 8  #: at most this many parallel runs with a recipe in the plan's place (:mod:`vemesh.check.recipes`)
 
 

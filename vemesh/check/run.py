@@ -245,6 +245,7 @@ def _raised_by_vemesh(error: BaseException) -> BaseException | None:
 
 def _worker(rank: int, spec: Spec, out: str) -> None:
     marks = {"started": time.time()}  # after the spawn and the imports it took to get here
+    Path(out, f"started{rank}").touch()  # for the parent: this rank got past its start (api's NOT_STARTED)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world_size),
                       LOCAL_WORLD_SIZE=str(spec.world_size))
     torch.set_num_threads(1)  # as the one-process run: the same kernels, the same figures run after run

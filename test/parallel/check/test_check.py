@@ -144,6 +144,28 @@ def test_corrected_plans_are_exact(factory: str, parallelize: str, kwargs: dict)
     assert result.exact, result.render()
 
 
+@pytest.mark.slow  # a script in its own process, and the ranks it starts
+def test_a_script_that_calls_check_at_its_top_level_is_told_to_guard_it_not_that_its_plan_differs(tmp_path) -> None:
+    """Each rank imports the main script again (Python's multiprocessing): a script that calls check() at its top
+    level calls it again in each rank while it starts, and the ranks end before reaching vemesh's code. That is one
+    line naming the idiom, not a verdict on the plan. Before, the check answered DIFFERS, "rank(s) [0, 1] ... ended
+    without a result or an error (killed, out of memory, or aborted by gloo ...)"."""
+    import subprocess
+    import sys
+
+    call = (f"from vemesh.check import check\nr = check('module:{nano('make_local')}', '{nano('parallelize_local')}', "
+            f"'{nano('step')}', world_size=2, tp=2)\nprint('verdict:', r.verdict)\n")
+    script = tmp_path / "unguarded.py"
+    script.write_text(call)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode != 0 and "verdict:" not in done.stdout, done.stdout
+    assert "before any ran your functions" in done.stderr and 'under `if __name__ == "__main__":`' in done.stderr, \
+        done.stderr[-2000:]
+    script.write_text("if __name__ == '__main__':\n" + "".join(f"    {line}\n" for line in call.splitlines()))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0 and "verdict: exact" in done.stdout, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_dropout_draws_nothing_in_either_run_and_dp_ranks_see_their_own_batches() -> None:
     result = run("make", "parallelize", world_size=4, model_kwargs={"dropout": 0.1})
