@@ -62,6 +62,10 @@ def test_plan_takes_a_request_or_its_fields_not_both() -> None:
     assert plan(request) == plan("gpt:n_layer=2,n_embd=64,n_head=4", world_size=4, tp=2, global_batch_size=4)
     with pytest.raises(TypeError, match="takes no other arguments; got tp"):
         plan(request, tp=4)
+    # the model by the flag's name too (it was "unknown argument 'model'; did you mean 'dp_mode'?")
+    assert plan(model="gpt:n_layer=2,n_embd=64,n_head=4", world_size=4, tp=2, global_batch_size=4) == plan(request)
+    with pytest.raises(TypeError, match=r"plan\(\) got the model twice: 'gpt:n_layer=2' and model='gpt:n_layer=4'"):
+        plan("gpt:n_layer=2", model="gpt:n_layer=4", world_size=4)
     # an unknown keyword names the closest and the choices (Python's own said only "unexpected keyword argument")
     with pytest.raises(TypeError, match=r"plan\(\) got an unknown argument 'tpp'; did you mean 'tp'\? \(the arguments "
                                         r"are vemesh plan's flags: activation_checkpointing, .*world_size\)"):

@@ -34,8 +34,13 @@ __all__ = ["Answer", "answer", "hosts_of", "mesh_of", "model_document", "plan", 
 def plan(request: PlanRequest | Any = None, /, **fields: Any) -> dict[str, Any]:
     """The prediction for one mesh, or the ranked search, as the dict ``vemesh plan --json`` prints.
 
-    ``request`` is a :class:`PlanRequest`, or the model with the request's other fields as keywords.
+    ``request`` is a :class:`PlanRequest`, or the model (also as ``model=``, the flag's name) with the request's
+    other fields as keywords.
     """
+    if "model" in fields and not isinstance(request, PlanRequest):
+        if request is not None:
+            raise TypeError(f"plan() got the model twice: {request!r} and model={fields['model']!r}; give one")
+        request = fields.pop("model")
     if isinstance(request, PlanRequest):
         if fields:
             raise TypeError(f"plan(PlanRequest(...)) takes no other arguments; got {', '.join(sorted(fields))} "

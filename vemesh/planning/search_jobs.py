@@ -23,6 +23,7 @@ import multiprocessing
 import pickle
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from typing import Any
 
@@ -71,6 +72,11 @@ def run(fn: Callable[..., Any], tasks: list[tuple], jobs: int,
                 range(len(tasks))
             futures = {i: pool.submit(fn, *tasks[i]) for i in order}
             return [futures[i].result() for i in range(len(tasks))]
+    except BrokenProcessPool as e:  # not a mesh's own error (those are raised as they are, above)
+        raise RuntimeError(
+            f"--jobs {jobs}: a search's process ended abruptly: killed (out of memory?), or it ended while it started: "
+            "each starts by importing your main script again (Python's multiprocessing), so a script that calls "
+            "plan() at its top level must call it under `if __name__ == \"__main__\":` (or plan with jobs=1)") from e
     finally:
         relay.stop()
 
