@@ -9,8 +9,7 @@ from bench_run import run_bench
 
 @pytest.mark.slow
 def test_the_survey_gives_each_models_verdict_and_the_recipe_its_hints_name(tmp_path) -> None:
-    stdout, rows = run_bench("hf_check_survey.py", "--models", "phi,bloom", json_out=tmp_path / "survey.json")
-    phi, bloom = rows
-    assert (phi["model"], phi["verdict"], phi["hints name"]) == ("phi", "exact", []), stdout
-    assert bloom["verdict"] == "differs" and bloom["recipe exact"] and bloom["hints name"] == [
+    stdout, rows = run_bench("hf_check_survey.py", "--models", "bloom", json_out=tmp_path / "survey.json")
+    (bloom,) = rows
+    assert bloom["model"] == "bloom" and bloom["verdict"] == "differs" and bloom["recipe exact"] and bloom["hints name"] == [
         "module.num_heads //= tp", "HeadwiseParallel(inputs={'alibi': 0}, heads=4)"], stdout
