@@ -22,8 +22,8 @@ module counts heads by the whole model's count (Falcon's ``num_heads``), it trie
 with what the module keeps per head sharded over TP (T5's relative position bias, GPT-OSS's sinks; alone where it
 counts no heads; the tensors of every head it is handed sliced: Bloom's ALiBi) (:mod:`vemesh.check.heads`), and where a
 forward changed a TP style's output in place, a copy of it (:mod:`vemesh.check.clones`); where the counts clear the
-forward and gradients differ, the gradients' recipes below, with the counts kept. Where every output matches and gradients differ, it says whether DP's average is
-missing, or tries ``SumGradOverTP`` on the features of an unsplit Linear whose gradient differs in those rows alone
+forward and gradients differ, the gradients' recipes below, with the counts kept. Where every output matches and
+gradients differ, it says whether DP's average is missing, or tries ``SumGradOverTP`` on the features of an unsplit Linear whose gradient differs in those rows alone
 (DeepSeek-V3's k_pe), and torch's ``SequenceParallel`` on the modules run on this TP rank's part of their input
 (Qwen3's q/k norms) (:mod:`vemesh.check.partial`).
 

@@ -187,7 +187,8 @@ def per_head_inputs(handed: list, counts: dict[str, int]) -> tuple[tuple[str, in
 
 def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[str],
               heads: dict[str, tuple[str, dict[str, int], dict[str, int]]],
-              tables: dict[str, tuple[str, int]] | None = None, handed: dict[str, list] | None = None) -> LocalHeads | None:
+              tables: dict[str, tuple[str, int]] | None = None,
+              handed: dict[str, list] | None = None) -> LocalHeads | None:
     """The recipe for where the run went wrong (module ``first``: the one whose forward raised, or the first that
     differs): the scope of a Linear that torch's ColwiseParallel split (``colwise``: where the plan's style went), if
     that scope counts heads (``heads``: :func:`head_counts`), with its alike, their per-head tables (``tables``:
@@ -285,8 +286,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
             [f"is handed {', '.join(n for n, _, _ in r.inputs)} with a value for every head"] if r.inputs else [])
         head = (f"{first}{alike} {' and '.join(what)}, whole, while TP {r.tp} gives each rank 1/{r.tp} "
                 f"of the heads of its projections; " + where)
-        tried = "Tried: " + " and ".join(([_held(r.tables)] if r.tables else []) + ([_handed(r.inputs)] if r.inputs
-                                                                                    else []))
+        sharded = ([_held(r.tables)] if r.tables else []) + ([_handed(r.inputs)] if r.inputs else [])
+        tried = "Tried: " + " and ".join(sharded)
         if not outcome:
             return head + tried + ", which makes the check exact (docs/checking.md: an attention that reads its head counts)"
         return head + tried + f": the check then {outcome}, so that is not the cause, or not the only one"

@@ -248,7 +248,8 @@ def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], 
                     "of what reads its output. The fused styles did not clear it: its rows are fused parts that the "
                     "forward mixes with plain tensors (Phi-3's rotary embedding), or parts of unequal sizes "
                     "(Falcon-7B's multi-query [q|k|v], one k and one v head), or heads that the forward needs all of "
-                    "(a bias of every head it is handed: docs/checking.md's per-head inputs): use that (docs/checking.md: a fused [q|k|v] or [gate|up] projection)")
+                    "(a bias of every head it is handed: docs/checking.md's per-head inputs): use that "
+                    "(docs/checking.md: a fused [q|k|v] or [gate|up] projection)")
         return (head + f"Tried: {swap.style()} in its place{extra} {then}. Its rows are {c.parts} fused parts "
                 f"({what}) of {c.out_features // c.parts} rows each, and TP rank 0 held its first "
                 f"{c.out_features // c.tp} rows, not its share of each part: use that (docs/checking.md: a fused "

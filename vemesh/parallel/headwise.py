@@ -74,7 +74,8 @@ class HeadwiseParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         said = [f"{self.params!r}, dim={self.dim}"] if self.params else []
-        return f"HeadwiseParallel({', '.join(said + ([f'inputs={self.inputs!r}, heads={self.heads}'] * bool(self.inputs)))})"
+        said += [f"inputs={self.inputs!r}, heads={self.heads}"] if self.inputs else []
+        return f"HeadwiseParallel({', '.join(said)})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         one_tp_dim(repr(self), device_mesh)
@@ -117,7 +118,8 @@ class HeadwiseParallel(ParallelStyle):
         names = [n for n, a in known.items() if a.kind in (a.POSITIONAL_ONLY, a.POSITIONAL_OR_KEYWORD)]
         missing = [n for n in self.inputs if known and n not in known]
         if missing and not any(a.kind == a.VAR_KEYWORD for a in known.values()):
-            raise ValueError(f"{where}: its forward takes no argument {missing[0]!r}; its arguments: {', '.join(known)}")
+            raise ValueError(f"{where}: its forward takes no argument {missing[0]!r}; its arguments: "
+                             f"{', '.join(known)}")
 
         def local(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             args, kwargs = list(args), dict(kwargs)
