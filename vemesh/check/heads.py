@@ -158,8 +158,9 @@ def watch_inputs(heads: dict[str, Any], model: nn.Module) -> dict[str, list]:
             names = []
 
         def record(_: nn.Module, args: tuple, kwargs: dict, name: str = plain_name(name), names: list = names) -> None:
-            given = [*zip(names, args), *kwargs.items()]
-            seen.setdefault(name, [[n, list(t.shape)] for n, t in given if isinstance(t, torch.Tensor)])
+            if name not in seen:  # the first forward's alone: later calls pay a lookup
+                given = [*zip(names, args), *kwargs.items()]
+                seen[name] = [[n, list(t.shape)] for n, t in given if isinstance(t, torch.Tensor)]
 
         module.register_forward_pre_hook(record, with_kwargs=True)
     return seen

@@ -121,10 +121,12 @@ class HeadwiseParallel(ParallelStyle):
             raise ValueError(f"{where}: its forward takes no argument {missing[0]!r}; its arguments: "
                              f"{', '.join(known)}")
 
+        places = {n: i for i, n in enumerate(names)}  # each argument's place, found once, not at every forward
+
         def local(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             args, kwargs = list(args), dict(kwargs)
             for name, dim in self.inputs.items():
-                at = names.index(name) if name in names and names.index(name) < len(args) else None
+                at = places[name] if places.get(name, len(args)) < len(args) else None
                 t = args[at] if at is not None else kwargs.get(name)
                 if t is None:  # not given (an optional input): no heads to slice
                     continue
