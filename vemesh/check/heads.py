@@ -51,15 +51,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from vemesh.check.clones import layer_pattern
-from vemesh.parallel.headwise import HeadwiseParallel
+from vemesh.parallel.headwise import HeadwiseParallel, own_head_counts
 from vemesh.parallel.tp_split import parts, plain_name
 
 __all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "head_tables", "hint", "set_heads",
            "shard_tables", "unsharded", "watch_inputs"]
-
-#: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
-_NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
-
 
 def counts_of(model: nn.Module) -> dict[str, tuple[str, dict[str, int]]]:
     """Every module's class and integer attributes that count heads (a name with ``head`` in it, not a size, a dim
@@ -67,8 +63,7 @@ def counts_of(model: nn.Module) -> dict[str, tuple[str, dict[str, int]]]:
     model's counts from counts the function set already."""
     found = {}
     for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
-        counts = {k: v for k, v in vars(module).items() if "head" in k.lower() and type(v) is int and v > 1
-                  and not any(w in k.lower() for w in _NOT_COUNTS)}
+        counts = own_head_counts(module)
         if counts:
             found[plain_name(name)] = (type(module).__qualname__, counts)
     return found

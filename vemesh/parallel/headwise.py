@@ -17,7 +17,10 @@ once in the model, of every head (``(batch * n_head, 1, seq)``), and hands it to
 scores of its own heads: under TP, with ``num_heads`` set to this rank's, the sizes disagree and ``baddbmm`` raises.
 ``HeadwiseParallel(inputs={"alibi": 0}, heads=n_head)`` slices each named input to this rank's heads before the
 forward: along ``dim`` its size is a multiple ``k * heads`` (``k`` groups of every head, heads inner, as
-``reshape(batch * heads, ...)`` folds them), and rank ``r`` keeps block ``r`` of each group's heads.
+``reshape(batch * heads, ...)`` folds them), and rank ``r`` keeps block ``r`` of each group's heads. A wrong
+``heads`` would slice every input to a size the forward takes, and train silently wrong: at its first forward the
+module's own head counts (:func:`own_head_counts`: ``num_heads``, ``n_heads``, ...), this rank's or the whole model's,
+must include ``heads`` or ``heads / TP``, or the forward raises naming them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,17 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from vemesh.layout.names import divisors
 from vemesh.parallel.tp_split import one_tp_dim
 
-__all__ = ["HeadwiseParallel"]
+__all__ = ["HeadwiseParallel", "own_head_counts"]
+
+#: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
+_NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
+
+
+def own_head_counts(module: nn.Module) -> dict[str, int]:
+    """The module's own integer attributes that count heads: a name with ``head`` in it (``num_heads``, ``n_head``,
+    ``num_kv_heads``), not a size, a dim or a group count, of 2 or more."""
+    return {k: v for k, v in vars(module).items() if "head" in k.lower() and type(v) is int and v > 1
+            and not any(w in k.lower() for w in _NOT_COUNTS)}
 
 
 class HeadwiseParallel(ParallelStyle):
@@ -122,8 +135,12 @@ class HeadwiseParallel(ParallelStyle):
                              f"{', '.join(known)}")
 
         places = {n: i for i, n in enumerate(names)}  # each argument's place, found once, not at every forward
+        checked: list[bool] = []
 
         def local(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if not checked:  # at the first forward: the counts the user set after parallelize_module are set by then
+                _check_heads(module, heads, tp, where)
+                checked.append(True)
             args, kwargs = list(args), dict(kwargs)
             for name, dim in self.inputs.items():
                 at = places[name] if places.get(name, len(args)) < len(args) else None
@@ -151,6 +168,17 @@ class HeadwiseParallel(ParallelStyle):
         if stack:
             module._parameters.update(stack.pop())
         return out
+
+
+def _check_heads(module: nn.Module, heads: int, tp: int, where: str) -> None:
+    """``heads`` is one of the module's own head counts, or TP times one (a count set to this rank's); a module that
+    counts no heads is taken at its word."""
+    counts = own_head_counts(module)
+    if counts and not any(heads in (v, v * tp) for v in counts.values()):
+        said = ", ".join(f"{k}={v}" for k, v in counts.items())
+        choices = ", ".join(str(n) for n in sorted({n for v in counts.values() for n in (v, v * tp)}))
+        raise ValueError(f"{where}: heads={heads} is none of the module's own head counts ({said}), nor TP {tp} times "
+                         f"one; give heads= the whole model's count of heads in the inputs: one of {choices}")
 
 
 def _this_ranks(t: Any, dim: int, heads: int, rank: int, tp: int, where: str) -> torch.Tensor:

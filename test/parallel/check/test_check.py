@@ -777,7 +777,8 @@ def test_the_inputs_of_every_head_are_told_apart_from_the_hidden_states_masks_an
 def test_headwise_parallel_slices_the_inputs_of_every_head_to_this_ranks_by_name_or_place() -> None:
     """On rank 1 of a fake world of 2, heads=4: an input of ``k * 4`` values on its dim (k groups of every head, heads
     inner) reaches the forward as each group's heads 2 and 3, given by keyword or by place; None passes. Bad input is
-    one line naming the value and what it takes."""
+    one line naming the value and what it takes; so is, at the first forward, a ``heads`` that is none of the module's
+    own head counts nor TP times one (before, it sliced silently)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -821,6 +822,18 @@ def test_headwise_parallel_slices_the_inputs_of_every_head_to_this_ranks_by_name
             HeadwiseParallel(inputs={"alibis": 0}, heads=4)._apply(Attention(), mesh)
         with pytest.raises(ValueError, match=r"on Attention: TP 2 does not divide its 3 heads; choose TP from 1, 3"):
             HeadwiseParallel(inputs={"alibi": 0}, heads=3)._apply(Attention(), mesh)
+        def counted() -> Attention:
+            attention = Attention()
+            attention.num_heads, attention.head_dim = 2, 16  # this rank's heads, set as the check's recipe says
+            return attention
+
+        module = HeadwiseParallel(inputs={"alibi": 0}, heads=4)._apply(counted(), mesh)
+        assert module(torch.ones(1), alibi)[0].flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
+        # 8 (batch * heads) slices the input to a size the forward takes: silently wrong, so refused
+        wrong = HeadwiseParallel(inputs={"alibi": 0}, heads=8)._apply(counted(), mesh)
+        with pytest.raises(ValueError, match=r"heads=8 is none of the module's own head counts \(num_heads=2\), nor TP "
+                                             r"2 times one; give heads= .* one of 2, 4$"):
+            wrong(torch.ones(1), alibi)
     finally:
         dist.destroy_process_group()
 
