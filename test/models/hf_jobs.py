@@ -184,6 +184,13 @@ def step_pp(schedule, batch_size: int) -> None:
     schedule.step(tokens[:, :-1].contiguous(), target=tokens[:, 1:].contiguous(), losses=[], return_outputs=False)
 
 
+def step_pp_clipped(schedule, batch_size: int) -> None:
+    """:func:`step_pp`, then torch's own ``clip_grad_norm_`` over this PP rank's stage (``max_norm`` 0.01, which
+    clips): it takes the stage's norm alone."""
+    step_pp(schedule, batch_size)
+    torch.nn.utils.clip_grad_norm_(schedule._stage.submod.parameters(), 0.01)
+
+
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 

@@ -49,7 +49,7 @@ from vemesh.check.compare import compare, modules_before, tolerance
 from vemesh.check.clones import candidate as clones_candidate, hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.partial import candidates as partial_candidates, dp_hint, first_shapes, hint as partial_hint, \
-    on_every_stage, row_candidates, summed_hint, twice_hint, zero_bubble_hint
+    on_every_stage, row_candidates, stage_scales, summed_hint, twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, all_stages, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_pipeline, check_size, phases
@@ -168,12 +168,14 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
     started = time.monotonic()
     if ranks:
         result.broken_ties, result.compiled = ranks[0]["broken"], ranks[0]["compiled"]
+        result.stage_clips = max(r["clips"] for r in ranks) if spec.degrees.get("PP", 1) > 1 else 0
         compare(result, ref, ranks, tol)
         result.tp_whole_model = spec.degrees["TP"] > 1 and not any(r["on_tp"] for r in ranks) and all(
             g is None or ref["grads"].get(n) is None or g.shape == ref["grads"][n].shape  # none sliced by hand
             for r in ranks for n, g in r["grads"].items())
         if result.first_module is not None or result.gradients or result.broken_ties or result.pipeline_cut_wrong:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
+        result.stage_scales = stage_scales(ref, ranks, tol) if result.stage_clips and result.gradients else {}
     return ranks, failed, time.monotonic() - started
 
 
@@ -265,7 +267,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
             break
         swaps, located = swaps + (tried[-1][0],), fixed
     replicas = failed[0] if failed and failed[0].get("kind") == "tp_replicas" else None  # vemesh DDP's or FSDP2's check
-    if runs < MAX_TRIES and not result.broken_ties and (replicas is not None or (
+    # a clip by each PP stage's own norm scales its gradients: said (CheckResult.stage_clips), no recipe tried
+    if runs < MAX_TRIES and not result.broken_ties and not result.stage_clips and (replicas is not None or (
             result.verdict == "differs" and result.gradients and result.first_module is None and not result.error)):
         runs += _partial_hints(spec, ref, tol, result, ranks, replicas, hints)[0]
     if positions and not hints:

@@ -190,6 +190,26 @@ def summed_hint(recipe: SummedFeatures, outcome: str) -> str:
     return head + tried + f": the check then {outcome}, so that is not the cause, or not the only one"
 
 
+def stage_scales(ref: dict, ranks: list[dict], tol: float) -> dict[int, float]:
+    """Under PP, the factor by which each PP rank's gradients are one process's, ``{PP rank: factor}`` (a clip by each
+    stage's own norm scales them so), or ``{}`` where some gradient is not its rank's factor times one process's
+    (within ``tol`` of the largest)."""
+    scales: dict[int, float] = {}
+    for r in ranks:
+        pairs = [(g.double(), ref["grads"][n].double()) for n, g in r["grads"].items()
+                 if g is not None and ref["grads"].get(n) is not None and g.shape == ref["grads"][n].shape]
+        whole = sum(float((w * w).sum()) for _, w in pairs)
+        if not whole:
+            continue
+        factor = sum(float((g * w).sum()) for g, w in pairs) / whole
+        pp, largest = r["coords"].get("PP", 0), max(float((factor * w).abs().max()) for _, w in pairs)
+        if any(float((g - factor * w).abs().max()) > tol * largest for g, w in pairs) or \
+                abs(scales.get(pp, factor) - factor) > tol * abs(factor):
+            return {}
+        scales[pp] = factor
+    return dict(sorted(scales.items()))
+
+
 def zero_bubble_hint(schedule: str, dp: int, wrapped: bool) -> str | None:
     """The hint where every output matches and gradients differ under a schedule that splits the backward, with DP
     above 1 and a data-parallel wrapper (``wrapped``), else None."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.clip_grad as torch_clip
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -209,13 +210,34 @@ _RANDOM = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_
 class Deterministic(TorchFunctionMode):
     """Dropout draws nothing (``p`` taken as 0: the same function in both runs); other random ops in a module's
     forward are recorded in :attr:`random_ops` as ``(module, op)``. Random ops outside every module (the step
-    drawing its tokens) are the step's inputs, drawn from the same seed in both runs, and left alone."""
+    drawing its tokens) are the step's inputs, drawn from the same seed in both runs, and left alone.
+
+    :attr:`clips` counts the step's calls of torch's ``clip_grad_norm_``, which under PP clips each stage by its own
+    norm: its scaling (``_clip_grads_with_norm_``, looked up by name inside it, so whichever way the step imported
+    it), not torch's public ``clip_grads_with_norm_``, which a clip over PP calls after all-reducing the norm."""
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.recorder = recorder
-        self.dropouts = 0
+        self.dropouts = self.clips = 0
         self.random_ops: list[tuple[str, str]] = []
+        self._scale: Any = None
+
+    def __enter__(self) -> Deterministic:
+        scale = self._scale = getattr(torch_clip, "_clip_grads_with_norm_", None)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.clips += 1
+            return scale(*args, **kwargs)
+
+        if scale is not None:  # (a torch that names it otherwise: test_check's clip test says so)
+            torch_clip._clip_grads_with_norm_ = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        if self._scale is not None:
+            torch_clip._clip_grads_with_norm_ = self._scale
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})

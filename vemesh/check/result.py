@@ -67,6 +67,11 @@ class CheckResult:
     #: parallelize function applied no TP, so each TP rank ran the whole model and the check compared DP alone
     tp_whole_model: bool = False
     dropouts: int = 0
+    #: under PP, the most calls of torch's ``clip_grad_norm_`` the step made on a PP rank: each clips its stages by
+    #: their own norm, not the model's
+    stage_clips: int = 0
+    #: and where the gradients differ, each PP rank's factor over one process's (``{}``: not one factor a rank)
+    stage_scales: dict[int, float] = field(default_factory=dict)
     #: the first module the user's functions compiled (torch.compile): both runs ran it eagerly
     compiled: str | None = None
     random_ops: list[tuple[str, str]] = field(default_factory=list)
@@ -144,6 +149,16 @@ class CheckResult:
             lines.append(f"  named otherwise than in the model ({len(self.unknown)}): {shown}: the check pairs each "
                          "stage's parameters with the model's by name, so a stage module must keep the model's names "
                          "(layer 3 as model.layers.3 on whichever stage holds it), as vemesh.parallel.DecoderStage does")
+        if self.stage_clips:
+            lines.append(f"  {'but' if self.exact else 'and'} the step called torch's clip_grad_norm_ on each PP rank "
+                         "(over its stages' parameters): it takes the norm of that rank's gradients alone, so each "
+                         "stage clips by its own norm where one process clips by the model's" + (
+                             " (this step's norms stayed under max_norm, so it did not show)" if self.exact else
+                             " (each PP rank's gradients are one factor times one process's: " + ", ".join(
+                                 f"PP rank {r} {f:.3g}" for r, f in self.stage_scales.items()) + ")"
+                             if self.stage_scales else " (the gradients that differ may be that)")
+                         + "; clip with vemesh.optim.clip_grad_norm_(params, max_norm, groups=[mesh['PP'].get_group()])"
+                         ", the model's norm over PP")
         if self.skipped_plan:
             lines.append(f"  {'but ' if self.exact else ''}{describe(self.skipped_plan, _SKIPPED_THEN[self.exact])}")
         if self.error:
@@ -157,7 +172,7 @@ class CheckResult:
                 lines.append(f"  the modules just before it match: {', '.join(self.matched_before)}")
         lines += [f"  hint: {hint}" for hint in self.hints]
         if self.gradients and self.first_module is None and not self.broken_ties and not self.error and not self.hints \
-                and not self.split_ties:
+                and not self.split_ties and not self.stage_clips:
             lines.append("  every output matches but gradients differ: a parameter whose gradient is each TP rank's "
                          "part only (a norm over its own heads, or between sequence-parallel regions, without "
                          "SequenceParallel), or a gradient that DP does not average")

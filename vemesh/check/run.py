@@ -323,7 +323,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
                     "data_rank": data_rank, "broken": broken, "apart": apart, "split": split, "heads": heads,
-                    "handed": handed, "tables": tables, "went": went, "dropouts": det.dropouts,
+                    "handed": handed, "tables": tables, "went": went, "dropouts": det.dropouts, "clips": det.clips,
                     "data_parallel": data_parallel(model), "on_tp": on_tp(model), "random_ops": det.random_ops,
                     "marks": marks, "skipped": skipped, "compiled": compiled_module([part for part, _ in parts(model)])},
                    os.path.join(out, f"rank{rank}.pt.part"))

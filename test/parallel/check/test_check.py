@@ -1147,6 +1147,24 @@ def test_under_pp_a_stage_parameter_named_otherwise_and_one_no_stage_holds_are_s
     assert text.count("tie split across stages: embed.w and head.w") == 1
 
 
+
+def test_under_pp_a_clip_by_each_stages_own_norm_is_told_by_its_factors_and_said_where_it_did_not_show() -> None:
+    """A clip by each PP stage's own norm leaves each PP rank's gradients one factor times one process's: the factors
+    are found, and a gradient off its rank's factor finds none. Where the step called torch's clip_grad_norm_ and the
+    run was exact (the norms under max_norm), it is still said, as what a later step would show."""
+    from vemesh.check.partial import stage_scales
+
+    g, h = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.5, 4.0, 0.0])
+    ref = {"grads": {"a": g, "b": h, "c": g}}
+    ranks = [{"grads": {"a": 0.5 * g, "b": 0.5 * h}, "coords": {"PP": 0}}, {"grads": {"c": 2 * g}, "coords": {"PP": 1}}]
+    assert stage_scales(ref, ranks, 1e-4) == pytest.approx({0: 0.5, 1: 2.0})
+    ranks[0]["grads"]["b"] = h
+    assert stage_scales(ref, ranks, 1e-4) == {}
+    result = CheckResult("exact", {"PP": 2, "DP": 1, "CP": 1, "TP": 1, "EP": 1}, 2, 1, 1e-4, stage_clips=1)
+    assert "but the step called torch's clip_grad_norm_ on each PP rank" in result.render()
+    assert "this step's norms stayed under max_norm, so it did not show" in result.render()
+
+
 @pytest.mark.slow  # two runs of 2 processes, two of 4
 def test_pipeline_stages_are_checked_against_the_whole_model_in_one_process() -> None:
     """Under PP the check runs torch's schedule over the stages the parallelize function returns, against the same
@@ -1169,6 +1187,14 @@ def test_pipeline_stages_are_checked_against_the_whole_model_in_one_process() ->
     with pytest.raises(CheckInputError, match=r"'ScheduleGPipe' object is not callable \(in one process, before any "
                        r"parallelizing\); with --pp the step is given torch's schedule, not the model"):
         check(f"module:{HF}:make_llama", f"{HF}:parallelize_pp", f"{HF}:step", **pipe)  # a step of one micro-batch
+    # torch's clip_grad_norm_ on each stage: each clips by its own norm, said without a recipe tried
+    clipped = check(f"module:{HF}:make_llama", f"{HF}:parallelize_pp", f"{HF}:step_pp_clipped", **pipe)
+    assert not clipped.exact and clipped.stage_clips == 1 and not clipped.hints, clipped.render()
+    assert "and the step called torch's clip_grad_norm_ on each PP rank" in clipped.render()
+    # each stage by its own norm: factors whose inverse squares add up to 1 (the stages' norms over the model's)
+    assert sorted(clipped.stage_scales) == [0, 1] and min(clipped.stage_scales.values()) > 1, clipped.stage_scales
+    assert sum(f ** -2 for f in clipped.stage_scales.values()) == pytest.approx(1, rel=1e-3)
+    assert "groups=[mesh['PP'].get_group()]" in clipped.render()
     normless = check(f"module:{HF}:make_llama", f"{HF}:parallelize_pp_own_stage_without_norm", f"{HF}:step_pp", **pipe)
     assert not normless.exact and normless.unheld == ["model.norm.weight"], normless.render()
     assert normless.first_module["module"] == "lm_head"
