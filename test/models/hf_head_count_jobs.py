@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from transformers import BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM, FalconConfig, \
     FalconForCausalLM, GptOssConfig, GptOssForCausalLM, MptConfig, MptForCausalLM, OPTConfig, OPTForCausalLM, \
-    PersimmonConfig, PersimmonForCausalLM, T5Config, T5ForConditionalGeneration
+    PersimmonConfig, PersimmonForCausalLM, StableLmConfig, StableLmForCausalLM, T5Config, T5ForConditionalGeneration
 
 from vemesh.parallel import ExpertParallel, HeadwiseParallel, fully_shard
 
@@ -72,6 +72,13 @@ def make_cohere() -> nn.Module:
     return CohereForCausalLM(CohereConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
                                           use_qk_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def make_stablelm() -> nn.Module:
+    return StableLmForCausalLM(StableLmConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                              max_position_embeddings=64, qk_layernorm=True, hidden_dropout=0.0,
+                                              attention_dropout=0.0))
 
 
 def make_mpt() -> nn.Module:
@@ -184,6 +191,25 @@ def naive_cohere(model: nn.Module, mesh: object, norms: bool = False) -> nn.Modu
 
 def fixed_cohere(model: nn.Module, mesh: object) -> nn.Module:
     return naive_cohere(model, mesh, norms=True)
+
+
+def naive_stablelm(model: nn.Module, mesh: object, norms: bool = False) -> nn.Module:
+    """torch's styles on q, k, v, o and the MLP, with the head counts set to this rank's; ``norms``: the LayerNorm
+    per head of ``q_layernorm`` and ``k_layernorm`` taken per head too (``HeadwiseParallel(modules=("norms",))``)."""
+    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    if norms:
+        plan.update({f"self_attn.{n}": HeadwiseParallel(modules=("norms",)) for n in ("q_layernorm", "k_layernorm")})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["TP"], plan)  # type: ignore[index]
+        layer.self_attn.num_heads //= mesh["TP"].size()  # type: ignore[index]
+        layer.self_attn.num_key_value_heads //= mesh["TP"].size()  # type: ignore[index]
+    return model
+
+
+def fixed_stablelm(model: nn.Module, mesh: object) -> nn.Module:
+    return naive_stablelm(model, mesh, norms=True)
 
 
 def naive_t5(model: nn.Module, mesh: object, tables: bool = False) -> nn.Module:

@@ -25,7 +25,10 @@ parameters with a dim of that many (:func:`head_tables`; a module that counts no
 projections' output over its ``head_dim``). The recipe shards those of its modules over TP on their heads, before the
 user's parallelize function, so that a data-parallel wrapper sees the sharded weight: torch's ``ColwiseParallel`` on
 an Embedding, :class:`vemesh.parallel.HeadwiseParallel` on the module holding a parameter; with the counts set where
-the module has them, alone where it has none.
+the module has them, alone where it has none. StableLM's ``qk_layernorm`` keeps a ModuleList of one LayerNorm per
+head, which its forward zips with the heads it is handed, so that this rank's heads meet the first heads' norms,
+silently; such a list (of a head count of alike modules) is taken per head in the recipe
+(``HeadwiseParallel(modules=...)``: each rank runs its own heads' modules, their weights replicated over TP).
 
 Some attentions are handed a tensor of every head rather than holding one: HF's Bloom builds its ALiBi bias in the
 model, ``(batch * n_head, 1, seq)``, and hands it to each attention, whose scores are this rank's heads under TP. Each
@@ -87,14 +90,20 @@ def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
     return found
 
 
+#: the heads "dim" of a ModuleList of one module per head (:func:`head_tables`)
+PER_HEAD_MODULES = -2
+
+
 def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, tuple[str, int]]:
     """What ``model`` as built holds with a value per head beside its projections, by name, with the name of the
     module that holds it and the dim of the heads: the Embeddings whose width is a head count of that module (T5's
     ``relative_attention_bias``; dim -1: ``ColwiseParallel`` shards it), that module's own parameters with a dim of
     that many (GPT-OSS's ``sinks``), and those of 2 dims or more of its children that hold no module (Cohere's
-    ``q_norm``, a LayerNorm of ``(heads, head_dim)``; a norm's one weight per feature is not one). A module's head
-    counts are its integer counts (``built``: :func:`counts_of` of the model) and, where it has an integer
-    ``head_dim``, its child Linears' output features over it."""
+    ``q_norm``, a LayerNorm of ``(heads, head_dim)``; a norm's one weight per feature is not one); and the ModuleLists
+    of a head count of alike modules with parameters, its own or its children's (StableLM's ``q_layernorm.norms``, a
+    LayerNorm per head: dim :data:`PER_HEAD_MODULES`). A module's head counts are its integer counts (``built``:
+    :func:`counts_of` of the model) and, where it has an integer ``head_dim``, its child Linears' output features
+    over it."""
     found: dict[str, tuple[str, int]] = {}
     for scope, module in model.named_modules():
         heads = set(built.get(scope, ("", {}))[1].values())
@@ -109,11 +118,23 @@ def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) 
                 found[prefix + name] = (scope, -1)
             elif not isinstance(child, nn.Linear) and next(child.children(), None) is None:
                 own += [(f"{name}.{n}", p) for n, p in child.named_parameters(recurse=False) if p.dim() > 1]
+            lists = [(name, child)] + [(f"{name}.{n}", c) for n, c in child.named_children()]
+            for n, c in lists:  # the outermost scope's: the attention's, whose recipe it joins
+                if _per_head(c, heads):
+                    found.setdefault(prefix + n, (scope, PER_HEAD_MODULES))
         for name, p in own:
             dim = next((d for d, n in enumerate(p.shape) if n in heads), None)
             if dim is not None:
                 found[prefix + name] = (scope, dim)
     return found
+
+
+def _per_head(child: nn.Module, heads: set[int]) -> bool:
+    """``child`` is a ModuleList of a head count of alike modules, each with parameters of its own."""
+    if not isinstance(child, nn.ModuleList) or len(child) < 2 or len(child) not in heads:
+        return False
+    kinds = {tuple((n, tuple(p.shape)) for n, p in c.named_parameters(recurse=False)) for c in child}
+    return len(kinds) == 1 and bool(next(iter(kinds)))
 
 
 def unsharded(tables: dict[str, tuple[str, int]], params: dict[str, Any]) -> dict[str, tuple[str, int]]:
@@ -123,7 +144,12 @@ def unsharded(tables: dict[str, tuple[str, int]], params: dict[str, Any]) -> dic
     def on_tp(p: Any) -> bool:
         return isinstance(p, DTensor) and "TP" in (p.device_mesh.mesh_dim_names or ())
 
-    return {n: v for n, v in tables.items() if not on_tp(params.get(n + ".weight" if v[1] < 0 else n))}
+    def held(name: str, dim: int) -> Any:
+        if dim == PER_HEAD_MODULES:  # its first module's first parameter
+            return next((p for k, p in params.items() if k.startswith(name + ".")), None)
+        return params.get(name + ".weight" if dim < 0 else name)
+
+    return {n: v for n, v in tables.items() if not on_tp(held(n, v[1]))}
 
 
 @dataclass(frozen=True)
@@ -231,12 +257,13 @@ def shard_tables(recipes: tuple[LocalHeads, ...], model: nn.Module, mesh: Any) -
     params: dict[tuple[str, int], list[str]] = {}
     for name, dim in (t for recipe in recipes for t in recipe.tables):
         scope, _, attr = name.rpartition(".")
-        if dim < 0:
+        if dim == -1:
             parallelize_module(model.get_submodule(name), mesh["TP"], ColwiseParallel())
         else:
             params.setdefault((scope, dim), []).append(attr)
     for (scope, dim), names in params.items():
-        parallelize_module(model.get_submodule(scope), mesh["TP"], HeadwiseParallel(tuple(names), dim))
+        style = HeadwiseParallel(modules=tuple(names)) if dim == PER_HEAD_MODULES else HeadwiseParallel(tuple(names), dim)
+        parallelize_module(model.get_submodule(scope), mesh["TP"], style)
 
 
 def _held(tables: tuple[tuple[str, int], ...]) -> str:
@@ -244,11 +271,17 @@ def _held(tables: tuple[tuple[str, int], ...]) -> str:
     def named(names: list[str]) -> str:
         return names[0] + (f" (and its {len(names) - 1} alike)" if len(names) > 1 else "")
 
-    embeddings, params = [n for n, d in tables if d < 0], [(n, d) for n, d in tables if d >= 0]
+    embeddings, params = [n for n, d in tables if d == -1], [(n, d) for n, d in tables if d >= 0]
+    lists = [n for n, d in tables if d == PER_HEAD_MODULES]
     said = []
     if embeddings:
         said.append(f"the tables with a column per head that they hold, {named(embeddings)}, sharded over TP on their "
                     "heads (ColwiseParallel() on each, in the TP plan of the module that holds it)")
+    if lists:
+        attrs = tuple(sorted({n.rpartition(".")[2] for n in lists}))
+        said.append(f"their ModuleLists of a module per head, {named(lists)}, each rank running its own heads' "
+                    f"modules (vemesh.parallel.HeadwiseParallel(modules={attrs!r}) on the module that holds them, in "
+                    "your TP plan)")
     if params:
         attrs = tuple(sorted({n.rpartition(".")[2] for n, _ in params}))
         dim = f", dim={params[0][1]}" if params[0][1] else ""
@@ -278,7 +311,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
     if not r.counts:  # what it holds or is handed per head alone (its counts are this rank's, or it has none)
         attrs = ", ".join(sorted({next((n[len(m) + 1:] for m in r.modules if n.startswith(m + ".")),
                                        n.rpartition(".")[2]) for n, _ in r.tables}))  # named from their attention
-        what = ([f"keeps a value per head in {attrs}"] if r.tables else []) + (
+        kept = {"a module" if d == PER_HEAD_MODULES else "a value" for _, d in r.tables}
+        what = ([f"keeps {' or '.join(sorted(kept, reverse=True))} per head in {attrs}"] if r.tables else []) + (
             [f"is handed {', '.join(n for n, _, _ in r.inputs)} with a value for every head"] if r.inputs else [])
         head = (f"{first}{alike} {' and '.join(what)}, whole, while TP {r.tp} gives each rank 1/{r.tp} "
                 f"of the heads of its projections; " + where)

@@ -17,7 +17,14 @@ once in the model, of every head (``(batch * n_head, 1, seq)``), and hands it to
 scores of its own heads: under TP, with ``num_heads`` set to this rank's, the sizes disagree and ``baddbmm`` raises.
 ``HeadwiseParallel(inputs={"alibi": 0}, heads=n_head)`` slices each named input to this rank's heads before the
 forward: along ``dim`` its size is a multiple ``k * heads`` (``k`` groups of every head, heads inner, as
-``reshape(batch * heads, ...)`` folds them), and rank ``r`` keeps block ``r`` of each group's heads. A wrong
+``reshape(batch * heads, ...)`` folds them), and rank ``r`` keeps block ``r`` of each group's heads.
+
+Some attentions hold a module per head. HF's StableLM with ``qk_layernorm`` keeps a ``ModuleList`` of one LayerNorm per
+head and zips it with the heads it is handed: under TP, this rank's heads meet the first heads' norms, and nothing
+raises. ``HeadwiseParallel(modules=("norms",))`` makes each of those modules' parameters a DTensor replicated over TP,
+so that every rank holds the whole model's and its checkpoint is one; during the forward the list reads as this rank's
+block of modules, their parameters this rank's rows of the stacked weights (gathered over TP in the backward, so that
+every rank's copy gets each head's gradient from the rank that ran it). A wrong
 ``heads`` would slice every input to a size the forward takes, and train silently wrong: at its first forward the
 module's own head counts (:func:`own_head_counts`: ``num_heads``, ``n_heads``, ...), this rank's or the whole model's,
 must include ``heads`` or ``heads / TP``, or the forward raises naming them.
@@ -32,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from vemesh.layout.names import divisors
@@ -64,15 +71,23 @@ class HeadwiseParallel(ParallelStyle):
         })
         parallelize_module(layer, mesh["TP"], {  # Bloom: (batch * n_head, 1, seq), this rank's heads of each
             "self_attention": HeadwiseParallel(inputs={"alibi": 0}, heads=config.n_head)})
+        parallelize_module(layer, mesh["TP"], {  # StableLM's qk_layernorm: a LayerNorm per head in a ModuleList
+            "self_attn.q_layernorm": HeadwiseParallel(modules=("norms",)),
+            "self_attn.k_layernorm": HeadwiseParallel(modules=("norms",))})
     """
 
     def __init__(self, params: Sequence[str] = (), dim: int = 0, *, inputs: Mapping[str, int] | None = None,
-                 heads: int | None = None) -> None:
+                 heads: int | None = None, modules: Sequence[str] = ()) -> None:
         super().__init__()
-        if isinstance(params, str) or not all(isinstance(p, str) and p for p in params) or not (params or inputs):
+        if isinstance(modules, str) or not all(isinstance(m, str) and m for m in modules):
+            raise ValueError(f"HeadwiseParallel(modules={modules!r}): modules must be a sequence of the names of the "
+                             "module's ModuleLists that hold a module per head, e.g. ('norms',)")
+        if isinstance(params, str) or not all(isinstance(p, str) and p for p in params) or \
+                not (params or inputs or modules):
             raise ValueError(f"HeadwiseParallel(params={params!r}): params must be a non-empty sequence of the "
                              "module's parameter names, e.g. ('sinks',), or give the per-head inputs of its forward "
-                             "(inputs={'alibi': 0}, heads=N)")
+                             "(inputs={'alibi': 0}, heads=N), or its ModuleLists of a module per head "
+                             "(modules=('norms',))")
         if type(dim) is not int:
             raise ValueError(f"HeadwiseParallel(dim={dim!r}): dim must be an int, the parameters' heads dim")
         given = dict(inputs) if isinstance(inputs, Mapping) else {}
@@ -84,10 +99,12 @@ class HeadwiseParallel(ParallelStyle):
             raise ValueError(f"HeadwiseParallel(inputs={inputs!r}, heads={heads!r}): heads is the whole model's count "
                              "of heads in the inputs, an int of 2 or more, given with inputs")
         self.params, self.dim, self.inputs, self.heads = tuple(params), dim, given, heads
+        self.modules = tuple(modules)
 
     def __repr__(self) -> str:
         said = [f"{self.params!r}, dim={self.dim}"] if self.params else []
         said += [f"inputs={self.inputs!r}, heads={self.heads}"] if self.inputs else []
+        said += [f"modules={self.modules!r}"] if self.modules else []
         return f"HeadwiseParallel({', '.join(said)})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -114,7 +131,62 @@ class HeadwiseParallel(ParallelStyle):
             module.register_forward_hook(self._restore, always_call=True)
         if self.inputs:
             self._slice_inputs(module, device_mesh)
+        if self.modules:
+            self._per_head_modules(module, device_mesh)
         return module
+
+    def _per_head_modules(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        """Each ModuleList of :attr:`modules` on ``module``: its modules' parameters replicated over TP, and during the
+        forward the list this rank's block, its parameters this rank's rows of the stacked weights."""
+        tp, rank, where = device_mesh.size(), device_mesh.get_local_rank(), f"{self!r} on {type(module).__name__}"
+        names: dict[str, list[str]] = {}
+        for name in self.modules:
+            held = module._modules.get(name)
+            if not isinstance(held, nn.ModuleList):
+                lists = sorted(n for n, c in module.named_children() if isinstance(c, nn.ModuleList))
+                raise ValueError(f"{where}: it has no ModuleList {name!r} of its own; its ModuleLists: "
+                                 f"{', '.join(lists) or 'none'}")
+            kinds = {tuple((n, tuple(p.shape), p.dtype) for n, p in c.named_parameters()) for c in held}
+            own = [n for n, _ in held[0].named_parameters(recurse=False)] if len(held) else []
+            if len(held) < 2 or len(kinds) != 1 or not own or len(own) != len(next(iter(kinds))):
+                raise ValueError(f"{where}.{name}: its {len(held)} modules must be 2 or more alike, one a head, each "
+                                 "holding parameters of its own (a norm per head)")
+            if len(held) % tp:
+                raise ValueError(f"{where}.{name}: TP {tp} does not divide its {len(held)} heads; choose TP from "
+                                 f"{', '.join(str(d) for d in divisors(len(held)))}")
+            for child in held:
+                for n in own:
+                    p = child._parameters[n]
+                    if isinstance(p, DTensor):
+                        raise ValueError(f"{where}.{name}: {n} is a DTensor already ({p.placements}); give it one style")
+                    whole = distribute_tensor(p.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                    child.register_parameter(n, nn.Parameter(whole, requires_grad=p.requires_grad))
+            names[name] = own
+
+        def local(_: nn.Module, args: Any) -> None:
+            kept = []
+            for name, own in names.items():
+                whole = module._modules[name]
+                k = len(whole) // tp
+                block = list(whole)[rank * k:(rank + 1) * k]
+                for n in own:  # this rank's rows of the stacked weights; the backward gathers their gradient
+                    rows = torch.stack([c._parameters[n] for c in whole]).redistribute(
+                        device_mesh, [Shard(0)]).to_local()
+                    kept += [(c, n, c._parameters[n]) for c in block]
+                    for j, c in enumerate(block):
+                        c._parameters[n] = rows[j]
+                kept.append((module, name, whole))
+                module._modules[name] = nn.ModuleList(block)
+            module.__dict__.setdefault("_vemesh_headwise_modules", []).append(kept)
+
+        def restore(_: nn.Module, args: Any, out: Any) -> Any:
+            stack = module.__dict__.get("_vemesh_headwise_modules")
+            for owner, n, value in (stack.pop() if stack else ()):
+                (owner._modules if owner is module else owner._parameters)[n] = value
+            return out
+
+        module.register_forward_pre_hook(local)
+        module.register_forward_hook(restore, always_call=True)
 
     def _slice_inputs(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         """A pre-hook on ``module`` that hands its forward this rank's heads of each of :attr:`inputs`."""

@@ -755,6 +755,24 @@ def test_hf_blooms_alibi_bias_is_sliced_to_this_ranks_heads_with_its_head_counts
         "in its projection's place (the hint before), which makes the check exact" in mpt.hints[1], mpt.render()
 
 
+@pytest.mark.slow  # two runs of 2 processes, and the recipe tried
+def test_hf_stablelms_norm_per_head_is_run_by_the_rank_that_holds_its_head_and_the_fix_is_exact() -> None:
+    """HF's StableLM with qk_layernorm keeps a ModuleList of one LayerNorm per head in q_layernorm and k_layernorm and
+    zips it with the heads it is handed: under torch's styles with the head counts set, TP rank 1's heads meet the
+    first heads' norms, and nothing raises. The recipe takes each list per head
+    (HeadwiseParallel(modules=('norms',))) and is exact; the plan written so is exact. Before, the check offered
+    nothing exact (the survey's one model without a recipe)."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    wrong = check(f"module:{jobs}:make_stablelm", f"{jobs}:naive_stablelm", f"{jobs}:step", world_size=2, tp=2)
+    assert wrong.first_module["module"] == "model.layers.0.self_attn.q_layernorm.norms.0" and not wrong.error, \
+        wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("model.layers.0.self_attn (and its 1 alike) keeps a module per head in k_layernorm.norms, "
+                           "q_layernorm.norms, whole") and "vemesh.parallel.HeadwiseParallel(modules=('norms',)) on " \
+        "the module that holds them, in your TP plan), which makes the check exact" in text, text
+    assert check(f"module:{jobs}:make_stablelm", f"{jobs}:fixed_stablelm", f"{jobs}:step", world_size=2, tp=2).exact
+
+
 def test_the_inputs_of_every_head_are_told_apart_from_the_hidden_states_masks_and_positions() -> None:
     """In process: of what a module was handed (``[name, shape]``, the hidden states first), an input whose first dim
     is one of its head counts, once or once per sequence of the batch (Bloom's ALiBi), or whose first dim is the
@@ -822,6 +840,30 @@ def test_headwise_parallel_slices_the_inputs_of_every_head_to_this_ranks_by_name
             HeadwiseParallel(inputs={"alibis": 0}, heads=4)._apply(Attention(), mesh)
         with pytest.raises(ValueError, match=r"on Attention: TP 2 does not divide its 3 heads; choose TP from 1, 3"):
             HeadwiseParallel(inputs={"alibi": 0}, heads=3)._apply(Attention(), mesh)
+        # a ModuleList of a module per head: the whole model's replicated, this rank's block run
+        norms = torch.nn.Module()
+        norms.norms = torch.nn.ModuleList(torch.nn.LayerNorm(2, bias=False) for _ in range(4))
+        norms.forward = lambda x: torch.cat([n(h) for n, h in zip(norms.norms, x.split(1))])
+        for i, n in enumerate(norms.norms):
+            n.weight.data.fill_(i)
+        taken = HeadwiseParallel(modules=("norms",))._apply(norms, mesh)
+        assert repr(HeadwiseParallel(modules=("norms",))) == "HeadwiseParallel(modules=('norms',))"
+        assert [type(n.weight).__name__ for n in taken.norms] == ["DTensor"] * 4
+        x = torch.tensor([[1.0, 3.0], [2.0, 6.0]])  # rank 1's heads, 2 and 3: scaled by their norms' weights
+        torch.testing.assert_close(taken(x), torch.tensor([[-2.0, 2.0], [-3.0, 3.0]]), rtol=0, atol=1e-4)
+        assert len(taken.norms) == 4 and type(taken.norms[0].weight).__name__ == "DTensor"  # put back
+        for modules, said in ((("norms",), r"TP 2 does not divide its 3 heads; choose TP from 1, 3"),
+                              (("blocks",), r"it has no ModuleList 'blocks' of its own; its ModuleLists: norms")):
+            three = torch.nn.Module()
+            three.norms = torch.nn.ModuleList(torch.nn.LayerNorm(2) for _ in range(3))
+            with pytest.raises(ValueError, match=said):
+                HeadwiseParallel(modules=modules)._apply(three, mesh)
+        unlike = torch.nn.Module()
+        unlike.norms = torch.nn.ModuleList([torch.nn.LayerNorm(2), torch.nn.LayerNorm(3)])
+        with pytest.raises(ValueError, match=r"its 2 modules must be 2 or more alike, one a head"):
+            HeadwiseParallel(modules=("norms",))._apply(unlike, mesh)
+        with pytest.raises(ValueError, match=r"modules must be a sequence of the names of the module's ModuleLists"):
+            HeadwiseParallel(modules="norms")
         def counted() -> Attention:
             attention = Attention()
             attention.num_heads, attention.head_dim = 2, 16  # this rank's heads, set as the check's recipe says
