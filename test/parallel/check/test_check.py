@@ -1204,6 +1204,18 @@ def test_under_pp_a_clip_by_each_stages_own_norm_is_told_by_its_factors_and_said
     assert stage_scales(ref, ranks, 1e-4) == {}
     result = CheckResult("exact", {"PP": 2, "DP": 1, "CP": 1, "TP": 1, "EP": 1}, 2, 1, 1e-4, stage_clips=1)
     assert "but the step called torch's clip_grad_norm_ on each PP rank" in result.render()
+    # counted however the step imported it (bound before the check began), not torch's public clip_grads_with_norm_
+    from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+
+    from vemesh.check.record import Deterministic, Recorder
+
+    layer = torch.nn.Linear(2, 2)
+    layer(torch.ones(1, 2)).sum().backward()
+    with Recorder(layer) as rec, Deterministic(rec) as det:
+        clip_grad_norm_(layer.parameters(), 0.1)
+        torch.nn.utils.clip_grad_norm_(layer.parameters(), 0.1)
+        clip_grads_with_norm_(list(layer.parameters()), 0.1, get_total_norm([p.grad for p in layer.parameters()]))
+    assert det.clips == 2
     assert "this step's norms stayed under max_norm, so it did not show" in result.render()
 
 
