@@ -17,17 +17,17 @@ once in the model, of every head (``(batch * n_head, 1, seq)``), and hands it to
 scores of its own heads: under TP, with ``num_heads`` set to this rank's, the sizes disagree and ``baddbmm`` raises.
 ``HeadwiseParallel(inputs={"alibi": 0}, heads=n_head)`` slices each named input to this rank's heads before the
 forward: along ``dim`` its size is a multiple ``k * heads`` (``k`` groups of every head, heads inner, as
-``reshape(batch * heads, ...)`` folds them), and rank ``r`` keeps block ``r`` of each group's heads.
+``reshape(batch * heads, ...)`` folds them), and rank ``r`` keeps block ``r`` of each group's heads. A wrong
+``heads`` would slice every input to a size the forward takes, and train silently wrong: at its first forward the
+module's own head counts (:func:`own_head_counts`: ``num_heads``, ``n_heads``, ...), this rank's or the whole model's,
+must include ``heads`` or ``heads / TP``, or the forward raises naming them.
 
 Some attentions hold a module per head. HF's StableLM with ``qk_layernorm`` keeps a ``ModuleList`` of one LayerNorm per
 head and zips it with the heads it is handed: under TP, this rank's heads meet the first heads' norms, and nothing
 raises. ``HeadwiseParallel(modules=("norms",))`` makes each of those modules' parameters a DTensor replicated over TP,
 so that every rank holds the whole model's and its checkpoint is one; during the forward the list reads as this rank's
 block of modules, their parameters this rank's rows of the stacked weights (gathered over TP in the backward, so that
-every rank's copy gets each head's gradient from the rank that ran it). A wrong
-``heads`` would slice every input to a size the forward takes, and train silently wrong: at its first forward the
-module's own head counts (:func:`own_head_counts`: ``num_heads``, ``n_heads``, ...), this rank's or the whole model's,
-must include ``heads`` or ``heads / TP``, or the forward raises naming them.
+every rank's copy gets each head's gradient from the rank that ran it).
 """
 
 from __future__ import annotations
