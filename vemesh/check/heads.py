@@ -262,12 +262,13 @@ def shard_tables(recipes: tuple[LocalHeads, ...], model: nn.Module, mesh: Any) -
         else:
             params.setdefault((scope, dim), []).append(attr)
     for (scope, dim), names in params.items():
-        style = HeadwiseParallel(modules=tuple(names)) if dim == PER_HEAD_MODULES else HeadwiseParallel(tuple(names), dim)
+        style = HeadwiseParallel(modules=tuple(names)) if dim == PER_HEAD_MODULES else \
+            HeadwiseParallel(tuple(names), dim)
         parallelize_module(model.get_submodule(scope), mesh["TP"], style)
 
 
-def _held(tables: tuple[tuple[str, int], ...]) -> str:
-    """What sharding ``tables`` (a recipe's) means, in the hint's words."""
+def _held(tables: tuple[tuple[str, int], ...], modules: tuple[str, ...] = ()) -> str:
+    """What sharding ``tables`` (a recipe's, of its ``modules``) means, in the hint's words."""
     def named(names: list[str]) -> str:
         return names[0] + (f" (and its {len(names) - 1} alike)" if len(names) > 1 else "")
 
@@ -277,11 +278,12 @@ def _held(tables: tuple[tuple[str, int], ...]) -> str:
     if embeddings:
         said.append(f"the tables with a column per head that they hold, {named(embeddings)}, sharded over TP on their "
                     "heads (ColwiseParallel() on each, in the TP plan of the module that holds it)")
-    if lists:
+    if lists:  # each named from its attention: every one of them needs the style
         attrs = tuple(sorted({n.rpartition(".")[2] for n in lists}))
-        said.append(f"their ModuleLists of a module per head, {named(lists)}, each rank running its own heads' "
-                    f"modules (vemesh.parallel.HeadwiseParallel(modules={attrs!r}) on the module that holds them, in "
-                    "your TP plan)")
+        relative = sorted({next((n[len(m) + 1:] for m in modules if n.startswith(m + ".")), n) for n in lists})
+        said.append(f"their ModuleLists of a module per head ({', '.join(relative)} of each, {len(lists)} in all), "
+                    f"each rank running its own heads' modules (vemesh.parallel.HeadwiseParallel(modules={attrs!r}) "
+                    "on each module that holds one, in your TP plan)")
     if params:
         attrs = tuple(sorted({n.rpartition(".")[2] for n, _ in params}))
         dim = f", dim={params[0][1]}" if params[0][1] else ""
@@ -316,7 +318,7 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
             [f"is handed {', '.join(n for n, _, _ in r.inputs)} with a value for every head"] if r.inputs else [])
         head = (f"{first}{alike} {' and '.join(what)}, whole, while TP {r.tp} gives each rank 1/{r.tp} "
                 f"of the heads of its projections; " + where)
-        sharded = ([_held(r.tables)] if r.tables else []) + ([_handed(r.inputs)] if r.inputs else [])
+        sharded = ([_held(r.tables, r.modules)] if r.tables else []) + ([_handed(r.inputs)] if r.inputs else [])
         tried = "Tried: " + " and ".join(sharded)
         if not outcome:
             return head + tried + ", which makes the check exact (docs/checking.md: an attention that reads its head counts)"
@@ -326,8 +328,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
             f"while TP {r.tp} gives each rank 1/{r.tp} of the heads of the projections it reads; " + where)
     tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= tp' for a, _ in r.counts)}, with tp = " \
             f"mesh['TP'].size(), {r.tp} here) on " \
-            f"{first}{alike} after your parallelize function" + (f", and {_held(r.tables)}" if r.tables else "") + \
-        (f", and {_handed(r.inputs)}" if r.inputs else "")
+            f"{first}{alike} after your parallelize function" + \
+        (f", and {_held(r.tables, r.modules)}" if r.tables else "") + (f", and {_handed(r.inputs)}" if r.inputs else "")
     fix = ("Do that in your parallelize function (torch's TP styles shard the weights, never a module's attributes; "
            "a view by -1 heads needs none) (docs/checking.md: an attention that reads its head counts)")
     if not outcome:

@@ -158,7 +158,8 @@ class HeadwiseParallel(ParallelStyle):
                 for n in own:
                     p = child._parameters[n]
                     if isinstance(p, DTensor):
-                        raise ValueError(f"{where}.{name}: {n} is a DTensor already ({p.placements}); give it one style")
+                        raise ValueError(f"{where}.{name}: {n} is a DTensor already ({p.placements}); give it one "
+                                         "style")
                     whole = distribute_tensor(p.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
                     child.register_parameter(n, nn.Parameter(whole, requires_grad=p.requires_grad))
             names[name] = own

@@ -768,8 +768,9 @@ def test_hf_stablelms_norm_per_head_is_run_by_the_rank_that_holds_its_head_and_t
         wrong.render()
     (text,) = wrong.hints
     assert text.startswith("model.layers.0.self_attn (and its 1 alike) keeps a module per head in k_layernorm.norms, "
-                           "q_layernorm.norms, whole") and "vemesh.parallel.HeadwiseParallel(modules=('norms',)) on " \
-        "the module that holds them, in your TP plan), which makes the check exact" in text, text
+                           "q_layernorm.norms, whole") and "(k_layernorm.norms, q_layernorm.norms of each, 4 in all)" \
+        in text and "vemesh.parallel.HeadwiseParallel(modules=('norms',)) on each module that holds one, in your TP " \
+        "plan), which makes the check exact" in text, text
     assert check(f"module:{jobs}:make_stablelm", f"{jobs}:fixed_stablelm", f"{jobs}:step", world_size=2, tp=2).exact
 
 
