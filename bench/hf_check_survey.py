@@ -35,6 +35,7 @@ _GPT2ISH = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64
 
 #: name -> (config class, model class, the config's arguments)
 CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(_BASE, num_key_value_heads=2, head_dim=16)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4,
                                                       hidden_dropout=0.0, attention_dropout=0.0)),
     "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(_GPT2ISH, rotary_dim=8)),
@@ -52,6 +53,9 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(_GPT2ISH, rotary_dim=8)),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(_BASE, num_key_value_heads=2)),
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(_BASE, num_key_value_heads=2, head_dim=16)),
+    "laguna": ("LagunaConfig", "LagunaForCausalLM", dict(_BASE, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                                         shared_expert_intermediate_size=32)),
     "mpt": ("MptConfig", "MptForCausalLM", dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, expansion_ratio=2,
                                                 max_seq_len=32, resid_pdrop=0.0, emb_pdrop=0.0)),
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(_BASE)),
@@ -93,7 +97,8 @@ def naive(model: nn.Module, mesh: Any) -> nn.Module:
 
 #: what a hint names, as the table gives it
 _NAMED = re.compile(r"FusedColwiseParallel\(\d\)|HeadwiseParallel\((?:[^()]|\([^()]*\))*\)|SequenceParallel\(sequence_dim=\d|"
-                    r"ColwiseParallel\(output_layouts=Replicate\(\)\)|module\.\w+ //= tp|out\.clone\(\)")
+                    r"ColwiseParallel\(output_layouts=Replicate\(\)\)|module\.\w+ //= tp|out\.clone\(\)|"
+                    r"(?<!Fused)ColwiseParallel\(\)(?= on each)")
 
 
 def survey(names: list[str]) -> list[dict[str, Any]]:

@@ -355,16 +355,16 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
     runs, said = _summed_hints(spec, ref, tol, result, ranks, hints) if replicas is None else (0, None)
     if said:
         return runs, said == "exact"
+    kept: tuple = ()  # the recipes that made their own modules' gradients match, kept in the tries after them
     for recipe in partial_candidates(params, ref, shapes, result.degrees["TP"])[:MAX_TRIES - runs]:
         trial = CheckResult("exact", result.degrees, result.world_size, result.micro_batch_size, tol)
-        t_ranks, t_failed, _ = _parallel(replace(spec, sharded=(recipe,)), ref, tol, trial)
+        t_ranks, t_failed, _ = _parallel(replace(spec, sharded=(*kept, recipe)), ref, tol, trial)
         runs += 1
         located = _located(ref, trial, t_ranks, t_failed) if not trial.exact else None
-        if t_ranks:
-            still = [n for n, _ in trial.gradients if n.rpartition(".")[0] in recipe.modules]
-        else:  # the recipe's run raised: its modules' gradients were never compared
-            still = [n for n in params if n.rpartition(".")[0] in recipe.modules]
-        hints.append(partial_hint(recipe, "" if trial.exact else _outcome(trial, located), still))
+        still = [n for n, _ in trial.gradients] if t_ranks else params  # a run that raised compared none
+        still = [n for n in still if n.rpartition(".")[0] in recipe.modules]
+        hints.append(partial_hint(recipe, "" if trial.exact else _outcome(trial, located), still, len(kept)))
+        kept += () if still else (recipe,)
         if trial.exact:
             return runs, True
     if replicas is not None and runs < MAX_TRIES - 1:  # the gradients, from a run without vemesh's replica check

@@ -90,8 +90,8 @@ def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
     return found
 
 
-#: the heads "dim" of a ModuleList of one module per head (:func:`head_tables`)
-PER_HEAD_MODULES = -2
+#: the heads "dim" of a ModuleList of one module per head, and of a Linear with an output per head (:func:`head_tables`)
+PER_HEAD_MODULES, PER_HEAD_OUTPUTS = -2, -3
 
 
 def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, tuple[str, int]]:
@@ -101,7 +101,8 @@ def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) 
     that many (GPT-OSS's ``sinks``), and those of 2 dims or more of its children that hold no module (Cohere's
     ``q_norm``, a LayerNorm of ``(heads, head_dim)``; a norm's one weight per feature is not one); and the ModuleLists
     of a head count of alike modules with parameters, its own or its children's (StableLM's ``q_layernorm.norms``, a
-    LayerNorm per head: dim :data:`PER_HEAD_MODULES`). A module's head counts are its integer counts (``built``:
+    LayerNorm per head: dim :data:`PER_HEAD_MODULES`); and its child Linears of an output per head (a gate per head,
+    as Laguna's ``g_proj``: dim :data:`PER_HEAD_OUTPUTS`). A module's head counts are its integer counts (``built``:
     :func:`counts_of` of the model) and, where it has an integer ``head_dim``, its child Linears' output features
     over it."""
     found: dict[str, tuple[str, int]] = {}
@@ -116,6 +117,8 @@ def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) 
         for name, child in module.named_children():
             if isinstance(child, nn.Embedding) and child.embedding_dim in heads:
                 found[prefix + name] = (scope, -1)
+            elif isinstance(child, nn.Linear) and child.out_features in heads:
+                found[prefix + name] = (scope, PER_HEAD_OUTPUTS)
             elif not isinstance(child, nn.Linear) and next(child.children(), None) is None:
                 own += [(f"{name}.{n}", p) for n, p in child.named_parameters(recurse=False) if p.dim() > 1]
             lists = [(name, child)] + [(f"{name}.{n}", c) for n, c in child.named_children()]
@@ -147,7 +150,7 @@ def unsharded(tables: dict[str, tuple[str, int]], params: dict[str, Any]) -> dic
     def held(name: str, dim: int) -> Any:
         if dim == PER_HEAD_MODULES:  # its first module's first parameter
             return next((p for k, p in params.items() if k.startswith(name + ".")), None)
-        return params.get(name + ".weight" if dim < 0 else name)
+        return params.get(name + ".weight" if dim in (-1, PER_HEAD_OUTPUTS) else name)
 
     return {n: v for n, v in tables.items() if not on_tp(held(n, v[1]))}
 
@@ -257,7 +260,7 @@ def shard_tables(recipes: tuple[LocalHeads, ...], model: nn.Module, mesh: Any) -
     params: dict[tuple[str, int], list[str]] = {}
     for name, dim in (t for recipe in recipes for t in recipe.tables):
         scope, _, attr = name.rpartition(".")
-        if dim == -1:
+        if dim in (-1, PER_HEAD_OUTPUTS):
             parallelize_module(model.get_submodule(name), mesh["TP"], ColwiseParallel())
         else:
             params.setdefault((scope, dim), []).append(attr)
@@ -274,7 +277,11 @@ def _held(tables: tuple[tuple[str, int], ...], modules: tuple[str, ...] = ()) ->
 
     embeddings, params = [n for n, d in tables if d == -1], [(n, d) for n, d in tables if d >= 0]
     lists = [n for n, d in tables if d == PER_HEAD_MODULES]
+    outputs = [n for n, d in tables if d == PER_HEAD_OUTPUTS]
     said = []
+    if outputs:
+        said.append(f"the Linears with an output per head that they hold, {named(outputs)}, split over TP on their "
+                    "heads (ColwiseParallel() on each, in your TP plan)")
     if embeddings:
         said.append(f"the tables with a column per head that they hold, {named(embeddings)}, sharded over TP on their "
                     "heads (ColwiseParallel() on each, in the TP plan of the module that holds it)")
@@ -313,7 +320,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
     if not r.counts:  # what it holds or is handed per head alone (its counts are this rank's, or it has none)
         attrs = ", ".join(sorted({next((n[len(m) + 1:] for m in r.modules if n.startswith(m + ".")),
                                        n.rpartition(".")[2]) for n, _ in r.tables}))  # named from their attention
-        kept = {"a module" if d == PER_HEAD_MODULES else "a value" for _, d in r.tables}
+        kept = {"a module" if d == PER_HEAD_MODULES else "an output" if d == PER_HEAD_OUTPUTS else "a value"
+                for _, d in r.tables}
         what = ([f"keeps {' or '.join(sorted(kept, reverse=True))} per head in {attrs}"] if r.tables else []) + (
             [f"is handed {', '.join(n for n, _, _ in r.inputs)} with a value for every head"] if r.inputs else [])
         head = (f"{first}{alike} {' and '.join(what)}, whole, while TP {r.tp} gives each rank 1/{r.tp} "

@@ -276,20 +276,22 @@ def candidates(params: list[str], ref: dict, shapes: dict[str, list[int]], tp: i
     return [ShardedInput(tuple(sorted(modules)), dim) for dim, modules in sorted(by_dim.items())]
 
 
-def hint(recipe: ShardedInput, outcome: str, still: list[str]) -> str:
+def hint(recipe: ShardedInput, outcome: str, still: list[str], kept: int = 0) -> str:
     """The hint for ``recipe``, tried: ``outcome`` is ``""`` where the check was then exact, else where it still went
-    wrong; ``still`` the recipe's modules whose parameters' gradients still differed."""
+    wrong; ``still`` the recipe's modules whose parameters' gradients still differed; ``kept``: the recipes of the
+    hints before it that made their own gradients match, tried with it."""
     mods = recipe.modules
     named = mods[0] if len(mods) == 1 else f"{mods[0]} and {len(mods) - 1} more"
     head = (f"{named} hold parameters replicated over TP and run on this TP rank's part of their input (split on dim "
             f"{recipe.dim}: this rank's heads, or its part of a sequence-parallel region), so each TP rank's gradient "
             "of their weights is its own part's only, and the TP ranks' copies drift apart as they train. ")
+    before = "" if not kept else ", with the hint before's style," if kept == 1 else f", with the {kept} hints before's,"
+    tried = f"Tried: {recipe.style()} on them{before}"
     if not outcome:
-        return (head + f"Tried: {recipe.style()} on them makes the check exact: their weights become DTensors "
-                "replicated over TP, whose gradients torch sums over TP (docs/checking.md: a norm over this rank's "
-                "heads)")
+        return (head + f"{tried} makes the check exact: their weights become DTensors replicated over TP, whose "
+                "gradients torch sums over TP (docs/checking.md: a norm over this rank's heads)")
     if not still:
-        return (head + f"Tried: {recipe.style()} on them makes their gradients match (the check then {outcome}): "
-                "use it, and see what still differs")
-    return (head + f"Tried: {recipe.style()} on them; their gradients still differ ({', '.join(still[:3])}), so "
-            f"that is not the cause, or not the only one (the check then {outcome})")
+        return head + f"{tried} makes their gradients match (the check then {outcome}): use it, and see what still " \
+            "differs"
+    return (head + f"{tried}; their gradients still differ ({', '.join(still[:3])}), so that is not the cause, or not "
+            f"the only one (the check then {outcome})")

@@ -774,6 +774,29 @@ def test_hf_stablelms_norm_per_head_is_run_by_the_rank_that_holds_its_head_and_t
     assert check(f"module:{jobs}:make_stablelm", f"{jobs}:fixed_stablelm", f"{jobs}:step", world_size=2, tp=2).exact
 
 
+@pytest.mark.slow  # two runs of 2 processes, and the recipes tried
+def test_hf_apertus_and_laguna_get_each_recipe_tried_with_the_ones_before_and_a_gate_per_head_split() -> None:
+    """HF's Apertus under torch's plain styles: its q/k norms run on this rank's heads and its MLP's xIELU activation,
+    whose learned alpha_p and alpha_n are replicated, on this rank's features; SequenceParallel on the norms makes
+    their gradients match, and SequenceParallel(sequence_dim=2) on the activation, tried with it kept, makes the check
+    exact. HF's Laguna gates each head's output by a Linear of one output per head (g_proj), which the plan left
+    whole: the head counts with ColwiseParallel() on it clear the forward, and SequenceParallel on its q/k norms then
+    makes it exact. Before, Apertus's second try ran without the first (neither exact) and Laguna's counts alone
+    still raised."""
+    survey = str(ROOT / "bench" / "hf_check_survey.py")
+    runs = {name: check(f"module:{survey}:make", f"{survey}:naive", f"{survey}:step", world_size=2, tp=2,
+                        model_kwargs={"name": name}) for name in ("apertus", "laguna")}
+    first, second = runs["apertus"].hints
+    assert "SequenceParallel(sequence_dim=1, use_local_output=True) on them makes their gradients match" in first, first
+    assert second.startswith("model.layers.0.mlp.act_fn and 1 more hold parameters replicated over TP") and \
+        "SequenceParallel(sequence_dim=2, use_local_output=True) on them, with the hint before's style, makes the " \
+        "check exact" in second, second
+    counts, norms = runs["laguna"].hints
+    assert "the Linears with an output per head that they hold, model.layers.0.self_attn.g_proj (and its 1 alike), " \
+        "split over TP on their heads (ColwiseParallel() on each, in your TP plan): that clears it" in counts, counts
+    assert "makes the check exact" in norms, norms
+
+
 def test_the_inputs_of_every_head_are_told_apart_from_the_hidden_states_masks_and_positions() -> None:
     """In process: of what a module was handed (``[name, shape]``, the hidden states first), an input whose first dim
     is one of its head counts, once or once per sequence of the batch (Bloom's ALiBi), or whose first dim is the
