@@ -22,6 +22,15 @@ def make() -> nn.Module:
     return Phi3ForCausalLM(cfg)
 
 
+def make_gqa() -> nn.Module:
+    """:func:`make` with 2 KV heads for its 4 query heads (Phi-3-medium's and Phi-4's GQA): its qkv_proj holds
+    [q|k|v] of unequal parts."""
+    model = make()
+    cfg = model.config
+    cfg.num_key_value_heads = 2
+    return Phi3ForCausalLM(cfg)
+
+
 def step(model: nn.Module, micro_batch_size: int) -> None:
     ids = torch.randint(0, VOCAB, (micro_batch_size, 16))
     model(input_ids=ids, labels=ids).loss.backward()

@@ -93,6 +93,9 @@ class Candidate:
     in_features: int
     out_features: int
     tp: int
+    #: named as fused parts (``qkv_proj``) that its rows do not divide into equally: GQA's ``[q|k|v]`` with fewer KV
+    #: heads, which no fused style cuts (the gathered recipe alone; ``parts`` 1)
+    unequal: int = 0
 
 
 def candidates(first: str, split: list[tuple[str, int, int, int]], before: set[str] | None = None,
@@ -103,7 +106,10 @@ def candidates(first: str, split: list[tuple[str, int, int, int]], before: set[s
     ``first``'s; None where nothing was compared, as when the forward raised). ``done``: names already replaced."""
     found: list[Candidate] = []
     for name, out_features, in_features, tp in split:
-        parts = fused_parts(name, out_features, in_features)
+        parts, unequal = fused_parts(name, out_features, in_features), 0
+        if parts is None:  # named as fused, of unequal parts: the gathered recipe alone
+            unequal = next((n for marker, n in _FUSED_NAMES if marker in name.rpartition(".")[2].lower()), 0)
+            parts = 1 if unequal else None
         if parts is None or name in done or not near(first, name) or (before is not None and name not in before):
             continue
         if any(name in c.names for c in found):
@@ -111,7 +117,7 @@ def candidates(first: str, split: list[tuple[str, int, int, int]], before: set[s
         last = name.rpartition(".")[2]
         alike = tuple(n for n, o, i, _ in split if n.rpartition(".")[2] == last and (o, i) == (out_features,
                                                                                                in_features))
-        found.append(Candidate(name, alike, parts, in_features, out_features, tp))
+        found.append(Candidate(name, alike, parts, in_features, out_features, tp, unequal))
     return found
 
 
@@ -268,6 +274,10 @@ def width_hint(candidate: Candidate, first: str, tried: list[tuple[Swap, list[st
     head = (f"{first or 'the root'} holds parameters of {c.name}'s whole output width ({c.out_features}), but TP "
             f"splits {c.name} by rows, so each TP rank hands it {c.out_features // c.tp} (a norm over the whole "
             f"projected width, as OLMo 2's q_norm and k_norm). ")
+    if c.unequal:
+        head = (f"{c.name} (Linear {c.in_features} -> {c.out_features}) is named as {c.unequal} fused parts that its "
+                f"{c.out_features} rows hold unequally (GQA's [q|k|v] with fewer KV heads, as Phi-3-medium's and "
+                "Phi-4's qkv_proj), which no fused style cuts over TP, and TP split it in plain blocks of rows. ")
     swap, replaced, outcome = tried[-1]
     rows = [n for n in replaced if n not in swap.linears and n.rpartition(".")[0] in swap.scopes()]
     style = (f"ColwiseParallel(output_layouts=Replicate()) on {', '.join(sorted(scope))}"

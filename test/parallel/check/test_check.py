@@ -196,10 +196,11 @@ def test_fused_c_attn_split_column_wise_under_a_global_size_forward_raises_and_g
     assert "what reads its output raised" in result.hints[0]
 
 
-@pytest.mark.slow  # two checks of HF's Phi-3, 2 processes each
+@pytest.mark.slow  # three checks of HF's Phi-3, 2 processes each
 def test_hf_phi3_as_shipped_gets_the_gathered_recipe_and_it_is_exact() -> None:
     """Phi-3's fused qkv_proj, split by torch's ColwiseParallel: its attention raises, and the hint names the gathered
-    recipe, tried (the other two are not exact: its rotary embedding mixes the parts with plain tensors), exact."""
+    recipe, tried (the other two are not exact: its rotary embedding mixes the parts with plain tensors), exact; with
+    GQA (unequal parts) the gathered recipe alone, exact."""
     phi = str(ROOT / "test" / "models" / "hf_phi3_jobs.py")
     wrong = check(f"module:{phi}:make", f"{phi}:naive", f"{phi}:step", world_size=2, tp=2)
     assert wrong.verdict == "differs" and wrong.error, wrong.render()
@@ -207,6 +208,11 @@ def test_hf_phi3_as_shipped_gets_the_gathered_recipe_and_it_is_exact() -> None:
     assert "Tried: ColwiseParallel(output_layouts=Replicate()) in its place, with RowwiseParallel(input_layouts=" \
         "Replicate()) on model.layers.0.self_attn.o_proj and its 1 alike, makes the check exact" in wrong.hints[0], \
         wrong.hints
+    # GQA (Phi-4's): a [q|k|v] of unequal parts, which no fused style cuts; before, no recipe was tried on it
+    gqa = check(f"module:{phi}:make_gqa", f"{phi}:naive", f"{phi}:step", world_size=2, tp=2)
+    (text,) = gqa.hints
+    assert text.startswith("model.layers.0.self_attn.qkv_proj (Linear 64 -> 128) is named as 3 fused parts that its "
+                           "128 rows hold unequally") and "makes the check exact" in text, gqa.render()
 
 
 @pytest.mark.slow  # 4 runs of 2 processes
@@ -259,9 +265,11 @@ def test_the_candidates_are_linears_split_in_plain_blocks_before_the_difference_
     assert candidates("h.0", split, None, done={"h.0.attn.c_attn"}) == []  # a recipe already kept for it
     # a forward that raised (nothing compared): the Linears in its scope or under it
     assert [c.name for c in candidates("h.1.attn", split)] == ["h.1.attn.c_attn"]
-    # by name: [gate|up] in 2 parts; GQA's unequal [q|k|v] (a number of rows no 3 parts divide) gets no such recipe
+    # by name: [gate|up] in 2 parts; GQA's unequal [q|k|v] (a number of rows no 3 parts divide) gets no fused recipe,
+    # the gathered one alone (parts 1)
     assert [c.parts for c in candidates("h.0.mlp", [("h.0.mlp.gate_up_proj", 256, 32, 2)])] == [2]
-    assert candidates("h.0.attn", [("h.0.attn.qkv_proj", 64, 32, 2)]) == []  # 64 rows are not 3 equal parts
+    (gqa,) = candidates("h.0.attn", [("h.0.attn.qkv_proj", 64, 32, 2)])  # 64 rows are not 3 equal parts
+    assert (gqa.parts, gqa.unequal) == (1, 3)
 
 
 def test_the_hint_says_which_recipe_cleared_the_linear_or_that_none_did() -> None:
