@@ -61,8 +61,9 @@ def own_head_counts(module: nn.Module) -> dict[str, int]:
 class HeadwiseParallel(ParallelStyle):
     """The module's own parameters ``params`` (their names on it) sharded over the TP mesh along ``dim``, each rank's
     forward reading its own slice as a plain tensor; and the tensors its forward is handed as ``inputs`` (argument
-    name: its heads dim, of ``heads`` heads), each sliced to this rank's heads. For per-head parameters beside
-    ColwiseParallel projections, as GPT-OSS's attention sinks, and Bloom's ALiBi bias::
+    name: its heads dim, of ``heads`` heads), each sliced to this rank's heads; and its ModuleLists of a module per
+    head, ``modules``, each rank running its own heads' modules. For per-head parameters beside ColwiseParallel
+    projections, as GPT-OSS's attention sinks, Bloom's ALiBi bias, and StableLM's LayerNorm per head::
 
         parallelize_module(layer, mesh["TP"], {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
