@@ -90,14 +90,15 @@ def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
     return found
 
 
-#: the heads "dim" of a ModuleList of one module per head, and of a Linear with an output per head (:func:`head_tables`)
-PER_HEAD_MODULES, PER_HEAD_OUTPUTS = -2, -3
+#: the heads "dim" (:func:`head_tables`) of an Embedding with a column per head, of a ModuleList of one module per
+#: head, and of a Linear with an output per head; a parameter's is its own dim, 0 or more
+PER_HEAD_COLUMNS, PER_HEAD_MODULES, PER_HEAD_OUTPUTS = -1, -2, -3
 
 
 def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) -> dict[str, tuple[str, int]]:
     """What ``model`` as built holds with a value per head beside its projections, by name, with the name of the
     module that holds it and the dim of the heads: the Embeddings whose width is a head count of that module (T5's
-    ``relative_attention_bias``; dim -1: ``ColwiseParallel`` shards it), that module's own parameters with a dim of
+    ``relative_attention_bias``; dim :data:`PER_HEAD_COLUMNS`), that module's own parameters with a dim of
     that many (GPT-OSS's ``sinks``), and those of 2 dims or more of its children that hold no module (Cohere's
     ``q_norm``, a LayerNorm of ``(heads, head_dim)``; a norm's one weight per feature is not one); and the ModuleLists
     of a head count of alike modules with parameters, its own or its children's (StableLM's ``q_layernorm.norms``, a
@@ -116,7 +117,7 @@ def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) 
         own = list(module.named_parameters(recurse=False))
         for name, child in module.named_children():
             if isinstance(child, nn.Embedding) and child.embedding_dim in heads:
-                found[prefix + name] = (scope, -1)
+                found[prefix + name] = (scope, PER_HEAD_COLUMNS)
             elif isinstance(child, nn.Linear) and child.out_features in heads:
                 found[prefix + name] = (scope, PER_HEAD_OUTPUTS)
             elif not isinstance(child, nn.Linear) and next(child.children(), None) is None:
@@ -150,7 +151,7 @@ def unsharded(tables: dict[str, tuple[str, int]], params: dict[str, Any]) -> dic
     def held(name: str, dim: int) -> Any:
         if dim == PER_HEAD_MODULES:  # its first module's first parameter
             return next((p for k, p in params.items() if k.startswith(name + ".")), None)
-        return params.get(name + ".weight" if dim in (-1, PER_HEAD_OUTPUTS) else name)
+        return params.get(name + ".weight" if dim in (PER_HEAD_COLUMNS, PER_HEAD_OUTPUTS) else name)
 
     return {n: v for n, v in tables.items() if not on_tp(held(n, v[1]))}
 
@@ -260,7 +261,7 @@ def shard_tables(recipes: tuple[LocalHeads, ...], model: nn.Module, mesh: Any) -
     params: dict[tuple[str, int], list[str]] = {}
     for name, dim in (t for recipe in recipes for t in recipe.tables):
         scope, _, attr = name.rpartition(".")
-        if dim in (-1, PER_HEAD_OUTPUTS):
+        if dim in (PER_HEAD_COLUMNS, PER_HEAD_OUTPUTS):  # torch's ColwiseParallel splits either
             parallelize_module(model.get_submodule(name), mesh["TP"], ColwiseParallel())
         else:
             params.setdefault((scope, dim), []).append(attr)
@@ -275,7 +276,7 @@ def _held(tables: tuple[tuple[str, int], ...], modules: tuple[str, ...] = ()) ->
     def named(names: list[str]) -> str:
         return names[0] + (f" (and its {len(names) - 1} alike)" if len(names) > 1 else "")
 
-    embeddings, params = [n for n, d in tables if d == -1], [(n, d) for n, d in tables if d >= 0]
+    embeddings, params = [n for n, d in tables if d == PER_HEAD_COLUMNS], [(n, d) for n, d in tables if d >= 0]
     lists = [n for n, d in tables if d == PER_HEAD_MODULES]
     outputs = [n for n, d in tables if d == PER_HEAD_OUTPUTS]
     said = []
