@@ -36,6 +36,7 @@ _GPT2ISH = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64
 #: name -> (config class, model class, the config's arguments)
 CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(_BASE, num_key_value_heads=2, head_dim=16)),
+    "bitnet": ("BitNetConfig", "BitNetForCausalLM", dict(_BASE, num_key_value_heads=2, head_dim=16)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4,
                                                       hidden_dropout=0.0, attention_dropout=0.0)),
     "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(_GPT2ISH, rotary_dim=8)),

@@ -228,7 +228,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         first, before, split, went = located
         # a RowwiseParallel Linear's bias is its own output's width, not a norm over another's
         widths = set() if first in went.get("rowwise", ()) else _widths(ref, first)
-        found = candidates(first, split, before, done) or width_candidates(first, split, widths, before, done)
+        found = width_candidates(first, split, widths, before, done) or candidates(first, split, before, done)
         if not found:
             break
         cand, tried, fixed = found[0], [], None

@@ -284,8 +284,9 @@ def width_hint(candidate: Candidate, first: str, tried: list[tuple[Swap, list[st
              + (f" (and their {len(c.names) - len(scope)} alike)" if len(c.names) > len(scope) else "")
              + (f", with RowwiseParallel(input_layouts=Replicate()) on {_names(rows)}" if rows else ""))
     if fixed and not outcome:
-        return (head + f"Tried: {style}, makes the check exact: every TP rank then runs the whole attention on the "
-                "gathered projections, as HF's own plan for such a model does (colwise_gather_output, "
+        return (head + f"Tried: {style}, makes the check exact: every TP rank then runs the whole of "
+                f"{c.name.rpartition('.')[0] or 'the root'} on the gathered projections, as HF's own plan for such a "
+                "model does (colwise_gather_output, "
                 "rowwise_split_input) (docs/checking.md: a norm over the whole projected width)")
     if fixed:
         return head + f"Tried: {style}, clears its scope (the check then {outcome})"

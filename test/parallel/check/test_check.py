@@ -783,17 +783,18 @@ def test_hf_stablelms_norm_per_head_is_run_by_the_rank_that_holds_its_head_and_t
 
 
 @pytest.mark.slow  # two runs of 2 processes, and the recipes tried
-def test_hf_apertus_and_laguna_get_each_recipe_tried_with_the_ones_before_and_a_gate_per_head_split() -> None:
+def test_hf_apertus_laguna_and_bitnet_get_recipes_tried_together_a_gate_per_head_split_and_whole_widths_gathered():
     """HF's Apertus under torch's plain styles: its q/k norms run on this rank's heads and its MLP's xIELU activation,
     whose learned alpha_p and alpha_n are replicated, on this rank's features; SequenceParallel on the norms makes
     their gradients match, and SequenceParallel(sequence_dim=2) on the activation, tried with it kept, makes the check
     exact. HF's Laguna gates each head's output by a Linear of one output per head (g_proj), which the plan left
     whole: the head counts with ColwiseParallel() on it clear the forward, and SequenceParallel on its q/k norms then
-    makes it exact. Before, Apertus's second try ran without the first (neither exact) and Laguna's counts alone
-    still raised."""
+    makes it exact. BitNet's norms over the attention's and the MLP's whole widths get the gathered layout on each.
+    Before, Apertus's second try ran without the first (neither exact), Laguna's counts alone still raised, and
+    BitNet's MLP got the fused recipes (gate_proj's rows are 2 C) and a gathered gate_proj without up_proj."""
     survey = str(ROOT / "bench" / "hf_check_survey.py")
     runs = {name: check(f"module:{survey}:make", f"{survey}:naive", f"{survey}:step", world_size=2, tp=2,
-                        model_kwargs={"name": name}) for name in ("apertus", "laguna")}
+                        model_kwargs={"name": name}) for name in ("apertus", "laguna", "bitnet")}
     first, second = runs["apertus"].hints
     assert "SequenceParallel(sequence_dim=1, use_local_output=True) on them makes their gradients match" in first, first
     assert second.startswith("model.layers.0.mlp.act_fn and 1 more hold parameters replicated over TP") and \
@@ -803,6 +804,12 @@ def test_hf_apertus_and_laguna_get_each_recipe_tried_with_the_ones_before_and_a_
     assert "the Linears with an output per head that they hold, model.layers.0.self_attn.g_proj (and its 1 alike), " \
         "split over TP on their heads (ColwiseParallel() on each, in your TP plan): that clears it" in counts, counts
     assert "makes the check exact" in norms, norms
+    # BitNet normalizes the attention's and the MLP's whole widths: a norm over the whole width is the first reading
+    # (the gathered layout), before the fused one that gate_proj's 2 C rows suggest (which left up_proj split)
+    attention, mlp = runs["bitnet"].hints
+    assert "clears its scope" in attention and mlp.startswith("model.layers.0.mlp.ffn_sub_norm holds parameters of "
+                                                             "model.layers.0.mlp.gate_proj's whole output width") and \
+        "gate_proj, model.layers.0.mlp.up_proj (and their 2 alike)" in mlp and "makes the check exact" in mlp, mlp
 
 
 def test_the_inputs_of_every_head_are_told_apart_from_the_hidden_states_masks_and_positions() -> None:
