@@ -68,6 +68,9 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "stablelm_qk": ("StableLmConfig", "StableLmForCausalLM", dict(_BASE, num_key_value_heads=4, qk_layernorm=True,
                                                                   hidden_dropout=0.0, attention_dropout=0.0)),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_BASE, num_key_value_heads=2)),
+    "xglm": ("XGLMConfig", "XGLMForCausalLM", dict(vocab_size=VOCAB, d_model=64, ffn_dim=128, num_layers=2,
+                                                   attention_heads=4, max_position_embeddings=64, dropout=0.0,
+                                                   attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0)),
 }
 
 

@@ -12,4 +12,5 @@ def test_the_survey_gives_each_models_verdict_and_the_recipe_its_hints_name(tmp_
     stdout, rows = run_bench("hf_check_survey.py", "--models", "bloom", json_out=tmp_path / "survey.json")
     (bloom,) = rows
     assert bloom["model"] == "bloom" and bloom["verdict"] == "differs" and bloom["recipe exact"] and bloom["hints name"] == [
-        "module.num_heads //= tp", "HeadwiseParallel(inputs={'alibi': 0}, heads=4)"], stdout
+        "module.hidden_size //= tp", "module.num_heads //= tp",
+        "HeadwiseParallel(inputs={'alibi': 0}, heads=4)"], stdout

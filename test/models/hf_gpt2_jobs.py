@@ -1,7 +1,9 @@
 """HF transformers' GPT-2 for ``vemesh check``: its projections are transformers' ``Conv1D`` (a Linear whose weight is
 stored ``[in, out]``), which torch's styles refuse, so ``make_linear`` builds it with an ``nn.Linear`` in place of each
 (the weight transposed), as the check's hint says. Its ``c_attn`` is then a fused ``[q|k|v]`` that its attention
-splits by global sizes (``split(split_size, dim=2)``); ``naive`` is torch's styles as on unfused Linears."""
+splits by global sizes (``split(split_size, dim=2)``); ``naive`` is torch's styles as on unfused Linears. ``sharded``
+is what the check's hints then say: ``FusedColwiseParallel(3)`` on ``c_attn``, and the attention's head count and the
+width it splits by (``num_heads``, ``split_size``) set to this rank's (exact)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from vemesh import VESCALE_DEVICE_MESH
 from vemesh.ddp import DistributedDataParallel
-from vemesh.parallel import context_parallel
+from vemesh.parallel import FusedColwiseParallel, context_parallel
 
 VOCAB = 128
 
@@ -51,6 +53,17 @@ def naive(model: nn.Module, mesh: object) -> nn.Module:
         parallelize_module(block, mesh["TP"], {"attn.c_attn": ColwiseParallel(),  # type: ignore[index]
                                                "attn.c_proj": RowwiseParallel(), "mlp.c_fc": ColwiseParallel(),
                                                "mlp.c_proj": RowwiseParallel()})
+    return model
+
+
+def sharded(model: nn.Module, mesh: object) -> nn.Module:
+    tp = mesh["TP"].size()  # type: ignore[index]
+    for block in model.transformer.h:  # type: ignore[union-attr]
+        parallelize_module(block, mesh["TP"], {"attn.c_attn": FusedColwiseParallel(3),  # type: ignore[index]
+                                               "attn.c_proj": RowwiseParallel(), "mlp.c_fc": ColwiseParallel(),
+                                               "mlp.c_proj": RowwiseParallel()})
+        for name in ("num_heads", "split_size"):  # the whole model's: this rank's are 1/tp of them
+            setattr(block.attn, name, getattr(block.attn, name) // tp)
     return model
 
 

@@ -12,6 +12,9 @@ from zeros of ``(1, self.n_heads, ...)``. ``naive_t5`` is torch's styles on q, k
 rank's heads meet the bias of every head, and the sum raises. ``fixed_t5`` also shards the table over TP on its heads
 and sets ``n_heads`` to this rank's (exact).
 
+XGLM's attention views q by ``self.num_heads`` and reshapes its heads' output by ``self.embed_dim``, the whole width:
+``fixed`` sets both to this rank's (exact).
+
 Bloom views its head-major ``query_key_value`` by ``self.num_heads`` too, and is handed its ALiBi bias, built once in
 the model for every head (``(batch * n_head, 1, seq)``), which it adds to its scores: ``naive`` is torch's
 styles; ``heads_bloom`` also sets ``num_heads`` to this rank's (the bias still has every head, and ``baddbmm``
@@ -43,7 +46,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from transformers import BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM, FalconConfig, \
     FalconForCausalLM, GptOssConfig, GptOssForCausalLM, MptConfig, MptForCausalLM, OPTConfig, OPTForCausalLM, \
-    PersimmonConfig, PersimmonForCausalLM, StableLmConfig, StableLmForCausalLM, T5Config, T5ForConditionalGeneration
+    PersimmonConfig, PersimmonForCausalLM, StableLmConfig, StableLmForCausalLM, T5Config, T5ForConditionalGeneration, \
+    XGLMConfig, XGLMForCausalLM
 
 from vemesh.parallel import ExpertParallel, HeadwiseParallel, fully_shard
 
@@ -97,6 +101,12 @@ def make_opt() -> nn.Module:
                                     dropout=0.0, attention_dropout=0.0))
 
 
+def make_xglm() -> nn.Module:
+    return XGLMForCausalLM(XGLMConfig(vocab_size=VOCAB, d_model=64, ffn_dim=128, num_layers=2, attention_heads=4,
+                                      max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                      activation_dropout=0.0, pad_token_id=0))
+
+
 def make_t5() -> nn.Module:
     return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
@@ -127,8 +137,9 @@ def _layers(model: nn.Module) -> tuple[list[nn.Module], dict[str, str], str]:
     if isinstance(model, (FalconForCausalLM, BloomForCausalLM)):
         return list(model.transformer.h), {"self_attention.query_key_value": "c", "self_attention.dense": "r",
                                            "mlp.dense_h_to_4h": "c", "mlp.dense_4h_to_h": "r"}, "self_attention"
-    return list(model.model.decoder.layers), {"self_attn.q_proj": "c", "self_attn.k_proj": "c", "self_attn.v_proj": "c",
-                                              "self_attn.out_proj": "r", "fc1": "c", "fc2": "r"}, "self_attn"
+    layers = model.model.layers if isinstance(model, XGLMForCausalLM) else model.model.decoder.layers
+    return list(layers), {"self_attn.q_proj": "c", "self_attn.k_proj": "c", "self_attn.v_proj": "c",
+                          "self_attn.out_proj": "r", "fc1": "c", "fc2": "r"}, "self_attn"
 
 
 def naive(model: nn.Module, mesh: object) -> nn.Module:
@@ -145,7 +156,8 @@ def fixed(model: nn.Module, mesh: object) -> nn.Module:
     layers, _, attention = _layers(model)
     for layer in layers:
         attn = layer.get_submodule(attention)
-        for name in ("num_heads", "num_kv_heads"):  # the whole model's counts: this rank's heads are 1/tp of them
+        # the whole model's counts, and XGLM's width of its heads (its output's reshape): this rank's are 1/tp of them
+        for name in ("num_heads", "num_kv_heads", *("embed_dim",) * isinstance(model, XGLMForCausalLM)):
             if hasattr(attn, name):
                 setattr(attn, name, getattr(attn, name) // tp)
         if isinstance(model, FalconForCausalLM):  # its block adds into the MLP's output in place

@@ -44,7 +44,9 @@ the projection, its heads and the TP degrees that divide them.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,22 +56,54 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from vemesh.check.clones import layer_pattern
-from vemesh.parallel.headwise import HeadwiseParallel, own_head_counts
+from vemesh.parallel.headwise import HeadwiseParallel, counts_heads, own_head_counts
 from vemesh.parallel.tp_split import parts, plain_name
 
-__all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "head_tables", "hint", "set_heads",
+__all__ = ["LocalHeads", "candidate", "counts_of", "head_counts", "head_tables", "head_widths", "hint", "set_heads",
            "shard_tables", "unsharded", "watch_inputs"]
 
 def counts_of(model: nn.Module) -> dict[str, tuple[str, dict[str, int]]]:
     """Every module's class and integer attributes that count heads (a name with ``head`` in it, not a size, a dim
-    or a group count), by the module's name. Taken before the user's parallelize function too, to tell the whole
-    model's counts from counts the function set already."""
+    or a group count), and the widths they make (:func:`head_widths`), by the module's name. Taken before the user's
+    parallelize function too, to tell the whole model's counts from counts the function set already."""
     found = {}
     for name, module in (nm for part, _ in parts(model) for nm in part.named_modules()):
         counts = own_head_counts(module)
         if counts:
-            found[plain_name(name)] = (type(module).__qualname__, counts)
+            found[plain_name(name)] = (type(module).__qualname__, {**counts, **head_widths(module, counts)})
     return found
+
+
+#: an attribute named with one of these may hold a width (``embed_dim``, ``hidden_size``, ``all_head_size``)
+_WIDTHS = ("dim", "size", "width")
+
+
+def head_widths(module: nn.Module, counts: dict[str, int]) -> dict[str, int]:
+    """The module's own integer attributes, named as a width (``_WIDTHS``), worth one of its head ``counts`` times
+    its integer ``head_dim``, that its class's code reads past ``__init__``: the width of its heads, whole, which TP
+    divides with them (XGLM's attention reshapes its heads' output by ``self.embed_dim``, GPT-2's splits its fused
+    projection by ``self.split_size``). Where that code cannot be read, none."""
+    dim = vars(module).get("head_dim")
+    if type(dim) is not int or dim < 1:
+        return {}
+    made = {c * dim for c in counts.values()}
+    widths = {k: v for k, v in vars(module).items() if type(v) is int and v in made and k != "head_dim"
+              and k not in counts and any(w in k.lower() for w in _WIDTHS)}
+    return {k: v for k, v in widths.items() if k in _read_past_init(type(module))}
+
+
+@functools.lru_cache(maxsize=256)
+def _read_past_init(cls: type) -> frozenset[str]:
+    """The attributes ``self.NAME`` that the methods of ``cls`` and its bases but ``__init__`` read, from their source
+    (torch's ``nn.Module`` and what it derives from left out)."""
+    names: set[str] = set()
+    for name, fn in ((n, f) for c in cls.__mro__ if c not in nn.Module.__mro__ for n, f in vars(c).items()):
+        if name != "__init__" and inspect.isfunction(fn):
+            try:
+                names.update(re.findall(r"\bself\.(\w+)", inspect.getsource(fn)))
+            except (OSError, TypeError):  # no source (built in a REPL, or compiled): nothing read that we can see
+                pass
+    return frozenset(names)
 
 
 def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
@@ -84,6 +118,8 @@ def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
     for name, (kind, counts) in counts_of(model).items():
         tp, whole = degree.get(name), built.get(name, ("", {}))[1]
         kept = {k: v for k, v in counts.items() if tp and v % tp == 0 and whole.get(k) == v}
+        if not any(counts_heads(k) for k in kept):  # a width goes with its counts: not alone where those are set
+            kept = {}
         done = {k: v for k, v in whole.items() if tp and v % tp == 0 and counts.get(k) == v // tp}
         if kept or done:
             found[name] = (kind, kept, {**done, **kept})
@@ -108,7 +144,7 @@ def head_tables(model: nn.Module, built: dict[str, tuple[str, dict[str, int]]]) 
     over it."""
     found: dict[str, tuple[str, int]] = {}
     for scope, module in model.named_modules():
-        heads = set(built.get(scope, ("", {}))[1].values())
+        heads = {v for k, v in built.get(scope, ("", {}))[1].items() if counts_heads(k)}  # not its widths
         width = getattr(module, "head_dim", None)
         if type(width) is int and width > 0:
             heads |= {c.out_features // width for c in module.children() if isinstance(c, nn.Linear)
@@ -192,7 +228,8 @@ def watch_inputs(heads: dict[str, Any], model: nn.Module) -> dict[str, list]:
 
 
 def per_head_inputs(handed: list, counts: dict[str, int]) -> tuple[tuple[str, int, int], ...]:
-    """Of the tensors a module was handed (:func:`watch_inputs`), those of one of its head counts ``counts``:
+    """Of the tensors a module was handed (:func:`watch_inputs`), those of one of its head counts ``counts`` (of
+    :func:`counts_of`, its widths left out):
     ``(name, dim, heads)``. The first, the hidden states, gives the batch. Its first dim holds the heads once, or
     once per sequence (Bloom's ALiBi, ``(batch * heads, 1, seq)``), and is not the batch's own (a mask, positions);
     or its first dim is the batch's (or 1) and its second the heads (Falcon's, ``(batch, heads, 1, seq)``)."""
@@ -200,7 +237,7 @@ def per_head_inputs(handed: list, counts: dict[str, int]) -> tuple[tuple[str, in
         return ()
     batch, found = handed[0][1][0] if handed[0][1] else None, []
     for name, shape in handed[1:]:
-        for heads in sorted(set(counts.values()), reverse=True):
+        for heads in sorted({v for k, v in counts.items() if counts_heads(k)}, reverse=True):  # not its widths
             if shape and shape[0] != batch and shape[0] in (heads, heads * (batch or 0)):
                 found.append((name, 0, heads))
             elif len(shape) > 1 and shape[0] in (batch, 1) and shape[1] == heads:
@@ -333,7 +370,8 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
             return head + tried + ", which makes the check exact (docs/checking.md: an attention that reads its head counts)"
         return head + tried + f": the check then {outcome}, so that is not the cause, or not the only one"
     counts = ", ".join(f"{a} = {v}" for a, v in r.counts)
-    head = (f"{first}{alike} reads its head counts from its own attributes ({counts}), the whole model's, "
+    widths = " and their width" if any(not counts_heads(a) for a, _ in r.counts) else ""  # XGLM's embed_dim
+    head = (f"{first}{alike} reads its head counts{widths} from its own attributes ({counts}), the whole model's, "
             f"while TP {r.tp} gives each rank 1/{r.tp} of the heads of the projections it reads; " + where)
     tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= tp' for a, _ in r.counts)}, with tp = " \
             f"mesh['TP'].size(), {r.tp} here) on " \

@@ -45,17 +45,21 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from vemesh.layout.names import divisors
 from vemesh.parallel.tp_split import one_tp_dim
 
-__all__ = ["HeadwiseParallel", "own_head_counts"]
+__all__ = ["HeadwiseParallel", "counts_heads", "own_head_counts"]
 
 #: an attribute named with one of these counts something else than heads (``head_dim``, ``num_key_value_groups``)
 _NOT_COUNTS = ("dim", "size", "group", "scal", "mask", "bias")
 
 
+def counts_heads(attr: str) -> bool:
+    """An attribute so named counts heads: ``head`` in it (``num_heads``, ``n_head``, ``num_kv_heads``), not a size,
+    a dim or a group count."""
+    return "head" in attr.lower() and not any(w in attr.lower() for w in _NOT_COUNTS)
+
+
 def own_head_counts(module: nn.Module) -> dict[str, int]:
-    """The module's own integer attributes that count heads: a name with ``head`` in it (``num_heads``, ``n_head``,
-    ``num_kv_heads``), not a size, a dim or a group count, of 2 or more."""
-    return {k: v for k, v in vars(module).items() if "head" in k.lower() and type(v) is int and v > 1
-            and not any(w in k.lower() for w in _NOT_COUNTS)}
+    """The module's own integer attributes that count heads (:func:`counts_heads`), of 2 or more."""
+    return {k: v for k, v in vars(module).items() if counts_heads(k) and type(v) is int and v > 1}
 
 
 class HeadwiseParallel(ParallelStyle):

@@ -216,16 +216,23 @@ def test_hf_phi3_as_shipped_gets_the_gathered_recipe_and_it_is_exact() -> None:
 
 
 @pytest.mark.slow  # 4 runs of 2 processes
-def test_hf_gpt2_built_with_linears_gets_the_gathered_recipe() -> None:
+def test_hf_gpt2_built_with_linears_gets_the_fused_recipe_with_its_head_counts_and_split_size() -> None:
     """GPT-2 built with nn.Linear in place of its Conv1D (the refused-style hint's recipe): its c_attn split by torch's
-    ColwiseParallel raises in the attention (split by global sizes), and of the recipes the gathered one (its
-    attention joins k and v to its KV cache's plain tensors) is the one that makes the check exact."""
+    ColwiseParallel raises in the attention, which splits it by global sizes (``split_size``) and views it by
+    ``num_heads``. The recipe that makes the check exact keeps it sharded: FusedColwiseParallel(3) in its place, and
+    the attention's head count and the width it splits by (``split_size``) set to this rank's; the plan written so is
+    exact. Before, a width was not set with the counts, and only the gathered recipe (every rank computing the whole
+    of c_attn) was exact."""
     gpt2 = str(ROOT / "test" / "models" / "hf_gpt2_jobs.py")
     linear = check(f"module:{gpt2}:make_linear", f"{gpt2}:naive", f"{gpt2}:step", world_size=2, tp=2)
     assert linear.verdict == "differs" and "in the forward of transformer.h.0.attn" in linear.error, linear.render()
-    (text,) = linear.hints
-    assert "Tried: ColwiseParallel(output_layouts=Replicate()) in its place, with RowwiseParallel(input_layouts=" \
-        "Replicate()) on transformer.h.0.attn.c_proj and its 1 alike, makes the check exact" in text, text
+    fused, counts = linear.hints
+    assert "Tried: FusedColwiseParallel(3) with its reader's head counts set to this rank's in its place makes the " \
+        "check exact" in fused, fused
+    assert counts.startswith("transformer.h.0.attn (and its 1 alike) reads its head counts and their width from its "
+                             "own attributes (num_heads = 4, split_size = 64)") and \
+        "which makes the check exact" in counts, counts
+    assert check(f"module:{gpt2}:make_linear", f"{gpt2}:sharded", f"{gpt2}:step", world_size=2, tp=2).exact
 
 
 @pytest.mark.slow  # 4 runs of 2 processes
@@ -620,6 +627,21 @@ def test_hf_attentions_that_read_their_head_counts_get_them_set_to_this_ranks_an
     assert check(f"module:{jobs}:make_falcon", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
 
 
+def test_hf_xglms_width_of_its_heads_is_set_to_this_ranks_with_its_head_counts_and_the_fix_is_exact() -> None:
+    """HF's XGLM views q by ``self.num_heads`` and reshapes its heads' output by ``self.embed_dim``, the whole width
+    (``num_heads * head_dim``). The recipe sets both to this rank's, and that is exact; so is the plan written so.
+    Before, it set the counts alone, the reshape still raised, and the hint said they were not the cause."""
+    jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
+    wrong = check(f"module:{jobs}:make_xglm", f"{jobs}:naive", f"{jobs}:step", world_size=2, tp=2)
+    assert wrong.verdict == "differs" and "in the forward of model.layers.0.self_attn" in wrong.error, wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("model.layers.0.self_attn (and its 1 alike) reads its head counts and their width from its "
+                           "own attributes (embed_dim = 64, num_heads = 4)") and \
+        "(module.embed_dim //= tp; module.num_heads //= tp, with tp" in text and \
+        "which makes the check exact" in text, text
+    assert check(f"module:{jobs}:make_xglm", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
+
+
 @pytest.mark.slow  # three runs of 2 processes
 def test_hf_t5s_table_of_a_bias_per_head_is_sharded_with_its_head_counts_and_the_fix_is_exact() -> None:
     """HF's T5 adds to each attention's scores a bias of every head: from ``relative_attention_bias`` (an Embedding of
@@ -741,9 +763,9 @@ def test_hf_blooms_alibi_bias_is_sliced_to_this_ranks_heads_with_its_head_counts
     assert wrong.verdict == "differs" and "in the forward of transformer.h.0.self_attention" in wrong.error, \
         wrong.render()
     (text,) = wrong.hints
-    assert text.startswith("transformer.h.0.self_attention (and its 1 alike) reads its head counts from its own "
-                           "attributes (num_heads = 4)") and "(module.num_heads //= tp, with tp = mesh['TP'].size(), 2 " \
-        "here)" in text and f"and the input of every head that its forward is handed, alibi, sliced to this rank's heads " \
+    assert text.startswith("transformer.h.0.self_attention (and its 1 alike) reads its head counts and their width "
+                           "from its own attributes (hidden_size = 64, num_heads = 4)") and \
+        "(module.hidden_size //= tp; module.num_heads //= tp, with tp = mesh['TP'].size(), 2 here)" in text and f"and the input of every head that its forward is handed, alibi, sliced to this rank's heads " \
         f"{style}, which makes the check exact" in text, text
     half = check(f"module:{jobs}:make_bloom", f"{jobs}:heads_bloom", f"{jobs}:step", world_size=2, tp=2)
     assert "baddbmm" in half.error or "expanded size" in half.error, half.render()
@@ -1122,6 +1144,39 @@ def test_head_counts_are_the_split_linears_scopes_ints_named_for_heads_that_tp_d
     assert clone_candidate(f"Output 0 {REFUSAL}", "h.0", went) == ("h.0.attn.out", "h.0.mlp.down", "h.1.attn.out",
                                                                    "h.1.mlp.down")
     assert clone_candidate("shape '[2, 4]' is invalid", "h.0", went) is None
+
+
+def test_a_width_of_the_heads_that_the_forward_reads_is_set_with_the_counts_and_never_taken_for_a_count() -> None:
+    """In process: ``embed_dim`` (``num_heads * head_dim``), read by the forward, joins the counts (XGLM's reshape);
+    ``hidden_size`` of the same value read only in ``__init__``, ``max_len`` (not named as a width) and a width of
+    no head count do not. A width is no head count: the q projection's weight, of that width, is not taken for a
+    table per head, nor an input of that width for one per head. Where the counts are set already, the width is not
+    set alone."""
+    from torch import nn
+
+    from vemesh.check.heads import counts_of, head_counts, head_tables, head_widths, per_head_inputs
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads, self.head_dim = 4, 2
+            self.embed_dim = self.hidden_size = self.max_len = 8
+            self.inner_size = 6
+            self.q, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(self.q(x).reshape(*x.shape[:-1], self.embed_dim) + self.max_len + self.inner_size)
+
+    model = nn.Sequential(Attention())
+    assert head_widths(model[0], {"num_heads": 4}) == {"embed_dim": 8}
+    built = counts_of(model)
+    assert built["0"][1] == {"num_heads": 4, "embed_dim": 8}
+    assert head_tables(model, built) == {}
+    assert per_head_inputs([["x", [3, 16, 8]], ["bias", [8, 16]]], built["0"][1]) == ()  # 8: no heads * batch
+    split = [("0.q", 8, 8, 2)]
+    assert head_counts(model, split, built)["0"][1] == {"num_heads": 4, "embed_dim": 8}
+    model[0].num_heads = 2  # the user's function set the counts: the width is not a recipe alone
+    assert head_counts(model, split, built)["0"][1] == {}
 
 
 def test_a_module_with_a_split_linears_whole_width_gets_its_scopes_linears_for_the_gathered_layout() -> None:
