@@ -37,7 +37,6 @@ model's own modules each stage holds whole, every gradient, and the parameters n
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import time
 from dataclasses import replace
@@ -52,8 +51,9 @@ from vemesh.check.partial import candidates as partial_candidates, dp_hint, firs
     on_every_stage, row_candidates, stage_scales, summed_hint, twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, all_stages, candidates, hint, near, refused_hint, width_candidates, width_hint
-from vemesh.check.result import CheckInputError, CheckResult, check_pipeline, check_size, phases
-from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference, run_parallel
+from vemesh.check.result import CheckInputError, CheckResult, check_pipeline, check_size, phases, went_wrong
+from vemesh.check.rerun import run_once_more
+from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference
 from vemesh.layout.names import divisors, listed
 from vemesh.parallel.tp_split import uneven_hint
 
@@ -140,7 +140,7 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
     with tempfile.TemporaryDirectory(prefix="vemesh-check-") as out:
         stopped: list[int] = []
         try:
-            stopped = run_parallel(spec, out)
+            stopped, result.reruns = run_once_more(spec, out)
         except Timeout as e:
             result.verdict, result.error = "differs", str(e)
         failed = errors(out)
@@ -248,7 +248,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
                                                                swaps + (swap,), cloned)
             runs += n
             replaced = (t_ranks[0]["went"] if t_ranks else t_failed[0]["went"] if t_failed else {}).get("swapped", [])
-            tried.append((swap, replaced, "" if trial.exact else _outcome(trial, now)))
+            tried.append((swap, replaced, "" if trial.exact else went_wrong(trial, now)))
             if trial.exact or (now is not None and not any(near(now[0], n) for n in cand.names)):
                 fixed = now
                 break
@@ -317,7 +317,7 @@ def _module_fixes(spec: Spec, ref: dict, tol: float, result: CheckResult, locate
     while tries:
         heads, cloned, where, before = tries.pop()  # before: where the counts alone left the run
         trial, t_ranks, t_failed, now = _run(replace(spec, heads=heads, cloned=cloned), ref, tol, result)
-        exact, outcome = trial.exact, "" if trial.exact else _outcome(trial, now)
+        exact, outcome = trial.exact, "" if trial.exact else went_wrong(trial, now)
         if cloned and exact and heads:  # the counts cleared their scope, and the copy did the rest
             hints[-1] = heads_hint(recipe, located[1] is None, before, cleared=True)
         hints.append(clones_hint(cloned, where, outcome) if cloned else heads_hint(recipe, located[1] is None, outcome))
@@ -363,7 +363,7 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
         located = _located(ref, trial, t_ranks, t_failed) if not trial.exact else None
         still = [n for n, _ in trial.gradients] if t_ranks else params  # a run that raised compared none
         still = [n for n in still if n.rpartition(".")[0] in recipe.modules]
-        hints.append(partial_hint(recipe, "" if trial.exact else _outcome(trial, located), still, len(kept)))
+        hints.append(partial_hint(recipe, "" if trial.exact else went_wrong(trial, located), still, len(kept)))
         kept += () if still else (recipe,)
         if trial.exact:
             return runs, True
@@ -386,7 +386,7 @@ def _summed_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks:
         return 0, "said"
     for runs, summed in enumerate(found[:tries], 1):
         trial, _, _, located = _run(replace(spec, summed=(summed,)), ref, tol, result)
-        hints.append(summed_hint(summed, "" if trial.exact else _outcome(trial, located)))
+        hints.append(summed_hint(summed, "" if trial.exact else went_wrong(trial, located)))
         if trial.exact:
             return runs, "exact"
     return min(len(found), tries), None
@@ -397,14 +397,3 @@ def _widths(ref: dict, module: str) -> set[int]:
     return {g.numel() for n, g in ref.get("grads", {}).items()
             if n.rpartition(".")[0] == module and g is not None and g.dim() == 1}
 
-
-def _outcome(trial: CheckResult, located: tuple | None) -> str:
-    """Where a tried recipe's run still went wrong, in a few words."""
-    if trial.first_module is not None:
-        return f"differs at {trial.first_module['module']}"
-    if located is not None:
-        return f"raises in {located[0] or 'the root'}"
-    if trial.gradients:
-        return f"differs in {trial.gradients[0][0]}'s gradient"
-    # the error's words, not its frame: a site-packages path filled the 160 characters before the error's own text
-    return re.sub(r" failed at \S+ in [\w<>.]+: ", " failed: ", trial.error)[:160] if trial.error else "differs"

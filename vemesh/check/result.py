@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vemesh.parallel.plan_keys import describe
 
-__all__ = ["CheckInputError", "CheckResult", "check_size", "phases"]
+__all__ = ["CheckInputError", "CheckResult", "check_size", "phases", "went_wrong"]
 
 #: the parallel run's phases in :attr:`CheckResult.seconds`, on its slowest rank
 _PHASES = ("processes start", "your code's imports", "mesh", "build and parallelize", "step", "gather")
@@ -80,6 +81,8 @@ class CheckResult:
     skipped_plan: list[tuple[str, str, str]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     dp_replicate: int = 1  #: HSDP's replica degree: DP is split into dp_replicate x dp_shard
+    #: why the parallel run was run again (a rank gloo aborted, or the kernel killed: :mod:`vemesh.check.rerun`)
+    reruns: list[str] = field(default_factory=list)
 
     @property
     def pipeline_cut_wrong(self) -> bool:
@@ -186,6 +189,7 @@ class CheckResult:
                          "both runs ran them eagerly, so this checked the parallelization, not inductor's code")
         if self.dropouts:
             lines.append(f"  dropout: {self.dropouts} calls drew nothing in either run (p taken as 0)")
+        lines += [f"  {why}" for why in self.reruns]  # the parallel run run again, and why
         if self.seconds:
             parts = [f"{k} {v:.1f}s" for k, v in self.seconds.items()]
             inner = [p for p, k in zip(parts, self.seconds) if k in _PHASES]
@@ -261,3 +265,15 @@ def check_pipeline(pp: int, loss: Any, pp_schedule: str) -> None:
         schedule_class(pp_schedule)
     except ValueError as e:
         raise CheckInputError(f"--pp-schedule: {e}") from None
+
+
+def went_wrong(trial: CheckResult, located: tuple | None) -> str:
+    """Where a tried recipe's run still went wrong, in a few words (``located``: where it raised, if it did)."""
+    if trial.first_module is not None:
+        return f"differs at {trial.first_module['module']}"
+    if located is not None:
+        return f"raises in {located[0] or 'the root'}"
+    if trial.gradients:
+        return f"differs in {trial.gradients[0][0]}'s gradient"
+    # the error's words, not its frame: a site-packages path filled the 160 characters before the error's own text
+    return re.sub(r" failed at \S+ in [\w<>.]+: ", " failed: ", trial.error)[:160] if trial.error else "differs"

@@ -367,9 +367,9 @@ def _schedule(spec: Spec, returned: Any, name: str) -> tuple[Any, list[torch.nn.
 GRACE_S = 5.0
 
 
-def run_parallel(spec: Spec, out: str) -> list[int]:
+def run_parallel(spec: Spec, out: str) -> tuple[list[int], dict[int, int | None]]:
     """The parallel run of ``spec``, each rank writing its record or its error into ``out``; returns the ranks still
-    running 5 s after another had failed, which it stopped (they write neither)."""
+    running 5 s after another had failed, which it stopped (they write neither), and each rank's exit code."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "terminating process": ours
     fns = UserFunctions.of(spec.model, spec.parallelize, spec.step, spec.loss, spec.pp_schedule)
     libraries = local_ranks.libraries_of([fns.factory, fns.parallelize, fns.step, fns.loss])  # once, not a rank
@@ -394,7 +394,8 @@ def run_parallel(spec: Spec, out: str) -> list[int]:
                 p.terminate()
         for p in context.processes:
             p.join(5)
-    return [rank for rank, p in enumerate(context.processes) if p.exitcode == -signal.SIGTERM]
+    return ([rank for rank, p in enumerate(context.processes) if p.exitcode == -signal.SIGTERM],
+            {rank: p.exitcode for rank, p in enumerate(context.processes)})
 
 
 class Timeout(Exception):
@@ -402,9 +403,7 @@ class Timeout(Exception):
 
 
 def errors(out: str) -> list[dict[str, str]]:
-    found = []
-    for path in sorted(Path(out).glob("error*.json")):
-        found.append(json.loads(path.read_text()))
+    found = [json.loads(path.read_text()) for path in sorted(Path(out).glob("error*.json"))]
     order = {"tie": 0, "tp_replicas": 1, "input": 2, "user": 3, "other": 4}
     noise = ("Connection reset", "Connection closed", "Broken pipe", "NCCL", "gloo")
     return sorted(found, key=lambda e: (order[e["kind"]], any(n in e["message"] for n in noise)))
