@@ -165,6 +165,14 @@ def fixed(model: nn.Module, mesh: object) -> nn.Module:
     return model
 
 
+def counts_only(model: nn.Module, mesh: object) -> nn.Module:
+    """XGLM with its head counts set to this rank's and its width forgotten (the reshape still raises)."""
+    model = naive(model, mesh)
+    for layer in _layers(model)[0]:
+        layer.self_attn.num_heads //= mesh["TP"].size()  # type: ignore[index]
+    return model
+
+
 def heads_bloom(model: nn.Module, mesh: object) -> nn.Module:
     """:func:`naive` with each attention's ``num_heads`` set to this rank's, its ALiBi bias left whole."""
     for layer in naive(model, mesh).transformer.h:

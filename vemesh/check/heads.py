@@ -115,11 +115,13 @@ def head_counts(model: nn.Module, split: list[tuple[str, int, int, int]],
     module's name."""
     degree = {n.rpartition(".")[0]: tp for n, _, _, tp in split}
     found: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {}
+    modules = {plain_name(n): m for part, _ in parts(model) for n, m in part.named_modules()}
     for name, (kind, counts) in counts_of(model).items():
         tp, whole = degree.get(name), built.get(name, ("", {}))[1]
+        # its widths as built, as they are now (the counts the user's function divided no longer make them)
+        now = vars(modules[name])
+        counts = {**counts, **{k: now[k] for k in whole if not counts_heads(k) and type(now.get(k)) is int}}
         kept = {k: v for k, v in counts.items() if tp and v % tp == 0 and whole.get(k) == v}
-        if not any(counts_heads(k) for k in kept):  # a width goes with its counts: not alone where those are set
-            kept = {}
         done = {k: v for k, v in whole.items() if tp and v % tp == 0 and counts.get(k) == v // tp}
         if kept or done:
             found[name] = (kind, kept, {**done, **kept})
@@ -261,13 +263,16 @@ def candidate(first: str, split: list[tuple[str, int, int, int]], colwise: list[
     for name, _, _, tp in split:
         scope = name.rpartition(".")[0]
         holds = any(s == scope for s, _ in tables.values())
-        kind, counts, whole = heads.get(scope, ("", {}, {}))
+        kind, own, whole = heads.get(scope, ("", {}, {}))
         inputs = per_head_inputs(handed.get(scope, []), whole)
+        # the counts set already: what it holds or is handed per head is the likelier cause than a width alone
+        # (Bloom's hidden_size, which it does not read unless pretraining_tp > 1)
+        counts = {} if (inputs or holds) and not any(counts_heads(k) for k in own) else own
         if not (counts or inputs or holds) or name not in colwise or not (
                 not first or first == scope or first.startswith(scope + ".") or scope.startswith(first + ".")):
             continue
         if scope in heads:
-            others = {s for s, (k, c, w) in heads.items() if (k, c, w) == (kind, counts, whole)}
+            others = {s for s, (k, c, w) in heads.items() if (k, c, w) == (kind, own, whole)}
         else:  # no counts: its alike are the other layers' modules holding the same
             others = {s for s, _ in tables.values() if layer_pattern(s) == layer_pattern(scope)}
         alike = (scope, *sorted(others - {scope}))  # where the run went wrong first: the hint names it
@@ -370,8 +375,10 @@ def hint(recipe: LocalHeads, raised: bool, outcome: str, cleared: bool = False, 
             return head + tried + ", which makes the check exact (docs/checking.md: an attention that reads its head counts)"
         return head + tried + f": the check then {outcome}, so that is not the cause, or not the only one"
     counts = ", ".join(f"{a} = {v}" for a, v in r.counts)
-    widths = " and their width" if any(not counts_heads(a) for a, _ in r.counts) else ""  # XGLM's embed_dim
-    head = (f"{first}{alike} reads its head counts{widths} from its own attributes ({counts}), the whole model's, "
+    widths = [a for a, _ in r.counts if not counts_heads(a)]  # XGLM's embed_dim
+    said = "the width of its heads" if len(widths) == len(r.counts) else "its head counts and their width" \
+        if widths else "its head counts"  # the width alone: the user's function set the counts
+    head = (f"{first}{alike} reads {said} from its own attributes ({counts}), the whole model's, "
             f"while TP {r.tp} gives each rank 1/{r.tp} of the heads of the projections it reads; " + where)
     tried = f"Tried: those set to this rank's ({'; '.join(f'module.{a} //= tp' for a, _ in r.counts)}, with tp = " \
             f"mesh['TP'].size(), {r.tp} here) on " \

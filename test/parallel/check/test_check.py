@@ -630,7 +630,8 @@ def test_hf_attentions_that_read_their_head_counts_get_them_set_to_this_ranks_an
 def test_hf_xglms_width_of_its_heads_is_set_to_this_ranks_with_its_head_counts_and_the_fix_is_exact() -> None:
     """HF's XGLM views q by ``self.num_heads`` and reshapes its heads' output by ``self.embed_dim``, the whole width
     (``num_heads * head_dim``). The recipe sets both to this rank's, and that is exact; so is the plan written so.
-    Before, it set the counts alone, the reshape still raised, and the hint said they were not the cause."""
+    Before, it set the counts alone, the reshape still raised, and the hint said they were not the cause. A plan
+    that sets the counts and forgets the width gets the width alone."""
     jobs = str(ROOT / "test" / "models" / "hf_head_count_jobs.py")
     wrong = check(f"module:{jobs}:make_xglm", f"{jobs}:naive", f"{jobs}:step", world_size=2, tp=2)
     assert wrong.verdict == "differs" and "in the forward of model.layers.0.self_attn" in wrong.error, wrong.render()
@@ -640,6 +641,10 @@ def test_hf_xglms_width_of_its_heads_is_set_to_this_ranks_with_its_head_counts_a
         "(module.embed_dim //= tp; module.num_heads //= tp, with tp" in text and \
         "which makes the check exact" in text, text
     assert check(f"module:{jobs}:make_xglm", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
+    half = check(f"module:{jobs}:make_xglm", f"{jobs}:counts_only", f"{jobs}:step", world_size=2, tp=2)
+    (text,) = half.hints  # the counts set, the width forgotten: before, the fused recipes on fc1, none clearing it
+    assert text.startswith("model.layers.0.self_attn (and its 1 alike) reads the width of its heads from its own "
+                           "attributes (embed_dim = 64)") and "which makes the check exact" in text, text
 
 
 @pytest.mark.slow  # three runs of 2 processes
@@ -1150,8 +1155,8 @@ def test_a_width_of_the_heads_that_the_forward_reads_is_set_with_the_counts_and_
     """In process: ``embed_dim`` (``num_heads * head_dim``), read by the forward, joins the counts (XGLM's reshape);
     ``hidden_size`` of the same value read only in ``__init__``, ``max_len`` (not named as a width) and a width of
     no head count do not. A width is no head count: the q projection's weight, of that width, is not taken for a
-    table per head, nor an input of that width for one per head. Where the counts are set already, the width is not
-    set alone."""
+    table per head, nor an input of that width for one per head. Where the counts are set already, the width is
+    still to set."""
     from torch import nn
 
     from vemesh.check.heads import counts_of, head_counts, head_tables, head_widths, per_head_inputs
@@ -1175,8 +1180,8 @@ def test_a_width_of_the_heads_that_the_forward_reads_is_set_with_the_counts_and_
     assert per_head_inputs([["x", [3, 16, 8]], ["bias", [8, 16]]], built["0"][1]) == ()  # 8: no heads * batch
     split = [("0.q", 8, 8, 2)]
     assert head_counts(model, split, built)["0"][1] == {"num_heads": 4, "embed_dim": 8}
-    model[0].num_heads = 2  # the user's function set the counts: the width is not a recipe alone
-    assert head_counts(model, split, built)["0"][1] == {}
+    model[0].num_heads = 2  # the user's function set the counts: the width is still the whole model's
+    assert head_counts(model, split, built)["0"][1] == {"embed_dim": 8}
 
 
 def test_a_module_with_a_split_linears_whole_width_gets_its_scopes_linears_for_the_gathered_layout() -> None:
