@@ -109,10 +109,7 @@ class _Owed:
     done = False
 
 
-# a compiled model runs the ring eagerly: dynamo cannot trace torch's templated ring (it fails inside, with or
-# without fullgraph), so each attention is a graph break, which fullgraph=True refuses with this reason
-@torch._dynamo.disable(recursive=True, reason="vemesh's context_parallel runs its ring eagerly: under CP, compile without fullgraph=True (a graph break at each attention)")
-def _ring_sdpa(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
+def _ring(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
     """One SDPA call of the model, as this rank's rows of causal attention over the CP ring."""
     q, k, v = given["query"], given["key"], given["value"]
     _refuse(given, q, k, ctx)
@@ -130,6 +127,24 @@ def _ring_sdpa(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
         ctx.pending += 1
         out.register_hook(functools.partial(_owed, ctx, token))
     return out
+
+
+#: :func:`_ring` as the model's SDPA calls it, set by :func:`_eager_ring` when a context first opens
+_ring_sdpa: Any = None
+
+
+def _eager_ring() -> None:
+    """Sets :data:`_ring_sdpa`: a compiled model runs the ring eagerly. Dynamo cannot trace torch's templated ring (it
+    fails inside, with or without fullgraph), so each attention is a graph break, which ``fullgraph=True`` refuses
+    with this reason. Made here, not where the module is imported: importing ``torch._dynamo`` costs about a second,
+    which every process that imports ``vemesh.parallel`` would pay (each rank of a job without CP)."""
+    global _ring_sdpa
+    if _ring_sdpa is None:
+        import torch._dynamo
+
+        _ring_sdpa = torch._dynamo.disable(_ring, recursive=True, reason=(
+            "vemesh's context_parallel runs its ring eagerly: under CP, compile without fullgraph=True (a graph "
+            "break at each attention)"))
 
 
 def _checkpointing() -> bool:
@@ -374,6 +389,7 @@ def context_parallel(
             b.resize_(shard.shape)
             b.copy_(shard)
     context = _Context(cp_mesh, load_balance, rotate, seq_len, {id(b): d % b.dim() for b, d in zip(buffers, dims)})
+    _eager_ring()
     _STATE.active = [*getattr(_STATE, "active", []), context]
     original, F.scaled_dot_product_attention = F.scaled_dot_product_attention, _patched_sdpa
     try:
