@@ -57,6 +57,10 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "laguna": ("LagunaConfig", "LagunaForCausalLM", dict(_BASE, num_key_value_heads=2, head_dim=16, num_experts=4,
                                                          num_experts_per_tok=2, moe_intermediate_size=32,
                                                          shared_expert_intermediate_size=32)),
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(
+        _BASE, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, moe_intermediate_size=32,
+        pad_token_id=0)),
     "mpt": ("MptConfig", "MptForCausalLM", dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, expansion_ratio=2,
                                                 max_seq_len=32, resid_pdrop=0.0, emb_pdrop=0.0)),
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(_BASE)),
@@ -102,7 +106,7 @@ def naive(model: nn.Module, mesh: Any) -> nn.Module:
 #: what a hint names, as the table gives it
 _NAMED = re.compile(r"FusedColwiseParallel\(\d\)|HeadwiseParallel\((?:[^()]|\([^()]*\))*\)|SequenceParallel\(sequence_dim=\d|"
                     r"ColwiseParallel\(output_layouts=Replicate\(\)\)|module\.\w+ //= tp|out\.clone\(\)|"
-                    r"(?<!Fused)ColwiseParallel\(\)(?= on each)")
+                    r"(?<!Fused)ColwiseParallel\(\)(?= on )|SumGradOverTP\(start=\d+\)")
 
 
 def survey(names: list[str]) -> list[dict[str, Any]]:

@@ -62,3 +62,15 @@ def fixed(model: nn.Module, mesh: object) -> nn.Module:
         parallelize_module(layer.self_attn.kv_a_proj_with_mqa, mesh["TP"],  # type: ignore[index]
                            SumGradOverTP(start=model.config.kv_lora_rank))
     return model
+
+
+def rows_only(model: nn.Module, mesh: object) -> nn.Module:
+    """A plan written from a Llama one: ``o_proj`` by rows and each dense MLP, but MLA has no ``q_proj``, ``k_proj``
+    or ``v_proj`` for its column styles, so ``q_b_proj`` and ``kv_b_proj`` stay whole and ``o_proj`` is handed every
+    head's output."""
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["TP"], {"self_attn.o_proj": RowwiseParallel()})  # type: ignore[index]
+        mlp = layer.mlp.shared_experts if hasattr(layer.mlp, "shared_experts") else layer.mlp
+        styles = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+        parallelize_module(mlp, mesh["TP"], styles)  # type: ignore[index]
+    return model

@@ -53,6 +53,7 @@ from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, all_stages, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_pipeline, check_size, phases, went_wrong
 from vemesh.check.rerun import run_once_more
+from vemesh.check import whole_input
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference
 from vemesh.layout.names import divisors, listed
 from vemesh.parallel.tp_split import uneven_hint
@@ -209,6 +210,14 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         return [refused_hint(*failed[0]["went"]["refused"])], 0
     if failed and (uneven := uneven_hint(failed[0].get("module"), failed[0]["split"], failed[0].get("head_dims", {}))):
         return [uneven], 0  # a TP degree that does not divide a projection's heads: no recipe helps
+    if failed and (fed := whole_input.candidate(failed[0], ref.get("grads", {}))) is not None:  # its makers whole
+        order = list(dict.fromkeys(k[0] for k in ref["outputs"][0]))
+        def gradients(swap: Swap, trial: CheckResult, t_ranks: list[dict], left: int) -> tuple[list[str], int, bool]:
+            more: list[str] = []
+            runs, exact = _partial_hints(replace(spec, swaps=(swap,)), ref, tol, trial, t_ranks, None, more)
+            return more, runs, exact
+        return whole_input.diagnose(fed, lambda swaps: _run(replace(spec, swaps=swaps), ref, tol, result), order,
+                                    MAX_TRIES, gradients)
     if (sequence := sequence_positions_hint(spec, ref, failed)) is not None:
         return [sequence], 0
     positions = positions_hint(spec, ref, result)

@@ -27,8 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from vemesh.check.record import plain_name
@@ -68,7 +69,9 @@ def all_stages(records: list[dict], grads: dict[str, Any]) -> tuple[list[tuple[s
     (``grads``: the one-process run's gradients by name; the same last name and weight shape) counted as split, and as
     ColwiseParallel where it is, so that a recipe goes to every stage's layers and not to this stage's alone."""
     split = list(dict.fromkeys(tuple(s) for r in records for s in r["split"]))
-    went = {k: list(dict.fromkeys(n for r in records for n in r["went"].get(k, ()))) for k in records[0]["went"]}
+    went = {k: list(dict.fromkeys(n for r in records for n in r["went"].get(k, ()))) for k in records[0]["went"]
+            if k != "whole_input"}
+    went.update(next(({"whole_input": r["went"]["whole_input"]} for r in records if "whole_input" in r["went"]), {}))
     held = {n for n, *_ in split}
     for name, out_features, in_features, tp in list(split):
         last = name.rpartition(".")[2]
@@ -167,10 +170,14 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
     refuses a module (not an ``nn.Linear`` or ``nn.Embedding``), ``"refused"`` is its name, its class and the
     style's (:func:`refused_hint`)."""
     names = {id(m): plain_name(n) for n, m in model.named_modules()}
-    colwise = {n: s for s in swaps for n in s.linears}
+    modules = {plain_name(n): m for n, m in model.named_modules()}
+    colwise = {n: s for s in swaps if s.recipe in RECIPES or s.recipe == "local-heads" for n in s.linears}
     gathered = {scope for s in swaps if s.recipe == "gathered" for scope in s.scopes()}
+    added = [n for s in swaps if s.recipe == "added" for n in s.linears]  # whole Linears split by columns
+    replicated = {n for s in swaps if s.recipe == "replicated" for n in s.linears}  # RowwiseParallel of whole input
     went: dict[str, list[str]] = {"colwise": [], "rowwise": [], "swapped": []}
     col_apply, row_apply = ColwiseParallel._apply, RowwiseParallel._apply
+    meshes: list[Any] = []  # the TP mesh the user's function gave torch's styles
 
     def col(self: ColwiseParallel, module: nn.Module, device_mesh) -> nn.Module:  # type: ignore[no-untyped-def]
         name = names.get(id(module))
@@ -195,10 +202,14 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         if type(self) is not RowwiseParallel or name is None:
             return row_apply(self, module, device_mesh)
         went["rowwise"].append(name)
+        meshes.append(device_mesh)
         if isinstance(self.output_layouts[0], Shard):  # sequence parallelism: its output is a part of the sequence
             went.setdefault("sequence", []).append(name)
-        if name.rpartition(".")[0] not in gathered:
-            return row_apply(self, module, device_mesh)
+        if name.rpartition(".")[0] not in gathered and name not in replicated:
+            out = row_apply(self, module, device_mesh)
+            if isinstance(self.input_layouts[0], Shard) and isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(_whole_input(name, model, went), prepend=True)
+            return out
         went["swapped"].append(name)
         style = RowwiseParallel(input_layouts=Replicate(), output_layouts=self.output_layouts[0],
                                 use_local_output=self.use_local_output)
@@ -219,6 +230,33 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         yield went
     finally:
         ColwiseParallel._apply, RowwiseParallel._apply = col_apply, row_apply  # type: ignore[method-assign]
+    for name in added if meshes else ():  # after the user's function, on the mesh it gave torch's styles
+        if isinstance(modules.get(name), nn.Linear) and not _on_tp(modules[name].weight):
+            col_apply(ColwiseParallel(), modules[name], meshes[0])
+            went["swapped"].append(name)
+
+
+def _whole_input(name: str, model: nn.Module, went: dict[str, list]) -> Any:
+    """A forward pre-hook for RowwiseParallel Linear ``name``, run before torch's: where it is handed a plain tensor
+    of its whole input width (what one process computes, not this TP rank's part), ``went["whole_input"]`` says so
+    once, with the Linears of its scope that TP left whole (what may make its input:
+    :mod:`vemesh.check.whole_input`)."""
+    def hook(module: nn.Module, args: tuple) -> None:
+        given = args[0] if args else None
+        width = module.weight.shape[1]
+        if "whole_input" in went or isinstance(given, DTensor) or not isinstance(given, torch.Tensor) or \
+                not given.dim() or given.shape[-1] != width:
+            return
+        scope = name.rpartition(".")[0]
+        whole = [plain_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                 and plain_name(n).rpartition(".")[0] == scope and not _on_tp(m.weight)]
+        went["whole_input"] = [name, width, module.weight.to_local().shape[1], whole]
+    return hook
+
+
+def _on_tp(t: Any) -> bool:
+    """Whether parameter ``t`` is a DTensor over a mesh with a TP dim (split or replicated by a TP style)."""
+    return isinstance(t, DTensor) and "TP" in (t.device_mesh.mesh_dim_names or ())
 
 
 def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], str]], fixed: bool,

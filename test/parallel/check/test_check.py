@@ -690,6 +690,76 @@ def test_hf_deepseek_v3s_shared_rotary_key_gets_its_gradient_summed_over_tp_and_
     assert check(f"module:{jobs}:make", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
 
 
+def test_a_rowwise_linear_handed_its_whole_input_is_named_and_its_maker_split_by_columns_is_exact() -> None:
+    """A plan that splits each block's ``down`` by rows and leaves ``up`` whole: torch reads ``down``'s whole input
+    as a part of one twice as wide and raises in its sharding propagation ("[2, 128] X [64, 16]"). The check says
+    which Linear was handed its whole input, with the widths, and that ``ColwiseParallel()`` on ``up`` (each block's)
+    makes it exact; the plan written from it is. Before, the check showed torch's error alone."""
+    jobs = str(ROOT / "test" / "models" / "whole_input_jobs.py")
+    wrong = check(f"module:{jobs}:make", f"{jobs}:parallelize", f"{jobs}:step", world_size=2, tp=2)
+    assert wrong.verdict == "differs" and "(in the forward of blocks.0.down)" in wrong.error, wrong.render()
+    (text,) = wrong.hints
+    assert text.startswith("blocks.0.down (and its 1 alike) is split by rows (torch's RowwiseParallel: each TP rank "
+                           "holds 32 of its 64 input features") and "a part of an input 128 wide" in text and \
+        "left whole, which may make that input: blocks.0.up. Tried: ColwiseParallel() on blocks.0.up (and its 1 " \
+        "alike): makes the check exact" in text, text
+    assert check(f"module:{jobs}:make", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
+
+
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_whole_input_whose_maker_a_norm_reads_whole_gets_the_replicated_input_recipe() -> None:
+    """With a LayerNorm over ``up``'s whole width before ``down``, ``up`` split by columns raises in the norm, and no
+    other Linear of the block is whole: ``RowwiseParallel(input_layouts=Replicate())`` on ``down`` is tried next, and
+    is exact (each rank takes its part of the input it computed whole)."""
+    jobs = str(ROOT / "test" / "models" / "whole_input_jobs.py")
+    wrong = check(f"module:{jobs}:make_normed", f"{jobs}:parallelize", f"{jobs}:step", world_size=2, tp=2)
+    (text,) = wrong.hints
+    assert "Tried: ColwiseParallel() on blocks.0.up (and its 1 alike): raises in blocks.0.norm; then " \
+        "RowwiseParallel(input_layouts=Replicate()) on blocks.0.down (and its 1 alike): makes the check exact: each " \
+        "TP rank then takes its part of the whole input it computed" in text, text
+
+
+@pytest.mark.slow  # five runs of 2 processes
+def test_hf_deepseek_v3_under_a_llama_plan_gets_mlas_projections_split_and_the_shared_keys_gradient_summed() -> None:
+    """HF's DeepSeek-V3 with a plan written from a Llama one: ``o_proj`` by rows, and nothing of MLA split by columns
+    (it has no q_proj, k_proj or v_proj). ``o_proj`` is handed every head's output. Splitting every whole Linear of
+    the attention raises in ``q_a_layernorm`` (a norm over ``q_a_proj``'s whole low rank), so ``q_a_proj`` is left
+    whole; then in the attention's own split of ``kv_a_proj_with_mqa``'s output, so it is left whole too; then with
+    ``q_b_proj`` and ``kv_b_proj`` split every output matches and the shared rotary key's gradient differs, whose
+    recipe (SumGradOverTP) makes the check exact: torchtitan's plan for MLA, found from a plan that named none of it."""
+    jobs = str(ROOT / "test" / "models" / "hf_deepseek_jobs.py")
+    wrong = check(f"module:{jobs}:make", f"{jobs}:rows_only", f"{jobs}:step", world_size=2, tp=2)
+    first, summed = wrong.hints
+    assert first.startswith("model.layers.0.self_attn.o_proj (and its 2 alike) is split by rows") and \
+        "raises in model.layers.0.self_attn.q_a_layernorm; then ColwiseParallel() on " in first and \
+        "then ColwiseParallel() on model.layers.0.self_attn.q_b_proj and model.layers.0.self_attn.kv_b_proj (and " \
+        "their 4 alike): differs in " in first and "its forward then matches" in first, first
+    assert "Tried: vemesh.parallel.SumGradOverTP(start=32) on it" in summed, summed
+    assert "makes the check exact" in summed, summed
+
+
+def test_the_linear_left_whole_is_the_one_whose_output_came_last_before_it_went_wrong() -> None:
+    """Of the whole Linears tried by columns, the one dropped is the last whose output came before the module that
+    went wrong, where that module is in the Linear's scope or is it (a raise in the attention's own code: the
+    outputs its run made up to the raise); none where it went wrong outside the scope."""
+    from vemesh.check.whole_input import _made_last, candidate
+
+    order = ["a.q_a", "a.q_norm", "a.q_b", "a.kv_a", "a.kv_norm", "a.kv_b", "a", "mlp.up"]
+    added = ("a.q_a", "a.q_b", "a.kv_a", "a.kv_b")
+    assert _made_last(added, "a.q_norm", order, "a") == "a.q_a"
+    assert _made_last(added, "a.kv_norm", order, "a") == "a.kv_a"
+    assert _made_last(added, "a", ["a.q_b", "a.kv_a"], "a") == "a.kv_a"  # raised in the scope's own forward
+    assert _made_last(added, "mlp.up", order, "a") is None and _made_last(added, None, order, "a") is None
+    failed = {"module": "l.0.o", "went": {"rowwise": ["l.0.o", "l.1.o", "m.down"],
+                                          "whole_input": ["l.0.o", 64, 32, ["l.0.q", "l.0.k"]]}}
+    grads = {f"l.{i}.{n}.weight": torch.zeros(64, 16) for i in (0, 1) for n in "qk"} | {"l.1.q.bias": torch.zeros(64)}
+    fed = candidate(failed, grads)
+    assert fed is not None and fed.rows == ("l.0.o", "l.1.o") and fed.whole == ("l.0.q", "l.0.k", "l.1.q", "l.1.k")
+    assert candidate(dict(failed, module="m.down"), grads) is None  # the forward raised in another module
+    # a Linear of its scope split by columns: how the forward reads it is the cause (Phi-3's fused qkv_proj)
+    assert candidate(dict(failed, split=[("l.0.qkv", 192, 64, 2)]), grads) is None
+
+
 def test_a_block_of_rows_that_differs_in_an_unsplit_linears_gradient_is_the_summed_recipe() -> None:
     """Rows 2 to 3 of ``a.1.p``'s gradient differ, each TP rank's its own share, and the others match: features 2:4 of
     its output, tried on ``a.0.p`` too (its alike, all of whose rows differ); a Linear split by a TP style, a gradient

@@ -1,0 +1,59 @@
+"""A RowwiseParallel Linear handed its whole input: a plan that splits an MLP's ``down`` by rows and leaves ``up``,
+which makes its input, whole (torch raises in its sharding propagation, naming a width twice the real one).
+``make`` is the plain MLP, whose recipe is ``ColwiseParallel()`` on ``up``; ``make_normed`` puts a LayerNorm over
+``up``'s whole width between them, so that ``up`` split by columns raises in the norm and the recipe is
+``RowwiseParallel(input_layouts=Replicate())`` on ``down``; ``fixed`` is the plan written from the first hint."""
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+class MLP(nn.Module):
+    def __init__(self, normed: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.norm = nn.LayerNorm(64) if normed else nn.Identity()
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.norm(self.up(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, normed: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(normed) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def make() -> nn.Module:
+    return Net()
+
+
+def make_normed() -> nn.Module:
+    return Net(normed=True)
+
+
+def parallelize(model: nn.Module, mesh: object) -> nn.Module:
+    """Each block's ``down`` by rows, its ``up`` left whole."""
+    for block in model.blocks:  # type: ignore[union-attr]
+        parallelize_module(block, mesh["TP"], {"down": RowwiseParallel()})  # type: ignore[index]
+    return model
+
+
+def fixed(model: nn.Module, mesh: object) -> nn.Module:
+    """The plan the hint gives: ``up`` by columns too."""
+    for block in model.blocks:  # type: ignore[union-attr]
+        styles = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        parallelize_module(block, mesh["TP"], styles)  # type: ignore[index]
+    return model
+
+
+def step(model: nn.Module, micro_batch_size: int) -> None:
+    model(torch.randn(micro_batch_size, 16)).pow(2).mean().backward()
