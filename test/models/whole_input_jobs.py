@@ -2,7 +2,11 @@
 which makes its input, whole (torch raises in its sharding propagation, naming a width twice the real one).
 ``make`` is the plain MLP, whose recipe is ``ColwiseParallel()`` on ``up``; ``make_normed`` puts a LayerNorm over
 ``up``'s whole width between them, so that ``up`` split by columns raises in the norm and the recipe is
-``RowwiseParallel(input_layouts=Replicate())`` on ``down``; ``fixed`` is the plan written from the first hint."""
+``RowwiseParallel(input_layouts=Replicate())`` on ``down``; ``fixed`` is the plan written from the first hint.
+
+Plans that leave a Linear out: ``no_down`` (``up`` by columns, ``down`` whole: handed this rank's part of its input),
+and on the gated MLP (``make_gated``: ``down(silu(gate(x)) * up(x))``) ``no_up`` (``up`` whole beside ``gate`` split
+by columns) and ``swapped`` (``gate`` and ``up`` by rows, ``down`` by columns)."""
 
 import torch
 from torch import nn
@@ -32,8 +36,23 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(16, 64), nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
 def make() -> nn.Module:
     return Net()
+
+
+def make_gated() -> nn.Module:
+    net = Net()
+    net.blocks = nn.ModuleList(Gated() for _ in range(2))
+    return net
 
 
 def make_normed() -> nn.Module:
@@ -53,6 +72,24 @@ def fixed(model: nn.Module, mesh: object) -> nn.Module:
         styles = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         parallelize_module(block, mesh["TP"], styles)  # type: ignore[index]
     return model
+
+
+def _each(model: nn.Module, mesh: object, styles: dict) -> nn.Module:
+    for block in model.blocks:  # type: ignore[union-attr]
+        parallelize_module(block, mesh["TP"], {k: style() for k, style in styles.items()})  # type: ignore[index]
+    return model
+
+
+def no_down(model: nn.Module, mesh: object) -> nn.Module:
+    return _each(model, mesh, {"up": ColwiseParallel})
+
+
+def no_up(model: nn.Module, mesh: object) -> nn.Module:
+    return _each(model, mesh, {"gate": ColwiseParallel, "down": RowwiseParallel})
+
+
+def swapped(model: nn.Module, mesh: object) -> nn.Module:
+    return _each(model, mesh, {"gate": RowwiseParallel, "up": RowwiseParallel, "down": ColwiseParallel})
 
 
 def step(model: nn.Module, micro_batch_size: int) -> None:

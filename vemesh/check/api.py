@@ -210,14 +210,12 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         return [refused_hint(*failed[0]["went"]["refused"])], 0
     if failed and (uneven := uneven_hint(failed[0].get("module"), failed[0]["split"], failed[0].get("head_dims", {}))):
         return [uneven], 0  # a TP degree that does not divide a projection's heads: no recipe helps
-    if failed and (fed := whole_input.candidate(failed[0], ref.get("grads", {}))) is not None:  # its makers whole
-        order = list(dict.fromkeys(k[0] for k in ref["outputs"][0]))
-        def gradients(swap: Swap, trial: CheckResult, t_ranks: list[dict], left: int) -> tuple[list[str], int, bool]:
-            more: list[str] = []
-            runs, exact = _partial_hints(replace(spec, swaps=(swap,)), ref, tol, trial, t_ranks, None, more)
-            return more, runs, exact
-        return whole_input.diagnose(fed, lambda swaps: _run(replace(spec, swaps=swaps), ref, tol, result), order,
-                                    MAX_TRIES, gradients)
+    tries = whole_input.Tries(lambda swaps: _run(replace(spec, swaps=swaps), ref, tol, result), MAX_TRIES,
+                              lambda swap, trial, t_ranks, out: _partial_hints(replace(spec, swaps=(swap,)), ref, tol,
+                                                                               trial, t_ranks, None, out),
+                              list(dict.fromkeys(k[0] for k in ref["outputs"][0])) if ref.get("outputs") else [])
+    if failed and (said := whole_input.raised(failed[0], ref.get("grads", {}), tries)) is not None:
+        return said  # a RowwiseParallel Linear handed its whole input, or a whole one handed its part
     if (sequence := sequence_positions_hint(spec, ref, failed)) is not None:
         return [sequence], 0
     positions = positions_hint(spec, ref, result)
@@ -227,6 +225,9 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     fixes = _module_fixes(spec, ref, tol, result, located, (failed or ranks or [{}])[0])
     if fixes is not None and fixes[1]:  # the whole model's head counts, or a change in place, were the cause
         return fixes[0], len(fixes[0])
+    if fixes is None and located and (said := whole_input.siblings(located[0], located[3], located[2],
+                                                                   ref.get("grads", {}), tries)):
+        return said, 1  # a Linear left out of the plan beside one it splits by columns
     counts = () if fixes is None or fixes[2] is None else (fixes[2],)  # tried with the fused recipe too
     hints: list[str] = []
     swaps: tuple[Swap, ...] = ()

@@ -69,9 +69,11 @@ def all_stages(records: list[dict], grads: dict[str, Any]) -> tuple[list[tuple[s
     (``grads``: the one-process run's gradients by name; the same last name and weight shape) counted as split, and as
     ColwiseParallel where it is, so that a recipe goes to every stage's layers and not to this stage's alone."""
     split = list(dict.fromkeys(tuple(s) for r in records for s in r["split"]))
+    own = ("whole_input", "part_input", "whole")  # a rank's own record, not names to merge
     went = {k: list(dict.fromkeys(n for r in records for n in r["went"].get(k, ()))) for k in records[0]["went"]
-            if k != "whole_input"}
-    went.update(next(({"whole_input": r["went"]["whole_input"]} for r in records if "whole_input" in r["went"]), {}))
+            if k not in own}
+    went.update({k: next(r["went"][k] for r in records if k in r["went"]) for k in own
+                 if any(k in r["went"] for r in records)})
     held = {n for n, *_ in split}
     for name, out_features, in_features, tp in list(split):
         last = name.rpartition(".")[2]
@@ -174,6 +176,9 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
     colwise = {n: s for s in swaps if s.recipe in RECIPES or s.recipe == "local-heads" for n in s.linears}
     gathered = {scope for s in swaps if s.recipe == "gathered" for scope in s.scopes()}
     added = [n for s in swaps if s.recipe == "added" for n in s.linears]  # whole Linears split by columns
+    rows_added = [n for s in swaps if s.recipe == "rows-added" for n in s.linears]  # and by rows
+    as_col = {n for s in swaps if s.recipe == "as-colwise" for n in s.linears}  # the plan's styles swapped
+    as_row = {n for s in swaps if s.recipe == "as-rowwise" for n in s.linears}
     replicated = {n for s in swaps if s.recipe == "replicated" for n in s.linears}  # RowwiseParallel of whole input
     went: dict[str, list[str]] = {"colwise": [], "rowwise": [], "swapped": []}
     col_apply, row_apply = ColwiseParallel._apply, RowwiseParallel._apply
@@ -184,6 +189,10 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         if type(self) is not ColwiseParallel or name is None:  # FusedColwiseParallel's own call, or a new module
             return col_apply(self, module, device_mesh)
         went["colwise"].append(name)
+        meshes.append(device_mesh)
+        if name in as_row:
+            went["swapped"].append(name)
+            return row_apply(RowwiseParallel(), module, device_mesh)
         swap = colwise.get(name)
         if swap is None:
             return col_apply(self, module, device_mesh)
@@ -203,6 +212,9 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             return row_apply(self, module, device_mesh)
         went["rowwise"].append(name)
         meshes.append(device_mesh)
+        if name in as_col:
+            went["swapped"].append(name)
+            return col_apply(ColwiseParallel(), module, device_mesh)
         if isinstance(self.output_layouts[0], Shard):  # sequence parallelism: its output is a part of the sequence
             went.setdefault("sequence", []).append(name)
         if name.rpartition(".")[0] not in gathered and name not in replicated:
@@ -230,10 +242,19 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         yield went
     finally:
         ColwiseParallel._apply, RowwiseParallel._apply = col_apply, row_apply  # type: ignore[method-assign]
-    for name in added if meshes else ():  # after the user's function, on the mesh it gave torch's styles
+    if not meshes:  # no torch style applied: nothing for the recipes here
+        return
+    for name in [*added, *rows_added]:  # after the user's function, on the mesh it gave torch's styles
         if isinstance(modules.get(name), nn.Linear) and not _on_tp(modules[name].weight):
-            col_apply(ColwiseParallel(), modules[name], meshes[0])
+            (col_apply if name in added else row_apply)(
+                ColwiseParallel() if name in added else RowwiseParallel(), modules[name], meshes[0])
             went["swapped"].append(name)
+    whole = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear) and not _on_tp(m.weight)]
+    went["whole"] = [[n, m.in_features] for n, m in whole]  # what TP left whole (whole_input.siblings)
+    tp = meshes[0].size()
+    for name, module in whole:
+        if tp > 1 and module.in_features % tp == 0:
+            module.register_forward_pre_hook(_part_input(name, tp, went), prepend=True)
 
 
 def _whole_input(name: str, model: nn.Module, went: dict[str, list]) -> Any:
@@ -251,6 +272,18 @@ def _whole_input(name: str, model: nn.Module, went: dict[str, list]) -> Any:
         whole = [plain_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)
                  and plain_name(n).rpartition(".")[0] == scope and not _on_tp(m.weight)]
         went["whole_input"] = [name, width, module.weight.to_local().shape[1], whole]
+    return hook
+
+
+def _part_input(name: str, tp: int, went: dict[str, list]) -> Any:
+    """A forward pre-hook for Linear ``name``, which TP left whole: where it is handed a plain tensor of this TP rank's
+    part of its input width, ``went["part_input"]`` says so once (:func:`vemesh.check.whole_input.raised`)."""
+    def hook(module: nn.Module, args: tuple) -> None:
+        given = args[0] if args else None
+        if "part_input" in went or isinstance(given, DTensor) or not isinstance(given, torch.Tensor) or \
+                not given.dim() or given.shape[-1] * tp != module.in_features:
+            return
+        went["part_input"] = [name, module.in_features, given.shape[-1]]
     return hook
 
 

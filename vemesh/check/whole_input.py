@@ -14,7 +14,14 @@ never wrote. Each rank records the first such Linear, with the Linears of its sc
   takes its part of the whole input it computed, exact where every TP rank computes the same input (the work before
   it stays whole on every rank).
 
-The hint names the Linear, the widths, and what each try did.
+The hint names the Linear, the widths, and what each try did. Two more plans that leave a Linear out, each tried
+with the style it lacks:
+
+* a Linear that TP left whole handed this rank's part of its input (``o_proj`` left out after a split attention:
+  "mat1 and mat2 shapes cannot be multiplied"): ``RowwiseParallel()`` on it (:func:`raised`);
+* a Linear left whole beside one of its input width that the plan splits by columns, in the module that went wrong
+  or the one holding it (``up_proj`` beside ``gate_proj``, ``v_proj`` beside ``k_proj``): ``ColwiseParallel()`` on
+  it, said where that makes the check exact (:func:`siblings`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,72 @@ from typing import Any
 from vemesh.check.recipes import Swap
 from vemesh.check.result import went_wrong
 
-__all__ = ["WholeInput", "candidate", "diagnose"]
+__all__ = ["Tries", "WholeInput", "candidate", "diagnose", "raised", "siblings"]
+
+
+@dataclass(frozen=True)
+class Tries:
+    """How the check runs a recipe: ``run(swaps)`` gives the run's result, its ranks' records and errors, and where it
+    went wrong; at most ``left`` runs; ``gradients(swap, trial, ranks, hints)`` adds the gradients' recipes' hints
+    with ``swap`` kept and gives (its runs, whether one was exact); ``order``: the modules as the one-process run
+    made their outputs."""
+
+    run: Callable[[tuple[Swap, ...]], tuple]
+    left: int
+    gradients: Callable[[Swap, Any, list, list], tuple[int, bool]]
+    order: list[str]
+
+
+def raised(failed: dict, grads: dict[str, Any], tries: Tries) -> tuple[list[str], int] | None:
+    """Where the forward raised in a RowwiseParallel Linear handed its whole input (:func:`diagnose`), or in a Linear
+    TP left whole handed this rank's part of it (``RowwiseParallel()`` on it tried): the hints and the runs made."""
+    if (fed := candidate(failed, grads, tries.order)) is not None:
+        return diagnose(fed, tries)
+    seen = failed.get("went", {}).get("part_input")
+    if not seen or seen[0] != failed.get("module"):
+        return None
+    name, width, given = seen
+    swap = Swap(_alike((name,), grads), 1, "rows-added")
+    trial, _, _, now = tries.run((swap,))
+    outcome = "makes the check exact" if trial.exact else went_wrong(trial, now)
+    return [f"{name} is split by no TP style, but it was handed this TP rank's part of its input ({given} of its "
+            f"{width} features: what makes it is split by columns), and the forward raised. Tried: RowwiseParallel() "
+            f"on {_on(swap.linears)}: {outcome}" + (" (docs/checking.md: a RowwiseParallel Linear handed its whole "
+                                                  "input)" if trial.exact else "")], 1
+
+
+def siblings(where: str | None, went: dict, split: list, grads: dict[str, Any], tries: Tries) -> list[str] | None:
+    """Where module ``where`` went wrong and the Linears of it, or of the module holding it, include one that TP left
+    whole beside one of the same input width split by columns (``went``, ``split``: a rank's record), the run with
+    ``ColwiseParallel()`` on those whole Linears (and their alike); its hint where that made the check exact, else
+    None (the check's other recipes follow)."""
+    if where is None or tries.left < 1:
+        return None
+    whole = {n: width for n, width in went.get("whole", ())}
+    cols = {(n.rpartition(".")[0], i) for n, _, i, _ in split if n in went.get("colwise", ())}
+    scopes = {where, where.rpartition(".")[0]}
+    found = tuple(n for n, width in whole.items() if n.rpartition(".")[0] in scopes
+                  and (n.rpartition(".")[0], width) in cols)
+    if not found:
+        return None
+    swap = Swap(_alike(found, grads), 1, "added")
+    trial, *_ = tries.run((swap,))
+    if not trial.exact:
+        return None
+    beside = sorted({n for n, _, i, _ in split if (n.rpartition(".")[0], i) in {(f.rpartition(".")[0], whole[f])
+                                                                               for f in found}})
+    return [f"{', '.join(found[:2])}{' and more' if len(found) > 2 else ''} {'is' if len(found) == 1 else 'are'} "
+            f"split by no TP style, beside {', '.join(beside[:3])} of the same input width, which the plan splits "
+            f"by columns, and the run went wrong at {where}. Tried: ColwiseParallel() on {_on(swap.linears)}: makes "
+            "the check exact (the Linear left out of the plan)"]
+
+
+def _alike(names: tuple[str, ...], grads: dict[str, Any]) -> tuple[str, ...]:
+    """``names`` and every Linear of the same last name and weight shape (``grads``: the one-process run's)."""
+    shapes = {n.rpartition(".")[0]: tuple(g.shape) for n, g in grads.items() if n.endswith(".weight") and g is not None}
+    alike = [m for w in names for m, shape in shapes.items()
+             if m.rpartition(".")[2] == w.rpartition(".")[2] and shape == shapes.get(w)]
+    return tuple(dict.fromkeys([*names, *alike]))
 
 
 @dataclass(frozen=True)
@@ -38,41 +110,54 @@ class WholeInput:
     local: int  #: those this TP rank holds
     rows: tuple[str, ...]  #: it and its alike: the RowwiseParallel Linears of the same last name
     whole: tuple[str, ...]  #: the Linears of its scope that TP left whole, and their alike
+    #: the styles swapped, where Linears of its scope after it are split by columns (an MLP's gate and up by rows,
+    #: its down by columns): (the RowwiseParallel ones before those, the ColwiseParallel ones), with their alike
+    swapped: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
 
-def candidate(failed: dict, grads: dict[str, Any]) -> WholeInput | None:
+def candidate(failed: dict, grads: dict[str, Any], order: list[str] | tuple = ()) -> WholeInput | None:
     """The Linear whose forward raised (``failed``: a rank's error record), where the rank saw it handed its whole
-    input and no Linear of its scope is split by columns; ``grads`` (the one-process run's, by name) gives the whole
-    Linears' alike: the same last name and shape."""
+    input and no Linear of its scope that runs before it (``order``: the one-process run's modules, in the order of
+    their outputs) is split by columns; ``grads`` (the one-process run's, by name) gives the whole Linears' alike:
+    the same last name and shape."""
     seen = failed.get("went", {}).get("whole_input")
     if not seen or seen[0] != failed.get("module"):
         return None
     name, width, local, whole = seen
-    scope = name.rpartition(".")[0]
-    if any(s[0].rpartition(".")[0] == scope for s in failed.get("split", ())):  # its scope splits by columns: the
-        return None  # input's width comes from how the forward reads those (a fused [q|k|v]: recipes.candidates)
+    order = list(order)
+    scope, at = name.rpartition(".")[0], order.index(name) if name in order else len(order)
+    if any(s[0].rpartition(".")[0] == scope and (s[0] not in order or order.index(s[0]) < at)
+           for s in failed.get("split", ())):  # split by columns before it: the input's width comes from how the
+        return None  # forward reads those (a fused [q|k|v]: recipes.candidates)
     last = name.rpartition(".")[2]
-    rows = tuple(n for n in failed["went"].get("rowwise", ()) if n.rpartition(".")[2] == last) or (name,)
-    shapes = {n.rpartition(".")[0]: tuple(g.shape) for n, g in grads.items() if n.endswith(".weight") and g is not None}
-    alike = [m for w in whole for m, shape in shapes.items()
-             if m.rpartition(".")[2] == w.rpartition(".")[2] and shape == shapes.get(w)]
-    return WholeInput(name, width, local, rows, tuple(dict.fromkeys([*whole, *alike])))
+    went = failed["went"]
+    rows = tuple(n for n in went.get("rowwise", ()) if n.rpartition(".")[2] == last) or (name,)
+    after = tuple(n for n in went.get("colwise", ()) if n.rpartition(".")[0] == scope and n in order)
+    first = min((order.index(n) for n in after), default=0)
+    before = tuple(n for n in went.get("rowwise", ()) if n.rpartition(".")[0] == scope and n in order
+                   and order.index(n) < first)
+    return WholeInput(name, width, local, rows, _alike(tuple(whole), grads),
+                      (_alike(before, grads), _alike(after, grads)) if after and before else ((), ()))
 
 
-def diagnose(fed: WholeInput, run: Callable[[tuple[Swap, ...]], tuple], order: list[str], tries_left: int,
-             gradients: Callable[[Swap, Any, list, int], tuple[list[str], int, bool]]) -> tuple[list[str], int]:
-    """The recipes tried in turn (each a parallel run: ``run(swaps)`` returns the run's result, its ranks' records and
-    errors, and where it went wrong), up to the first that makes the check exact: the hints, and the runs made.
+def diagnose(fed: WholeInput, tries: Tries) -> tuple[list[str], int]:
+    """The recipes tried in turn (each a parallel run), up to the first that makes the check exact: the hints, and
+    the runs made.
 
     Where ``ColwiseParallel()`` on the whole Linears goes wrong in a module of their scope, the Linear among them
-    whose output came last before it went wrong (``order``: the modules in the order the one-process run made their
-    outputs; of a run that raised, its own) is left whole, with its alike, and the rest tried again: a norm over a
+    whose output came last before it went wrong (in the order the one-process run made their outputs; of a run that
+    raised, its own) is left whole, with its alike, and the rest tried again: a norm over a
     low-rank projection's whole width (MLA's ``q_a_proj`` into ``q_a_layernorm``, as DeepSeek's and Mistral 4's
     attention) stays whole, and the projections into the heads (``q_b_proj``, ``kv_b_proj``) are split. Where the
-    forward then matches and gradients differ, ``gradients(swap, trial, ranks, tries_left)`` (the check's recipes for
-    gradients, with the split kept) says why and what it tried: its hints, its runs, and whether one was exact."""
+    forward then matches and gradients differ, the check's recipes for gradients follow, with the split kept."""
     tried: list[tuple[Swap, str]] = []
-    added = fed.whole
+    added, run, tries_left = fed.whole, tries.run, tries.left
+    if fed.swapped[0]:  # the styles swapped: ColwiseParallel first, RowwiseParallel after
+        swaps = (Swap(fed.swapped[0], 1, "as-colwise"), Swap(fed.swapped[1], 1, "as-rowwise"))
+        trial, _, _, now = run(swaps)
+        tried.append((swaps[0], "" if trial.exact else went_wrong(trial, now)))
+        if trial.exact:
+            return [hint(fed, tried)], 1
     while added and len(tried) < tries_left - 1:
         swap = Swap(added, 1, "added")
         trial, ranks, failed, now = run((swap,))
@@ -80,11 +165,12 @@ def diagnose(fed: WholeInput, run: Callable[[tuple[Swap, ...]], tuple], order: l
         if trial.exact:
             return [hint(fed, tried)], len(tried)
         if ranks and trial.first_module is None and not trial.error and trial.gradients:  # the forward matched
-            more, runs, exact = gradients(swap, trial, ranks, tries_left - len(tried))
+            more: list[str] = []
+            runs, exact = tries.gradients(swap, trial, ranks, more)
             if exact:
                 return [hint(fed, tried, gradients=True), *more], len(tried) + runs
             break
-        made = list(failed[0].get("shapes", {})) if failed else order  # the outputs made up to the raise
+        made = list(failed[0].get("shapes", {})) if failed else tries.order  # the outputs made up to the raise
         last = _made_last(added, now[0] if now else None, made, fed.name.rpartition(".")[0])
         if last is None:
             break
@@ -106,11 +192,18 @@ def _made_last(added: tuple[str, ...], where: str | None, order: list[str], scop
     return next((n for n in reversed(before) if n in added), None)
 
 
-def _style(swap: Swap) -> str:
-    first = list({n.rpartition(".")[2]: n for n in reversed(swap.linears)}.values())[::-1]  # each last name's first
-    alike = len(swap.linears) - len(first)
-    on = (first[0] if len(first) == 1 else f"{', '.join(first[:-1])} and {first[-1]}") + \
+def _on(names: tuple[str, ...]) -> str:
+    """``names`` as a hint gives them: each last name's first, and how many alike."""
+    first = list({n.rpartition(".")[2]: n for n in reversed(names)}.values())[::-1]
+    alike = len(names) - len(first)
+    return (first[0] if len(first) == 1 else f"{', '.join(first[:-1])} and {first[-1]}") + \
         (f" (and {'its' if len(first) == 1 else 'their'} {alike} alike)" if alike else "")
+
+
+def _style(swap: Swap) -> str:
+    on = _on(swap.linears)
+    if swap.recipe == "as-colwise":
+        return f"the styles swapped, ColwiseParallel() on {on} and RowwiseParallel() on the Linears after them"
     if swap.recipe == "added":
         return f"ColwiseParallel() on {on}"
     return f"RowwiseParallel(input_layouts=Replicate()) on {on}"
@@ -133,6 +226,9 @@ def hint(fed: WholeInput, tried: list[tuple[Swap, str]], gradients: bool = False
     if gradients:
         return (head + made + f"Tried: {said}: its forward then matches, each TP rank computing its own {fed.local} "
                 f"features of {fed.name}'s input; the next hint makes the gradients exact with it kept "
+                "(docs/checking.md: a RowwiseParallel Linear handed its whole input)")
+    if swap is not None and not outcome and swap.recipe == "as-colwise":
+        return (head + f"Tried: {said} ({_on(fed.swapped[1])}): the plan had them the wrong way round "
                 "(docs/checking.md: a RowwiseParallel Linear handed its whole input)")
     if swap is not None and not outcome and swap.recipe == "added":
         return (head + made + f"Tried: {said}: each TP rank then computes its own {fed.local} features of "

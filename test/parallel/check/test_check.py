@@ -236,19 +236,21 @@ def test_hf_gpt2_built_with_linears_gets_the_fused_recipe_with_its_head_counts_a
 
 
 @pytest.mark.slow  # 4 runs of 2 processes
-def test_hf_gpt_neox_head_major_qkv_is_exact_under_colwise_and_the_fused_recipes_do_not_clear_a_missing_rowwise():
+def test_hf_gpt_neox_head_major_qkv_is_exact_under_colwise_and_a_missing_rowwise_is_named_with_its_style():
     """GPT-NeoX's query_key_value holds q, k and v head by head: torch's ColwiseParallel is exact on it. Where the
-    plan leaves out dense's RowwiseParallel, dense raises in the scope of that fused-looking Linear; both fused
-    recipes are tried, neither clears it, and the hint says so instead of naming a fused style."""
+    plan leaves out dense's RowwiseParallel, dense (whole) is handed this rank's part of its input and raises: the
+    check names it and tries RowwiseParallel() on it, which is exact. Before, it tried the fused recipes on
+    query_key_value, and said that none cleared it."""
     neox = str(ROOT / "test" / "models" / "hf_neox_jobs.py")
     right = check(f"module:{neox}:make", f"{neox}:colwise", f"{neox}:step", world_size=2, tp=2)
     assert right.exact and right.hints == [], right.render()
     wrong = check(f"module:{neox}:make", f"{neox}:no_dense", f"{neox}:step", world_size=2, tp=2)
     assert wrong.verdict == "differs" and "gpt_neox.layers.0.attention.dense" in wrong.error, wrong.render()
     (text,) = wrong.hints
-    assert text.startswith("gpt_neox.layers.0.attention.query_key_value (Linear 64 -> 192) and its 1 alike"), text
-    assert "Tried in its place: FusedColwiseParallel(3): raises in gpt_neox.layers.0.attention.dense; " \
-        "FusedColwiseParallel(3, use_local_output=False): " in text and "None cleared it" in text, text
+    assert text.startswith("gpt_neox.layers.0.attention.dense is split by no TP style, but it was handed this TP "
+                           "rank's part of its input (32 of its 64 features"), text
+    assert "Tried: RowwiseParallel() on gpt_neox.layers.0.attention.dense (and its 1 alike): makes the check " \
+        "exact" in text, text
 
 
 def test_the_candidates_are_linears_split_in_plain_blocks_before_the_difference_in_its_scope() -> None:
@@ -704,6 +706,28 @@ def test_a_rowwise_linear_handed_its_whole_input_is_named_and_its_maker_split_by
         "left whole, which may make that input: blocks.0.up. Tried: ColwiseParallel() on blocks.0.up (and its 1 " \
         "alike): makes the check exact" in text, text
     assert check(f"module:{jobs}:make", f"{jobs}:fixed", f"{jobs}:step", world_size=2, tp=2).exact
+
+
+@pytest.mark.slow  # three checks of two runs each, 2 processes
+def test_a_linear_left_out_of_the_plan_or_the_styles_swapped_get_the_style_that_makes_it_exact() -> None:
+    """Three plans a first TP plan gets wrong, each raising in torch with shapes and no name: ``down`` left whole
+    after ``up`` by columns (it is handed this rank's part of its input); ``up`` left whole beside ``gate`` by columns
+    (the product raises in the block); ``gate`` and ``up`` by rows and ``down`` by columns. Each is named, with the
+    style it lacks tried, which makes the check exact."""
+    jobs = str(ROOT / "test" / "models" / "whole_input_jobs.py")
+    said = {plan: check(f"module:{jobs}:{factory}", f"{jobs}:{plan}", f"{jobs}:step", world_size=2, tp=2).hints
+            for factory, plan in (("make", "no_down"), ("make_gated", "no_up"), ("make_gated", "swapped"))}
+    (down,), (up,), (swapped,) = said.values()
+    assert down.startswith("blocks.0.down is split by no TP style, but it was handed this TP rank's part of its "
+                           "input (32 of its 64 features") and \
+        "Tried: RowwiseParallel() on blocks.0.down (and its 1 alike): makes the check exact" in down, down
+    assert up.startswith("blocks.0.up is split by no TP style, beside blocks.0.gate of the same input width") and \
+        "went wrong at blocks.0. Tried: ColwiseParallel() on blocks.0.up (and its 1 alike): makes the check " \
+        "exact" in up, up
+    assert swapped.startswith("blocks.0.gate (and its 1 alike) is split by rows") and "Tried: the styles swapped, " \
+        "ColwiseParallel() on blocks.0.gate and blocks.0.up (and their 2 alike) and RowwiseParallel() on the " \
+        "Linears after them: makes the check exact (blocks.0.down (and its 1 alike)): the plan had them the wrong " \
+        "way round" in swapped, swapped
 
 
 @pytest.mark.slow  # three runs of 2 processes
