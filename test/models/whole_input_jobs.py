@@ -6,7 +6,10 @@ which makes its input, whole (torch raises in its sharding propagation, naming a
 
 Plans that leave a Linear out: ``no_down`` (``up`` by columns, ``down`` whole: handed this rank's part of its input),
 and on the gated MLP (``make_gated``: ``down(silu(gate(x)) * up(x))``) ``no_up`` (``up`` whole beside ``gate`` split
-by columns) and ``swapped`` (``gate`` and ``up`` by rows, ``down`` by columns)."""
+by columns) and ``swapped`` (``gate`` and ``up`` by rows, ``down`` by columns). On a small language model
+(``make_lm``, ``step_lm``: the loss in the step): ``head_split`` (its head by columns, plain: the loss reads half the
+vocabulary) and ``ids_split`` (its embedding under ``RowwiseParallel()``, whose default layout takes the ids as a
+part of the sequence)."""
 
 import torch
 from torch import nn
@@ -72,6 +75,40 @@ def fixed(model: nn.Module, mesh: object) -> nn.Module:
         styles = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         parallelize_module(block, mesh["TP"], styles)  # type: ignore[index]
     return model
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(MLP(False) for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def make_lm() -> nn.Module:
+    return LM()
+
+
+def step_lm(model: nn.Module, micro_batch_size: int) -> None:
+    ids = torch.randint(0, 32, (micro_batch_size, 9))
+    logits = model(ids[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+
+
+def head_split(model: nn.Module, mesh: object) -> nn.Module:
+    fixed(model, mesh)
+    return parallelize_module(model, mesh["TP"], {"head": ColwiseParallel()})  # type: ignore[index]
+
+
+def ids_split(model: nn.Module, mesh: object) -> nn.Module:
+    fixed(model, mesh)
+    return parallelize_module(model, mesh["TP"], {"embed": RowwiseParallel()})  # type: ignore[index]
 
 
 def _each(model: nn.Module, mesh: object, styles: dict) -> nn.Module:

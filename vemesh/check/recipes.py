@@ -190,6 +190,8 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             return col_apply(self, module, device_mesh)
         went["colwise"].append(name)
         meshes.append(device_mesh)
+        if self.use_local_output and isinstance(self.output_layouts[0], Shard):  # a plain tensor of this rank's part
+            went.setdefault("local_out", []).append(name)
         if name in as_row:
             went["swapped"].append(name)
             return row_apply(RowwiseParallel(), module, device_mesh)
@@ -212,6 +214,8 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             return row_apply(self, module, device_mesh)
         went["rowwise"].append(name)
         meshes.append(device_mesh)
+        if isinstance(module, nn.Embedding) and isinstance(self.input_layouts[0], Shard) and name not in replicated:
+            went.setdefault("sharded_ids", []).append(name)  # torch's default: the ids taken as this rank's part
         if name in as_col:
             went["swapped"].append(name)
             return col_apply(ColwiseParallel(), module, device_mesh)

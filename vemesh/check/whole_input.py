@@ -54,6 +54,27 @@ def raised(failed: dict, grads: dict[str, Any], tries: Tries) -> tuple[list[str]
     TP left whole handed this rank's part of it (``RowwiseParallel()`` on it tried): the hints and the runs made."""
     if (fed := candidate(failed, grads, tries.order)) is not None:
         return diagnose(fed, tries)
+    went = failed.get("went", {})
+    if went.get("sharded_ids"):  # an Embedding under RowwiseParallel() with torch's default input layout
+        swap = Swap(_alike(tuple(went["sharded_ids"]), grads), 1, "replicated")
+        trial, _, _, now = tries.run((swap,))
+        return [f"{_on(swap.linears)} is an nn.Embedding under RowwiseParallel() with torch's default input layout, "
+                "Shard(-1): it takes the token ids it is handed as this TP rank's part of a sequence TP times as "
+                "long, and the run went wrong. Tried: RowwiseParallel(input_layouts=Replicate()) on it (the ids whole "
+                "on every rank, as torchtitan's plan gives them): "
+                + ("makes the check exact" if trial.exact else went_wrong(trial, now))], 1
+    head = next((n for n in reversed(tries.order) if n), None)
+    # the model's output split by columns, read whole by the root's own code or the step's (its loss)
+    if failed.get("module") in ("", None) and not failed.get("before_step") and failed.get("kind") == "user" and \
+            head in went.get("local_out", ()):
+        swap = Swap((head,), 1, "gathered")
+        trial, _, _, now = tries.run((swap,))
+        return [f"{head} is split by columns (torch's ColwiseParallel), so the model returns this TP rank's part of "
+                "its output features, and what reads the output (the loss) takes them all: the run raised there. "
+                f"Tried: ColwiseParallel(output_layouts=Replicate()) on {head} (each rank gathers the whole output): "
+                + ("makes the check exact" if trial.exact else went_wrong(trial, now))
+                + ". To keep a vocabulary's logits split, compute the loss under torch's loss_parallel() with "
+                "ColwiseParallel(use_local_output=False) on it"], 1
     seen = failed.get("went", {}).get("part_input")
     if not seen or seen[0] != failed.get("module"):
         return None

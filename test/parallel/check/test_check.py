@@ -730,6 +730,23 @@ def test_a_linear_left_out_of_the_plan_or_the_styles_swapped_get_the_style_that_
         "way round" in swapped, swapped
 
 
+@pytest.mark.slow  # two checks of two runs each, 2 processes
+def test_a_head_split_by_columns_and_an_embedding_taking_split_ids_get_their_layouts() -> None:
+    """A language model whose step computes the loss: its head under plain ``ColwiseParallel()`` hands the loss half
+    the vocabulary (the raise is in the step, outside every module), and its embedding under ``RowwiseParallel()``
+    takes the ids with torch's default layout, as a part of a sequence twice as long. Each is named, and
+    ``ColwiseParallel(output_layouts=Replicate())`` and ``RowwiseParallel(input_layouts=Replicate())`` make the check
+    exact. Before, both got the fused recipes tried on the MLP's Linears, none clearing it."""
+    jobs = str(ROOT / "test" / "models" / "whole_input_jobs.py")
+    (head,), (ids,) = (check(f"module:{jobs}:make_lm", f"{jobs}:{plan}", f"{jobs}:step_lm", world_size=2, tp=2).hints
+                       for plan in ("head_split", "ids_split"))
+    assert head.startswith("head is split by columns (torch's ColwiseParallel), so the model returns this TP rank's "
+                           "part") and "Tried: ColwiseParallel(output_layouts=Replicate()) on head (each rank " \
+        "gathers the whole output): makes the check exact" in head, head
+    assert ids.startswith("embed is an nn.Embedding under RowwiseParallel() with torch's default input layout") and \
+        "Tried: RowwiseParallel(input_layouts=Replicate()) on it" in ids and "makes the check exact" in ids, ids
+
+
 @pytest.mark.slow  # three runs of 2 processes
 def test_a_whole_input_whose_maker_a_norm_reads_whole_gets_the_replicated_input_recipe() -> None:
     """With a LayerNorm over ``up``'s whole width before ``down``, ``up`` split by columns raises in the norm, and no
