@@ -22,6 +22,11 @@ with the style it lacks:
 * a Linear left whole beside one of its input width that the plan splits by columns, in the module that went wrong
   or the one holding it (``up_proj`` beside ``gate_proj``, ``v_proj`` beside ``k_proj``): ``ColwiseParallel()`` on
   it, said where that makes the check exact (:func:`siblings`).
+
+And the two ends of a language model: a head under plain ``ColwiseParallel()``, whose output the loss reads whole
+(``ColwiseParallel(output_layouts=Replicate())`` tried), and an embedding under ``RowwiseParallel()`` with torch's
+default input layout, which takes the ids as a part of the sequence (``RowwiseParallel(input_layouts=Replicate())``
+tried).
 """
 
 from __future__ import annotations
@@ -50,8 +55,11 @@ class Tries:
 
 
 def raised(failed: dict, grads: dict[str, Any], tries: Tries) -> tuple[list[str], int] | None:
-    """Where the forward raised in a RowwiseParallel Linear handed its whole input (:func:`diagnose`), or in a Linear
-    TP left whole handed this rank's part of it (``RowwiseParallel()`` on it tried): the hints and the runs made."""
+    """Where the forward raised (``failed``: a rank's error record) in a RowwiseParallel Linear handed its whole input
+    (:func:`diagnose`); under a plan that gives an ``nn.Embedding`` ``RowwiseParallel()`` with torch's default
+    ``Shard(-1)`` input (``RowwiseParallel(input_layouts=Replicate())`` tried); after the model, its last module a
+    plain ``ColwiseParallel`` (its output gathered tried); or in a Linear TP left whole handed this rank's part of
+    its input (``RowwiseParallel()`` on it tried): the hints and the runs made; else None."""
     if (fed := candidate(failed, grads, tries.order)) is not None:
         return diagnose(fed, tries)
     went = failed.get("went", {})
