@@ -53,7 +53,7 @@ from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, all_stages, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_pipeline, check_size, phases, went_wrong
 from vemesh.check.rerun import run_once_more
-from vemesh.check import whole_input
+from vemesh.check.whole_input import Tries, raised, siblings
 from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference
 from vemesh.layout.names import divisors, listed
 from vemesh.parallel.tp_split import uneven_hint
@@ -210,11 +210,11 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         return [refused_hint(*failed[0]["went"]["refused"])], 0
     if failed and (uneven := uneven_hint(failed[0].get("module"), failed[0]["split"], failed[0].get("head_dims", {}))):
         return [uneven], 0  # a TP degree that does not divide a projection's heads: no recipe helps
-    tries = whole_input.Tries(lambda swaps: _run(replace(spec, swaps=swaps), ref, tol, result), MAX_TRIES,
+    tries = Tries(lambda swaps: _run(replace(spec, swaps=swaps), ref, tol, result), MAX_TRIES,
                               lambda swap, trial, t_ranks, out: _partial_hints(replace(spec, swaps=(swap,)), ref, tol,
                                                                                trial, t_ranks, None, out),
                               list(dict.fromkeys(k[0] for k in ref["outputs"][0])) if ref.get("outputs") else [])
-    if failed and (said := whole_input.raised(failed[0], ref.get("grads", {}), tries)) is not None:
+    if failed and (said := raised(failed[0], ref.get("grads", {}), tries)) is not None:
         return said  # a RowwiseParallel Linear handed its whole input, or a whole one handed its part
     if (sequence := sequence_positions_hint(spec, ref, failed)) is not None:
         return [sequence], 0
@@ -225,7 +225,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     fixes = _module_fixes(spec, ref, tol, result, located, (failed or ranks or [{}])[0])
     if fixes is not None and fixes[1]:  # the whole model's head counts, or a change in place, were the cause
         return fixes[0], len(fixes[0])
-    if fixes is None and located and (said := whole_input.siblings(located[0], located[3], located[2],
+    if fixes is None and located and (said := siblings(located[0], located[3], located[2],
                                                                    ref.get("grads", {}), tries)):
         return said, 1  # a Linear left out of the plan beside one it splits by columns
     counts = () if fixes is None or fixes[2] is None else (fixes[2],)  # tried with the fused recipe too

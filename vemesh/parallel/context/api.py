@@ -129,22 +129,20 @@ def _ring(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
     return out
 
 
-#: :func:`_ring` as the model's SDPA calls it, set by :func:`_eager_ring` when a context first opens
-_ring_sdpa: Any = None
+_ring_sdpa: Any = None  #: :func:`_ring` as the model's SDPA calls it, set by :func:`_eager_ring`
 
 
 def _eager_ring() -> None:
     """Sets :data:`_ring_sdpa`: a compiled model runs the ring eagerly. Dynamo cannot trace torch's templated ring (it
     fails inside, with or without fullgraph), so each attention is a graph break, which ``fullgraph=True`` refuses
-    with this reason. Made here, not where the module is imported: importing ``torch._dynamo`` costs about a second,
-    which every process that imports ``vemesh.parallel`` would pay (each rank of a job without CP)."""
+    with this reason. Made when a context first opens: importing ``torch._dynamo`` costs about a second, which every
+    process that imports ``vemesh.parallel`` would pay (each rank of a job without CP)."""
     global _ring_sdpa
     if _ring_sdpa is None:
-        import torch._dynamo
+        from torch._dynamo import disable
 
-        _ring_sdpa = torch._dynamo.disable(_ring, recursive=True, reason=(
-            "vemesh's context_parallel runs its ring eagerly: under CP, compile without fullgraph=True (a graph "
-            "break at each attention)"))
+        _ring_sdpa = disable(_ring, recursive=True, reason="vemesh's context_parallel runs its ring eagerly: under "
+                             "CP, compile without fullgraph=True (a graph break at each attention)")
 
 
 def _checkpointing() -> bool:
