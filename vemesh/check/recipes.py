@@ -224,7 +224,8 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         if name.rpartition(".")[0] not in gathered and name not in replicated:
             out = row_apply(self, module, device_mesh)
             if isinstance(self.input_layouts[0], Shard) and isinstance(module, nn.Linear):
-                module.register_forward_pre_hook(_whole_input(name, model, went), prepend=True)
+                module.register_forward_pre_hook(_input_watch(name, "whole_input", module.in_features,
+                                                              device_mesh.size(), went), prepend=True)
             return out
         went["swapped"].append(name)
         style = RowwiseParallel(input_layouts=Replicate(), output_layouts=self.output_layouts[0],
@@ -258,36 +259,23 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
     tp = meshes[0].size()
     for name, module in whole:
         if tp > 1 and module.in_features % tp == 0:
-            module.register_forward_pre_hook(_part_input(name, tp, went), prepend=True)
+            module.register_forward_pre_hook(_input_watch(name, "part_input", module.in_features, tp, went),
+                                             prepend=True)
 
 
-def _whole_input(name: str, model: nn.Module, went: dict[str, list]) -> Any:
-    """A forward pre-hook for RowwiseParallel Linear ``name``, run before torch's: where it is handed a plain tensor
-    of its whole input width (what one process computes, not this TP rank's part), ``went["whole_input"]`` says so
-    once, with the Linears of its scope that TP left whole (what may make its input:
-    :mod:`vemesh.check.whole_input`)."""
+def _input_watch(name: str, key: str, width: int, tp: int, went: dict[str, list]) -> Any:
+    """A forward pre-hook, run before torch's, for Linear ``name`` of ``width`` input features: where it is handed a
+    plain tensor of ``width`` features (``key`` ``"whole_input"``: a RowwiseParallel Linear handed what one process
+    computes, not this TP rank's part) or of ``width // tp`` (``"part_input"``: a Linear TP left whole handed this
+    rank's part), ``went[key]`` says so once, as ``[name, width, width // tp]`` (:mod:`vemesh.check.whole_input`)."""
+    expected = width if key == "whole_input" else width // tp
+
     def hook(module: nn.Module, args: tuple) -> None:
         given = args[0] if args else None
-        width = module.weight.shape[1]
-        if "whole_input" in went or isinstance(given, DTensor) or not isinstance(given, torch.Tensor) or \
-                not given.dim() or given.shape[-1] != width:
+        if key in went or isinstance(given, DTensor) or not isinstance(given, torch.Tensor) or not given.dim() or \
+                given.shape[-1] != expected:
             return
-        scope = name.rpartition(".")[0]
-        whole = [plain_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)
-                 and plain_name(n).rpartition(".")[0] == scope and not _on_tp(m.weight)]
-        went["whole_input"] = [name, width, module.weight.to_local().shape[1], whole]
-    return hook
-
-
-def _part_input(name: str, tp: int, went: dict[str, list]) -> Any:
-    """A forward pre-hook for Linear ``name``, which TP left whole: where it is handed a plain tensor of this TP rank's
-    part of its input width, ``went["part_input"]`` says so once (:func:`vemesh.check.whole_input.raised`)."""
-    def hook(module: nn.Module, args: tuple) -> None:
-        given = args[0] if args else None
-        if "part_input" in went or isinstance(given, DTensor) or not isinstance(given, torch.Tensor) or \
-                not given.dim() or given.shape[-1] * tp != module.in_features:
-            return
-        went["part_input"] = [name, module.in_features, given.shape[-1]]
+        went[key] = [name, width, width // tp]
     return hook
 
 

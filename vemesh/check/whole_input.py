@@ -152,7 +152,7 @@ def candidate(failed: dict, grads: dict[str, Any], order: list[str] | tuple = ()
     seen = failed.get("went", {}).get("whole_input")
     if not seen or seen[0] != failed.get("module"):
         return None
-    name, width, local, whole = seen
+    name, width, local = seen
     order = list(order)
     scope, at = name.rpartition(".")[0], order.index(name) if name in order else len(order)
     if any(s[0].rpartition(".")[0] == scope and (s[0] not in order or order.index(s[0]) < at)
@@ -160,6 +160,7 @@ def candidate(failed: dict, grads: dict[str, Any], order: list[str] | tuple = ()
         return None  # forward reads those (a fused [q|k|v]: recipes.candidates)
     last = name.rpartition(".")[2]
     went = failed["went"]
+    whole = [n for n, _ in went.get("whole", ()) if n.rpartition(".")[0] == scope]
     rows = tuple(n for n in went.get("rowwise", ()) if n.rpartition(".")[2] == last) or (name,)
     after = tuple(n for n in went.get("colwise", ()) if n.rpartition(".")[0] == scope and n in order)
     first = min((order.index(n) for n in after), default=0)

@@ -791,8 +791,8 @@ def test_the_linear_left_whole_is_the_one_whose_output_came_last_before_it_went_
     assert _made_last(added, "a.kv_norm", order, "a") == "a.kv_a"
     assert _made_last(added, "a", ["a.q_b", "a.kv_a"], "a") == "a.kv_a"  # raised in the scope's own forward
     assert _made_last(added, "mlp.up", order, "a") is None and _made_last(added, None, order, "a") is None
-    failed = {"module": "l.0.o", "went": {"rowwise": ["l.0.o", "l.1.o", "m.down"],
-                                          "whole_input": ["l.0.o", 64, 32, ["l.0.q", "l.0.k"]]}}
+    failed = {"module": "l.0.o", "went": {"rowwise": ["l.0.o", "l.1.o", "m.down"], "whole_input": ["l.0.o", 64, 32],
+                                          "whole": [["l.0.q", 16], ["l.0.k", 16], ["m.gate", 16]]}}
     grads = {f"l.{i}.{n}.weight": torch.zeros(64, 16) for i in (0, 1) for n in "qk"} | {"l.1.q.bias": torch.zeros(64)}
     fed = candidate(failed, grads)
     assert fed is not None and fed.rows == ("l.0.o", "l.1.o") and fed.whole == ("l.0.q", "l.0.k", "l.1.q", "l.1.k")
