@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+import pytest
 import torch.distributed as dist
 
 from vemesh.hangs.process import Hangs
@@ -50,7 +51,7 @@ def test_an_exception_in_another_thread_goes_to_the_previous_hook_and_the_job_go
         hangs = Hangs()
         watch = hangs.start(tmp_path, 60.0, lambda: {"mesh": "one rank"})
         ended: list[str] = []
-        monkeypatch.setattr(watch, "_end", lambda reporter: ended.append(reporter))
+        monkeypatch.setattr(watch, "_end", lambda claim=None, dead=(): ended.append(claim))
 
         def prefetch() -> None:
             raise RuntimeError("the prefetch failed")
@@ -84,10 +85,43 @@ def test_the_training_threads_error_while_the_watch_ends_the_job_prints_nothing(
         assert hook.is_alive() and not hasattr(watch, "exception")  # waiting for the watch's exit, silent
         assert "Connection closed" not in capsys.readouterr().err
         watch._ending.release()
-        ended: list[bool] = []
-        monkeypatch.setattr(watch, "_end", lambda reporter: ended.append(reporter))
+        ended: list[str | None] = []
+        monkeypatch.setattr(watch, "_end", lambda claim=None, dead=(): ended.append(claim))
         watch._on_exception(RuntimeError, error, None)  # not ending yet: it is the cause, printed and reported
-        assert ended == [True] and "Connection closed" in capsys.readouterr().err
+        assert ended == ["rank 0 raised RuntimeError: Connection closed by peer [127.0.0.1]:10653"], ended
+        assert "Connection closed" in capsys.readouterr().err
+        hangs.close()
+    finally:
+        dist.destroy_process_group()
+
+
+class _Dumped(Exception):
+    pass
+
+
+def test_a_rank_claims_the_report_only_while_it_holds_its_ending(tmp_path, monkeypatch) -> None:
+    """A rank aborted by gloo; its TP peer's training thread raised and claimed the report in the store, then took
+    the ending lock. In between, its own watch thread saw the claim, took it for a peer's and the lock with it, and
+    waited as a bystander for a report that never came: every rank was killed 30 s later, with no report (CI at stop
+    102, test_a_wrong_sized_tp_all_reduce_is_named). The claim is made holding the lock, so that neither thread of a
+    rank can see its own claim before that rank's ending is taken."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        hangs = Hangs()
+        watch = hangs.start(tmp_path, 60.0, lambda: {"mesh": "one rank"})
+        watch._stop.set()  # the watch's thread stops: it would take this test's claim as the job's end
+        watch._thread.join()
+        watch._stop.clear()  # for close(), which gives back the hooks
+        held: list[bool] = []
+        claim = watch._claim
+        monkeypatch.setattr(watch, "_claim", lambda reason: held.append(watch._ending.locked()) or claim(reason))
+        monkeypatch.setattr(watch, "dump", lambda: (_ for _ in ()).throw(_Dumped()))  # where _end would dump
+        with pytest.raises(_Dumped):
+            watch._on_exception(RuntimeError, RuntimeError("Connection reset by peer"), None)
+        assert held == [True], held
+        assert watch.store.get(watch.keys + "fired").decode() == "0|rank 0 raised RuntimeError: Connection reset by peer"
+        watch._ending.release()
         hangs.close()
     finally:
         dist.destroy_process_group()

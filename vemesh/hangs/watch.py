@@ -102,11 +102,11 @@ class HangWatch:
         if kind is KeyboardInterrupt or self._stop.is_set() or elsewhere:
             return hook(thread_args) if thread_args is not None else hook(kind, value, tb)
         if self._ending.locked():  # ending the job already: a peer that left broke this rank's collective (gloo's
-            return self._end(reporter=False)  # "Connection closed by peer"): no news, no traceback; wait for the exit
+            return self._end()  # "Connection closed by peer"): no news, no traceback; wait for the exit
         self.exception = "".join(traceback.format_exception(kind, value, tb))
         print(self.exception, file=sys.stderr, flush=True)
         first = str(value).strip().splitlines()[0] if str(value).strip() else ""
-        self._end(reporter=self._claim(f"rank {self.rank} raised {kind.__name__}: {first[:300]}"))
+        self._end(claim=f"rank {self.rank} raised {kind.__name__}: {first[:300]}")
 
     @property
     def closed(self) -> bool:
@@ -152,12 +152,12 @@ class HangWatch:
                     self.store.set(self.keys + f"beat/{self.rank}", self.progress.beat(self.busy.share()))
                     beat = duties
                 if self.store.check([self.keys + "fired"]):
-                    self._end(reporter=False)
+                    self._end()
                 if terminated and self._own_term and signal.getsignal(signal.SIGTERM) is self._term_handler:
                     self._on_sigterm()
                 late = self._late(status)
-                if late is not None and self._claim(late):
-                    self._end(reporter=True)
+                if late is not None:
+                    self._end(claim=late)
                 if self.rank == 0 and self.window and duties - named >= self.window:
                     named = duties
                     self._name_straggler()
@@ -193,16 +193,16 @@ class HangWatch:
         self.store.set(self.keys + f"term/{self.rank}", "1")
         if self.store.compare_set(self.keys + "scan", "", str(self.rank)).decode() == str(self.rank):
             dead = self._dead_ranks()
-            if dead and self._claim(f"rank {dead[0]} died: the launcher ended the job"):
-                self._end(reporter=True, dead=dead)
+            if dead:
+                self._end(claim=f"rank {dead[0]} died: the launcher ended the job", dead=dead)
             self.store.set(self.keys + "clean", "1")
             if self.store.check([self.keys + "fired"]):  # another rank reports (one raised meanwhile): dump for it
-                self._end(reporter=False)
+                self._end()
         else:
             end = time.monotonic() + _DEAD_WINDOW_S + 5
             while time.monotonic() < end and not self.store.check([self.keys + "clean"]):
                 if self.store.check([self.keys + "fired"]):
-                    self._end(reporter=False)
+                    self._end()
                 time.sleep(0.2)
         if self._ending.locked():  # the training thread raised meanwhile: its _end reports and exits
             return
@@ -268,12 +268,16 @@ class HangWatch:
         mine = f"{self.rank}|{reason}"
         return self.store.compare_set(self.keys + "fired", "", mine).decode() == mine
 
-    def _end(self, reporter: bool, dead: Sequence[int] = ()) -> None:
-        """Dump, then (the reporter) wait for every dump and print the diagnosis; every rank exits. ``dead``: the
-        ranks found dead (no heartbeat, no dump): named first, with their groups."""
+    def _end(self, claim: str | None = None, dead: Sequence[int] = ()) -> None:
+        """Dump, then (the reporter) wait for every dump and print the diagnosis; every rank exits. ``claim``: why
+        this rank would report; it does if no rank claimed first. ``dead``: the ranks found dead (no heartbeat, no
+        dump): named first, with their groups. The claim is made holding the ending lock: made before it, this rank's
+        other thread could see the claim in the store, take it for a peer's and end as a bystander, waiting for a
+        report that the claimant, locked out, never made (ci, a rank aborted by gloo: no report, every rank killed)."""
         if not self._ending.acquire(blocking=False):  # the other thread is ending the process already
             while True:
                 time.sleep(60)
+        reporter = claim is not None and self._claim(claim)
         self.store.set(self.keys + f"ending/{self.rank}", "1")  # alive: its heartbeat may stop while it dumps
         self.dump()
         self.store.set(self.keys + f"dumped/{self.rank}", "1")
