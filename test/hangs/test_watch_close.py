@@ -120,7 +120,8 @@ def test_a_rank_claims_the_report_only_while_it_holds_its_ending(tmp_path, monke
         with pytest.raises(_Dumped):
             watch._on_exception(RuntimeError, RuntimeError("Connection reset by peer"), None)
         assert held == [True], held
-        assert watch.store.get(watch.keys + "fired").decode() == "0|rank 0 raised RuntimeError: Connection reset by peer"
+        fired = watch.store.get(watch.keys + "fired").decode()
+        assert fired == "0|rank 0 raised RuntimeError: Connection reset by peer", fired
         watch._ending.release()
         hangs.close()
     finally:
