@@ -7,10 +7,12 @@ one fault injected (argv[1]):
 * ``slow``: rank 2 sleeps 50 ms before every DP all-reduce, 30 steps (a straggler, no hang);
 * ``kill``: rank 2 kills itself with SIGKILL at step 3 (no dump, no fatal-error file: as the OOM killer does);
 * ``exit137``: rank 2 exits with code 137 at step 3, skipping every exit handler;
+* ``segv``: rank 2 crashes (a segfault: faulthandler writes its file) in compute at step 3, its peers in compute too;
 * ``torch``: no vemesh at all: torch's own mesh, rank 3 withheld from a DP all-reduce, every rank
   writes torch's Flight Recorder dump (``TORCH_FR_DUMP_TEMP_FILE<rank>``) once every rank waits.
 """
 
+import ctypes
 import os
 import signal
 import sys
@@ -25,6 +27,11 @@ def compute(x: torch.Tensor, rank: int, step: int, fault: str) -> torch.Tensor:
     if fault in ("kill", "exit137") and rank == 2 and step == 3:
         print(f"rank 2 dies at {time.time():.3f}", flush=True)  # the test measures the report from here
         os.kill(os.getpid(), signal.SIGKILL) if fault == "kill" else os._exit(137)
+    if fault == "segv" and step == 3:
+        if rank == 2:
+            print(f"rank 2 crashes at {time.time():.3f}", flush=True)
+            ctypes.string_at(0)  # as a native extension's bug does
+        time.sleep(30)  # the peers in compute: none of their collectives meets the crash, only the launcher's SIGTERM
     if fault == "sleep" and rank == 3 and step == 3:
         time.sleep(600)  # stuck in compute: the line the diagnosis must name
     if fault == "slow" and rank == 2:

@@ -29,7 +29,7 @@ def test_a_rank_asleep_in_compute_is_named_with_its_line(tmp_path):
     assert code != 0 and took < TIMEOUT_S + 30
     assert "HANG: DP all-reduce #3 (4.0 KiB, [1024] float) at step 3 is stuck in the DP group [1, 3] (TP=1)" in text, text
     assert "never entered: rank 3 (DP=1, TP=1)" in text and "rank 3's last finished collective: TP all-reduce #3" in text
-    assert "not in any collective (in compute), at test/hangs/hang_job.py:29 in compute: time.sleep(600)" in text, text
+    assert "not in any collective (in compute), at test/hangs/hang_job.py:36 in compute: time.sleep(600)" in text, text
 
 
 def test_a_skipped_dp_all_reduce_is_named(tmp_path):
@@ -64,7 +64,7 @@ def test_a_wrong_sized_tp_all_reduce_is_named(tmp_path):
     text = report(out)
     assert code != 0 and took < TIMEOUT_S + 30
     assert "DIED: rank 0 (DP=0, TP=0): Fatal Python error: Aborted" in text, text
-    assert "it was at test/hangs/hang_job.py:47 in vemesh_job" in text, text
+    assert "it was at test/hangs/hang_job.py:54 in vemesh_job" in text, text
     assert "in the TP group [0, 1] (DP=0), rank 1 last entered TP all-reduce #3 of [1000] float" in text, text
 
 
@@ -84,6 +84,21 @@ def test_a_dead_rank_is_named_with_its_groups_within_seconds(tmp_path, fault):
     # failed once in a whole suite's run (ci86, not beside burners: 8 of 8 passed there): say the headline and lines
     headline = next((line for line in out.splitlines() if "every rank wrote its dump" in line), "")
     assert "vemesh: rank 2 died" in out, (headline, text[:1500])
+
+
+def test_a_rank_that_crashes_while_its_peers_compute_is_named_with_its_line(tmp_path):
+    """Rank 2 segfaults in compute while its peers compute too: no collective of theirs fails, only torchrun's SIGTERM
+    tells them. The scan took its fatal-error file for an answer still to come, waited out its window, found no dead
+    rank, and every rank exited with no report; a crashed rank is named at once, from its file."""
+    code, took, out = torchrun(4, [str(JOB), "segv"], tmp_path, after_s=50)
+    text = report(out)
+    assert code != 0 and took < TIMEOUT_S + 30, (took, out[-3000:])
+    assert "vemesh: rank 2 crashed: the launcher ended the job; every rank wrote its dump" in out, out[-3000:]
+    assert "DIED: rank 2 (DP=1, TP=0): Fatal Python error: Segmentation fault" in text, text
+    assert "it was at test/hangs/hang_job.py:33 in compute" in text and "DEAD" not in text, text
+    crashed = float(out.split("rank 2 crashes at ", 1)[1].split()[0])
+    dumped = max(json.loads(p.read_text())["time_ns"] / 1e9 for p in (tmp_path / "dumps").glob("rank-*.json"))
+    assert dumped - crashed < 15, (dumped - crashed, out[-3000:])  # the peers sleep 30 s: the crash named first
 
 
 def test_with_the_defaults_a_rank_asleep_after_the_warm_up_is_named_by_the_jobs_pace(tmp_path):

@@ -143,4 +143,4 @@ def test_a_hang_is_named_from_a_wheel(venv) -> None:
                           "sleep"], cwd=user, env=env, capture_output=True, text=True, timeout=120)
     assert job.returncode != 0 and "never entered: rank 3 (DP=1, TP=1)" in job.stderr, job.stderr[-3000:]
     shown = _run([str(venv.parent / "vemesh"), "diagnose", "dumps"], user).stdout
-    assert "stuck in the DP group [1, 3] (TP=1)" in shown and "hang_job.py:29 in compute: time.sleep(600)" in shown, shown
+    assert "stuck in the DP group [1, 3] (TP=1)" in shown and "hang_job.py:36 in compute: time.sleep(600)" in shown, shown

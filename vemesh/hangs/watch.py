@@ -192,9 +192,11 @@ class HangWatch:
             return
         self.store.set(self.keys + f"term/{self.rank}", "1")
         if self.store.compare_set(self.keys + "scan", "", str(self.rank)).decode() == str(self.rank):
-            dead = self._dead_ranks()
-            if dead:
-                self._end(claim=f"rank {dead[0]} died: the launcher ended the job", dead=dead)
+            dead, crashed = self._dead_ranks()
+            if dead or crashed:  # a crashed rank's fatal-error file names it in the report: no DEAD line of its own
+                first = min(dead + crashed)
+                self._end(claim=f"rank {first} {'crashed' if first in crashed else 'died'}: the launcher ended the job",
+                          dead=dead)
             self.store.set(self.keys + "clean", "1")
             if self.store.check([self.keys + "fired"]):  # another rank reports (one raised meanwhile): dump for it
                 self._end()
@@ -207,26 +209,28 @@ class HangWatch:
         if self._ending.locked():  # the training thread raised meanwhile: its _end reports and exits
             return
         sys.stderr.flush()
+        self.drop_empty_fatal()  # a job the launcher ended with every rank alive leaves no empty fatal-error file
         os._exit(128 + signal.SIGTERM)
 
-    def _dead_ranks(self) -> list[int]:
-        """The ranks that neither got the launcher's SIGTERM nor dumped, and whose heartbeat is stale, after up to
-        :data:`_DEAD_WINDOW_S` (a loaded machine delays a live rank's answer, so a silent rank gets the whole
-        window); none as soon as every rank has answered."""
+    def _dead_ranks(self) -> tuple[list[int], list[int]]:
+        """(dead, crashed): the ranks that neither got the launcher's SIGTERM nor dumped, and whose heartbeat is
+        stale, after up to :data:`_DEAD_WINDOW_S` (a loaded machine delays a live rank's answer, so a silent rank gets
+        the whole window); and those that wrote a fatal-error file (a crash: a segfault, an abort), which need no
+        window. Both empty as soon as every rank has answered."""
         end = time.monotonic() + _DEAD_WINDOW_S
         while True:
-            waiting, silent = False, []
+            waiting, silent, crashed = False, [], []
             for r in range(self.world_size):
                 if any(self.store.check([self.keys + f"{k}/{r}"]) for k in ("term", "dumped", "ending")):
                     continue  # it answered: alive
-                if self._silent(r):
+                if fatal_file(self.directory / f"rank-{r}.fatal.txt"):
+                    crashed.append(r)  # it crashed while its peers were elsewhere than in a collective with it
+                elif self._silent(r):
                     silent.append(r)
                 else:
                     waiting = True  # beating, not answered yet
-            if not silent and not waiting:
-                return []
-            if time.monotonic() >= end:
-                return silent
+            if (not silent and not waiting) or time.monotonic() >= end:
+                return silent, crashed
             time.sleep(0.2)
 
     def _late(self, status: dict[str, Any]) -> str | None:
@@ -294,7 +298,7 @@ class HangWatch:
             dead = sorted(set(dead) | {r for r in range(self.world_size) if self._silent(r, ending_alive=not late)})
             text = "".join(dead_line(r, *rank_place(self.describe() or {}, r)) for r in dead) + text
             fired = self.store.get(self.keys + "fired").decode().partition("|")[2]
-            what = fired if " raised " in fired or " died" in fired else "a hang was found"
+            what = fired if any(w in fired for w in (" raised ", " died", " crashed")) else "a hang was found"
             if dead and " died" not in fired:  # a peer's connection error is what the rank's death looked like
                 what = f"rank {', '.join(map(str, dead))} died ({what})"
             print(f"\nvemesh: {what}; every rank wrote its dump to {self.directory}\n{text}\n"
