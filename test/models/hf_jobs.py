@@ -116,6 +116,22 @@ def parallelize_sp_fsdp(model: nn.Module, mesh) -> nn.Module:
     return fully_shard(model)
 
 
+def parallelize_sp_ungathered(model: nn.Module, mesh) -> nn.Module:
+    """:func:`parallelize_sp_fsdp`'s sharded outputs without what gathers the sequence back: no PrepareModuleInput
+    on the attention and the MLP, no SequenceParallel on the norms (a first sequence-parallel plan)."""
+    tp = mesh["TP"]
+    parallelize_module(model, tp, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, {
+            **{k: v for k, v in TP_PLAN.items() if k.startswith("self_attn.") and k != "self_attn.o_proj"},
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
+    return model
+
+
 def step_positions(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
     """:func:`step` with the whole sequence's positions given: under sequence parallelism HF's model would number
     them from its embedding's output, each TP rank's part of the sequence."""

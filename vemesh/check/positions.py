@@ -31,14 +31,38 @@ def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict]) -> str | 
     if whole != part * tp:
         return None
     arg = ref.get("positions_arg")
-    where = failed[0].get("module")
-    return (f"{'the forward of ' + where if where else 'the forward'} met a tensor of {part} positions with one of "
-            f"{whole} = {part} x TP {tp}: the plan shards the sequence over TP ({failed[0]['went']['sequence'][0]}'s "
-            f"RowwiseParallel gives each TP rank {part} of the {whole}), and a model that numbers its positions "
+    where, went = failed[0].get("module"), failed[0]["went"]
+    said = (f"{'the forward of ' + where if where else 'the forward'} met a tensor of {part} positions with one of "
+            f"{whole} = {part} x TP {tp}: the plan shards the sequence over TP ({went['sequence'][0]}'s "
+            f"RowwiseParallel gives each TP rank {part} of the {whole})")
+    if (ungathered := _ungathered(where or "", went)) is not None:
+        return said + ungathered
+    return (said + ", and a model that numbers its positions "
             "from the length of the hidden states it holds (Hugging Face's decoders make their position ids, rotary "
             "tables and causal mask from the embedding's output) numbers the part. Give it the whole sequence's "
             + (f"positions: model(x, {arg}=torch.arange(T).unsqueeze(0)) in the step" if arg is not None else
                "positions where your model numbers them"))
+
+
+def _ungathered(where: str, went: dict) -> str | None:
+    """Where nothing in the plan gathers the sharded sequence back before the ``ColwiseParallel`` Linears inside
+    ``where`` (no ``PrepareModuleInput`` of a sharded input on it, above it or inside it, and none of them takes a
+    sharded input): what to give them, in torchtitan's words. None where something does (then the positions are the
+    likelier cause)."""
+    def inside(name: str, scope: str) -> bool:
+        return not scope or name == scope or name.startswith(scope + ".")
+
+    cols = [n for n in went.get("colwise", []) if inside(n, where)]
+    if not cols or any(inside(g, where) or inside(where, g) for g in went.get("gathers", [])):
+        return None
+    holders = list(dict.fromkeys(n.rpartition(".")[0] for n in cols))
+    return (f", and nothing gathers it back before the ColwiseParallel Linears that take the whole sequence "
+            f"({', '.join(cols[:3])}{', ...' if len(cols) > 3 else ''}). torchtitan's sequence-parallel plan gathers "
+            f"it on the modules that hold them: PrepareModuleInput(input_layouts=(Shard(1),), "
+            f"desired_input_layouts=(Replicate(),)) on {' and '.join(holders[:2])} (input_kwarg_layouts where the "
+            "forward takes the hidden states by name), and SequenceParallel() on the norms between, in each block; "
+            "or, for no sequence parallelism, no sharded output on a RowwiseParallel and no sharded input on a "
+            "ColwiseParallel")
 
 
 def positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:

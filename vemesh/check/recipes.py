@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from vemesh.check.record import plain_name
 from vemesh.parallel.fused import FusedColwiseParallel
@@ -167,8 +167,9 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
     """While active, torch's ``ColwiseParallel`` and ``RowwiseParallel`` as the user's parallelize function applies
     them to ``model``'s modules, with ``swaps``' recipes in their place; yields where each style went, by the
     modules' names in ``model`` (``{"colwise": [...], "rowwise": [...], "swapped": [...]}``, and ``"sequence"``: the
-    RowwiseParallel ones whose output is sharded, sequence parallelism's): a recipe tried says which Linears it
-    replaced, and the plan's own run says which scopes have a RowwiseParallel. Where torch's style
+    RowwiseParallel ones whose output is sharded, sequence parallelism's; ``"gathers"``: the modules whose style takes
+    a sharded input and makes it whole, a ``PrepareModuleInput`` or a ``ColwiseParallel``): a recipe tried says which
+    Linears it replaced, and the plan's own run says which scopes have a RowwiseParallel. Where torch's style
     refuses a module (not an ``nn.Linear`` or ``nn.Embedding``), ``"refused"`` is its name, its class and the
     style's (:func:`refused_hint`)."""
     names = {id(m): plain_name(n) for n, m in model.named_modules()}
@@ -181,7 +182,7 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
     as_row = {n for s in swaps if s.recipe == "as-rowwise" for n in s.linears}
     replicated = {n for s in swaps if s.recipe == "replicated" for n in s.linears}  # RowwiseParallel of whole input
     went: dict[str, list[str]] = {"colwise": [], "rowwise": [], "swapped": []}
-    col_apply, row_apply = ColwiseParallel._apply, RowwiseParallel._apply
+    col_apply, row_apply, prepare_apply = ColwiseParallel._apply, RowwiseParallel._apply, PrepareModuleInput._apply
     meshes: list[Any] = []  # the TP mesh the user's function gave torch's styles
 
     def col(self: ColwiseParallel, module: nn.Module, device_mesh) -> nn.Module:  # type: ignore[no-untyped-def]
@@ -190,6 +191,8 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             return col_apply(self, module, device_mesh)
         went["colwise"].append(name)
         meshes.append(device_mesh)
+        if isinstance(self.input_layouts[0], Shard):
+            went.setdefault("gathers", []).append(name)
         if self.use_local_output and isinstance(self.output_layouts[0], Shard):  # a plain tensor of this rank's part
             went.setdefault("local_out", []).append(name)
         if name in as_row:
@@ -233,6 +236,14 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         style.src_data_rank = self.src_data_rank
         return row_apply(style, module, device_mesh)
 
+    def prepare(self: PrepareModuleInput, module: nn.Module, device_mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+        pairs = [*zip(self.input_layouts or (), self.desired_input_layouts or ()),
+                 *((v, self.desired_input_kwarg_layouts.get(k)) for k, v in self.input_kwarg_layouts.items())]
+        name = names.get(id(module))
+        if name is not None and any(isinstance(a, Shard) and isinstance(b, Replicate) for a, b in pairs):
+            went.setdefault("gathers", []).append(name)
+        return prepare_apply(self, module, device_mesh)
+
     def refused(apply):  # type: ignore[no-untyped-def]
         def wrapped(self, module: nn.Module, device_mesh) -> nn.Module:  # type: ignore[no-untyped-def]
             try:
@@ -243,10 +254,12 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         return wrapped
 
     ColwiseParallel._apply, RowwiseParallel._apply = refused(col), refused(row)  # type: ignore[method-assign]
+    PrepareModuleInput._apply = prepare  # type: ignore[method-assign]
     try:
         yield went
     finally:
         ColwiseParallel._apply, RowwiseParallel._apply = col_apply, row_apply  # type: ignore[method-assign]
+        PrepareModuleInput._apply = prepare_apply  # type: ignore[method-assign]
     if not meshes:  # no torch style applied: nothing for the recipes here
         return
     for name in [*added, *rows_added]:  # after the user's function, on the mesh it gave torch's styles

@@ -109,6 +109,23 @@ def test_hf_llama_under_sequence_parallelism_without_whole_positions_gets_the_po
 
 
 @pytest.mark.slow
+def test_hf_llama_under_sequence_parallelism_without_its_gathers_is_told_to_gather_the_sequence() -> None:
+    """The sharded outputs of torchtitan's sequence-parallel plan without its PrepareModuleInput and SequenceParallel:
+    q_proj takes a rank's part of the sequence as the whole, and the step already gives the whole sequence's
+    position_ids. The hint said to give them; it names what gathers the sequence, as parallelize_sp_fsdp does (exact
+    with these positions: the test above)."""
+    wrong = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_ungathered", f"{HF}:step_positions", world_size=2,
+                  tp=2)
+    assert "must match the size of tensor b" in wrong.error and len(wrong.hints) == 1, wrong.render()
+    hint = wrong.hints[0]
+    assert "and nothing gathers it back before the ColwiseParallel Linears that take the whole sequence " \
+           "(model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj)" in hint
+    assert "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on " \
+           "model.layers.0.self_attn" in hint and "SequenceParallel() on the norms" in hint, hint
+    assert "position_ids" not in hint, hint
+
+
+@pytest.mark.slow
 def test_hf_gpt2_under_cp_without_its_positions_cut_names_its_learned_position_embedding() -> None:
     """GPT-2's positions index a learned embedding (``wpe``, which holds parameters): without position_ids cut with
     the tokens it is the first module that differs, and the positions hint names it; with them the check is exact."""
