@@ -216,8 +216,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
                               list(dict.fromkeys(k[0] for k in ref["outputs"][0])) if ref.get("outputs") else [])
     if failed and (said := raised(failed[0], ref.get("grads", {}), tries)) is not None:
         return said  # a RowwiseParallel Linear handed its whole input, or a whole one handed its part
-    if (sequence := sequence_positions_hint(spec, ref, failed)) is not None:
-        return [sequence], 0
+    if (sequence := sequence_positions_hint(spec, ref, failed, tries)) is not None:
+        return sequence
     positions = positions_hint(spec, ref, result)
     if positions and spec.degrees["TP"] == 1:  # with TP, a TP plan's recipe is tried first (below)
         return [positions], 0

@@ -10,59 +10,82 @@ from __future__ import annotations
 
 import re
 
-from vemesh.check.result import CheckResult
+from vemesh.check.recipes import Swap
+from vemesh.check.result import CheckResult, went_wrong
 from vemesh.check.run import Spec
+from vemesh.check.whole_input import Tries
 
 __all__ = ["positions_hint", "positions_recipe", "sequence_positions_hint"]
 
 
-def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict]) -> str | None:
-    """Under sequence parallelism (a RowwiseParallel whose output is sharded), the forward raised where a tensor of a
-    part of the sequence met one TP times as long: likeliest, the model made its positions (position ids, rotary
-    tables, a causal mask) from the length of the hidden states it holds, each TP rank's part (Hugging Face's
-    decoders number them from the embedding's output)."""
-    tp = spec.degrees["TP"]
-    if tp == 1 or not failed or not failed[0].get("went", {}).get("sequence"):
+def _mismatch(tp: int, failed: list[dict]) -> tuple[int, int] | None:
+    """(part, whole) where a run's forward raised on a tensor of a part of the sequence against one TP times as long,
+    under a plan that shards the sequence; else None."""
+    if not failed or not failed[0].get("went", {}).get("sequence"):
         return None
     sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", failed[0]["message"])
-    if sizes is None:
+    part, whole = sorted(map(int, sizes.groups())) if sizes else (0, 0)
+    return (part, whole) if sizes and whole == part * tp else None
+
+
+def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict], tries: Tries) -> tuple[list[str], int] | None:
+    """Under sequence parallelism (a RowwiseParallel whose output is sharded), the forward raised where a tensor of a
+    part of the sequence met one TP times as long. Where nothing gathers the sequence back before the ColwiseParallel
+    Linears of the module that raised (:func:`_ungathered`), that is said and the plan completed as torchtitan's is
+    tried; else, likeliest, the model made its positions (position ids, rotary tables, a causal mask) from the length
+    of the hidden states it holds, each TP rank's part (Hugging Face's decoders number them from the embedding's
+    output). The hints and the runs made, or None."""
+    tp = spec.degrees["TP"]
+    if tp == 1 or (sizes := _mismatch(tp, failed)) is None:
         return None
-    part, whole = sorted(map(int, sizes.groups()))
-    if whole != part * tp:
-        return None
+    part, whole = sizes
     arg = ref.get("positions_arg")
     where, went = failed[0].get("module"), failed[0]["went"]
     said = (f"{'the forward of ' + where if where else 'the forward'} met a tensor of {part} positions with one of "
             f"{whole} = {part} x TP {tp}: the plan shards the sequence over TP ({went['sequence'][0]}'s "
             f"RowwiseParallel gives each TP rank {part} of the {whole})")
-    if (ungathered := _ungathered(where or "", went)) is not None:
-        return said + ungathered
-    return (said + ", and a model that numbers its positions "
-            "from the length of the hidden states it holds (Hugging Face's decoders make their position ids, rotary "
-            "tables and causal mask from the embedding's output) numbers the part. Give it the whole sequence's "
-            + (f"positions: model(x, {arg}=torch.arange(T).unsqueeze(0)) in the step" if arg is not None else
-               "positions where your model numbers them"))
+    numbered = ("a model that numbers its positions from the length of the hidden states it holds (Hugging Face's "
+                "decoders make their position ids, rotary tables and causal mask from the embedding's output) numbers "
+                "the part. Give it the whole sequence's "
+                + (f"positions: model(x, {arg}=torch.arange(T).unsqueeze(0)) in the step" if arg is not None else
+                   "positions where your model numbers them"))
+    if (ungathered := _ungathered(where or "", went)) is None:
+        return [f"{said}, and {numbered}"], 0
+    holders, norms, text = ungathered
+    trial, _, t_failed, now = tries.run((Swap(holders, 1, "sequence-gathered"), Swap(norms, 1, "sequence-norms")))
+    outcome = ("makes the check exact" if trial.exact else f"then the forward raised on {part} positions against "
+               f"{whole} again: {numbered}" if _mismatch(tp, t_failed) else went_wrong(trial, now))
+    return [f"{said}{text}. Tried: the sequence gathered into {_some(holders)} and SequenceParallel() on "
+            f"{_some(norms) if norms else 'no norm (none found)'}: {outcome}"], 1
 
 
-def _ungathered(where: str, went: dict) -> str | None:
+def _some(names: tuple[str, ...]) -> str:
+    return ", ".join(names[:2]) + (f" and the {len(names) - 2} others alike" if len(names) > 2 else "")
+
+
+def _ungathered(where: str, went: dict) -> tuple[tuple[str, ...], tuple[str, ...], str] | None:
     """Where nothing in the plan gathers the sharded sequence back before the ``ColwiseParallel`` Linears inside
     ``where`` (no ``PrepareModuleInput`` of a sharded input on it, above it or inside it, and none of them takes a
-    sharded input): what to give them, in torchtitan's words. None where something does (then the positions are the
-    likelier cause)."""
+    sharded input): the modules that hold the plan's Linears of that kind (to gather into), the norms it leaves whole,
+    and what to give them, in torchtitan's words. None where something does (the positions are then the likelier
+    cause)."""
     def inside(name: str, scope: str) -> bool:
         return not scope or name == scope or name.startswith(scope + ".")
 
     cols = [n for n in went.get("colwise", []) if inside(n, where)]
     if not cols or any(inside(g, where) or inside(where, g) for g in went.get("gathers", [])):
         return None
-    holders = list(dict.fromkeys(n.rpartition(".")[0] for n in cols))
-    return (f", and nothing gathers it back before the ColwiseParallel Linears that take the whole sequence "
-            f"({', '.join(cols[:3])}{', ...' if len(cols) > 3 else ''}). torchtitan's sequence-parallel plan gathers "
-            f"it on the modules that hold them: PrepareModuleInput(input_layouts=(Shard(1),), "
-            f"desired_input_layouts=(Replicate(),)) on {' and '.join(holders[:2])} (input_kwarg_layouts where the "
-            "forward takes the hidden states by name), and SequenceParallel() on the norms between, in each block; "
-            "or, for no sequence parallelism, no sharded output on a RowwiseParallel and no sharded input on a "
-            "ColwiseParallel")
+    gathers = set(went.get("gathers", []))
+    holders = tuple(dict.fromkeys(n.rpartition(".")[0] for n in went["colwise"] if n not in gathers))
+    here = [h for h in holders if inside(h, where) or inside(where, h)]
+    return holders, tuple(went.get("norms", [])), (
+        f", and nothing gathers it back before the ColwiseParallel Linears that take the whole sequence "
+        f"({', '.join(cols[:3])}{', ...' if len(cols) > 3 else ''}). torchtitan's sequence-parallel plan gathers "
+        f"it on the modules that hold them: PrepareModuleInput(input_layouts=(Shard(1),), "
+        f"desired_input_layouts=(Replicate(),)) on {' and '.join(here[:2])} (input_kwarg_layouts where the "
+        "forward takes the hidden states by name), and SequenceParallel() on the norms between, in each block; "
+        "or, for no sequence parallelism, no sharded output on a RowwiseParallel and no sharded input on a "
+        "ColwiseParallel")
 
 
 def positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:

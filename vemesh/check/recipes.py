@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from vemesh.check.record import plain_name
+from vemesh.check.sequence import gathered_sequence
 from vemesh.parallel.fused import FusedColwiseParallel
 
 __all__ = ["RECIPES", "Candidate", "Swap", "candidates", "fused_parts", "hint", "near", "refused_hint", "swapped",
@@ -181,6 +182,8 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
     as_col = {n for s in swaps if s.recipe == "as-colwise" for n in s.linears}  # the plan's styles swapped
     as_row = {n for s in swaps if s.recipe == "as-rowwise" for n in s.linears}
     replicated = {n for s in swaps if s.recipe == "replicated" for n in s.linears}  # RowwiseParallel of whole input
+    gather_into = [n for s in swaps if s.recipe == "sequence-gathered" for n in s.linears]  # the sequence whole in
+    sequence_norms = [n for s in swaps if s.recipe == "sequence-norms" for n in s.linears]  # and kept a part in
     went: dict[str, list[str]] = {"colwise": [], "rowwise": [], "swapped": []}
     col_apply, row_apply, prepare_apply = ColwiseParallel._apply, RowwiseParallel._apply, PrepareModuleInput._apply
     meshes: list[Any] = []  # the TP mesh the user's function gave torch's styles
@@ -224,6 +227,7 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             return col_apply(ColwiseParallel(), module, device_mesh)
         if isinstance(self.output_layouts[0], Shard):  # sequence parallelism: its output is a part of the sequence
             went.setdefault("sequence", []).append(name)
+            went["sequence_dim"] = [self.output_layouts[0].dim]
         if name.rpartition(".")[0] not in gathered and name not in replicated:
             out = row_apply(self, module, device_mesh)
             if isinstance(self.input_layouts[0], Shard) and isinstance(module, nn.Linear):
@@ -267,6 +271,16 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             (col_apply if name in added else row_apply)(
                 ColwiseParallel() if name in added else RowwiseParallel(), modules[name], meshes[0])
             went["swapped"].append(name)
+    if went.get("sequence"):  # the norms a sequence-parallel plan may leave whole (check.positions)
+        went["norms"] = [n for n, m in modules.items() if "Norm" in type(m).__name__ and
+                         any(True for _ in m.parameters(recurse=False)) and not _on_tp(next(m.parameters()))]
+    for name in [*sequence_norms, *gather_into]:
+        if name in sequence_norms:
+            SequenceParallel(sequence_dim=went["sequence_dim"][0])._apply(modules[name], meshes[0])
+        else:
+            modules[name].register_forward_pre_hook(gathered_sequence(meshes[0], went["sequence_dim"][0]),
+                                                    with_kwargs=True)
+        went["swapped"].append(name)
     whole = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear) and not _on_tp(m.weight)]
     went["whole"] = [[n, m.in_features] for n, m in whole]  # what TP left whole (whole_input.siblings)
     tp = meshes[0].size()

@@ -112,8 +112,10 @@ def test_hf_llama_under_sequence_parallelism_without_whole_positions_gets_the_po
 def test_hf_llama_under_sequence_parallelism_without_its_gathers_is_told_to_gather_the_sequence() -> None:
     """The sharded outputs of torchtitan's sequence-parallel plan without its PrepareModuleInput and SequenceParallel:
     q_proj takes a rank's part of the sequence as the whole, and the step already gives the whole sequence's
-    position_ids. The hint said to give them; it names what gathers the sequence, as parallelize_sp_fsdp does (exact
-    with these positions: the test above)."""
+    position_ids. The hint said to give them; it names what gathers the sequence, as parallelize_sp_fsdp does, and
+    the check tries it (the sequence gathered into each module that holds the plan's ColwiseParallel Linears, the
+    norms under SequenceParallel): exact. Where the step gives no positions, the tried plan then meets the positions,
+    and the hint says to give them too."""
     wrong = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_ungathered", f"{HF}:step_positions", world_size=2,
                   tp=2)
     assert "must match the size of tensor b" in wrong.error and len(wrong.hints) == 1, wrong.render()
@@ -122,7 +124,16 @@ def test_hf_llama_under_sequence_parallelism_without_its_gathers_is_told_to_gath
            "(model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj)" in hint
     assert "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on " \
            "model.layers.0.self_attn" in hint and "SequenceParallel() on the norms" in hint, hint
+    assert hint.endswith("Tried: the sequence gathered into model.layers.0.self_attn, model.layers.0.mlp and the 10 "
+                         "others alike and SequenceParallel() on model.layers.0.input_layernorm, "
+                         "model.layers.0.post_attention_layernorm and the 11 others alike: makes the check exact"), hint
     assert "position_ids" not in hint, hint
+    both = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_ungathered", f"{HF}:step", world_size=2, tp=2)
+    assert "nothing gathers it back" in both.hints[0] and both.hints[0].endswith(
+        "then the forward raised on 32 positions against 64 again: a model that numbers its positions from the "
+        "length of the hidden states it holds (Hugging Face's decoders make their position ids, rotary tables and "
+        "causal mask from the embedding's output) numbers the part. Give it the whole sequence's positions: "
+        "model(x, position_ids=torch.arange(T).unsqueeze(0)) in the step"), both.hints
 
 
 @pytest.mark.slow
