@@ -38,6 +38,13 @@ def make_llama() -> nn.Module:
                                               max_position_embeddings=SEQ, attn_implementation="sdpa"))
 
 
+def make_qwen3() -> nn.Module:
+    """HF's ``Qwen3ForCausalLM``: 2 layers of width 256, a norm over each head's queries and keys, SDPA attention."""
+    return hf.Qwen3ForCausalLM(hf.Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
+                                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                              head_dim=32, max_position_embeddings=SEQ, attn_implementation="sdpa"))
+
+
 def make_qwen3_moe() -> nn.Module:
     """HF's ``Qwen3MoeForCausalLM``: 4 layers of width 128, 8 experts of width 64 per layer, top 2, SDPA attention.
     transformers 5 runs its experts through ``grouped_mm`` (on CPU too, in fp32)."""

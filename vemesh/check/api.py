@@ -211,8 +211,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     if failed and (uneven := uneven_hint(failed[0].get("module"), failed[0]["split"], failed[0].get("head_dims", {}))):
         return [uneven], 0  # a TP degree that does not divide a projection's heads: no recipe helps
     tries = Tries(lambda swaps: _run(replace(spec, swaps=swaps), ref, tol, result), MAX_TRIES,
-                              lambda swap, trial, t_ranks, out: _partial_hints(replace(spec, swaps=(swap,)), ref, tol,
-                                                                               trial, t_ranks, None, out),
+                              lambda swaps, trial, t_ranks, out: _partial_hints(replace(spec, swaps=swaps), ref, tol,
+                                                                                trial, t_ranks, None, out),
                               list(dict.fromkeys(k[0] for k in ref["outputs"][0])) if ref.get("outputs") else [])
     if failed and (said := raised(failed[0], ref.get("grads", {}), tries)) is not None:
         return said  # a RowwiseParallel Linear handed its whole input, or a whole one handed its part

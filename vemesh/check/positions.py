@@ -18,13 +18,21 @@ from vemesh.check.whole_input import Tries
 __all__ = ["positions_hint", "positions_recipe", "sequence_positions_hint"]
 
 
-def _mismatch(tp: int, failed: list[dict]) -> tuple[int, int] | None:
+def _mismatch(tp: int, failed: list[dict], ref: dict) -> tuple[int, int] | None:
     """(part, whole) where a run's forward raised on a tensor of a part of the sequence against one TP times as long,
-    under a plan that shards the sequence; else None."""
-    if not failed or not failed[0].get("went", {}).get("sequence"):
+    under a plan that shards the sequence; else None. The whole is the sequence's length or a TP rank's part of it
+    (one TP times as long as the other, twice cut), by the one-process output of the module that shards it: not
+    features that TP splits (OLMo 2's norm over a projection's whole width)."""
+    went = failed[0].get("went", {}) if failed else {}
+    if not went.get("sequence"):
         return None
     sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", failed[0]["message"])
     part, whole = sorted(map(int, sizes.groups())) if sizes else (0, 0)
+    dim = went.get("sequence_dim", [1])[0]
+    length = next((t.shape[dim] for (n, _, _), t in (ref.get("outputs") or [{}])[0].items()
+                   if n == went["sequence"][0] and t.dim() > dim), None)
+    if length is not None and not any(whole * tp ** k == length for k in range(3)):
+        return None
     return (part, whole) if sizes and whole == part * tp else None
 
 
@@ -36,7 +44,7 @@ def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict], tries: Tr
     of the hidden states it holds, each TP rank's part (Hugging Face's decoders number them from the embedding's
     output). The hints and the runs made, or None."""
     tp = spec.degrees["TP"]
-    if tp == 1 or (sizes := _mismatch(tp, failed)) is None:
+    if tp == 1 or (sizes := _mismatch(tp, failed, ref)) is None:
         return None
     part, whole = sizes
     arg = ref.get("positions_arg")
@@ -52,11 +60,21 @@ def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict], tries: Tr
     if (ungathered := _ungathered(where or "", went)) is None:
         return [f"{said}, and {numbered}"], 0
     holders, norms, text = ungathered
-    trial, _, t_failed, now = tries.run((Swap(holders, 1, "sequence-gathered"), Swap(norms, 1, "sequence-norms")))
-    outcome = ("makes the check exact" if trial.exact else f"then the forward raised on {part} positions against "
-               f"{whole} again: {numbered}" if _mismatch(tp, t_failed) else went_wrong(trial, now))
+    swaps = (Swap(holders, 1, "sequence-gathered"), Swap(norms, 1, "sequence-norms"))
+    trial, t_ranks, t_failed, now = tries.run(swaps)
+    more: list[str] = []
+    runs, exact = tries.gradients(swaps, trial, t_ranks, more) if (
+        t_ranks and trial.first_module is None and not trial.error and trial.gradients and not trial.broken_ties) \
+        else (0, False)
+    outcome = ("makes the check exact" if trial.exact else f"every output then matches, and with the gradients' "
+               f"recipe{'s' * (len(more) > 1)} below {'it is exact' if exact else 'gradients still differ'}" if more
+               else f"then the forward raised on {part} positions against {whole} again: {numbered}"
+               if _mismatch(tp, t_failed, ref) else went_wrong(trial, now)) + "".join(
+        f"; and the plan broke a tie: {' and '.join(names)} are one parameter in the model as built and several after "
+        "parallelize (shard both ends the same way with vemesh.parallel.parallelize_module, or re-tie them)"
+        for names in trial.broken_ties[:1])
     return [f"{said}{text}. Tried: the sequence gathered into {_some(holders)} and SequenceParallel() on "
-            f"{_some(norms) if norms else 'no norm (none found)'}: {outcome}"], 1
+            f"{_some(norms) if norms else 'no norm (none found)'}: {outcome}", *more], 1 + runs
 
 
 def _some(names: tuple[str, ...]) -> str:
@@ -78,7 +96,8 @@ def _ungathered(where: str, went: dict) -> tuple[tuple[str, ...], tuple[str, ...
     gathers = set(went.get("gathers", []))
     holders = tuple(dict.fromkeys(n.rpartition(".")[0] for n in went["colwise"] if n not in gathers))
     here = [h for h in holders if inside(h, where) or inside(where, h)]
-    return holders, tuple(went.get("norms", [])), (
+    norms = tuple(n for n in went.get("norms", []) if not any(inside(n, h) for h in holders))  # not a head's norm
+    return holders, norms, (
         f", and nothing gathers it back before the ColwiseParallel Linears that take the whole sequence "
         f"({', '.join(cols[:3])}{', ...' if len(cols) > 3 else ''}). torchtitan's sequence-parallel plan gathers "
         f"it on the modules that hold them: PrepareModuleInput(input_layouts=(Shard(1),), "

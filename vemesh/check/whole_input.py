@@ -44,13 +44,13 @@ __all__ = ["Tries", "WholeInput", "candidate", "diagnose", "raised", "siblings"]
 @dataclass(frozen=True)
 class Tries:
     """How the check runs a recipe: ``run(swaps)`` gives the run's result, its ranks' records and errors, and where it
-    went wrong; at most ``left`` runs; ``gradients(swap, trial, ranks, hints)`` adds the gradients' recipes' hints
-    with ``swap`` kept and gives (its runs, whether one was exact); ``order``: the modules as the one-process run
+    went wrong; at most ``left`` runs; ``gradients(swaps, trial, ranks, hints)`` adds the gradients' recipes' hints
+    with ``swaps`` kept and gives (its runs, whether one was exact); ``order``: the modules as the one-process run
     made their outputs."""
 
     run: Callable[[tuple[Swap, ...]], tuple]
     left: int
-    gradients: Callable[[Swap, Any, list, list], tuple[int, bool]]
+    gradients: Callable[[tuple[Swap, ...], Any, list, list], tuple[int, bool]]
     order: list[str]
 
 
@@ -197,7 +197,7 @@ def diagnose(fed: WholeInput, tries: Tries) -> tuple[list[str], int]:
             return [hint(fed, tried)], len(tried)
         if ranks and trial.first_module is None and not trial.error and trial.gradients:  # the forward matched
             more: list[str] = []
-            runs, exact = tries.gradients(swap, trial, ranks, more)
+            runs, exact = tries.gradients((swap,), trial, ranks, more)
             if exact:
                 return [hint(fed, tried, gradients=True), *more], len(tried) + runs
             break

@@ -134,6 +134,13 @@ def test_hf_llama_under_sequence_parallelism_without_its_gathers_is_told_to_gath
         "length of the hidden states it holds (Hugging Face's decoders make their position ids, rotary tables and "
         "causal mask from the embedding's output) numbers the part. Give it the whole sequence's positions: "
         "model(x, position_ids=torch.arange(T).unsqueeze(0)) in the step"), both.hints
+    # Qwen3's norms over each head's queries and keys, inside the attention: not the sequence's norms; with the
+    # sequence gathered, only their gradients differ, and the gradients' recipe then makes the check exact
+    qwen3 = check(f"module:{HF}:make_qwen3", f"{HF}:parallelize_sp_ungathered", f"{HF}:step_positions", world_size=2,
+                  tp=2)
+    assert "and the 3 others alike: every output then matches, and with the gradients' recipe below it is exact" \
+        in qwen3.hints[0] and "q_norm" not in qwen3.hints[0].partition("Tried:")[2], qwen3.hints
+    assert "SequenceParallel(sequence_dim=2, use_local_output=True) on them makes the check exact" in qwen3.hints[1]
 
 
 @pytest.mark.slow
