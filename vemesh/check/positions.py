@@ -73,7 +73,8 @@ def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict], tries: Tr
         f"; and the plan broke a tie: {' and '.join(names)} are one parameter in the model as built and several after "
         "parallelize (shard both ends the same way with vemesh.parallel.parallelize_module, or re-tie them)"
         for names in trial.broken_ties[:1])
-    return [f"{said}{text}. Tried: the sequence gathered into {_some(holders)} and SequenceParallel() on "
+    return [f"{said}{text}. Tried: the sequence gathered into {_some(holders)} and SequenceParallel(use_local_output="
+            f"True) on "
             f"{_some(norms) if norms else 'no norm (none found)'}: {outcome}", *more], 1 + runs
 
 
@@ -102,7 +103,8 @@ def _ungathered(where: str, went: dict) -> tuple[tuple[str, ...], tuple[str, ...
         f"({', '.join(cols[:3])}{', ...' if len(cols) > 3 else ''}). torchtitan's sequence-parallel plan gathers "
         f"it on the modules that hold them: PrepareModuleInput(input_layouts=(Shard(1),), "
         f"desired_input_layouts=(Replicate(),)) on {' and '.join(here[:2])} (input_kwarg_layouts where the "
-        "forward takes the hidden states by name), and SequenceParallel() on the norms between, in each block; "
+        "forward takes the hidden states by name), and SequenceParallel() on the norms between, in each block "
+        "(use_local_output=True where a norm's output joins the plain residual stream, after the attention); "
         "or, for no sequence parallelism, no sharded output on a RowwiseParallel and no sharded input on a "
         "ColwiseParallel")
 

@@ -276,7 +276,8 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
                          any(True for _ in m.parameters(recurse=False)) and not _on_tp(next(m.parameters()))]
     for name in [*sequence_norms, *gather_into]:
         if name in sequence_norms:
-            SequenceParallel(sequence_dim=went["sequence_dim"][0])._apply(modules[name], meshes[0])
+            style = SequenceParallel(sequence_dim=went["sequence_dim"][0], use_local_output=True)  # a plain part out
+            style._apply(modules[name], meshes[0])
         else:
             modules[name].register_forward_pre_hook(gathered_sequence(meshes[0], went["sequence_dim"][0]),
                                                     with_kwargs=True)

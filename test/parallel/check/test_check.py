@@ -125,7 +125,7 @@ def test_hf_llama_under_sequence_parallelism_without_its_gathers_is_told_to_gath
     assert "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on " \
            "model.layers.0.self_attn" in hint and "SequenceParallel() on the norms" in hint, hint
     assert hint.endswith("Tried: the sequence gathered into model.layers.0.self_attn, model.layers.0.mlp and the 10 "
-                         "others alike and SequenceParallel() on model.layers.0.input_layernorm, "
+                         "others alike and SequenceParallel(use_local_output=True) on model.layers.0.input_layernorm, "
                          "model.layers.0.post_attention_layernorm and the 11 others alike: makes the check exact"), hint
     assert "position_ids" not in hint, hint
     both = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_ungathered", f"{HF}:step", world_size=2, tp=2)
