@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from vemesh.check.recipes import Swap
-from vemesh.check.result import CheckResult, went_wrong
+from vemesh.check.result import CheckResult, _some, went_wrong
 from vemesh.check.run import Spec
 from vemesh.check.whole_input import Tries
 
@@ -63,23 +63,26 @@ def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict], tries: Tr
     swaps = (Swap(holders, 1, "sequence-gathered"), Swap(norms, 1, "sequence-norms"))
     trial, t_ranks, t_failed, now = tries.run(swaps)
     more: list[str] = []
-    runs, exact = tries.gradients(swaps, trial, t_ranks, more) if (
-        t_ranks and trial.first_module is None and not trial.error and trial.gradients and not trial.broken_ties) \
-        else (0, False)
-    outcome = ("makes the check exact" if trial.exact else f"every output then matches, and with the gradients' "
-               f"recipe{'s' * (len(more) > 1)} below {'it is exact' if exact else 'gradients still differ'}" if more
-               else f"then the forward raised on {part} positions against {whole} again: {numbered}"
-               if _mismatch(tp, t_failed, ref) else went_wrong(trial, now)) + "".join(
-        f"; and the plan broke a tie: {' and '.join(names)} are one parameter in the model as built and several after "
-        "parallelize (shard both ends the same way with vemesh.parallel.parallelize_module, or re-tie them)"
-        for names in trial.broken_ties[:1])
-    return [f"{said}{text}. Tried: the sequence gathered into {_some(holders)} and SequenceParallel(use_local_output="
-            f"True) on "
-            f"{_some(norms) if norms else 'no norm (none found)'}: {outcome}", *more], 1 + runs
-
-
-def _some(names: tuple[str, ...]) -> str:
-    return ", ".join(names[:2]) + (f" and the {len(names) - 2} others alike" if len(names) > 2 else "")
+    if t_ranks and trial.first_module is None and not trial.error and trial.gradients and not trial.broken_ties:
+        runs, exact = tries.gradients(swaps, trial, t_ranks, more)  # the forward matched: the gradients' recipes
+    else:
+        runs, exact = 0, False
+    if trial.exact:
+        outcome = "makes the check exact"
+    elif more:
+        outcome = (f"every output then matches, and with the gradients' recipe{'s' * (len(more) > 1)} below "
+                   + ("it is exact" if exact else "gradients still differ"))
+    elif _mismatch(tp, t_failed, ref):
+        outcome = f"then the forward raised on {part} positions against {whole} again: {numbered}"
+    else:
+        outcome = went_wrong(trial, now)
+    for names in trial.broken_ties[:1]:
+        outcome += (f"; and the plan broke a tie: {' and '.join(names)} are one parameter in the model as built and "
+                    "several after parallelize (shard both ends the same way with vemesh.parallel.parallelize_module, "
+                    "or re-tie them)")
+    return [f"{said}{text}. Tried: the sequence gathered into {_some(holders, 2)} and "
+            f"SequenceParallel(use_local_output=True) on {_some(norms, 2) if norms else 'no norm (none found)'}: "
+            f"{outcome}", *more], 1 + runs
 
 
 def _ungathered(where: str, went: dict) -> tuple[tuple[str, ...], tuple[str, ...], str] | None:
@@ -98,10 +101,11 @@ def _ungathered(where: str, went: dict) -> tuple[tuple[str, ...], tuple[str, ...
     holders = tuple(dict.fromkeys(n.rpartition(".")[0] for n in went["colwise"] if n not in gathers))
     here = [h for h in holders if inside(h, where) or inside(where, h)]
     norms = tuple(n for n in went.get("norms", []) if not any(inside(n, h) for h in holders))  # not a head's norm
+    dim = went.get("sequence_dim", [1])[0]
     return holders, norms, (
         f", and nothing gathers it back before the ColwiseParallel Linears that take the whole sequence "
         f"({', '.join(cols[:3])}{', ...' if len(cols) > 3 else ''}). torchtitan's sequence-parallel plan gathers "
-        f"it on the modules that hold them: PrepareModuleInput(input_layouts=(Shard(1),), "
+        f"it on the modules that hold them: PrepareModuleInput(input_layouts=(Shard({dim}),), "
         f"desired_input_layouts=(Replicate(),)) on {' and '.join(here[:2])} (input_kwarg_layouts where the "
         "forward takes the hidden states by name), and SequenceParallel() on the norms between, in each block "
         "(use_local_output=True where a norm's output joins the plain residual stream, after the attention); "

@@ -124,9 +124,9 @@ def test_hf_llama_under_sequence_parallelism_without_its_gathers_is_told_to_gath
            "(model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj)" in hint
     assert "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on " \
            "model.layers.0.self_attn" in hint and "SequenceParallel() on the norms" in hint, hint
-    assert hint.endswith("Tried: the sequence gathered into model.layers.0.self_attn, model.layers.0.mlp and the 10 "
-                         "others alike and SequenceParallel(use_local_output=True) on model.layers.0.input_layernorm, "
-                         "model.layers.0.post_attention_layernorm and the 11 others alike: makes the check exact"), hint
+    assert hint.endswith("Tried: the sequence gathered into model.layers.0.self_attn, model.layers.0.mlp and 10 more "
+                         "and SequenceParallel(use_local_output=True) on model.layers.0.input_layernorm, "
+                         "model.layers.0.post_attention_layernorm and 11 more: makes the check exact"), hint
     assert "position_ids" not in hint, hint
     both = check(f"module:{HF}:make_llama", f"{HF}:parallelize_sp_ungathered", f"{HF}:step", world_size=2, tp=2)
     assert "nothing gathers it back" in both.hints[0] and both.hints[0].endswith(
@@ -138,7 +138,7 @@ def test_hf_llama_under_sequence_parallelism_without_its_gathers_is_told_to_gath
     # sequence gathered, only their gradients differ, and the gradients' recipe then makes the check exact
     qwen3 = check(f"module:{HF}:make_qwen3", f"{HF}:parallelize_sp_ungathered", f"{HF}:step_positions", world_size=2,
                   tp=2)
-    assert "and the 3 others alike: every output then matches, and with the gradients' recipe below it is exact" \
+    assert "and 3 more: every output then matches, and with the gradients' recipe below it is exact" \
         in qwen3.hints[0] and "q_norm" not in qwen3.hints[0].partition("Tried:")[2], qwen3.hints
     assert "SequenceParallel(sequence_dim=2, use_local_output=True) on them makes the check exact" in qwen3.hints[1]
 
