@@ -149,6 +149,18 @@ def step_positions(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
     return loss.detach()
 
 
+def step_causal_mask(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """:func:`step_positions` with the whole sequence's causal mask given too, 4-D (``(batch, 1, T, T)``, 0 where a
+    query sees a key, -inf elsewhere): a model whose eager attention adds a mask it made from the length of the
+    hidden states it holds (Gemma 2) gets the whole one."""
+    tokens = torch.randint(0, VOCAB, (micro_batch_size, SEQ + 1))
+    mask = torch.full((SEQ, SEQ), float("-inf")).triu(1)[None, None].expand(micro_batch_size, 1, SEQ, SEQ)
+    logits = model(input_ids=tokens[:, :-1], position_ids=torch.arange(SEQ).unsqueeze(0), attention_mask=mask).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach()
+
+
 def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
     """One forward and backward of ``micro_batch_size`` sequences: HF's logits, the next-token loss."""
     tokens = torch.randint(0, VOCAB, (micro_batch_size, SEQ + 1))

@@ -72,6 +72,12 @@ def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict], tries: Tr
     elif more:
         outcome = (f"every output then matches, and with the gradients' recipe{'s' * (len(more) > 1)} below "
                    + ("it is exact" if exact else "gradients still differ"))
+    elif _mismatch(tp, t_failed, ref) and (masked := re.search(r" in (\w*attention\w*): ", t_failed[0]["message"])):
+        outcome = (f"then {masked[1]} raised on {part} positions against {whole}: the attention adds a causal mask "
+                   "that the model made from the length of the hidden states it holds, each TP rank's part (Gemma 2's "
+                   "eager attention, whose position_ids do not change it). Give it the whole sequence's mask: a 4-D "
+                   "attention_mask of shape (batch, 1, T, T), 0 where a query sees a key and -inf elsewhere, with the "
+                   "whole sequence's positions")
     elif _mismatch(tp, t_failed, ref):
         outcome = f"then the forward raised on {part} positions against {whole} again: {numbered}"
     else:

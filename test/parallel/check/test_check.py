@@ -144,6 +144,25 @@ def test_hf_llama_under_sequence_parallelism_without_its_gathers_is_told_to_gath
 
 
 @pytest.mark.slow
+def test_hf_gemma2_under_an_ungathered_sequence_parallel_plan_is_told_to_give_the_whole_causal_mask() -> None:
+    """Gemma 2 (eager attention only) adds a causal mask it made from the length of the hidden states it holds: with
+    the sequence gathered and the whole sequence's position_ids, its attention still met the part's mask, and the
+    hint said to give positions the step already gave. It says to give the whole mask; with it the tried plan is
+    exact."""
+    survey = str(ROOT / "bench" / "hf_check_sp_survey.py")
+    args = (f"module:{survey}:make", f"{survey}:sp_ungathered")
+    wrong = check(*args, f"{survey}:step", world_size=2, tp=2, model_kwargs={"name": "gemma2"})
+    assert wrong.hints[0].endswith(
+        "then eager_attention_forward raised on 64 positions against 128: the attention adds a causal mask that the "
+        "model made from the length of the hidden states it holds, each TP rank's part (Gemma 2's eager attention, "
+        "whose position_ids do not change it). Give it the whole sequence's mask: a 4-D attention_mask of shape "
+        "(batch, 1, T, T), 0 where a query sees a key and -inf elsewhere, with the whole sequence's positions"), \
+        wrong.hints
+    masked = check(*args, f"{HF}:step_causal_mask", world_size=2, tp=2, model_kwargs={"name": "gemma2"})
+    assert masked.hints[0].endswith("makes the check exact"), masked.hints
+
+
+@pytest.mark.slow
 def test_hf_gpt2_under_cp_without_its_positions_cut_names_its_learned_position_embedding() -> None:
     """GPT-2's positions index a learned embedding (``wpe``, which holds parameters): without position_ids cut with
     the tokens it is the first module that differs, and the positions hint names it; with them the check is exact."""
