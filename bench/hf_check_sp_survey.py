@@ -2,8 +2,9 @@
 
 A first sequence-parallel plan shards the outputs (torchtitan's Llama plan without what gathers the sequence back):
 the embedding's ``RowwiseParallel`` and each block's ``o_proj`` and ``down_proj`` give each TP rank its part of the
-sequence (``Shard(1)``), ``q``/``k``/``v`` and ``gate``/``up`` are plain ``ColwiseParallel``, and there is no
-``PrepareModuleInput`` on the attention or the MLP and no ``SequenceParallel`` on the norms (:func:`sp_ungathered`). The
+sequence (``Shard(1)``), ``q``/``k``/``v`` and ``gate``/``up`` (or a fused ``gate_up_proj``) are plain
+``ColwiseParallel``, and there is no ``PrepareModuleInput`` on the attention or the MLP and no ``SequenceParallel`` on
+the norms (:func:`sp_ungathered`). The
 step gives the whole sequence's ``position_ids``. The check names what is missing and tries the plan completed (the
 sequence gathered into the modules that hold the ``ColwiseParallel`` Linears, the norms under ``SequenceParallel``),
 then the gradients' recipes with it kept; each row says whether that made the check exact, and where not, how the
@@ -57,7 +58,8 @@ def sp_ungathered(model: nn.Module, mesh: Any) -> nn.Module:
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
     for layer in model.model.layers:
         plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-        plan.update({f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj") if hasattr(layer.mlp, p)})
+        plan.update({f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj", "gate_up_proj")
+                     if hasattr(layer.mlp, p)})
         plan.update({"self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
                      "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
         parallelize_module(layer, tp, plan)

@@ -80,6 +80,9 @@ def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict], tries: Tr
                    "whole sequence's positions")
     elif _mismatch(tp, t_failed, ref):
         outcome = f"then the forward raised on {part} positions against {whole} again: {numbered}"
+    elif trial.first_module is not None:  # past the sequence's gathers, another cause: its own hint, once completed
+        outcome = (f"the run then {went_wrong(trial, now)}, past where it raised: another cause; complete the plan as "
+                   "above and check again for its hint")
     else:
         outcome = went_wrong(trial, now)
     for names in trial.broken_ties[:1]:
