@@ -90,6 +90,35 @@ def parallelize_forgot_tp(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def parallelize_hf_checkpointed(model: nn.Module, mesh) -> nn.Module:
+    """HF's own activation checkpointing of each decoder layer (which turns its cache off), nothing else (one rank)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def make_cohere() -> nn.Module:
+    """HF's ``CohereForCausalLM``: its attention and MLP side by side in each block (both read the block's input and
+    are added to it), 2 layers of width 256, SDPA attention."""
+    return hf.CohereForCausalLM(hf.CohereConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
+                                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                                max_position_embeddings=SEQ, pad_token_id=0,
+                                                attn_implementation="sdpa"))
+
+
+def parallelize_tp_checkpointed(model: nn.Module, mesh, early_stop: bool = True) -> nn.Module:
+    """HF's TP plan under HF's own activation checkpointing of each decoder layer (torch's non-reentrant checkpoint,
+    which stops its recompute at the last tensor the backward needs, unless ``early_stop`` is False)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "early_stop": early_stop})
+    _tp(model, mesh)
+    return model
+
+
+def parallelize_tp_checkpointed_whole(model: nn.Module, mesh) -> nn.Module:
+    """:func:`parallelize_tp_checkpointed`, each block recomputed whole (``early_stop=False``)."""
+    return parallelize_tp_checkpointed(model, mesh, early_stop=False)
+
+
 def parallelize_tp(model: nn.Module, mesh) -> nn.Module:
     """HF's TP plan alone (TP the whole mesh: nothing to average)."""
     _tp(model, mesh)

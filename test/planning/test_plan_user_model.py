@@ -622,6 +622,48 @@ def test_hugging_faces_llama_is_planned_through_torchs_schedule_on_vemeshs_decod
         assert c["activations"] > 0 and "PP" in c["bytes_per_step"] and "TP" in c["bytes_per_step"]
 
 
+def test_where_transformers_takes_its_tracing_branch_on_the_plans_fake_tensors_the_plan_says_so(capsys) -> None:
+    """HF's Llama without a cache (under its gradient checkpointing) asks whether its position ids are traced before it
+    reads them, and counts a fake tensor as traced: the plan builds the 4-D mask that a run of unpadded batches leaves
+    to SDPA, and says so, naming the function; with the cache on it reads nothing, and nothing is said."""
+    import transformers  # noqa: F401  (the test extra)
+
+    hf = str(REPO / "test" / "models" / "hf_jobs.py")
+    said = {}
+    for parallelize in ("parallelize_hf_checkpointed", "parallelize_forgot_tp"):
+        code, out, err = _cli(capsys, "--model", f"module:{hf}:make_llama", "--parallelize", f"{hf}:{parallelize}",
+                              "--step", f"{hf}:step", "--world-size", "1", "--global-batch-size", "1",
+                              "--device-type", "cpu", "--json")
+        assert code == 0, err
+        said[parallelize] = [n for n in json.loads(out)["notes"] if n.startswith("transformers took")]
+    (note,) = said["parallelize_hf_checkpointed"]
+    assert "its tracing branch in find_packed_sequence_indices" in note and "the plan builds the 4-D mask" in note
+    assert said["parallelize_forgot_tp"] == []
+    assert not isinstance(sys.modules["transformers.utils.import_utils"].is_fake_tensor.__closure__, tuple)  # restored
+
+
+def test_a_tp_collective_that_a_checkpoints_recompute_leaves_unread_is_said_as_the_leak_it_is(capsys) -> None:
+    """HF's Cohere runs each block's attention and MLP side by side. Under TP and torch's non-reentrant checkpoint,
+    the recompute stops at the last tensor the backward needs, after the attention's all-reduce was issued and
+    before anything reads it: never waited on, it stays in torch's work registry, 2 MiB more every step (a run of
+    these functions on 2 gloo ranks grows 2,097,152 bytes a step; BENCHMARKS.md). The plan says so, with the
+    bytes; recomputing whole blocks (``early_stop=False``) leaks nothing, and nothing is said."""
+    import transformers  # noqa: F401  (the test extra)
+
+    hf = str(REPO / "test" / "models" / "hf_jobs.py")
+    said = {}
+    for parallelize in ("parallelize_tp_checkpointed", "parallelize_tp_checkpointed_whole"):
+        code, out, err = _cli(capsys, "--model", f"module:{hf}:make_cohere", "--parallelize", f"{hf}:{parallelize}",
+                              "--step", f"{hf}:step", "--world-size", "2", "--tp", "2", "--global-batch-size", "8",
+                              "--dp-mode", "ddp", "--device-type", "cpu", "--json")
+        assert code == 0, err
+        said[parallelize] = [n for n in json.loads(out)["notes"] if n.startswith("MEMORY LEAK")]
+    (leak,) = said["parallelize_tp_checkpointed"]
+    assert leak.startswith("MEMORY LEAK: each step issues 2 collectives (2.00 MiB) that nothing waits on"), leak
+    assert "early_stop=False" in leak
+    assert said["parallelize_tp_checkpointed_whole"] == []
+
+
 def test_hsdp_under_tp_is_planned_and_its_byte_columns_keep_their_names_apart(capsys) -> None:
     """A user's FSDP2 function on ``--dp-replicate 2`` (HSDP) beside TP 2: planned (vemesh's fully_shard once read
     a 2-D mesh's ranks through a fake tensor under the plan), and the bytes table's header keeps ``TP`` and

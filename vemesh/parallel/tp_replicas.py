@@ -7,17 +7,20 @@ norm of a sequence-parallel region left unstyled), its gradient is this rank's p
 differently, and the replicas drift apart without a word (as they do when the TP ranks are given different inputs).
 :func:`check_tp_gradients` compares, over the TP group, each such parameter's values and gradient (their sums and
 sums of squares, in fp64): the same values but not the same gradient raises, on every rank. Parameters whose values
-differ across TP (a user's own TP slices) are left out.
+differ across TP (a user's own TP slices) are left out. At the same moment :func:`warn_unwaited` warns where a
+functional collective of the step was never waited on (a leak that grows every step).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 
-__all__ = ["TPReplicaError", "check_tp_gradients", "tp_group_beside"]
+__all__ = ["TPReplicaError", "check_tp_gradients", "tp_group_beside", "warn_unwaited"]
 
 
 class TPReplicaError(RuntimeError):
@@ -45,6 +48,30 @@ def tp_group_beside(data_ranks: set[int]) -> dist.ProcessGroup | None:
     return tp
 
 
+#: whether :func:`warn_unwaited` has warned in this process (it warns once)
+_WARNED: list[bool] = []
+
+
+def warn_unwaited() -> None:
+    """Warn, once a process, where torch's functional collectives issued so far were never waited on (by the
+    first optimizer step every one a step issues has been read). torch's work registry holds each such output
+    until it is waited on, which it never is, so the run's memory grows by them every step."""
+    waiting = torch._C._distributed_c10d._get_work_registry_size()
+    if waiting == 0 or _WARNED:
+        return
+    _WARNED.append(True)
+    warnings.warn(
+        f"vemesh: MEMORY LEAK: {waiting} collective{'s' if waiting > 1 else ''} issued in this step "
+        f"{'were' if waiting > 1 else 'was'} never waited on, and torch's work registry holds each until it is, so "
+        "memory grows every step until the run fails. Likeliest: a TP collective that activation checkpointing's "
+        "recompute issues before the last tensor the backward needs, whose result is read only after it "
+        "(torch.utils.checkpoint stops there; pytorch/torchtitan issue 2763), as in a block whose attention and MLP "
+        "run side by side. Recompute whole blocks: checkpoint(..., use_reentrant=False, early_stop=False) (Hugging "
+        "Face: gradient_checkpointing_kwargs={'use_reentrant': False, 'early_stop': False}); `vemesh plan` says the "
+        "bytes",
+        RuntimeWarning)
+
+
 @torch.no_grad()
 def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | None]], tp: dist.ProcessGroup,
                        data: list[dist.ProcessGroup], opt_out: str, rtol: float = 1e-3) -> None:
@@ -55,6 +82,7 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
         data: the data groups the verdict is agreed over too, so that no rank goes on alone.
         opt_out: how to turn the check off, for the error.
     """
+    warn_unwaited()
     # on the groups' device (nccl takes CUDA tensors only), one row per entry on every rank whatever its gradient
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp) == "nccl" else torch.device("cpu")
     zero = torch.zeros((), dtype=torch.float64, device=device)

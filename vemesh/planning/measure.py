@@ -20,6 +20,7 @@ on, since the first also runs one-time work. :mod:`vemesh.planning.fit` predicts
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -131,6 +132,9 @@ class CollectiveBytes(TorchDispatchMode):
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.counting = False
         self.fed = FedMatmuls(self.by_op)  #: which gathers and scatters async TP would overlap with their matmuls
+        #: the outputs of torch's functional collectives that no op has read yet: id -> (a weak reference, bytes); in
+        #: a run one never read is never waited on, and torch's work registry holds it (:meth:`unwaited`)
+        self.pending: dict[int, tuple[Any, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if device_query(func, args):
@@ -138,6 +142,8 @@ class CollectiveBytes(TorchDispatchMode):
         if any(t is DTensor for t in types):  # let DTensor turn itself into local ops and collectives first
             return NotImplemented
         result = func(*args, **(kwargs or {}))
+        if self.pending or func.namespace == "_c10d_functional":
+            self._watch_reads(func, args, result)
         if self.counting:
             self.fed.see(func, args, result)
         if self.counting and func in collective_ops and func not in _NOT_COUNTED and not _on_meta(args):
@@ -156,6 +162,36 @@ class CollectiveBytes(TorchDispatchMode):
             self.fed.counted(func, result, name, key, size)
             self.groups[name] = group
         return result
+
+
+    def _watch_reads(self, func: Any, args: tuple, result: Any) -> None:
+        """Each functional collective's output, until an op reads it. Under fake tensors torch waits on it at once
+        (``_functional_collectives._are_we_tracing``); in a run it is an ``AsyncCollectiveTensor``, waited on when
+        an op first reads it (a view keeps it pending), so one that no op reads is never waited on."""
+        outputs = result if isinstance(result, (list, tuple)) else (result,)
+        if func.namespace == "_c10d_functional" and func is not torch.ops._c10d_functional.wait_tensor.default:
+            for t in outputs:
+                if isinstance(t, torch.Tensor):
+                    self.pending[id(t)] = (weakref.ref(t), t.untyped_storage().nbytes())
+            return
+        passes = func is torch.ops._c10d_functional.wait_tensor.default or func is torch.ops.aten.view.default
+        for a in args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                held = self.pending.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if held is None or held[0]() is not t:
+                    continue
+                del self.pending[id(t)]
+                if passes and isinstance(result, torch.Tensor):  # still not read: the wait's output, or a view
+                    self.pending[id(result)] = (weakref.ref(result), held[1])
+
+    def unwaited(self) -> tuple[int, int]:
+        """``(calls, bytes)`` of the functional collectives issued since the last call whose output no op read, and
+        forgets them. In a run such an output is never waited on, and torch's work registry holds it: a TP collective
+        that a non-reentrant checkpoint's recompute issues before the last tensor it needs (it stops there) and
+        whose result is read only after, each step anew (pytorch/torchtitan issue 2763)."""
+        calls, nbytes = len(self.pending), sum(n for _, n in self.pending.values())
+        self.pending.clear()
+        return calls, nbytes
 
 
 def mesh_names(mesh: Any) -> dict[str, str]:

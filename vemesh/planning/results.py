@@ -97,6 +97,12 @@ class Counted:
     compiled: str | None = None  #: the first module the user's functions compiled (:func:`user_code.compiled_module`)
     #: the TP plan entries torch's parallelize_module skipped, once each (:mod:`vemesh.parallel.plan_keys`)
     skipped_plan: tuple[tuple[str, str, str], ...] = ()
+    #: the functions of transformers that took their tracing branch on the plan's fake tensors
+    #: (:mod:`vemesh.planning.library_branches`)
+    branches: tuple[str, ...] = ()
+    #: ``(calls, bytes)`` of the functional collectives a step issued and never waited on (its worst step's):
+    #: held by torch's work registry in a run, step after step (:meth:`CollectiveBytes.unwaited`)
+    unwaited: tuple[int, int] = (0, 0)
 
     @property
     def weights(self) -> int:
@@ -125,6 +131,30 @@ class Counted:
         """Said where torch's parallelize_module skipped entries of the user's TP plan: planned unsharded."""
         return describe(list(self.skipped_plan), "and planned so: the figures are of the model as it would run") \
             if self.skipped_plan else None
+
+    def unwaited_note(self) -> str | None:
+        """Said, first and in capitals, where the step issued collectives that nothing waits on: the run's memory
+        grows by their bytes every step, which a plan of one step does not show."""
+        calls, nbytes = self.unwaited
+        if not calls:
+            return None
+        return (f"MEMORY LEAK: each step issues {calls} collective{'s' if calls > 1 else ''} ({_mib(nbytes)}) that "
+                "nothing waits on, which torch's work registry holds in a run, so its memory grows by that every step "
+                "past this plan's peak until it fails: a TP collective that activation checkpointing's recompute "
+                "issues before the last tensor it needs, whose result is read only after it (torch.utils.checkpoint "
+                "stops there; pytorch/torchtitan issue 2763), as in a block whose attention and MLP run side by side. "
+                "Recompute "
+                "whole blocks: checkpoint(..., use_reentrant=False, early_stop=False) (Hugging Face: "
+                "gradient_checkpointing_kwargs={'use_reentrant': False, 'early_stop': False})")
+
+    def branches_note(self) -> str | None:
+        """Said where transformers counted the plan's fake tensors as a trace and took that branch (its masks)."""
+        if not self.branches:
+            return None
+        return (f"transformers took its tracing branch in {', '.join(self.branches)}: it counts the plan's fake "
+                "tensors (shapes, no values) as a trace and does not read them, so where a run of unpadded, "
+                "unpacked batches leaves the causal mask to SDPA, the plan builds the 4-D mask: the peak may be over "
+                "that run's by the mask and what it costs (vemesh.planning.library_branches)")
 
     @classmethod
     def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:

@@ -53,6 +53,7 @@ from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, mo
 from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
+from vemesh.planning.library_branches import tracing_branches
 from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
@@ -138,7 +139,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     with _rank_model(fns, blocks, world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, pp_rank=pp_rank,
                      dtype=dtype, load_factor=load_factor) as (mesh, routed, box):
         model = box.pop()  # the caller's alone: a stage cut from it drops the rest
-        with chunks_on_demand(), local_shards(), as_traced(device), tracker, contextlib.ExitStack() as held_sends:
+        with chunks_on_demand(), local_shards(), as_traced(device), tracker, contextlib.ExitStack() as held_sends, \
+                tracing_branches() as branches:
             stack = model.get_submodule(blocks[0]) if blocks is not None and pp == 1 else None
             kind = (blocks[0], type(next(model.get_submodule(blocks[0]).children()))) \
                 if blocks is not None and cut_at_blocks else None  # no module held
@@ -171,12 +173,14 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 stepped: list[int] = []
                 dispatched: list[tuple[int, int]] = []
                 counts: list[dict[str, int]] = []
+                unwaited: list[tuple[int, int]] = []
                 for index, n in enumerate(steps):
                     first = "first " if index == 0 else ""  # the first step's own work (shapes, state) is a part too
                     # every count from zero: a pipeline replay's record of an action is the change in each, and none may
                     # carry an earlier step's into the step's first collective on a group (replay_counters)
                     for by_group in (counter.bytes, counter.calls, counter.ops, counter.by_op):
                         by_group.clear()
+                    counter.unwaited()  # from this step's start (measure.CollectiveBytes.unwaited)
                     counter.counting = tracker.in_step = True
                     with step_counters(timed) as (flop_counter, memory_bound):
                         if pp > 1:  # replayed micro-batches advance this step's counters
@@ -207,6 +211,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                     moved.append(memory_bound.bytes)
                     dispatched.append((memory_bound.ops, memory_bound.dtensor_ops))
                     counts.append(memory_bound.counts())
+                    unwaited.append(counter.unwaited())
                     if (line := _unknown(counter, mesh)) is not None:
                         raise ValueError(line)
     phases = {}
@@ -216,7 +221,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
         phases[phase] = (peak, held)
     one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
                                     *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
-                  compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))))
+                  compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))),
+                  branches=tuple(sorted(branches)), unwaited=max(unwaited, key=lambda u: u[1]))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
                       flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
@@ -394,4 +400,5 @@ def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
         notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
     if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
         notes.append(_READ_MODES[counted.dp_mode])
-    return notes + [n for n in (counted.buffers_note(), counted.compiled_note(), counted.skipped_note()) if n is not None]
+    return notes + [n for n in (counted.unwaited_note(), counted.buffers_note(), counted.compiled_note(),
+                                   counted.skipped_note(), counted.branches_note()) if n is not None]

@@ -220,9 +220,74 @@ def norms_over_local_heads(world_size: int, wrap: str = "ddp") -> dict[str, Any]
     return out
 
 
+class _SideBySide(nn.Module):
+    """A block whose attention-like and MLP branches both read its input and are added to it (GPT-J's, Cohere's),
+    under torch's non-reentrant checkpoint."""
+
+    def __init__(self, early_stop: bool) -> None:
+        super().__init__()
+        self.wv, self.wo = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+        self.w1, self.w2 = nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+        self.early_stop = early_stop
+
+    def branches(self, x: torch.Tensor) -> torch.Tensor:
+        attention = self.wo(self.wv(x))
+        mlp = self.w2(F.relu(self.w1(x)))
+        return x + attention + mlp  # the first branch's output read only here, after the second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.branches, x, use_reentrant=False, early_stop=self.early_stop)
+
+
+def side_by_side_checkpointed(world_size: int) -> dict[str, Any]:
+    """TP = 2 with vemesh DDP over two side-by-side blocks under torch's checkpoint: recomputed whole
+    (``early_stop=False``), nothing is left unwaited and nothing is said; stopped early (torch's default), the
+    recompute issues the first branch's all-reduce and stops before anything reads it, torch's work registry holds it
+    every step, and the first averaged backward warns once. Both train as one process does. Run in that order: what
+    the second leaves stays held."""
+    import warnings
+
+    from vemesh.ddp import DistributedDataParallel
+    from vemesh.parallel import tp_replicas
+
+    def make(early_stop: bool) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(256, 32), _SideBySide(early_stop), _SideBySide(early_stop),
+                             nn.Linear(32, 256))
+
+    ref = make(True)
+    ref_losses = _adamw_steps(ref)
+    plan = {"wv": ColwiseParallel(), "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w2": RowwiseParallel()}
+    out: dict[str, Any] = {"loss_diff": 0.0, "param_diff": 0.0}
+    for early_stop in (False, True):
+        ParallelDims(world_size, tp=2, mesh_dims=("DP", "TP")).build("cpu", mesh)
+        tp_replicas._WARNED.clear()
+        try:
+            model = make(early_stop)
+            for block in model[1:3]:
+                parallelize_module(block, mesh["TP"], plan)
+            model = DistributedDataParallel(model)
+            before = torch._C._distributed_c10d._get_work_registry_size()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses = _adamw_steps(model)
+            said = [str(w.message) for w in caught if "MEMORY LEAK" in str(w.message)]
+            held = torch._C._distributed_c10d._get_work_registry_size() - before
+            out["stopped early" if early_stop else "whole"] = {"said": said, "held": held}
+            params = {n.removeprefix("module."): p.full_tensor() if hasattr(p, "full_tensor") else p
+                      for n, p in model.named_parameters()}
+        finally:
+            mesh.reset()
+        out["loss_diff"] = max(out["loss_diff"], *(abs(a - b) for a, b in zip(losses, ref_losses)))
+        out["param_diff"] = max(out["param_diff"], *((params[n] - p).abs().max().item()
+                                                     for n, p in ref.named_parameters()))
+    return out
+
+
 #: name: (degrees, MoE experts, wrapper, optimizer), or a function of the world size that returns the differences
 CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw"), "tp2-attention-on-dtensors": attention_on_dtensors,
-           "tp2-norms-over-local-heads": norms_over_local_heads}
+           "tp2-norms-over-local-heads": norms_over_local_heads,
+           "tp2-side-by-side-checkpointed": side_by_side_checkpointed}
 CASES_4["dp2-tp2-norms-over-local-heads-fsdp2"] = functools.partial(norms_over_local_heads, wrap="fsdp")
 
 

@@ -1,0 +1,52 @@
+"""Where a library's code took another branch on the plan's fake tensors than a run takes on real ones.
+
+A plan runs the user's model on fake tensors: shapes, no values. Hugging Face transformers asks, before it reads a
+tensor's values, whether it is being traced (``transformers.utils.is_tracing``), and it counts a fake tensor as a trace
+(``is_fake_tensor``). So under a plan its masks take the branch of ``torch.compile`` and ``torch.export``: where a run
+reads the batch and finds one sequence a row and no padding, and leaves the mask to SDPA's ``is_causal``, the plan
+builds the 4-D mask (``find_packed_sequence_indices`` when the model makes its own ``position_ids`` without a cache, as
+with ``use_cache=False`` and under ``gradient_checkpointing_enable``; ``_ignore_causal_mask_sdpa`` with an attention
+mask given). HF's Llama under its gradient checkpointing, batches of 4 x 128 tokens: the plan's peak 1.019 of the
+run's (the mask, and the recompute's copies it makes); ``bench/hf_plan_survey.py``.
+
+The plan cannot read values it does not have, and a batch that is padded or packed does make the mask, so the branch
+stays the trace's (over, not under, the run of an unpadded batch); :func:`tracing_branches` records where it was taken,
+and the plan says so (:meth:`~vemesh.planning.results.Counted.branches_note`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["tracing_branches"]
+
+
+@contextlib.contextmanager
+def tracing_branches() -> Iterator[set[str]]:
+    """While open, each function of transformers that asked whether one of the plan's fake tensors is traced is added
+    to the set yielded (its name); nothing else changes. A no-op where transformers is not imported (the user's code
+    imports it: a plan never does)."""
+    found: set[str] = set()
+    module = sys.modules.get("transformers.utils.import_utils")
+    real = getattr(module, "is_fake_tensor", None)
+    if real is None:
+        yield found
+        return
+
+    def is_fake_tensor(x: Any) -> bool:
+        fake = real(x)
+        if fake:
+            caller = sys._getframe(1)
+            if caller.f_code.co_name == "is_tracing":  # the function that asked is_tracing
+                caller = caller.f_back or caller
+            found.add(caller.f_code.co_name)
+        return fake
+
+    module.is_fake_tensor = is_fake_tensor
+    try:
+        yield found
+    finally:
+        module.is_fake_tensor = real
