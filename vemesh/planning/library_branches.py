@@ -10,8 +10,9 @@ mask given). HF's Llama under its gradient checkpointing, batches of 4 x 128 tok
 run's (the mask, and the recompute's copies it makes); ``bench/hf_plan_survey.py``.
 
 The plan cannot read values it does not have, and a batch that is padded or packed does make the mask, so the branch
-stays the trace's (over, not under, the run of an unpadded batch); :func:`tracing_branches` records where it was taken,
-and the plan says so (:meth:`~vemesh.planning.results.Counted.branches_note`).
+stays the trace's: its peak differs from a run of unpadded batches by the mask and what the attention does with it
+(HF's Llama above: over by 2%). :func:`tracing_branches` records where it was taken, and the plan says so
+(:meth:`~vemesh.planning.results.Counted.branches_note`).
 """
 
 from __future__ import annotations

@@ -153,8 +153,9 @@ class Counted:
             return None
         return (f"transformers took its tracing branch in {', '.join(self.branches)}: it counts the plan's fake "
                 "tensors (shapes, no values) as a trace and does not read them, so where a run of unpadded, "
-                "unpacked batches leaves the causal mask to SDPA, the plan builds the 4-D mask: the peak may be over "
-                "that run's by the mask and what it costs (vemesh.planning.library_branches)")
+                "unpacked batches leaves the causal mask to SDPA, the plan builds the 4-D mask: the peak may differ "
+                "from that run's by the mask and what the attention does with it (a few percent over in "
+                "bench/hf_plan_survey.py; vemesh.planning.library_branches)")
 
     @classmethod
     def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:
