@@ -73,7 +73,7 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
             or ("foreach" if job.device == "cuda" else "for-loop"), "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
             "speedups": ({k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")}
                          if job.speed else None), "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
-            "peak": fit.peak, "activations_traced": fit.traced, "notes": list(fit.notes), "classes": [_class_row(c) for c in fit.classes],
+            "peak": fit.peak, "activations_traced": fit.traced, "notes": _notes(fit), "classes": [_class_row(c) for c in fit.classes],
             "how": HOW if fit.notes and fit.notes[0].startswith("pipeline estimated") else HOW_USER}
 
 
@@ -141,7 +141,7 @@ def render_fit(job: Job, fit: MeshFit) -> str:
             lines.append(f"  {c.name:{width}}" + "".join(f"{c.sent.get(k, 0) / sdiv:{n}.2f}" for k, n in zip(dims, cols)))
     else:
         lines.append("no collectives: a single rank")
-    lines.extend(f"note: {n}" for n in fit.notes)
+    lines.extend(f"note: {n}" for n in _notes(fit))
     return "\n".join(lines)
 
 
@@ -332,3 +332,8 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "profile (a100-sxm-80gb, h100-sxm, h200-sxm, h100-hbm2e-500w: published specifications) or a JSON file "
                      "(vemesh calibrate --output FILE measures this machine); with --devices-per-host placing the "
                      "mesh on hosts (default: the profile's)")
+
+
+def _notes(fit: MeshFit) -> list[str]:
+    """``fit``'s notes, a memory leak first (its figures are of one step, and the run's grow past them)."""
+    return sorted(fit.notes, key=lambda n: not n.startswith("MEMORY LEAK"))

@@ -391,7 +391,7 @@ def predict_user(fns: UserFunctions, **job: Any) -> Any:
 def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
     """What a plan of the user's functions assumed, said with its figures: the MoE routing, ZeRO-1's masters, the dp
     mode read from the wrappers."""
-    notes = []
+    notes = [n for n in (counted.unwaited_note(),) if n is not None]  # a leak first: the figures are of one step
     if counted.moe:
         notes.append(f"MoE routing: each expert gets an equal share of the slots, and the busiest EP rank receives "
                      f"{kwargs['load_factor']:g} x the balanced share (--moe-load-factor; 1 is balanced, a run's "
@@ -400,5 +400,5 @@ def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
         notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
     if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
         notes.append(_READ_MODES[counted.dp_mode])
-    return notes + [n for n in (counted.unwaited_note(), counted.buffers_note(), counted.compiled_note(),
-                                   counted.skipped_note(), counted.branches_note()) if n is not None]
+    return notes + [n for n in (counted.buffers_note(), counted.compiled_note(), counted.skipped_note(),
+                                   counted.branches_note()) if n is not None]
