@@ -96,13 +96,18 @@ def parallelize_hf_checkpointed(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def make_cohere() -> nn.Module:
+def make_cohere(layers: int = 2) -> nn.Module:
     """HF's ``CohereForCausalLM``: its attention and MLP side by side in each block (both read the block's input and
     are added to it), 2 layers of width 256, SDPA attention."""
     return hf.CohereForCausalLM(hf.CohereConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
-                                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                                num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                                                 max_position_embeddings=SEQ, pad_token_id=0,
                                                 attn_implementation="sdpa"))
+
+
+def make_cohere_deep() -> nn.Module:
+    """:func:`make_cohere` with 8 layers (a plan traces 3 and 4 of them and adds the rest by difference)."""
+    return make_cohere(8)
 
 
 def parallelize_tp_checkpointed(model: nn.Module, mesh, early_stop: bool = True) -> nn.Module:

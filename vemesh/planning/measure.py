@@ -132,9 +132,12 @@ class CollectiveBytes(TorchDispatchMode):
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.counting = False
         self.fed = FedMatmuls(self.by_op)  #: which gathers and scatters async TP would overlap with their matmuls
-        #: the outputs of torch's functional collectives that no op has read yet: id -> (a weak reference, bytes); in
-        #: a run one never read is never waited on, and torch's work registry holds it (:meth:`unwaited`)
+        #: the outputs of torch's functional collectives that no op has read yet, each under a number of its own (a
+        #: freed one's id is another tensor's later): number -> (a weak reference, bytes); in a run one never read is
+        #: never waited on, and torch's work registry holds it (:meth:`unwaited`)
         self.pending: dict[int, tuple[Any, int]] = {}
+        self._numbers: dict[int, int] = {}  #: a pending tensor's id -> its number
+        self._issued = 0  #: the last number given
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if device_query(func, args):
@@ -163,7 +166,6 @@ class CollectiveBytes(TorchDispatchMode):
             self.groups[name] = group
         return result
 
-
     def _watch_reads(self, func: Any, args: tuple, result: Any) -> None:
         """Each functional collective's output, until an op reads it. Under fake tensors torch waits on it at once
         (``_functional_collectives._are_we_tracing``); in a run it is an ``AsyncCollectiveTensor``, waited on when
@@ -172,17 +174,23 @@ class CollectiveBytes(TorchDispatchMode):
         if func.namespace == "_c10d_functional" and func is not torch.ops._c10d_functional.wait_tensor.default:
             for t in outputs:
                 if isinstance(t, torch.Tensor):
-                    self.pending[id(t)] = (weakref.ref(t), t.untyped_storage().nbytes())
+                    self._pend(t, t.untyped_storage().nbytes())
             return
         passes = func is torch.ops._c10d_functional.wait_tensor.default or func is torch.ops.aten.view.default
         for a in args:
             for t in a if isinstance(a, (list, tuple)) else (a,):
-                held = self.pending.get(id(t)) if isinstance(t, torch.Tensor) else None
-                if held is None or held[0]() is not t:
+                number = self._numbers.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if number is None or self.pending[number][0]() is not t:
                     continue
-                del self.pending[id(t)]
+                del self._numbers[id(t)]
+                _, nbytes = self.pending.pop(number)
                 if passes and isinstance(result, torch.Tensor):  # still not read: the wait's output, or a view
-                    self.pending[id(result)] = (weakref.ref(result), held[1])
+                    self._pend(result, nbytes)
+
+    def _pend(self, t: torch.Tensor, nbytes: int) -> None:
+        number = self._issued = self._issued + 1
+        self.pending[number] = (weakref.ref(t), nbytes)
+        self._numbers[id(t)] = number
 
     def unwaited(self) -> tuple[int, int]:
         """``(calls, bytes)`` of the functional collectives issued since the last call whose output no op read, and
@@ -191,6 +199,7 @@ class CollectiveBytes(TorchDispatchMode):
         whose result is read only after, each step anew (pytorch/torchtitan issue 2763)."""
         calls, nbytes = len(self.pending), sum(n for _, n in self.pending.values())
         self.pending.clear()
+        self._numbers.clear()
         return calls, nbytes
 
 

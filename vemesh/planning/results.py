@@ -132,13 +132,16 @@ class Counted:
         return describe(list(self.skipped_plan), "and planned so: the figures are of the model as it would run") \
             if self.skipped_plan else None
 
-    def unwaited_note(self) -> str | None:
+    def unwaited_note(self, at_least: bool = False) -> str | None:
         """Said, first and in capitals, where the step issued collectives that nothing waits on: the run's memory
-        grows by their bytes every step, which a plan of one step does not show."""
+        grows by their bytes every step, which a plan of one step does not show. ``at_least``: the count is of the
+        traced actions of a pipeline (its replayed ones run no collective)."""
         calls, nbytes = self.unwaited
         if not calls:
             return None
-        return (f"MEMORY LEAK: each step issues {calls} collective{'s' if calls > 1 else ''} ({_mib(nbytes)}) that "
+        least = "at least " if at_least else ""
+        return (f"MEMORY LEAK: each step issues {least}{calls} collective{'s' if calls > 1 else ''} "
+                f"({_mib(nbytes)}) that "
                 "nothing waits on, which torch's work registry holds in a run, so its memory grows by that every step "
                 "past this plan's peak until it fails: a TP collective that activation checkpointing's recompute "
                 "issues before the last tensor it needs, whose result is read only after it (torch.utils.checkpoint "
@@ -178,7 +181,8 @@ class Counted:
                        ops=self.ops + times * (self.ops - smaller.ops),
                        dtensor_ops=self.dtensor_ops + times * (self.dtensor_ops - smaller.dtensor_ops),
                        by_op=more_ops(self.by_op, smaller.by_op, times),
-                       counts=_more(self.counts, smaller.counts, times))
+                       counts=_more(self.counts, smaller.counts, times),
+                       unwaited=tuple(a + times * (a - b) for a, b in zip(self.unwaited, smaller.unwaited)))
 
 
 def more_counts(a: dict[str, int], b: dict[str, int], times: int) -> dict[str, int]:

@@ -222,7 +222,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
                                     *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
                   compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))),
-                  branches=tuple(sorted(branches)), unwaited=max(unwaited, key=lambda u: u[1]))
+                  branches=tuple(sorted(branches)),  # with PP, what the traced actions left (a replay runs none)
+                  unwaited=unwaited[1] if pp == 1 else max(unwaited, key=lambda u: u[1]))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
                       flops=flops[1] + (passes - 1) * (flops[2] - flops[1]),
@@ -230,7 +231,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                       ops=dispatched[1][0] + (passes - 1) * (dispatched[2][0] - dispatched[1][0]),
                       dtensor_ops=dispatched[1][1] + (passes - 1) * (dispatched[2][1] - dispatched[1][1]),
                       by_op=more_ops(ops[2], ops[1], passes - 2) if passes > 2 else ops[2],
-                      counts=more_counts(counts[2], counts[1], passes - 2))
+                      counts=more_counts(counts[2], counts[1], passes - 2),
+                      unwaited=tuple(a + (passes - 1) * (b - a) for a, b in zip(unwaited[1], unwaited[2])))
     return one
 
 
@@ -391,7 +393,8 @@ def predict_user(fns: UserFunctions, **job: Any) -> Any:
 def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
     """What a plan of the user's functions assumed, said with its figures: the MoE routing, ZeRO-1's masters, the dp
     mode read from the wrappers."""
-    notes = [n for n in (counted.unwaited_note(),) if n is not None]  # a leak first: the figures are of one step
+    leak = counted.unwaited_note(at_least=kwargs["degrees"].get("PP", 1) > 1)
+    notes = [leak] if leak is not None else []  # a leak first: the figures are of one step
     if counted.moe:
         notes.append(f"MoE routing: each expert gets an equal share of the slots, and the busiest EP rank receives "
                      f"{kwargs['load_factor']:g} x the balanced share (--moe-load-factor; 1 is balanced, a run's "
