@@ -100,8 +100,9 @@ class Counted:
     #: the functions of transformers that took their tracing branch on the plan's fake tensors
     #: (:mod:`vemesh.planning.library_branches`)
     branches: tuple[str, ...] = ()
-    #: ``(calls, bytes)`` of the functional collectives a step issued and never waited on (its worst step's):
-    #: held by torch's work registry in a run, step after step (:meth:`CollectiveBytes.unwaited`)
+    #: ``(calls, bytes)`` of the functional collectives a step issued and no op read (by difference over the
+    #: micro-batches and blocks; with PP, the traced actions'): held by torch's work registry in a run, step after
+    #: step (:meth:`~vemesh.planning.measure.CollectiveBytes.unwaited`)
     unwaited: tuple[int, int] = (0, 0)
 
     @property
@@ -141,14 +142,13 @@ class Counted:
             return None
         least = "at least " if at_least else ""
         return (f"MEMORY LEAK: each step issues {least}{calls} collective{'s' if calls > 1 else ''} "
-                f"({_mib(nbytes)}) that "
-                "nothing waits on, which torch's work registry holds in a run, so its memory grows by that every step "
-                "past this plan's peak until it fails: a TP collective that activation checkpointing's recompute "
-                "issues before the last tensor it needs, whose result is read only after it (torch.utils.checkpoint "
-                "stops there; pytorch/torchtitan issue 2763), as in a block whose attention and MLP run side by side. "
-                "Recompute "
-                "whole blocks: checkpoint(..., use_reentrant=False, early_stop=False) (Hugging Face: "
-                "gradient_checkpointing_kwargs={'use_reentrant': False, 'early_stop': False})")
+                f"({_mib(nbytes)}) that nothing waits on, which torch's work registry holds in a run, so its memory "
+                "grows by that every step past this plan's peak until it fails: a TP collective that activation "
+                "checkpointing's recompute issues before the last tensor it needs, whose result is read only after it "
+                "(torch.utils.checkpoint stops there; pytorch/torchtitan issue 2763), as in a block whose attention "
+                "and MLP run side by side. Recompute whole blocks: checkpoint(..., use_reentrant=False, "
+                "early_stop=False) (Hugging Face: gradient_checkpointing_kwargs={'use_reentrant': False, "
+                "'early_stop': False})")
 
     def branches_note(self) -> str | None:
         """Said where transformers counted the plan's fake tensors as a trace and took that branch (its masks)."""

@@ -222,7 +222,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
                                     *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
                   compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))),
-                  branches=tuple(sorted(branches)),  # with PP, what the traced actions left (a replay runs none)
+                  branches=tuple(sorted(branches)),
+                  # with PP, what the traced actions left (a replayed action runs no collective)
                   unwaited=unwaited[1] if pp == 1 else max(unwaited, key=lambda u: u[1]))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
         one = replace(one, sent={k: v + (passes - 1) * (sent[2].get(k, 0) - v) for k, v in sent[1].items()},
