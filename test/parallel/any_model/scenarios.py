@@ -239,16 +239,16 @@ class _SideBySide(nn.Module):
         return checkpoint(self.branches, x, use_reentrant=False, early_stop=self.early_stop)
 
 
-def side_by_side_checkpointed(world_size: int) -> dict[str, Any]:
-    """TP = 2 with vemesh DDP over two side-by-side blocks under torch's checkpoint: recomputed whole
-    (``early_stop=False``), nothing is left unwaited and nothing is said; stopped early (torch's default), the
-    recompute issues the first branch's all-reduce and stops before anything reads it, torch's work registry holds it
-    every step, and the first averaged backward warns once. Both train as one process does. Run in that order: what
-    the second leaves stays held."""
+def side_by_side_checkpointed(world_size: int, wrap: str = "ddp") -> dict[str, Any]:
+    """TP = 2 with vemesh DDP (or FSDP2, ``wrap="fsdp"``, over DP = 2 on 4 ranks) over two side-by-side blocks under
+    torch's checkpoint: recomputed whole (``early_stop=False``), nothing is left unwaited and nothing is said; stopped
+    early (torch's default), the recompute issues the first branch's all-reduce and stops before anything reads it,
+    torch's work registry holds it every step, and the first averaged backward (FSDP2: the first optimizer step)
+    warns once. Both train as one process does. Run in that order: what the second leaves stays held."""
     import warnings
 
     from vemesh.ddp import DistributedDataParallel
-    from vemesh.parallel import tp_replicas
+    from vemesh.parallel import fully_shard, tp_replicas
 
     def make(early_stop: bool) -> nn.Module:
         torch.manual_seed(0)
@@ -266,7 +266,7 @@ def side_by_side_checkpointed(world_size: int) -> dict[str, Any]:
             model = make(early_stop)
             for block in model[1:3]:
                 parallelize_module(block, mesh["TP"], plan)
-            model = DistributedDataParallel(model)
+            model = DistributedDataParallel(model) if wrap == "ddp" else fully_shard(model)
             before = torch._C._distributed_c10d._get_work_registry_size()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -289,6 +289,7 @@ CASES_2 = {"cp2-ddp": (dict(cp=2), 0, "ddp", "adamw"), "tp2-attention-on-dtensor
            "tp2-norms-over-local-heads": norms_over_local_heads,
            "tp2-side-by-side-checkpointed": side_by_side_checkpointed}
 CASES_4["dp2-tp2-norms-over-local-heads-fsdp2"] = functools.partial(norms_over_local_heads, wrap="fsdp")
+CASES_4["dp2-tp2-side-by-side-checkpointed-fsdp2"] = functools.partial(side_by_side_checkpointed, wrap="fsdp")
 
 
 def worker(rank: int, world_size: int, cases: dict[str, Any]) -> dict[str, Any]:

@@ -82,6 +82,17 @@ def test_a_tp_collective_that_a_checkpoints_recompute_leaves_unread_is_warned_of
 
 
 @pytest.mark.slow
+def test_under_fsdp2_the_first_optimizer_step_warns_of_the_same_leak(four) -> None:
+    """The same side-by-side blocks under vemesh's FSDP2 (DP = 2 x TP = 2): the first optimizer step warns once."""
+    for rank, results in enumerate(four):
+        case = results["dp2-tp2-side-by-side-checkpointed-fsdp2"]
+        assert "error" not in case, case.get("error")
+        assert case["whole"] == {"said": [], "held": 0}, (rank, case)
+        (said,) = case["stopped early"]["said"]
+        assert case["stopped early"]["held"] == 6 and "MEMORY LEAK: 2 collectives" in said, (rank, case)
+
+
+@pytest.mark.slow
 def test_under_fsdp2_the_first_optimizer_step_refuses_the_same_replicas(four) -> None:
     """The same norms under vemesh's FSDP2 (DP = 2 x TP = 2): refused at the first optimizer step, naming them."""
     for rank, results in enumerate(four):
