@@ -32,6 +32,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -178,9 +179,10 @@ def measured(procs: int, flags: list[str], workdir: str, script: Path = TRAIN,
     extra = ["--steps", "3", "--sample-tokens", "0", "--memory-report", report, "--metrics-file", metrics] \
         if script == TRAIN else ["--report", report, "--expert-load", os.path.join(workdir, "load.json")]
     code, stdout, stderr = launch(script, [*flags, *extra], procs, workdir if script == TRAIN else str(ROOT))
-    if code:
-        raise SystemExit(f"{script} {' '.join([*flags, *extra])} on {procs} ranks exited with {code}\n{stdout[-3000:]}\n"
-                         f"{stderr[-3000:]}")
+    if code:  # the first rank's exception line first: a long message's start falls out of the tails
+        cause = re.search(r"^\[rank\d+\]: \w+(?:Error|Exception): .*$", stderr, re.M)
+        raise SystemExit(f"{script} {' '.join([*flags, *extra])} on {procs} ranks exited with {code}\n"
+                         f"{cause.group(0) if cause else ''}\n{stdout[-3000:]}\n{stderr[-3000:]}")
     with open(report) as f:
         classes = json.load(f)["classes"]
     return classes, _load_of(workdir, metrics, flags)

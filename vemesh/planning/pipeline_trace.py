@@ -128,13 +128,16 @@ def build_schedule(stages: list[Any], schedule: str, n_microbatches: int, loss_f
 
 
 class _Held:
-    """A send or receive that keeps its tensors until it is waited on, as gloo's and nccl's do."""
+    """A send or receive that keeps its tensors as the backend's work does: gloo's until the work object is dropped
+    (waited on or not: measured, a waited send's tensor is freed only when its work goes), nccl's until it is waited
+    on (``released_at_wait``: with ``TORCH_NCCL_AVOID_RECORD_STREAMS``, the work's stash is cleared there)."""
 
-    def __init__(self, work: Any, tensors: list[Any]) -> None:
-        self.work, self.tensors = work, tensors
+    def __init__(self, work: Any, tensors: list[Any], released_at_wait: bool) -> None:
+        self.work, self.tensors, self.released_at_wait = work, tensors, released_at_wait
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        self.tensors = []
+        if self.released_at_wait:
+            self.tensors = []
         return self.work.wait(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -142,17 +145,21 @@ class _Held:
 
 
 @contextlib.contextmanager
-def sends_hold_tensors() -> Iterator[None]:
-    """Inside, the schedules' sends and receives hold their tensors until waited on. On the fake backend a send is
-    done at once and keeps nothing; on gloo or nccl its work keeps the tensor, and torch's multi-stage schedules wait
-    on their sends only at the end of the step: every input gradient sent back is held until then."""
+def sends_hold_tensors(device: str = "cpu") -> Iterator[None]:
+    """Inside, the schedules' sends and receives hold their tensors as the backend of ``device`` does (:class:`_Held`:
+    gloo's on "cpu" until the work is dropped, nccl's until it is waited on). On the fake backend a send is done at
+    once and keeps nothing; on gloo or nccl its work keeps the tensor. torch's multi-stage schedules wait on their sends
+    only at the end of the step, so every input gradient sent back is held until then; its 1F1B keeps the works of the
+    last send its warm-up fires alone until its steady state ends, so on gloo that micro-batch's output is held past
+    its backward (HF Llama with eager attention over PP 2: the first PP rank's peak, one hidden state more,
+    measured)."""
     from torch.distributed.pipelining import schedules
 
     real = schedules._batch_p2p
 
     def batch_p2p(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
         tensors = [op.tensor for op in p2p_ops]
-        return [_Held(work, tensors) for work in real(p2p_ops, desc)]
+        return [_Held(work, tensors, device != "cpu") for work in real(p2p_ops, desc)]
 
     schedules._batch_p2p = batch_p2p
     try:

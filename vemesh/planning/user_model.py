@@ -160,7 +160,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
                 replay = exchange.replay_for(stages, tracker, counter, mesh, fns.pp_schedule, pp, pp_rank, passes)
-                for context in (sends_hold_tensors(), pipeline_parts(tracker, stages, kind)):
+                for context in (sends_hold_tensors(device), pipeline_parts(tracker, stages, kind)):
                     held_sends.enter_context(context)  # each action a phase, cut at its blocks (step_parts)
                 steps = (passes, passes)  # a warm-up step (the stages infer their shapes), then the step
             else:
