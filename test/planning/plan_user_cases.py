@@ -111,3 +111,46 @@ def make_head_heavy() -> torch.nn.Module:
     backward (the head's and the embedding's unsharded gradients), with nine where every block's activations are
     held."""
     return llama.make(**dict(llama_jobs.SMALL, vocab_size=32768, dim=512, hidden_dim=1024, n_layers=9))
+
+
+class SideBySideInPlace(torch.nn.Module):
+    """Falcon's block in small: attention and MLP side by side, the attention's output added into the MLP's in place
+    (``mlp_output += attention_output``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 64)
+        self.attn = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        out = self.mlp(x)
+        out += self.attn(x)
+        return out
+
+
+def make_side_by_side_in_place() -> torch.nn.Module:
+    return SideBySideInPlace()
+
+
+def parallelize_side_by_side(model, mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {f"{part}.0": ColwiseParallel() for part in ("attn", "mlp")}
+    plan.update({f"{part}.1": RowwiseParallel() for part in ("attn", "mlp")})
+    parallelize_module(model, mesh["TP"], plan)
+    return DistributedDataParallel(model)
+
+
+def step_side_by_side(model, micro_batch_size):
+    loss = model(torch.randint(0, 256, (micro_batch_size, 16))).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def parallelize_side_by_side_copied(model, mesh):
+    """:func:`parallelize_side_by_side` with what the planner's error says to write: the MLP returns a copy."""
+    model = parallelize_side_by_side(model, mesh)
+    model.module.mlp.register_forward_hook(lambda module, args, out: out.clone())
+    return model

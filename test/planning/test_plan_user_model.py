@@ -368,6 +368,15 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "parallelize_tp_then_torch_fsdp failed at {cases}:{fsdp} in parallelize_tp_then_torch_fsdp: TypeError: Invariant "
      "encountered: value was None when it should not be; FSDP2's fully_shard was given a mesh without dim names for "
      "a parameter that TP already shards"),
+    ((f"module:{CASES}:make_side_by_side_in_place", f"{CASES}:parallelize_side_by_side",
+      f"{CASES}:step_side_by_side", "--tp", "2"),
+     "RuntimeError: Output 0 of _ToTorchTensor is a view and is being modified inplace."),
+    ((f"module:{CASES}:make_side_by_side_in_place", f"{CASES}:parallelize_side_by_side",
+      f"{CASES}:step_side_by_side", "--tp", "2"),
+     "; a TP style's output (DTensor.to_local(), a view made inside an autograd Function) is written in place by the "
+     "model at that line (Falcon adds its attention's output into its MLP's with +=), which autograd refuses: have "
+     "the module whose output is written return a copy, module.register_forward_hook(lambda module, args, out: "
+     "out.clone())"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
      "parallelize_returns_none returned NoneType, not the model"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),
@@ -394,6 +403,15 @@ def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
     lines = dict(make=_line("raise RuntimeError"), parallelize=_line("raise KeyError"), step=_line("loss.item()"),
                  fsdp=_line("        fully_shard(block)", after="def parallelize_tp_then_torch_fsdp"))
     assert says.format(cases=os.path.relpath(CASES), cwd=os.getcwd(), **lines) in err, err
+
+
+def test_the_copy_the_in_place_error_asks_for_plans(capsys) -> None:
+    """What the error above says to write (the module whose output is written returns a copy) plans: Falcon's shape
+    under torch's TP styles, said and then planned."""
+    code, out, err = _cli(capsys, "--model", f"module:{CASES}:make_side_by_side_in_place", "--parallelize",
+                          f"{CASES}:parallelize_side_by_side_copied", "--step", f"{CASES}:step_side_by_side",
+                          "--world-size", "4", "--global-batch-size", "4", "--tp", "2")
+    assert code == 0 and "peak" in out, err
 
 
 def test_an_optimizer_step_that_fails_on_cuda_is_one_line_naming_why(capsys) -> None:

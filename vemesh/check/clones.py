@@ -19,11 +19,9 @@ import torch
 from torch import nn
 
 from vemesh.check.record import parts, plain_name
+from vemesh.planning.user_code import INPLACE_ON_TP_OUTPUT as REFUSAL
 
 __all__ = ["candidate", "hint", "layer_pattern", "set_clones"]
-
-#: what autograd says where a view made by ``to_local()`` is changed in place
-REFUSAL = "of _ToTorchTensor is a view and is being modified inplace"
 
 
 def layer_pattern(name: str) -> str:

@@ -18,8 +18,8 @@ from torch import nn
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
-__all__ = ["CONTRACTS", "UserFunctions", "as_traced", "call", "compiled_module", "known_cause", "resolve", "unbindable",
-           "user_frame"]
+__all__ = ["CONTRACTS", "INPLACE_ON_TP_OUTPUT", "UserFunctions", "as_traced", "call", "compiled_module", "known_cause",
+           "resolve", "unbindable", "user_frame"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
 CONTRACTS = {
@@ -114,11 +114,28 @@ _KNOWN = {
 }
 
 
+#: what autograd says where a TP style's output, a view made by ``DTensor.to_local()``, is changed in place
+INPLACE_ON_TP_OUTPUT = "of _ToTorchTensor is a view and is being modified inplace"
+#: torch failures known by a phrase of their message wherever they are raised (autograd's, from C++) -> what to write
+_KNOWN_ANYWHERE = {
+    INPLACE_ON_TP_OUTPUT:
+        "a TP style's output (DTensor.to_local(), a view made inside an autograd Function) is written in place by the "
+        "model at that line (Falcon adds its attention's output into its MLP's with +=), which autograd refuses: "
+        "have the module whose output is written return a copy, "
+        "module.register_forward_hook(lambda module, args, out: out.clone()) (one activation copied a call; "
+        "vemesh check tries it on the RowwiseParallel Linears there)",
+}
+
+
 def known_cause(error: BaseException) -> str:
     """``"; <what to write instead>"`` when ``error`` is a torch failure whose own words hide the user's mistake
-    (FSDP2's fully_shard over the whole world on a TP-sharded model raises ``Invariant encountered: value was None``);
-    else ''."""
+    (FSDP2's fully_shard over the whole world on a TP-sharded model raises ``Invariant encountered: value was None``;
+    Falcon's in-place add onto a TP style's output, autograd's ``is a view and is being modified inplace``); else
+    ''."""
     text = str(error)
+    for phrase, say in _KNOWN_ANYWHERE.items():
+        if phrase in text:
+            return f"; {say}"
     for frame in traceback.extract_tb(error.__traceback__):
         for (function, start), say in _KNOWN.items():
             if frame.name == function and text.startswith(start):
