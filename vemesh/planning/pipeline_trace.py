@@ -130,7 +130,8 @@ def build_schedule(stages: list[Any], schedule: str, n_microbatches: int, loss_f
 class _Held:
     """A send or receive that keeps its tensors as the backend's work does: gloo's until the work object is dropped
     (waited on or not: measured, a waited send's tensor is freed only when its work goes), nccl's until it is waited
-    on (``released_at_wait``: with ``TORCH_NCCL_AVOID_RECORD_STREAMS``, the work's stash is cleared there)."""
+    on (``released_at_wait``: its work unstashes the tensors there for the caching allocator, torch's default; read
+    in torch's ``ProcessGroupNCCL``, not measured: no GPU here)."""
 
     def __init__(self, work: Any, tensors: list[Any], released_at_wait: bool) -> None:
         self.work, self.tensors, self.released_at_wait = work, tensors, released_at_wait
