@@ -8,12 +8,15 @@ from bench_run import run_bench
 
 
 @pytest.mark.slow
-def test_the_plan_survey_plans_and_runs_a_checkpointed_hf_decoder_and_says_transformers_traced_branch(tmp_path) -> None:
+def test_the_plan_survey_plans_and_runs_a_checkpointed_hf_decoder_exactly(tmp_path) -> None:
+    """Qwen2 under HF's gradient checkpointing (no cache), called without positions: the plan answers HF's question
+    about its own positions as the run does (no packed sequence, no 4-D mask), and peaks where the run does (1.002 to
+    1.026 on the 20 models while it took transformers' tracing branch there)."""
     stdout, rows = run_bench("hf_plan_survey.py", "--models", "qwen2", "--modes", "fsdp-checkpointed",
                              json_out=tmp_path / "survey.json")
     (qwen2,) = rows
     assert "error" not in qwen2, stdout
-    assert 1.0 <= qwen2["peak_ratio"] < 1.05 and qwen2["tracing_branch"], stdout  # the mask the plan keeps, said
+    assert abs(qwen2["peak_ratio"] - 1) <= 0.001 and not qwen2["tracing_branch"], stdout
     assert all(b["predicted"] == b["measured"] for b in qwen2["bytes"].values()), qwen2["bytes"]
     assert "1 of 1 planned and run; 0 said to leak" in stdout and not qwen2["leak_said"], stdout
 

@@ -641,23 +641,29 @@ def test_hugging_faces_llama_is_planned_through_torchs_schedule_on_vemeshs_decod
 
 
 def test_where_transformers_takes_its_tracing_branch_on_the_plans_fake_tensors_the_plan_says_so(capsys) -> None:
-    """HF's Llama without a cache (under its gradient checkpointing) asks whether its position ids are traced before it
-    reads them, and counts a fake tensor as traced: the plan builds the 4-D mask that a run of unpadded batches leaves
-    to SDPA, and says so, naming the function; with the cache on it reads nothing, and nothing is said."""
+    """HF's Llama without a cache (under its gradient checkpointing), given its position ids, asks whether they are
+    traced before it reads them, and counts a fake tensor as traced: the plan builds the 4-D mask that a run of
+    unpadded batches leaves to SDPA, and says so, naming the function. Called without positions or a mask, it makes its
+    own (arange from 0, never packed): the plan answers as every run does, builds no mask, says nothing, and the
+    function is not asked. With the cache on it reads nothing, and nothing is said."""
     import transformers  # noqa: F401  (the test extra)
 
     hf = str(REPO / "test" / "models" / "hf_jobs.py")
     said = {}
-    for parallelize in ("parallelize_hf_checkpointed", "parallelize_forgot_tp"):
+    cases = (("parallelize_hf_checkpointed", "step_positions"), ("parallelize_hf_checkpointed", "step"),
+             ("parallelize_forgot_tp", "step"))
+    for parallelize, step in cases:
         code, out, err = _cli(capsys, "--model", f"module:{hf}:make_llama", "--parallelize", f"{hf}:{parallelize}",
-                              "--step", f"{hf}:step", "--world-size", "1", "--global-batch-size", "1",
+                              "--step", f"{hf}:{step}", "--world-size", "1", "--global-batch-size", "1",
                               "--device-type", "cpu", "--json")
         assert code == 0, err
-        said[parallelize] = [n for n in json.loads(out)["notes"] if n.startswith("transformers took")]
-    (note,) = said["parallelize_hf_checkpointed"]
+        said[parallelize, step] = [n for n in json.loads(out)["notes"] if n.startswith("transformers took")]
+    (note,) = said["parallelize_hf_checkpointed", "step_positions"]
     assert "its tracing branch in find_packed_sequence_indices" in note and "the plan builds the 4-D mask" in note
-    assert said["parallelize_forgot_tp"] == []
+    assert said["parallelize_hf_checkpointed", "step"] == said["parallelize_forgot_tp", "step"] == []
     assert not isinstance(sys.modules["transformers.utils.import_utils"].is_fake_tensor.__closure__, tuple)  # restored
+    masks = sys.modules["transformers.masking_utils"]
+    assert masks.find_packed_sequence_indices.__qualname__ == "find_packed_sequence_indices"  # restored too
 
 
 def test_a_tp_collective_that_a_checkpoints_recompute_leaves_unread_is_said_as_the_leak_it_is(capsys) -> None:

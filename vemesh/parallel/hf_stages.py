@@ -140,7 +140,8 @@ class DecoderStage(nn.Module):
         logits on the last stage, the hidden states on the others. Positions count from 0, or inside
         ``context_parallel`` are those of this CP rank's share of the sequence."""
         within = current_positions(x.size(1), x.device)  # inside context_parallel: this CP rank's share's
-        positions = (torch.arange(x.size(1), device=x.device) if within is None else within).unsqueeze(0)
+        # else the model's own, from 0 (one sequence a row, which a plan can tell without reading them)
+        positions = None if within is None else within.unsqueeze(0)
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         if within is not None:  # a share's positions jump (load balancing: 0-3 and 12-15), which HF takes for packed
             # sequences, each masked off from the others: a mask of no padding says there is one sequence

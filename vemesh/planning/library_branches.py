@@ -13,16 +13,27 @@ The plan cannot read values it does not have, and a batch that is padded or pack
 stays the trace's: its peak differs from a run of unpadded batches by the mask and what the attention does with it
 (HF's Llama above: over by 2%). :func:`tracing_branches` records where it was taken, and the plan says so
 (:meth:`~vemesh.planning.results.Counted.branches_note`).
+
+One case needs no values: a model called without ``position_ids`` and without ``attention_mask`` makes its own
+positions, ``arange`` from 0 without a cache, and ``find_packed_sequence_indices`` finds no packed sequence in them in
+any run. There (:func:`own_positions` watches the calls) the plan answers as the run does, and builds no mask.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["tracing_branches"]
+from torch import nn
+
+__all__ = ["own_positions", "tracing_branches"]
+
+#: for each transformers model whose forward is running (the innermost last): whether it was called without
+#: ``position_ids`` and ``attention_mask``, so that it makes its own positions, one unpadded sequence a row
+_MADE: list[bool] = []
 
 
 @contextlib.contextmanager
@@ -46,8 +57,50 @@ def tracing_branches() -> Iterator[set[str]]:
             found.add(caller.f_code.co_name)
         return fake
 
+    masks = sys.modules.get("transformers.masking_utils")
+    packed = getattr(masks, "find_packed_sequence_indices", None)
+
+    def find_packed_sequence_indices(position_ids: Any) -> Any:
+        if _MADE and _MADE[-1]:  # the model's own positions: arange from 0, never packed (no values needed)
+            return None
+        return packed(position_ids)
+
     module.is_fake_tensor = is_fake_tensor
+    if packed is not None:
+        masks.find_packed_sequence_indices = find_packed_sequence_indices
     try:
         yield found
     finally:
         module.is_fake_tensor = real
+        if packed is not None:
+            masks.find_packed_sequence_indices = packed
+
+
+@contextlib.contextmanager
+def own_positions(parts: list[nn.Module]) -> Iterator[None]:
+    """While open, each transformers model in ``parts`` says, while its forward runs, whether it was called without
+    ``position_ids`` and ``attention_mask`` (see the module docstring); :func:`tracing_branches` reads it."""
+    handles = []
+    for part in parts:
+        for module in part.modules():
+            if type(module).__module__.startswith("transformers.") and hasattr(module, "config"):
+                handles += [module.register_forward_pre_hook(_called, with_kwargs=True),
+                            module.register_forward_hook(_returned, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _called(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    try:
+        given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        given = {"position_ids": True}  # not bound as HF's models are: as given
+    _MADE.append(given.get("position_ids") is None and given.get("attention_mask") is None)
+
+
+def _returned(module: nn.Module, args: tuple, output: Any) -> None:
+    if _MADE:
+        _MADE.pop()

@@ -155,10 +155,11 @@ class Counted:
         if not self.branches:
             return None
         return (f"transformers took its tracing branch in {', '.join(self.branches)}: it counts the plan's fake "
-                "tensors (shapes, no values) as a trace and does not read them, so where a run of unpadded, "
-                "unpacked batches leaves the causal mask to SDPA, the plan builds the 4-D mask: the peak may differ "
-                "from that run's by the mask and what the attention does with it (a few percent over in "
-                "bench/hf_plan_survey.py; vemesh.planning.library_branches)")
+                "tensors (shapes, no values) as a trace and does not read the positions or mask your step gives, "
+                "so where a run of unpadded, unpacked batches leaves the causal mask to SDPA, the plan builds the "
+                "4-D mask: the peak may be over that run's by the mask and what the attention does with it (HF's "
+                "Llama given an all-ones mask: 2% over; called without positions or a mask, exact; "
+                "vemesh.planning.library_branches)")
 
     @classmethod
     def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:

@@ -53,7 +53,7 @@ from vemesh.planning.results import Counted, MeshFit, RankClass, more_counts, mo
 from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
-from vemesh.planning.library_branches import tracing_branches
+from vemesh.planning.library_branches import own_positions, tracing_branches
 from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
@@ -153,6 +153,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 parts = [wrapped]
                 held_sends.enter_context(step_parts(tracker, list(stack.children()) if stack is not None else []))
             del model  # the function's result holds what it kept (a stage cut from the model drops the rest)
+            held_sends.enter_context(own_positions(parts))  # a model that makes its own positions packs none
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = held_now = Held(parts, ddps)
             optimizer = optimizer_for(parts, mode, ddps, device, optimizer_implementation)
