@@ -81,9 +81,10 @@ def own_positions(parts: list[nn.Module]) -> Iterator[None]:
     """While open, each transformers model in ``parts`` says, while its forward runs, whether it was called without
     ``position_ids`` and ``attention_mask`` (see the module docstring); :func:`tracing_branches` reads it."""
     handles = []
-    for part in parts:
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    for part in parts if pretrained is not None else ():  # transformers not imported: none of its models here
         for module in part.modules():
-            if type(module).__module__.startswith("transformers.") and hasattr(module, "config"):
+            if isinstance(module, pretrained):  # a model (its base or its head), not one of its layers
                 handles += [module.register_forward_pre_hook(_called, with_kwargs=True),
                             module.register_forward_hook(_returned, always_call=True)]
     try:
