@@ -22,6 +22,7 @@ any run. There (:func:`own_positions` watches the calls) the plan answers as the
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Iterator
@@ -94,9 +95,15 @@ def own_positions(parts: list[nn.Module]) -> Iterator[None]:
             handle.remove()
 
 
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    """A model class's ``forward`` signature, looked up once (the hook below runs at each call of a trace)."""
+    return inspect.signature(cls.forward)
+
+
 def _called(module: nn.Module, args: tuple, kwargs: dict) -> None:
     try:
-        given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        given = _signature(type(module)).bind_partial(module, *args, **kwargs).arguments
     except TypeError:
         given = {"position_ids": True}  # not bound as HF's models are: as given
     _MADE.append(given.get("position_ids") is None and given.get("attention_mask") is None)
