@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from vemesh.check.compare import compare, modules_before, tolerance
+from vemesh.check.compare import compare, modules_before, tolerance, vanishing
 from vemesh.check.clones import candidate as clones_candidate, hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.partial import candidates as partial_candidates, dp_hint, first_shapes, hint as partial_hint, \
@@ -353,8 +353,10 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
     the parallel runs made, and whether the last made the check exact."""
     if replicas is None:
         wrapped = any(r.get("data_parallel", False) for r in ranks)
+        differing = {n for n, _ in result.gradients}
+        zero = sorted(n for n in vanishing(ref["grads"]) - differing if any(n in r["grads"] for r in ranks))
         said = (zero_bubble_hint(spec.pp_schedule, result.degrees["DP"], wrapped) if "PP" in result.degrees else None) \
-            or dp_hint(result.degrees, len(result.gradients), result.gradients_compared, wrapped)
+            or dp_hint(result.degrees, len(differing), result.gradients_compared, wrapped, zero)
         if said is not None:
             hints.append(said)
             return 0, False

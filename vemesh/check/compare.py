@@ -9,7 +9,7 @@ import torch
 
 from vemesh.check.result import CheckResult
 
-__all__ = ["FLOOR", "compare", "modules_before", "tolerance"]
+__all__ = ["FLOOR", "compare", "modules_before", "tolerance", "vanishing"]
 
 
 def tolerance(rtol: float | None, dtypes: set[torch.dtype]) -> float:
@@ -70,6 +70,13 @@ def _floor(tensors: list[torch.Tensor]) -> float:
     """:data:`FLOOR` times the median of the tensors' largest absolute values."""
     peaks = sorted(t.detach().abs().max().item() for t in tensors if t is not None and t.numel())
     return FLOOR * peaks[len(peaks) // 2] if peaks else 0.0
+
+
+def vanishing(grads: dict[str, torch.Tensor | None]) -> set[str]:
+    """The gradients of one process that are zero in exact arithmetic, as :data:`FLOOR` reads them: none of their
+    values above the floor (the key bias's, which softmax ignores). A data-parallel average leaves them as they are."""
+    floor = _floor(list(grads.values()))
+    return {n for n, g in grads.items() if g is not None and (not g.numel() or g.detach().abs().max().item() <= floor)}
 
 
 def _joined(values: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ Two causes give that verdict, and the check tells them apart:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,26 +65,35 @@ def apply(recipes: tuple[ShardedInput, ...], model: nn.Module, tp_mesh: Any) -> 
                                SequenceParallel(sequence_dim=recipe.dim, use_local_output=True))
 
 
-def dp_hint(degrees: dict[str, int], differing: int, compared: int, wrapped: bool) -> str | None:
+def dp_hint(degrees: dict[str, int], differing: int, compared: int, wrapped: bool, zero: Sequence[str] = ()) -> str | None:
     """The hint where every gradient differs with DP or CP above 1 (the dims a data-parallel wrapper averages the
     gradients over) and the parallelize function wrapped no data-parallel module the check knows (``wrapped``:
-    :func:`vemesh.check.record.data_parallel`), else None."""
+    :func:`vemesh.check.record.data_parallel`), else None. ``zero``: the compared gradients that match because one
+    process's are zero (:func:`vemesh.check.compare.vanishing`: a key bias's), which no average changes."""
     data = {d: degrees.get(d, 1) for d in ("DP", "CP") if degrees.get(d, 1) > 1}
-    if not data or not compared or differing < compared or wrapped:
+    if not data or not compared or differing + len(zero) < compared or differing == 0 or wrapped:
         return None
     named = " x ".join(f"{d} {n}" for d, n in data.items())
+    said = f"every gradient differs ({differing} of {compared}"
+    if zero:
+        said += f"; the other {len(zero)}, {_listed(zero)}, {'is' if len(zero) == 1 else 'are'} zero in one process"
+    said += f") and every output matches, with {named}, and --parallelize wrapped no data-parallel module (DDP, FSDP2): "
     if "CP" not in data:
-        return (f"every gradient differs ({differing} of {compared}) and every output matches, with {named}, and "
-                "--parallelize wrapped no data-parallel module (DDP, FSDP2): each DP rank kept its own batch's "
-                "gradients, and one process averages the DP ranks' (as DDP and FSDP do). Wrap the model in "
-                "--parallelize (vemesh.ddp.DistributedDataParallel, vemesh.parallel.fully_shard, or torch's), or check "
-                "the TP plan alone at DP 1 (--world-size equal to TP x CP)")
-    return (f"every gradient differs ({differing} of {compared}) and every output matches, with {named}, and "
-            "--parallelize wrapped no data-parallel module (DDP, FSDP2): each CP rank kept the gradients of its own "
-            "part of the sequence" + (" of its DP rank's batch" if "DP" in data else "") + ", where one process has "
+        return (said + "each DP rank kept its own batch's gradients, and one process averages the DP ranks' (as DDP "
+                "and FSDP do). Wrap the model in --parallelize (vemesh.ddp.DistributedDataParallel, "
+                "vemesh.parallel.fully_shard, or torch's), or check the TP plan alone at DP 1 (--world-size equal to "
+                "TP x CP)")
+    return (said + "each CP rank kept the gradients of its own part of the sequence"
+            + (" of its DP rank's batch" if "DP" in data else "") + ", where one process has "
             f"the whole's. A data-parallel wrapper averages them over {' x '.join(data)} (each CP rank's loss is a "
             "mean over its part): wrap the model in --parallelize (vemesh.ddp.DistributedDataParallel or "
             "vemesh.parallel.fully_shard, which take the mesh's data dims, DP and CP)")
+
+
+def _listed(names: Sequence[str], most: int = 3) -> str:
+    """Up to ``most`` names, and how many more."""
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vemesh.check import CheckInputError, check
-from vemesh.check.compare import _difference_of_rows, _full_views, compare, modules_before
+from vemesh.check.compare import _difference_of_rows, _full_views, compare, modules_before, vanishing
 from vemesh.check.result import CheckResult
 from vemesh.check import partial
 from vemesh.check.partial import ShardedInput
@@ -614,19 +614,25 @@ def test_hf_qwen3_per_head_norms_refused_by_ddp_get_sequence_parallel_on_the_hea
 
 
 @pytest.mark.slow  # one run of 4 processes each
-@pytest.mark.parametrize("step, degrees, said", [("step", {}, "DP 2"), ("step_cp", {"cp": 2}, "CP 2")])
-def test_dp_without_a_data_parallel_wrapper_is_said_and_no_tp_recipe_is_tried(step: str, degrees: dict,
-                                                                               said: str) -> None:
+@pytest.mark.parametrize("jobs, parallelize, step, degrees, said", [
+    ("hf_qwen3_jobs", "parallelize_tp_without_norms", "step", {}, "every gradient differs (25 of 25) and every "
+     "output matches, with DP 2"),
+    ("hf_qwen3_jobs", "parallelize_tp_without_norms", "step_cp", {"cp": 2}, "every gradient differs (25 of 25) and "
+     "every output matches, with CP 2"),
+    ("hf_vit_jobs", "parallelize_tp", "step", {}, "every gradient differs (38 of 40; the other 2, "
+     "vit.layers.0.attention.k_proj.bias, vit.layers.1.attention.k_proj.bias, are zero in one process) and every "
+     "output matches, with DP 2")])
+def test_dp_without_a_data_parallel_wrapper_is_said_and_no_tp_recipe_is_tried(jobs: str, parallelize: str, step: str,
+                                                                               degrees: dict, said: str) -> None:
     """HF's Qwen3 at DP 2 x TP 2 (or CP 2 x TP 2) with a TP plan and no DDP or FSDP2: every gradient is each DP
     rank's own batch's (each CP rank's own part of the sequence's). The check says so, and tries no TP recipe (its
     norms' fault hides behind this one until the gradients are averaged). Under CP it offered SequenceParallel on
-    lm_head and 20 more modules, which raised."""
-    q3 = str(ROOT / "test" / "models" / "hf_qwen3_jobs.py")
-    result = check(f"module:{q3}:make", f"{q3}:parallelize_tp_without_norms", f"{q3}:{step}", world_size=4, tp=2,
-                   **degrees)
+    lm_head and 20 more modules, which raised. HF's ViT the same, but for its key biases' gradients, zero in one
+    process and in the run alike (softmax ignores them): they had kept the hint from being said."""
+    path = str(ROOT / "test" / "models" / f"{jobs}.py")
+    result = check(f"module:{path}:make", f"{path}:{parallelize}", f"{path}:{step}", world_size=4, tp=2, **degrees)
     (text,) = result.hints
-    assert text.startswith(f"every gradient differs (25 of 25) and every output matches, with {said}, and "
-                           "--parallelize wrapped no data-parallel module (DDP, FSDP2)"), result.render()
+    assert text.startswith(f"{said}, and --parallelize wrapped no data-parallel module (DDP, FSDP2)"), result.render()
     assert "recipes tried" not in result.seconds
 
 
@@ -1396,6 +1402,12 @@ def test_the_partial_gradient_candidates_are_modules_split_over_tp_whose_own_gra
         "data-parallel module")
     assert partial.dp_hint({"DP": 2}, 4, 25, False) is None and partial.dp_hint({"DP": 1, "TP": 2}, 25, 25, False) is None
     assert partial.dp_hint({"DP": 2}, 25, 25, True) is None  # DDP or FSDP2 there: another cause
+    # a gradient zero in one process (a key bias's) matches without the average: the rest all differing says it
+    assert partial.dp_hint({"DP": 2}, 23, 25, False, ["a.k.bias", "b.k.bias"]).startswith(
+        "every gradient differs (23 of 25; the other 2, a.k.bias, b.k.bias, are zero in one process) and every output")
+    assert partial.dp_hint({"DP": 2}, 22, 25, False, ["a.k.bias", "b.k.bias"]) is None
+    grads = {"w": torch.ones(4), "v": torch.full((3,), 2.0), "k.bias": torch.full((2,), 1e-9), "none": None}
+    assert vanishing(grads) == {"k.bias"}
     # CP's gradients are a data-parallel wrapper's to average too (a plan without one was offered SequenceParallel)
     assert "with CP 2, and --parallelize wrapped no data-parallel module (DDP, FSDP2): each CP rank kept the " \
         "gradients of its own part of the sequence, where one process has the whole's. A data-parallel wrapper " \
