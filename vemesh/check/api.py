@@ -12,20 +12,21 @@ peers of a DP rank draw the same batch. Dropout draws nothing in either run (:cl
 Deterministic`); another random op inside a module's forward is named as the cause when the runs differ, never as a
 wrong plan.
 
-It compares every module's outputs in forward order (DTensors gathered whole; a TP rank's plain shard joined with its
-TP peers'), and every parameter's gradient by name (gathered whole), and names any tie that parallelizing broke.
-Where the run went wrong in the scope of a Linear that looks fused and is split as torch's ``ColwiseParallel``
-splits, it runs again with the fused recipes in that style's place and says which one made it exact
-(:mod:`vemesh.check.recipes`); where the module that went wrong holds parameters of a split Linear's whole output
-width (OLMo 2's q/k norms), it tries the gathered layout on that Linear's scope. Before those, where that scope's
-module counts heads by the whole model's count (Falcon's ``num_heads``), it tries the counts set to this rank's,
-with what the module keeps per head sharded over TP (T5's relative position bias, GPT-OSS's sinks; alone where it
-counts no heads; the tensors of every head it is handed sliced: Bloom's ALiBi) (:mod:`vemesh.check.heads`), and where a
-forward changed a TP style's output in place, a copy of it (:mod:`vemesh.check.clones`); where the counts clear the
-forward and gradients differ, the gradients' recipes below, with the counts kept. Where every output matches and
-gradients differ, it says whether DP's average is missing, or tries ``SumGradOverTP`` on the features of an unsplit Linear whose gradient differs in those rows alone
-(DeepSeek-V3's k_pe), and torch's ``SequenceParallel`` on the modules run on this TP rank's part of their input
-(Qwen3's q/k norms) (:mod:`vemesh.check.partial`).
+It compares every module's outputs in forward order (DTensors gathered whole; a TP rank's plain shard joined with its TP
+peers'), and every parameter's gradient by name (gathered whole), and names any tie that parallelizing broke. Where the
+layouts given torch's styles are the cause (:mod:`vemesh.check.layouts`), it says so and tries nothing. Where the run
+went wrong in the scope of a Linear that looks fused and is split as torch's ``ColwiseParallel`` splits, it runs again
+with the fused recipes in that style's place and says which one made it exact (:mod:`vemesh.check.recipes`); where the
+module that went wrong holds parameters of a split Linear's whole output width (OLMo 2's q/k norms), it tries the
+gathered layout on that Linear's scope. Before those, where that scope's module counts heads by the whole model's count
+(Falcon's ``num_heads``), it tries the counts set to this rank's, with what the module keeps per head sharded over TP
+(T5's relative position bias, GPT-OSS's sinks; alone where it counts no heads; the tensors of every head it is handed
+sliced: Bloom's ALiBi) (:mod:`vemesh.check.heads`), and where a forward changed a TP style's output in place, a copy of
+it (:mod:`vemesh.check.clones`); where the counts clear the forward and gradients differ, the gradients' recipes below,
+with the counts kept. Where every output matches and gradients differ, it says whether DP's average is missing, or tries
+``SumGradOverTP`` on the features of an unsplit Linear whose gradient differs in those rows alone (DeepSeek-V3's k_pe),
+and torch's ``SequenceParallel`` on the modules run on this TP rank's part of their input (Qwen3's q/k norms)
+(:mod:`vemesh.check.partial`).
 
 What it proves: one step, at the size the factory builds, on CPU in fp32 (or the model's own dtype), computes the
 one-process forward and gradients within ``rtol``. What it does not: other sizes or steps, the optimizer (ZeRO-1's
@@ -47,6 +48,7 @@ import torch
 from vemesh.check.compare import compare, modules_before, tolerance, vanishing
 from vemesh.check.clones import candidate as clones_candidate, hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
+from vemesh.check.layouts import layout_hint
 from vemesh.check.partial import candidates as partial_candidates, dp_hint, first_shapes, hint as partial_hint, \
     on_every_stage, row_candidates, stage_scales, summed_hint, twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
@@ -124,8 +126,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     spec = replace(spec, model_params=ref["params"]) if pp > 1 else spec
     t1, launched = time.monotonic(), time.time()
     ranks, failed, compared = _parallel(spec, ref, tol, result)
-    t2 = time.monotonic()
-    result.dropouts = ref["dropouts"]
+    t2, result.dropouts = time.monotonic(), ref["dropouts"]
     result.hints, tries = _hints(spec, ref, tol, result, ranks, failed)
     result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1 - compared, **phases(ranks, launched),
                       "compare": compared}
@@ -171,9 +172,6 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
         result.broken_ties, result.compiled = ranks[0]["broken"], ranks[0]["compiled"]
         result.stage_clips = max(r["clips"] for r in ranks) if spec.degrees.get("PP", 1) > 1 else 0
         compare(result, ref, ranks, tol)
-        result.tp_whole_model = spec.degrees["TP"] > 1 and not any(r["on_tp"] for r in ranks) and all(
-            g is None or ref["grads"].get(n) is None or g.shape == ref["grads"][n].shape  # none sliced by hand
-            for r in ranks for n, g in r["grads"].items())
         if result.first_module is not None or result.gradients or result.broken_ties or result.pipeline_cut_wrong:
             result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
         result.stage_scales = stage_scales(ref, ranks, tol) if result.stage_clips and result.gradients else {}
@@ -208,6 +206,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     and the run goes wrong elsewhere, the next candidate there is tried with it kept. With the runs made."""
     if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
         return [refused_hint(*failed[0]["went"]["refused"])], 0
+    if (layouts := layout_hint(spec.degrees["TP"], ref, result, failed)) is not None:
+        return [layouts], 0  # the layouts given torch's styles, not how a Linear is split: no recipe helps
     if failed and (uneven := uneven_hint(failed[0].get("module"), failed[0]["split"], failed[0].get("head_dims", {}))):
         return [uneven], 0  # a TP degree that does not divide a projection's heads: no recipe helps
     tries = Tries(lambda swaps: _run(replace(spec, swaps=swaps), ref, tol, result), MAX_TRIES,
@@ -353,10 +353,9 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
     the parallel runs made, and whether the last made the check exact."""
     if replicas is None:
         wrapped = any(r.get("data_parallel", False) for r in ranks)
-        differing = {n for n, _ in result.gradients}
-        zero = sorted(n for n in vanishing(ref["grads"]) - differing if any(n in r["grads"] for r in ranks))
+        zero = sorted(n for n in vanishing(ref["grads"]) - {n for n, _ in result.gradients} if n in ranks[0]["grads"])
         said = (zero_bubble_hint(spec.pp_schedule, result.degrees["DP"], wrapped) if "PP" in result.degrees else None) \
-            or dp_hint(result.degrees, len(differing), result.gradients_compared, wrapped, zero)
+            or dp_hint(result.degrees, len(result.gradients), result.gradients_compared, wrapped, zero)
         if said is not None:
             hints.append(said)
             return 0, False

@@ -79,6 +79,16 @@ def vanishing(grads: dict[str, torch.Tensor | None]) -> set[str]:
     return {n for n, g in grads.items() if g is not None and (not g.numel() or g.detach().abs().max().item() <= floor)}
 
 
+def _times_along(got: list[torch.Tensor], shape: torch.Size, tp: int) -> int | None:
+    """The one dim along which every tensor of ``got`` is ``tp`` times ``shape`` (its other dims equal), or None."""
+    if tp < 2 or not got or any(g.dim() != len(shape) for g in got):
+        return None
+    dims = {tuple(i for i in range(len(shape)) if g.shape[i] != shape[i]) for g in got}
+    if len(dims) != 1 or len(dims := next(iter(dims))) != 1:
+        return None
+    return dims[0] if all(g.shape[dims[0]] == tp * shape[dims[0]] for g in got) else None
+
+
 def _joined(values: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
     """Shards joined along the one dim where they add up to ``shape``, or None."""
     first = values[0]
@@ -171,7 +181,7 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
         if diff > worst[0]:
             worst = (diff, where)
 
-    piped = result.degrees.get("PP", 1) > 1
+    piped, tp = result.degrees.get("PP", 1) > 1, result.degrees.get("TP", 1)
     result.outputs_partial = len({n for r in ranks for n in r.get("partial", ())})
     # module outputs, in the one-process run's forward order, DP rank by DP rank
     for d, ref_out in enumerate(ref["outputs"]):
@@ -193,6 +203,8 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
                     _full_views(mine, key, want.shape, result.micro_batch_size, equal_shards=True)
                 if not joined:
                     result.outputs_not_comparable += 1
+                    if result.repeated is None and (dim := _times_along(got, want.shape, tp)) is not None:
+                        result.repeated = {"module": key[0], "dim": dim, "length": want.shape[dim]}
                     continue
                 diff = min(_difference(j, want, floor) for j in joined)
                 cut = cut or (result.degrees.get("CP", 1) > 1 and _cut_over_cp(mine, key, want.shape))
@@ -231,6 +243,9 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
         result.unknown = sorted({n for r in ranks for n in r["grads"]} - set(ref["grads"]))
         result.split_ties = sorted({tuple(group) for r in ranks for group in r.get("apart", ())})
     result.gradients = sorted(bad, key=lambda x: -x[1])
+    result.tp_whole_model = result.degrees["TP"] > 1 and not any(r["on_tp"] for r in ranks) and all(
+        g is None or ref["grads"].get(n) is None or g.shape == ref["grads"][n].shape  # none sliced by hand
+        for r in ranks for n, g in r["grads"].items())
     result.largest, result.largest_at = worst
     # outputs that no join explains might be the cut ones: then it cannot tell
     result.cp_whole_sequence = (result.degrees.get("CP", 1) > 1 and result.outputs_compared > 0 and not cut

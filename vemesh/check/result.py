@@ -42,6 +42,9 @@ class CheckResult:
     gradients_compared: int = 0
     #: outputs the parallel run made in another shape that no join over TP gives (left out, counted)
     outputs_not_comparable: int = 0
+    #: the first of them that is TP times one process's along one dim, ``{"module", "dim", "length"}`` (``length``:
+    #: one process's along it): a whole sequence read as this TP rank's part (:mod:`vemesh.check.positions`)
+    repeated: dict[str, Any] | None = None
     #: under PP, the modules under a name of the model that a stage holds with other parameters than the model's
     #: module of that name (the base model's module over the stage's layers, a stand-in): left out (counted)
     outputs_partial: int = 0

@@ -636,6 +636,67 @@ def test_dp_without_a_data_parallel_wrapper_is_said_and_no_tp_recipe_is_tried(jo
     assert "recipes tried" not in result.seconds
 
 
+def test_a_sequence_repeated_over_tp_or_uneven_over_it_and_layouts_torch_refuses_are_read_from_the_run() -> None:
+    """The signs the hints of the next test read, in process: an output TP times one process's along one dim (and
+    not along two, or by another factor); a size mismatch whose shorter side is one process's sequence; a sequence
+    cut over a TP that does not divide it; and torch's own layout check, the innermost frame of a chained trace."""
+    from vemesh.check.compare import _times_along
+    from vemesh.check.layouts import _repeated, layouts_hint, uneven_sequence_hint
+
+    want = torch.Size([2, 10, 64])
+    assert _times_along([torch.zeros(2, 20, 64)] * 2, want, 2) == 1
+    assert _times_along([torch.zeros(2, 30, 64)], want, 2) is None and _times_along([torch.zeros(4, 20, 64)], want, 2) \
+        is None and _times_along([torch.zeros(2, 20, 64)], want, 1) is None
+    ref = {"outputs": [{("blocks.0.attn", 0, 0): torch.zeros(2, 16, 64),
+                        ("blocks.0.attn.o", 0, 0): torch.zeros(2, 17, 64)}]}
+    failed = [{"module": "blocks.0.attn", "went": {}, "message": "RuntimeError: The size of tensor a (32) must match "
+               "the size of tensor b (16) at non-singleton dimension 2"}]
+    assert _repeated(2, failed, ref) == ("blocks.0.attn", 1, 16) and _repeated(4, failed, ref) is None
+    assert _repeated(2, [dict(failed[0], module="blocks.0.attn.o")], ref) is None  # 17 long there: not the sign
+    assert "is 17 long, which TP 2 does not divide" in uneven_sequence_hint(2, ref, {"sequence": ["blocks.0.attn.o"]})
+    assert uneven_sequence_hint(2, ref, {}) is None and uneven_sequence_hint(4, ref, {"sequence": ["blocks.0.attn"]}) \
+        is None
+    style = "/site-packages/torch/distributed/tensor/parallel/style.py"
+    trace = (f'Traceback (most recent call last):\n  File "/m.py", line 3, in forward\n  File "{style}", line 555, in '
+             '_prepare_input_fn\nValueError: module inputs and input_layouts should have same length!\n\nThe above '
+             'exception was the direct cause of the following exception:\n\nTraceback (most recent call last):\n  '
+             'File "/work/vemesh/check/run.py", line 319, in _worker\nUserError: ...')
+    raised = {"module": "layers.0", "trace": trace, "message": "ValueError: module inputs and input_layouts should "
+              "have same length! (in the forward of layers.0)"}
+    assert layouts_hint(raised).startswith("torch's style on layers.0 refused the layouts it was given for the "
+                                           "module's inputs (its own check, in _prepare_input_fn)")
+    assert layouts_hint(dict(raised, trace=trace.replace(style, "/m.py"))) is None
+
+
+@pytest.mark.slow  # one run of 2 processes each; two where gloo aborts (the check runs it again, once)
+@pytest.mark.parametrize("factory, parallelize, said", [
+    ("make", "parallelize_sp", None),
+    ("make", "parallelize_sp_uncut", "vit.layers.0.layernorm_before's output is 20 long along dim 1 where one "
+     "process's is 10 (TP 2 times): a module of the plan read the whole sequence as this TP rank's part"),
+    ("make", "parallelize_sp_one_layout", "torch's style on vit.layers.0 refused the layouts it was given for the "
+     "module's inputs (its own check, in _prepare_input_fn): a PrepareModuleInput takes one layout for each argument"),
+    ("make_uneven", "parallelize_sp", "the plan shards the sequence over TP (vit.layers.0.attention.o_proj's "
+     "RowwiseParallel gives each TP rank a part along dim 1), and one process's sequence there is 17 long, which TP 2 "
+     "does not divide")])
+def test_hf_vit_under_sequence_parallelism_is_exact_or_its_mistake_named(factory: str, parallelize: str,
+                                                                          said: str | None) -> None:
+    """HF's ViT under torchtitan's sequence-parallel layout (test/models/hf_vit_jobs.py): no Linear or Embedding makes
+    its first layer's input, so the plan cuts the sequence there itself, and then the check is exact. Without the cut,
+    the first SequenceParallel reads the whole sequence as a part and every token is there twice: outputs after it
+    match (attention over repeated tokens gives what it gives once) and the gradients are doubled; the check had
+    said only that gradients differ. With one layout for a layer called with two arguments, torch's own check raises,
+    and the check had tried fused recipes on the MLP's Linear; with a sequence of 17, gloo aborts, and it had said
+    that a fused recipe "clears its scope". Each now gets one hint, and no recipe is tried."""
+    path = str(ROOT / "test" / "models" / "hf_vit_jobs.py")
+    result = check(f"module:{path}:{factory}", f"{path}:{parallelize}", f"{path}:step", world_size=2, tp=2)
+    if said is None:
+        assert result.exact, result.render()
+        return
+    (text,) = result.hints
+    assert text.startswith(said), result.render()
+    assert "recipes tried" not in result.seconds, result.render()
+
+
 @pytest.mark.slow  # two runs of 2 processes
 def test_hf_olmo2_width_norms_under_llamas_plan_get_the_gathered_layout_tried() -> None:
     """HF's OLMo 2 under Llama's plan: its q_norm (a norm over the whole projected width) gets this TP rank's half of
@@ -1776,8 +1837,8 @@ def test_a_cp_check_whose_step_cut_no_sequence_says_so(layout: str, whole: bool)
         value = parts[c] if layout.startswith("cp-parts") else seq
         return value.chunk(2, dim=2)[t].clone() if layout.endswith("tp-columns") else value.clone()
 
-    ranks = [{"coords": {"CP": c, "TP": t}, "data_rank": 0, "outputs": {("h", 0): held(c, t)}, "grads": {}}
-             for c in range(2) for t in range(2)]
+    ranks = [{"coords": {"CP": c, "TP": t}, "data_rank": 0, "outputs": {("h", 0): held(c, t)}, "grads": {},
+              "on_tp": True} for c in range(2) for t in range(2)]
     result = CheckResult("exact", {"DP": 1, "CP": 2, "TP": 2, "EP": 1}, 4, 2, 1e-4)
     compare(result, {"outputs": [{("h", 0): seq}], "grads": {}}, ranks, 1e-4)
     assert result.outputs_compared == 1 and result.largest == 0.0

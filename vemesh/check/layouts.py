@@ -1,0 +1,114 @@
+"""The hints of ``vemesh check`` where the layouts a plan gives torch's styles are the cause, not how its Linears are
+split (no recipe of a Linear is tried there):
+
+* torch's ``PrepareModuleInput`` or ``PrepareModuleOutput`` refused the layouts it was given: one for each argument
+  the module is called with, or each value it returns (:func:`layouts_hint`);
+* the plan reads the whole sequence as a TP rank's part (torch's ``SequenceParallel`` and a ``Shard`` input layout
+  read a plain tensor so), and every token is there TP times (:func:`repeated_sequence_hint`): attention over
+  repeated tokens gives what it gives once, so outputs can match while every gradient is TP times one process's;
+* the plan cuts a sequence that TP does not divide, and the ranks' collectives disagree on their sizes
+  (:func:`uneven_sequence_hint`).
+
+:func:`layout_hint` gives the first that applies.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["layout_hint", "layouts_hint", "repeated_sequence_hint", "uneven_sequence_hint"]
+
+
+def layout_hint(tp: int, ref: dict, result: Any, failed: list[dict]) -> str | None:
+    """The first hint of this module's that applies to a run (``failed``: its ranks' errors, if it raised), or None."""
+    if failed and (said := layouts_hint(failed[0])):
+        return said
+    if (said := repeated_sequence_hint(tp, ref, result, failed)) is not None:
+        return said
+    return uneven_sequence_hint(tp, ref, failed[0].get("went", {})) if failed else None
+
+
+def layouts_hint(failed: dict) -> str | None:
+    """The hint where torch's tensor-parallel style raised on the layouts it was given for a module's inputs or
+    outputs (its own check, in ``torch/distributed/tensor/parallel/style.py``: as many layouts as the module is called
+    with), else None."""
+    first = re.split(r"\n(?:The above exception|During handling)", failed.get("trace", ""))[0]  # the innermost raise
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', first)
+    if not frames or not frames[-1][0].replace("\\", "/").endswith("torch/distributed/tensor/parallel/style.py") \
+            or "should have same length" not in failed.get("message", ""):
+        return None
+    where, check = failed.get("module") or "the root", frames[-1][1]
+    if "output" in check:
+        return (f"torch's style on {where} refused the layouts it was given for the module's outputs (its own check, "
+                f"in {check}): a PrepareModuleOutput takes one layout for each value the module returns, None for one "
+                "it leaves as it is")
+    return (f"torch's style on {where} refused the layouts it was given for the module's inputs (its own check, in "
+            f"{check}): a PrepareModuleInput takes one layout for each argument the module is called with by position "
+            "(the call is where the run failed, above), None for one it leaves as it is (a mask, a cache), and "
+            "input_kwarg_layouts for those given by name")
+
+
+def _length(ref: dict, module: str, dim: int) -> int | None:
+    """One process's length along ``dim`` of ``module``'s first output (of DP rank 0), or None."""
+    return next((t.shape[dim] for (n, _, _), t in (ref.get("outputs") or [{}])[0].items()
+                 if n == module and t.dim() > dim), None)
+
+
+def _repeated(tp: int, failed: list[dict], ref: dict) -> tuple[str, int, int] | None:
+    """(module, dim, length) where a run's forward raised on a tensor TP times as long as another, the shorter as long
+    as one process's output of the module that raised along the sequence's dim (``length``); else None."""
+    if not failed or not (where := failed[0].get("module")):
+        return None
+    message = failed[0].get("message", "")
+    if not (sizes := re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", message)):
+        return None
+    short, long = sorted(map(int, sizes.groups()))
+    dim = failed[0].get("went", {}).get("sequence_dim", [1])[0]
+    return (where, dim, short) if long == short * tp and _length(ref, where, dim) == short else None
+
+
+def repeated_sequence_hint(tp: int, ref: dict, result: Any, failed: list[dict]) -> str | None:
+    """Under TP, a module's output TP times one process's along one dim (``result.repeated``: a
+    :class:`~vemesh.check.result.CheckResult`), or a forward that raised on a tensor TP times the one-process sequence:
+    a plan that reads the whole sequence as this rank's part, so that every token is there TP times. The hint, or
+    None."""
+    if tp == 1:
+        return None
+    if result.repeated is not None:
+        where, dim, length = result.repeated["module"], result.repeated["dim"], result.repeated["length"]
+        said = (f"{where or 'the root'}'s output is {tp * length} long along dim {dim} where one process's is {length} "
+                f"(TP {tp} times)")
+        seen = ("; attention over every token repeated gives what it gives once, so outputs after it can match, and "
+                f"each gradient counts every token {tp} times")
+    elif (found := _repeated(tp, failed, ref)) is not None:
+        where, dim, length = found
+        said = (f"the forward of {where} met a tensor {tp * length} long where one process's sequence is {length} "
+                f"(TP {tp} times)")
+        seen = ""
+    else:
+        return None
+    return (f"{said}: a module of the plan read the whole sequence as this TP rank's part (torch's SequenceParallel, "
+            f"and a PrepareModuleInput or ColwiseParallel with a Shard({dim}) input layout, read a plain tensor so), "
+            f"so each TP rank holds every token {tp} times{seen}. Hand the first sequence-parallel module its part: "
+            f"output_layouts=Shard({dim}) on the RowwiseParallel before it (torchtitan's embedding), or, where no "
+            "Linear or Embedding makes its input (a patch embedding, a sum of embeddings), "
+            f"PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard({dim}),)) on the first "
+            "block; or, for no sequence parallelism, no SequenceParallel and no Shard input layout")
+
+
+def uneven_sequence_hint(tp: int, ref: dict, went: dict) -> str | None:
+    """Where the plan shards the sequence over TP (a RowwiseParallel whose output is ``Shard(d)``: ``went``, a rank's
+    record of where torch's styles went) and one process's sequence there does not divide by TP: torch reads each
+    rank's plain part as an equal share (``SequenceParallel``, ``DTensor.from_local``), so the ranks' collectives
+    disagree on their sizes (gloo aborts, nccl hangs). The hint, or None."""
+    if tp == 1 or not went.get("sequence"):
+        return None
+    where, dim = went["sequence"][0], went.get("sequence_dim", [1])[0]
+    if (length := _length(ref, where, dim)) is None or length % tp == 0:
+        return None
+    return (f"the plan shards the sequence over TP ({where}'s RowwiseParallel gives each TP rank a part along dim "
+            f"{dim}), and one process's sequence there is {length} long, which TP {tp} does not divide: torch's "
+            "SequenceParallel and a Shard input layout take each rank's plain part as an equal share, so the ranks' "
+            "collectives disagree on their sizes (gloo aborts, nccl hangs). Make the sequence a multiple of TP (pad "
+            "it; a class token counts), or leave sequence parallelism out")
