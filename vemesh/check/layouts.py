@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["layout_hint", "layouts_hint", "repeated_sequence_hint", "uneven_sequence_hint"]
+__all__ = ["layout_hint", "layouts_hint", "output_length", "repeated_sequence_hint", "uneven_sequence_hint"]
 
 
 def layout_hint(tp: int, ref: dict, result: Any, failed: list[dict]) -> str | None:
@@ -49,7 +49,7 @@ def layouts_hint(failed: dict) -> str | None:
             "input_kwarg_layouts for those given by name")
 
 
-def _length(ref: dict, module: str, dim: int) -> int | None:
+def output_length(ref: dict, module: str, dim: int) -> int | None:
     """One process's length along ``dim`` of ``module``'s first output (of DP rank 0), or None."""
     return next((t.shape[dim] for (n, _, _), t in (ref.get("outputs") or [{}])[0].items()
                  if n == module and t.dim() > dim), None)
@@ -65,7 +65,7 @@ def _repeated(tp: int, failed: list[dict], ref: dict) -> tuple[str, int, int] | 
         return None
     short, long = sorted(map(int, sizes.groups()))
     dim = failed[0].get("went", {}).get("sequence_dim", [1])[0]
-    return (where, dim, short) if long == short * tp and _length(ref, where, dim) == short else None
+    return (where, dim, short) if long == short * tp and output_length(ref, where, dim) == short else None
 
 
 def repeated_sequence_hint(tp: int, ref: dict, result: Any, failed: list[dict]) -> str | None:
@@ -105,7 +105,7 @@ def uneven_sequence_hint(tp: int, ref: dict, went: dict) -> str | None:
     if tp == 1 or not went.get("sequence"):
         return None
     where, dim = went["sequence"][0], went.get("sequence_dim", [1])[0]
-    if (length := _length(ref, where, dim)) is None or length % tp == 0:
+    if (length := output_length(ref, where, dim)) is None or length % tp == 0:
         return None
     return (f"the plan shards the sequence over TP ({where}'s RowwiseParallel gives each TP rank a part along dim "
             f"{dim}), and one process's sequence there is {length} long, which TP {tp} does not divide: torch's "

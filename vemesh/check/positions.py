@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from vemesh.check.layouts import output_length
 from vemesh.check.recipes import Swap
 from vemesh.check.result import CheckResult, _some, went_wrong
 from vemesh.check.run import Spec
@@ -29,8 +30,7 @@ def _mismatch(tp: int, failed: list[dict], ref: dict) -> tuple[int, int] | None:
     sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", failed[0]["message"])
     part, whole = sorted(map(int, sizes.groups())) if sizes else (0, 0)
     dim = went.get("sequence_dim", [1])[0]
-    length = next((t.shape[dim] for (n, _, _), t in (ref.get("outputs") or [{}])[0].items()
-                   if n == went["sequence"][0] and t.dim() > dim), None)
+    length = output_length(ref, went["sequence"][0], dim)
     if length is not None and not any(whole * tp ** k == length for k in range(3)):
         return None
     return (part, whole) if sizes and whole == part * tp else None
