@@ -90,6 +90,8 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-moe-ep2-fsdp2": (2, "make_moe", "parallelize_fsdp", ["--ep", "2"]),
     "llama-fsdp2-checkpointed": (2, "make_dense", "parallelize_checkpointed", []),
     "llama-ddp-accumulate": (2, "make_dense", "parallelize_ddp", ["--dp-mode", "ddp", "--micro-batch-size", "2"]),
+    # a fine-tune's frozen embedding and norms, which no op returns where no DDP broadcasts them (TP alone)
+    "llama-frozen-tp2": (2, "make_dense_frozen", "parallelize_any", ["--tp", "2", "--dp-mode", "ddp"]),
     "llama-trunc-normal-fsdp2-tp2": (4, "make_dense_trunc_normal", "parallelize_fsdp", ["--tp", "2"]),
     "llama-trunc-normal-zero1-tp2": (4, "make_dense_trunc_normal", "parallelize_ddp", ["--tp", "2", "--dp-mode", "zero1"]),
     "hf-llama-fsdp2-tp2": (4, f"{HF_JOBS}:make_llama", f"{HF_JOBS}:parallelize_fsdp", ["--tp", "2"]),

@@ -567,6 +567,26 @@ def test_a_factory_is_called_afresh_by_each_plan() -> None:
     assert second["classes"][0]["params"] - first["classes"][0]["params"] == per_block  # one fp32 block more
 
 
+def test_frozen_parameters_that_no_op_returns_are_in_the_peak() -> None:
+    """A fine-tune's frozen token embedding and norms: the factory builds them before the plan's tracker starts, and no
+    op of the step returns them (an embedding is read by index, a norm's weight by a product), nor does the optimizer
+    touch them, so torch's tracker never saw them: on one rank, where no DDP broadcasts them, the plan's peak left out
+    the embedding and norms (533,504 bytes: the activations came out that far below zero). Now each class holds what it
+    says it holds, and the frozen parameters count as the trained ones do (bench/plan_accuracy.py's llama-frozen-tp2:
+    the plan within the run's bytes, where it was the norms' 9,216 bytes under)."""
+    sys.path.insert(0, str(REPO / "test" / "models"))
+    import llama_jobs
+
+    frozen, trained = (plan(factory, parallelize=llama_jobs.parallelize_any, step=llama_jobs.step, world_size=1,
+                            global_batch_size=2, dp_mode="ddp") for factory in (llama_jobs.make_dense_frozen,
+                                                                                 llama_jobs.make_dense))
+    for result in (frozen, trained):
+        (every,) = result["classes"]
+        assert every["activations"] >= 0 and result["peak"] >= every["params"] + every["grads"] + every["optimizer"]
+    embedding = llama_jobs.SMALL["vocab_size"] * llama_jobs.SMALL["dim"] * 4
+    assert frozen["classes"][0]["params"] == trained["classes"][0]["params"] >= embedding
+
+
 def test_a_model_initialised_with_trunc_normal_is_planned_like_the_same_model_without() -> None:
     """The factory runs on the meta device, as torchtitan builds models: ``trunc_normal_`` in ``__init__`` (which needs
     values on fake tensors) is a no-op there, and the plan is the plan of the same model without that init."""

@@ -134,9 +134,14 @@ class StepTracker(MemTracker):
     def _held(self) -> int:
         return sum(s["Total"] - s.get(_MemRefType.OTH, 0) for s in self._curr_mem_snap.values())
 
-    def track_weights(self, module: torch.nn.Module) -> None:
-        """Count ``module``'s parameters as parameters and their gradients as gradients (no module hooks needed)."""
-        self._track_module_params_and_buffers(module, install_grad_hooks=True)
+    def track_weights(self, *modules: torch.nn.Module, grads: bool = True) -> None:
+        """Count ``modules``' parameters as parameters, their buffers as buffers and (``grads``) their gradients as
+        gradients (no module hooks needed). What was made before the tracker was entered (a model built outside it)
+        is counted from here on: torch's tracker sees a tensor first where an op returns it, and a parameter that no
+        op returns (a frozen embedding, read by index; a bias that no view takes) went uncounted until the optimizer
+        updated it in place, and under it (``Optstate``), or, frozen, never."""
+        for module in modules:
+            self._track_module_params_and_buffers(module, install_grad_hooks=grads)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         self._sampled = sum(s["Total"] for s in self._curr_mem_snap.values())

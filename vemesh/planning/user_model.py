@@ -158,6 +158,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             tracker.on_step_peak = held_now = Held(parts, ddps)
             optimizer = optimizer_for(parts, mode, ddps, device, optimizer_implementation)
             held_now.param_buffers = [s.param_data for s in getattr(optimizer, "shards", ())]
+            tracker.track_weights(*parts, grads=False)  # built before the tracker: counted as in a run
             if pp > 1:
                 run = build_schedule(stages, fns.pp_schedule, passes, fns.loss, exchange)
                 replay = exchange.replay_for(stages, tracker, counter, mesh, fns.pp_schedule, pp, pp_rank, passes)
