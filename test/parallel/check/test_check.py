@@ -647,6 +647,7 @@ def test_a_sequence_repeated_over_tp_or_uneven_over_it_and_layouts_torch_refuses
     assert _times_along([torch.zeros(2, 20, 64)] * 2, want, 2) == 1
     assert _times_along([torch.zeros(2, 30, 64)], want, 2) is None and _times_along([torch.zeros(4, 20, 64)], want, 2) \
         is None and _times_along([torch.zeros(2, 20, 64)], want, 1) is None
+    assert _times_along([torch.zeros(4, 10, 64)], want, 2) is None  # the batch's dim (a MoE's routed tokens): no sign
     ref = {"outputs": [{("blocks.0.attn", 0, 0): torch.zeros(2, 16, 64),
                         ("blocks.0.attn.o", 0, 0): torch.zeros(2, 17, 64)}]}
     failed = [{"module": "blocks.0.attn", "went": {}, "message": "RuntimeError: The size of tensor a (32) must match "
