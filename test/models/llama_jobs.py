@@ -49,16 +49,6 @@ def make_dense_trunc_normal() -> nn.Module:
     return model
 
 
-def make_dense_frozen() -> nn.Module:
-    """``make_dense`` as a fine-tune freezes it: the token embedding and every norm's weight frozen (read by index
-    and by an elementwise product: no op returns them, so a tracker sees them only where it was told of them)."""
-    model = make_dense()
-    for name, p in model.named_parameters():
-        if name.startswith("tok_embeddings") or "norm" in name:
-            p.requires_grad_(False)
-    return model
-
-
 def make_8b() -> nn.Module:
     """Llama-3.1-8B's shape: 32 blocks of width 4096, 32 query and 8 KV heads, SwiGLU 14336, vocab 128256, sequences
     of 8192 (torchtitan's default)."""
@@ -250,3 +240,13 @@ def parallelize_fsdp_compiled(model: llama.Llama, mesh) -> nn.Module:
         block.compile(fullgraph=True)
         fully_shard(block)
     return fully_shard(model)
+
+
+def make_dense_frozen() -> nn.Module:
+    """``make_dense`` as a fine-tune freezes it: the token embedding and every norm's weight frozen (read by index
+    and by an elementwise product: no op returns them, so a tracker sees them only where it was told of them)."""
+    model = make_dense()
+    for name, p in model.named_parameters():
+        if name.startswith("tok_embeddings") or "norm" in name:
+            p.requires_grad_(False)
+    return model
