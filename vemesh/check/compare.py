@@ -81,7 +81,7 @@ def vanishing(grads: dict[str, torch.Tensor | None]) -> set[str]:
 
 def _times_along(got: list[torch.Tensor], shape: torch.Size, tp: int) -> int | None:
     """The one dim past the batch's along which every tensor of ``got`` is ``tp`` times ``shape`` (its other dims
-    equal), or None. Not the first dim: a MoE's experts take the tokens routed to them, flattened, as many as may come."""
+    equal), or None. Not the first dim: a MoE's experts take the tokens routed to them, flattened, however many."""
     if tp < 2 or not got or any(g.dim() != len(shape) for g in got):
         return None
     dims = {tuple(i for i in range(len(shape)) if g.shape[i] != shape[i]) for g in got}

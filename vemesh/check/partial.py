@@ -65,7 +65,8 @@ def apply(recipes: tuple[ShardedInput, ...], model: nn.Module, tp_mesh: Any) -> 
                                SequenceParallel(sequence_dim=recipe.dim, use_local_output=True))
 
 
-def dp_hint(degrees: dict[str, int], differing: int, compared: int, wrapped: bool, zero: Sequence[str] = ()) -> str | None:
+def dp_hint(degrees: dict[str, int], differing: int, compared: int, wrapped: bool,
+            zero: Sequence[str] = ()) -> str | None:
     """The hint where every gradient differs with DP or CP above 1 (the dims a data-parallel wrapper averages the
     gradients over) and the parallelize function wrapped no data-parallel module the check knows (``wrapped``:
     :func:`vemesh.check.record.data_parallel`), else None. ``zero``: the compared gradients that match because one
@@ -77,7 +78,8 @@ def dp_hint(degrees: dict[str, int], differing: int, compared: int, wrapped: boo
     said = f"every gradient differs ({differing} of {compared}"
     if zero:
         said += f"; the other {len(zero)}, {_listed(zero)}, {'is' if len(zero) == 1 else 'are'} zero in one process"
-    said += f") and every output matches, with {named}, and --parallelize wrapped no data-parallel module (DDP, FSDP2): "
+    said += (f") and every output matches, with {named}, and --parallelize wrapped no data-parallel module (DDP, "
+             "FSDP2): ")
     if "CP" not in data:
         return (said + "each DP rank kept its own batch's gradients, and one process averages the DP ranks' (as DDP "
                 "and FSDP do). Wrap the model in --parallelize (vemesh.ddp.DistributedDataParallel, "
