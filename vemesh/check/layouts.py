@@ -17,7 +17,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["layout_hint", "layouts_hint", "output_length", "repeated_sequence_hint", "uneven_sequence_hint"]
+__all__ = ["SIZES", "layout_hint", "layouts_hint", "output_length", "repeated_sequence_hint", "uneven_sequence_hint"]
+
+#: torch's words where an elementwise op meets two tensors of other sizes along a dim: the two sizes
+SIZES = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)")
 
 
 def layout_hint(tp: int, ref: dict, result: Any, failed: list[dict]) -> str | None:
@@ -61,7 +64,7 @@ def _repeated(tp: int, failed: list[dict], ref: dict) -> tuple[str, int, int] | 
     if not failed or not (where := failed[0].get("module")):
         return None
     message = failed[0].get("message", "")
-    if not (sizes := re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", message)):
+    if not (sizes := SIZES.search(message)):
         return None
     short, long = sorted(map(int, sizes.groups()))
     dim = failed[0].get("went", {}).get("sequence_dim", [1])[0]

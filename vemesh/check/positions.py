@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from vemesh.check.layouts import output_length
+from vemesh.check.layouts import SIZES, output_length
 from vemesh.check.recipes import Swap
 from vemesh.check.result import CheckResult, _some, went_wrong
 from vemesh.check.run import Spec
@@ -27,7 +27,7 @@ def _mismatch(tp: int, failed: list[dict], ref: dict) -> tuple[int, int] | None:
     went = failed[0].get("went", {}) if failed else {}
     if not went.get("sequence"):
         return None
-    sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", failed[0]["message"])
+    sizes = SIZES.search(failed[0]["message"])
     part, whole = sorted(map(int, sizes.groups())) if sizes else (0, 0)
     dim = went.get("sequence_dim", [1])[0]
     length = output_length(ref, went["sequence"][0], dim)
