@@ -247,10 +247,18 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
     result.tp_whole_model = result.degrees["TP"] > 1 and not any(r["on_tp"] for r in ranks) and all(
         g is None or ref["grads"].get(n) is None or g.shape == ref["grads"][n].shape  # none sliced by hand
         for r in ranks for n, g in r["grads"].items())
+    outputs = ref["outputs"]
+    result.dp_same_batch = len(outputs) > 1 and bool(outputs[0]) and all(_equal(o, outputs[0]) for o in outputs[1:])
     result.largest, result.largest_at = worst
     # outputs that no join explains might be the cut ones: then it cannot tell
     result.cp_whole_sequence = (result.degrees.get("CP", 1) > 1 and result.outputs_compared > 0 and not cut
                                 and not result.outputs_not_comparable)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    """Two DP ranks' module outputs in one process (:attr:`CheckResult.dp_same_batch`) are the same, to the bit."""
+    return a.keys() == b.keys() and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+                                        for x, y in ((a[k], b[k]) for k in a))
 
 
 def modules_before(ref_outputs: list[dict], first_module: dict) -> set[str]:

@@ -70,6 +70,9 @@ class CheckResult:
     #: under TP, no parameter was a DTensor on the TP dim on any rank, and every gradient had one process's shape: the
     #: parallelize function applied no TP, so each TP rank ran the whole model and the check compared DP alone
     tp_whole_model: bool = False
+    #: under DP, one process's module outputs were the same for every DP rank's step: the step drew the same batch
+    #: for each (not from torch's RNG, which the check seeds per DP rank), so DP's average was not checked
+    dp_same_batch: bool = False
     dropouts: int = 0
     #: under PP, the most calls of torch's ``clip_grad_norm_`` the step made on a PP rank: each clips its stages by
     #: their own norm, not the model's
@@ -136,6 +139,12 @@ class CheckResult:
             lines.append(f"  {'but' if self.exact else 'and'} TP {self.degrees['TP']} sharded nothing: no parameter is a "
                          "DTensor on the TP dim, so each TP rank ran the whole model and this checked DP alone; "
                          "shard it in --parallelize (parallelize_module on mesh['TP'])")
+        if self.dp_same_batch:
+            lines.append(f"  {'but' if self.exact else 'and'} every DP rank's step drew the same batch (in one process "
+                         f"the {self.degrees['DP']} DP ranks' steps gave equal module outputs), so DP's average was not "
+                         "checked: a plan without its data-parallel wrapper checks exact too. The check seeds torch's "
+                         "RNG with each DP rank's seed; draw the step's inputs from it (torch.randint, torch.randn), "
+                         "not from a torch.Generator of the step's own or fixed data")
         for names in self.broken_ties:
             lines.append(f"  tie broken: {' and '.join(names)} are one parameter in the model as built and several "
                          "after parallelize: shard both ends the same way with vemesh.parallel.parallelize_module, "

@@ -15,7 +15,9 @@ Two things keep that from happening:
 * :func:`parallelize_module`, torch's with the same arguments, re-ties after it: when every end of a tie was
   sharded the same way (an embedding ``RowwiseParallel`` and its head ``ColwiseParallel``: both ``Shard(0)`` of the
   ``[vocab, dim]`` weight), the ends become one DTensor parameter again, sharded once, whose gradient sums both
-  uses as in one process. Ends sharded differently, or one end left whole, raise with the recipe.
+  uses as in one process (and so does the same parameter held again by a module above a sharded end: BERT's
+  ``cls.predictions.bias``, the head's Linear's bias). Ends sharded differently, or one end left whole, raise with
+  the recipe.
 """
 
 from __future__ import annotations
@@ -102,27 +104,41 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None, parallelize_p
     """torch's ``parallelize_module(module, device_mesh, parallelize_plan)``, keeping the module's ties.
 
     Each tie of ``module`` whose ends the plan sharded the same way (the same mesh, placements and shape) is one
-    DTensor parameter again afterwards. A tie whose ends were sharded differently, or with one end left whole,
-    raises with the ends' placements: shard every end the same way, or none.
+    DTensor parameter again afterwards; so is an end left whole that a module above a sharded end holds again
+    (:func:`_alias`: BERT's ``cls.predictions.bias``). A tie whose ends were sharded differently, or with an end of
+    its own use left whole (an embedding beside its sharded head), raises with the ends' placements: shard every end
+    the same way, or none.
     """
     before = tie_groups(module)
     out = torch_parallelize_module(module, device_mesh, parallelize_plan, **kwargs)
     params = dict(module.named_parameters(remove_duplicate=False))
     for names in before:
         ends = [params[n] for n in names]
-        first = ends[0]
-        if all(p is first for p in ends):
+        if all(p is ends[0] for p in ends):
             continue
-        same = all(isinstance(p, DTensor) and p.device_mesh == first.device_mesh and p.placements == first.placements
-                   and p.shape == first.shape for p in ends) if isinstance(first, DTensor) else False
-        if not same:
+        sharded = [(n, p) for n, p in zip(names, ends) if isinstance(p, DTensor)]
+        first = sharded[0][1] if sharded else ends[0]
+        same = all(p.device_mesh == first.device_mesh and p.placements == first.placements and p.shape == first.shape
+                   for _, p in sharded)
+        aliases = [n for n, p in zip(names, ends) if not isinstance(p, DTensor)]
+        if not (sharded and same and all(_alias(n, [s for s, _ in sharded]) for n in aliases)):
             listed = "; ".join(f"{n} is {_describe(p)}" for n, p in zip(names, ends))
             raise BrokenTieError(
                 f"vemesh.parallel.parallelize_module: {' and '.join(names)} are one tied parameter, and the plan "
                 f"sharded its ends differently ({listed}). Shard every end the same way (an embedding "
                 "RowwiseParallel(input_layouts=Replicate()) and its head ColwiseParallel: both Shard(0) of "
                 "[vocab, dim]), or leave both whole")
-        for n in names[1:]:
+        for n in names:
             owner, leaf = _owner(module, n)
-            setattr(owner, leaf, first)
+            if getattr(owner, leaf) is not first:
+                setattr(owner, leaf, first)
     return out
+
+
+def _alias(name: str, sharded: list[str]) -> bool:
+    """Whether the end ``name``, left whole, is the tied parameter held again by a module above a sharded end's:
+    BERT's ``cls.predictions.bias``, which HF ties to ``cls.predictions.decoder.bias``, the bias the head's Linear
+    adds. It is not a use of its own the plan left whole, but the same parameter registered twice: it becomes the
+    sharded parameter too (a forward that read it with plain tensors would raise, as DTensor does on mixed inputs)."""
+    owner = name.rpartition(".")[0]
+    return any(s.rpartition(".")[0].startswith(owner + ".") or (not owner and "." in s) for s in sharded)

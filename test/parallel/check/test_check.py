@@ -636,6 +636,21 @@ def test_dp_without_a_data_parallel_wrapper_is_said_and_no_tp_recipe_is_tried(jo
     assert "recipes tried" not in result.seconds
 
 
+def test_hf_bert_keeps_its_two_ties_and_a_step_that_draws_the_same_batch_on_every_dp_rank_is_said() -> None:
+    """HF's BERT for masked LM, its embedding and decoder vocabulary-parallel through vemesh's parallelize_module:
+    its decoder's bias is tied to ``cls.predictions.bias``, the head above it, which no style shards. That end is
+    re-tied (before, it raised: "an end left whole", with a recipe no plan could follow), and under DDP the check is
+    exact. A step drawing its batch from a generator of its own gives every DP rank the same batch: with no DDP the
+    check was exact and said nothing, as if DP had been checked; now it says DP was not."""
+    path = str(ROOT / "test" / "models" / "hf_bert_jobs.py")
+    result = check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step", world_size=4, tp=2)
+    assert result.exact and not result.dp_same_batch and not result.broken_ties, result.render()
+    result = check(f"module:{path}:make", f"{path}:parallelize", f"{path}:step_own_generator", world_size=4, tp=2)
+    assert result.exact and result.dp_same_batch, result.render()
+    assert "but every DP rank's step drew the same batch (in one process the 2 DP ranks' steps gave equal module " \
+           "outputs), so DP's average was not checked" in result.render()
+
+
 def test_a_sequence_repeated_over_tp_or_uneven_over_it_and_layouts_torch_refuses_are_read_from_the_run() -> None:
     """The signs the hints of the next test read, in process: an output TP times one process's along one dim (and
     not along two, or by another factor); a size mismatch whose shorter side is one process's sequence; a sequence

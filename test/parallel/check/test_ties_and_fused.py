@@ -89,6 +89,48 @@ def test_vemesh_parallelize_module_keeps_one_parameter_sharded_once(world, rank:
     DistributedDataParallel(model)  # accepted
 
 
+class Head(nn.Module):
+    """BERT's masked-LM head: its Linear's bias held again by the head (HF ties ``cls.predictions.bias`` to it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = nn.Linear(16, 64)
+        self.bias = nn.Parameter(torch.zeros(64))
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x)
+
+
+class TiedTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, 16)
+        self.head = Head()
+        self.wte.weight = self.head.decoder.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.wte(idx))
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_an_end_held_again_above_a_sharded_end_is_re_tied_and_a_use_of_its_own_left_whole_raises(world, rank: int) -> None:  # type: ignore[no-untyped-def]
+    """The head's ``bias`` is its decoder's, held again by the module above; no style shards it. It is re-tied to
+    the sharded bias; an embedding left whole beside its sharded head is a use of its own, and raises as before."""
+    world(4, rank)
+    model = TiedTwice()
+    parallelize_module(model, mesh["TP"], {"wte": RowwiseParallel(input_layouts=Replicate()),
+                                           "head.decoder": ColwiseParallel(output_layouts=Replicate())})
+    assert model.head.bias is model.head.decoder.bias and model.wte.weight is model.head.decoder.weight
+    assert model.head.bias.placements == (Shard(0),) and model.head.bias.to_local().shape == (32,)
+    assert len(list(model.parameters())) == 2
+    check_ties(model, "here")  # nothing to say
+    DistributedDataParallel(model)  # accepted
+    with pytest.raises(BrokenTieError, match=r"wte.weight and head.decoder.weight are one tied parameter, and the "
+                                             r"plan sharded its ends differently \(wte.weight is a plain tensor"):
+        parallelize_module(TiedTwice(), mesh["TP"], {"head.decoder": ColwiseParallel(output_layouts=Replicate())})
+
+
 def test_a_re_tie_by_hand_is_accepted(world) -> None:  # type: ignore[no-untyped-def]
     world(2)
     model = Tied()

@@ -1,0 +1,64 @@
+"""HF transformers' ``BertForMaskedLM`` as shipped, for ``vemesh check``: an encoder whose masked-LM head is tied twice,
+its decoder's weight to the word embedding (``tie_word_embeddings``) and its decoder's bias to ``cls.predictions.bias``
+(the same parameter, held again by the head above the Linear). The vocabulary-parallel pair (the embedding
+``RowwiseParallel``, the decoder ``ColwiseParallel``) under ``vemesh.parallel.parallelize_module`` keeps both ties:
+the bias's other end is re-tied to the sharded bias (before, it raised: an end left whole). And a step that draws its
+batch from a generator of its own, which gives every DP rank the same batch: the check says DP was not checked."""
+
+from __future__ import annotations
+
+import torch
+import transformers as hf
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from vemesh.ddp import DistributedDataParallel
+from vemesh.parallel import parallelize_module
+
+VOCAB, SEQ = 128, 16
+
+
+def make() -> nn.Module:
+    """2 layers of width 64, 4 heads, a vocabulary of 128, no dropout."""
+    return hf.BertForMaskedLM(hf.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _masked(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[:, ::2] = -100  # every other token predicted
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss
+
+
+def step(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """A batch from torch's RNG, which the check seeds with each DP rank's seed."""
+    return _masked(model, torch.randint(0, VOCAB, (batch_size, SEQ)))
+
+
+def step_own_generator(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """The same batch on every rank: a generator of the step's own, seeded alike everywhere."""
+    return _masked(model, torch.randint(0, VOCAB, (batch_size, SEQ), generator=torch.Generator().manual_seed(1)))
+
+
+def parallelize(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+    """Each layer's attention and MLP as torch's styles split them, and the tied embedding and decoder
+    vocabulary-parallel, through vemesh's ``parallelize_module`` (which keeps both ties)."""
+    tp = mesh["TP"]
+    for layer in model.bert.encoder.layer:
+        parallelize_module(layer, tp, {"attention.self.query": ColwiseParallel(),
+                                       "attention.self.key": ColwiseParallel(),
+                                       "attention.self.value": ColwiseParallel(),
+                                       "attention.output.dense": RowwiseParallel(),
+                                       "intermediate.dense": ColwiseParallel(), "output.dense": RowwiseParallel()})
+    parallelize_module(model, tp, {"bert.embeddings.word_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                                   "cls.predictions.decoder": ColwiseParallel(output_layouts=Replicate())})
+    return model
+
+
+def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+    """:func:`parallelize`, then vemesh DDP over DP."""
+    return DistributedDataParallel(parallelize(model, mesh))
