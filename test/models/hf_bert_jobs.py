@@ -3,7 +3,10 @@ its decoder's weight to the word embedding (``tie_word_embeddings``) and its dec
 (the same parameter, held again by the head above the Linear). The vocabulary-parallel pair (the embedding
 ``RowwiseParallel``, the decoder ``ColwiseParallel``) under ``vemesh.parallel.parallelize_module`` keeps both ties:
 the bias's other end is re-tied to the sharded bias (before, it raised: an end left whole). And a step that draws its
-batch from a generator of its own, which gives every DP rank the same batch: the check says DP was not checked."""
+batch from a generator of its own, which gives every DP rank the same batch: the check says DP was not checked. Under
+CP, BERT's attention is not causal (an encoder's), which the ring computes too; its masked-LM loss (``labels=``) is
+each CP rank's mean over its own tokens, which the check compares as their mean over CP, and names as the cause
+where the ranks count different numbers of tokens."""
 
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from vemesh import VESCALE_DEVICE_MESH
 from vemesh.ddp import DistributedDataParallel
-from vemesh.parallel import parallelize_module
+from vemesh.parallel import context_parallel, parallelize_module
 
 VOCAB, SEQ = 128, 16
 
@@ -32,6 +36,27 @@ def _masked(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
     return loss
+
+
+def _masked_cp(model: nn.Module, batch_size: int, ignored: slice) -> torch.Tensor:
+    """The tokens, labels and positions cut by ``context_parallel``; the tokens at ``ignored`` not predicted."""
+    ids = torch.randint(0, VOCAB, (batch_size, SEQ))
+    labels, positions = ids.clone(), torch.arange(SEQ).expand(batch_size, SEQ).contiguous()
+    labels[:, ignored] = -100
+    with context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=[ids, labels, positions], buffer_seq_dims=[1, 1, 1]):
+        loss = model(input_ids=ids, labels=labels, position_ids=positions).loss
+        loss.backward()
+    return loss.detach()
+
+
+def step_cp(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """Every other token predicted: as many on each CP rank."""
+    return _masked_cp(model, batch_size, slice(None, None, 2))
+
+
+def step_cp_uneven(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """The first 4 tokens not predicted: CP rank 0 of 2 (tokens 0 to 3 and 12 to 15) counts 4, CP rank 1 counts 8."""
+    return _masked_cp(model, batch_size, slice(None, 4))
 
 
 def step(model: nn.Module, batch_size: int) -> torch.Tensor:
@@ -62,3 +87,8 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped
 def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped-def]
     """:func:`parallelize`, then vemesh DDP over DP."""
     return DistributedDataParallel(parallelize(model, mesh))
+
+
+def parallelize_dp(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+    """vemesh DDP alone (over DP x CP under CP)."""
+    return DistributedDataParallel(model)

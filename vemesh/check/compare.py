@@ -164,6 +164,20 @@ def _full_views(ranks: list[dict], key: Any, shape: torch.Size, batch: int = 1,
     return [o for o in out if o.shape == shape]
 
 
+def _cp_mean(ranks: list[dict], key: Any) -> torch.Tensor | None:
+    """A scalar output under CP (a loss the model computes, HF's ``labels=``), as the mean of the CP ranks' values:
+    each is the mean over its rank's part of the sequence, and the gradients average over CP as this mean does (with
+    as many tokens counted on each rank, it is one process's loss; with other counts, the gradients differ too).
+    None without CP, or where a CP rank's TP peers disagree."""
+    by_cp: dict[int, list[torch.Tensor]] = {}
+    for r in ranks:
+        if (v := r["outputs"].get(key)) is not None:
+            by_cp.setdefault(r["coords"].get("CP", 0), []).append(v)
+    if len(by_cp) < 2 or any(not torch.equal(v, vs[0]) for vs in by_cp.values() for v in vs):
+        return None
+    return torch.stack([vs[0].double() for vs in by_cp.values()]).mean()
+
+
 def _cut_over_cp(ranks: list[dict], key: Any, shape: torch.Size) -> bool:
     """The output under ``key`` is a part of the sequence on CP rank 0: no view of its TP peers' outputs has the
     one-process shape (so only a join over CP makes it)."""
@@ -199,6 +213,8 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
             same = [g for g in got if g.shape == want.shape]
             if same:
                 diff = max(_difference(g, want, floor) for g in same)
+                if diff > tol and want.dim() == 0 and (mean := _cp_mean(mine, key)) is not None:
+                    diff = _difference(mean, want, floor)
             else:
                 joined = _full_views(mine, key, want.shape, result.micro_batch_size) or \
                     _full_views(mine, key, want.shape, result.micro_batch_size, equal_shards=True)
@@ -214,7 +230,8 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
             result.outputs_compared += 1
             seen(diff, f"{key[0] or 'the root'}'s output")
             if diff > tol and result.first_module is None:
-                result.first_module = {"module": key[0], "call": key[1], "dp_rank": d, "difference": diff}
+                result.first_module = {"module": key[0], "call": key[1], "dp_rank": d, "difference": diff,
+                                       "scalar": want.dim() == 0}
                 result.matched_before = matched[-3:]
             elif diff <= tol and (not matched or matched[-1] != key[0]):
                 matched.append(key[0] or "(the root)")

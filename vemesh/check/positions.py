@@ -127,7 +127,11 @@ def positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
     or is an embedding: it computes from positions (a rotary embedding, a learned position embedding such as GPT-2's
     ``wpe``) and saw this rank's local positions, not its part of the sequence's."""
     first, cp = result.first_module, spec.degrees["CP"]
-    if cp == 1 or first is None or not first["module"] or not result.gradients:
+    if cp == 1 or first is None or not result.gradients:
+        return None
+    if first.get("scalar"):
+        return _loss_hint(first["module"], cp)
+    if not first["module"]:
         return None
     if first["module"] in ref.get("embeddings", ()):
         what = "is an embedding"
@@ -140,6 +144,18 @@ def positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
             "each token's position in the whole sequence. "
             f"context_parallel cuts the sequence into {2 * cp} chunks (CP rank r keeps chunks r and {2 * cp - 1} - r); "
             + positions_recipe(ref.get("positions_arg")))
+
+
+def _loss_hint(module: str, cp: int) -> str:
+    """Under CP, the first output that differs is a scalar, every one before it matching: a loss the model computes
+    (HF's ``labels=``), each CP rank's the mean over its own tokens. The check compares their mean over CP (the mean
+    the gradients' average takes), which is one process's loss when every CP rank counts as many tokens."""
+    return (f"the first output that differs is a scalar of {module or 'the root'} (a loss the model computes, as "
+            f"Hugging Face's labels=), and every output before it matches: each of the CP {cp} ranks' is the mean "
+            "over its own part of the sequence, and their mean (which the gradients' average over CP takes) is not "
+            "one process's when the ranks count different numbers of tokens (labels of -100, padding). Divide each "
+            "rank's sum of token losses by the mean count per CP rank (the sequence's count, all-reduced over "
+            "mesh['CP'], over CP), or give every CP rank as many counted tokens")
 
 
 def positions_recipe(arg: str | None) -> str:

@@ -140,7 +140,6 @@ def _sdpa(k=None, **kwargs):
 
 @pytest.mark.parametrize("call, message", [
     (_sdpa(attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=False), "an attn_mask is refused"),
-    (_sdpa(), "is_causal=False is refused (the ring computes causal attention only)"),
     (_sdpa(is_causal=True, dropout_p=0.1), "dropout_p=0.1 is refused"),
     (_sdpa(is_causal=True, k=torch.randn(1, 2, 16, 4)), "keys of 16 positions for queries of 8"),
     (lambda: torch.nn.functional.scaled_dot_product_attention(*[torch.randn(1, 2, 16, 4)] * 3, is_causal=True),

@@ -651,6 +651,20 @@ def test_hf_bert_keeps_its_two_ties_and_a_step_that_draws_the_same_batch_on_ever
            "outputs), so DP's average was not checked" in result.render()
 
 
+def test_hf_bert_under_cp_is_exact_and_a_loss_over_other_counts_of_tokens_per_cp_rank_is_named() -> None:
+    """BERT's attention is not causal: context_parallel refused it ("the ring computes causal attention only"); the
+    ring now computes it. Its masked-LM loss (labels=) is each CP rank's mean over its own tokens: compared as their
+    mean over CP, it is one process's where every CP rank counts as many tokens (before, the root's output differed
+    where every gradient matched). Where they count different numbers, the check names the cause."""
+    path = str(ROOT / "test" / "models" / "hf_bert_jobs.py")
+    result = check(f"module:{path}:make", f"{path}:parallelize_dp", f"{path}:step_cp", world_size=2, cp=2)
+    assert result.exact, result.render()
+    result = check(f"module:{path}:make", f"{path}:parallelize_dp", f"{path}:step_cp_uneven", world_size=2, cp=2)
+    assert not result.exact and result.first_module["module"] == "" and result.first_module["scalar"]
+    (text,) = result.hints
+    assert text.startswith("the first output that differs is a scalar of the root (a loss the model computes"), text
+
+
 def test_a_sequence_repeated_over_tp_or_uneven_over_it_and_layouts_torch_refuses_are_read_from_the_run() -> None:
     """The signs the hints of the next test read, in process: an output TP times one process's along one dim (and
     not along two, or by another factor); a size mismatch whose shorter side is one process's sequence; a sequence

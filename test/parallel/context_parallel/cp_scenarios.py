@@ -30,18 +30,21 @@ def compare(rank: int, world: int, device: str = "cpu") -> dict:
         mesh.init_device_mesh("cpu", shape, mesh_dim_names=names)  # gloo groups; the tensors may live on CUDA
         cp, r = mesh.get_strategy_size("CP"), mesh.lookup_rank("CP")
         cases = [(False, "alltoall"), (True, "alltoall")] + ([(True, "allgather")] if device == "cpu" else [])
-        for balance, rotate in cases:  # allgather of CUDA tensors over gloo is refused (it crashes in torch)
+        # allgather of CUDA tensors over gloo is refused (it crashes in torch); an encoder's attention (not causal)
+        # on a sequence cut contiguously and head-tail: every query reads every key, in any order
+        for balance, rotate, causal in [(b, r, True) for b, r in cases] + [(False, "alltoall", False),
+                                                                            (True, "alltoall", False)]:
             q, k, v, dout = _full(7 + mesh.lookup_rank("DP"), device, dtype)
             ref = [t.clone().requires_grad_() for t in (q, k, v)]
-            F.scaled_dot_product_attention(*ref, is_causal=True).backward(dout)
-            ref_out = F.scaled_dot_product_attention(*ref, is_causal=True).detach()
+            F.scaled_dot_product_attention(*ref, is_causal=causal).backward(dout)
+            ref_out = F.scaled_dot_product_attention(*ref, is_causal=causal).detach()
             mine = [shard_sequence(t, r, cp, dim=2, load_balance=balance).clone().requires_grad_() for t in (q, k, v)]
-            y = ring_attention(*mine, mesh["CP"], load_balance=balance, rotate=rotate)
+            y = ring_attention(*mine, mesh["CP"], load_balance=balance, rotate=rotate, causal=causal)
             y.backward(shard_sequence(dout, r, cp, dim=2, load_balance=balance))
             cut = lambda t: shard_sequence(t, r, cp, dim=2, load_balance=balance)  # noqa: E731
             errors = [(y - cut(ref_out)).float().abs().max().item()]
             errors += [(m.grad - cut(t.grad)).float().abs().max().item() for m, t in zip(mine, ref)]
-            out[f"{name}{'-balanced' if balance else ''}-{rotate}"] = max(errors)
+            out[f"{name}{'-balanced' if balance else ''}-{rotate}{'' if causal else '-not-causal'}"] = max(errors)
             out[f"{name}-positions{'-balanced' if balance else ''}"] = positions(T, r, cp, load_balance=balance).tolist()
         if device == "cuda":
             try:

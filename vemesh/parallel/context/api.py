@@ -7,13 +7,14 @@ Inside ``with context_parallel(cp_mesh, buffers=[x, y, rope_cos], buffer_seq_dim
   so a ``[B, T]`` token batch and a ``[T, d]`` RoPE table stay aligned; they are put back on exit, except
   ``no_restore_buffers``;
 * the model's own ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` computes this rank's rows of
-  causal attention over the whole sequence: a ring over the CP group (:func:`~vemesh.parallel.context.ring_attention`,
+  causal attention over the whole sequence (with ``is_causal=False``, of an encoder's attention over every
+  position): a ring over the CP group (:func:`~vemesh.parallel.context.ring_attention`,
   torch's kernels), forward and backward, with no change to the model. ``F``'s attribute is swapped for the
   context (so a checkpoint's recompute in backward finds it too), and a torch function mode catches SDPA
   called under a name bound before the context.
 
-What cannot be exact is refused, naming the value: an ``attn_mask`` or ``is_causal=False`` (only causal
-attention is computed by the ring), attention dropout, keys of another length than the queries, buffers
+What cannot be exact is refused, naming the value: an ``attn_mask`` (the ring applies none but the causal one),
+attention dropout, keys of another length than the queries, buffers
 of different lengths, a length CP does not divide, a query whose length is not the buffers' share, and attention
 the model computes itself (a softmax over a ``(batch, heads, t, t)`` score matrix of this rank's ``t`` positions:
 Hugging Face's eager attention; ``nn.MultiheadAttention`` with ``need_weights=True``), which the ring never sees, and a calling attention's sliding window shorter than
@@ -110,14 +111,14 @@ class _Owed:
 
 
 def _ring(ctx: _Context, given: dict[str, Any]) -> torch.Tensor:
-    """One SDPA call of the model, as this rank's rows of causal attention over the CP ring."""
+    """One SDPA call of the model, as this rank's rows of its attention (causal or not) over the CP ring."""
     q, k, v = given["query"], given["key"], given["value"]
     _refuse(given, q, k, ctx)
     if given.get("enable_gqa") and k.size(-3) != q.size(-3):  # grouped-query attention: each KV head serves a group
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
         v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
     out = ring_attention(q, k, v, ctx.cp_mesh, load_balance=ctx.load_balance, scale=given.get("scale"),
-                         rotate=ctx.rotate)
+                         rotate=ctx.rotate, causal=bool(given.get("is_causal", False)))
     if out.requires_grad and torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute in backward:
         # count the backward still owed, and whether a checkpoint will recompute this call
         token = _Owed()
@@ -264,13 +265,10 @@ def _refuse(given: dict[str, Any], q: torch.Tensor, k: torch.Tensor, ctx: _Conte
     """``ValueError`` for an SDPA call the ring would not compute exactly."""
     where = "F.scaled_dot_product_attention inside context_parallel"
     if given.get("attn_mask") is not None:
-        raise ValueError(f"{where}: an attn_mask is refused (the ring computes causal attention only); "
-                         "pass is_causal=True and no mask (Hugging Face makes one where a rank's position_ids jump, "
-                         "as load balancing cuts them, taking them for packed sequences: give the model "
-                         "attention_mask=torch.ones_like(input_ids) with them)")
-    if not given.get("is_causal", False):
-        raise ValueError(f"{where}: is_causal=False is refused (the ring computes causal attention only); "
-                         "pass is_causal=True")
+        raise ValueError(f"{where}: an attn_mask is refused (the ring applies no mask but the causal one); "
+                         "pass no mask, with is_causal=True for a decoder's attention (Hugging Face makes one where "
+                         "a rank's position_ids jump, as load balancing cuts them, taking them for packed sequences: "
+                         "give the model attention_mask=torch.ones_like(input_ids) with them)")
     if given.get("dropout_p", 0.0):
         raise ValueError(f"{where}: dropout_p={given['dropout_p']} is refused (the ring has no attention dropout); "
                          "pass dropout_p=0.0")

@@ -1,9 +1,9 @@
-"""Context parallelism: causal ring attention over a CP group, on torch's own engine.
+"""Context parallelism: ring attention over a CP group, on torch's own engine.
 
 Each of the ``cp`` ranks of a CP group holds ``1/cp`` of every sequence (its queries,
-keys and values); :func:`ring_attention` returns this rank's rows of the full causal
-attention, and its backward the matching gradients, while keys and values travel
-round the group. The arithmetic is torch's:
+keys and values); :func:`ring_attention` returns this rank's rows of the full attention,
+causal (a decoder's) or not (an encoder's: BERT, ViT), and its backward the matching
+gradients, while keys and values travel round the group. The arithmetic is torch's:
 
 * on CUDA, torch's ring flash attention (``_scaled_dot_product_ring_flash_attention``
   and its backward: what ``torch.distributed.tensor.experimental.context_parallel``
@@ -21,7 +21,9 @@ the ring the most work. With ``load_balance=True`` the sequence is cut into ``2 
 chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``; :func:`shard_sequence`
 and :func:`positions` cut batches and position indices that way. On ``cp = 2`` and a
 sequence of 8 tokens, rank 0 holds tokens ``0, 1, 6, 7`` and rank 1 tokens ``2, 3, 4, 5``.
-Results are the same either way (up to float rounding).
+Results are the same either way (up to float rounding). Attention that is not causal
+needs no balancing (every query reads every key) and no order of the chunks: torch's ring
+refuses load balancing there, and it is off for that call, however the sequence was cut.
 """
 
 from __future__ import annotations
@@ -99,23 +101,23 @@ def _options(load_balance: bool, rotate: str) -> Iterator[None]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_mesh, load_balance, scale, rotate):  # type: ignore[override]
+    def forward(ctx, q, k, v, cp_mesh, load_balance, scale, rotate, causal):  # type: ignore[override]
         api = check_torch_api()
-        with _options(load_balance, rotate):
+        with _options(load_balance and causal, rotate):
             if q.device.type == "cuda":
-                outs = api["_scaled_dot_product_ring_flash_attention"](cp_mesh, q, k, v, 0.0, True, scale=scale)
+                outs = api["_scaled_dot_product_ring_flash_attention"](cp_mesh, q, k, v, 0.0, causal, scale=scale)
                 out, rest = outs[0], outs[1:]
             else:
                 out, lse = api["_templated_ring_attention"](
                     cp_mesh.get_group(), 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-                    query=q, key=k, value=v, is_causal=True, dropout_p=0.0, scale=scale,
+                    query=q, key=k, value=v, is_causal=causal, dropout_p=0.0, scale=scale,
                 )[:2]
                 rest = (lse,)
         # The flash op's outputs after ``out``, in order: tensors (None where the op leaves one undefined,
         # as cum_seq_q/k for dense inputs) are saved in their order, the ints (max_q, max_k) kept aside.
         ctx.save_for_backward(q, k, v, out, *(r for r in rest if r is None or isinstance(r, torch.Tensor)))
         ctx.extra = [r for r in rest if not (r is None or isinstance(r, torch.Tensor))]
-        ctx.cp_mesh, ctx.load_balance, ctx.scale, ctx.rotate = cp_mesh, load_balance, scale, rotate
+        ctx.cp_mesh, ctx.load_balance, ctx.scale, ctx.rotate, ctx.causal = cp_mesh, load_balance, scale, rotate, causal
         return out
 
     @staticmethod
@@ -123,28 +125,29 @@ class _RingAttention(torch.autograd.Function):
         api = check_torch_api()
         q, k, v, out, *saved = ctx.saved_tensors
         dout = dout.contiguous()
-        with _options(ctx.load_balance, ctx.rotate):
+        with _options(ctx.load_balance and ctx.causal, ctx.rotate):
             if q.device.type == "cuda":
                 lse, cum_q, cum_k, philox_seed, philox_offset = saved[0], saved[1], saved[2], saved[3], saved[4]
                 max_q, max_k = ctx.extra[0], ctx.extra[1]
                 grads = api["_scaled_dot_product_ring_flash_attention_backward"](
-                    ctx.cp_mesh, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True,
+                    ctx.cp_mesh, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, ctx.causal,
                     philox_seed, philox_offset, scale=ctx.scale,
                 )
             else:
                 grads = api["_templated_ring_attention_backward"](
                     ctx.cp_mesh.get_group(), 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
                     grad_out=dout, grad_out_name="grad_out", query=q, key=k, value=v, out=out, logsumexp=saved[0],
-                    is_causal=True, dropout_p=0.0, scale=ctx.scale,
+                    is_causal=ctx.causal, dropout_p=0.0, scale=ctx.scale,
                 )
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None
 
 
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh, *, load_balance: bool = False,
-    scale: float | None = None, rotate: str = "alltoall",
+    scale: float | None = None, rotate: str = "alltoall", causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention over the sequence shared by ``cp_mesh``'s ranks: this rank's rows of it.
+    """Attention over the sequence shared by ``cp_mesh``'s ranks, causal unless ``causal=False``: this rank's rows of
+    it.
 
     Args:
         q, k, v: ``(B, H, T_local, head_dim)``, this rank's part of the sequence as
@@ -154,9 +157,11 @@ def ring_attention(
         scale: softmax scale (default ``1 / sqrt(head_dim)``).
         rotate: ``"alltoall"`` (a true ring: each rank holds one extra key/value block, so attention
             memory is about ``1/cp``) or ``"allgather"`` (torch's default: every block gathered at once).
+        causal: each position attends to those up to it (a decoder's), or, with False, to every position (an
+            encoder's); either way with no mask.
 
     Returns:
-        ``(B, H, T_local, head_dim)``: what ``F.scaled_dot_product_attention(..., is_causal=True)``
+        ``(B, H, T_local, head_dim)``: what ``F.scaled_dot_product_attention(..., is_causal=causal)``
         of the whole sequence gives at this rank's positions. On 2 CP ranks with 8 tokens,
         rank 1 (tokens 4..7) gets rows 4..7 of the full result.
     """
@@ -165,12 +170,12 @@ def ring_attention(
     if rotate not in ROTATE_METHODS:
         raise ValueError(f"unknown rotate method {rotate!r}; choose from {list(ROTATE_METHODS)}")
     if cp_mesh.size() == 1:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if rotate == "allgather" and q.device.type == "cuda" and "gloo" in str(dist.get_backend(cp_mesh.get_group())):
         # Seen on an H100 with torch 2.11: the gathered rotation of CUDA tensors over gloo kills the process (SIGSEGV).
         raise ValueError("rotate='allgather' with CUDA tensors needs an nccl CP group (over gloo it crashes the "
                          "process); use rotate='alltoall', or build the mesh on 'cuda'")
-    return _RingAttention.apply(q, k, v, cp_mesh, load_balance, scale, rotate)
+    return _RingAttention.apply(q, k, v, cp_mesh, load_balance, scale, rotate, causal)
 
 
 def _chunks(cp_rank: int, cp_size: int, load_balance: bool) -> tuple[int, tuple[int, ...]]:
