@@ -140,8 +140,9 @@ class CheckResult:
                          "DTensor on the TP dim, so each TP rank ran the whole model and this checked DP alone; "
                          "shard it in --parallelize (parallelize_module on mesh['TP'])")
         if self.dp_same_batch:
+            dp = self.degrees["DP"]
             lines.append(f"  {'but' if self.exact else 'and'} every DP rank's step drew the same batch (in one process "
-                         f"the {self.degrees['DP']} DP ranks' steps gave equal module outputs), so DP's average was not "
+                         f"the {dp} DP ranks' steps gave equal module outputs), so DP's average was not "
                          "checked: a plan without its data-parallel wrapper checks exact too. The check seeds torch's "
                          "RNG with each DP rank's seed; draw the step's inputs from it (torch.randint, torch.randn), "
                          "not from a torch.Generator of the step's own or fixed data")

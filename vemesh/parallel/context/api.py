@@ -265,8 +265,9 @@ def _refuse(given: dict[str, Any], q: torch.Tensor, k: torch.Tensor, ctx: _Conte
     """``ValueError`` for an SDPA call the ring would not compute exactly."""
     where = "F.scaled_dot_product_attention inside context_parallel"
     if given.get("attn_mask") is not None:
-        raise ValueError(f"{where}: an attn_mask is refused (the ring applies no mask but the causal one); "
-                         "pass no mask, with is_causal=True for a decoder's attention (Hugging Face makes one where "
+        raise ValueError(f"{where}: an attn_mask is refused (the ring applies no mask but the causal one, so it "
+                         "cannot leave out padding: under CP give batches without pad tokens); pass no mask, with "
+                         "is_causal=True for a decoder's attention (Hugging Face makes one where "
                          "a rank's position_ids jump, as load balancing cuts them, taking them for packed sequences: "
                          "give the model attention_mask=torch.ones_like(input_ids) with them)")
     if given.get("dropout_p", 0.0):
