@@ -202,8 +202,7 @@ def _located(ref: dict, result: CheckResult, ranks: list[dict],
 def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[dict],
            failed: list[dict]) -> tuple[list[str], int]:
     """For a Linear that may be a fused projection split in plain blocks where the run went wrong, the recipes tried
-    in its place (each a parallel run: :mod:`vemesh.check.recipes`) and which cleared it; where one clears its scope
-    and the run goes wrong elsewhere, the next candidate there is tried with it kept. With the runs made."""
+    in its place (each a parallel run: :mod:`vemesh.check.recipes`) and which cleared it; with the runs made."""
     if failed and failed[0].get("went", {}).get("refused"):  # torch's style refused a module
         return [refused_hint(*failed[0]["went"]["refused"])], 0
     if (layouts := layout_hint(spec.degrees["TP"], ref, result, failed)) is not None:
@@ -238,7 +237,8 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         first, before, split, went = located
         # a RowwiseParallel Linear's bias is its own output's width, not a norm over another's
         widths = set() if first in went.get("rowwise", ()) else _widths(ref, first)
-        found = width_candidates(first, split, widths, before, done) or candidates(first, split, before, done)
+        found = width_candidates(first, split, widths, before, done) or \
+            candidates(first, split, before, done, ref.get("parts"))
         if not found:
             break
         cand, tried, fixed = found[0], [], None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -164,6 +165,45 @@ def _full_views(ranks: list[dict], key: Any, shape: torch.Size, batch: int = 1,
     return [o for o in out if o.shape == shape]
 
 
+#: a module called more times than this in a step is compared call by call, never reordered
+MAX_REORDERED = 6
+
+
+def _in_call_order(want: dict, got: dict, floor: float, tol: float) -> dict:
+    """A rank's outputs ``got`` with each module's calls renumbered as one process's ``want`` made them, where this
+    rank called the module in another order. Hugging Face's decoders with two kinds of layers compute one rotary
+    table per kind, ``for layer_type in set(config.layer_types)`` (Gemma 3, OLMo 3, ModernBERT): a set of strings
+    iterates in the order of its hashes, which Python seeds afresh in each process, so the one-process run and each
+    rank may call ``rotary_emb`` in either order, and call 0 against call 0 differed where nothing did. A module's
+    calls are renumbered only where, taken as they come, one differs, and some order of 2 to
+    :data:`MAX_REORDERED` calls makes every output of each (of one process's shape) match one process's."""
+    calls: dict[str, list[int]] = {}
+    for key in want:  # (module, call, index)
+        if key[1] not in calls.setdefault(key[0], []):
+            calls[key[0]].append(key[1])
+    out = got
+    for name, order in calls.items():
+        if not 1 < len(order) <= MAX_REORDERED:
+            continue
+        close = {(a, b): _calls_match(want, got, name, a, b, floor, tol) for a in order for b in order}
+        if all(close[c, c] for c in order):
+            continue
+        found = next((p for p in itertools.permutations(order) if all(close[a, b] for a, b in zip(p, order))), None)
+        if found is None:
+            continue
+        out = dict(got) if out is got else out
+        for a, b in zip(found, order):
+            out.update({(name, b, *k[2:]): got[k] for k in got if k[0] == name and k[1] == a})
+    return out
+
+
+def _calls_match(want: dict, got: dict, name: str, a: int, b: int, floor: float, tol: float) -> bool:
+    """Every output of the rank's call ``a`` of module ``name`` has one process's shape and value of its call ``b``."""
+    keys = [k for k in want if k[0] == name and k[1] == b]
+    return all((g := got.get((name, a, *k[2:]))) is not None and g.shape == want[k].shape
+               and _difference(g, want[k], floor) <= tol for k in keys)
+
+
 def _cp_mean(ranks: list[dict], key: Any) -> torch.Tensor | None:
     """A scalar output under CP (a loss the model computes, HF's ``labels=``), as the mean of the CP ranks' values:
     each is the mean over its rank's part of the sequence, and the gradients average over CP as this mean does (with
@@ -201,7 +241,8 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
     # module outputs, in the one-process run's forward order, DP rank by DP rank
     for d, ref_out in enumerate(ref["outputs"]):
         floor = _floor(list(ref_out.values()))
-        ranks_of_d = [r for r in ranks if r["data_rank"] == d]
+        ranks_of_d = [dict(r, outputs=_in_call_order(ref_out, r["outputs"], floor, tol)) for r in ranks
+                      if r["data_rank"] == d]
         matched: list[str] = []
         for key, want in ref_out.items():
             # under PP, the ranks whose stages ran that module of the model (each rank recorded only those)

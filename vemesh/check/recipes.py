@@ -1,7 +1,8 @@
 """The recipes ``vemesh check`` tries for a fused projection split as torch splits a Linear, and the hint it gives.
 
-A Linear whose rows look like fused parts (``c_attn``, ``qkv``, ``gate_up`` in its name, or ``3C`` or ``2C`` rows
-over ``C`` inputs: :func:`fused_parts`), split over TP in plain blocks as torch's ``ColwiseParallel`` splits them,
+A Linear whose rows look like fused parts (the one-process forward cut its output into parts along its last dim:
+``Recorder.read_parts``; else ``c_attn``, ``qkv``, ``gate_up`` in its name, or ``3C`` or ``2C`` rows over ``C``
+inputs: :func:`fused_parts`), split over TP in plain blocks as torch's ``ColwiseParallel`` splits them,
 is the likeliest cause when a module after it in its scope differs, or the forward raised there
 (:func:`candidates`). Its name and shape alone cannot tell ``[q|k|v]`` from a head-major ``[q_h k_h v_h]`` (GPT-NeoX's
 and Bloom's ``query_key_value``, whose rows ``ColwiseParallel`` shards exactly by heads), so the check does not guess: it runs the
@@ -105,14 +106,16 @@ class Candidate:
 
 
 def candidates(first: str, split: list[tuple[str, int, int, int]], before: set[str] | None = None,
-               done: set[str] = frozenset()) -> list[Candidate]:
+               done: set[str] = frozenset(), read: dict[str, int] | None = None) -> list[Candidate]:
     """The Linears of ``split`` (:func:`vemesh.check.record.column_split_linears`) whose rows seem to be fused parts
     (:func:`fused_parts`) and whose scope holds module ``first`` (the first that differs, or the one whose forward
     raised), or which are in it, with their own output matched (``before``: the modules whose outputs came before
-    ``first``'s; None where nothing was compared, as when the forward raised). ``done``: names already replaced."""
+    ``first``'s; None where nothing was compared, as when the forward raised). ``done``: names already replaced.
+    ``read``: the parts the one-process forward cut each Linear's output into (``Recorder.read_parts``), which
+    outrank its name and shape: ModernBERT's ``Wi``, ``[input|gate]`` of 1.5 C rows each, is ``3 C`` rows."""
     found: list[Candidate] = []
     for name, out_features, in_features, tp in split:
-        parts, unequal = fused_parts(name, out_features, in_features), 0
+        parts, unequal = (read or {}).get(name) or fused_parts(name, out_features, in_features), 0
         if parts is None:  # named as fused, of unequal parts: the gathered recipe alone
             unequal = next((n for marker, n in _FUSED_NAMES if marker in name.rpartition(".")[2].lower()), 0)
             parts = 1 if unequal else None

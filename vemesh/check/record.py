@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -144,6 +145,11 @@ class Recorder:
         #: raised, the modules it raised in
         self.stack: list[str] = []
         self._handles: list[Any] = []
+        #: each Linear's output, by id, until read (:meth:`read`): ``id -> (weak reference, Linear's name)``
+        self._linear_out: dict[int, tuple[Any, str]] = {}
+        #: how many equal parts the forward cut each Linear's output into along its last dim, by the op that cut it
+        #: (``chunk(2, -1)``, ``split(C, -1)``, ``view(B, T, 3, -1, d)``): a fused projection's parts, read
+        self.read_parts: dict[str, int] = {}
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
@@ -162,6 +168,8 @@ class Recorder:
             return
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
+        if type(module) is nn.Linear and isinstance(output, torch.Tensor) and name not in self.read_parts:
+            self._linear_out[id(output)] = (weakref.ref(output), name)
         leaves, _ = tree_flatten(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if not tensors and hasattr(output, "values"):  # HF's ModelOutput is a dict the pytree does not open
@@ -169,6 +177,16 @@ class Recorder:
         for i, t in enumerate(tensors):
             shard = _column_shard(module, t) if i == 0 and len(tensors) == 1 else None
             self.outputs[(name, call, i)] = _whole(t if shard is None else shard)
+
+    def read(self, func: Any, args: Any, kwargs: dict) -> None:
+        """If ``func`` cuts a Linear's output (:attr:`read_parts`) into equal parts along its last dim, note how many."""
+        x = args[0] if args else None
+        seen = self._linear_out.pop(id(x), None) if isinstance(x, torch.Tensor) else None
+        if seen is None or seen[0]() is not x:
+            return
+        parts = _parts_cut(func, x, args[1:], kwargs)
+        if parts is not None and x.shape[-1] % parts == 0:
+            self.read_parts[seen[1]] = parts
 
     def __enter__(self) -> Recorder:
         # each module's own hooks, after those that parallelizing put there (a TP style's output redistribution
@@ -198,6 +216,40 @@ def gradients(model: nn.Module | list[nn.Module]) -> dict[str, torch.Tensor | No
         for name, p in part.named_parameters(remove_duplicate=False):
             out[plain_name(name)] = None if p.grad is None else _whole(p.grad)
     return out
+
+
+_CHUNKS = {torch.chunk, torch.Tensor.chunk}
+_SPLITS = {torch.split, torch.Tensor.split}
+_VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+
+
+def _parts_cut(func: Any, x: torch.Tensor, rest: tuple, kwargs: dict) -> int | None:
+    """How many equal parts ``func(x, *rest, **kwargs)`` cuts ``x`` into along its last dim (2 or more), else None:
+    ``chunk(n, dim=-1)``; ``split(size, dim=-1)`` (or equal sizes); a view of the last dim as ``(n, -1 or heads, d)``
+    with ``n`` 2 or 3 (ModernBERT's ``Wqkv``), not ``(heads, 3, d)`` (a head-major ``[q_h k_h v_h]``, which a plain
+    row split shards exactly)."""
+    last = x.dim() - 1
+    if func in _CHUNKS or func in _SPLITS:
+        dim = kwargs.get("dim", rest[1] if len(rest) > 1 else 0)
+        if not isinstance(dim, int) or dim % x.dim() != last:
+            return None
+        arg = kwargs.get("chunks", kwargs.get("split_size_or_sections", kwargs.get("split_size",
+                                                                                rest[0] if rest else None)))
+        if func in _CHUNKS:
+            return arg if isinstance(arg, int) and arg > 1 else None
+        if isinstance(arg, int) and arg > 0:
+            return x.shape[-1] // arg if x.shape[-1] // arg > 1 else None
+        sizes = list(arg) if isinstance(arg, (list, tuple)) else []
+        return len(sizes) if len(sizes) > 1 and len(set(sizes)) == 1 else None
+    if func in _VIEWS:
+        shape = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
+        shape = kwargs.get("shape", shape)
+        if not all(isinstance(n, int) for n in shape) or tuple(shape[:last]) != tuple(x.shape[:last]):
+            return None
+        tail = tuple(shape[last:])
+        if len(tail) >= 3 and tail[0] in (2, 3) and tail[1] not in (2, 3):
+            return tail[0]
+    return None
 
 
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
@@ -254,6 +306,8 @@ class Deterministic(TorchFunctionMode):
                 args = tuple(args[:4]) + ((0.0,) + tuple(args[5:]) if len(args) > 4 else ())
                 if "dropout_p" in kwargs:
                     kwargs["dropout_p"] = 0.0
+        elif func in _CHUNKS or func in _SPLITS or func in _VIEWS:
+            self.recorder.read(func, args, kwargs)
         elif func in _RANDOM and self.recorder.stack and not _in_backward() and not _UNRECORDED[0]:
             self.random_ops.append((self.recorder.stack[-1], getattr(func, "__name__", str(func))))
         return func(*args, **kwargs)

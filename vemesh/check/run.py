@@ -193,7 +193,8 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
     # for the CP positions hint (vemesh.check.api): a learned position embedding takes positions as its indices
     embeddings = {plain_name(n) for n, m in unwrap(model).named_modules() if isinstance(m, torch.nn.Embedding)}
     return {"outputs": outputs, "grads": grads, "dropouts": dropouts, "random_ops": random_ops, "dtypes": dtypes,
-            "embeddings": embeddings, "positions_arg": positions_argument(unwrap(model)), "params": rec.params}
+            "embeddings": embeddings, "positions_arg": positions_argument(unwrap(model)), "params": rec.params,
+            "parts": rec.read_parts}
 
 
 def _whole_model_schedule(spec: Spec, model: torch.nn.Module) -> Any:

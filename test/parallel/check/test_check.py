@@ -665,6 +665,58 @@ def test_hf_bert_under_cp_is_exact_and_a_loss_over_other_counts_of_tokens_per_cp
     assert text.startswith("the first output that differs is a scalar of the root (a loss the model computes"), text
 
 
+def test_the_parts_of_a_fused_projection_are_read_from_how_the_forward_cuts_its_output() -> None:
+    """``chunk(n, -1)``, ``split(size, -1)`` and equal sizes, a view of the last dim as ``(n, -1, d)``: n parts.
+    Not a head-major view ``(heads, 3, d)``, unequal sizes (GQA's [q|k|v]), a cut along another dim, a view by dtype."""
+    from vemesh.check.record import _parts_cut
+
+    x = torch.zeros(2, 16, 192)
+    assert _parts_cut(torch.Tensor.chunk, x, (2,), {"dim": -1}) == 2
+    assert _parts_cut(torch.chunk, x, (3, 2), {}) == 3
+    assert _parts_cut(torch.Tensor.split, x, (64,), {"dim": -1}) == 3
+    assert _parts_cut(torch.Tensor.split, x, ([96, 96],), {"dim": 2}) == 2
+    assert _parts_cut(torch.Tensor.view, x, (2, 16, 3, -1, 16), {}) == 3
+    assert _parts_cut(torch.Tensor.reshape, x, ((2, 16, 2, 6, 16),), {}) == 2
+    for func, rest, kwargs in ((torch.Tensor.view, (2, 16, 4, 3, 16), {}), (torch.Tensor.split, ([128, 32, 32],),
+                               {"dim": -1}), (torch.Tensor.chunk, (2,), {"dim": 1}), (torch.Tensor.view,
+                               (torch.float16,), {}), (torch.Tensor.view, (2, 16, 12, 16), {})):
+        assert _parts_cut(func, x, rest, kwargs) is None, (func, rest)
+
+
+def test_a_module_called_in_another_order_on_a_rank_is_compared_call_for_call_as_one_process_made_them() -> None:
+    """HF's ``for layer_type in set(config.layer_types)`` (Gemma 3, OLMo 3, ModernBERT) calls the rotary embedding
+    once per kind of layer, in the order of the set's hashes, which each process seeds afresh: a rank that called it
+    in the other order is renumbered, not said to differ (ModernBERT's check said "first module whose output
+    differs: model.rotary_emb" in about one run of four). Calls that match in no order are left as they came."""
+    from vemesh.check.compare import _in_call_order
+
+    a, b, c = torch.ones(2, 4), torch.full((2, 4), 2.0), torch.zeros(3)
+    want = {("rot", 0, 0): a, ("rot", 1, 0): b, ("rot", 0, 1): a * 3, ("rot", 1, 1): b * 3, ("x", 0, 0): c}
+    got = {("rot", 0, 0): b, ("rot", 1, 0): a, ("rot", 0, 1): b * 3, ("rot", 1, 1): a * 3, ("x", 0, 0): c}
+    renumbered = _in_call_order(want, got, 0.0, 1e-4)
+    assert renumbered.keys() == want.keys() and all(torch.equal(renumbered[k], want[k]) for k in want)
+    assert _in_call_order(want, want, 0.0, 1e-4) is want  # in order: as it is
+    wrong = {**got, ("rot", 1, 1): a * 4}  # no order of the calls matches: left to differ
+    assert _in_call_order(want, wrong, 0.0, 1e-4) is wrong
+
+
+def test_hf_modernbert_s_mlp_is_split_in_the_two_parts_its_forward_chunks_not_the_three_its_shape_suggests() -> None:
+    """ModernBERT's ``Wi`` is ``[input|gate]``, chunked in two, with 3 C rows over C inputs (1.5 C an MLP, as
+    ModernBERT-base's). The check named ``FusedColwiseParallel(3, use_local_output=False)`` for it, "3 fused parts
+    ([q|k|v]) of 64 rows": exact only by DTensor's redistribution. Now it reads the forward's chunk(2) and names
+    ``FusedColwiseParallel(2)``, and the attention's ``Wqkv`` (viewed as 3 parts) ``FusedColwiseParallel(3)``: exact."""
+    path = str(ROOT / "test" / "models" / "hf_modernbert_jobs.py")
+    result = check(f"module:{path}:make", f"{path}:parallelize", f"{path}:step", world_size=4, tp=2)
+    assert len(result.hints) == 2, result.render()
+    qkv, wi = result.hints
+    assert qkv.startswith("model.layers.0.attn.Wqkv (Linear 64 -> 192)") and "FusedColwiseParallel(3) in its " \
+        "place clears its scope" in qkv, result.render()
+    assert wi.startswith("model.layers.0.mlp.Wi (Linear 64 -> 192)") and "Tried: FusedColwiseParallel(2) in its " \
+        "place makes the check exact. Its rows are 2 fused parts" in wi, result.render()
+    result = check(f"module:{path}:make", f"{path}:parallelize_fused", f"{path}:step", world_size=4, tp=2)
+    assert result.exact, result.render()
+
+
 def test_a_sequence_repeated_over_tp_or_uneven_over_it_and_layouts_torch_refuses_are_read_from_the_run() -> None:
     """The signs the hints of the next test read, in process: an output TP times one process's along one dim (and
     not along two, or by another factor); a size mismatch whose shorter side is one process's sequence; a sequence
