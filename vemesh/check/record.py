@@ -179,7 +179,7 @@ class Recorder:
             self.outputs[(name, call, i)] = _whole(t if shard is None else shard)
 
     def read(self, func: Any, args: Any, kwargs: dict) -> None:
-        """If ``func`` cuts a Linear's output (:attr:`read_parts`) into equal parts along its last dim, note how many."""
+        """If ``func`` cuts a Linear's output into equal parts along its last dim, note how many (read_parts)."""
         x = args[0] if args else None
         seen = self._linear_out.pop(id(x), None) if isinstance(x, torch.Tensor) else None
         if seen is None or seen[0]() is not x:
