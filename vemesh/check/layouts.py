@@ -60,13 +60,17 @@ def output_length(ref: dict, module: str, dim: int) -> int | None:
 
 def _repeated(tp: int, failed: list[dict], ref: dict) -> tuple[str, int, int] | None:
     """(module, dim, length) where a run's forward raised on a tensor TP times as long as another, the shorter as long
-    as one process's output of the module that raised along the sequence's dim (``length``); else None."""
+    as one process's output of the module that raised along the sequence's dim (``length``), and the longer not the
+    size of a parameter of that module (a norm over a projection's whole width, split by TP: OLMo 2's ``q_norm`` of
+    256 over a sequence of 128 at TP 2); else None."""
     if not failed or not (where := failed[0].get("module")):
         return None
     message = failed[0].get("message", "")
     if not (sizes := SIZES.search(message)):
         return None
     short, long = sorted(map(int, sizes.groups()))
+    if any(g is not None and long in g.shape for n, g in ref.get("grads", {}).items() if n.rpartition(".")[0] == where):
+        return None  # a parameter of its own is that long: a width of features (OLMo 2's q_norm), for the width hint
     dim = failed[0].get("went", {}).get("sequence_dim", [1])[0]
     return (where, dim, short) if long == short * tp and output_length(ref, where, dim) == short else None
 

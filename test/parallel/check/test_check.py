@@ -735,6 +735,11 @@ def test_a_sequence_repeated_over_tp_or_uneven_over_it_and_layouts_torch_refuses
                "the size of tensor b (16) at non-singleton dimension 2"}]
     assert _repeated(2, failed, ref) == ("blocks.0.attn", 1, 16) and _repeated(4, failed, ref) is None
     assert _repeated(2, [dict(failed[0], module="blocks.0.attn.o")], ref) is None  # 17 long there: not the sign
+    # OLMo 2's q_norm, a norm over q_proj's whole width (32), handed a TP rank's 16 over a sequence of 16: the width
+    norm = {"outputs": [{("attn.q_norm", 0, 0): torch.zeros(2, 16, 32)}],
+            "grads": {"attn.q_norm.weight": torch.ones(32)}}
+    raised = [dict(failed[0], module="attn.q_norm")]
+    assert _repeated(2, raised, norm) is None and _repeated(2, raised, dict(norm, grads={})) == ("attn.q_norm", 1, 16)
     assert "is 17 long, which TP 2 does not divide" in uneven_sequence_hint(2, ref, {"sequence": ["blocks.0.attn.o"]})
     assert uneven_sequence_hint(2, ref, {}) is None and uneven_sequence_hint(4, ref, {"sequence": ["blocks.0.attn"]}) \
         is None
