@@ -185,9 +185,9 @@ def _in_call_order(want: dict, got: dict, floor: float, tol: float) -> dict:
     for name, order in calls.items():
         if not 1 < len(order) <= MAX_REORDERED:
             continue
-        close = {(a, b): _calls_match(want, got, name, a, b, floor, tol) for a in order for b in order}
-        if all(close[c, c] for c in order):
+        if all(_calls_match(want, got, name, c, c, floor, tol) for c in order):
             continue
+        close = {(a, b): _calls_match(want, got, name, a, b, floor, tol) for a in order for b in order}
         found = next((p for p in itertools.permutations(order) if all(close[a, b] for a, b in zip(p, order))), None)
         if found is None:
             continue
