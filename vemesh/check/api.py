@@ -238,7 +238,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
         # a RowwiseParallel Linear's bias is its own output's width, not a norm over another's
         widths = set() if first in went.get("rowwise", ()) else _widths(ref, first)
         found = width_candidates(first, split, widths, before, done) or \
-            candidates(first, split, before, done, ref.get("parts"))
+            candidates(first, split, before, done, ref)
         if not found:
             break
         cand, tried, fixed = found[0], [], None

@@ -10,7 +10,7 @@ import torch
 
 from vemesh.check.result import CheckResult
 
-__all__ = ["FLOOR", "compare", "modules_before", "tolerance", "vanishing"]
+__all__ = ["FLOOR", "compare", "modules_before", "ran_before", "tolerance", "vanishing"]
 
 
 def tolerance(rtol: float | None, dtypes: set[torch.dtype]) -> float:
@@ -317,6 +317,19 @@ def _equal(a: dict, b: dict) -> bool:
     """Two DP ranks' module outputs in one process (:attr:`CheckResult.dp_same_batch`) are the same, to the bit."""
     return a.keys() == b.keys() and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
                                         for x, y in ((a[k], b[k]) for k in a))
+
+
+def ran_before(ref_outputs: list[dict], module: str, split: list[tuple]) -> list[tuple]:
+    """Of ``split`` (the split Linears, as :func:`vemesh.check.record.column_split_linears` gives them), those whose
+    forward ended before ``module``'s last call ended in the one-process run: where the parallel run raised in
+    ``module``, a Linear that runs after it cannot have made what it raised on (an ``nn.TransformerEncoderLayer``'s
+    ``linear1``, after its attention). All of them where one process recorded no output of ``module``."""
+    keys = list(ref_outputs[0]) if ref_outputs else []
+    last = max((i for i, k in enumerate(keys) if k[0] == module), default=None)
+    if last is None:
+        return split
+    ran = {k[0] for k in keys[:last]}
+    return [s for s in split if s[0] in ran]
 
 
 def modules_before(ref_outputs: list[dict], first_module: dict) -> set[str]:

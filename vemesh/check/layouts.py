@@ -3,6 +3,7 @@ split (no recipe of a Linear is tried there):
 
 * torch's ``PrepareModuleInput`` or ``PrepareModuleOutput`` refused the layouts it was given: one for each argument
   the module is called with, or each value it returns (:func:`layouts_hint`);
+* a module given a style never runs its forward, its parent reading its weights (:func:`never_called_hint`);
 * the plan reads the whole sequence as a TP rank's part (torch's ``SequenceParallel`` and a ``Shard`` input layout
   read a plain tensor so), and every token is there TP times (:func:`repeated_sequence_hint`): attention over
   repeated tokens gives what it gives once, so outputs can match while every gradient is TP times one process's;
@@ -17,7 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["SIZES", "layout_hint", "layouts_hint", "output_length", "repeated_sequence_hint", "uneven_sequence_hint"]
+__all__ = ["SIZES", "layout_hint", "layouts_hint", "never_called_hint", "output_length", "repeated_sequence_hint",
+           "uneven_sequence_hint"]
 
 #: torch's words where an elementwise op meets two tensors of other sizes along a dim: the two sizes
 SIZES = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)")
@@ -25,7 +27,7 @@ SIZES = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b 
 
 def layout_hint(tp: int, ref: dict, result: Any, failed: list[dict]) -> str | None:
     """The first hint of this module's that applies to a run (``failed``: its ranks' errors, if it raised), or None."""
-    if failed and (said := layouts_hint(failed[0])):
+    if failed and (said := layouts_hint(failed[0]) or never_called_hint(ref, failed[0])):
         return said
     if (said := repeated_sequence_hint(tp, ref, result, failed)) is not None:
         return said
@@ -50,6 +52,28 @@ def layouts_hint(failed: dict) -> str | None:
             f"{check}): a PrepareModuleInput takes one layout for each argument the module is called with by position "
             "(the call is where the run failed, above), None for one it leaves as it is (a mask, a cache), and "
             "input_kwarg_layouts for those given by name")
+
+
+def never_called_hint(ref: dict, failed: dict) -> str | None:
+    """Where the forward of a module raised on a plain tensor meeting a DTensor, and a module under it that the plan
+    gave a TP style never ran its own forward in one process: the parent reads its parameters itself (torch's
+    ``nn.MultiheadAttention`` hands ``out_proj.weight`` to ``F.multi_head_attention_forward``), so the style, which
+    acts in the module's forward, only made them DTensors. The hint, or None."""
+    where, went = failed.get("module") or "", failed.get("went", {})
+    if "mixed torch.Tensor and DTensor" not in failed.get("message", ""):
+        return None
+    ran = {k[0] for k in (ref.get("outputs") or [{}])[0]}
+    styled = [(n, style) for style in ("colwise", "rowwise") for n in went.get(style, ())
+              if n not in ran and (not where or n.startswith(where + "."))]
+    if not styled:
+        return None
+    name, style = styled[0]
+    torch_style = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}[style]
+    return (f"{name} is in the plan ({torch_style}), but its own forward never runs: {where or 'the root'} reads its "
+            "parameters itself (as torch's nn.MultiheadAttention hands out_proj.weight to "
+            f"F.multi_head_attention_forward), and torch's style acts in the module's forward, so it only made them "
+            "DTensors, which that forward's plain tensors meet. Leave it out of the plan; a module whose parent reads "
+            "its weights is not split by torch's styles (write the attention with Linears and SDPA to split it)")
 
 
 def output_length(ref: dict, module: str, dim: int) -> int | None:

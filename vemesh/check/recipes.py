@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from vemesh.check.compare import ran_before
 from vemesh.check.record import plain_name
 from vemesh.check.sequence import gathered_sequence
 from vemesh.parallel.fused import FusedColwiseParallel
@@ -106,16 +107,23 @@ class Candidate:
 
 
 def candidates(first: str, split: list[tuple[str, int, int, int]], before: set[str] | None = None,
-               done: set[str] = frozenset(), read: dict[str, int] | None = None) -> list[Candidate]:
+               done: set[str] = frozenset(), ref: dict | None = None) -> list[Candidate]:
     """The Linears of ``split`` (:func:`vemesh.check.record.column_split_linears`) whose rows seem to be fused parts
     (:func:`fused_parts`) and whose scope holds module ``first`` (the first that differs, or the one whose forward
     raised), or which are in it, with their own output matched (``before``: the modules whose outputs came before
     ``first``'s; None where nothing was compared, as when the forward raised). ``done``: names already replaced.
-    ``read``: the parts the one-process forward cut each Linear's output into (``Recorder.read_parts``), which
-    outrank its name and shape: ModernBERT's ``Wi``, ``[input|gate]`` of 1.5 C rows each, is ``3 C`` rows."""
+    ``ref``, the one-process run: the parts its forward cut each Linear's output into (``Recorder.read_parts``)
+    outrank a Linear's name and shape (ModernBERT's ``Wi``, ``[input|gate]`` of 1.5 C rows each, is ``3 C`` rows);
+    where the forward raised, a Linear that ran after ``first`` in it is no candidate (:func:`ran_before`: an
+    ``nn.TransformerEncoderLayer``'s ``linear1`` after the attention that raised), though it is another's alike."""
+    read = (ref or {}).get("parts") or {}
+    ran = {s[0] for s in ran_before(ref["outputs"], first, split)} if before is None and ref and ref.get("outputs") \
+        else None
     found: list[Candidate] = []
     for name, out_features, in_features, tp in split:
-        parts, unequal = (read or {}).get(name) or fused_parts(name, out_features, in_features), 0
+        if ran is not None and name not in ran:
+            continue
+        parts, unequal = read.get(name) or fused_parts(name, out_features, in_features), 0
         if parts is None:  # named as fused, of unequal parts: the gathered recipe alone
             unequal = next((n for marker, n in _FUSED_NAMES if marker in name.rpartition(".")[2].lower()), 0)
             parts = 1 if unequal else None

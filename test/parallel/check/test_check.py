@@ -370,7 +370,10 @@ def test_a_recipe_that_clears_its_scope_is_kept_and_the_next_linear_is_tried_wit
 
     split = [("h.0.attn.c_attn", 96, 32, 2), ("h.0.mlp.gate_up", 128, 32, 2), ("h.1.attn.c_attn", 96, 32, 2),
              ("h.1.mlp.gate_up", 128, 32, 2)]
-    ref = {"outputs": [{("h.0.attn", 0, 0): 0, ("h.0.mlp.gate_up", 0, 0): 0, ("h.0.mlp.down", 0, 0): 0}]}
+    # as one process records them: each Linear's output before its parent's (the candidates for a raise in h.0.attn
+    # are the Linears that ran before it ended)
+    ref = {"outputs": [{("h.0.attn.c_attn", 0, 0): 0, ("h.0.attn", 0, 0): 0, ("h.0.mlp.gate_up", 0, 0): 0,
+                        ("h.0.mlp.down", 0, 0): 0}]}
     runs: list[tuple] = []
 
     def parallel(spec, ref, tol, result):
@@ -715,6 +718,22 @@ def test_hf_modernbert_s_mlp_is_split_in_the_two_parts_its_forward_chunks_not_th
         "place makes the check exact. Its rows are 2 fused parts" in wi, result.render()
     result = check(f"module:{path}:make", f"{path}:parallelize_fused", f"{path}:step", world_size=4, tp=2)
     assert result.exact, result.render()
+
+
+def test_torchs_transformer_encoder_a_style_on_a_module_whose_parent_reads_its_weight_and_cp_over_it() -> None:
+    """torch's ``nn.TransformerEncoder``: a RowwiseParallel on its attention's ``out_proj``, whose forward never runs
+    (``nn.MultiheadAttention`` reads its weight), raised "mixed torch.Tensor and DTensor" in the attention, and the
+    check tried the fused recipes on ``linear1``, a Linear of 2 C rows that runs after the attention, and said none
+    cleared it. Now it names ``out_proj``'s style as the cause, and tries nothing. The MLP alone is exact, and so is
+    CP over its attention, which is not causal (refused before)."""
+    path = str(ROOT / "test" / "models" / "torch_encoder_jobs.py")
+    result = check(f"module:{path}:make", f"{path}:parallelize_out_proj", f"{path}:step", world_size=2, tp=2)
+    (text,) = result.hints
+    assert text.startswith("enc.layers.0.self_attn.out_proj is in the plan (RowwiseParallel), but its own forward "
+                           "never runs: enc.layers.0.self_attn reads its parameters itself"), text
+    assert "recipes tried" not in result.seconds
+    assert check(f"module:{path}:make", f"{path}:parallelize_mlp", f"{path}:step", world_size=2, tp=2).exact
+    assert check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step_cp", world_size=2, cp=2).exact
 
 
 def test_a_sequence_repeated_over_tp_or_uneven_over_it_and_layouts_torch_refuses_are_read_from_the_run() -> None:
