@@ -6,7 +6,8 @@ the bias's other end is re-tied to the sharded bias (before, it raised: an end l
 batch from a generator of its own, which gives every DP rank the same batch: the check says DP was not checked. Under
 CP, BERT's attention is not causal (an encoder's), which the ring computes too; its masked-LM loss (``labels=``) is
 each CP rank's mean over its own tokens, which the check compares as their mean over CP, and names as the cause
-where the ranks count different numbers of tokens."""
+where the ranks count different numbers of tokens. HF's RoBERTa numbers its positions from its padding index + 1
+(2), which a step under CP must give it cut with the tokens: the check's hint says from where."""
 
 from __future__ import annotations
 
@@ -92,3 +93,33 @@ def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-unt
 def parallelize_dp(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped-def]
     """vemesh DDP alone (over DP x CP under CP)."""
     return DistributedDataParallel(model)
+
+
+def make_roberta() -> nn.Module:
+    """BERT's shapes as RoBERTa: its positions numbered from ``pad_token_id + 1`` (2) by the model itself."""
+    return hf.RobertaForMaskedLM(hf.RobertaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=SEQ + 2, pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _roberta_cp(model: nn.Module, batch_size: int, start: int | None) -> torch.Tensor:
+    """No pad token drawn; the positions, numbered from ``start``, cut with the tokens (None: the model numbers
+    this rank's part itself)."""
+    ids = torch.randint(3, VOCAB, (batch_size, SEQ))
+    labels = ids.clone()
+    labels[:, ::2] = -100
+    given = {} if start is None else {"position_ids": torch.arange(start, SEQ + start).expand(batch_size, SEQ).clone()}
+    with context_parallel(VESCALE_DEVICE_MESH["CP"], buffers=[ids, labels, *given.values()],
+                          buffer_seq_dims=[1] * (2 + len(given))):
+        loss = model(input_ids=ids, labels=labels, **given).loss
+        loss.backward()
+    return loss.detach()
+
+
+def step_roberta_cp_unnumbered(model: nn.Module, batch_size: int) -> torch.Tensor:
+    return _roberta_cp(model, batch_size, None)
+
+
+def step_roberta_cp(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """The positions as RoBERTa numbers them in one process, from 2."""
+    return _roberta_cp(model, batch_size, 2)

@@ -9,6 +9,9 @@ part (:func:`sequence_positions_hint`).
 from __future__ import annotations
 
 import re
+from typing import Any
+
+import torch
 
 from vemesh.check.layouts import SIZES, output_length
 from vemesh.check.recipes import Swap
@@ -133,7 +136,7 @@ def positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
         return _loss_hint(first["module"], cp)
     if not first["module"]:
         return None
-    if first["module"] in ref.get("embeddings", ()):
+    if (module := first["module"]) in ref.get("embeddings", ()):
         what = "is an embedding"
     elif not any(n.startswith(first["module"] + ".") for n in ref["grads"]):
         what = "holds no parameters"
@@ -143,7 +146,19 @@ def positions_hint(spec: Spec, ref: dict, result: CheckResult) -> str | None:
             "from positions (a rotary or learned position embedding) and got this rank's local ones, where it needs "
             "each token's position in the whole sequence. "
             f"context_parallel cuts the sequence into {2 * cp} chunks (CP rank r keeps chunks r and {2 * cp - 1} - r); "
-            + positions_recipe(ref.get("positions_arg")))
+            + positions_recipe(ref.get("positions_arg"), _numbered_from((ref.get("embeddings") or {}).get(module))))
+
+
+def _numbered_from(indices: Any) -> int:
+    """Where a learned position embedding's indices in one process were, in every row, ``k, k + 1, ...``: ``k``
+    (RoBERTa numbers from its padding index + 1), else 0."""
+    if not isinstance(indices, torch.Tensor) or not indices.dim() or indices.is_floating_point() or not indices.numel():
+        return 0
+    rows = indices.reshape(-1, indices.shape[-1])
+    start = rows[:, :1]
+    if not torch.equal(rows, start + torch.arange(rows.shape[1])) or not torch.equal(start, start[:1].expand_as(start)):
+        return 0
+    return int(start[0, 0])
 
 
 def _loss_hint(module: str, cp: int) -> str:
@@ -158,11 +173,13 @@ def _loss_hint(module: str, cp: int) -> str:
             "mesh['CP'], over CP), or give every CP rank as many counted tokens")
 
 
-def positions_recipe(arg: str | None) -> str:
+def positions_recipe(arg: str | None, start: int = 0) -> str:
     """How to give the model its positions cut with the tokens: by the name its forward takes them under, else to
-    the module that numbers them."""
-    cut = ("cut the positions with the tokens: positions = torch.arange(T).expand(B, T).contiguous() in "
-           "buffers=[..., positions] with buffer_seq_dims=[..., 1], ")
+    the module that numbers them; numbered from ``start``, as one process's model numbers them."""
+    numbers = f"torch.arange({start}, T + {start})" if start else "torch.arange(T)"
+    cut = (f"cut the positions with the tokens: positions = {numbers}.expand(B, T).contiguous() in "
+           "buffers=[..., positions] with buffer_seq_dims=[..., 1], "
+           + (f"numbered from {start} as the model numbers them in one process, " if start else ""))
     if arg is not None:
         return cut + f"then model(x, {arg}=positions) (or a RoPE table in buffers, with its sequence dim)"
     return (cut + "then give them to the module that numbers the positions: your model's forward takes none by "

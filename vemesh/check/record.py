@@ -150,11 +150,15 @@ class Recorder:
         #: how many equal parts the forward cut each Linear's output into along its last dim, by the op that cut it
         #: (``chunk(2, -1)``, ``split(C, -1)``, ``view(B, T, 3, -1, d)``): a fused projection's parts, read
         self.read_parts: dict[str, int] = {}
+        #: each Embedding's indices at its first call (a learned position embedding's: how the model numbers them)
+        self.indices: dict[str, torch.Tensor] = {}
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
         if name is not None and not _in_backward():  # also where not recorded: a pipeline stage's shape inference
             self.stack.append(name)  # runs the first forward, and a wrong plan raises there first (where, said)
+            if isinstance(module, nn.Embedding) and args and isinstance(args[0], torch.Tensor):
+                self.indices.setdefault(name, args[0].detach().clone())
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self.names.get(id(module))

@@ -189,9 +189,9 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
     for p, g in summed.items():
         p.grad = g
     grads = {n: None if g is None else g / dp for n, g in gradients(model).items()}
-    dtypes = {p.dtype for p in model.parameters()}
-    # for the CP positions hint (vemesh.check.api): a learned position embedding takes positions as its indices
-    embeddings = {plain_name(n) for n, m in unwrap(model).named_modules() if isinstance(m, torch.nn.Embedding)}
+    dtypes = {p.dtype for p in model.parameters()}  # below, for the CP positions hint: an embedding's indices
+    embeddings = {plain_name(n): rec.indices.get(plain_name(n)) for n, m in unwrap(model).named_modules()
+                  if isinstance(m, torch.nn.Embedding)}
     return {"outputs": outputs, "grads": grads, "dropouts": dropouts, "random_ops": random_ops, "dtypes": dtypes,
             "embeddings": embeddings, "positions_arg": positions_argument(unwrap(model)), "params": rec.params,
             "parts": rec.read_parts}

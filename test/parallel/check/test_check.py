@@ -736,6 +736,23 @@ def test_torchs_transformer_encoder_a_style_on_a_module_whose_parent_reads_its_w
     assert check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step_cp", world_size=2, cp=2).exact
 
 
+def test_hf_roberta_under_cp_is_told_to_number_its_positions_from_2_as_it_does_and_then_is_exact() -> None:
+    """RoBERTa numbers its positions from its padding index + 1 (2). Under CP without them, the positions hint said
+    to pass ``torch.arange(T)``: exact against one process given the same, but not RoBERTa's numbering (a pretrained
+    model's position embeddings, shifted by 2). The hint now reads the embedding's indices in one process."""
+    from vemesh.check.positions import _numbered_from
+
+    assert _numbered_from(torch.arange(2, 18).expand(3, 16)) == 2 and _numbered_from(torch.arange(16)) == 0
+    assert _numbered_from(torch.tensor([[2, 3, 4], [0, 1, 2]])) == 0 and _numbered_from(torch.randn(4)) == 0
+    path = str(ROOT / "test" / "models" / "hf_bert_jobs.py")
+    result = check(f"module:{path}:make_roberta", f"{path}:parallelize_dp", f"{path}:step_roberta_cp_unnumbered",
+                   world_size=2, cp=2)
+    (text,) = result.hints
+    assert "positions = torch.arange(2, T + 2).expand(B, T).contiguous()" in text and "numbered from 2" in text, text
+    assert check(f"module:{path}:make_roberta", f"{path}:parallelize_dp", f"{path}:step_roberta_cp", world_size=2,
+                 cp=2).exact
+
+
 def test_a_sequence_repeated_over_tp_or_uneven_over_it_and_layouts_torch_refuses_are_read_from_the_run() -> None:
     """The signs the hints of the next test read, in process: an output TP times one process's along one dim (and
     not along two, or by another factor); a size mismatch whose shorter side is one process's sequence; a sequence
