@@ -319,17 +319,13 @@ def _equal(a: dict, b: dict) -> bool:
                                         for x, y in ((a[k], b[k]) for k in a))
 
 
-def ran_before(ref_outputs: list[dict], module: str, split: list[tuple]) -> list[tuple]:
-    """Of ``split`` (the split Linears, as :func:`vemesh.check.record.column_split_linears` gives them), those whose
-    forward ended before ``module``'s last call ended in the one-process run: where the parallel run raised in
-    ``module``, a Linear that runs after it cannot have made what it raised on (an ``nn.TransformerEncoderLayer``'s
-    ``linear1``, after its attention). All of them where one process recorded no output of ``module``."""
+def ran_before(ref_outputs: list[dict], module: str) -> set[str] | None:
+    """The modules whose forward ended before ``module``'s last call ended in the one-process run (None where it
+    recorded no output of ``module``): where the parallel run raised in ``module``, a Linear that runs after it cannot
+    have made what it raised on (an ``nn.TransformerEncoderLayer``'s ``linear1``, after its attention)."""
     keys = list(ref_outputs[0]) if ref_outputs else []
     last = max((i for i, k in enumerate(keys) if k[0] == module), default=None)
-    if last is None:
-        return split
-    ran = {k[0] for k in keys[:last]}
-    return [s for s in split if s[0] in ran]
+    return None if last is None else {k[0] for k in keys[:last]}
 
 
 def modules_before(ref_outputs: list[dict], first_module: dict) -> set[str]:

@@ -117,8 +117,7 @@ def candidates(first: str, split: list[tuple[str, int, int, int]], before: set[s
     where the forward raised, a Linear that ran after ``first`` in it is no candidate (:func:`ran_before`: an
     ``nn.TransformerEncoderLayer``'s ``linear1`` after the attention that raised), though it is another's alike."""
     read = (ref or {}).get("parts") or {}
-    ran = {s[0] for s in ran_before(ref["outputs"], first, split)} if before is None and ref and ref.get("outputs") \
-        else None
+    ran = ran_before(ref["outputs"], first) if before is None and ref and ref.get("outputs") else None
     found: list[Candidate] = []
     for name, out_features, in_features, tp in split:
         if ran is not None and name not in ran:
