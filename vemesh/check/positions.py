@@ -90,7 +90,7 @@ def sequence_positions_hint(spec: Spec, ref: dict, failed: list[dict], tries: Tr
         outcome = went_wrong(trial, now)
     for names in trial.broken_ties[:1]:
         outcome += (f"; and the plan broke a tie: {' and '.join(names)} are one parameter in the model as built and "
-                    "several after parallelize (shard both ends the same way with vemesh.parallel.parallelize_module, "
+                    "several after parallelize (shard every end the same way with vemesh.parallel.parallelize_module, "
                     "or re-tie them)")
     return [f"{said}{text}. Tried: the sequence gathered into {_some(holders, 2)} and "
             f"SequenceParallel(use_local_output=True) on {_some(norms, 2) if norms else 'no norm (none found)'}: "

@@ -148,7 +148,7 @@ class CheckResult:
                          "not from a torch.Generator of the step's own or fixed data")
         for names in self.broken_ties:
             lines.append(f"  tie broken: {' and '.join(names)} are one parameter in the model as built and several "
-                         "after parallelize: shard both ends the same way with vemesh.parallel.parallelize_module, "
+                         "after parallelize: shard every end the same way with vemesh.parallel.parallelize_module, "
                          "or re-tie them")
         if self.unheld:
             shown = _some(self.unheld, 6)

@@ -23,6 +23,7 @@ Two things keep that from happening:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from fnmatch import fnmatch
 from typing import Any
 
 import torch
@@ -125,9 +126,10 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None, parallelize_p
             listed = "; ".join(f"{n} is {_describe(p)}" for n, p in zip(names, ends))
             raise BrokenTieError(
                 f"vemesh.parallel.parallelize_module: {' and '.join(names)} are one tied parameter, and the plan "
-                f"sharded its ends differently ({listed}). Shard every end the same way (an embedding "
-                "RowwiseParallel(input_layouts=Replicate()) and its head ColwiseParallel: both Shard(0) of "
-                "[vocab, dim]), or leave both whole")
+                f"sharded its ends differently ({listed}). "
+                + (_same_kind(module, parallelize_plan, aliases, [s for s, _ in sharded]) or
+                   "Shard every end the same way (an embedding RowwiseParallel(input_layouts=Replicate()) and its "
+                   "head ColwiseParallel: both Shard(0) of [vocab, dim]), or leave every end whole"))
         for n in names:
             owner, leaf = _owner(module, n)
             if getattr(owner, leaf) is not first:
@@ -142,3 +144,38 @@ def _alias(name: str, sharded: list[str]) -> bool:
     sharded parameter too (a forward that read it with plain tensors would raise, as DTensor does on mixed inputs)."""
     owner = name.rpartition(".")[0]
     return any(s.rpartition(".")[0].startswith(owner + ".") or (not owner and "." in s) for s in sharded)
+
+
+def _style(plan: Any, path: str) -> Any:
+    """The style ``plan`` gives the module at ``path`` (torch's matching: each name's atoms by ``fnmatch``), or None."""
+    if not isinstance(plan, dict):
+        return plan if not path else None
+    atoms = path.split(".") if path else []
+    for key, style in plan.items():
+        parts = key.split(".") if key else []
+        if len(parts) == len(atoms) and all(fnmatch(a, k) for a, k in zip(atoms, parts)):
+            return style
+    return None
+
+
+def _same_kind(root: nn.Module, plan: Any, whole: list[str], sharded: list[str]) -> str:
+    """The recipe where the ends left whole are held by modules of the kind a sharded end's is (HF T5's
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens``, Embeddings sharing ``shared``'s weight): give them the
+    style the plan gave it, by name. Empty when no end left whole is of such a module, or the style is not found."""
+    kinds = {}
+    for name in sharded:
+        path = name.rpartition(".")[0]
+        style = _style(plan, path)
+        if style is not None:
+            kinds.setdefault(type(_owner(root, name)[0]), (path, style))
+    found = [(n.rpartition(".")[0], kinds[type(_owner(root, n)[0])]) for n in whole
+             if type(_owner(root, n)[0]) in kinds]
+    if not found or len(found) < len(whole):
+        return ""
+    paths = " and ".join(p for p, _ in found)
+    path, style = found[0][1]
+    entries = ", ".join(f"{p!r}: {style!r}" for p, _ in found)
+    kind = type(_owner(root, whole[0])[0]).__name__
+    return (f"{paths} {'is' if len(found) == 1 else 'are'} {kind} like {path or 'the root'}, which the plan styled: "
+            f"add {'it' if len(found) == 1 else 'them'} to the plan with its style ({entries}), so that every end "
+            "is sharded the same way and re-tied")

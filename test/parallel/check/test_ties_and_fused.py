@@ -131,6 +131,42 @@ def test_an_end_held_again_above_a_sharded_end_is_re_tied_and_a_use_of_its_own_l
         parallelize_module(TiedTwice(), mesh["TP"], {"head.decoder": ColwiseParallel(output_layouts=Replicate())})
 
 
+class Shared(nn.Module):
+    """HF T5's ties: ``shared`` and each stack's ``embed_tokens`` are Embeddings holding one weight, and the head's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(64, 16)
+        self.encoder, self.decoder = nn.Module(), nn.Module()
+        self.encoder.embed_tokens, self.decoder.embed_tokens = nn.Embedding(64, 16), nn.Embedding(64, 16)
+        self.encoder.embed_tokens.weight = self.decoder.embed_tokens.weight = self.shared.weight
+        self.lm_head = nn.Linear(16, 64, bias=False)
+        self.lm_head.weight = self.shared.weight
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.encoder.embed_tokens(src).mean(1, keepdim=True) + self.decoder.embed_tokens(tgt))
+
+
+def test_ends_held_by_modules_like_a_styled_one_are_named_with_its_style(world) -> None:  # type: ignore[no-untyped-def]
+    """The two stacks' Embeddings left out of the plan: the refusal names them with the style ``shared`` got; given
+    it, the four ends are one sharded parameter."""
+    world(2)
+    with pytest.raises(BrokenTieError, match=r"encoder.embed_tokens and decoder.embed_tokens are Embedding like "
+                                             r"shared, which the plan styled: add them to the plan with its style "
+                                             r"\('encoder.embed_tokens': RowwiseParallel\(input_layouts=\(Replicate"):
+        parallelize_module(Shared(), mesh["TP"], {"shared": RowwiseParallel(input_layouts=Replicate()),
+                                                  "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    model = Shared()
+    parallelize_module(model, mesh["TP"], {"shared": RowwiseParallel(input_layouts=Replicate()),
+                                           "*.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                           "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    assert model.encoder.embed_tokens.weight is model.shared.weight is model.lm_head.weight
+    assert len(list(model.parameters())) == 1 and model.shared.weight.placements == (Shard(0),)
+    # a Linear end left whole beside a sharded Embedding is not of its kind: the general recipe
+    with pytest.raises(BrokenTieError, match=r"Shard every end the same way"):
+        parallelize_module(Tied(), mesh["TP"], {"wte": RowwiseParallel(input_layouts=Replicate())})
+
+
 def test_a_re_tie_by_hand_is_accepted(world) -> None:  # type: ignore[no-untyped-def]
     world(2)
     model = Tied()
