@@ -3,7 +3,8 @@ its decoder's weight to the word embedding (``tie_word_embeddings``) and its dec
 (the same parameter, held again by the head above the Linear). The vocabulary-parallel pair (the embedding
 ``RowwiseParallel``, the decoder ``ColwiseParallel``) under ``vemesh.parallel.parallelize_module`` keeps both ties:
 the bias's other end is re-tied to the sharded bias (before, it raised: an end left whole). And a step that draws its
-batch from a generator of its own, which gives every DP rank the same batch: the check says DP was not checked. Under
+batch from a generator of its own, which gives every DP rank the same batch: the check says DP was not checked;
+one that picks its rows by its DP rank: the check says the runs had other inputs. Under
 CP, BERT's attention is not causal (an encoder's), which the ring computes too; its masked-LM loss (``labels=``) is
 each CP rank's mean over its own tokens, which the check compares as their mean over CP, and names as the cause
 where the ranks count different numbers of tokens. HF's RoBERTa numbers its positions from its padding index + 1
@@ -68,6 +69,14 @@ def step(model: nn.Module, batch_size: int) -> torch.Tensor:
 def step_own_generator(model: nn.Module, batch_size: int) -> torch.Tensor:
     """The same batch on every rank: a generator of the step's own, seeded alike everywhere."""
     return _masked(model, torch.randint(0, VOCAB, (batch_size, SEQ), generator=torch.Generator().manual_seed(1)))
+
+
+def step_by_rank(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """DP rank ``d``'s rows of fixed data, chosen by the mesh's DP rank (as a ``DistributedSampler`` chooses): one
+    process, where every DP rank is 0, runs rank 0's rows for each."""
+    d = VESCALE_DEVICE_MESH.get_local_rank("DP")
+    pool = torch.randint(0, VOCAB, (8 * batch_size, SEQ), generator=torch.Generator().manual_seed(2))
+    return _masked(model, pool[d * batch_size:(d + 1) * batch_size])
 
 
 def parallelize(model: nn.Module, mesh) -> nn.Module:  # type: ignore[no-untyped-def]

@@ -77,6 +77,17 @@ def parallelize_fsdp(model: nn.Module, mesh) -> nn.Module:
     return fully_shard(model)
 
 
+def parallelize_fsdp_bf16(model: nn.Module, mesh) -> nn.Module:
+    """As :func:`parallelize_fsdp`, with torchtitan's mixed precision: FSDP2 computes in bf16 and reduces in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    _tp(model, mesh)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
 def parallelize_ddp(model: nn.Module, mesh) -> nn.Module:
     """HF's TP plan (when the mesh has TP), EP on the experts (when it has EP), then vemesh DDP over the mesh's data
     dims."""

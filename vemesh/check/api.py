@@ -6,11 +6,11 @@ It runs the user's three functions (the planner's: ``make()``, ``parallelize(mod
 1. in this process, once for each data-parallel rank's inputs, the gradients summed and divided by DP;
 2. on ``world_size`` gloo processes that it starts itself, with the mesh ``ParallelDims`` builds for the degrees.
 
-Both build the model from the same seed. Before each step the RNG is seeded with ``seed + 1 + d`` for DP rank ``d``,
-so a step that draws its tokens with ``torch.randint`` draws DP rank ``d``'s batch in both runs, and the TP (CP, EP)
-peers of a DP rank draw the same batch. Dropout draws nothing in either run (:class:`~vemesh.check.record.
-Deterministic`); another random op inside a module's forward is named as the cause when the runs differ, never as a
-wrong plan.
+Both build the model from the same seed. Before each step the RNG is seeded with ``seed + 1 + d`` for DP rank ``d``, so
+a step that draws its tokens with ``torch.randint`` draws DP rank ``d``'s batch in both runs, and the TP (CP, EP) peers
+of a DP rank draw the same batch. Dropout draws nothing in either run (:class:`~vemesh.check.record.Deterministic`);
+another random op inside a module's forward is named as the cause when the runs differ, never as a wrong plan; so is a
+step that chose its batch by its rank (the verdict ``by_rank``).
 
 It compares every module's outputs in forward order (DTensors gathered whole; a TP rank's plain shard joined with its TP
 peers'), and every parameter's gradient by name (gathered whole), and names any tie that parallelizing broke. Where the
@@ -127,11 +127,10 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
     t1, launched = time.monotonic(), time.time()
     ranks, failed, compared = _parallel(spec, ref, tol, result)
     t2, result.dropouts = time.monotonic(), ref["dropouts"]
-    result.hints, tries = _hints(spec, ref, tol, result, ranks, failed)
+    result.hints, tries = _hints(spec, ref, tol, result, ranks, failed) if result.verdict != "by_rank" else ([], 0)
     result.seconds = {"one process": t1 - t0, "parallel run": t2 - t1 - compared, **phases(ranks, launched),
                       "compare": compared}
-    if tries:
-        result.seconds["recipes tried"] = time.monotonic() - t2
+    result.seconds |= {"recipes tried": time.monotonic() - t2} if tries else {}
     result.seconds["in all"] = time.monotonic() - started
     return result
 
@@ -173,7 +172,8 @@ def _parallel(spec: Spec, ref: dict, tol: float, result: CheckResult) -> tuple[l
         result.stage_clips = max(r["clips"] for r in ranks) if spec.degrees.get("PP", 1) > 1 else 0
         compare(result, ref, ranks, tol)
         if result.first_module is not None or result.gradients or result.broken_ties or result.pipeline_cut_wrong:
-            result.verdict = "random" if result.random_ops and not result.broken_ties else "differs"
+            result.verdict = "random" if result.random_ops and not result.broken_ties else \
+                "by_rank" if result.dp_batch_by_rank and not result.broken_ties else "differs"
         result.stage_scales = stage_scales(ref, ranks, tol) if result.stage_clips and result.gradients else {}
     return ranks, failed, time.monotonic() - started
 

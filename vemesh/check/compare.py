@@ -228,6 +228,8 @@ def _cut_over_cp(ranks: list[dict], key: Any, shape: torch.Size) -> bool:
 
 
 def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> None:
+    """``ranks``' records against one process's ``ref`` into ``result``, within ``tol``."""
+    result.lowered = sorted({d for r in ranks for d in r.get("lowered", ())})
     worst = (0.0, "")
     cut = False  # under CP, some module's output was a part of the sequence
 
@@ -307,10 +309,29 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
         for r in ranks for n, g in r["grads"].items())
     outputs = ref["outputs"]
     result.dp_same_batch = len(outputs) > 1 and bool(outputs[0]) and all(_equal(o, outputs[0]) for o in outputs[1:])
+    result.dp_batch_by_rank = result.dp_same_batch and not piped and _peers_differ(ranks)
     result.largest, result.largest_at = worst
     # outputs that no join explains might be the cut ones: then it cannot tell
     result.cp_whole_sequence = (result.degrees.get("CP", 1) > 1 and result.outputs_compared > 0 and not cut
                                 and not result.outputs_not_comparable)
+
+
+def _peers_differ(ranks: list[dict]) -> bool:
+    """Whether the parallel run's DP peers (other DP ranks at rank 0's TP and CP coordinates) gave another output of
+    the first module both ran: from the same weights, only other inputs do that (where one process's DP ranks drew
+    the same batch, the step chose its batch by its rank)."""
+    def view(r: dict) -> tuple:
+        return tuple(r["coords"].get(d, 0) for d in ("TP", "CP"))
+
+    first = ranks[0] if ranks else None
+    for r in ranks[1:]:
+        if view(r) != view(first) or r.get("data_rank") == first.get("data_rank"):
+            continue
+        key = next((k for k, t in first["outputs"].items()
+                    if k in r["outputs"] and r["outputs"][k].shape == t.shape), None)
+        if key is not None and not torch.equal(r["outputs"][key], first["outputs"][key]):
+            return True
+    return False
 
 
 def _equal(a: dict, b: dict) -> bool:

@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,8 +36,9 @@ from torch.utils._pytree import tree_flatten
 from vemesh.parallel.experts.style import EXPERT
 from vemesh.parallel.tp_split import column_split_linears, parts, plain_name, unwrap
 
-__all__ = ["Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients", "not_recorded", "parts",
-           "plain_name", "quiet_shape_inference", "unwrap"]
+__all__ = ["Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients", "in_full_precision",
+           "not_recorded", "parts", "plain_name", "quiet_shape_inference", "unwrap"]
+
 
 def data_parallel(model: nn.Module) -> bool:
     """Whether ``model`` is wrapped in a data-parallel module the check knows: torch's or vemesh's DDP, or FSDP2 (on
@@ -48,6 +50,29 @@ def data_parallel(model: nn.Module) -> bool:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return True
     return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
+
+
+def in_full_precision(model: Any) -> list[str]:
+    """FSDP2's ``MixedPrecisionPolicy`` on ``model`` (on any module under it; under PP, any stage's) set to compute,
+    reduce and return in the parameters' own dtype, as one process does; the dtypes below fp32 it had (torchtitan's
+    bf16 ``param_dtype``), sorted. A forward in bf16 against one process's fp32 differs by bf16's rounding (2.7e-2 on
+    a 6-layer Llama's query gradients), more than the check's tolerance, whatever the plan: the check is of the
+    parallelization, as it runs compiled modules eagerly."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for part in (model if not isinstance(model, nn.Module) else [model]) for m in unwrap(part).modules()]
+    low = set()
+    for state in (m._get_fsdp_state() for m in modules if isinstance(m, FSDPModule)):
+        policy = state._mp_policy
+        low |= {d for d in (policy.param_dtype, policy.reduce_dtype, policy.output_dtype)
+                if d is not None and d.is_floating_point and torch.finfo(d).bits < 32}
+        state._mp_policy = full = replace(policy, param_dtype=None, reduce_dtype=None, output_dtype=None)
+        for group in [state._fsdp_param_group] if state._fsdp_param_group is not None else []:
+            group.mp_policy = full
+            for param in group.fsdp_params:
+                param.mp_policy = full
+                param.init_dtype_attrs(full)
+    return sorted(str(d).removeprefix("torch.") for d in low)
 
 
 def on_tp(model: nn.Module) -> bool:

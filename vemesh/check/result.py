@@ -27,9 +27,10 @@ class CheckInputError(ValueError):
 class CheckResult:
     """What ``vemesh check`` found; :meth:`render` is the text it prints, :meth:`to_json` its ``--json``."""
 
-    #: ``"exact"``, ``"differs"`` (a wrong plan), ``"random"`` (a random op in the forward makes them differ), or
-    #: ``"failed"`` (the user's code raised in the parallel run before its step: in the factory, the parallelize
-    #: function or the stages' set-up; nothing was compared)
+    #: ``"exact"``, ``"differs"`` (a wrong plan), ``"random"`` (a random op in the forward makes them differ),
+    #: ``"by_rank"`` (the step chose its batch by its rank: the runs had other inputs), or ``"failed"`` (the user's
+    #: code raised in the parallel run before its step: in the factory, the parallelize function or the stages'
+    #: set-up; nothing was compared)
     verdict: str
     degrees: dict[str, int]
     world_size: int
@@ -73,6 +74,9 @@ class CheckResult:
     #: under DP, one process's module outputs were the same for every DP rank's step: the step drew the same batch
     #: for each (not from torch's RNG, which the check seeds per DP rank), so DP's average was not checked
     dp_same_batch: bool = False
+    #: and the parallel run's DP ranks drew other batches: the step chose its batch by its rank, which one process
+    #: does not have (the verdict ``"by_rank"``: not comparable)
+    dp_batch_by_rank: bool = False
     dropouts: int = 0
     #: under PP, the most calls of torch's ``clip_grad_norm_`` the step made on a PP rank: each clips its stages by
     #: their own norm, not the model's
@@ -87,6 +91,9 @@ class CheckResult:
     skipped_plan: list[tuple[str, str, str]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     dp_replicate: int = 1  #: HSDP's replica degree: DP is split into dp_replicate x dp_shard
+    #: the dtypes below fp32 of FSDP2's ``MixedPrecisionPolicy`` in the parallel run (``param_dtype``,
+    #: ``reduce_dtype``, ``output_dtype``: torchtitan's bf16), which it ran in the parameters' own dtype instead
+    lowered: list[str] = field(default_factory=list)
     #: why the parallel run was run again (a rank gloo aborted, or the kernel killed: :mod:`vemesh.check.rerun`)
     reruns: list[str] = field(default_factory=list)
 
@@ -125,6 +132,15 @@ class CheckResult:
             ops = ", ".join(sorted({f"{op} in {m or 'the root'}" for m, op in self.random_ops}))
             lines.append(f"  {ops}: the two runs draw them differently, so they differ (not a verdict on the plan). "
                          "Make the forward deterministic for the check (a factory argument), and check again")
+        elif self.verdict == "by_rank":
+            lines.append(f"vemesh check: not comparable: the step chose its batch by its rank. {head}")
+            lines.append(f"  in one process the {self.degrees['DP']} DP ranks' steps drew the same batch, and in the "
+                         "parallel run each DP rank another: the step chose its inputs by what one process does not "
+                         "have (its rank: torch.distributed.get_rank(), the mesh's get_local_rank('DP'), a "
+                         "DistributedSampler), so the two runs had other inputs (not a verdict on the plan). The check "
+                         "gives each DP rank its own batch by seeding torch's RNG with that rank's seed: draw the "
+                         "step's inputs from it (torch.randint, torch.randn, a random index into your data), and "
+                         "check again")
         elif self.verdict == "failed":
             lines.append(f"vemesh check: NOT CHECKED: the parallel run ({mesh} on {self.world_size} gloo processes) "
                          "failed before its step, so nothing was compared; one process ran the model as built")
@@ -139,7 +155,7 @@ class CheckResult:
             lines.append(f"  {'but' if self.exact else 'and'} TP {self.degrees['TP']} sharded nothing: no parameter is a "
                          "DTensor on the TP dim, so each TP rank ran the whole model and this checked DP alone; "
                          "shard it in --parallelize (parallelize_module on mesh['TP'])")
-        if self.dp_same_batch:
+        if self.dp_same_batch and self.verdict != "by_rank":
             dp = self.degrees["DP"]
             lines.append(f"  {'but' if self.exact else 'and'} every DP rank's step drew the same batch (in one process "
                          f"the {dp} DP ranks' steps gave equal module outputs), so DP's average was not "
@@ -200,6 +216,10 @@ class CheckResult:
         if self.compiled:
             lines.append(f"  compiled: your functions compiled modules with torch.compile (the first: {self.compiled!r}); "
                          "both runs ran them eagerly, so this checked the parallelization, not inductor's code")
+        if self.lowered:
+            lines.append(f"  mixed precision: FSDP2's MixedPrecisionPolicy ({', '.join(self.lowered)}) ran in the "
+                         "parameters' own dtype, as one process does, so this checked the parallelization, not "
+                         f"{' and '.join(self.lowered)} rounding")
         if self.dropouts:
             lines.append(f"  dropout: {self.dropouts} calls drew nothing in either run (p taken as 0)")
         lines += [f"  {why}" for why in self.reruns]  # the parallel run run again, and why

@@ -28,7 +28,7 @@ from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, 
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
-                                 on_tp, parts, plain_name, positions_argument, quiet_shape_inference, unwrap)
+                                 in_full_precision, on_tp, parts, plain_name, positions_argument, quiet_shape_inference, unwrap)
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
@@ -282,7 +282,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         with swapped(spec.swaps, model) as went, plan_keys.skipped_plan_keys() as skipped, unchecked(bool(spec.heads or spec.sharded)):
             model = _call("--parallelize", names[1], parallelize, model, mesh)
         stepped = model
-        if spec.degrees.get("PP", 1) > 1:  # this PP rank's stages: the step runs torch's schedule over them
+        if piped := spec.degrees.get("PP", 1) > 1:  # this PP rank's stages: the step runs torch's schedule over them
             stepped, model = _schedule(spec, model, names[1])
         elif not isinstance(model, torch.nn.Module):
             raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
@@ -292,10 +292,10 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         set_heads(spec.heads, model, mesh)
         handed = watch_inputs(heads, model)  # the tensors each of them is handed, as the step runs
         set_clones(spec.cloned, model)
+        lowered = in_full_precision(model)  # FSDP2's mixed precision off: one process computes in fp32
         sum_features(spec.summed, model, mesh)
         params = {plain_name(n): p for part, _ in parts(model) for n, p in part.named_parameters(remove_duplicate=False)}
         tables = unsharded(tables, params)  # those the user's function sharded over TP already are no recipe's
-        piped = spec.degrees.get("PP", 1) > 1
         ends = [[params.get(plain_name(n)) for n in group] for group in ties]  # None: not held here
         # a tie is broken where this rank holds its ends as several parameters; under PP, of the ends it holds (the
         # others are other stages': a tie split across stages)
@@ -318,15 +318,15 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
                     raise
                 failed_in = rec.stack[-1]
                 raise UserError(f"{e} (in the forward of {rec.stack[-1] or 'the root'})") from e.__cause__
-        marks["stepped"] = time.time()
-        grads = gradients(model)
+        marks["stepped"], grads = time.time(), gradients(model)  # the step's end, then its gradients gathered
         coords = {n: mesh.get_local_rank(n) for n in mesh.layout.dim_names}
         marks["gathered"] = time.time()
         torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
                     "data_rank": data_rank, "broken": broken, "apart": apart, "split": split, "heads": heads,
                     "handed": handed, "tables": tables, "went": went, "dropouts": det.dropouts, "clips": det.clips,
-                    "data_parallel": data_parallel(model), "on_tp": on_tp(model), "random_ops": det.random_ops,
-                    "marks": marks, "skipped": skipped, "compiled": compiled_module([part for part, _ in parts(model)])},
+                    "data_parallel": data_parallel(model), "lowered": lowered, "on_tp": on_tp(model),
+                    "random_ops": det.random_ops, "marks": marks, "skipped": skipped,
+                    "compiled": compiled_module([part for part, _ in parts(model)])},
                    os.path.join(out, f"rank{rank}.pt.part"))
         os.replace(os.path.join(out, f"rank{rank}.pt.part"), os.path.join(out, f"rank{rank}.pt"))
         dist.barrier()

@@ -65,6 +65,16 @@ def test_hf_llama_with_the_docs_tp_plan_is_exact_under_ddp() -> None:
     assert result.exact, result.render()
 
 
+def test_fsdp2_mixed_precision_runs_in_the_parameters_dtype_and_says_so() -> None:
+    """torchtitan's FSDP2 policy (bf16 compute, fp32 reduction) on HF's Llama under HF's TP plan: against one
+    process in fp32, bf16's rounding alone differed by up to 1.6e-2 (2.7e-2 at 6 layers), so a right plan was
+    "DIFFERS" with a hint about DP. The policy runs in fp32 in the parallel run, and the verdict says so."""
+    result = check(f"module:{HF}:make_llama", f"{HF}:parallelize_fsdp_bf16", f"{HF}:step", world_size=4, tp=2,
+                   micro_batch_size=1)
+    assert result.exact and result.lowered == ["bfloat16"], result.render()
+    assert "mixed precision: FSDP2's MixedPrecisionPolicy (bfloat16) ran in the parameters' own dtype" in result.render()
+
+
 @pytest.mark.slow
 def test_hf_llama_under_cp_without_its_positions_cut_is_named_with_the_recipe_and_with_them_is_exact() -> None:
     """HF's LlamaForCausalLM numbers its positions from 0 on each CP rank unless given position_ids: its rotary
@@ -644,7 +654,8 @@ def test_hf_bert_keeps_its_two_ties_and_a_step_that_draws_the_same_batch_on_ever
     its decoder's bias is tied to ``cls.predictions.bias``, the head above it, which no style shards. That end is
     re-tied (before, it raised: "an end left whole", with a recipe no plan could follow), and under DDP the check is
     exact. A step drawing its batch from a generator of its own gives every DP rank the same batch: with no DDP the
-    check was exact and said nothing, as if DP had been checked; now it says DP was not."""
+    check was exact and said nothing, as if DP had been checked; now it says DP was not. A step that picks its batch
+    by its DP rank is not comparable, and said so."""
     path = str(ROOT / "test" / "models" / "hf_bert_jobs.py")
     result = check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step", world_size=4, tp=2)
     assert result.exact and not result.dp_same_batch and not result.broken_ties, result.render()
@@ -652,6 +663,11 @@ def test_hf_bert_keeps_its_two_ties_and_a_step_that_draws_the_same_batch_on_ever
     assert result.exact and result.dp_same_batch, result.render()
     assert "but every DP rank's step drew the same batch (in one process the 2 DP ranks' steps gave equal module " \
            "outputs), so DP's average was not checked" in result.render()
+    # a step that picks its rows by its DP rank: one process, where the DP rank is 0, ran rank 0's rows for each,
+    # so the runs differ whatever the plan; before, "DIFFERS" with a hint that no DP wrapper would check exact too
+    result = check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step_by_rank", world_size=4, tp=2)
+    assert result.verdict == "by_rank" and not result.hints and "recipes tried" not in result.seconds
+    assert result.render().startswith("vemesh check: not comparable: the step chose its batch by its rank. DP 2 x TP 2")
 
 
 def test_hf_bert_under_cp_is_exact_and_a_loss_over_other_counts_of_tokens_per_cp_rank_is_named() -> None:
