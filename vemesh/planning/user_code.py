@@ -106,6 +106,10 @@ _KNOWN = {
         "fully_shard without mesh= shards over every rank of the world, TP peers included); shard over the data "
         "dims beside TP: vemesh.parallel.fully_shard(module), which takes this rank's, or torch's "
         "fully_shard(module, mesh=VESCALE_DEVICE_MESH['DP'])",
+    ("_init_sharding_spec_tp", "Cannot concatenate overlapping meshes"):
+        "FSDP2's fully_shard was given a mesh that holds a dim TP already shards this parameter over (mesh['TP']): "
+        "FSDP2 shards over the data dims beside TP: vemesh.parallel.fully_shard(module), which takes this rank's, or "
+        "torch's fully_shard(module, mesh=VESCALE_DEVICE_MESH['DP'])",
     ("__torch_dispatch__", "Trying to backward an extra time. You are only allowed to backward once on any region "
      "computed under selective activation checkpoint"):
         "a zero-bubble schedule (interleaved-zb, zbv, dualpipev) runs two backward passes through each stage, the "

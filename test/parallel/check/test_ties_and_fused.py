@@ -238,7 +238,8 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
     """torch's ``fully_shard`` with no mesh (a 1-D mesh over the world) on a model that TP shards raises torch's own
     ``TypeError: Invariant encountered: value was None`` from inside FSDP2. ``vemesh check`` reported those words
     alone (a user of Hugging Face's Qwen2 with torch's FSDP2 example's habit got nothing else); now it says what to
-    write instead, as ``vemesh plan`` does (test_plan_user_model.py)."""
+    write instead, as ``vemesh plan`` does (test_plan_user_model.py). FSDP2 over ``mesh["TP"]`` raises torch's
+    "Cannot concatenate overlapping meshes": said the same way."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from vemesh.check.run import UserError, _call
@@ -253,6 +254,15 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
                                         r"FSDP2's fully_shard was given a mesh without dim names for a parameter "
                                         r"that TP already shards .* vemesh.parallel.fully_shard\(module\)"):
         _call("--parallelize", "mine:parallelize", parallelize, Tied(), mesh)
+
+    def over_tp(model, mesh):  # type: ignore[no-untyped-def]  # FSDP2 "over TP": torch's overlapping meshes
+        torch_parallelize_module(model.mid, mesh["TP"], ColwiseParallel())
+        return torch_fully_shard(model, mesh=mesh["TP"])
+
+    with pytest.raises(UserError, match=r"RuntimeError: Cannot concatenate overlapping meshes: .*; FSDP2's "
+                                        r"fully_shard was given a mesh that holds a dim TP already shards this "
+                                        r"parameter over \(mesh\['TP'\]\)"):
+        _call("--parallelize", "mine:parallelize", over_tp, Tied(), mesh)
 
 
 def test_the_checks_parallel_run_gives_vemeshs_own_errors_whole_and_cuts_others_visibly(world) -> None:  # type: ignore[no-untyped-def]
