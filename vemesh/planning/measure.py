@@ -115,14 +115,24 @@ def _on_meta(args: tuple) -> bool:
     return isinstance(first, torch.Tensor) and first.is_meta
 
 
+#: the collectives that gloo runs on a copy of their whole input (``args[1]``), which it holds through the call:
+#: ``dist.reduce_scatter_tensor`` (FSDP2's gradient reduction) copies its input into a buffer of its own,
+#: all-reduces that, and copies this rank's chunk out (a 1 MiB fp32 reduce-scatter on 2 gloo ranks: torch's
+#: MemTracker sees 1 MiB more, split from a buffer no op made; the functional collective and nccl copy nothing)
+GLOO_COPIES = (_c10d._reduce_scatter_base_.default,)
+
+
 class CollectiveBytes(TorchDispatchMode):
     """Counts the bytes of every collective by its process group's ``group_name``.
 
     Counting happens only while :attr:`counting` is true; :func:`by_mesh_name` names the groups.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gloo: bool = False) -> None:
         super().__init__()
+        #: a plan for gloo (``--device-type cpu``): each ``reduce_scatter_tensor`` holds a copy of its whole input
+        #: through the collective, as gloo's does (:data:`GLOO_COPIES`); a run's own gloo makes it itself
+        self.gloo = gloo
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.ops: dict[str, set[str]] = defaultdict(set)  #: the ops run on each group (by ``group_name``)
@@ -144,7 +154,9 @@ class CollectiveBytes(TorchDispatchMode):
             return answer_device(args[0])
         if any(t is DTensor for t in types):  # let DTensor turn itself into local ops and collectives first
             return NotImplemented
+        copy = torch.empty_like(args[1]) if self.gloo and func in GLOO_COPIES else None  # freed after the call
         result = func(*args, **(kwargs or {}))
+        del copy
         if self.pending or func.namespace == "_c10d_functional":
             self._watch_reads(func, args, result)
         if self.counting:

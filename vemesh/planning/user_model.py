@@ -134,7 +134,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     for ``fns.pp_schedule`` runs ``passes`` micro-batches of them in each step (``fns.step(schedule, batch)``), and
     the stages' shapes travel through ``exchange`` (:mod:`vemesh.planning.pipeline_trace`)."""
     pp = degrees.get("PP", 1)
-    tracker, counter = StepTracker(module_hooks=False), CollectiveBytes()
+    tracker, counter = StepTracker(module_hooks=False), CollectiveBytes(gloo=device == "cpu")
     factory_name, parallelize_name, step_name = fns.names
     with _rank_model(fns, blocks, world_size=world_size, degrees=degrees, dp_replicate=dp_replicate, pp_rank=pp_rank,
                      dtype=dtype, load_factor=load_factor) as (mesh, routed, box):
