@@ -79,6 +79,24 @@ def parallelize_tp_then_torch_fsdp(model, mesh):
     return fully_shard(model)
 
 
+def _offloaded(model, mesh, pin_memory: bool):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["DP"], offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+    return fully_shard(model, mesh=mesh["DP"], offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+
+
+def parallelize_offloaded(model, mesh):
+    """FSDP2 with CPU offload, as its docs write it (pinned): the trace cannot pin a fake tensor."""
+    return _offloaded(model, mesh, pin_memory=True)
+
+
+def parallelize_offloaded_unpinned(model, mesh):
+    """FSDP2 with CPU offload, unpinned: it traces, and the plan would count the host's shards as the device's."""
+    return _offloaded(model, mesh, pin_memory=False)
+
+
 def parallelize_returns_none(model, mesh):
     DistributedDataParallel(model)
 

@@ -377,6 +377,12 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "model at that line (Falcon adds its attention's output into its MLP's with +=), which autograd refuses: have "
      "the module whose output is written return a copy, module.register_forward_hook(lambda module, args, out: "
      "out.clone())"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_offloaded", f"{JOBS}:step"),
+     "AssertionError: NYI: aten._pin_memory.default; FSDP2's CPUOffloadPolicy pins the offloaded shards in host "
+     "memory (pin_memory=True, its default), which needs an accelerator"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_offloaded_unpinned", f"{JOBS}:step"),
+     "parallelize_offloaded_unpinned sharded the model with FSDP2's CPUOffloadPolicy, whose parameters, gradients "
+     "and optimizer state live in host memory: the planner does not plan CPU offload"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
      "parallelize_returns_none returned NoneType, not the model"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),
@@ -394,7 +400,9 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
 ])
 def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
     """Each says what went wrong in the user's words: torch's FSDP2 over the whole world on a model that TP shards
-    raised torch's own ``Invariant encountered: value was None``, and now also says what to write instead."""
+    raised torch's own ``Invariant encountered: value was None``, and now also says what to write instead. FSDP2's CPU
+    offload raised torch's "NYI: aten._pin_memory.default" from the trace (pinned), or planned the host's shards as
+    the device's memory (unpinned): both are said."""
     model, parallelize, step, *more = args
     code, out, err = _cli(capsys, "--model", model, "--parallelize", parallelize, "--step", step, "--world-size", "4",
                           "--global-batch-size", "4", *more)

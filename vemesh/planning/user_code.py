@@ -18,7 +18,7 @@ from torch import nn
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
-__all__ = ["CONTRACTS", "INPLACE_ON_TP_OUTPUT", "UserFunctions", "as_traced", "call", "compiled_module", "known_cause",
+__all__ = ["CONTRACTS", "INPLACE_ON_TP_OUTPUT", "UserFunctions", "as_traced", "call", "compiled_module", "known_cause", "sharded_by_fsdp",
            "resolve", "unbindable", "user_frame"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
@@ -98,6 +98,13 @@ def user_frame(error: BaseException) -> str:
     return ""
 
 
+#: FSDP2's CPU offload, pinned (its default), on this machine (no accelerator), in a check's run or a plan's trace
+_PINNED = ("FSDP2's CPUOffloadPolicy pins the offloaded shards in host memory (pin_memory=True, its default), which "
+           "needs an accelerator: vemesh check runs on CPU, so give it CPUOffloadPolicy(pin_memory=False) there (where "
+           "the shards live does not change what is computed); vemesh plan does not plan CPU offload: plan the job "
+           "without offload_policy, an upper bound of the device memory it holds")
+
+
 #: torch failures whose words do not say the user's mistake: (the torch function the error left, the exception's
 #: words it starts with) and what to write instead
 _KNOWN = {
@@ -110,6 +117,8 @@ _KNOWN = {
         "FSDP2's fully_shard was given a mesh that holds a dim TP already shards this parameter over (mesh['TP']): "
         "FSDP2 shards over the data dims beside TP: vemesh.parallel.fully_shard(module), which takes this rank's, or "
         "torch's fully_shard(module, mesh=VESCALE_DEVICE_MESH['DP'])",
+    ("_init_sharded_param", "Cannot access accelerator device when none is available"): _PINNED,
+    ("_init_sharded_param", "NYI: aten._pin_memory.default"): _PINNED,
     ("__torch_dispatch__", "Trying to backward an extra time. You are only allowed to backward once on any region "
      "computed under selective activation checkpoint"):
         "a zero-bubble schedule (interleaved-zb, zbv, dualpipev) runs two backward passes through each stage, the "
@@ -226,3 +235,21 @@ def as_traced(device: str) -> Iterator[None]:
             yield
     finally:
         cls.__init__ = original
+
+
+def sharded_by_fsdp(parts: list[nn.Module], name: str) -> bool:
+    """Whether FSDP2 shards any module of ``parts`` (the model, or a PP rank's stage modules). Raises ``ValueError``
+    (one line) where it offloads to the CPU (``CPUOffloadPolicy``): its parameters, gradients and optimizer state then
+    live in host memory, and the trace's tensors are all one device's, so the plan would count them as the device's
+    (and not the copies offloading makes of them): silently another job's peak."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [(n, m) for part in parts for n, m in part.named_modules() if isinstance(m, FSDPModule)]
+    for unit, module in units:
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None and any(p.offload_to_cpu for p in group.fsdp_params):
+            raise ValueError(f"--parallelize {name} sharded {unit or 'the model'} with FSDP2's CPUOffloadPolicy, whose "
+                             "parameters, gradients and optimizer state live in host memory: the planner does not "
+                             "plan CPU offload (it would count them as the device's); plan the job without "
+                             "offload_policy, an upper bound of the device memory it holds")
+    return bool(units)

@@ -54,7 +54,7 @@ from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
 from vemesh.planning.library_branches import own_positions, tracing_branches
-from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module
+from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module, sharded_by_fsdp
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
 
@@ -76,13 +76,11 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
     """The dp mode the function's wrappers mean, checked against ``--dp-mode``, ``none`` when it wrapped nothing on a
     mesh without data parallelism and none was asked for; and the vemesh DDP modules, if any.
     ``parts`` is the model, or with PP the modules of this rank's stages."""
-    from torch.distributed.fsdp import FSDPModule
-
     if any(isinstance(m, torch.nn.parallel.DistributedDataParallel) and not isinstance(m, DistributedDataParallel)
            for m in parts):
         raise ValueError(f"--parallelize {name} wrapped torch's DistributedDataParallel; the planner counts vemesh's "
                          "(vemesh.ddp.DistributedDataParallel) and FSDP2 (fully_shard), whose buffers it knows")
-    fsdp = any(isinstance(m, FSDPModule) for part in parts for m in part.modules())
+    fsdp = sharded_by_fsdp(parts, name)  # refuses FSDP2's CPU offload, which it does not plan
     ddps = [m for part in parts for m in part.modules() if isinstance(m, DistributedDataParallel)]
     found = "fsdp" if fsdp else "ddp" if ddps else None
     grad = data_dims(mesh.layout).grad
