@@ -172,3 +172,23 @@ def parallelize_side_by_side_copied(model, mesh):
     model = parallelize_side_by_side(model, mesh)
     model.module.mlp.register_forward_hook(lambda module, args, out: out.clone())
     return model
+
+
+def make_mlp() -> torch.nn.Module:
+    """Eight wide Linear + Tanh layers: a step whose activations, not its weights, are most of its peak."""
+    return torch.nn.Sequential(*(m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())))
+
+
+def step_mlp(model, micro_batch_size):
+    model(torch.randn(micro_batch_size * 64, 256)).square().mean().backward()
+
+
+def step_mlp_saved_on_cpu(model, micro_batch_size):
+    """What autograd saves goes to the host (``torch.autograd.graph.save_on_cpu``), back for the backward."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        loss = model(torch.randn(micro_batch_size * 64, 256)).square().mean()
+    loss.backward()
+
+
+def parallelize_mlp(model, mesh):
+    return DistributedDataParallel(model)

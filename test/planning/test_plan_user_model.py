@@ -413,6 +413,27 @@ def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
     assert says.format(cases=os.path.relpath(CASES), cwd=os.getcwd(), **lines) in err, err
 
 
+def test_activations_saved_on_the_cpu_leave_a_cuda_plans_device_memory(capsys) -> None:
+    """``torch.autograd.graph.save_on_cpu`` moves what autograd saves to the host, and back for the backward. On the
+    trace's fake CPU tensors it left them where they were (pinned: copied them beside, whose pinning the fake tensors
+    refuse), and a CUDA plan counted them on the device. Now a plan for CUDA holds them off the device between the
+    forward and the backward (8 layers: 1,310,728 bytes of activations at the peak, not 3,407,880); one for the CPU
+    runs torch's own."""
+    peaks = {}
+    for step in ("step_mlp", "step_mlp_saved_on_cpu"):
+        for device in ("cuda", "cpu"):
+            code, out, err = _cli(capsys, "--model", f"module:{CASES}:make_mlp", "--parallelize", f"{CASES}:parallelize_mlp",
+                                  "--step", f"{CASES}:{step}", "--world-size", "2", "--global-batch-size", "8",
+                                  "--device-type", device, "--json")
+            assert code == 0, err
+            peaks[step, device] = json.loads(out)["classes"][0]["activations"]
+    saved = 8 * 2 * (4 * 64 * 256 * 4)  # each layer's input and Tanh's output, 4 x 64 rows of 256 fp32 values
+    assert peaks["step_mlp", "cpu"] == peaks["step_mlp", "cuda"], peaks
+    # on the CPU torch's pinned save_on_cpu copies each saved tensor (nothing to pin): the trace runs it as it is
+    assert peaks["step_mlp_saved_on_cpu", "cpu"] > peaks["step_mlp", "cpu"], peaks
+    assert peaks["step_mlp", "cuda"] - peaks["step_mlp_saved_on_cpu", "cuda"] >= saved // 2, (peaks, saved)
+
+
 def test_the_copy_the_in_place_error_asks_for_plans(capsys) -> None:
     """What the error above says to write (the module whose output is written returns a copy) plans: Falcon's shape
     under torch's TP styles, said and then planned."""

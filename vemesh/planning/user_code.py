@@ -219,9 +219,12 @@ def as_traced(device: str) -> Iterator[None]:
       autocast of the same dtype: the trace's tensors are fake CPU ones, on which torch disables CUDA autocast (CUDA
       is not available) and the step ran in fp32, twice the activations of the run it plans. CPU autocast's op lists
       stand in for CUDA's: matmuls, linear and attention in the low precision, softmax, norms and losses in fp32 on
-      both. For any other device the user's autocast is left as torch runs it."""
+      both. For any other device the user's autocast is left as torch runs it;
+    * for any device but "cpu", ``torch.autograd.graph.save_on_cpu`` moves what autograd saves off the device, as it
+      does there (:func:`_offloads_saved`): on the trace's fake CPU tensors it kept them where they were (or, pinned,
+      copied them beside), and the plan counted the step's activations whole on the device."""
     cls = torch.amp.autocast_mode.autocast
-    original = cls.__init__
+    original, saving = cls.__init__, torch.autograd.graph.save_on_cpu.__init__
 
     def on_cpu(self: Any, device_type: str, dtype: Any = None, *args: Any, **kwargs: Any) -> None:
         if device_type == "cuda":
@@ -230,11 +233,27 @@ def as_traced(device: str) -> Iterator[None]:
 
     if device == "cuda":
         cls.__init__ = on_cpu
+    if device != "cpu":
+        torch.autograd.graph.save_on_cpu.__init__ = _offloads_saved
     try:
         with torch.compiler.set_stance("force_eager"):
             yield
     finally:
-        cls.__init__ = original
+        cls.__init__, torch.autograd.graph.save_on_cpu.__init__ = original, saving
+
+
+def _offloads_saved(self: Any, pin_memory: bool = False, device_type: str = "cuda") -> None:
+    """``save_on_cpu(pin_memory, device_type)`` as it runs on an accelerator, on the trace's fake tensors: a saved
+    tensor leaves the device when it is packed (the autograd graph keeps only its shape: the host's copy is not the
+    device's memory), and is a new device tensor of its shape when the backward unpacks it (torch's copy back)."""
+    def pack(t: torch.Tensor) -> tuple:
+        return t.size(), t.stride(), t.dtype, t.device
+
+    def unpack(saved: tuple) -> torch.Tensor:
+        size, stride, dtype, device = saved
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    torch.autograd.graph.saved_tensors_hooks.__init__(self, pack, unpack)
 
 
 def sharded_by_fsdp(parts: list[nn.Module], name: str) -> bool:
