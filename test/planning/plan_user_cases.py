@@ -192,3 +192,25 @@ def step_mlp_saved_on_cpu(model, micro_batch_size):
 
 def parallelize_mlp(model, mesh):
     return DistributedDataParallel(model)
+
+
+class _Flex(torch.nn.Module):
+    """One attention through torch's FlexAttention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return flex_attention(q, k, v)
+
+
+def make_flex() -> torch.nn.Module:
+    return _Flex()
+
+
+def step_flex(model, micro_batch_size):
+    model(torch.randn(micro_batch_size, 8, 32)).sum().backward()

@@ -383,6 +383,10 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_offloaded_unpinned", f"{JOBS}:step"),
      "parallelize_offloaded_unpinned sharded the model with FSDP2's CPUOffloadPolicy, whose parameters, gradients "
      "and optimizer state live in host memory: the planner does not plan CPU offload"),
+    ((f"module:{CASES}:make_flex", f"{CASES}:parallelize_mlp", f"{CASES}:step_flex"),
+     "FlexAttention does not support backward on CPU. Please set the input requires_grad to False or use another "
+     "device.; vemesh check runs on this machine's CPU and vemesh plan traces on fake CPU tensors, where torch's "
+     "FlexAttention has no backward: check and plan the model with SDPA attention"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
      "parallelize_returns_none returned NoneType, not the model"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),
@@ -402,7 +406,7 @@ def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
     """Each says what went wrong in the user's words: torch's FSDP2 over the whole world on a model that TP shards
     raised torch's own ``Invariant encountered: value was None``, and now also says what to write instead. FSDP2's CPU
     offload raised torch's "NYI: aten._pin_memory.default" from the trace (pinned), or planned the host's shards as
-    the device's memory (unpinned): both are said."""
+    the device's memory (unpinned): both are said. FlexAttention, which has no backward on a CPU, names SDPA."""
     model, parallelize, step, *more = args
     code, out, err = _cli(capsys, "--model", model, "--parallelize", parallelize, "--step", step, "--world-size", "4",
                           "--global-batch-size", "4", *more)

@@ -131,6 +131,11 @@ _KNOWN = {
 INPLACE_ON_TP_OUTPUT = "of _ToTorchTensor is a view and is being modified inplace"
 #: torch failures known by a phrase of their message wherever they are raised (autograd's, from C++) -> what to write
 _KNOWN_ANYWHERE = {
+    "FlexAttention does not support backward on CPU":
+        "vemesh check runs on this machine's CPU and vemesh plan traces on fake CPU tensors, where torch's "
+        "FlexAttention has no backward: check and plan the model with SDPA attention (HF's "
+        "attn_implementation='sdpa', a factory argument), which holds what flex's fused kernel holds (the output and "
+        "its log-sum-exp) and computes the same attention under a causal mask",
     INPLACE_ON_TP_OUTPUT:
         "a TP style's output (DTensor.to_local(), a view made inside an autograd Function) is written in place by the "
         "model at that line (Falcon adds its attention's output into its MLP's with +=), which autograd refuses: "
