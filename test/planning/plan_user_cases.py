@@ -214,3 +214,33 @@ def make_flex() -> torch.nn.Module:
 
 def step_flex(model, micro_batch_size):
     model(torch.randn(micro_batch_size, 8, 32)).sum().backward()
+
+
+def make_mlp_cuda() -> torch.nn.Module:
+    """The factory as a GPU script writes it: the model moved to the device."""
+    return make_mlp().cuda()
+
+
+def parallelize_mlp_to_cuda(model, mesh):
+    model.to("cuda")
+    return DistributedDataParallel(model)
+
+
+def step_mlp_cuda(model, micro_batch_size):
+    """The step as a GPU script writes it: its inputs made on the device, and moved there."""
+    x = torch.randn(micro_batch_size * 64, 256, device="cuda")
+    target = torch.zeros(micro_batch_size * 64, 256).to("cuda", non_blocking=True).pin_memory().cuda()
+    (model(x) - target).square().mean().backward()
+
+
+def step_mlp_target(model, micro_batch_size):
+    """:func:`step_mlp_cuda` as a CPU script writes it."""
+    x = torch.randn(micro_batch_size * 64, 256)
+    target = torch.zeros(micro_batch_size * 64, 256)
+    (model(x) - target).square().mean().backward()
+
+
+def step_mlp_synchronized(model, micro_batch_size):
+    """A step that waits on the device (as a timed loop does): ``torch.cuda``'s own function needs CUDA."""
+    step_mlp(model, micro_batch_size)
+    torch.cuda.synchronize()

@@ -378,6 +378,9 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "the module whose output is written return a copy, module.register_forward_hook(lambda module, args, out: "
      "out.clone())"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_offloaded", f"{JOBS}:step"),
+     "parallelize_offloaded sharded the model with FSDP2's CPUOffloadPolicy, whose parameters, gradients and "
+     "optimizer state live in host memory: the planner does not plan CPU offload"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_offloaded", f"{JOBS}:step", "--device-type", "cpu"),
      "AssertionError: NYI: aten._pin_memory.default; FSDP2's CPUOffloadPolicy pins the offloaded shards in host "
      "memory (pin_memory=True, its default), which needs an accelerator"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_offloaded_unpinned", f"{JOBS}:step"),
@@ -387,6 +390,10 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "FlexAttention does not support backward on CPU. Please set the input requires_grad to False or use another "
      "device.; vemesh check runs on this machine's CPU and vemesh plan traces on fake CPU tensors, where torch's "
      "FlexAttention has no backward: check and plan the model with SDPA attention"),
+    ((f"module:{CASES}:make_mlp", f"{CASES}:parallelize_mlp", f"{CASES}:step_mlp_synchronized"),
+     "Torch not compiled with CUDA enabled; vemesh plan and vemesh check run your functions on this machine's CPU: a "
+     "device they name (device='cuda', .to('cuda'), .cuda(), model.to(device)) is the CPU there, but torch.cuda's own "
+     "functions"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
      "parallelize_returns_none returned NoneType, not the model"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),
@@ -405,8 +412,8 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
 def test_each_bad_input_is_one_line_naming_it(capsys, args, says) -> None:
     """Each says what went wrong in the user's words: torch's FSDP2 over the whole world on a model that TP shards
     raised torch's own ``Invariant encountered: value was None``, and now also says what to write instead. FSDP2's CPU
-    offload raised torch's "NYI: aten._pin_memory.default" from the trace (pinned), or planned the host's shards as
-    the device's memory (unpinned): both are said. FlexAttention, which has no backward on a CPU, names SDPA."""
+    offload raised torch's "NYI: aten._pin_memory.default" from the trace (pinned; planned for the CPU it still does,
+    and is said), or planned the host's shards as the device's memory: refused. FlexAttention, which has no backward on a CPU, names SDPA."""
     model, parallelize, step, *more = args
     code, out, err = _cli(capsys, "--model", model, "--parallelize", parallelize, "--step", step, "--world-size", "4",
                           "--global-batch-size", "4", *more)
@@ -436,6 +443,27 @@ def test_activations_saved_on_the_cpu_leave_a_cuda_plans_device_memory(capsys) -
     # on the CPU torch's pinned save_on_cpu copies each saved tensor (nothing to pin): the trace runs it as it is
     assert peaks["step_mlp_saved_on_cpu", "cpu"] > peaks["step_mlp", "cpu"], peaks
     assert peaks["step_mlp", "cuda"] - peaks["step_mlp_saved_on_cpu", "cuda"] >= saved // 2, (peaks, saved)
+
+
+def test_functions_written_for_cuda_are_planned_and_checked_on_this_cpu(capsys) -> None:
+    """A GPU script's factory (``.cuda()``), parallelize function (``model.to("cuda")``) and step (``device="cuda"``,
+    ``.to("cuda")``, ``.pin_memory()``) failed here ("Torch not compiled with CUDA enabled"; in a plan, "found at
+    least two devices, cpu and cuda:0", "Couldn't swap Linear.weight"). The device they name is this CPU: the plan is
+    the one of the same functions written for the CPU, and vemesh check runs them, exact."""
+    from vemesh.check import check
+
+    plans = []
+    for make, parallelize, step in (("make_mlp", "parallelize_mlp", "step_mlp_target"),
+                                    ("make_mlp_cuda", "parallelize_mlp_to_cuda", "step_mlp_cuda")):
+        code, out, err = _cli(capsys, "--model", f"module:{CASES}:{make}", "--parallelize", f"{CASES}:{parallelize}",
+                              "--step", f"{CASES}:{step}", "--world-size", "2", "--global-batch-size", "8", "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        plans.append((doc["peak"], doc["classes"][0]["bytes_per_step"]))
+    assert plans[0] == plans[1], plans
+    result = check(f"module:{CASES}:make_mlp_cuda", f"{CASES}:parallelize_mlp_to_cuda", f"{CASES}:step_mlp_cuda",
+                   world_size=2)
+    assert result.exact, result.render()
 
 
 def test_the_copy_the_in_place_error_asks_for_plans(capsys) -> None:

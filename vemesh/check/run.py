@@ -39,7 +39,7 @@ from vemesh.parallel import plan_keys, tp_replicas
 from vemesh.parallel.tp_split import head_dims
 from vemesh.planning.fake_world import _forget_meshes
 from vemesh.planning.pipeline_trace import pipeline_stages
-from vemesh.planning.user_code import UserFunctions, compiled_module, known_cause, unbindable, user_frame
+from vemesh.planning.user_code import UserFunctions, compiled_module, known_cause, on_this_cpu, unbindable, user_frame
 
 __all__ = ["SEED", "Spec", "Timeout", "UserError", "dims", "errors", "functions", "reference", "run_parallel"]
 
@@ -108,7 +108,7 @@ def _call(what: str, name: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     if (wrong := unbindable(what, name, fn, *args, **kwargs)) is not None:
         raise UserError(wrong)
     try:
-        return fn(*args, **kwargs)
+        return on_this_cpu(fn, *args, **kwargs)  # a function written for an accelerator runs on this machine's CPU
     except Exception as e:
         said = _raised_by_vemesh(e) or e  # not torch's pipeline stage's own error raised from it
         raise UserError(f"{what} {name} failed{user_frame(e)}: {type(said).__name__}: "

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
-__all__ = ["CONTRACTS", "INPLACE_ON_TP_OUTPUT", "UserFunctions", "as_traced", "call", "compiled_module", "known_cause", "sharded_by_fsdp",
+__all__ = ["CONTRACTS", "INPLACE_ON_TP_OUTPUT", "UserFunctions", "as_traced", "call", "compiled_module", "known_cause", "OnThisCPU", "on_this_cpu", "sharded_by_fsdp",
            "resolve", "unbindable", "user_frame"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
@@ -98,11 +99,11 @@ def user_frame(error: BaseException) -> str:
     return ""
 
 
-#: FSDP2's CPU offload, pinned (its default), on this machine (no accelerator), in a check's run or a plan's trace
+#: FSDP2's CPU offload, pinned (its default), traced for the CPU (``--device-type cpu``), or run where no function of
+#: the user's is under :class:`OnThisCPU`
 _PINNED = ("FSDP2's CPUOffloadPolicy pins the offloaded shards in host memory (pin_memory=True, its default), which "
-           "needs an accelerator: vemesh check runs on CPU, so give it CPUOffloadPolicy(pin_memory=False) there (where "
-           "the shards live does not change what is computed); vemesh plan does not plan CPU offload: plan the job "
-           "without offload_policy, an upper bound of the device memory it holds")
+           "needs an accelerator, and the planner does not plan CPU offload: plan the job without offload_policy, an "
+           "upper bound of the device memory it holds")
 
 
 #: torch failures whose words do not say the user's mistake: (the torch function the error left, the exception's
@@ -131,6 +132,11 @@ _KNOWN = {
 INPLACE_ON_TP_OUTPUT = "of _ToTorchTensor is a view and is being modified inplace"
 #: torch failures known by a phrase of their message wherever they are raised (autograd's, from C++) -> what to write
 _KNOWN_ANYWHERE = {
+    "Torch not compiled with CUDA enabled":
+        "vemesh plan and vemesh check run your functions on this machine's CPU: a device they name (device='cuda', "
+        ".to('cuda'), .cuda(), model.to(device)) is the CPU there, but torch.cuda's own functions "
+        "(torch.cuda.synchronize(), torch.cuda.current_device(), torch.cuda.set_device()) need CUDA: keep them out of "
+        "the factory, the parallelize function and the step",
     "FlexAttention does not support backward on CPU":
         "vemesh check runs on this machine's CPU and vemesh plan traces on fake CPU tensors, where torch's "
         "FlexAttention has no backward: check and plan the model with SDPA attention (HF's "
@@ -227,7 +233,8 @@ def as_traced(device: str) -> Iterator[None]:
       both. For any other device the user's autocast is left as torch runs it;
     * for any device but "cpu", ``torch.autograd.graph.save_on_cpu`` moves what autograd saves off the device, as it
       does there (:func:`_offloads_saved`): on the trace's fake CPU tensors it kept them where they were (or, pinned,
-      copied them beside), and the plan counted the step's activations whole on the device."""
+      copied them beside), and the plan counted the step's activations whole on the device;
+    * for any device but "cpu", the device the step names is the CPU the trace runs on (:class:`OnThisCPU`)."""
     cls = torch.amp.autocast_mode.autocast
     original, saving = cls.__init__, torch.autograd.graph.save_on_cpu.__init__
 
@@ -241,7 +248,7 @@ def as_traced(device: str) -> Iterator[None]:
     if device != "cpu":
         torch.autograd.graph.save_on_cpu.__init__ = _offloads_saved
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with torch.compiler.set_stance("force_eager"), OnThisCPU() if device != "cpu" else contextlib.nullcontext():
             yield
     finally:
         cls.__init__, torch.autograd.graph.save_on_cpu.__init__ = original, saving
@@ -277,3 +284,68 @@ def sharded_by_fsdp(parts: list[nn.Module], name: str) -> bool:
                              "plan CPU offload (it would count them as the device's); plan the job without "
                              "offload_policy, an upper bound of the device memory it holds")
     return bool(units)
+
+
+#: the accelerators a training step names its device by (``device="cuda"``, ``.to("cuda")``, ``.cuda()``)
+_ACCELERATORS = frozenset({"cuda", "xpu", "hpu", "npu", "mtia", "mps"})
+#: the tensor methods that move a tensor to an accelerator or pin it: on the CPU, the tensor itself
+_MOVES = frozenset({torch.Tensor.cuda, torch.Tensor.xpu, torch.Tensor.mtia, torch.Tensor.pin_memory})
+
+
+def _accelerator(device: Any) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type in _ACCELERATORS
+
+
+class OnThisCPU(TorchFunctionMode):
+    """A step written for an accelerator, run on this machine's CPU, where the plan's trace and ``vemesh check`` run
+    it: a device the step names (``torch.randint(..., device="cuda")``, ``batch.to("cuda")``, ``.cuda()``,
+    ``model.to(device)``) is the CPU, where its tensors are, and pinning is nothing. Before, the step failed there:
+    "Torch not compiled with CUDA enabled", or, in a plan, "found at least two devices, cpu and cuda:0". What
+    ``torch.cuda``'s own functions do (``synchronize``, ``current_device``) still needs CUDA.
+
+    A module moved to the device (``model.cuda()``, ``model.to("cuda")``, nothing else changed) stays where it is:
+    ``nn.Module._apply`` swaps a fake parameter with its moved copy, which the plan's trackers (holding weak
+    references to it) forbid ("Couldn't swap Embedding.weight")."""
+
+    def __enter__(self) -> OnThisCPU:
+        self._module = (nn.Module.to, nn.Module.cuda)
+        to, cuda = self._module
+
+        def module_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            if device is not None and device.type in _ACCELERATORS:
+                kept = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
+                return to(module, **kept) if kept else module
+            return to(module, *args, **kwargs)
+
+        nn.Module.to, nn.Module.cuda = module_to, lambda module, *args, **kwargs: module
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        nn.Module.to, nn.Module.cuda = self._module
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        moved = func in _MOVES or _accelerator(kwargs.get("device"))
+        if func in _MOVES:
+            return args[0].view_as(args[0])
+        if moved:
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to:
+            given = args
+            args = tuple("cpu" if _accelerator(a) or (i == 1 and isinstance(a, int) and not isinstance(a, bool))
+                         else a for i, a in enumerate(args))
+            moved = moved or args != given
+        out = func(*args, **kwargs)
+        # a move to the device is a new tensor there (a module's ``_apply`` swaps a fake parameter with it, and a
+        # tensor cannot be swapped with itself): here a view of the same storage, no bytes more, autograd kept
+        return out.view_as(out) if moved and func is torch.Tensor.to and out is args[0] else out
+
+
+def on_this_cpu(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under :class:`OnThisCPU`: how ``vemesh check`` calls the user's functions."""
+    with OnThisCPU():
+        return fn(*args, **kwargs)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vemesh.planning.user_code import UserFunctions, call
+from vemesh.planning.user_code import OnThisCPU, UserFunctions, call
 
 __all__ = ["blocks_of", "copy_of_template", "forget_models", "keep_blocks", "repeated_blocks", "template_of"]
 
@@ -52,8 +52,9 @@ def keep_blocks(model: nn.Module, path: str, k: int) -> None:
 
 @functools.lru_cache(maxsize=16)
 def _template(factory: Callable[[], nn.Module], name: str) -> nn.Module:
-    """The factory's model built once on the meta device: its blocks are found in it, and each trace copies it."""
-    with torch.device("meta"):
+    """The factory's model built once on the meta device: its blocks are found in it, and each trace copies it. A
+    factory written for an accelerator (``Model().cuda()``) builds it there too (:class:`OnThisCPU`)."""
+    with torch.device("meta"), OnThisCPU():
         model = call("--model", name, factory)
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {name} returned a {type(model).__name__}, not an nn.Module")

@@ -239,8 +239,8 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
     ``TypeError: Invariant encountered: value was None`` from inside FSDP2. ``vemesh check`` reported those words
     alone (a user of Hugging Face's Qwen2 with torch's FSDP2 example's habit got nothing else); now it says what to
     write instead, as ``vemesh plan`` does (test_plan_user_model.py). FSDP2 over ``mesh["TP"]`` raises torch's
-    "Cannot concatenate overlapping meshes", and FSDP2's pinned CPU offload on this machine "Cannot access accelerator
-    device": said the same way."""
+    "Cannot concatenate overlapping meshes": said the same way. FSDP2's pinned CPU offload runs (nothing to pin on
+    this CPU; before, torch's "Cannot access accelerator device")."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from vemesh.check.run import UserError, _call
@@ -265,13 +265,13 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
                                         r"parameter over \(mesh\['TP'\]\)"):
         _call("--parallelize", "mine:parallelize", over_tp, Tied(), mesh)
 
-    def offloaded(model, mesh):  # type: ignore[no-untyped-def]  # FSDP2's CPU offload, pinned: needs an accelerator
+    def offloaded(model, mesh):  # type: ignore[no-untyped-def]  # FSDP2's CPU offload, pinned: nothing to pin here
         from torch.distributed.fsdp import CPUOffloadPolicy
         return torch_fully_shard(model, mesh=mesh["DP"], offload_policy=CPUOffloadPolicy())
 
-    with pytest.raises(UserError, match=r"Cannot access accelerator device when none is available.; FSDP2's "
-                                        r"CPUOffloadPolicy pins .* give it CPUOffloadPolicy\(pin_memory=False\)"):
-        _call("--parallelize", "mine:parallelize", offloaded, Tied(), mesh)
+    # the check's functions run on this CPU (OnThisCPU), where pinning is nothing: torch's "Cannot access accelerator
+    # device when none is available" before
+    assert _call("--parallelize", "mine:parallelize", offloaded, Tied(), mesh) is not None
 
 
 def test_the_checks_parallel_run_gives_vemeshs_own_errors_whole_and_cuts_others_visibly(world) -> None:  # type: ignore[no-untyped-def]
