@@ -244,3 +244,9 @@ def step_mlp_synchronized(model, micro_batch_size):
     """A step that waits on the device (as a timed loop does): ``torch.cuda``'s own function needs CUDA."""
     step_mlp(model, micro_batch_size)
     torch.cuda.synchronize()
+
+
+def make_mlp_meta() -> torch.nn.Module:
+    """torchtitan's way: built on the meta device, to be materialized by the parallelize function."""
+    with torch.device("meta"):
+        return make_mlp()

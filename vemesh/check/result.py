@@ -8,7 +8,7 @@ from typing import Any
 
 from vemesh.parallel.plan_keys import describe
 
-__all__ = ["CheckInputError", "CheckResult", "check_size", "phases", "went_wrong"]
+__all__ = ["CheckInputError", "CheckResult", "built", "check_size", "phases", "went_wrong"]
 
 #: the parallel run's phases in :attr:`CheckResult.seconds`, on its slowest rank
 _PHASES = ("processes start", "your code's imports", "mesh", "build and parallelize", "step", "gather")
@@ -248,6 +248,23 @@ def phases(ranks: list[dict], launched: float) -> dict[str, float]:
             "mesh": at["mesh"] - at["loaded"],
             "build and parallelize": at["parallelized"] - at["mesh"], "step": at["stepped"] - at["parallelized"],
             "gather": at["gathered"] - at["stepped"]}
+
+
+def built(model: Any, name: str) -> Any:
+    """``model``, the factory's, as one process runs it; ``CheckInputError`` (one line) where it is no ``nn.Module``, or
+    where its parameters are on the meta device (torchtitan builds there and materializes in its parallelize function:
+    one process would run a model of no values, and the comparison failed on them)."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise CheckInputError(f"--model {name} returned {type(model).__name__}, not an nn.Module")
+    if meta := [n for n, p in model.named_parameters() if p.is_meta][:2]:
+        raise CheckInputError(
+            f"--model {name} built its parameters on the meta device ({', '.join(meta)}, ...), with no values: the "
+            "check compares one process's outputs with the parallel run's from the same weights, so its factory must "
+            "build them (torch.device('cpu') in place of 'meta', then your init_weights()), and your parallelize "
+            "function must keep them (to_empty and init_weights only where they are still on meta)")
+    return model
 
 
 def check_size(factory: Any, spec: Any, names: tuple[str, str, str]) -> None:

@@ -29,7 +29,7 @@ from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_featur
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
                                  in_full_precision, on_tp, parts, plain_name, positions_argument, quiet_shape_inference, unwrap)
-from vemesh.check.result import CheckInputError
+from vemesh.check.result import CheckInputError, built
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.hf_stages import unchecked
@@ -164,9 +164,7 @@ def reference(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) 
 
 def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) -> dict:
     torch.manual_seed(SEED)
-    model = _call("--model", names[0], factory, **spec.model_kwargs)
-    if not isinstance(model, torch.nn.Module):
-        raise CheckInputError(f"--model {names[0]} returned {type(model).__name__}, not an nn.Module")
+    model = built(_call("--model", names[0], factory, **spec.model_kwargs), names[0])
     dp = spec.degrees["DP"]
     outputs, dropouts, random_ops = [], 0, []
     # under PP the step takes a schedule: here torch's over one stage, the whole model, cutting the batch into the

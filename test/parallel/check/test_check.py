@@ -2064,3 +2064,14 @@ def test_a_rank_that_ends_without_a_word_in_the_first_run_only_is_run_again_and_
     assert again.startswith("the parallel run was run again, once: in the first, rank 1 by SIGABRT ended without a "
                             "result or an error, and the others lost their gloo connections (Connection ") and \
         again.endswith("), as gloo's abort or the kernel's kill on a loaded machine can make them"), again
+
+
+def test_a_factory_that_builds_on_meta_is_one_line_saying_what_the_check_needs() -> None:
+    """torchtitan's factory builds on the meta device and its parallelize function materializes the weights: one
+    process ran the step on a model of no values, and the comparison crashed with a traceback ("Tensor.item() cannot
+    be called on meta tensors"). Now one line, before any process starts."""
+    cases = str(ROOT / "test" / "planning" / "plan_user_cases.py")
+    with pytest.raises(CheckInputError, match=r"make_mlp_meta built its parameters on the meta device \(0.weight, "
+                                              r"0.bias, ...\), with no values: .*\(to_empty and init_weights only "
+                                              r"where they are still on meta"):
+        check(f"module:{cases}:make_mlp_meta", f"{cases}:parallelize_mlp", f"{cases}:step_mlp", world_size=2)
