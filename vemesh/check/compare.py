@@ -309,29 +309,28 @@ def compare(result: CheckResult, ref: dict, ranks: list[dict], tol: float) -> No
         for r in ranks for n, g in r["grads"].items())
     outputs = ref["outputs"]
     result.dp_same_batch = len(outputs) > 1 and bool(outputs[0]) and all(_equal(o, outputs[0]) for o in outputs[1:])
-    result.dp_batch_by_rank = result.dp_same_batch and not piped and _peers_differ(ranks)
+    result.dp_batch_by_rank = result.dp_same_batch and not piped and _peers_differ(ranks, ref, tol)
     result.largest, result.largest_at = worst
     # outputs that no join explains might be the cut ones: then it cannot tell
     result.cp_whole_sequence = (result.degrees.get("CP", 1) > 1 and result.outputs_compared > 0 and not cut
                                 and not result.outputs_not_comparable)
 
 
-def _peers_differ(ranks: list[dict]) -> bool:
+def _peers_differ(ranks: list[dict], ref: dict, tol: float) -> bool:
     """Whether the parallel run's DP peers (other DP ranks at rank 0's TP and CP coordinates) gave another output of
-    the first module both ran: from the same weights, only other inputs do that (where one process's DP ranks drew
-    the same batch, the step chose its batch by its rank)."""
+    the first module that both ran with one process's shape, while rank 0's is one process's there: from the same
+    weights, only other inputs do that (where one process's DP ranks drew the same batch, the step chose its batch
+    by its rank). Rank 0 other than one process's there (its weights differ: a rank's own initialization) is not
+    this, and stays a difference."""
     def view(r: dict) -> tuple:
         return tuple(r["coords"].get(d, 0) for d in ("TP", "CP"))
 
-    first = ranks[0] if ranks else None
-    for r in ranks[1:]:
-        if view(r) != view(first) or r.get("data_rank") == first.get("data_rank"):
-            continue
-        key = next((k for k, t in first["outputs"].items()
-                    if k in r["outputs"] and r["outputs"][k].shape == t.shape), None)
-        if key is not None and not torch.equal(r["outputs"][key], first["outputs"][key]):
-            return True
-    return False
+    first, want = (ranks[0], ref["outputs"][0]) if ranks and ref.get("outputs") else (None, {})
+    key = next((k for k, t in (first or {}).get("outputs", {}).items() if k in want and want[k].shape == t.shape), None)
+    if key is None or _difference(first["outputs"][key], want[key]) > tol:
+        return False
+    return any(view(r) == view(first) and r.get("data_rank") != first.get("data_rank") and key in r["outputs"]
+               and not torch.equal(r["outputs"][key], first["outputs"][key]) for r in ranks[1:])
 
 
 def _equal(a: dict, b: dict) -> bool:
