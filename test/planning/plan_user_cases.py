@@ -250,3 +250,20 @@ def make_mlp_meta() -> torch.nn.Module:
     """torchtitan's way: built on the meta device, to be materialized by the parallelize function."""
     with torch.device("meta"):
         return make_mlp()
+
+
+def parallelize_mlp_own_init(model, mesh):
+    """Each rank initializes its own weights (seeded by its rank), then FSDP2: the replicas differ, a real bug."""
+    from vemesh.parallel import fully_shard
+
+    torch.manual_seed(1000 + dist.get_rank())
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.reset_parameters()
+    return fully_shard(model)
+
+
+def step_mlp_fixed(model, micro_batch_size):
+    """The same rows on every DP rank (a generator of its own)."""
+    x = torch.randn(micro_batch_size * 64, 256, generator=torch.Generator().manual_seed(3))
+    model(x).square().mean().backward()

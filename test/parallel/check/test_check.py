@@ -2075,3 +2075,15 @@ def test_a_factory_that_builds_on_meta_is_one_line_saying_what_the_check_needs()
                                               r"0.bias, ...\), with no values: .*\(to_empty and init_weights only "
                                               r"where they are still on meta"):
         check(f"module:{cases}:make_mlp_meta", f"{cases}:parallelize_mlp", f"{cases}:step_mlp", world_size=2)
+
+
+def test_replicas_initialized_apart_under_a_fixed_batch_differ_and_are_not_taken_for_a_step_by_rank() -> None:
+    """Each rank seeds its own initialization before FSDP2 (the replicas differ) and the step draws fixed rows: one
+    process's DP ranks agree, the parallel run's do not, as for a step that picks its batch by rank. But DP rank 0
+    already differs from one process at the first module: a difference of weights, said as DIFFERS, not "not
+    comparable"."""
+    cases = str(ROOT / "test" / "planning" / "plan_user_cases.py")
+    result = check(f"module:{cases}:make_mlp", f"{cases}:parallelize_mlp_own_init", f"{cases}:step_mlp_fixed",
+                   world_size=2)
+    assert result.verdict == "differs" and result.dp_same_batch and not result.dp_batch_by_rank, result.render()
+    assert result.first_module["module"] == "0" and result.first_module["dp_rank"] == 0, result.first_module
