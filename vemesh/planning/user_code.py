@@ -130,13 +130,16 @@ _KNOWN = {
 
 #: what autograd says where a TP style's output, a view made by ``DTensor.to_local()``, is changed in place
 INPLACE_ON_TP_OUTPUT = "of _ToTorchTensor is a view and is being modified inplace"
+#: torch.cuda's own functions on this CUDA-less machine
+_NO_CUDA = ("vemesh plan and vemesh check run your functions on this machine's CPU: a device they name (device='cuda', "
+            ".to('cuda'), .cuda(), model.to(device)) is the CPU there, but torch.cuda's own functions "
+            "(torch.cuda.synchronize(), current_device(), set_device(), events, streams, memory statistics) need "
+            "CUDA: keep them out of the factory, the parallelize function and the step")
 #: torch failures known by a phrase of their message wherever they are raised (autograd's, from C++) -> what to write
 _KNOWN_ANYWHERE = {
-    "Torch not compiled with CUDA enabled":
-        "vemesh plan and vemesh check run your functions on this machine's CPU: a device they name (device='cuda', "
-        ".to('cuda'), .cuda(), model.to(device)) is the CPU there, but torch.cuda's own functions "
-        "(torch.cuda.synchronize(), torch.cuda.current_device(), torch.cuda.set_device()) need CUDA: keep them out of "
-        "the factory, the parallelize function and the step",
+    "Torch not compiled with CUDA enabled": _NO_CUDA,
+    "Tried to instantiate dummy base class": _NO_CUDA,  # torch.cuda.Event, torch.cuda.Stream
+    "has no attribute '_cuda_": _NO_CUDA,  # torch.cuda's memory statistics
     "FlexAttention does not support backward on CPU":
         "vemesh check runs on this machine's CPU and vemesh plan traces on fake CPU tensors, where torch's "
         "FlexAttention has no backward: check and plan the model with SDPA attention (HF's "
@@ -300,8 +303,9 @@ class OnThisCPU(TorchFunctionMode):
     """A step written for an accelerator, run on this machine's CPU, where the plan's trace and ``vemesh check`` run
     it: a device the step names (``torch.randint(..., device="cuda")``, ``batch.to("cuda")``, ``.cuda()``,
     ``model.to(device)``) is the CPU, where its tensors are, and pinning is nothing. Before, the step failed there:
-    "Torch not compiled with CUDA enabled", or, in a plan, "found at least two devices, cpu and cuda:0". What
-    ``torch.cuda``'s own functions do (``synchronize``, ``current_device``) still needs CUDA.
+    "Torch not compiled with CUDA enabled", or, in a plan, "found at least two devices, cpu and cuda:0".
+    ``torch.cuda``'s own functions (``synchronize``, ``current_device``, events) still need CUDA: patching them is
+    not for a library (dynamo keeps a map of torch's functions, made at its first compile, which a stand-in spoils).
 
     A module moved to the device (``model.cuda()``, ``model.to("cuda")``, nothing else changed) stays where it is:
     ``nn.Module._apply`` swaps a fake parameter with its moved copy, which the plan's trackers (holding weak
