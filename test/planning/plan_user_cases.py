@@ -217,8 +217,9 @@ def step_flex(model, micro_batch_size):
 
 
 def make_mlp_cuda() -> torch.nn.Module:
-    """The factory as a GPU script writes it: the model moved to the device."""
-    return make_mlp().cuda()
+    """The factory as a GPU script writes it: built under the device's context, and moved to it."""
+    with torch.device("cuda"):
+        return make_mlp().cuda()
 
 
 def parallelize_mlp_to_cuda(model, mesh):

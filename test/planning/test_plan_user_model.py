@@ -447,7 +447,7 @@ def test_activations_saved_on_the_cpu_leave_a_cuda_plans_device_memory(capsys) -
 
 
 def test_functions_written_for_cuda_are_planned_and_checked_on_this_cpu(capsys) -> None:
-    """A GPU script's factory (``.cuda()``), parallelize function (``model.to("cuda")``) and step (``device="cuda"``,
+    """A GPU script's factory (``with torch.device("cuda"):``, ``.cuda()``), parallelize function (``model.to("cuda")``) and step (``device="cuda"``,
     ``.to("cuda")``, ``.pin_memory()``) failed here ("Torch not compiled with CUDA enabled"; in a plan, "found at
     least two devices, cpu and cuda:0", "Couldn't swap Linear.weight"). The device they name is this CPU: the plan is
     the one of the same functions written for the CPU, and vemesh check runs them, exact."""

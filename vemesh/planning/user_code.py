@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._device as _device
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -311,6 +312,10 @@ class OnThisCPU(TorchFunctionMode):
     ``nn.Module._apply`` swaps a fake parameter with its moved copy, which the plan's trackers (holding weak
     references to it) forbid ("Couldn't swap Embedding.weight")."""
 
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.device = device  #: where an accelerator's tensors go: the CPU, or the meta device of the plan's template
+
     def __enter__(self) -> OnThisCPU:
         self._module = (nn.Module.to, nn.Module.cuda)
         to, cuda = self._module
@@ -331,16 +336,20 @@ class OnThisCPU(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
-        moved = func in _MOVES or _accelerator(kwargs.get("device"))
+        # under ``with torch.device("cuda"):`` torch's DeviceContext, which sits below every other mode, would give a
+        # constructor without a device its own: given ours here
+        default = kwargs.get("device") is None and _accelerator(_device.CURRENT_DEVICE) and \
+            func in _device._device_constructors()
+        moved = func in _MOVES or _accelerator(kwargs.get("device")) or default
         if func in _MOVES:
             return args[0].view_as(args[0])
         if moved:
-            kwargs["device"] = "cpu"
+            kwargs["device"] = self.device
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             given = args
-            args = tuple("cpu" if _accelerator(a) or (i == 1 and isinstance(a, int) and not isinstance(a, bool))
+            args = tuple(self.device if _accelerator(a) or (i == 1 and isinstance(a, int) and not isinstance(a, bool))
                          else a for i, a in enumerate(args))
             moved = moved or args != given
         out = func(*args, **kwargs)

@@ -54,7 +54,7 @@ def keep_blocks(model: nn.Module, path: str, k: int) -> None:
 def _template(factory: Callable[[], nn.Module], name: str) -> nn.Module:
     """The factory's model built once on the meta device: its blocks are found in it, and each trace copies it. A
     factory written for an accelerator (``Model().cuda()``) builds it there too (:class:`OnThisCPU`)."""
-    with torch.device("meta"), OnThisCPU():
+    with torch.device("meta"), OnThisCPU("meta"):
         model = call("--model", name, factory)
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {name} returned a {type(model).__name__}, not an nn.Module")
