@@ -28,7 +28,8 @@ from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, 
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
-                                 in_full_precision, on_tp, parts, plain_name, positions_argument, quiet_shape_inference, unwrap)
+                                 in_full_precision, on_tp, parts, plain_name, positions_argument,
+                                 quiet_shape_inference, unwrap)
 from vemesh.check.result import CheckInputError, built
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh

@@ -118,7 +118,8 @@ def _on_meta(args: tuple) -> bool:
 #: the collectives that gloo runs on a copy of their whole input (``args[1]``), which it holds through the call:
 #: ``dist.reduce_scatter_tensor`` (FSDP2's gradient reduction) copies its input into a buffer of its own,
 #: all-reduces that, and copies this rank's chunk out (a 1 MiB fp32 reduce-scatter on 2 gloo ranks: torch's
-#: MemTracker sees 1 MiB more, split from a buffer no op made; the functional collective and nccl copy nothing)
+#: MemTracker sees 1 MiB more, split from a buffer no op made; the functional collective copies nothing, nor, by its
+#: API, nccl: not measured here)
 GLOO_COPIES = (_c10d._reduce_scatter_base_.default,)
 
 

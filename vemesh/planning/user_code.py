@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
-__all__ = ["CONTRACTS", "INPLACE_ON_TP_OUTPUT", "UserFunctions", "as_traced", "call", "compiled_module", "known_cause", "OnThisCPU", "on_this_cpu", "sharded_by_fsdp",
-           "resolve", "unbindable", "user_frame"]
+__all__ = ["as_traced", "call", "compiled_module", "CONTRACTS", "INPLACE_ON_TP_OUTPUT", "known_cause", "on_this_cpu",
+           "OnThisCPU", "resolve", "sharded_by_fsdp", "unbindable", "user_frame", "UserFunctions"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
 CONTRACTS = {
@@ -318,7 +318,7 @@ class OnThisCPU(TorchFunctionMode):
 
     def __enter__(self) -> OnThisCPU:
         self._module = (nn.Module.to, nn.Module.cuda)
-        to, cuda = self._module
+        to = nn.Module.to
 
         def module_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
             device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
