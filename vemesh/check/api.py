@@ -3,7 +3,8 @@
 It runs the user's three functions (the planner's: ``make()``, ``parallelize(model, mesh)``,
 ``step(model, micro_batch_size)``) twice on this machine, for real:
 
-1. in this process, once for each data-parallel rank's inputs, the gradients summed and divided by DP;
+1. in this process, once for each data-parallel rank's inputs, the gradients summed and divided by DP (on DP processes
+   of the model as built where the step's own collectives couple the DP ranks: :mod:`vemesh.check.reference`);
 2. on ``world_size`` gloo processes that it starts itself, with the mesh ``ParallelDims`` builds for the degrees.
 
 Both build the model from the same seed. Before each step the RNG is seeded with ``seed + 1 + d`` for DP rank ``d``, so
@@ -29,10 +30,10 @@ and torch's ``SequenceParallel`` on the modules run on this TP rank's part of th
 (:mod:`vemesh.check.partial`).
 
 What it proves: one step, at the size the factory builds, on CPU in fp32 (or the model's own dtype), computes the
-one-process forward and gradients within ``rtol``. What it does not: other sizes or steps, the optimizer (ZeRO-1's
-step, a learning-rate schedule), CUDA kernels. Under PP it runs torch's schedule over the stages your parallelize
-function returns, against the same step given torch's GPipe over the whole model as one stage: module outputs of the
-model's own modules each stage holds whole, every gradient, and the parameters no stage holds.
+one-process forward and gradients within ``rtol``. What it does not: other sizes or steps, the optimizer (ZeRO-1's step,
+a learning-rate schedule), CUDA kernels. Under PP it runs torch's schedule over the stages your parallelize function
+returns, against the same step given torch's GPipe over the whole model as one stage: module outputs of the model's own
+modules each stage holds whole, every gradient, and the parameters no stage holds.
 """
 
 from __future__ import annotations
@@ -45,18 +46,19 @@ from typing import Any
 
 import torch
 
-from vemesh.check.compare import compare, modules_before, tolerance, vanishing
+from vemesh.check.compare import compare, modules_before, tolerance, vanishing, widths_of
 from vemesh.check.clones import candidate as clones_candidate, hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.layouts import layout_hint
-from vemesh.check.partial import candidates as partial_candidates, dp_hint, first_shapes, hint as partial_hint, \
-    on_every_stage, row_candidates, stage_scales, summed_hint, twice_hint, zero_bubble_hint
+from vemesh.check.partial import candidates as partial_candidates, coupled_hint, dp_hint, first_shapes, \
+    hint as partial_hint, on_every_stage, row_candidates, stage_scales, summed_hint, twice_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
 from vemesh.check.recipes import RECIPES, Swap, all_stages, candidates, hint, near, refused_hint, width_candidates, width_hint
 from vemesh.check.result import CheckInputError, CheckResult, check_pipeline, check_size, phases, went_wrong
+from vemesh.check.reference import reference
 from vemesh.check.rerun import run_once_more
 from vemesh.check.whole_input import Tries, raised, siblings
-from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions, reference
+from vemesh.check.run import Spec, Timeout, UserError, dims, errors, functions
 from vemesh.layout.names import divisors, listed
 from vemesh.parallel.tp_split import uneven_hint
 
@@ -122,7 +124,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
         raise CheckInputError(f"{e} (in one process, before any parallelizing)" + (
             "; with --pp the step is given torch's schedule, not the model: step(schedule, batch_size) runs "
             "schedule.step(inputs, target=targets)" if pp > 1 else "")) from None
-    result.rtol = tol = tolerance(rtol, ref["dtypes"])
+    result.rtol, result.coupled = (tol := tolerance(rtol, ref["dtypes"])), (ref["coupled"], ref["apart"])
     spec = replace(spec, model_params=ref["params"]) if pp > 1 else spec
     t1, launched = time.monotonic(), time.time()
     ranks, failed, compared = _parallel(spec, ref, tol, result)
@@ -236,7 +238,7 @@ def _hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks: list[d
     while located is not None and runs < MAX_TRIES:
         first, before, split, went = located
         # a RowwiseParallel Linear's bias is its own output's width, not a norm over another's
-        widths = set() if first in went.get("rowwise", ()) else _widths(ref, first)
+        widths = set() if first in went.get("rowwise", ()) else widths_of(ref, first)
         found = width_candidates(first, split, widths, before, done) or \
             candidates(first, split, before, done, ref)
         if not found:
@@ -355,6 +357,7 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
         wrapped = any(r.get("data_parallel", False) for r in ranks)
         zero = sorted(n for n in vanishing(ref["grads"]) - {n for n, _ in result.gradients} if n in ranks[0]["grads"])
         said = (zero_bubble_hint(spec.pp_schedule, result.degrees["DP"], wrapped) if "PP" in result.degrees else None) \
+            or coupled_hint(result.coupled, result.degrees["DP"], stage_scales(ref, ranks, tol)) \
             or dp_hint(result.degrees, len(result.gradients), result.gradients_compared, wrapped, zero)
         if said is not None:
             hints.append(said)
@@ -401,10 +404,3 @@ def _summed_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks:
         if trial.exact:
             return runs, "exact"
     return min(len(found), tries), None
-
-
-def _widths(ref: dict, module: str) -> set[int]:
-    """The sizes of ``module``'s own 1-D parameters, from the one-process run's gradients."""
-    return {g.numel() for n, g in ref.get("grads", {}).items()
-            if n.rpartition(".")[0] == module and g is not None and g.dim() == 1}
-

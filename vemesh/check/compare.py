@@ -10,7 +10,7 @@ import torch
 
 from vemesh.check.result import CheckResult
 
-__all__ = ["FLOOR", "compare", "modules_before", "ran_before", "tolerance", "vanishing"]
+__all__ = ["FLOOR", "compare", "modules_before", "ran_before", "tolerance", "vanishing", "widths_of"]
 
 
 def tolerance(rtol: float | None, dtypes: set[torch.dtype]) -> float:
@@ -354,3 +354,10 @@ def modules_before(ref_outputs: list[dict], first_module: dict) -> set[str]:
     at = next((i for i, k in enumerate(keys) if k[0] == first_module["module"] and k[1] == first_module["call"]),
               len(keys))
     return {k[0] for k in keys[:at]}
+
+
+def widths_of(ref: dict, module: str) -> set[int]:
+    """The sizes of ``module``'s own 1-D parameters, from the one-process run's gradients."""
+    return {g.numel() for n, g in ref.get("grads", {}).items()
+            if n.rpartition(".")[0] == module and g is not None and g.dim() == 1}
+

@@ -41,8 +41,8 @@ from vemesh.check.record import parts, plain_name
 from vemesh.parallel.schedules import ZERO_BUBBLE
 from vemesh.parallel.summed_grad import SumGradOverTP
 
-__all__ = ["ShardedInput", "SummedFeatures", "apply", "candidates", "dp_hint", "first_shapes", "hint", "row_candidates",
-           "sum_features", "summed_hint", "twice_hint", "zero_bubble_hint"]
+__all__ = ["ShardedInput", "SummedFeatures", "apply", "candidates", "coupled_hint", "dp_hint", "first_shapes", "hint",
+           "row_candidates", "sum_features", "summed_hint", "twice_hint", "zero_bubble_hint"]
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,23 @@ def stage_scales(ref: dict, ranks: list[dict], tol: float) -> dict[int, float]:
             return {}
         scales[pp] = factor
     return dict(sorted(scales.items()))
+
+
+def coupled_hint(coupled: tuple[str, str], dp: int, scales: dict[int, float]) -> str | None:
+    """The hint where the step's own collectives couple the DP ranks' batches (``coupled``, ran together in one
+    process: :mod:`vemesh.check.reference`) and every gradient is one factor of one process's (``scales``: one
+    PP rank's, :func:`stage_scales`), else None."""
+    if not coupled[0] or coupled[1] or len(scales) != 1:
+        return None
+    factor = next(iter(scales.values()))
+    said = (f"every gradient is {factor:.3g} x one process's on the DP ranks' batches together, with every output "
+            f"matching; the step's collectives couple the DP ranks ({coupled[0]})")
+    if abs(factor * dp - 1) < 1e-3:
+        return (said + ": each DP rank's loss is its part of the whole batch's (a sum divided by a count over every "
+                f"DP rank), and the data-parallel wrapper averages the ranks' gradients, dividing by DP {dp} once "
+                "more. Multiply the loss by the DP degree (VESCALE_DEVICE_MESH['DP'].size()) before its backward, as "
+                "Megatron does for a per-token loss")
+    return said + f": scale the step's loss by {1 / factor:.3g} before its backward, or check what its collectives add"
 
 
 def zero_bubble_hint(schedule: str, dp: int, wrapped: bool) -> str | None:

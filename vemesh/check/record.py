@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_flatten
 from vemesh.parallel.experts.style import EXPERT
 from vemesh.parallel.tp_split import column_split_linears, parts, plain_name, unwrap
 
-__all__ = ["Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients", "in_full_precision",
-           "not_recorded", "parts", "plain_name", "quiet_shape_inference", "unwrap"]
+__all__ = ["RANDOM_OPS", "Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients",
+           "in_full_precision", "not_recorded", "parts", "plain_name", "quiet_shape_inference", "unwrap"]
 
 
 def data_parallel(model: nn.Module) -> bool:
@@ -282,7 +282,7 @@ def _parts_cut(func: Any, x: torch.Tensor, rest: tuple, kwargs: dict) -> int | N
 
 
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
-_RANDOM = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+RANDOM_OPS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
            torch.bernoulli, torch.normal, torch.multinomial, torch.randperm, torch.poisson,
            torch.Tensor.bernoulli_, torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_,
            torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_}
@@ -337,7 +337,7 @@ class Deterministic(TorchFunctionMode):
                     kwargs["dropout_p"] = 0.0
         elif func in _CHUNKS or func in _SPLITS or func in _VIEWS:
             self.recorder.read(func, args, kwargs)
-        elif func in _RANDOM and self.recorder.stack and not _in_backward() and not _UNRECORDED[0]:
+        elif func in RANDOM_OPS and self.recorder.stack and not _in_backward() and not _UNRECORDED[0]:
             self.random_ops.append((self.recorder.stack[-1], getattr(func, "__name__", str(func))))
         return func(*args, **kwargs)
 

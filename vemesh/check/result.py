@@ -94,6 +94,10 @@ class CheckResult:
     #: the dtypes below fp32 of FSDP2's ``MixedPrecisionPolicy`` in the parallel run (``param_dtype``,
     #: ``reduce_dtype``, ``output_dtype``: torchtitan's bf16), which it ran in the parameters' own dtype instead
     lowered: list[str] = field(default_factory=list)
+    #: where DP > 1, the first collective the step ran itself (``allgather at job.py:32 in step``): one process ran
+    #: the step on the DP ranks' batches together (:mod:`vemesh.check.reference`); and why not, where it then ran
+    #: each DP rank's batch alone (``torch.randint at job.py:28 could not be drawn per DP rank``); ``("", "")``: none
+    coupled: tuple[str, str] = ("", "")
     #: why the parallel run was run again (a rank gloo aborted, or the kernel killed: :mod:`vemesh.check.rerun`)
     reruns: list[str] = field(default_factory=list)
 
@@ -146,6 +150,16 @@ class CheckResult:
                          "failed before its step, so nothing was compared; one process ran the model as built")
         else:
             lines.append(f"vemesh check: DIFFERS from one process. {head}")
+        if self.coupled[0]:
+            dp, micro = self.degrees["DP"], self.micro_batch_size
+            lines.append(f"  the step's own collectives couple the DP ranks' batches ({self.coupled[0]}), so one "
+                         f"process ran it once on them together ({dp} x {micro} rows, each DP rank's drawn from its "
+                         "seed): its gradients are one process's on the whole batch" if not self.coupled[1] else
+                         f"  the step's own collectives couple the DP ranks' batches ({self.coupled[0]}), but "
+                         f"{self.coupled[1]}, so one process ran each DP rank's batch alone, where each collective "
+                         "has one rank: " + (
+                             "what the coupling adds was not checked" if self.exact else "a difference may be that of "
+                             "the coupling, not of the plan; check the plan at DP 1 (--dp 1)"))
         if self.cp_whole_sequence:
             lines.append(f"  {'but' if self.exact else 'and'} CP {self.degrees['CP']} cut no sequence: every module's "
                          "output on each CP rank is the whole sequence's, so each CP rank ran all of it and this "

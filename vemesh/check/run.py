@@ -1,17 +1,15 @@
-"""The two runs of ``vemesh check``: one process (:func:`reference`), and N gloo processes it starts itself
-(:func:`run_parallel`, each rank :func:`_worker`), from the same seeds; what each records goes back to the caller
-(the parallel ranks' through files in a temporary directory)."""
+"""The parallel run of ``vemesh check``: N gloo processes it starts itself (:func:`run_parallel`, each rank
+:func:`_worker`), from the seeds of the one-process run (:mod:`vemesh.check.reference`); what each rank records goes
+back to the caller through files in a temporary directory."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,9 +26,8 @@ from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, 
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
-                                 in_full_precision, on_tp, parts, plain_name, positions_argument,
-                                 quiet_shape_inference, unwrap)
-from vemesh.check.result import CheckInputError, built
+                                 in_full_precision, on_tp, parts, plain_name, quiet_shape_inference)
+from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.hf_stages import unchecked
@@ -38,11 +35,10 @@ from vemesh.parallel.schedules import MULTI_STAGE, schedule_class, stages_per_ra
 from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel import plan_keys, tp_replicas
 from vemesh.parallel.tp_split import head_dims
-from vemesh.planning.fake_world import _forget_meshes
 from vemesh.planning.pipeline_trace import pipeline_stages
 from vemesh.planning.user_code import UserFunctions, compiled_module, known_cause, on_this_cpu, unbindable, user_frame
 
-__all__ = ["SEED", "Spec", "Timeout", "UserError", "dims", "errors", "functions", "reference", "run_parallel"]
+__all__ = ["SEED", "Spec", "Timeout", "UserError", "call", "dims", "errors", "functions", "loss_of", "run_parallel"]
 
 #: the first seed: the model's weights; DP rank ``d``'s inputs are drawn from ``seed + 1 + d``
 SEED = 1234
@@ -105,7 +101,7 @@ def loss_of(spec: Spec) -> Any:
     return UserFunctions.of(spec.model, spec.parallelize, spec.step, spec.loss, spec.pp_schedule).loss
 
 
-def _call(what: str, name: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+def call(what: str, name: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     if (wrong := unbindable(what, name, fn, *args, **kwargs)) is not None:
         raise UserError(wrong)
     try:
@@ -131,108 +127,6 @@ def dims(world_size: int, degrees: dict[str, int], dp_replicate: int) -> Any:
     names = tuple(n for n in ("PP", "DP", "CP", "TP") if degrees.get(n, 1) > 1) or None
     return ParallelDims(world_size, pp=degrees.get("PP", 1), dp_replicate=dp_replicate, cp=degrees["CP"],
                         tp=degrees["TP"], ep=degrees["EP"], mesh_dims=names)
-
-
-@contextlib.contextmanager
-def _one_rank_world(mesh_dims: tuple[str, ...] = ("DP",)) -> Iterator[None]:
-    """A world of one gloo rank with ``VESCALE_DEVICE_MESH`` built on it, for a step that asks the mesh (its CP
-    degree, its groups): the parallel run's mesh dims (``mesh_dims``), every one of size 1, so that a step that takes
-    ``mesh["CP"]`` for ``context_parallel`` runs there as it is written. Undone after."""
-    if dist.is_initialized():
-        raise CheckInputError("vemesh check runs both worlds itself: call it before init_process_group (or from "
-                              "another process), not inside a distributed job")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        ParallelDims(1, mesh_dims=mesh_dims).build("cpu", mesh)
-        yield
-    finally:
-        mesh.reset()
-        dist.destroy_process_group()
-        _forget_meshes()
-
-
-def reference(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) -> dict:
-    """The one-process run, on one thread as each rank of the parallel run is (a kernel's rounding depends on its
-    threads: the figures are the same run after run)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _one_rank_world(dims(spec.world_size, spec.degrees, spec.dp_replicate).mesh_dims):
-            return _reference_run(spec, factory, step, names)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) -> dict:
-    torch.manual_seed(SEED)
-    model = built(_call("--model", names[0], factory, **spec.model_kwargs), names[0])
-    dp = spec.degrees["DP"]
-    outputs, dropouts, random_ops = [], 0, []
-    # under PP the step takes a schedule: here torch's over one stage, the whole model, cutting the batch into the
-    # parallel run's micro-batches (each schedule computes the loss of each and scales the gradients alike)
-    piped = spec.degrees.get("PP", 1) > 1
-    stepped = _whole_model_schedule(spec, model) if piped else model
-    summed: dict[torch.nn.Parameter, torch.Tensor] = {}
-    for d in range(dp):
-        torch.manual_seed(SEED + 1 + d)
-        with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det:
-            _call("--step", names[2], step, stepped, spec.micro_batch_size * spec.micro_batches)
-        if piped:  # torch's schedule scales the gradients held by 1 / micro-batches at its end: each DP rank's apart
-            for p in model.parameters():
-                if p.grad is not None:
-                    summed[p] = summed[p] + p.grad if p in summed else p.grad
-                    p.grad = None
-        outputs.append(rec.outputs)
-        dropouts += det.dropouts
-        random_ops += det.random_ops
-    for p, g in summed.items():
-        p.grad = g
-    grads = {n: None if g is None else g / dp for n, g in gradients(model).items()}
-    dtypes = {p.dtype for p in model.parameters()}  # below, for the CP positions hint: an embedding's indices
-    embeddings = {plain_name(n): rec.indices.get(plain_name(n)) for n, m in unwrap(model).named_modules()
-                  if isinstance(m, torch.nn.Embedding)}
-    return {"outputs": outputs, "grads": grads, "dropouts": dropouts, "random_ops": random_ops, "dtypes": dtypes,
-            "embeddings": embeddings, "positions_arg": positions_argument(unwrap(model)), "params": rec.params,
-            "parts": rec.read_parts}
-
-
-def _whole_model_schedule(spec: Spec, model: torch.nn.Module) -> Any:
-    """torch's GPipe over one stage holding ``model`` on this one-rank world, with the parallel run's micro-batches
-    and ``--loss``: what the user's PP step is given in one process."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-    stage = PipelineStage(_Logits(model), 0, 1, torch.device("cpu"), group=dist.group.WORLD)
-    quiet_shape_inference(stage)
-    return ScheduleGPipe(stage, spec.micro_batches, loss_fn=loss_of(spec))
-
-
-class _Logits(torch.nn.Module):
-    """The model as built, as one pipeline stage: a stage returns tensors, so a Hugging Face ``ModelOutput`` gives
-    its ``logits`` (a tuple, its first tensor)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def __getattr__(self, name: str) -> Any:
-        """The model's own attributes (a step that reads its stages' modules' ``config`` finds the model's)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["model"], name)
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        out = self.model(*args)
-        if isinstance(out, torch.Tensor):
-            return out
-        if getattr(out, "logits", None) is not None:
-            return out.logits
-        first = next((t for t in (out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)), None)
-        if first is None:
-            raise UserError(f"the model as built returned {type(out).__name__}; as the one-process pipeline stage it "
-                            "must return the output the loss takes (a tensor, a ModelOutput with logits, or a tuple "
-                            "whose first item is it)")
-        return first
 
 
 def _raised_by_vemesh(error: BaseException) -> BaseException | None:
@@ -271,7 +165,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         dims(spec.world_size, spec.degrees, spec.dp_replicate).build("cpu", mesh)
         marks["mesh"] = time.time()
         torch.manual_seed(SEED)
-        model = _call("--model", names[0], factory, **spec.model_kwargs)
+        model = call("--model", names[0], factory, **spec.model_kwargs)
         ties = tie_groups(model)
         apply(spec.sharded, model, mesh["TP"] if spec.sharded else None)
         built = counts_of(model)  # the head counts as built (vemesh.check.heads)
@@ -279,7 +173,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         shard_tables(spec.heads, model, mesh)
         tp_replicas.CHECKING = spec.replica_check
         with swapped(spec.swaps, model) as went, plan_keys.skipped_plan_keys() as skipped, unchecked(bool(spec.heads or spec.sharded)):
-            model = _call("--parallelize", names[1], parallelize, model, mesh)
+            model = call("--parallelize", names[1], parallelize, model, mesh)
         stepped = model
         if piped := spec.degrees.get("PP", 1) > 1:  # this PP rank's stages: the step runs torch's schedule over them
             stepped, model = _schedule(spec, model, names[1])
@@ -311,7 +205,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
                 Deterministic(rec) as det:
             outputs = rec.outputs
             try:
-                _call("--step", names[2], step, stepped, spec.micro_batch_size * spec.micro_batches)
+                call("--step", names[2], step, stepped, spec.micro_batch_size * spec.micro_batches)
             except UserError as e:
                 if not rec.stack:
                     raise

@@ -498,6 +498,38 @@ def test_a_fused_linear_read_by_its_modules_head_count_gets_the_local_recipe_wit
         hints[1], hints[1]
 
 
+def test_the_dp_ranks_draws_made_together_are_each_ranks_own_joined_along_its_rows() -> None:
+    """One process's step on the DP ranks' batches together (vemesh.check.reference) draws what each DP rank's step
+    draws from its seed, joined along the rows: sizes given as a tuple or as numbers, a tensor's rows, in place, a
+    permutation of each rank's rows, a generator of the step's own; a draw without the rows that is the same on every
+    rank is kept, and one that differs by rank is named."""
+    from vemesh.check.record import Recorder
+    from vemesh.check.reference import _RankDraws
+    from vemesh.check.run import SEED
+
+    def draws(batch: int, rows: torch.Tensor) -> list[torch.Tensor]:
+        own = torch.Generator().manual_seed(7)
+        out = [torch.randint(0, 50, (batch, 3)), torch.randn(batch, 2), torch.rand_like(rows), rows.clone().uniform_(),
+               torch.randperm(batch), torch.rand(batch, generator=own), torch.rand(batch, generator=own)]
+        return out + [torch.full((2,), 3.0).bernoulli_(0.0)]  # no rows, the same on every rank
+
+    dp, micro = 2, 3
+    apart = []
+    for d in range(dp):
+        torch.manual_seed(SEED + 1 + d)
+        apart.append(draws(micro, torch.zeros(micro, 4)))
+    with Recorder(torch.nn.Linear(1, 1)) as rec, _RankDraws(rec, dp, micro) as made:
+        together = draws(dp * micro, torch.zeros(dp * micro, 4))
+    assert not made.apart
+    for i, t in enumerate(together[:-1]):
+        parts = [a[i] + (d * micro if i == 4 else 0) for d, a in enumerate(apart)]
+        assert torch.equal(t, torch.cat(parts)), i
+    assert torch.equal(together[-1], apart[0][-1])
+    with Recorder(torch.nn.Linear(1, 1)) as rec, _RankDraws(rec, dp, micro) as made:
+        torch.randint(4, 9, ())
+    assert made.apart.startswith("torch.randint at ") and "test_check.py:" in made.apart
+
+
 def test_the_positions_hint_names_the_keyword_the_models_forward_takes_them_by() -> None:
     """HF's ``position_ids``, torchtitan's ``positions``, gpt-fast's ``input_pos``: the hint's recipe calls the model
     with its own keyword; a forward that takes no positions by name gets the module that numbers them named instead
@@ -647,6 +679,37 @@ def test_dp_without_a_data_parallel_wrapper_is_said_and_no_tp_recipe_is_tried(jo
     (text,) = result.hints
     assert text.startswith(f"{said}, and --parallelize wrapped no data-parallel module (DDP, FSDP2)"), result.render()
     assert "recipes tried" not in result.seconds
+
+
+@pytest.mark.slow  # four checks, of 4 and 2 processes
+def test_a_step_whose_collectives_couple_the_dp_ranks_is_compared_with_one_process_on_their_batches_together() -> None:
+    """A contrastive loss over the negatives of every DP rank (gathered with autograd), and a loss divided by the
+    tokens of every DP rank. One process ran each DP rank's batch alone, where each collective has one rank: the right
+    contrastive job (DP 2 x TP 2) was "DIFFERS" with a TP hint, and the per-token loss, whose gradients DP's average
+    halves, would have been "exact" had its one-process run been made per rank with the coupling real. One process now
+    runs the step once on the DP ranks' batches together, each rank's rows drawn from its seed."""
+    path = str(ROOT / "test" / "models" / "coupled_jobs.py")
+    lines = Path(path).read_text().splitlines()
+    gather, length = (next(i for i, line in enumerate(lines, 1) if said in line)
+                      for said in ("funcol.all_gather_single_autograd", "int(torch.randint"))
+    result = check(f"module:{path}:make_clip", f"{path}:parallelize_clip", f"{path}:step_clip", world_size=4, tp=2)
+    assert result.exact and result.coupled[0].endswith(f"coupled_jobs.py:{gather} in _gathered"), result.render()
+    assert result.coupled[0].startswith("all_gather_into_tensor at ") and not result.coupled[1]
+    assert "so one process ran it once on them together (2 x 2 rows, each DP rank's drawn from its seed)" \
+        in result.render()
+    result = check(f"module:{path}:make_lm", f"{path}:parallelize_ddp", f"{path}:step_tokens", world_size=2)
+    assert result.verdict == "differs" and {g for _, g in result.gradients} == {0.5}, result.render()
+    (text,) = result.hints
+    assert text.startswith("every gradient is 0.5 x one process's on the DP ranks' batches together, with every "
+                           "output matching; the step's collectives couple the DP ranks (allreduce at "), text
+    assert "Multiply the loss by the DP degree" in text
+    result = check(f"module:{path}:make_lm", f"{path}:parallelize_ddp", f"{path}:step_tokens_scaled", world_size=2)
+    assert result.exact, result.render()
+    # a length drawn per rank has no rows to cut: each DP rank's batch alone, as before, and said
+    result = check(f"module:{path}:make_lm", f"{path}:parallelize_ddp", f"{path}:step_length", world_size=2)
+    assert result.exact and result.coupled[1].startswith("torch.randint at "), result.render()
+    assert result.coupled[1].endswith(f"coupled_jobs.py:{length} could not be drawn per DP rank")
+    assert "what the coupling adds was not checked" in result.render()
 
 
 def test_hf_bert_keeps_its_two_ties_and_a_step_that_draws_the_same_batch_on_every_dp_rank_is_said() -> None:

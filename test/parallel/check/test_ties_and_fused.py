@@ -243,7 +243,7 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
     this CPU; before, torch's "Cannot access accelerator device")."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from vemesh.check.run import UserError, _call
+    from vemesh.check.run import UserError, call
 
     world(4)
 
@@ -254,7 +254,7 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
     with pytest.raises(UserError, match=r"TypeError: Invariant encountered: value was None when it should not be; "
                                         r"FSDP2's fully_shard was given a mesh without dim names for a parameter "
                                         r"that TP already shards .* vemesh.parallel.fully_shard\(module\)"):
-        _call("--parallelize", "mine:parallelize", parallelize, Tied(), mesh)
+        call("--parallelize", "mine:parallelize", parallelize, Tied(), mesh)
 
     def over_tp(model, mesh):  # type: ignore[no-untyped-def]  # FSDP2 "over TP": torch's overlapping meshes
         torch_parallelize_module(model.mid, mesh["TP"], ColwiseParallel())
@@ -263,7 +263,7 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
     with pytest.raises(UserError, match=r"RuntimeError: Cannot concatenate overlapping meshes: .*; FSDP2's "
                                         r"fully_shard was given a mesh that holds a dim TP already shards this "
                                         r"parameter over \(mesh\['TP'\]\)"):
-        _call("--parallelize", "mine:parallelize", over_tp, Tied(), mesh)
+        call("--parallelize", "mine:parallelize", over_tp, Tied(), mesh)
 
     def offloaded(model, mesh):  # type: ignore[no-untyped-def]  # FSDP2's CPU offload, pinned: nothing to pin here
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -271,7 +271,7 @@ def test_the_checks_parallel_run_says_what_to_write_for_torchs_fsdp_over_the_wor
 
     # the check's functions run on this CPU (OnThisCPU), where pinning is nothing: torch's "Cannot access accelerator
     # device when none is available" before
-    assert _call("--parallelize", "mine:parallelize", offloaded, Tied(), mesh) is not None
+    assert call("--parallelize", "mine:parallelize", offloaded, Tied(), mesh) is not None
 
 
 def test_the_checks_parallel_run_gives_vemeshs_own_errors_whole_and_cuts_others_visibly(world) -> None:  # type: ignore[no-untyped-def]
@@ -279,7 +279,7 @@ def test_the_checks_parallel_run_gives_vemeshs_own_errors_whole_and_cuts_others_
     the middle of that advice ("Parallelize with vemesh.parallel.paralleli", on Hugging Face's Qwen2 with tied
     embeddings). vemesh's own errors are given whole; another over 400 characters (torch's can print a tensor) is cut
     with '...' where it was cut."""
-    from vemesh.check.run import UserError, _call
+    from vemesh.check.run import UserError, call
 
     world(4)
 
@@ -289,10 +289,10 @@ def test_the_checks_parallel_run_gives_vemeshs_own_errors_whole_and_cuts_others_
 
     with pytest.raises(UserError, match=r"BrokenTieError: .* or re-tie by hand after parallelizing "
                                         r"\(lm_head.weight = wte.weight\)$"):
-        _call("--parallelize", "mine:untie", untie, Tied(), mesh)
+        call("--parallelize", "mine:untie", untie, Tied(), mesh)
 
     def long(model, mesh):  # type: ignore[no-untyped-def]
         raise RuntimeError("x" * 1000)
 
     with pytest.raises(UserError, match=r"RuntimeError: x{400}\.\.\.$"):
-        _call("--parallelize", "mine:long", long, Tied(), mesh)
+        call("--parallelize", "mine:long", long, Tied(), mesh)
