@@ -42,7 +42,7 @@ from vemesh.parallel.schedules import ZERO_BUBBLE
 from vemesh.parallel.summed_grad import SumGradOverTP
 
 __all__ = ["ShardedInput", "SummedFeatures", "apply", "candidates", "coupled_hint", "dp_hint", "first_shapes", "hint",
-           "row_candidates", "sum_features", "summed_hint", "twice_hint", "zero_bubble_hint"]
+           "row_candidates", "sum_features", "summed_hint", "twice_hint", "unsynced_hint", "zero_bubble_hint"]
 
 
 @dataclass(frozen=True)
@@ -221,11 +221,24 @@ def stage_scales(ref: dict, ranks: list[dict], tol: float) -> dict[int, float]:
     return dict(sorted(scales.items()))
 
 
-def coupled_hint(coupled: tuple[str, str], dp: int, scales: dict[int, float]) -> str | None:
-    """The hint where the step's own collectives couple the DP ranks' batches (``coupled``, ran together in one
-    process: :mod:`vemesh.check.reference`) and every gradient is one factor of one process's (``scales``: one
-    PP rank's, :func:`stage_scales`), else None."""
-    if not coupled[0] or coupled[1] or len(scales) != 1:
+def unsynced_hint(ranks: list[dict]) -> str | None:
+    """The hint where a rank's step ended with gradients its data-parallel wrapper had not averaged
+    (:func:`vemesh.check.record.unsynced`), else None."""
+    said = next((r["unsynced"] for r in ranks if r.get("unsynced")), "")
+    if not said:
+        return None
+    return (f"the step's last backward left gradients that DP did not average ({said}), so each DP rank kept its own "
+            "batch's, where one process averages the DP ranks': run the last micro-batch's backward with the sync on "
+            "(outside no_sync(), or after set_requires_gradient_sync(True)), or call finish_grad_sync() after it "
+            "(vemesh DDP)")
+
+
+def coupled_hint(result: Any, ref: dict, ranks: list[dict], tol: float) -> str | None:
+    """The hint where the step's own collectives couple the DP ranks' batches (``result.coupled``, run together in
+    one process: :mod:`vemesh.check.reference`) and every gradient is one factor of one process's (one PP rank's
+    :func:`stage_scales`), else None."""
+    coupled, dp = result.coupled, result.degrees["DP"]
+    if not coupled[0] or coupled[1] or len(scales := stage_scales(ref, ranks, tol)) != 1:
         return None
     factor = next(iter(scales.values()))
     said = (f"every gradient is {factor:.3g} x one process's on the DP ranks' batches together, with every output "

@@ -37,7 +37,8 @@ from vemesh.parallel.experts.style import EXPERT
 from vemesh.parallel.tp_split import column_split_linears, parts, plain_name, unwrap
 
 __all__ = ["RANDOM_OPS", "Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients",
-           "in_full_precision", "not_recorded", "parts", "plain_name", "quiet_shape_inference", "unwrap"]
+           "in_full_precision", "not_recorded", "parts", "plain_name", "quiet_shape_inference", "unsynced",
+           "unwrap"]
 
 
 def data_parallel(model: nn.Module) -> bool:
@@ -50,6 +51,22 @@ def data_parallel(model: nn.Module) -> bool:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return True
     return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
+
+
+def unsynced(model: Any) -> str:
+    """How the step left gradients that DP did not average, or '': its last backward under vemesh DDP's
+    ``no_sync()`` (the wrapper holds them unaveraged), or with FSDP2's ``set_requires_gradient_sync(False)``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, nn.Module):  # under PP: any stage's
+        return next((said for said in map(unsynced, model) if said), "")
+    if getattr(model, "holds_unsynced_grads", False):
+        return "vemesh DDP's no_sync()"
+    for m in unwrap(model).modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        if group is not None and not group.reduce_grads:
+            return "FSDP2's set_requires_gradient_sync(False)"
+    return ""
 
 
 def in_full_precision(model: Any) -> list[str]:

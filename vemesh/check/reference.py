@@ -90,7 +90,8 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
     collectives = _Collectives()
     for d in range(dp):
         torch.manual_seed(SEED + 1 + d)
-        with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det, collectives:
+        with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det, \
+                collectives, _as_wrapped(model):
             call("--step", names[2], step, stepped, spec.micro_batch_size * spec.micro_batches)
         if piped:  # torch's schedule scales the gradients held by 1 / micro-batches at its end: each DP rank's apart
             for p in model.parameters():
@@ -115,6 +116,39 @@ def _record(model: torch.nn.Module, rec: Recorder, outputs: list, grads: dict, d
             "parts": rec.read_parts}
 
 
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+#: the methods a step calls on its data-parallel wrapper (vemesh's or torch's DDP, FSDP2's ``FSDPModule``) and what
+#: each is in one process, where nothing is synchronized: the step runs there on the model as built
+_WRAPPER_METHODS: dict[str, Any] = {
+    "no_sync": contextlib.nullcontext, "finish_grad_sync": _nothing, "set_requires_gradient_sync": _nothing,
+    "set_is_last_backward": _nothing, "set_requires_all_reduce": _nothing, "set_reshard_after_forward": _nothing,
+    "set_reshard_after_backward": _nothing, "unshard": _nothing, "reshard": _nothing,
+}
+
+
+@contextlib.contextmanager
+def _as_wrapped(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` answering, for the step, what its data-parallel wrapper answers where it does not itself: the
+    methods of :data:`_WRAPPER_METHODS`, ``zero_grad_buffer`` (vemesh DDP's), and ``module`` (DDP's wrapped model,
+    the model itself). A step written for the wrapped model (``with model.no_sync():`` on every micro-batch but the
+    last) runs in one process as written; before, it raised there ("'Sequential' object has no attribute
+    'no_sync'")."""
+    given = {name: method for name, method in _WRAPPER_METHODS.items() if not hasattr(model, name)}
+    if not hasattr(model, "zero_grad_buffer"):
+        given["zero_grad_buffer"] = lambda: model.zero_grad(set_to_none=False)
+    if not hasattr(model, "module"):
+        given["module"] = model  # in the instance's dict, not a submodule: nothing else of the model sees it
+    model.__dict__.update(given)
+    try:
+        yield
+    finally:
+        for name in given:
+            model.__dict__.pop(name, None)
+
+
 def _together(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) -> dict | str:
     """The step once, on the DP ranks' batches together (``DP x micro-batch`` rows, each rank's drawn from its own
     seed): one process's gradients on the whole batch, and each module's output cut into the DP ranks' rows. A draw
@@ -123,7 +157,7 @@ def _together(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) 
     torch.manual_seed(SEED)
     model = built(call("--model", names[0], factory, **spec.model_kwargs), names[0])
     with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det, \
-            _RankDraws(rec, dp, micro) as draws:
+            _RankDraws(rec, dp, micro) as draws, _as_wrapped(model):
         call("--step", names[2], step, model, dp * micro)
     if draws.apart:
         return draws.apart

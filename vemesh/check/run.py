@@ -26,7 +26,7 @@ from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, 
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
-                                 in_full_precision, on_tp, parts, plain_name, quiet_shape_inference)
+                                 in_full_precision, on_tp, parts, plain_name, quiet_shape_inference, unsynced)
 from vemesh.check.result import CheckInputError
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
@@ -217,7 +217,8 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
                     "data_rank": data_rank, "broken": broken, "apart": apart, "split": split, "heads": heads,
                     "handed": handed, "tables": tables, "went": went, "dropouts": det.dropouts, "clips": det.clips,
-                    "data_parallel": data_parallel(model), "lowered": lowered, "on_tp": on_tp(model),
+                    "data_parallel": data_parallel(model), "unsynced": unsynced(model), "lowered": lowered,
+                    "on_tp": on_tp(model),
                     "random_ops": det.random_ops, "marks": marks, "skipped": skipped,
                     "compiled": compiled_module([part for part, _ in parts(model)])},
                    os.path.join(out, f"rank{rank}.pt.part"))

@@ -712,6 +712,25 @@ def test_a_step_whose_collectives_couple_the_dp_ranks_is_compared_with_one_proce
     assert "what the coupling adds was not checked" in result.render()
 
 
+@pytest.mark.slow  # four checks of 2 processes
+@pytest.mark.parametrize("parallelize, step, exact", [
+    ("parallelize_ddp", "step_no_sync", True), ("parallelize_torch_ddp", "step_module", True),
+    ("parallelize_fsdp", "step_fsdp", True), ("parallelize_ddp", "step_never_synced", False)])
+def test_a_step_written_for_its_wrapper_runs_in_one_process_and_one_that_never_syncs_is_named(
+        parallelize: str, step: str, exact: bool) -> None:
+    """A step that accumulates under ``model.no_sync()`` (or FSDP2's ``set_requires_gradient_sync``, or reads DDP's
+    ``module``) raised in one process, on the model as built ("'Sequential' object has no attribute 'no_sync'"): it
+    runs there as written now. A step whose last backward is under ``no_sync()`` too leaves each DP rank its own
+    gradients: named, not the generic "a gradient that DP does not average"."""
+    path = str(ROOT / "test" / "models" / "accumulate_jobs.py")
+    result = check(f"module:{path}:make", f"{path}:{parallelize}", f"{path}:{step}", world_size=2)
+    assert result.exact == exact, result.render()
+    if not exact:
+        (text,) = result.hints
+        assert text.startswith("the step's last backward left gradients that DP did not average (vemesh DDP's "
+                               "no_sync()), so each DP rank kept its own batch's"), text
+
+
 def test_hf_bert_keeps_its_two_ties_and_a_step_that_draws_the_same_batch_on_every_dp_rank_is_said() -> None:
     """HF's BERT for masked LM, its embedding and decoder vocabulary-parallel through vemesh's parallelize_module:
     its decoder's bias is tied to ``cls.predictions.bias``, the head above it, which no style shards. That end is
