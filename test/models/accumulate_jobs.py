@@ -61,3 +61,13 @@ def step_never_synced(model: nn.Module, batch_size: int) -> torch.Tensor:
     with model.no_sync():
         _micro_batch(model, batch_size)
         return _micro_batch(model, batch_size)
+
+
+def step_logged_on_rank_zero(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """A log line's mean loss all-reduced under ``if rank == 0:``: rank 0 waits for the others forever."""
+    import torch.distributed as dist
+
+    loss = _micro_batch(model, batch_size)
+    if dist.get_rank() == 0:
+        dist.all_reduce(loss.detach().clone())
+    return loss

@@ -208,8 +208,9 @@ class CheckResult:
         if self.skipped_plan:
             lines.append(f"  {'but ' if self.exact else ''}{describe(self.skipped_plan, _SKIPPED_THEN[self.exact])}")
         if self.error:
-            lines.append(f"  {'' if self.verdict == 'failed' else 'the parallel run raised where one process did not: '}"
-                         f"{self.error}")
+            raised = "hung" if " did not finish " in self.error else "raised"
+            said = "" if self.verdict == "failed" else f"the parallel run {raised} where one process did not: "
+            lines.append(f"  {said}{self.error}")
         if self.first_module is not None:
             fm = self.first_module
             lines.append(f"  first module whose output differs: {fm['module'] or '(the root)'} (forward call "

@@ -28,6 +28,7 @@ from vemesh.check.recipes import Swap, swapped
 from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
                                  in_full_precision, on_tp, parts, plain_name, quiet_shape_inference, unsynced)
 from vemesh.check.result import CheckInputError
+from vemesh.check.stuck import Stalls, record_stacks
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.parallel.hf_stages import unchecked
@@ -140,6 +141,7 @@ def _raised_by_vemesh(error: BaseException) -> BaseException | None:
 def _worker(rank: int, spec: Spec, out: str) -> None:
     marks = {"started": time.time()}  # after the spawn and the imports it took to get here
     Path(out, f"started{rank}").touch()  # for the parent: this rank got past its start (api's NOT_STARTED)
+    record_stacks(out, rank)  # where it waits, should it not finish when its peers have (vemesh.check.stuck)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world_size),
                       LOCAL_WORLD_SIZE=str(spec.world_size))
     torch.set_num_threads(1)  # as the one-process run: the same kernels, the same figures run after run
@@ -270,6 +272,7 @@ def run_parallel(spec: Spec, out: str) -> tuple[list[int], dict[int, int | None]
     libraries = local_ranks.libraries_of([fns.factory, fns.parallelize, fns.step, fns.loss])  # once, not a rank
     context = local_ranks.start(_worker, (spec, out), spec.world_size, join=False, preload=(__name__, *libraries))
     deadline = time.monotonic() + spec.timeout_s + 60
+    stalls = Stalls(out, context.processes, time.monotonic())
     try:
         # on a rank's failure torch's join stops the others; the grace lets each reach and write its own error first
         # (the others' own errors are better words than a SIGTERM; without it, they were SIGTERMed at once and read
@@ -278,6 +281,8 @@ def run_parallel(spec: Spec, out: str) -> tuple[list[int], dict[int, int | None]
             if time.monotonic() > deadline:
                 raise Timeout(f"the parallel run did not finish in {spec.timeout_s + 60:.0f} s (a hang in the plan "
                                "or the step?); rerun with a longer --timeout, or see docs/debugging-hangs.md")
+            if (stuck := stalls.poll()) is not None:
+                raise Timeout(stuck)
     except (mp.ProcessRaisedException, mp.ProcessExitedException):
         pass  # the error files say what
     finally:

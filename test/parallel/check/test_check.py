@@ -8,6 +8,7 @@ sizes, tied ``wte``/``lm_head``), ``examples/my_model`` and HF transformers' Lla
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -729,6 +730,21 @@ def test_a_step_written_for_its_wrapper_runs_in_one_process_and_one_that_never_s
         (text,) = result.hints
         assert text.startswith("the step's last backward left gradients that DP did not average (vemesh DDP's "
                                "no_sync()), so each DP rank kept its own batch's"), text
+
+
+@pytest.mark.slow  # 2 processes, one of them stuck for 20 s
+def test_a_rank_stuck_in_a_collective_its_peers_never_run_is_named_with_its_line_once_they_are_done() -> None:
+    """A step that all-reduces its loss for a log line on rank 0 alone: the check waited out its --timeout (300 s) for
+    gloo's "Timed out waiting ... for recv operation". Once rank 1 is done, rank 0 gets 20 s, then its stack says where
+    it waits."""
+    path = str(ROOT / "test" / "models" / "accumulate_jobs.py")
+    line = next(i for i, text in enumerate(Path(path).read_text().splitlines(), 1) if "dist.all_reduce(" in text)
+    result = check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step_logged_on_rank_zero", world_size=2)
+    assert result.verdict == "differs" and re.match(  # 20 s, or 3 times what rank 1 took where that is longer
+        r"rank\(s\) \[0\] did not finish the step \d+ s after rank\(s\) \[1\] had: rank 0 waits at ", result.error), \
+        result.render()
+    assert f"accumulate_jobs.py:{line} in step_logged_on_rank_zero (in torch.distributed's all_reduce)" in result.error
+    assert "the parallel run hung where one process did not: rank(s) [0]" in result.render()
 
 
 def test_hf_bert_keeps_its_two_ties_and_a_step_that_draws_the_same_batch_on_every_dp_rank_is_said() -> None:
