@@ -126,6 +126,7 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
             "; with --pp the step is given torch's schedule, not the model: step(schedule, batch_size) runs "
             "schedule.step(inputs, target=targets)" if pp > 1 else "")) from None
     result.rtol, result.coupled = (tol := tolerance(rtol, ref["dtypes"])), (ref["coupled"], ref["apart"])
+    result.autocast = ref["autocast"]
     spec = replace(spec, model_params=ref["params"]) if pp > 1 else spec
     t1, launched = time.monotonic(), time.time()
     ranks, failed, compared = _parallel(spec, ref, tol, result)

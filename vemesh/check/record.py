@@ -36,9 +36,9 @@ from torch.utils._pytree import tree_flatten
 from vemesh.parallel.experts.style import EXPERT
 from vemesh.parallel.tp_split import column_split_linears, parts, plain_name, unwrap
 
-__all__ = ["RANDOM_OPS", "Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients",
-           "in_full_precision", "not_recorded", "parts", "plain_name", "quiet_shape_inference", "unsynced",
-           "unwrap"]
+__all__ = ["RANDOM_OPS", "Deterministic", "Recorder", "autocast_off", "column_split_linears", "data_parallel",
+           "gradients", "in_full_precision", "not_recorded", "parts", "plain_name", "quiet_shape_inference",
+           "unsynced", "unwrap"]
 
 
 def data_parallel(model: nn.Module) -> bool:
@@ -67,6 +67,30 @@ def unsynced(model: Any) -> str:
         if group is not None and not group.reduce_grads:
             return "FSDP2's set_requires_gradient_sync(False)"
     return ""
+
+
+@contextlib.contextmanager
+def autocast_off(seen: set[str]) -> Iterator[None]:
+    """``torch.autocast`` (and ``torch.amp.autocast``, the ``torch.cpu.amp`` one, a decorator's) to a 16-bit dtype
+    entered disabled while the block runs, the dtype added to ``seen``: a step under autocast to bf16 differs from one
+    process by bf16's rounding (4e-3 on a TP-split MLP), more than the check's tolerance, whatever the plan. As for
+    FSDP2's mixed precision (:func:`in_full_precision`), the check is of the parallelization. An autocast entered
+    with ``enabled=False`` (HF's rotary embeddings, kept in fp32) is left as it is."""
+    from torch.amp.autocast_mode import autocast
+
+    enter = autocast.__enter__
+
+    def entered(self: Any) -> Any:
+        if self._enabled and self.fast_dtype in (torch.bfloat16, torch.float16):
+            seen.add(str(self.fast_dtype).removeprefix("torch."))
+            self._enabled = False
+        return enter(self)
+
+    autocast.__enter__ = entered
+    try:
+        yield
+    finally:
+        autocast.__enter__ = enter
 
 
 def in_full_precision(model: Any) -> list[str]:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vemesh.check.record import RANDOM_OPS, Deterministic, Recorder, gradients, plain_name, positions_argument, \
-    quiet_shape_inference, unwrap
+from vemesh.check.record import RANDOM_OPS, Deterministic, Recorder, autocast_off, gradients, plain_name, \
+    positions_argument, quiet_shape_inference, unwrap
 from vemesh.check.result import CheckInputError, built
 from vemesh.check.run import SEED, Spec, UserError, call, dims, loss_of
 from vemesh.layout.parallel_dims import ParallelDims
@@ -72,7 +72,7 @@ def reference(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) 
                 return ref | {"apart": "under PP the step is given a schedule, whose batch the check does not cut"}
             together = _together(spec, factory, step, names)
             return ref | {"apart": f"{together} could not be drawn per DP rank"} if isinstance(together, str) else \
-                together | {"coupled": ref["coupled"], "apart": ""}
+                together | {"coupled": ref["coupled"], "apart": "", "autocast": ref["autocast"]}
     finally:
         torch.set_num_threads(threads)
 
@@ -87,11 +87,11 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
     piped = spec.degrees.get("PP", 1) > 1
     stepped = _whole_model_schedule(spec, model) if piped else model
     summed: dict[torch.nn.Parameter, torch.Tensor] = {}
-    collectives = _Collectives()
+    collectives, autocast = _Collectives(), set[str]()
     for d in range(dp):
         torch.manual_seed(SEED + 1 + d)
         with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det, \
-                collectives, _as_wrapped(model):
+                collectives, _as_wrapped(model), autocast_off(autocast):
             call("--step", names[2], step, stepped, spec.micro_batch_size * spec.micro_batches)
         if piped:  # torch's schedule scales the gradients held by 1 / micro-batches at its end: each DP rank's apart
             for p in model.parameters():
@@ -104,7 +104,8 @@ def _reference_run(spec: Spec, factory: Any, step: Any, names: tuple[str, str, s
     for p, g in summed.items():
         p.grad = g
     grads = {n: None if g is None else g / dp for n, g in gradients(model).items()}
-    return _record(model, rec, outputs, grads, dropouts, random_ops) | {"coupled": collectives.first}
+    return _record(model, rec, outputs, grads, dropouts, random_ops) | {"coupled": collectives.first,
+                                                                       "autocast": sorted(autocast)}
 
 
 def _record(model: torch.nn.Module, rec: Recorder, outputs: list, grads: dict, dropouts: int, random_ops: list) -> dict:
@@ -157,7 +158,7 @@ def _together(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) 
     torch.manual_seed(SEED)
     model = built(call("--model", names[0], factory, **spec.model_kwargs), names[0])
     with torch.compiler.set_stance("force_eager"), Recorder(model) as rec, Deterministic(rec) as det, \
-            _RankDraws(rec, dp, micro) as draws, _as_wrapped(model):
+            _RankDraws(rec, dp, micro) as draws, _as_wrapped(model), autocast_off(set()):
         call("--step", names[2], step, model, dp * micro)
     if draws.apart:
         return draws.apart

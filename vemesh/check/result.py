@@ -98,6 +98,8 @@ class CheckResult:
     #: the step on the DP ranks' batches together (:mod:`vemesh.check.reference`); and why not, where it then ran
     #: each DP rank's batch alone (``torch.randint at job.py:28 could not be drawn per DP rank``); ``("", "")``: none
     coupled: tuple[str, str] = ("", "")
+    #: the 16-bit dtypes of the step's ``torch.autocast``, which both runs entered disabled (in full precision)
+    autocast: list[str] = field(default_factory=list)
     #: why the parallel run was run again (a rank gloo aborted, or the kernel killed: :mod:`vemesh.check.rerun`)
     reruns: list[str] = field(default_factory=list)
 
@@ -235,6 +237,10 @@ class CheckResult:
             lines.append(f"  mixed precision: FSDP2's MixedPrecisionPolicy ({', '.join(self.lowered)}) ran in the "
                          "parameters' own dtype, as one process does, so this checked the parallelization, not "
                          f"{' and '.join(self.lowered)} rounding")
+        if self.autocast:
+            lines.append(f"  mixed precision: the step's torch.autocast ({', '.join(self.autocast)}) ran disabled in "
+                         "both runs, in the parameters' own dtype, so this checked the parallelization, not "
+                         f"{' and '.join(self.autocast)} rounding")
         if self.dropouts:
             lines.append(f"  dropout: {self.dropouts} calls drew nothing in either run (p taken as 0)")
         lines += [f"  {why}" for why in self.reruns]  # the parallel run run again, and why

@@ -25,7 +25,7 @@ from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, 
     watch_inputs
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
-from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients,
+from vemesh.check.record import (Deterministic, Recorder, autocast_off, column_split_linears, data_parallel, gradients,
                                  in_full_precision, on_tp, parts, plain_name, quiet_shape_inference, unsynced)
 from vemesh.check.result import CheckInputError
 from vemesh.check.stuck import Stalls, record_stacks
@@ -204,7 +204,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         # what the user's functions compiled runs eagerly in both runs (its recording hooks are not for dynamo to
         # trace): the check is of the parallelization, not of inductor's code
         with torch.compiler.set_stance("force_eager"), Recorder(model, spec.model_params) as rec, \
-                Deterministic(rec) as det:
+                Deterministic(rec) as det, autocast_off(set()):  # both runs in full precision (said from one process)
             outputs = rec.outputs
             try:
                 call("--step", names[2], step, stepped, spec.micro_batch_size * spec.micro_batches)

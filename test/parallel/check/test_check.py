@@ -723,7 +723,7 @@ def test_a_step_written_for_its_wrapper_runs_in_one_process_and_one_that_never_s
     ``module``) raised in one process, on the model as built ("'Sequential' object has no attribute 'no_sync'"): it
     runs there as written now. A step whose last backward is under ``no_sync()`` too leaves each DP rank its own
     gradients: named, not the generic "a gradient that DP does not average"."""
-    path = str(ROOT / "test" / "models" / "accumulate_jobs.py")
+    path = str(ROOT / "test" / "models" / "step_habit_jobs.py")
     result = check(f"module:{path}:make", f"{path}:{parallelize}", f"{path}:{step}", world_size=2)
     assert result.exact == exact, result.render()
     if not exact:
@@ -732,18 +732,28 @@ def test_a_step_written_for_its_wrapper_runs_in_one_process_and_one_that_never_s
                                "no_sync()), so each DP rank kept its own batch's"), text
 
 
+def test_a_step_under_autocast_to_bf16_is_checked_in_full_precision_and_says_so() -> None:
+    """A right TP plan whose step runs the forward under ``torch.autocast("cpu", dtype=torch.bfloat16)`` was
+    "DIFFERS" (4e-3 at the first RowwiseParallel, bf16's rounding, against the tolerance of 1e-4) with no hint. Both
+    runs now enter the step's autocast disabled, and the verdict says so."""
+    path = str(ROOT / "test" / "models" / "step_habit_jobs.py")
+    result = check(f"module:{path}:make_mlp", f"{path}:parallelize_mlp", f"{path}:step_autocast", world_size=4, tp=2)
+    assert result.exact and result.autocast == ["bfloat16"], result.render()
+    assert "mixed precision: the step's torch.autocast (bfloat16) ran disabled in both runs" in result.render()
+
+
 @pytest.mark.slow  # 2 processes, one of them stuck for 20 s
 def test_a_rank_stuck_in_a_collective_its_peers_never_run_is_named_with_its_line_once_they_are_done() -> None:
     """A step that all-reduces its loss for a log line on rank 0 alone: the check waited out its --timeout (300 s) for
     gloo's "Timed out waiting ... for recv operation". Once rank 1 is done, rank 0 gets 20 s, then its stack says where
     it waits."""
-    path = str(ROOT / "test" / "models" / "accumulate_jobs.py")
+    path = str(ROOT / "test" / "models" / "step_habit_jobs.py")
     line = next(i for i, text in enumerate(Path(path).read_text().splitlines(), 1) if "dist.all_reduce(" in text)
     result = check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step_logged_on_rank_zero", world_size=2)
     assert result.verdict == "differs" and re.match(  # 20 s, or 3 times what rank 1 took where that is longer
         r"rank\(s\) \[0\] did not finish the step \d+ s after rank\(s\) \[1\] had: rank 0 waits at ", result.error), \
         result.render()
-    assert f"accumulate_jobs.py:{line} in step_logged_on_rank_zero (in torch.distributed's all_reduce)" in result.error
+    assert f"step_habit_jobs.py:{line} in step_logged_on_rank_zero (in torch.distributed's all_reduce)" in result.error
     assert "the parallel run hung where one process did not: rank(s) [0]" in result.render()
 
 

@@ -1,11 +1,14 @@
-"""Steps that accumulate gradients over micro-batches the way torch's wrappers are used, for ``vemesh check``
-(test_check.py): ``no_sync()`` on every micro-batch but the last (vemesh's and torch's DDP), FSDP2's
-``set_requires_gradient_sync``, a step that reads DDP's ``module``, and one whose last backward never syncs."""
+"""Steps written the way torch's users write them, for ``vemesh check`` (test_check.py): gradients accumulated with
+``no_sync()`` on every micro-batch but the last (vemesh's and torch's DDP), FSDP2's ``set_requires_gradient_sync``, a
+step that reads DDP's ``module``, one whose last backward never syncs, a log line's all-reduce on rank 0 alone, and
+a forward under ``torch.autocast`` to bf16 with a TP plan."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from vemesh.ddp import DistributedDataParallel
 
@@ -70,4 +73,33 @@ def step_logged_on_rank_zero(model: nn.Module, batch_size: int) -> torch.Tensor:
     loss = _micro_batch(model, batch_size)
     if dist.get_rank() == 0:
         dist.all_reduce(loss.detach().clone())
+    return loss
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.up, self.down, self.head = nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def make_mlp() -> nn.Module:
+    return MLP()
+
+
+def parallelize_mlp(model: MLP, mesh) -> nn.Module:  # type: ignore[no-untyped-def]
+    parallelize_module(model, mesh["TP"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return DistributedDataParallel(model, mesh["DP"])
+
+
+def step_autocast(model: nn.Module, batch_size: int) -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (batch_size, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids)
+    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+    loss.backward()
     return loss
