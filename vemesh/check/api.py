@@ -125,8 +125,8 @@ def check(model: Any, parallelize: Any, step: Any, *, world_size: int, dp: int |
         raise CheckInputError(f"{e} (in one process, before any parallelizing)" + (
             "; with --pp the step is given torch's schedule, not the model: step(schedule, batch_size) runs "
             "schedule.step(inputs, target=targets)" if pp > 1 else "")) from None
-    result.rtol, result.coupled = (tol := tolerance(rtol, ref["dtypes"])), (ref["coupled"], ref["apart"])
-    result.autocast = ref["autocast"]
+    result.rtol, result.autocast = (tol := tolerance(rtol, ref["dtypes"])), ref["autocast"]
+    result.coupled = (ref["coupled"], ref["apart"], ref["unsplit"])
     spec = replace(spec, model_params=ref["params"]) if pp > 1 else spec
     t1, launched = time.monotonic(), time.time()
     ranks, failed, compared = _parallel(spec, ref, tol, result)

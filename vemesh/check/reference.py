@@ -67,11 +67,13 @@ def reference(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) 
         with _one_rank_world(dims(spec.world_size, spec.degrees, spec.dp_replicate).mesh_dims):
             ref = _reference_run(spec, factory, step, names)
             if not ref["coupled"] or spec.degrees["DP"] == 1:
-                return ref | {"coupled": "", "apart": ""}
+                return ref | {"coupled": "", "apart": "", "unsplit": 0}
             if spec.degrees.get("PP", 1) > 1:
-                return ref | {"apart": "under PP the step is given a schedule, whose batch the check does not cut"}
+                return ref | {"apart": "under PP the step is given a schedule, whose batch the check does not cut",
+                              "unsplit": 0}
             together = _together(spec, factory, step, names)
-            return ref | {"apart": f"{together} could not be drawn per DP rank"} if isinstance(together, str) else \
+            return ref | {"apart": f"{together} could not be drawn per DP rank", "unsplit": 0} \
+                if isinstance(together, str) else \
                 together | {"coupled": ref["coupled"], "apart": "", "autocast": ref["autocast"]}
     finally:
         torch.set_num_threads(threads)
@@ -163,11 +165,13 @@ def _together(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) 
     if draws.apart:
         return draws.apart
     outputs: list[dict] = [{} for _ in range(dp)]
+    unsplit = 0  # outputs without the rows (a loss over them all, tokens flattened): not compared
     for key, out in rec.outputs.items():
         rows = next((i for i, n in enumerate(out.shape) if n == dp * micro), None)
+        unsplit += rows is None
         for d, part in enumerate(out.chunk(dp, rows) if rows is not None else ()):
-            outputs[d][key] = part  # (an output without the rows, such as a loss over them all, is not compared)
-    return _record(model, rec, outputs, gradients(model), det.dropouts, det.random_ops)
+            outputs[d][key] = part
+    return _record(model, rec, outputs, gradients(model), det.dropouts, det.random_ops) | {"unsplit": unsplit}
 
 
 class _RankDraws(TorchFunctionMode):

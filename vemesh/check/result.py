@@ -96,8 +96,9 @@ class CheckResult:
     lowered: list[str] = field(default_factory=list)
     #: where DP > 1, the first collective the step ran itself (``allgather at job.py:32 in step``): one process ran
     #: the step on the DP ranks' batches together (:mod:`vemesh.check.reference`); and why not, where it then ran
-    #: each DP rank's batch alone (``torch.randint at job.py:28 could not be drawn per DP rank``); ``("", "")``: none
-    coupled: tuple[str, str] = ("", "")
+    #: each DP rank's batch alone (``torch.randint at job.py:28 could not be drawn per DP rank``); and the module
+    #: outputs of that run without the DP ranks' rows, not compared (a loss over them all); ``("", "", 0)``: none
+    coupled: tuple[str, str, int] = ("", "", 0)
     #: the 16-bit dtypes of the step's ``torch.autocast``, which both runs entered disabled (in full precision)
     autocast: list[str] = field(default_factory=list)
     #: why the parallel run was run again (a rank gloo aborted, or the kernel killed: :mod:`vemesh.check.rerun`)
@@ -156,7 +157,9 @@ class CheckResult:
             dp, micro = self.degrees["DP"], self.micro_batch_size
             lines.append(f"  the step's own collectives couple the DP ranks' batches ({self.coupled[0]}), so one "
                          f"process ran it once on them together ({dp} x {micro} rows, each DP rank's drawn from its "
-                         "seed): its gradients are one process's on the whole batch" if not self.coupled[1] else
+                         "seed): its gradients are one process's on the whole batch" + (
+                             f"; {self.coupled[2]} module output(s) without those rows (a loss over them all) not "
+                             "compared" if self.coupled[2] else "") if not self.coupled[1] else
                          f"  the step's own collectives couple the DP ranks' batches ({self.coupled[0]}), but "
                          f"{self.coupled[1]}, so one process ran each DP rank's batch alone, where each collective "
                          "has one rank: " + (
