@@ -21,7 +21,6 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,9 +35,8 @@ from torch.utils._pytree import tree_flatten
 from vemesh.parallel.experts.style import EXPERT
 from vemesh.parallel.tp_split import column_split_linears, parts, plain_name, unwrap
 
-__all__ = ["RANDOM_OPS", "Deterministic", "Recorder", "autocast_off", "column_split_linears", "data_parallel",
-           "gradients", "in_full_precision", "not_recorded", "parts", "plain_name", "quiet_shape_inference",
-           "unsynced", "unwrap"]
+__all__ = ["RANDOM_OPS", "Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients",
+           "not_recorded", "parts", "plain_name", "quiet_shape_inference", "unsynced", "unwrap"]
 
 
 def data_parallel(model: nn.Module) -> bool:
@@ -67,53 +65,6 @@ def unsynced(model: Any) -> str:
         if group is not None and not group.reduce_grads:
             return "FSDP2's set_requires_gradient_sync(False)"
     return ""
-
-
-@contextlib.contextmanager
-def autocast_off(seen: set[str]) -> Iterator[None]:
-    """``torch.autocast`` (and ``torch.amp.autocast``, the ``torch.cpu.amp`` one, a decorator's) to a 16-bit dtype
-    entered disabled while the block runs, the dtype added to ``seen``: a step under autocast to bf16 differs from one
-    process by bf16's rounding (4e-3 on a TP-split MLP), more than the check's tolerance, whatever the plan. As for
-    FSDP2's mixed precision (:func:`in_full_precision`), the check is of the parallelization. An autocast entered
-    with ``enabled=False`` (HF's rotary embeddings, kept in fp32) is left as it is."""
-    from torch.amp.autocast_mode import autocast
-
-    enter = autocast.__enter__
-
-    def entered(self: Any) -> Any:
-        if self._enabled and self.fast_dtype in (torch.bfloat16, torch.float16):
-            seen.add(str(self.fast_dtype).removeprefix("torch."))
-            self._enabled = False
-        return enter(self)
-
-    autocast.__enter__ = entered
-    try:
-        yield
-    finally:
-        autocast.__enter__ = enter
-
-
-def in_full_precision(model: Any) -> list[str]:
-    """FSDP2's ``MixedPrecisionPolicy`` on ``model`` (on any module under it; under PP, any stage's) set to compute,
-    reduce and return in the parameters' own dtype, as one process does; the dtypes below fp32 it had (torchtitan's
-    bf16 ``param_dtype``), sorted. A forward in bf16 against one process's fp32 differs by bf16's rounding (2.7e-2 on
-    a 6-layer Llama's query gradients), more than the check's tolerance, whatever the plan: the check is of the
-    parallelization, as it runs compiled modules eagerly."""
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for part in (model if not isinstance(model, nn.Module) else [model]) for m in unwrap(part).modules()]
-    low = set()
-    for state in (m._get_fsdp_state() for m in modules if isinstance(m, FSDPModule)):
-        policy = state._mp_policy
-        low |= {d for d in (policy.param_dtype, policy.reduce_dtype, policy.output_dtype)
-                if d is not None and d.is_floating_point and torch.finfo(d).bits < 32}
-        state._mp_policy = full = replace(policy, param_dtype=None, reduce_dtype=None, output_dtype=None)
-        for group in [state._fsdp_param_group] if state._fsdp_param_group is not None else []:
-            group.mp_policy = full
-            for param in group.fsdp_params:
-                param.mp_policy = full
-                param.init_dtype_attrs(full)
-    return sorted(str(d).removeprefix("torch.") for d in low)
 
 
 def on_tp(model: nn.Module) -> bool:
@@ -212,7 +163,7 @@ class Recorder:
         self.stack: list[str] = []
         self._handles: list[Any] = []
         #: each Linear's output, by id, until read (:meth:`read`): ``id -> (weak reference, Linear's name)``
-        self._linear_out: dict[int, tuple[Any, str]] = {}
+        self._linear_out: dict[int, tuple[Any, str, int]] = {}  # (the output, the Linear, the dim of its features)
         #: how many equal parts the forward cut each Linear's output into along its last dim, by the op that cut it
         #: (``chunk(2, -1)``, ``split(C, -1)``, ``view(B, T, 3, -1, d)``): a fused projection's parts, read
         self.read_parts: dict[str, int] = {}
@@ -239,7 +190,7 @@ class Recorder:
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
         if type(module) is nn.Linear and isinstance(output, torch.Tensor) and name not in self.read_parts:
-            self._linear_out[id(output)] = (weakref.ref(output), name)
+            self._linear_out[id(output)] = (weakref.ref(output), name, output.dim() - 1)
         leaves, _ = tree_flatten(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if not tensors and hasattr(output, "values"):  # HF's ModelOutput is a dict the pytree does not open
@@ -248,14 +199,19 @@ class Recorder:
             shard = _column_shard(module, t) if i == 0 and len(tensors) == 1 else None
             self.outputs[(name, call, i)] = _whole(t if shard is None else shard)
 
-    def read(self, func: Any, args: Any, kwargs: dict) -> None:
-        """If ``func`` cuts a Linear's output into equal parts along its last dim, note how many (read_parts)."""
+    def read(self, func: Any, args: Any, kwargs: dict, result: Any = None) -> None:
+        """If ``func`` cuts a Linear's output into equal parts along its features' dim, note how many (read_parts);
+        if it moves that dim (a transpose, Mamba's ``in_proj(x).transpose(1, 2)``), follow it to ``result``."""
         x = args[0] if args else None
         seen = self._linear_out.pop(id(x), None) if isinstance(x, torch.Tensor) else None
         if seen is None or seen[0]() is not x:
             return
-        parts = _parts_cut(func, x, args[1:], kwargs)
-        if parts is not None and x.shape[-1] % parts == 0:
+        if func in _MOVES:
+            if isinstance(result, torch.Tensor) and (dim := _moved(func, x, args[1:], kwargs, seen[2])) is not None:
+                self._linear_out[id(result)] = (weakref.ref(result), seen[1], dim)
+            return
+        parts = _parts_cut(func, x, args[1:], kwargs, seen[2])
+        if parts is not None and x.shape[seen[2]] % parts == 0:
             self.read_parts[seen[1]] = parts
 
     def __enter__(self) -> Recorder:
@@ -291,27 +247,44 @@ def gradients(model: nn.Module | list[nn.Module]) -> dict[str, torch.Tensor | No
 _CHUNKS = {torch.chunk, torch.Tensor.chunk}
 _SPLITS = {torch.split, torch.Tensor.split}
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+_MOVES = {torch.transpose, torch.Tensor.transpose, torch.permute, torch.Tensor.permute}
 
 
-def _parts_cut(func: Any, x: torch.Tensor, rest: tuple, kwargs: dict) -> int | None:
-    """How many equal parts ``func(x, *rest, **kwargs)`` cuts ``x`` into along its last dim (2 or more), else None:
-    ``chunk(n, dim=-1)``; ``split(size, dim=-1)`` (or equal sizes); a view of the last dim as ``(n, -1 or heads, d)``
-    with ``n`` 2 or 3 (ModernBERT's ``Wqkv``), not ``(heads, 3, d)`` (a head-major ``[q_h k_h v_h]``, which a plain
-    row split shards exactly)."""
+def _moved(func: Any, x: torch.Tensor, rest: tuple, kwargs: dict, dim: int) -> int | None:
+    """Where ``func(x, *rest, **kwargs)`` (a transpose or permute) puts ``x``'s dim ``dim``, else None."""
+    if func in (torch.transpose, torch.Tensor.transpose):
+        a, b = (kwargs.get("dim0", rest[0] if rest else None), kwargs.get("dim1", rest[1] if len(rest) > 1 else None))
+        if not (isinstance(a, int) and isinstance(b, int)):
+            return None
+        a, b = a % x.dim(), b % x.dim()
+        return b if dim == a else a if dim == b else dim
+    order = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else kwargs.get("dims", rest)
+    if not all(isinstance(n, int) for n in order) or len(order) != x.dim():
+        return None
+    return [n % x.dim() for n in order].index(dim)
+
+
+def _parts_cut(func: Any, x: torch.Tensor, rest: tuple, kwargs: dict,
+               features: int | None = None) -> int | None:
+    """How many equal parts ``func(x, *rest, **kwargs)`` cuts ``x`` into along its features' dim (``features``, the
+    last by default) (2 or more), else None: ``chunk(n, dim=-1)``; ``split(size, dim=-1)`` (or equal sizes); a view
+    of the last dim as ``(n, -1 or heads, d)`` with ``n`` 2 or 3 (ModernBERT's ``Wqkv``), not ``(heads, 3, d)`` (a
+    head-major ``[q_h k_h v_h]``, which a plain row split shards exactly)."""
     last = x.dim() - 1
+    features = last if features is None else features
     if func in _CHUNKS or func in _SPLITS:
         dim = kwargs.get("dim", rest[1] if len(rest) > 1 else 0)
-        if not isinstance(dim, int) or dim % x.dim() != last:
+        if not isinstance(dim, int) or dim % x.dim() != features:
             return None
         arg = kwargs.get("chunks", kwargs.get("split_size_or_sections", kwargs.get("split_size",
                                                                                 rest[0] if rest else None)))
         if func in _CHUNKS:
             return arg if isinstance(arg, int) and arg > 1 else None
         if isinstance(arg, int) and arg > 0:
-            return x.shape[-1] // arg if x.shape[-1] // arg > 1 else None
+            return x.shape[features] // arg if x.shape[features] // arg > 1 else None
         sizes = list(arg) if isinstance(arg, (list, tuple)) else []
         return len(sizes) if len(sizes) > 1 and len(set(sizes)) == 1 else None
-    if func in _VIEWS:
+    if func in _VIEWS and features == last:
         shape = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
         shape = kwargs.get("shape", shape)
         if not all(isinstance(n, int) for n in shape) or tuple(shape[:last]) != tuple(x.shape[:last]):
@@ -378,6 +351,10 @@ class Deterministic(TorchFunctionMode):
                     kwargs["dropout_p"] = 0.0
         elif func in _CHUNKS or func in _SPLITS or func in _VIEWS:
             self.recorder.read(func, args, kwargs)
+        elif func in _MOVES:
+            result = func(*args, **kwargs)
+            self.recorder.read(func, args, kwargs, result)
+            return result
         elif func in RANDOM_OPS and self.recorder.stack and not _in_backward() and not _UNRECORDED[0]:
             self.random_ops.append((self.recorder.stack[-1], getattr(func, "__name__", str(func))))
         return func(*args, **kwargs)

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vemesh.check.record import RANDOM_OPS, Deterministic, Recorder, autocast_off, gradients, plain_name, \
-    positions_argument, quiet_shape_inference, unwrap
+from vemesh.check.precision import autocast_off
+from vemesh.check.record import RANDOM_OPS, Deterministic, Recorder, gradients, plain_name, positions_argument, \
+    quiet_shape_inference, unwrap
 from vemesh.check.result import CheckInputError, built
 from vemesh.check.run import SEED, Spec, UserError, call, dims, loss_of
 from vemesh.layout.parallel_dims import ParallelDims

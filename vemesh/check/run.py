@@ -25,8 +25,9 @@ from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, 
     watch_inputs
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
-from vemesh.check.record import (Deterministic, Recorder, autocast_off, column_split_linears, data_parallel, gradients,
-                                 in_full_precision, on_tp, parts, plain_name, quiet_shape_inference, unsynced)
+from vemesh.check.precision import autocast_off, in_full_precision
+from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients, on_tp, parts,
+                                 plain_name, quiet_shape_inference, unsynced)
 from vemesh.check.result import CheckInputError
 from vemesh.check.stuck import Stalls, record_stacks
 from vemesh.layout.parallel_dims import ParallelDims

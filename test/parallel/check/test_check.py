@@ -808,6 +808,20 @@ def test_the_parts_of_a_fused_projection_are_read_from_how_the_forward_cuts_its_
                                {"dim": -1}), (torch.Tensor.chunk, (2,), {"dim": 1}), (torch.Tensor.view,
                                (torch.float16,), {}), (torch.Tensor.view, (2, 16, 12, 16), {})):
         assert _parts_cut(func, x, rest, kwargs) is None, (func, rest)
+    # the features moved by a transpose first (Mamba's in_proj(x).transpose(1, 2).chunk(2, dim=1): [x|z]), followed
+    # by the recorder: before, the chunk along dim 1 was not read, and the hint named 3 unequal parts by the name
+    from vemesh.check.record import Deterministic, Recorder
+
+    linear = torch.nn.Linear(8, 12)
+    with Recorder(torch.nn.Sequential(linear)) as rec, Deterministic(rec):
+        linear(torch.zeros(2, 5, 8)).transpose(1, 2).chunk(2, dim=1)
+    assert rec.read_parts == {"0": 2}
+    with Recorder(torch.nn.Sequential(linear)) as rec, Deterministic(rec):
+        linear(torch.zeros(2, 5, 8)).permute(0, 2, 1).chunk(3, dim=1)
+    assert rec.read_parts == {"0": 3}
+    with Recorder(torch.nn.Sequential(linear)) as rec, Deterministic(rec):
+        linear(torch.zeros(2, 5, 8)).transpose(1, 2).chunk(5, dim=2)  # the sequence's, not the features'
+    assert rec.read_parts == {}
 
 
 def test_a_module_called_in_another_order_on_a_rank_is_compared_call_for_call_as_one_process_made_them() -> None:
