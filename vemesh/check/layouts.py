@@ -4,6 +4,8 @@ split (no recipe of a Linear is tried there):
 * torch's ``PrepareModuleInput`` or ``PrepareModuleOutput`` refused the layouts it was given: one for each argument
   the module is called with, or each value it returns (:func:`layouts_hint`);
 * a module given a style never runs its forward, its parent reading its weights (:func:`never_called_hint`);
+* a line of the user's code reads a styled module's weight itself, a tie written in the forward
+  (:func:`read_outside_hint`);
 * the plan reads the whole sequence as a TP rank's part (torch's ``SequenceParallel`` and a ``Shard`` input layout
   read a plain tensor so), and every token is there TP times (:func:`repeated_sequence_hint`): attention over
   repeated tokens gives what it gives once, so outputs can match while every gradient is TP times one process's;
@@ -15,11 +17,12 @@ split (no recipe of a Linear is tried there):
 
 from __future__ import annotations
 
+import linecache
 import re
 from typing import Any
 
-__all__ = ["SIZES", "layout_hint", "layouts_hint", "never_called_hint", "output_length", "repeated_sequence_hint",
-           "uneven_sequence_hint"]
+__all__ = ["SIZES", "layout_hint", "layouts_hint", "never_called_hint", "output_length", "read_outside_hint",
+           "repeated_sequence_hint", "uneven_sequence_hint"]
 
 #: torch's words where an elementwise op meets two tensors of other sizes along a dim: the two sizes
 SIZES = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)")
@@ -27,7 +30,8 @@ SIZES = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b 
 
 def layout_hint(tp: int, ref: dict, result: Any, failed: list[dict]) -> str | None:
     """The first hint of this module's that applies to a run (``failed``: its ranks' errors, if it raised), or None."""
-    if failed and (said := layouts_hint(failed[0]) or never_called_hint(ref, failed[0])):
+    if failed and (said := layouts_hint(failed[0]) or never_called_hint(ref, failed[0])
+                   or read_outside_hint(failed[0])):
         return said
     if (said := repeated_sequence_hint(tp, ref, result, failed)) is not None:
         return said
@@ -74,6 +78,33 @@ def never_called_hint(ref: dict, failed: dict) -> str | None:
             f"F.multi_head_attention_forward), and torch's style acts in the module's forward, so it only made them "
             "DTensors, which that forward's plain tensors meet. Leave it out of the plan; a module whose parent reads "
             "its weights is not split by torch's styles (write the attention with Linears and SDPA to split it)")
+
+
+#: where the user's code raised, in a ``--step ... failed at FILE:LINE in NAME`` message
+_AT = re.compile(r" failed at (\S+?):(\d+) in \w+")
+
+
+def read_outside_hint(failed: dict) -> str | None:
+    """Where an op met a plain tensor and a DTensor at a line of the user's code that reads a parameter of a module
+    the plan gave a TP style (``self.wte.weight``: a tie written in the forward, GPT-2's ``h @ wte.weight.T``): the
+    style made that parameter a DTensor for every op that reads it, and only the module's own forward turns its
+    plain inputs into DTensors. The hint, or None."""
+    message, went = failed.get("message", ""), failed.get("went", {})
+    if "mixed torch.Tensor and DTensor" not in message or not (at := _AT.search(message)):
+        return None
+    line = linecache.getline(at.group(1), int(at.group(2))).split("#")[0].strip()  # (a comment's words aside)
+    for style, torch_style in (("rowwise", "RowwiseParallel"), ("colwise", "ColwiseParallel")):
+        for name in went.get(style, ()):
+            if (read := re.search(rf"\b{re.escape(name.rpartition('.')[2])}\.(weight|bias)\b", line)) is not None:
+                return (f"{at.group(1)}:{at.group(2)} reads {read.group(0)} itself (`{line}`), and the plan gave "
+                        f"{name} {torch_style}, which made its {read.group(1)} a DTensor sharded over TP: an op "
+                        "outside the module meets it with plain tensors (only the module's own forward turns its "
+                        "inputs into DTensors). A weight the forward uses twice, as a head tied in the forward "
+                        f"(`h @ wte.weight.T`), is not split by a style on one of its users: leave {name} out of the "
+                        "plan, or give the head a module of its own tied to it (lm_head.weight = wte.weight) and "
+                        "shard both ends with vemesh.parallel.parallelize_module (docs/checking.md: a tied "
+                        "embedding)")
+    return None
 
 
 def output_length(ref: dict, module: str, dim: int) -> int | None:

@@ -732,6 +732,22 @@ def test_a_step_written_for_its_wrapper_runs_in_one_process_and_one_that_never_s
                                "no_sync()), so each DP rank kept its own batch's"), text
 
 
+@pytest.mark.slow  # two checks of 4 processes
+def test_a_head_tied_in_the_forward_is_named_at_its_line_and_the_recipe_it_gives_is_exact() -> None:
+    """``h @ self.wte.weight.T`` with ``wte`` vocabulary-parallel: "aten.mm.default got mixed torch.Tensor and
+    DTensor" and no hint. The hint names the line that reads the styled module's weight, and what to do; the model
+    with the head a module of its own, tied, both ends sharded by vemesh's parallelize_module, is exact."""
+    path = str(ROOT / "test" / "models" / "tied_forward_jobs.py")
+    line = next(i for i, text in enumerate(Path(path).read_text().splitlines(), 1) if "return self.hidden(ids) @" in text)
+    result = check(f"module:{path}:make", f"{path}:parallelize", f"{path}:step", world_size=4, tp=2)
+    (text,) = result.hints
+    assert re.match(rf"\S*tied_forward_jobs.py:{line} reads wte.weight itself \(`return self.hidden\(ids\) @ "
+                    r"self.wte.weight.T`\), and the plan gave wte RowwiseParallel, which made its weight a DTensor", text)
+    assert "leave wte out of the plan, or give the head a module of its own tied to it" in text
+    result = check(f"module:{path}:make_head", f"{path}:parallelize", f"{path}:step", world_size=4, tp=2)
+    assert result.exact, result.render()
+
+
 def test_a_step_under_autocast_to_bf16_is_checked_in_full_precision_and_says_so() -> None:
     """A right TP plan whose step runs the forward under ``torch.autocast("cpu", dtype=torch.bfloat16)`` was
     "DIFFERS" (4e-3 at the first RowwiseParallel, bf16's rounding, against the tolerance of 1e-4) with no hint. Both
