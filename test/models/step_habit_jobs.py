@@ -1,7 +1,7 @@
 """Steps written the way torch's users write them, for ``vemesh check`` (test_check.py): gradients accumulated with
 ``no_sync()`` on every micro-batch but the last (vemesh's and torch's DDP), FSDP2's ``set_requires_gradient_sync``, a
-step that reads DDP's ``module``, one whose last backward never syncs, a log line's all-reduce on rank 0 alone, and
-a forward under ``torch.autocast`` to bf16 with a TP plan."""
+step that reads DDP's ``module``, one whose last backward never syncs, a log line's all-reduce on rank 0 alone,
+collectives that wait for each other in a cycle, and a forward under ``torch.autocast`` to bf16 with a TP plan."""
 
 from __future__ import annotations
 
@@ -102,4 +102,27 @@ def step_autocast(model: nn.Module, batch_size: int) -> torch.Tensor:
         logits = model(ids)
     loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
     loss.backward()
+    return loss
+
+
+def step_in_a_cycle(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """On DP 2 x TP 2, each rank's first all-reduce in a group whose other rank is in its own first: rank 0 waits for
+    rank 2 (DP), 2 for 3 (TP), 3 for 1 (DP), 1 for 0 (TP)."""
+    import torch.distributed as dist
+
+    from vemesh import VESCALE_DEVICE_MESH
+
+    loss = _micro_batch(model, batch_size)
+    dp, tp = VESCALE_DEVICE_MESH["DP"].get_group(), VESCALE_DEVICE_MESH["TP"].get_group()
+    for group in (dp, tp) if dist.get_rank() in (0, 3) else (tp, dp):
+        dist.all_reduce(torch.ones(3), group=group)
+    return loss
+
+
+def step_receiving(model: nn.Module, batch_size: int) -> torch.Tensor:
+    """A message from the next rank, by hand."""
+    import torch.distributed as dist
+
+    loss = _micro_batch(model, batch_size)
+    dist.recv(torch.zeros(3), src=(dist.get_rank() + 1) % dist.get_world_size())
     return loss

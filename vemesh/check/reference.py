@@ -261,13 +261,19 @@ def _per_rank(args: tuple, kwargs: dict, rows: int, micro: int, d: int) -> tuple
 
 
 class _Collectives(TorchDispatchMode):
-    """The first collective the step ran (a barrier aside) and the line of the user's code it came from."""
+    """The first collective the step ran (a barrier aside) and the line of the user's code it came from. A send or
+    a receive raises: in one process its peer is no rank, and gloo's receive would wait for it forever."""
 
     def __init__(self) -> None:
         super().__init__()
         self.first = ""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d" and func.__name__.startswith(("send", "recv")):
+            raise RuntimeError(f"a point-to-point {func.__name__.split('.')[0].strip('_')} with another rank: one "
+                               "process, where the check runs the step too, has no other rank, and would wait for it "
+                               "forever; keep sends and receives out of the step (under PP, torch's schedule sends "
+                               "what its stages need)")
         if not self.first and func.namespace in _COLLECTIVES and "barrier" not in func.__name__:
             where = _user_line()
             self.first = func.__name__.split(".")[0].strip("_") + (

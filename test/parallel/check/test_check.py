@@ -773,6 +773,24 @@ def test_a_rank_stuck_in_a_collective_its_peers_never_run_is_named_with_its_line
     assert "the parallel run hung where one process did not: rank(s) [0]" in result.render()
 
 
+@pytest.mark.slow  # 4 processes, deadlocked for 40 s
+def test_ranks_that_wait_for_each_other_in_a_cycle_are_named_once_their_stacks_have_not_moved() -> None:
+    """Every rank in an all-reduce whose peer is in another: no rank finishes, and the check waited out its
+    --timeout. Two samples of every rank's stack 20 s apart, each in the same torch.distributed call, name it."""
+    path = str(ROOT / "test" / "models" / "step_habit_jobs.py")
+    line = next(i for i, text in enumerate(Path(path).read_text().splitlines(), 1)
+                if "dist.all_reduce(torch.ones(3), group=group)" in text)
+    result = check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step_in_a_cycle", world_size=4, tp=2)
+    assert result.verdict == "differs" and re.match(
+        r"no rank finished the step, and every rank \(\[0, 1, 2, 3\]\) has waited in the same torch.distributed call "
+        r"for \d+ s: rank 0 waits at ", result.error), result.render()
+    assert result.error.count(f"step_habit_jobs.py:{line} in step_in_a_cycle (in torch.distributed's all_reduce)") == 4
+    # a step that receives itself: refused in one process, where gloo's receive waited forever and nothing was said
+    with pytest.raises(CheckInputError, match=r"step_receiving failed at .*: RuntimeError: a point-to-point recv with "
+                       "another rank: one process, where the check runs the step too, has no other rank"):
+        check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step_receiving", world_size=2)
+
+
 def test_hf_bert_keeps_its_two_ties_and_a_step_that_draws_the_same_batch_on_every_dp_rank_is_said() -> None:
     """HF's BERT for masked LM, its embedding and decoder vocabulary-parallel through vemesh's parallelize_module:
     its decoder's bias is tied to ``cls.predictions.bias``, the head above it, which no style shards. That end is
