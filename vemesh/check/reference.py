@@ -61,7 +61,8 @@ def reference(spec: Spec, factory: Any, step: Any, names: tuple[str, str, str]) 
     """The one-process run, on one thread as each rank of the parallel run is (a kernel's rounding depends on its
     threads: the figures are the same run after run); on the DP ranks' batches together where the step's collectives
     couple them (the module docstring). In what it returns, ``coupled`` names the first of those collectives (or is
-    empty), and ``apart`` a draw that kept the DP ranks' batches apart (or is empty)."""
+    empty), ``apart`` why the DP ranks' batches were run apart all the same (or is empty), and ``unsplit`` counts the
+    module outputs of the run together that had no DP rows to cut (not compared)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
