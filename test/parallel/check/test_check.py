@@ -758,11 +758,13 @@ def test_a_step_under_autocast_to_bf16_is_checked_in_full_precision_and_says_so(
     assert "mixed precision: the step's torch.autocast (bfloat16) ran disabled in both runs" in result.render()
 
 
-@pytest.mark.slow  # 2 processes, one of them stuck for 20 s
-def test_a_rank_stuck_in_a_collective_its_peers_never_run_is_named_with_its_line_once_they_are_done() -> None:
+@pytest.mark.slow  # 2 processes, one of them stuck for 5 s
+def test_a_rank_stuck_in_a_collective_its_peers_never_run_is_named_with_its_line_once_they_are_done(
+        monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A step that all-reduces its loss for a log line on rank 0 alone: the check waited out its --timeout (300 s) for
-    gloo's "Timed out waiting ... for recv operation". Once rank 1 is done, rank 0 gets 20 s, then its stack says where
-    it waits."""
+    gloo's "Timed out waiting ... for recv operation". Once rank 1 is done, rank 0 gets 20 s (5 here: the calling
+    process watches, and the hang is real), then its stack says where it waits."""
+    monkeypatch.setattr("vemesh.check.stuck.FLOOR_S", 5.0)
     path = str(ROOT / "test" / "models" / "step_habit_jobs.py")
     line = next(i for i, text in enumerate(Path(path).read_text().splitlines(), 1) if "dist.all_reduce(" in text)
     result = check(f"module:{path}:make", f"{path}:parallelize_ddp", f"{path}:step_logged_on_rank_zero", world_size=2)
@@ -773,10 +775,13 @@ def test_a_rank_stuck_in_a_collective_its_peers_never_run_is_named_with_its_line
     assert "the parallel run hung where one process did not: rank(s) [0]" in result.render()
 
 
-@pytest.mark.slow  # 4 processes, deadlocked for 40 s
-def test_ranks_that_wait_for_each_other_in_a_cycle_are_named_once_their_stacks_have_not_moved() -> None:
+@pytest.mark.slow  # 4 processes, deadlocked for 10 s
+def test_ranks_that_wait_for_each_other_in_a_cycle_are_named_once_their_stacks_have_not_moved(
+        monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Every rank in an all-reduce whose peer is in another: no rank finishes, and the check waited out its
-    --timeout. Two samples of every rank's stack 20 s apart, each in the same torch.distributed call, name it."""
+    --timeout. Two samples of every rank's stack 20 s apart (5 here), each in the same torch.distributed call, name
+    it."""
+    monkeypatch.setattr("vemesh.check.stuck.FLOOR_S", 5.0)
     path = str(ROOT / "test" / "models" / "step_habit_jobs.py")
     line = next(i for i, text in enumerate(Path(path).read_text().splitlines(), 1)
                 if "dist.all_reduce(torch.ones(3), group=group)" in text)
