@@ -186,12 +186,13 @@ class _RankDraws(TorchFunctionMode):
         super().__init__()
         self.recorder, self.dp, self.micro = recorder, dp, micro
         self.apart = ""
-        default = torch.get_rng_state()
-        self._states: dict[int, list[torch.Tensor]] = {}
+        default, seeded = torch.get_rng_state(), []
         for d in range(dp):
             torch.manual_seed(SEED + 1 + d)
-            self._states.setdefault(id(None), []).append(torch.get_rng_state())
+            seeded.append(torch.get_rng_state())
         torch.set_rng_state(default)
+        #: each DP rank's state of each stream: torch's generator (``id(None)``), and a generator of the step's own
+        self._states: dict[int, list[torch.Tensor]] = {id(None): seeded}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -199,7 +200,9 @@ class _RankDraws(TorchFunctionMode):
             return func(*args, **kwargs)
         gen = kwargs.get("generator")
         get, put = (gen.get_state, gen.set_state) if gen is not None else (torch.get_rng_state, torch.set_rng_state)
-        states = self._states.setdefault(id(gen), [get()] * self.dp)
+        if id(gen) not in self._states:  # the step's own generator, as each rank's step finds it at its first draw
+            self._states[id(gen)] = [get()] * self.dp
+        states = self._states[id(gen)]
         rows = self.dp * self.micro
         parts, dim = [], None
         name = getattr(func, "__name__", str(func))
