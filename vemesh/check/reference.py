@@ -13,8 +13,6 @@ the DP ranks' rows. A draw that cannot be cut by rows leaves the run as it was, 
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +29,7 @@ from vemesh.check.run import SEED, Spec, UserError, call, dims, loss_of
 from vemesh.layout.parallel_dims import ParallelDims
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 from vemesh.planning.fake_world import _forget_meshes
+from vemesh.planning.user_code import user_frame
 
 __all__ = ["reference"]
 
@@ -225,15 +224,8 @@ class _RankDraws(TorchFunctionMode):
 
 
 def _drawn(name: str) -> str:
-    """``torch.NAME at file:line``, the user's line that drew it."""
-    where = _user_line()
-    return f"torch.{name}" + ("" if where is None else f" at {_relative(where.filename)}:{where.lineno}")
-
-
-def _user_line() -> Any:
-    """The innermost frame of the stack outside torch and vemesh (the user's code), or None."""
-    return next((f for f in reversed(traceback.extract_stack()) if "/torch/" not in f.filename
-                 and "/vemesh/" not in f.filename and "<" not in f.filename), None)
+    """``torch.NAME at file:line in function``, the user's line that drew it."""
+    return f"torch.{name}{user_frame()}"
 
 
 def _per_rank(args: tuple, kwargs: dict, rows: int, micro: int, d: int) -> tuple[tuple, dict, int | None]:
@@ -279,15 +271,8 @@ class _Collectives(TorchDispatchMode):
                                "forever; keep sends and receives out of the step (under PP, torch's schedule sends "
                                "what its stages need)")
         if not self.first and func.namespace in _COLLECTIVES and "barrier" not in func.__name__:
-            where = _user_line()
-            self.first = func.__name__.split(".")[0].strip("_") + (
-                "" if where is None else f" at {_relative(where.filename)}:{where.lineno} in {where.name}")
+            self.first = func.__name__.split(".")[0].strip("_") + user_frame()
         return func(*args, **(kwargs or {}))
-
-
-def _relative(path: str) -> str:
-    where = os.path.relpath(path)
-    return path if where.startswith("..") else where
 
 
 def _whole_model_schedule(spec: Spec, model: torch.nn.Module) -> Any:

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vemesh.planning.user_code import shown_path
+
 __all__ = ["FLOOR_S", "TIMES", "Stalls", "record_stacks"]
 
 #: the least a rank gets to finish after another has (on a loaded machine the OS may hold a rank back for seconds)
@@ -126,6 +128,5 @@ def _waits_at(frames: list[tuple[str, str, str]]) -> str:
     inside = next((name for f, _, name in frames if "/torch/distributed/" in f), None)
     if user is None:
         return "outside your code" + (f" (in torch.distributed's {inside})" if inside else "")
-    path = os.path.relpath(user[0])
-    return (f"at {user[0] if path.startswith('..') else path}:{user[1]} in {user[2]}"
+    return (f"at {shown_path(user[0])}:{user[1]} in {user[2]}"
             + (f" (in torch.distributed's {inside})" if inside else " (not in a collective: in compute?)"))

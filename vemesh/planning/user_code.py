@@ -21,7 +21,7 @@ from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
 __all__ = ["as_traced", "call", "compiled_module", "CONTRACTS", "INPLACE_ON_TP_OUTPUT", "known_cause", "on_this_cpu",
-           "OnThisCPU", "resolve", "sharded_by_fsdp", "unbindable", "user_frame", "UserFunctions"]
+           "OnThisCPU", "resolve", "sharded_by_fsdp", "shown_path", "unbindable", "user_frame", "UserFunctions"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
 CONTRACTS = {
@@ -90,14 +90,20 @@ class UserFunctions:
                    pp_schedule=pp_schedule or "1f1b", before_optimizer=b, before_optimizer_name=bn)
 
 
-def user_frame(error: BaseException) -> str:
+def user_frame(error: BaseException | None = None) -> str:
     """`` at file:line in function`` of the innermost frame outside torch and vemesh (from the current directory
-    when it is under it), or ''."""
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+    when it is under it) of ``error``'s traceback, or of the stack where it is called without one; or ''."""
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else traceback.extract_stack()
+    for frame in reversed(frames):
         if "/torch/" not in frame.filename and "/vemesh/" not in frame.filename and "<" not in frame.filename:
-            where = os.path.relpath(frame.filename)
-            return f" at {frame.filename if where.startswith('..') else where}:{frame.lineno} in {frame.name}"
+            return f" at {shown_path(frame.filename)}:{frame.lineno} in {frame.name}"
     return ""
+
+
+def shown_path(path: str) -> str:
+    """``path`` from the current directory where it is under it, else whole."""
+    where = os.path.relpath(path)
+    return path if where.startswith("..") else where
 
 
 #: FSDP2's CPU offload, pinned (its default), traced for the CPU (``--device-type cpu``), or run where no function of

@@ -709,7 +709,7 @@ def test_a_step_whose_collectives_couple_the_dp_ranks_is_compared_with_one_proce
     # a length drawn per rank has no rows to cut: each DP rank's batch alone, as before, and said
     result = check(f"module:{path}:make_lm", f"{path}:parallelize_ddp", f"{path}:step_length", world_size=2)
     assert result.exact and result.coupled[1].startswith("torch.randint at "), result.render()
-    assert result.coupled[1].endswith(f"coupled_jobs.py:{length} could not be drawn per DP rank")
+    assert result.coupled[1].endswith(f"coupled_jobs.py:{length} in step_length could not be drawn per DP rank")
     assert "what the coupling adds was not checked" in result.render()
 
 
