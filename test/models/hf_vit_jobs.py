@@ -4,7 +4,9 @@ projection has a bias, whose gradient is zero in exact arithmetic (softmax ignor
 no data-parallel wrapper, every other gradient differs from one process's. With sequence parallelism (torchtitan's
 layout on each layer), what a plan must add for a model whose input no Linear or Embedding makes: the patches cut
 into each TP rank's part before the first layer, and gathered back before the last norm (the class token is read
-from the whole sequence); and a sequence that TP divides (``make`` has 9 patches and the class token)."""
+from the whole sequence); and a sequence that TP divides (``make`` has 9 patches and the class token). Under FSDP2
+over DP (``parallelize_fsdp``), two first plans' mistakes: the attention's output projection left out
+(``fsdp_without_o_proj``), and the MLP's second Linear split by columns (``fsdp_fc2_by_columns``)."""
 
 from __future__ import annotations
 
@@ -90,3 +92,34 @@ def parallelize_sp_uncut(model: nn.Module, mesh) -> nn.Module:
 def parallelize_sp_one_layout(model: nn.Module, mesh) -> nn.Module:
     """The cut given one layout, where the layer is called with two arguments (the hidden states and the mask)."""
     return _sequence_parallel(model, mesh, (Shard(1),), gather=True)
+
+
+def _fsdp(model: nn.Module, mesh, plan: dict) -> nn.Module:
+    """``plan`` on each layer over TP, then FSDP2 over DP on each layer and the model, as torchtitan orders them."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.vit.layers:
+        parallelize_module(layer, mesh["TP"], plan)
+    for layer in model.vit.layers:
+        fully_shard(layer, mesh=mesh["DP"])
+    return fully_shard(model, mesh=mesh["DP"])
+
+
+PLAN = {"attention.q_proj": ColwiseParallel(), "attention.k_proj": ColwiseParallel(),
+        "attention.v_proj": ColwiseParallel(), "attention.o_proj": RowwiseParallel(),
+        "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+
+
+def parallelize_fsdp(model: nn.Module, mesh) -> nn.Module:
+    """The plan of :func:`parallelize_tp` under FSDP2 (exact)."""
+    return _fsdp(model, mesh, PLAN)
+
+
+def fsdp_without_o_proj(model: nn.Module, mesh) -> nn.Module:
+    """The plan with the attention's output projection left out: it is handed this TP rank's heads."""
+    return _fsdp(model, mesh, {k: v for k, v in PLAN.items() if k != "attention.o_proj"})
+
+
+def fsdp_fc2_by_columns(model: nn.Module, mesh) -> nn.Module:
+    """The plan with the MLP's second Linear split by columns too, as a first plan that splits every Linear does."""
+    return _fsdp(model, mesh, {**PLAN, "mlp.fc2": ColwiseParallel()})

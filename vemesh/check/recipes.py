@@ -28,14 +28,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from vemesh.check.compare import ran_before
 from vemesh.check.record import plain_name
 from vemesh.check.sequence import gathered_sequence
+from vemesh.check.watches import input_watch, on_tp
 from vemesh.parallel.fused import FusedColwiseParallel
 
 __all__ = ["RECIPES", "Candidate", "Swap", "candidates", "fused_parts", "hint", "near", "refused_hint", "swapped",
@@ -72,7 +72,7 @@ def all_stages(records: list[dict], grads: dict[str, Any]) -> tuple[list[tuple[s
     (``grads``: the one-process run's gradients by name; the same last name and weight shape) counted as split, and as
     ColwiseParallel where it is, so that a recipe goes to every stage's layers and not to this stage's alone."""
     split = list(dict.fromkeys(tuple(s) for r in records for s in r["split"]))
-    own = ("whole_input", "part_input", "whole")  # a rank's own record, not names to merge
+    own = ("whole_input", "part_input", "colwise_part", "whole")  # a rank's own record, not names to merge
     went = {k: list(dict.fromkeys(n for r in records for n in r["went"].get(k, ()))) for k in records[0]["went"]
             if k not in own}
     went.update({k: next(r["went"][k] for r in records if k in r["went"]) for k in own
@@ -213,7 +213,11 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             return row_apply(RowwiseParallel(), module, device_mesh)
         swap = colwise.get(name)
         if swap is None:
-            return col_apply(self, module, device_mesh)
+            out = col_apply(self, module, device_mesh)
+            if isinstance(module, nn.Linear) and not isinstance(self.input_layouts[0], Shard):  # takes it whole
+                module.register_forward_pre_hook(input_watch(name, "colwise_part", module.in_features,
+                                                             device_mesh.size(), went), prepend=True)
+            return out
         went["swapped"].append(name)
         if swap.recipe == "gathered":
             style = ColwiseParallel(input_layouts=self.input_layouts[0], output_layouts=Replicate())
@@ -241,7 +245,7 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         if name.rpartition(".")[0] not in gathered and name not in replicated:
             out = row_apply(self, module, device_mesh)
             if isinstance(self.input_layouts[0], Shard) and isinstance(module, nn.Linear):
-                module.register_forward_pre_hook(_input_watch(name, "whole_input", module.in_features,
+                module.register_forward_pre_hook(input_watch(name, "whole_input", module.in_features,
                                                               device_mesh.size(), went), prepend=True)
             return out
         went["swapped"].append(name)
@@ -261,11 +265,24 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
     def refused(apply):  # type: ignore[no-untyped-def]
         def wrapped(self, module: nn.Module, device_mesh) -> nn.Module:  # type: ignore[no-untyped-def]
             try:
-                return apply(self, module, device_mesh)
+                out = apply(self, module, device_mesh)
             except NotImplementedError:  # torch's "only support nn.Linear and nn.Embedding": GPT-2's Conv1D
                 went["refused"] = [names.get(id(module), "?"), type(module).__name__, type(self).__name__]
                 raise
+            scope = names.get(id(module), "").rpartition(".")[0]
+            for name in [n for n in pending if n.rpartition(".")[0] == scope]:  # a Linear a recipe adds, styled
+                pending.remove(name)  # with its scope's first, before the user's FSDP2 can shard it
+                add(name, device_mesh)
+            return out
         return wrapped
+
+    def add(name: str, device_mesh) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(modules.get(name), nn.Linear) and not on_tp(modules[name].weight):
+            (col_apply if name in added else row_apply)(
+                ColwiseParallel() if name in added else RowwiseParallel(), modules[name], device_mesh)
+            went["swapped"].append(name)
+
+    pending = [*added, *rows_added]
 
     ColwiseParallel._apply, RowwiseParallel._apply = refused(col), refused(row)  # type: ignore[method-assign]
     PrepareModuleInput._apply = prepare  # type: ignore[method-assign]
@@ -276,14 +293,11 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
         PrepareModuleInput._apply = prepare_apply  # type: ignore[method-assign]
     if not meshes:  # no torch style applied: nothing for the recipes here
         return
-    for name in [*added, *rows_added]:  # after the user's function, on the mesh it gave torch's styles
-        if isinstance(modules.get(name), nn.Linear) and not _on_tp(modules[name].weight):
-            (col_apply if name in added else row_apply)(
-                ColwiseParallel() if name in added else RowwiseParallel(), modules[name], meshes[0])
-            went["swapped"].append(name)
+    for name in pending:  # no style in their scope: after the user's function, on the mesh it gave torch's styles
+        add(name, meshes[0])
     if went.get("sequence"):  # the norms a sequence-parallel plan may leave whole (check.positions)
         went["norms"] = [n for n, m in modules.items() if "Norm" in type(m).__name__ and
-                         any(True for _ in m.parameters(recurse=False)) and not _on_tp(next(m.parameters()))]
+                         any(True for _ in m.parameters(recurse=False)) and not on_tp(next(m.parameters()))]
     for name in [*sequence_norms, *gather_into]:
         if name in sequence_norms:
             style = SequenceParallel(sequence_dim=went["sequence_dim"][0], use_local_output=True)  # a plain part out
@@ -292,34 +306,13 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             modules[name].register_forward_pre_hook(gathered_sequence(meshes[0], went["sequence_dim"][0]),
                                                     with_kwargs=True)
         went["swapped"].append(name)
-    whole = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear) and not _on_tp(m.weight)]
+    whole = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear) and not on_tp(m.weight)]
     went["whole"] = [[n, m.in_features] for n, m in whole]  # what TP left whole (whole_input.siblings)
     tp = meshes[0].size()
     for name, module in whole:
         if tp > 1 and module.in_features % tp == 0:
-            module.register_forward_pre_hook(_input_watch(name, "part_input", module.in_features, tp, went),
+            module.register_forward_pre_hook(input_watch(name, "part_input", module.in_features, tp, went),
                                              prepend=True)
-
-
-def _input_watch(name: str, key: str, width: int, tp: int, went: dict[str, list]) -> Any:
-    """A forward pre-hook, run before torch's, for Linear ``name`` of ``width`` input features: where it is handed a
-    plain tensor of ``width`` features (``key`` ``"whole_input"``: a RowwiseParallel Linear handed what one process
-    computes, not this TP rank's part) or of ``width // tp`` (``"part_input"``: a Linear TP left whole handed this
-    rank's part), ``went[key]`` says so once, as ``[name, width, width // tp]`` (:mod:`vemesh.check.whole_input`)."""
-    expected = width if key == "whole_input" else width // tp
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        given = args[0] if args else None
-        if key in went or isinstance(given, DTensor) or not isinstance(given, torch.Tensor) or not given.dim() or \
-                given.shape[-1] != expected:
-            return
-        went[key] = [name, width, width // tp]
-    return hook
-
-
-def _on_tp(t: Any) -> bool:
-    """Whether parameter ``t`` is a DTensor over a mesh with a TP dim (split or replicated by a TP style)."""
-    return isinstance(t, DTensor) and "TP" in (t.device_mesh.mesh_dim_names or ())
 
 
 def hint(candidate: Candidate, raised: bool, tried: list[tuple[Swap, list[str], str]], fixed: bool,

@@ -15,7 +15,8 @@ never wrote. Each rank records the first such Linear, with the Linears of its sc
   it stays whole on every rank).
 
 The hint names the Linear, the widths, and what each try did. Two more plans that leave a Linear out, each tried
-with the style it lacks:
+with the style it lacks (applied with the first TP style of its scope, before a data-parallel wrapper of the user's
+such as FSDP2 shards it: :func:`vemesh.check.recipes.swapped`):
 
 * a Linear that TP left whole handed this rank's part of its input (``o_proj`` left out after a split attention:
   "mat1 and mat2 shapes cannot be multiplied"): ``RowwiseParallel()`` on it (:func:`raised`);
@@ -23,7 +24,9 @@ with the style it lacks:
   or the one holding it (``up_proj`` beside ``gate_proj``, ``v_proj`` beside ``k_proj``): ``ColwiseParallel()`` on
   it, said where that makes the check exact (:func:`siblings`).
 
-And the two ends of a language model: a head under plain ``ColwiseParallel()``, whose output the loss reads whole
+A plan that splits every Linear by columns hands the second of a pair (an MLP's ``fc2``) this rank's part of its
+input, where ``ColwiseParallel`` takes it whole: ``RowwiseParallel()`` in its place is tried. And the two ends of a
+language model: a head under plain ``ColwiseParallel()``, whose output the loss reads whole
 (``ColwiseParallel(output_layouts=Replicate())`` tried), and an embedding under ``RowwiseParallel()`` with torch's
 default input layout, which takes the ids as a part of the sequence (``RowwiseParallel(input_layouts=Replicate())``
 tried).
@@ -59,8 +62,9 @@ def raised(failed: dict, grads: dict[str, Any], tries: Tries) -> tuple[list[str]
     (:func:`diagnose`); under a plan that gives an ``nn.Embedding`` ``RowwiseParallel()`` with torch's default
     ``Shard(-1)`` input (``RowwiseParallel(input_layouts=Replicate())`` tried); after the model, its last module a
     plain ``ColwiseParallel`` (its output gathered tried); or in a Linear TP left whole handed this rank's part of
-    its input (``RowwiseParallel()`` on it tried, said where it makes the check exact): the hints and the runs made;
-    else None."""
+    its input (``RowwiseParallel()`` on it tried, said where it makes the check exact), or a ColwiseParallel one
+    handed its part (``RowwiseParallel()`` in its place: :func:`_colwise_part`): the hints and the runs made; else
+    None."""
     if (fed := candidate(failed, grads, tries.order)) is not None:
         return diagnose(fed, tries)
     went = failed.get("went", {})
@@ -84,7 +88,9 @@ def raised(failed: dict, grads: dict[str, Any], tries: Tries) -> tuple[list[str]
                 + ("makes the check exact" if trial.exact else went_wrong(trial, now))
                 + ". To keep a vocabulary's logits split, compute the loss under torch's loss_parallel() with "
                 "ColwiseParallel(use_local_output=False) on it"], 1
-    seen = failed.get("went", {}).get("part_input")
+    if (seen := went.get("colwise_part")) and seen[0] == failed.get("module"):
+        return _colwise_part(*seen, grads, tries)
+    seen = went.get("part_input")
     if not seen or seen[0] != failed.get("module"):
         return None
     name, width, given = seen
@@ -95,6 +101,21 @@ def raised(failed: dict, grads: dict[str, Any], tries: Tries) -> tuple[list[str]
             f"{width} features: what makes it is split by columns), and the forward raised. Tried: RowwiseParallel() "
             f"on {_on(swap.linears)}: makes the check exact (docs/checking.md: a RowwiseParallel Linear handed its "
             "whole input)"], 1
+
+
+def _colwise_part(name: str, width: int, given: int, grads: dict[str, Any],
+                  tries: Tries) -> tuple[list[str], int] | None:
+    """A ColwiseParallel Linear (its input whole on every rank, torch's default) handed this TP rank's part of its
+    input, as a plan that splits every Linear by columns hands an MLP's second: ``RowwiseParallel()`` in its place
+    (and its alike) tried; its hint where that makes the check exact, else None (the check's other recipes follow)."""
+    swap = Swap(_alike((name,), grads), 1, "as-rowwise")
+    if not tries.run((swap,))[0].exact:
+        return None
+    return [f"{name} is split by columns (torch's ColwiseParallel, which takes its input whole on every TP rank), but "
+            f"it was handed this rank's part of its input ({given} of its {width} features: what makes it is split by "
+            f"columns too), and the forward raised. Tried: RowwiseParallel() on {_on(swap.linears)}: makes the check "
+            "exact: a Linear that reads a column-split one's output is split by rows, as Megatron pairs them "
+            "(docs/checking.md: a RowwiseParallel Linear handed its whole input)"], 1
 
 
 def siblings(where: str | None, went: dict, split: list, grads: dict[str, Any], tries: Tries) -> list[str] | None:

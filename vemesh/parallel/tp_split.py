@@ -48,9 +48,9 @@ def plain_name(name: str) -> str:
 
 def column_split_linears(model: nn.Module) -> list[tuple[str, int, int, int]]:
     """``(name, out_features, in_features, TP degree)`` of each Linear whose weight's rows are split over its mesh's
-    ``TP`` dim (or its one dim) in plain blocks, as torch's ``ColwiseParallel`` splits them: TP rank ``r`` holds the
-    ``r``-th block of all the rows. A fused ``[q|k|v]`` split so gives TP rank 0 all of q and part of k
-    (:func:`vemesh.check.recipes.candidates`)."""
+    ``TP`` dim (or the one dim of a mesh without names) in plain blocks, as torch's ``ColwiseParallel`` splits them:
+    TP rank ``r`` holds the ``r``-th block of all the rows. A fused ``[q|k|v]`` split so gives TP rank 0 all of q and
+    part of k (:func:`vemesh.check.recipes.candidates`)."""
     found = []
     for name, m in (nm for part, _ in parts(model) for nm in part.named_modules()):
         w = getattr(m, "weight", None)
@@ -58,7 +58,8 @@ def column_split_linears(model: nn.Module) -> list[tuple[str, int, int, int]]:
             continue
         mesh = w.device_mesh
         names = mesh.mesh_dim_names or ()
-        at = names.index("TP") if "TP" in names else 0 if mesh.ndim == 1 else None
+        # a one-dim mesh of another name is a data-parallel wrapper's (FSDP2's rows over DP), not TP's
+        at = names.index("TP") if "TP" in names else 0 if mesh.ndim == 1 and not any(names) else None
         p = w.placements[at] if at is not None else None
         if isinstance(p, Shard) and p.dim == 0 and mesh.size(at) > 1:
             found.append((plain_name(name), m.out_features, m.in_features, mesh.size(at)))

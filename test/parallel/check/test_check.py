@@ -997,6 +997,51 @@ def test_hf_vit_under_sequence_parallelism_is_exact_or_its_mistake_named(factory
     assert "recipes tried" not in result.seconds, result.render()
 
 
+@pytest.mark.slow  # three checks of 4 processes, two with one recipe run
+def test_hf_vit_under_fsdp2_with_o_proj_left_out_or_fc2_by_columns_gets_the_style_it_lacks() -> None:
+    """HF's ViT under TP and FSDP2 (DP 2 x TP 2), as a new user's first plans get it wrong: the attention's output
+    projection left out of the plan, and the MLP's second Linear split by columns like the first. Each is named with
+    the widths, and RowwiseParallel() on it makes the check exact. Before: the first got the fused recipes' hint on
+    q_proj, saying it was split "by a style other than torch's ColwiseParallel" (FSDP2's rows of o_proj over DP counted
+    as a TP split, and RowwiseParallel tried after FSDP2 had sharded it raised); the second, fused recipes on fc1."""
+    path = str(ROOT / "test" / "models" / "hf_vit_jobs.py")
+    assert check(f"module:{path}:make", f"{path}:parallelize_fsdp", f"{path}:step", world_size=4, tp=2).exact
+    (left_out,), (by_columns,) = (check(f"module:{path}:make", f"{path}:{plan}", f"{path}:step", world_size=4,
+                                        tp=2).hints for plan in ("fsdp_without_o_proj", "fsdp_fc2_by_columns"))
+    assert left_out.startswith("vit.layers.0.attention.o_proj is split by no TP style, but it was handed this TP "
+                               "rank's part of its input (32 of its 64 features") and "Tried: RowwiseParallel() on " \
+        "vit.layers.0.attention.o_proj (and its 1 alike): makes the check exact" in left_out, left_out
+    assert by_columns.startswith("vit.layers.0.mlp.fc2 is split by columns (torch's ColwiseParallel, which takes its "
+                                 "input whole on every TP rank), but it was handed this rank's part of its input (64 "
+                                 "of its 128 features") and "Tried: RowwiseParallel() on vit.layers.0.mlp.fc2 (and " \
+        "its 1 alike): makes the check exact" in by_columns, by_columns
+
+
+def test_a_linear_fsdp2_shards_over_dp_alone_is_not_counted_as_split_over_tp() -> None:
+    """``column_split_linears`` counts a Linear whose rows are split over TP (or a mesh without names), not one that
+    FSDP2 shards by rows over a mesh named DP: that one had made a fused projection's alike of an o_proj left whole."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vemesh.parallel.tp_split import column_split_linears
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        parallelize_module(model[0], mesh["TP"], ColwiseParallel())
+        fully_shard(model[1], mesh=mesh["DP"])
+        assert column_split_linears(model) == [("0", 8, 8, 2)]
+        unnamed = torch.nn.Linear(8, 8)
+        parallelize_module(unnamed, init_device_mesh("cpu", (4,)), ColwiseParallel())
+        assert column_split_linears(unnamed) == [("", 8, 8, 4)]
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow  # two runs of 2 processes
 def test_hf_olmo2_width_norms_under_llamas_plan_get_the_gathered_layout_tried() -> None:
     """HF's OLMo 2 under Llama's plan: its q_norm (a norm over the whole projected width) gets this TP rank's half of
