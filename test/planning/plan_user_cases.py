@@ -79,6 +79,23 @@ def parallelize_tp_then_torch_fsdp(model, mesh):
     return fully_shard(model)
 
 
+def parallelize_fsdp_then_tp(model, mesh):
+    """FSDP2 over DP first, then torchtitan's TP plan: torch raises "Cannot distribute a DTensor with device mesh"."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["DP"])
+    llama_jobs._tp(fully_shard(model, mesh=mesh["DP"]), mesh, sequence_parallel=False)
+    return model
+
+
+def parallelize_tp_on_the_whole_mesh(model, mesh):
+    """A TP style given the whole mesh (DP, TP): torch raises "`placements` must have the same length"."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh, {"output": ColwiseParallel()})
+
+
 def _offloaded(model, mesh, pin_memory: bool):
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 

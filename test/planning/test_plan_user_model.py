@@ -377,6 +377,12 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "model at that line (Falcon adds its attention's output into its MLP's with +=), which autograd refuses: have "
      "the module whose output is written return a copy, module.register_forward_hook(lambda module, args, out: "
      "out.clone())"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fsdp_then_tp", f"{JOBS}:step", "--tp", "2"),
+     "; a TP style met a parameter that is already a DTensor over another mesh (FSDP2's fully_shard, or another "
+     "style, ran on it first): apply the TP plan first and then fully_shard, as torchtitan does"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_tp_on_the_whole_mesh", f"{JOBS}:step", "--tp", "2"),
+     "Found placements length: 1, and device_mesh.ndim: 2.; torch's TP styles split a module over one mesh dim, and "
+     "parallelize_module was given the whole mesh: give it the TP dim, parallelize_module(module, mesh['TP'], plan)"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_offloaded", f"{JOBS}:step"),
      "parallelize_offloaded sharded the model with FSDP2's CPUOffloadPolicy, whose parameters, gradients and "
      "optimizer state live in host memory: the planner does not plan CPU offload"),

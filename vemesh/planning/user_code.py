@@ -125,6 +125,12 @@ _KNOWN = {
         "FSDP2's fully_shard was given a mesh that holds a dim TP already shards this parameter over (mesh['TP']): "
         "FSDP2 shards over the data dims beside TP: vemesh.parallel.fully_shard(module), which takes this rank's, or "
         "torch's fully_shard(module, mesh=VESCALE_DEVICE_MESH['DP'])",
+    ("parallelize_module", "`placements` must have the same length as `device_mesh.ndim`!"):
+        "torch's TP styles split a module over one mesh dim, and parallelize_module was given the whole mesh: give it "
+        "the TP dim, parallelize_module(module, mesh['TP'], plan)",
+    ("parallelize_module", "Cannot distribute a DTensor with device mesh"):
+        "a TP style met a parameter that is already a DTensor over another mesh (FSDP2's fully_shard, or another "
+        "style, ran on it first): apply the TP plan first and then fully_shard, as torchtitan does",
     ("_init_sharded_param", "Cannot access accelerator device when none is available"): _PINNED,
     ("_init_sharded_param", "NYI: aten._pin_memory.default"): _PINNED,
     ("__torch_dispatch__", "Trying to backward an extra time. You are only allowed to backward once on any region "
