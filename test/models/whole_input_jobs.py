@@ -8,8 +8,9 @@ Plans that leave a Linear out: ``no_down`` (``up`` by columns, ``down`` whole: h
 and on the gated MLP (``make_gated``: ``down(silu(gate(x)) * up(x))``) ``no_up`` (``up`` whole beside ``gate`` split
 by columns) and ``swapped`` (``gate`` and ``up`` by rows, ``down`` by columns). On a small language model
 (``make_lm``, ``step_lm``: the loss in the step): ``head_split`` (its head by columns, plain: the loss reads half the
-vocabulary) and ``ids_split`` (its embedding under ``RowwiseParallel()``, whose default layout takes the ids as a
-part of the sequence)."""
+vocabulary), ``ids_split`` (its embedding under ``RowwiseParallel()``, whose default layout takes the ids as a
+part of the sequence) and ``ids_by_columns`` (its embedding under ``ColwiseParallel()``: the blocks get half its
+features)."""
 
 import torch
 from torch import nn
@@ -109,6 +110,12 @@ def head_split(model: nn.Module, mesh: object) -> nn.Module:
 def ids_split(model: nn.Module, mesh: object) -> nn.Module:
     fixed(model, mesh)
     return parallelize_module(model, mesh["TP"], {"embed": RowwiseParallel()})  # type: ignore[index]
+
+
+def ids_by_columns(model: nn.Module, mesh: object) -> nn.Module:
+    """The embedding under plain ``ColwiseParallel()``: it splits the embedding's features, and the blocks read half."""
+    fixed(model, mesh)
+    return parallelize_module(model, mesh["TP"], {"embed": ColwiseParallel()})  # type: ignore[index]
 
 
 def _each(model: nn.Module, mesh: object, styles: dict) -> nn.Module:

@@ -208,9 +208,13 @@ def swapped(swaps: tuple[Swap, ...], model: nn.Module) -> Iterator[dict[str, lis
             went.setdefault("gathers", []).append(name)
         if self.use_local_output and isinstance(self.output_layouts[0], Shard):  # a plain tensor of this rank's part
             went.setdefault("local_out", []).append(name)
-        if name in as_row:
+        if isinstance(module, nn.Embedding):
+            went.setdefault("col_embeddings", []).append(name)
+        if name in as_row:  # an Embedding's ids whole on every rank, as torchtitan's plan gives them
             went["swapped"].append(name)
-            return row_apply(RowwiseParallel(), module, device_mesh)
+            embedding = isinstance(module, nn.Embedding)
+            return row_apply(RowwiseParallel(input_layouts=Replicate()) if embedding else RowwiseParallel(), module,
+                             device_mesh)
         swap = colwise.get(name)
         if swap is None:
             out = col_apply(self, module, device_mesh)

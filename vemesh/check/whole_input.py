@@ -29,7 +29,7 @@ input, where ``ColwiseParallel`` takes it whole: ``RowwiseParallel()`` in its pl
 language model: a head under plain ``ColwiseParallel()``, whose output the loss reads whole
 (``ColwiseParallel(output_layouts=Replicate())`` tried), and an embedding under ``RowwiseParallel()`` with torch's
 default input layout, which takes the ids as a part of the sequence (``RowwiseParallel(input_layouts=Replicate())``
-tried).
+tried), and one under ``ColwiseParallel()``, whose output is a part of its features (the same tried in its place).
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def raised(failed: dict, grads: dict[str, Any], tries: Tries) -> tuple[list[str]
                 + ("makes the check exact" if trial.exact else went_wrong(trial, now))
                 + ". To keep a vocabulary's logits split, compute the loss under torch's loss_parallel() with "
                 "ColwiseParallel(use_local_output=False) on it"], 1
+    by_columns = tuple(n for n in went.get("col_embeddings", ()) if n in went.get("local_out", ()))
+    if by_columns and failed.get("module") and not failed.get("before_step"):
+        if (said := _embedding_by_columns(by_columns, failed["module"], grads, tries)) is not None:
+            return said
     if (seen := went.get("colwise_part")) and seen[0] == failed.get("module"):
         return _colwise_part(*seen, grads, tries)
     seen = went.get("part_input")
@@ -116,6 +120,30 @@ def _colwise_part(name: str, width: int, given: int, grads: dict[str, Any],
             f"columns too), and the forward raised. Tried: RowwiseParallel() on {_on(swap.linears)}: makes the check "
             "exact: a Linear that reads a column-split one's output is split by rows, as Megatron pairs them "
             "(docs/checking.md: a RowwiseParallel Linear handed its whole input)"], 1
+
+
+def _embedding_by_columns(names: tuple[str, ...], where: str, grads: dict[str, Any],
+                          tries: Tries) -> tuple[list[str], int] | None:
+    """An ``nn.Embedding`` under plain ``ColwiseParallel()``: its output is this TP rank's part of the embedding's
+    features, which module ``where`` read as the whole width and raised. Tried in turn: the vocabulary split instead,
+    ``RowwiseParallel(input_layouts=Replicate())`` (torchtitan's and Megatron's), then the features gathered,
+    ``ColwiseParallel(output_layouts=Replicate())``; the hint where one makes the check exact, else None (not the
+    only cause: the check's other recipes follow)."""
+    tried = []
+    for recipe, style in (("as-rowwise", "RowwiseParallel(input_layouts=Replicate()) in its place (the vocabulary "
+                                         "split over TP, the ids whole on every rank, as torchtitan and Megatron "
+                                         "split an embedding)"),
+                          ("gathered", "ColwiseParallel(output_layouts=Replicate()) (each rank gathers the whole "
+                                       "width)")):
+        trial, _, _, now = tries.run((Swap(_alike(names, grads), 1, recipe),))
+        tried.append(f"{style}: {'makes the check exact' if trial.exact else went_wrong(trial, now)}")
+        if trial.exact:
+            break
+    else:
+        return None
+    return [f"{_on(_alike(names, grads))} is an nn.Embedding under ColwiseParallel(), which splits its embedding dim: "
+            f"each TP rank's output is a plain tensor of its part of the features, and {where} read it as the whole "
+            f"width and raised. Tried: {'; then '.join(tried)}"], len(tried)
 
 
 def siblings(where: str | None, went: dict, split: list, grads: dict[str, Any], tries: Tries) -> list[str] | None:

@@ -1218,6 +1218,18 @@ def test_a_head_split_by_columns_and_an_embedding_taking_split_ids_get_their_lay
         "Tried: RowwiseParallel(input_layouts=Replicate()) on it" in ids and "makes the check exact" in ids, ids
 
 
+@pytest.mark.slow  # two runs of 2 processes
+def test_an_embedding_split_by_columns_gets_the_vocabulary_split_tried() -> None:
+    """An embedding under plain ``ColwiseParallel()`` hands the blocks this TP rank's half of its features (the first
+    block's ColwiseParallel ``up`` raises on them). It is named, and ``RowwiseParallel(input_layouts=Replicate())`` in
+    its place, torchtitan's plan for it, makes the check exact. Before: no hint."""
+    jobs = str(ROOT / "test" / "models" / "whole_input_jobs.py")
+    (text,) = check(f"module:{jobs}:make_lm", f"{jobs}:ids_by_columns", f"{jobs}:step_lm", world_size=2, tp=2).hints
+    assert text.startswith("embed is an nn.Embedding under ColwiseParallel(), which splits its embedding dim") and \
+        "Tried: RowwiseParallel(input_layouts=Replicate()) in its place" in text and \
+        text.endswith("makes the check exact"), text
+
+
 @pytest.mark.slow  # three runs of 2 processes
 def test_a_whole_input_whose_maker_a_norm_reads_whole_gets_the_replicated_input_recipe() -> None:
     """With a LayerNorm over ``up``'s whole width before ``down``, ``up`` split by columns raises in the norm, and no
