@@ -6,7 +6,8 @@ layout on each layer), what a plan must add for a model whose input no Linear or
 into each TP rank's part before the first layer, and gathered back before the last norm (the class token is read
 from the whole sequence); and a sequence that TP divides (``make`` has 9 patches and the class token). Under FSDP2
 over DP (``parallelize_fsdp``), two first plans' mistakes: the attention's output projection left out
-(``fsdp_without_o_proj``), and the MLP's second Linear split by columns (``fsdp_fc2_by_columns``)."""
+(``fsdp_without_o_proj``), and the MLP's second Linear split by columns (``fsdp_fc2_by_columns``); and FSDP2 on the
+layers alone (``fsdp_blocks_only``)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,14 @@ def fsdp_without_o_proj(model: nn.Module, mesh) -> nn.Module:
 def fsdp_fc2_by_columns(model: nn.Module, mesh) -> nn.Module:
     """The plan with the MLP's second Linear split by columns too, as a first plan that splits every Linear does."""
     return _fsdp(model, mesh, {**PLAN, "mlp.fc2": ColwiseParallel()})
+
+
+def fsdp_blocks_only(model: nn.Module, mesh) -> nn.Module:
+    """The plan under FSDP2 on each layer and not on the model: the embeddings, the last norm and the classifier are
+    under no FSDP2 unit, so their gradients are never averaged over DP."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.vit.layers:
+        parallelize_module(layer, mesh["TP"], PLAN)
+        fully_shard(layer, mesh=mesh["DP"])
+    return model

@@ -42,7 +42,8 @@ from vemesh.parallel.schedules import ZERO_BUBBLE
 from vemesh.parallel.summed_grad import SumGradOverTP
 
 __all__ = ["ShardedInput", "SummedFeatures", "apply", "candidates", "coupled_hint", "dp_hint", "first_shapes", "hint",
-           "row_candidates", "sum_features", "summed_hint", "twice_hint", "unsynced_hint", "zero_bubble_hint"]
+           "outside_fsdp_hint", "row_candidates", "sum_features", "summed_hint", "twice_hint", "unsynced_hint",
+           "zero_bubble_hint"]
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,21 @@ def unsynced_hint(ranks: list[dict]) -> str | None:
             "batch's, where one process averages the DP ranks': run the last micro-batch's backward with the sync on "
             "(outside no_sync(), or after set_requires_gradient_sync(True)), or call finish_grad_sync() after it "
             "(vemesh DDP)")
+
+
+def outside_fsdp_hint(degrees: dict[str, int], differing: list[str], ranks: list[dict]) -> str | None:
+    """Where DP (or CP) is above 1 and every gradient that differs is of a parameter under no FSDP2 unit, where FSDP2
+    shards others (:func:`vemesh.check.record.outside_fsdp`: ``fully_shard`` on the blocks, not the root), the hint
+    that says so; else None."""
+    outside = set(ranks[0].get("outside_fsdp", ())) if ranks else set()
+    data = [d for d in ("DP", "CP") if degrees.get(d, 1) > 1]
+    if not data or not differing or not set(differing) <= outside:
+        return None
+    return (f"the gradients that differ ({_listed(differing)}) are each of a parameter under no FSDP2 unit: "
+            "--parallelize applied fully_shard to modules that do not hold them (and not to the root), so each "
+            f"{' x '.join(data)} rank keeps its own batch's gradient of them, never averaged. Call fully_shard on the "
+            "root too, after its blocks (fully_shard(model, mesh=mesh['DP']), as torchtitan does; "
+            "vemesh.parallel.fully_shard(model) takes the mesh's data dims)")
 
 
 def coupled_hint(result: Any, ref: dict, ranks: list[dict], tol: float) -> str | None:

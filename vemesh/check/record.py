@@ -33,9 +33,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from vemesh.parallel.experts.style import EXPERT
+from vemesh.check.watches import on_tp as param_on_tp
 from vemesh.parallel.tp_split import column_split_linears, parts, plain_name, unwrap
 
 __all__ = ["RANDOM_OPS", "Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients",
+           "outside_fsdp",
            "not_recorded", "parts", "plain_name", "quiet_shape_inference", "unsynced", "unwrap"]
 
 
@@ -70,10 +72,18 @@ def unsynced(model: Any) -> str:
 def on_tp(model: nn.Module) -> bool:
     """Whether any of ``model``'s parameters is a DTensor on a mesh with the TP dim (any placement: a TP plan's
     sharded Linears, sequence parallelism's replicated norms, FSDP2's shards of them): TP touched the model."""
-    from torch.distributed.tensor import DTensor
+    return any(param_on_tp(p) for part, _ in parts(model) for p in part.parameters())
 
-    return any(isinstance(p, DTensor) and "TP" in (p.device_mesh.mesh_dim_names or ())
-               for part, _ in parts(model) for p in part.parameters())
+
+def outside_fsdp(model: Any) -> list[str]:
+    """The names of ``model``'s parameters (its stages' under PP) under no FSDP2 unit, where FSDP2 shards some of
+    them (``fully_shard`` on the blocks and not on the root: the rest is never averaged over DP); else []."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held = {id(p) for part, _ in parts(model) for m in part.modules() if isinstance(m, FSDPModule)
+            for p in m.parameters()}
+    return [plain_name(n) for part, _ in parts(model) for n, p in part.named_parameters() if id(p) not in held] \
+        if held else []
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

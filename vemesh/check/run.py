@@ -26,8 +26,8 @@ from vemesh.check.heads import LocalHeads, counts_of, head_counts, head_tables, 
 from vemesh.check.partial import ShardedInput, SummedFeatures, apply, sum_features
 from vemesh.check.recipes import Swap, swapped
 from vemesh.check.precision import autocast_off, in_full_precision
-from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients, on_tp, parts,
-                                 plain_name, quiet_shape_inference, unsynced)
+from vemesh.check.record import (Deterministic, Recorder, column_split_linears, data_parallel, gradients, on_tp,
+                                 outside_fsdp, parts, plain_name, quiet_shape_inference, unsynced)
 from vemesh.check.result import CheckInputError
 from vemesh.check.stuck import Stalls, record_stacks
 from vemesh.layout.parallel_dims import ParallelDims
@@ -220,7 +220,7 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
                     "data_rank": data_rank, "broken": broken, "apart": apart, "split": split, "heads": heads,
                     "handed": handed, "tables": tables, "went": went, "dropouts": det.dropouts, "clips": det.clips,
-                    "data_parallel": data_parallel(model), "unsynced": unsynced(model), "lowered": lowered,
+                    "data_parallel": data_parallel(model), "outside_fsdp": outside_fsdp(model), "unsynced": unsynced(model), "lowered": lowered,
                     "on_tp": on_tp(model),
                     "random_ops": det.random_ops, "marks": marks, "skipped": skipped,
                     "compiled": compiled_module([part for part, _ in parts(model)])},

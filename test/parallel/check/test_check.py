@@ -1017,6 +1017,23 @@ def test_hf_vit_under_fsdp2_with_o_proj_left_out_or_fc2_by_columns_gets_the_styl
         "its 1 alike): makes the check exact" in by_columns, by_columns
 
 
+@pytest.mark.slow  # one run of 4 processes
+def test_fsdp2_on_the_blocks_alone_names_the_parameters_it_leaves_unaveraged() -> None:
+    """HF's ViT under TP with ``fully_shard`` on each layer and not on the model: the embeddings, the last norm and the
+    classifier are under no FSDP2 unit, so each DP rank keeps its own gradient of them. The check names them and the
+    root's fully_shard; before, it gave the generic "a gradient that DP does not average"."""
+    path = str(ROOT / "test" / "models" / "hf_vit_jobs.py")
+    result = check(f"module:{path}:make", f"{path}:fsdp_blocks_only", f"{path}:step", world_size=4, tp=2)
+    (text,) = result.hints
+    assert {n for n, _ in result.gradients} == {"vit.embeddings.cls_token", "vit.embeddings.position_embeddings",
+                                                "vit.embeddings.patch_embeddings.projection.weight",
+                                                "vit.embeddings.patch_embeddings.projection.bias",
+                                                "vit.layernorm.weight", "vit.layernorm.bias", "classifier.weight",
+                                                "classifier.bias"}, result.render()
+    assert text.startswith("the gradients that differ (") and "are each of a parameter under no FSDP2 unit" in text \
+        and "Call fully_shard on the root too, after its blocks" in text, text
+
+
 def test_a_linear_fsdp2_shards_over_dp_alone_is_not_counted_as_split_over_tp() -> None:
     """``column_split_linears`` counts a Linear whose rows are split over TP (or a mesh without names), not one that
     FSDP2 shards by rows over a mesh named DP: that one had made a fused projection's alike of an o_proj left whole."""
