@@ -220,8 +220,8 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
         torch.save({"outputs": rec.outputs, "partial": rec.partial, "grads": grads, "coords": coords,
                     "data_rank": data_rank, "broken": broken, "apart": apart, "split": split, "heads": heads,
                     "handed": handed, "tables": tables, "went": went, "dropouts": det.dropouts, "clips": det.clips,
-                    "data_parallel": data_parallel(model), "outside_fsdp": outside_fsdp(model), "unsynced": unsynced(model), "lowered": lowered,
-                    "on_tp": on_tp(model),
+                    "data_parallel": data_parallel(model), "outside_fsdp": outside_fsdp(model),
+                    "unsynced": unsynced(model), "lowered": lowered, "on_tp": on_tp(model),
                     "random_ops": det.random_ops, "marks": marks, "skipped": skipped,
                     "compiled": compiled_module([part for part, _ in parts(model)])},
                    os.path.join(out, f"rank{rank}.pt.part"))
