@@ -89,6 +89,15 @@ def parallelize_fsdp_then_tp(model, mesh):
     return model
 
 
+def parallelize_fsdp_blocks_only(model, mesh):
+    """FSDP2 on each block and not on the root: the embedding, the last norm and the head are never averaged."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["DP"])
+    return model
+
+
 def parallelize_tp_on_the_whole_mesh(model, mesh):
     """A TP style given the whole mesh (DP, TP): torch raises "`placements` must have the same length"."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from vemesh.parallel.experts.style import EXPERT
 from vemesh.check.watches import on_tp as param_on_tp
 from vemesh.parallel.tp_split import column_split_linears, parts, plain_name, unwrap
+from vemesh.planning.user_code import outside_fsdp as fsdp_outside
 
 __all__ = ["RANDOM_OPS", "Deterministic", "Recorder", "column_split_linears", "data_parallel", "gradients",
            "outside_fsdp",
@@ -76,14 +77,9 @@ def on_tp(model: nn.Module) -> bool:
 
 
 def outside_fsdp(model: Any) -> list[str]:
-    """The names of ``model``'s parameters (its stages' under PP) under no FSDP2 unit, where FSDP2 shards some of
-    them (``fully_shard`` on the blocks and not on the root: the rest is never averaged over DP); else []."""
-    from torch.distributed.fsdp import FSDPModule
-
-    held = {id(p) for part, _ in parts(model) for m in part.modules() if isinstance(m, FSDPModule)
-            for p in m.parameters()}
-    return [plain_name(n) for part, _ in parts(model) for n, p in part.named_parameters() if id(p) not in held] \
-        if held else []
+    """The names of ``model``'s trainable parameters (its stages' under PP) under no FSDP2 unit, where FSDP2 shards
+    some of them (:func:`vemesh.planning.user_code.outside_fsdp`)."""
+    return fsdp_outside([part for part, _ in parts(model)])
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.utils._device as _device
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from vemesh.parallel.tp_split import plain_name
 from vemesh.planning.estimate import load_object
 from vemesh.planning.pipeline_trace import MissingMeta
 
@@ -300,6 +301,27 @@ def sharded_by_fsdp(parts: list[nn.Module], name: str) -> bool:
                              "plan CPU offload (it would count them as the device's); plan the job without "
                              "offload_policy, an upper bound of the device memory it holds")
     return bool(units)
+
+
+def outside_fsdp(parts: list[nn.Module]) -> list[str]:
+    """The names of the trainable parameters of ``parts`` (the model, or a PP rank's stage modules) under no FSDP2
+    unit, where FSDP2 shards some of them (``fully_shard`` on the blocks and not on the root: the rest is never
+    averaged over the data-parallel ranks); else []."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held = {id(p) for part in parts for m in part.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    return [plain_name(n) for part in parts for n, p in part.named_parameters()
+            if p.requires_grad and id(p) not in held] if held else []
+
+
+def fsdp_covers(parts: list[nn.Module], name: str, ranks: int, dim: str) -> None:
+    """Raises ``ValueError`` (one line) where FSDP2 shards some of ``parts`` over ``ranks`` data-parallel ranks
+    (``dim``) and leaves trainable parameters under no unit (:func:`outside_fsdp`): they would train unaveraged."""
+    if left := outside_fsdp(parts):
+        raise ValueError(f"--parallelize {name} sharded modules with FSDP2, but {len(left)} trainable parameters "
+                         f"({', '.join(left[:3])}{' and more' if len(left) > 3 else ''}) are under no FSDP2 unit: "
+                         f"their gradients would never be averaged over the {ranks} data-parallel ranks ({dim}); "
+                         "call fully_shard on the root too, after its blocks (as torchtitan does)")
 
 
 #: the accelerators a training step names its device by (``device="cuda"``, ``.to("cuda")``, ``.cuda()``)

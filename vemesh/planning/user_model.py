@@ -54,7 +54,7 @@ from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
 from vemesh.planning.library_branches import own_positions, tracing_branches
-from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module, sharded_by_fsdp
+from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module, fsdp_covers, sharded_by_fsdp
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
 
@@ -92,6 +92,8 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
         raise ValueError(f"--dp-mode fsdp, but --parallelize {name} did not call fully_shard "
                          f"({'it wrapped vemesh DDP' if ddps else 'it wrapped no data parallelism'}); "
                          "give --dp-mode ddp or zero1, or leave --dp-mode out")
+    if found == "fsdp" and grad is not None and mesh.size(grad) > 1:
+        fsdp_covers(parts, name, mesh.size(grad), grad)
     if given in ("ddp", "zero1") and found == "fsdp":
         raise ValueError(f"--dp-mode {given}, but --parallelize {name} sharded the model with FSDP2 (fully_shard); "
                          "give --dp-mode fsdp, or leave --dp-mode out")
