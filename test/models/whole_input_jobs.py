@@ -138,3 +138,8 @@ def swapped(model: nn.Module, mesh: object) -> nn.Module:
 
 def step(model: nn.Module, micro_batch_size: int) -> None:
     model(torch.randn(micro_batch_size, 16)).pow(2).mean().backward()
+
+
+def step_forward_only(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """The loss, and no ``backward()``: one process's parameters have no gradient after it."""
+    return model(torch.randn(micro_batch_size, 16)).pow(2).mean()

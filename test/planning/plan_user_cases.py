@@ -89,6 +89,13 @@ def parallelize_fsdp_then_tp(model, mesh):
     return model
 
 
+def step_forward_only(model, micro_batch_size):
+    """The loss computed and returned, no ``backward()``: a forward alone."""
+    tokens = torch.randint(0, llama_jobs.SMALL["vocab_size"], (micro_batch_size, 65))
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
 def parallelize_fsdp_blocks_only(model, mesh):
     """FSDP2 on each block and not on the root: the embedding, the last norm and the head are never averaged."""
     from torch.distributed.fsdp import fully_shard

@@ -380,6 +380,9 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fsdp_then_tp", f"{JOBS}:step", "--tp", "2"),
      "; a TP style met a parameter that is already a DTensor over another mesh (FSDP2's fully_shard, or another "
      "style, ran on it first): apply the TP plan first and then fully_shard, as torchtitan does"),
+    ((f"module:{CASES}:make_six", f"{JOBS}:parallelize_fsdp", f"{CASES}:step_forward_only"),
+     "step_forward_only computed no gradient (no parameter has one after it), but a plan is of a "
+     "training step, its backward and its optimizer's state included: call loss.backward() in it"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fsdp_blocks_only", f"{JOBS}:step"),
      "parallelize_fsdp_blocks_only sharded modules with FSDP2, but 3 trainable parameters (tok_embeddings.weight, "
      "norm.weight, output.weight) are under no FSDP2 unit: their gradients would never be averaged over the 4 "

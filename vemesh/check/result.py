@@ -165,6 +165,10 @@ class CheckResult:
                          "has one rank: " + (
                              "what the coupling adds was not checked" if self.exact else "a difference may be that of "
                              "the coupling, not of the plan; check the plan at DP 1 (--dp 1)"))
+        if self.exact and self.outputs_compared and not self.gradients_compared:
+            lines.append("  but the step computed no gradient (no loss.backward(): no parameter had one after it in "
+                         "one process), so only the forward was compared; what a plan gets wrong in the backward (a "
+                         "norm over this rank's heads, a gradient DP does not average) was not checked")
         if self.cp_whole_sequence:
             lines.append(f"  {'but' if self.exact else 'and'} CP {self.degrees['CP']} cut no sequence: every module's "
                          "output on each CP rank is the whole sequence's, so each CP rank ran all of it and this "

@@ -324,6 +324,14 @@ def fsdp_covers(parts: list[nn.Module], name: str, ranks: int, dim: str) -> None
                          "call fully_shard on the root too, after its blocks (as torchtitan does)")
 
 
+def made_gradients(parts: list[nn.Module], name: str) -> None:
+    """Raises ``ValueError`` (one line) where the step left no trainable parameter of ``parts`` a gradient (no
+    ``loss.backward()``): a plan of it would be of a forward alone, without the backward's memory or the optimizer's."""
+    if not any(p.grad is not None for part in parts for p in part.parameters() if p.requires_grad):
+        raise ValueError(f"--step {name} computed no gradient (no parameter has one after it), but a plan is of a "
+                         "training step, its backward and its optimizer's state included: call loss.backward() in it")
+
+
 #: the accelerators a training step names its device by (``device="cuda"``, ``.to("cuda")``, ``.cuda()``)
 _ACCELERATORS = frozenset({"cuda", "xpu", "hpu", "npu", "mtia", "mps"})
 #: the tensor methods that move a tensor to an accelerator or pin it: on the CPU, the tensor itself

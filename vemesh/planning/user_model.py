@@ -20,9 +20,8 @@ answers with what the user's code does, not with a model of it:
 
 A model of 8 or more identical blocks (the largest ``ModuleList``/``ModuleDict`` of equal children) is traced with 3
 and with 4 of them, and the rest is added by difference, each part of the step on its own
-(:mod:`vemesh.planning.step_parts`), so an 80-layer model costs what 4 layers cost. A step of
-several micro-batches is traced with 1 and 2, the rest by difference. What the planner cannot see is said in the
-notes.
+(:mod:`vemesh.planning.step_parts`), so an 80-layer model costs what 4 layers cost. A step of several micro-batches
+is traced with 1 and 2, the rest by difference. What the planner cannot see is said in the notes.
 """
 
 from __future__ import annotations
@@ -54,7 +53,8 @@ from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
 from vemesh.planning.library_branches import own_positions, tracing_branches
-from vemesh.planning.user_code import UserFunctions, as_traced, call, compiled_module, fsdp_covers, sharded_by_fsdp
+from vemesh.planning.user_code import (UserFunctions, as_traced, call, compiled_module, fsdp_covers, made_gradients,
+                                      sharded_by_fsdp)
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
 
@@ -178,8 +178,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 unwaited: list[tuple[int, int]] = []
                 for index, n in enumerate(steps):
                     first = "first " if index == 0 else ""  # the first step's own work (shapes, state) is a part too
-                    # every count from zero: a pipeline replay's record of an action is the change in each, and none may
-                    # carry an earlier step's into the step's first collective on a group (replay_counters)
+                    # every count from zero: a replay's record of an action is the change in each (replay_counters)
                     for by_group in (counter.bytes, counter.calls, counter.ops, counter.by_op):
                         by_group.clear()
                     counter.unwaited()  # from this step's start (measure.CollectiveBytes.unwaited)
@@ -194,10 +193,11 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                         for i in range(n if pp == 1 else 0):
                             with no_sync(wrapped, i == n - 1), _said_uneven_heads(wrapped):
                                 call("--step", step_name, fns.step, wrapped, micro_batch_size)
+                        if pp == 1 and index == 0:  # a step without its backward would plan a forward alone
+                            made_gradients(parts, step_name)
                         if fns.before_optimizer is not None:  # the loop's own end of the step: clipping, a loss
-                            # not held to the peak in the warm-up: DTensor's first sharding propagation of a foreach
-                            # op (a norm of every gradient) runs it on fake tensors of every global shape at once,
-                            # which a real run's propagation keeps off the device; the steps after it are held
+                            # not held to the peak in the warm-up: DTensor's first propagation of a foreach op (a norm
+                            # of every gradient) runs it on fakes of every global shape at once, where a run's does not
                             tracker.in_step = index > 0
                             call("--before-optimizer", fns.before_optimizer_name, fns.before_optimizer, wrapped)
                             tracker.in_step = True

@@ -1235,6 +1235,15 @@ def test_a_head_split_by_columns_and_an_embedding_taking_split_ids_get_their_lay
         "Tried: RowwiseParallel(input_layouts=Replicate()) on it" in ids and "makes the check exact" in ids, ids
 
 
+def test_a_step_without_its_backward_is_checked_on_its_forward_and_says_so() -> None:
+    """A step that returns its loss and runs no backward: the forward is exact, and the verdict says that no gradient
+    was computed, so the backward's mistakes were not checked. Before: "exact" with "0 gradients compared" alone."""
+    jobs = str(ROOT / "test" / "models" / "whole_input_jobs.py")
+    result = check(f"module:{jobs}:make", f"{jobs}:fixed", f"{jobs}:step_forward_only", world_size=2, tp=2)
+    assert result.exact and result.gradients_compared == 0 and result.outputs_compared > 0, result.render()
+    assert "but the step computed no gradient (no loss.backward()" in result.render(), result.render()
+
+
 @pytest.mark.slow  # two runs of 2 processes
 def test_an_embedding_split_by_columns_gets_the_vocabulary_split_tried() -> None:
     """An embedding under plain ``ColwiseParallel()`` hands the blocks this TP rank's half of its features (the first
