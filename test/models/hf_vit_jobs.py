@@ -7,7 +7,8 @@ into each TP rank's part before the first layer, and gathered back before the la
 from the whole sequence); and a sequence that TP divides (``make`` has 9 patches and the class token). Under FSDP2
 over DP (``parallelize_fsdp``), two first plans' mistakes: the attention's output projection left out
 (``fsdp_without_o_proj``), and the MLP's second Linear split by columns (``fsdp_fc2_by_columns``); and FSDP2 on the
-layers alone (``fsdp_blocks_only``)."""
+layers alone (``fsdp_blocks_only``), and a step that divides its loss by the world size
+(``step_over_world_size``)."""
 
 from __future__ import annotations
 
@@ -135,3 +136,13 @@ def fsdp_blocks_only(model: nn.Module, mesh) -> nn.Module:
         parallelize_module(layer, mesh["TP"], PLAN)
         fully_shard(layer, mesh=mesh["DP"])
     return model
+
+
+def step_over_world_size(model: nn.Module, micro_batch_size: int) -> None:
+    """:func:`step` with the loss divided by the world size, where the data-parallel wrapper already averages."""
+    import torch.distributed as dist
+
+    side = model.config.image_size
+    images = torch.randn(micro_batch_size, 3, side, side)
+    labels = torch.randint(0, CLASSES, (micro_batch_size,))
+    (nn.functional.cross_entropy(model(pixel_values=images).logits, labels) / dist.get_world_size()).backward()

@@ -50,7 +50,7 @@ from vemesh.check.compare import compare, modules_before, tolerance, vanishing, 
 from vemesh.check.clones import candidate as clones_candidate, hint as clones_hint
 from vemesh.check.heads import candidate as heads_candidate, hint as heads_hint
 from vemesh.check.layouts import layout_hint
-from vemesh.check.partial import candidates as partial_candidates, coupled_hint, dp_hint, first_shapes, \
+from vemesh.check.partial import candidates as partial_candidates, dp_hint, first_shapes, scale_hint, \
     hint as partial_hint, on_every_stage, outside_fsdp_hint, row_candidates, stage_scales, summed_hint, twice_hint, \
     unsynced_hint, zero_bubble_hint
 from vemesh.check.positions import positions_hint, sequence_positions_hint
@@ -360,7 +360,7 @@ def _partial_hints(spec: Spec, ref: dict, tol: float, result: CheckResult, ranks
         zero = sorted(n for n in vanishing(ref["grads"]) - {n for n, _ in result.gradients} if n in ranks[0]["grads"])
         said = (zero_bubble_hint(spec.pp_schedule, result.degrees["DP"], wrapped) if "PP" in result.degrees else None) \
             or unsynced_hint(ranks) or outside_fsdp_hint(result.degrees, [n for n, _ in result.gradients], ranks) \
-            or coupled_hint(result, ref, ranks, tol) \
+            or scale_hint(result, ref, ranks, tol) \
             or dp_hint(result.degrees, len(result.gradients), result.gradients_compared, wrapped, zero)
         if said is not None:
             hints.append(said)

@@ -41,9 +41,9 @@ from vemesh.check.record import parts, plain_name
 from vemesh.parallel.schedules import ZERO_BUBBLE
 from vemesh.parallel.summed_grad import SumGradOverTP
 
-__all__ = ["ShardedInput", "SummedFeatures", "apply", "candidates", "coupled_hint", "dp_hint", "first_shapes", "hint",
-           "outside_fsdp_hint", "row_candidates", "sum_features", "summed_hint", "twice_hint", "unsynced_hint",
-           "zero_bubble_hint"]
+__all__ = ["ShardedInput", "SummedFeatures", "apply", "candidates", "dp_hint", "first_shapes", "hint",
+           "outside_fsdp_hint", "row_candidates", "scale_hint", "sum_features", "summed_hint", "twice_hint",
+           "unsynced_hint", "zero_bubble_hint"]
 
 
 @dataclass(frozen=True)
@@ -249,22 +249,36 @@ def outside_fsdp_hint(degrees: dict[str, int], differing: list[str], ranks: list
             "vemesh.parallel.fully_shard(model) takes the mesh's data dims)")
 
 
-def coupled_hint(result: Any, ref: dict, ranks: list[dict], tol: float) -> str | None:
-    """The hint where the step's own collectives couple the DP ranks' batches (``result.coupled``, run together in
-    one process: :mod:`vemesh.check.reference`) and every gradient is one factor of one process's (one PP rank's
-    :func:`stage_scales`), else None."""
-    coupled, dp = result.coupled, result.degrees["DP"]
-    if not coupled[0] or coupled[1] or len(scales := stage_scales(ref, ranks, tol)) != 1:
+def scale_hint(result: Any, ref: dict, ranks: list[dict], tol: float) -> str | None:
+    """The hint where every gradient is one factor (not 1, not 0) of one process's (one PP rank's
+    :func:`stage_scales`) and every output matches, else None: where the step's own collectives couple the DP ranks'
+    batches (``result.coupled``, run together in one process: :mod:`vemesh.check.reference`), a loss that is each
+    rank's part of the whole batch's, averaged once more by the wrapper; else a loss the step scales by the world
+    size or DP (``dist.get_world_size()`` is 1 in one process), or gradients summed over DP, not averaged."""
+    coupled, dp, world = result.coupled, result.degrees["DP"], result.world_size
+    if coupled[1] or len(scales := stage_scales(ref, ranks, tol)) != 1:
         return None
     factor = next(iter(scales.values()))
-    said = (f"every gradient is {factor:.3g} x one process's on the DP ranks' batches together, with every output "
-            f"matching; the step's collectives couple the DP ranks ({coupled[0]})")
-    if abs(factor * dp - 1) < 1e-3:
+    if abs(factor - 1) <= tol or abs(factor) <= tol:
+        return None
+    said = f"every gradient is {factor:.3g} x one process's" + (
+        f" on the DP ranks' batches together, with every output matching; the step's collectives couple the DP ranks "
+        f"({coupled[0]})" if coupled[0] else ", with every output matching")
+    if coupled[0] and abs(factor * dp - 1) < 1e-3:
         return (said + ": each DP rank's loss is its part of the whole batch's (a sum divided by a count over every "
                 f"DP rank), and the data-parallel wrapper averages the ranks' gradients, dividing by DP {dp} once "
                 "more. Multiply the loss by the DP degree (VESCALE_DEVICE_MESH['DP'].size()) before its backward, as "
                 "Megatron does for a per-token loss")
-    return said + f": scale the step's loss by {1 / factor:.3g} before its backward, or check what its collectives add"
+    for size, what in ((world, f"the world size {world} (dist.get_world_size(), 1 in one process)"), (dp, f"DP {dp}")):
+        if not coupled[0] and size > 1 and abs(factor * size - 1) < 1e-3:
+            return (said + f": 1 / {size}, so the step divides its loss (or its gradients) by {what}"
+                    + (", where the data-parallel wrapper already averages the DP ranks' gradients" if dp > 1 else "")
+                    + ": drop the division")
+    if not coupled[0] and dp > 1 and abs(factor - dp) < 1e-3 * dp:
+        return (said + f": DP {dp} times, so the DP ranks' gradients are summed, not averaged (an all-reduce of your "
+                "own with its default sum, or a loss multiplied by DP): divide by DP, or leave the average to the "
+                "data-parallel wrapper")
+    return said + f": scale the step's loss by {1 / factor:.3g} before its backward, or check what the step does to it"
 
 
 def zero_bubble_hint(schedule: str, dp: int, wrapped: bool) -> str | None:

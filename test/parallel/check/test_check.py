@@ -1034,6 +1034,20 @@ def test_fsdp2_on_the_blocks_alone_names_the_parameters_it_leaves_unaveraged() -
         and "Call fully_shard on the root too, after its blocks" in text, text
 
 
+@pytest.mark.slow  # one run of 4 processes
+def test_a_loss_divided_by_the_world_size_under_fsdp2_is_named_with_its_factor() -> None:
+    """HF's ViT under TP and FSDP2 with a step that divides its loss by ``dist.get_world_size()`` (4 there, 1 in one
+    process), where FSDP2 already averages over DP: every gradient is 0.25 x one process's. The hint names the factor
+    and the division; before, it gave the generic "a TP part, or a gradient DP does not average"."""
+    path = str(ROOT / "test" / "models" / "hf_vit_jobs.py")
+    result = check(f"module:{path}:make", f"{path}:parallelize_fsdp", f"{path}:step_over_world_size", world_size=4,
+                   tp=2)
+    (text,) = result.hints
+    assert text.startswith("every gradient is 0.25 x one process's, with every output matching: 1 / 4, so the step "
+                           "divides its loss (or its gradients) by the world size 4") and "drop the division" in text, \
+        result.render()
+
+
 def test_a_linear_fsdp2_shards_over_dp_alone_is_not_counted_as_split_over_tp() -> None:
     """``column_split_linears`` counts a Linear whose rows are split over TP (or a mesh without names), not one that
     FSDP2 shards by rows over a mesh named DP: that one had made a fused projection's alike of an o_proj left whole."""
