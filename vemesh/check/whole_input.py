@@ -129,19 +129,19 @@ def _embedding_by_columns(names: tuple[str, ...], where: str, grads: dict[str, A
     ``RowwiseParallel(input_layouts=Replicate())`` (torchtitan's and Megatron's), then the features gathered,
     ``ColwiseParallel(output_layouts=Replicate())``; the hint where one makes the check exact, else None (not the
     only cause: the check's other recipes follow)."""
-    tried = []
+    tried, alike = [], _alike(names, grads)
     for recipe, style in (("as-rowwise", "RowwiseParallel(input_layouts=Replicate()) in its place (the vocabulary "
                                          "split over TP, the ids whole on every rank, as torchtitan and Megatron "
                                          "split an embedding)"),
                           ("gathered", "ColwiseParallel(output_layouts=Replicate()) (each rank gathers the whole "
                                        "width)")):
-        trial, _, _, now = tries.run((Swap(_alike(names, grads), 1, recipe),))
+        trial, _, _, now = tries.run((Swap(alike, 1, recipe),))
         tried.append(f"{style}: {'makes the check exact' if trial.exact else went_wrong(trial, now)}")
         if trial.exact:
             break
     else:
         return None
-    return [f"{_on(_alike(names, grads))} is an nn.Embedding under ColwiseParallel(), which splits its embedding dim: "
+    return [f"{_on(alike)} is an nn.Embedding under ColwiseParallel(), which splits its embedding dim: "
             f"each TP rank's output is a plain tensor of its part of the features, and {where} read it as the whole "
             f"width and raised. Tried: {'; then '.join(tried)}"], len(tried)
 
