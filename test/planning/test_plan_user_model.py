@@ -172,6 +172,13 @@ def test_a_step_under_cuda_autocast_is_planned_in_its_low_precision_for_cuda() -
             for s, d in (("step", "cuda"), ("step_amp", "cuda"), ("step_amp_cpu", "cuda"), ("step_amp", "cpu"))}
     assert peak["step_amp", "cuda"] == peak["step_amp_cpu", "cuda"] < peak["step", "cuda"], peak
     assert peak["step_amp", "cpu"] == peak["step", "cuda"], peak
+    # and timed in it: the autocast step's matmuls at bf16's rate, its MFU of bf16's peak (the same FLOPs)
+    from vemesh.planning.profiles import load_profile
+    timed = {s: plan(f"module:{JOBS}:make_dense", **job, step=f"{JOBS}:{s}", device_profile="h100-sxm")
+             for s in ("step", "step_amp")}
+    flops = {s: d["mfu"] * d["step_time"] * load_profile("h100-sxm").flops(p)
+             for (s, d), p in zip(timed.items(), ("fp32", "bf16"))}
+    assert flops["step_amp"] == pytest.approx(flops["step"], rel=1e-9), flops
 
 
 def test_what_the_function_did_is_counted(capsys) -> None:

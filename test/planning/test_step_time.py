@@ -588,3 +588,51 @@ def test_a_search_with_trace_pp_plans_each_pp_mesh_as_pp_n_does(capsys) -> None:
     assert fit._traced_preset.cache_info().misses == 1
     estimated = searched[False][key]["step_time"]
     assert estimated < 0.7 * piped[key]["step_time"]
+
+
+def test_each_matmuls_flops_are_timed_at_the_rate_of_the_dtype_it_ran_in() -> None:
+    """A trace counts the matmuls' and attention's FLOPs by the dtype they ran in; a step's compute times each dtype's
+    at its rate, and any FLOPs no dtype counted at the rate of the dtype most ran in (the job's ``--dtype`` where none
+    was counted). Before, every FLOP ran at the
+    ``--dtype`` rate: FSDP2's bf16 compute over fp32 parameters (``MixedPrecisionPolicy``) was timed at fp32's."""
+    from vemesh.planning.estimate import RankMemory
+    from vemesh.planning.results import MeshFit, RankClass
+    from vemesh.planning.speedups import compute_dtype
+    from vemesh.planning.step_time import step_time
+
+    profile = load_profile("h100-sxm").model_copy(update={"op_overhead_s": 0.0, "dtensor_op_overhead_s": 0.0})
+    bf16, fp32 = (profile.flops(d) * profile.achievable for d in ("bf16", "fp32"))
+
+    def compute(flops: int, counts: dict[str, int]) -> float:
+        fit = MeshFit({"PP": 1, "DP": 1, "CP": 1, "TP": 1, "EP": 1},
+                      [RankClass("every rank", RankMemory("every rank", 1, 1, 1, 0), 1, 0, {}, flops=flops,
+                                 counts=counts)], 1, 1)
+        return step_time(fit, profile, dtype="fp32", dp_mode="ddp", grad_dims=("DP",), sizes={}, links={})[0].compute
+
+    assert compute(10**15, {"flops_in@bfloat16": 10**15}) == pytest.approx(10**15 / bf16)
+    assert compute(10**15, {"flops_in@bfloat16": 9 * 10**14, "flops_in@float32": 10**14}) == \
+        pytest.approx(9 * 10**14 / bf16 + 10**14 / fp32)
+    assert compute(10**15, {"flops_in@bfloat16": 6 * 10**14}) == pytest.approx(10**15 / bf16)
+    assert compute(10**15, {}) == pytest.approx(10**15 / fp32)
+    assert compute_dtype({"flops_in@bfloat16": 9, "flops_in@float32": 1}, "fp32") == "bf16"
+    assert compute_dtype({}, "fp32") == "fp32"
+
+
+def test_fsdp2s_bf16_compute_over_fp32_parameters_is_timed_and_its_mfu_taken_at_bf16() -> None:
+    """HF Llama under FSDP2 with torchtitan's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, planned as a user
+    writes it (``--dtype`` left fp32: the parameters are): every FLOP ran in bf16, the step's compute is the plan's
+    without the policy, with its matmuls at bf16's rate, and the MFU is of bf16's peak. Before, the plan timed that
+    step at fp32's rate: a 7B Qwen2 job under this policy at 12.6 s a step, 1.5 s at bf16's."""
+    hf = "test/models/hf_jobs.py"
+
+    def plan(parallelize: str) -> dict:
+        return answer(PlanRequest(model=f"module:{hf}:make_llama", parallelize=f"{hf}:{parallelize}",
+                                  step=f"{hf}:step", world_size=4, dp=2, tp=2, global_batch_size=4,
+                                  device_profile="h100-sxm")).document
+
+    mixed, plain = plan("parallelize_fsdp_bf16"), plan("parallelize_fsdp")
+    profile = load_profile("h100-sxm")
+    # the same FLOPs (one model, one batch): MFU x step time x peak is the FLOPs, at each one's own peak
+    flops = [d()["mfu"] * d()["step_time"] * profile.flops(p) for d, p in ((mixed, "bf16"), (plain, "fp32"))]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-9)
+    assert mixed()["time"]["compute"] < plain()["time"]["compute"]

@@ -26,6 +26,7 @@ from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import Placement, place
 from vemesh.planning.profiles import DeviceProfile, load_profile
 from vemesh.planning.request import PlanRequest
+from vemesh.planning.speedups import compute_dtype
 from vemesh.planning.step_time import WORLD, StepTime, step_time
 
 __all__ = ["Answer", "answer", "hosts_of", "mesh_of", "model_document", "plan", "verdict", "whole_hosts"]
@@ -174,9 +175,15 @@ def time_document(times: tuple[StepTime, ...], profile: DeviceProfile, fit: Any,
                            "assumptions": profile.assumptions},
         "time": _time_parts(slowest),
         "sequences_per_second_per_device": job.global_batch_size / slowest.total / world,
-        "mfu": flops / slowest.total / profile.flops(job.dtype),
+        # of the peak of the dtype the step's matmuls ran in (FSDP2's mixed precision: bf16 over fp32 parameters)
+        "mfu": flops / slowest.total / profile.flops(compute_dtype(_counts(fit, slowest.name), job.dtype)),
         "time_by_class": [dict(name=t.name, step_time=t.total, **_time_parts(t)) for t in times],
     }
+
+
+def _counts(fit: Any, name: str) -> dict[str, int]:
+    """The counts of ``fit``'s rank class ``name``."""
+    return next((getattr(c, "counts", None) or {} for c in fit.classes if c.name == name), {})
 
 
 def _time_parts(t: StepTime) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning.measure import FLOP_FORMULAS
-from vemesh.planning.speedups import attention_key
+from vemesh.planning.speedups import ATTENTION_IN, FLOPS_IN, attention_key
 from vemesh.planning.step_tracker import answer_device, device_query
 from vemesh.planning.storages import StorageTables, storage_key
 
@@ -156,6 +156,15 @@ class Fusion:
         self._producer[key] = region
         if pending is not None:
             self._pending[key] = pending
+
+    def ran(self, func: Any, out: Any, flops: int) -> None:
+        """A matmul's or attention's FLOPs, counted by the dtype it ran in (its first output's)."""
+        first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+        if first is None or not flops:
+            return
+        name = str(first.dtype).removeprefix("torch.")
+        for prefix in (FLOPS_IN, ATTENTION_IN) if func.overloadpacket in _ATTENTION else (FLOPS_IN,):
+            self.by_key[prefix + name] = self.by_key.get(prefix + name, 0) + flops
 
     def _escape(self, key: int) -> None:
         self.fused_bytes += self._pending.pop(key, 0)
@@ -314,7 +323,9 @@ class MemoryBoundBytes(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = self.flop_registry.get(func._overloadpacket)
         if formula is not None:
-            self.flop_counts["Global"][func._overloadpacket] += formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out)
+            self.flop_counts["Global"][func._overloadpacket] += flops
+            self.fusion.ran(func, out, flops)
         return out
 
 

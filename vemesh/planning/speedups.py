@@ -34,7 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ATTENTION_KEY", "BACKWARD_KEY", "FLOAT8", "Speedups", "attention_key", "attention_seconds", "linear_share"]
+__all__ = ["ATTENTION_IN", "ATTENTION_KEY", "BACKWARD_KEY", "FLOAT8", "FLOPS_IN", "Speedups", "attention_key",
+           "attention_seconds", "compute_dtype", "flops_by_dtype", "linear_share"]
 
 #: ``--float8``'s recipes (torchao's ``Float8LinearConfig.from_recipe_name``).
 FLOAT8 = ("tensorwise", "rowwise")
@@ -42,6 +43,13 @@ FLOAT8 = ("tensorwise", "rowwise")
 ATTENTION_KEY = "attention_flops@"
 #: the backward's FLOPs by shape, counted under this key too (a subset of ``ATTENTION_KEY``'s)
 BACKWARD_KEY = "attention_backward_flops@"
+#: the prefix of a trace's count of the matmuls' and attention's FLOPs by the dtype they ran in (``flops_in@bfloat16``):
+#: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` computes a model of fp32 parameters in bf16
+FLOPS_IN = "flops_in@"
+#: the same of attention's FLOPs alone
+ATTENTION_IN = "attention_in@"
+#: a torch dtype's name as the device profiles name their matmul rates
+_PROFILE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 #: bytes per element of a Float8 operand's cast and scale: (eager, compiled), the operand in a 2-byte dtype
 _CAST_BYTES = (2 + 2 + 1, 2 + 1)
 
@@ -89,9 +97,15 @@ class Speedups:
     def compute_parts(self, c: Any, index: int, profile: Any, dtype: str) -> tuple[float, float]:
         """A rank class's compute as ``(device, host)``: the device's work (matmuls, memory-bound bytes) and the host's
         dispatch (the profile's time per op, each op or, under compile, each kernel)."""
-        counts, rate = getattr(c, "counts", None) or {}, profile.flops(dtype) * profile.achievable
+        counts = getattr(c, "counts", None) or {}
+        dtype = compute_dtype(counts, dtype)
+        rate = profile.flops(dtype) * profile.achievable
         attention = counts.get("attention_flops", 0)
-        matmul = (c.flops - attention) / rate + attention_seconds(counts, profile, dtype)
+        ran, ran_attention = flops_by_dtype(counts), flops_by_dtype(counts, ATTENTION_IN)
+        # each dtype's matmuls at its rate, and any FLOPs no dtype counted at the rate of the one most ran in
+        matmul = sum((f - ran_attention.get(d, 0)) / (profile.flops(d) * profile.achievable) for d, f in ran.items()) \
+            + max(0, c.flops - attention - sum(ran.values()) + sum(ran_attention.values())) / rate \
+            + attention_seconds(counts, profile, compute_dtype(counts, dtype, ATTENTION_IN))
         cast = 0.0
         if self.float8 is not None:
             linear = counts.get("linear_flops", 0)
@@ -137,6 +151,24 @@ def attention_key(q_len: int, kv_len: int, head_dim: int, backward: bool = False
     context parallelism, or half of a load-balanced chunk, runs blocks shorter than the sequence), and its head size;
     with ``backward``, the key its backward's FLOPs are also counted under."""
     return f"{BACKWARD_KEY if backward else ATTENTION_KEY}{round((q_len * kv_len) ** 0.5)}x{head_dim}"
+
+
+def flops_by_dtype(counts: dict[str, int], prefix: str = FLOPS_IN) -> dict[str, int]:
+    """A trace's FLOPs by the profile's name of the dtype they ran in (``prefix``: :data:`FLOPS_IN`, every matmul and
+    attention kernel; :data:`ATTENTION_IN`, attention's alone)."""
+    out: dict[str, int] = {}
+    for key, flops in counts.items():
+        if key.startswith(prefix) and flops:
+            name = _PROFILE_DTYPES.get(key[len(prefix):], key[len(prefix):])
+            out[name] = out.get(name, 0) + flops
+    return out
+
+
+def compute_dtype(counts: dict[str, int], default: str, prefix: str = FLOPS_IN) -> str:
+    """The dtype most of a trace's FLOPs ran in (the step's compute dtype: the rate of its MFU), else ``default``
+    (the job's ``--dtype``: a trace that counted none by dtype)."""
+    ran = flops_by_dtype(counts, prefix)
+    return max(ran, key=lambda d: ran[d]) if ran else default
 
 
 def attention_seconds(counts: dict[str, int], profile: Any, dtype: str) -> float:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vemesh.planning.profiles import DeviceProfile, Link
-from vemesh.planning.speedups import Speedups, paced
+from vemesh.planning.speedups import Speedups, compute_dtype, paced
 
 __all__ = ["WORLD", "DimTime", "StepTime", "collective_seconds", "fed_flops", "op_name", "pipeline_bubbles", "render", "ring",
            "step_time"]
@@ -231,7 +231,8 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
                 hidable = sum(t for op, t in wrapper.items() if _kind(op) not in _GATHERS)
                 cover = backward
             elif dim == "TP" and speed.async_tp:  # each gather or scatter fused with its matmuls, behind them only
-                hidable = sum(min(t, ops[op][1] * speed.matmul_seconds(fed_flops(op), profile, dtype))
+                ran = compute_dtype(getattr(c, "counts", None) or {}, dtype)
+                hidable = sum(min(t, ops[op][1] * speed.matmul_seconds(fed_flops(op), profile, ran))
                               for op, t in each.items() if fed_flops(op))
                 cover = hidable
             else:
