@@ -614,6 +614,10 @@ def test_each_matmuls_flops_are_timed_at_the_rate_of_the_dtype_it_ran_in() -> No
         pytest.approx(9 * 10**14 / bf16 + 10**14 / fp32)
     assert compute(10**15, {"flops_in@bfloat16": 6 * 10**14}) == pytest.approx(10**15 / bf16)
     assert compute(10**15, {}) == pytest.approx(10**15 / fp32)
+    # fp32 matmuls that the code let run in TF32: at TF32's rate, or fp32's on a profile without one (a calibration's)
+    assert compute(10**15, {"flops_in@tf32": 10**15}) == pytest.approx(10**15 / (494.5e12 * profile.achievable))
+    no_tf32 = profile.model_copy(update={"matmul_flops": {"bf16": 989e12, "fp32": 67e12}})
+    assert no_tf32.flops("tf32") == no_tf32.flops("fp32") == 67e12
     assert compute_dtype({"flops_in@bfloat16": 9, "flops_in@float32": 1}, "fp32") == "bf16"
     assert compute_dtype({}, "fp32") == "fp32"
 
@@ -628,11 +632,36 @@ def test_fsdp2s_bf16_compute_over_fp32_parameters_is_timed_and_its_mfu_taken_at_
     def plan(parallelize: str) -> dict:
         return answer(PlanRequest(model=f"module:{hf}:make_llama", parallelize=f"{hf}:{parallelize}",
                                   step=f"{hf}:step", world_size=4, dp=2, tp=2, global_batch_size=4,
-                                  device_profile="h100-sxm")).document
+                                  device_profile="h100-sxm")).document()
 
     mixed, plain = plan("parallelize_fsdp_bf16"), plan("parallelize_fsdp")
     profile = load_profile("h100-sxm")
     # the same FLOPs (one model, one batch): MFU x step time x peak is the FLOPs, at each one's own peak
-    flops = [d()["mfu"] * d()["step_time"] * profile.flops(p) for d, p in ((mixed, "bf16"), (plain, "fp32"))]
+    flops = [d["mfu"] * d["step_time"] * profile.flops(p) for d, p in ((mixed, "bf16"), (plain, "fp32"))]
     assert flops[0] == pytest.approx(flops[1], rel=1e-9)
-    assert mixed()["time"]["compute"] < plain()["time"]["compute"]
+    assert mixed["time"]["compute"] < plain["time"]["compute"]
+
+
+def test_fp32_matmuls_that_the_users_code_lets_run_in_tf32_are_timed_at_tf32s_rate() -> None:
+    """A step whose code sets ``torch.backends.cuda.matmul.allow_tf32 = True`` (or ``fp32_precision = "tf32"``, or
+    ``torch.set_float32_matmul_precision("high")``): on a GPU its fp32 matmuls run in TF32, 7.4 times fp32's rate on an
+    H100. The trace reads the flag at each matmul; its FLOPs count as TF32's, and the MFU is of TF32's peak. Before,
+    an fp32 job that allowed TF32 was timed at fp32's rate."""
+    import torch
+
+    def plan() -> dict:
+        return answer(PlanRequest(model=llama_jobs.make_dense, parallelize=llama_jobs.parallelize_ddp,
+                                  step=llama_jobs.step, world_size=2, global_batch_size=4,
+                                  device_profile="h100-sxm")).document()
+
+    plain = plan()
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        tf32 = plan()
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    profile = load_profile("h100-sxm")
+    flops = [d["mfu"] * d["step_time"] * profile.flops(p) for d, p in ((tf32, "tf32"), (plain, "fp32"))]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-9)
+    assert tf32["time"]["compute"] < plain["time"]["compute"]

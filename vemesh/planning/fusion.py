@@ -163,6 +163,8 @@ class Fusion:
         if first is None or not flops:
             return
         name = str(first.dtype).removeprefix("torch.")
+        if name == "float32" and _tf32():  # on a GPU these run in TF32 (the trace's CPU has none)
+            name = "tf32"
         for prefix in (FLOPS_IN, ATTENTION_IN) if func.overloadpacket in _ATTENTION else (FLOPS_IN,):
             self.by_key[prefix + name] = self.by_key.get(prefix + name, 0) + flops
 
@@ -327,6 +329,15 @@ class MemoryBoundBytes(TorchDispatchMode):
             self.flop_counts["Global"][func._overloadpacket] += flops
             self.fusion.ran(func, out, flops)
         return out
+
+
+def _tf32() -> bool:
+    """Whether the job's code lets fp32 matmuls run in TF32 on a GPU (``torch.backends.cuda.matmul.fp32_precision =
+    "tf32"``, its ``allow_tf32 = True``, ``torch.set_float32_matmul_precision("high")``: each sets that flag)."""
+    try:
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
+    except (AttributeError, RuntimeError):  # a torch without the flag, or one that refuses to read it
+        return False
 
 
 def written(func: Any, args: tuple, kwargs: dict[str, Any] | None) -> list[torch.Tensor]:

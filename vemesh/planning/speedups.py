@@ -48,7 +48,8 @@ BACKWARD_KEY = "attention_backward_flops@"
 FLOPS_IN = "flops_in@"
 #: the same of attention's FLOPs alone
 ATTENTION_IN = "attention_in@"
-#: a torch dtype's name as the device profiles name their matmul rates
+#: a torch dtype's name as the device profiles name their matmul rates (``tf32``: fp32 matmuls the code lets run in
+#: TF32, :func:`vemesh.planning.fusion._tf32`)
 _PROFILE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 #: bytes per element of a Float8 operand's cast and scale: (eager, compiled), the operand in a 2-byte dtype
 _CAST_BYTES = (2 + 2 + 1, 2 + 1)
