@@ -618,6 +618,11 @@ def test_each_matmuls_flops_are_timed_at_the_rate_of_the_dtype_it_ran_in() -> No
     assert compute(10**15, {"flops_in@tf32": 10**15}) == pytest.approx(10**15 / (494.5e12 * profile.achievable))
     no_tf32 = profile.model_copy(update={"matmul_flops": {"bf16": 989e12, "fp32": 67e12}})
     assert no_tf32.flops("tf32") == no_tf32.flops("fp32") == 67e12
+    # fp16 (FSDP2's param_dtype=torch.float16, GradScaler's jobs): a GPU's bf16 rate where a profile has none; a CPU's
+    # profile without one says so
+    assert profile.flops("fp16") == no_tf32.flops("fp16") == 989e12
+    with pytest.raises(ValueError, match="has no matmul throughput for fp16; it has bf16, fp32"):
+        no_tf32.model_copy(update={"queued": False}).flops("fp16")
     assert compute_dtype({"flops_in@bfloat16": 9, "flops_in@float32": 1}, "fp32") == "bf16"
     assert compute_dtype({}, "fp32") == "fp32"
 

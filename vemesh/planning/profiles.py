@@ -55,7 +55,7 @@ class DeviceProfile(BaseModel):
     sources: list[str] = Field(min_length=1)
     assumptions: list[str] = []
     devices_per_host: int = Field(gt=0)
-    matmul_flops: dict[Literal["fp32", "tf32", "bf16", "fp8"], float] = Field(min_length=1)
+    matmul_flops: dict[Literal["fp32", "tf32", "bf16", "fp16", "fp8"], float] = Field(min_length=1)
     achievable: float = Field(gt=0, le=1)
     #: the fraction of the peak that attention's fused kernels reach (flash attention's; None: ``achievable``)
     attention_achievable: float | None = Field(None, gt=0, le=1)
@@ -143,9 +143,12 @@ class DeviceProfile(BaseModel):
     def flops(self, dtype: str) -> float:
         """The peak matmul throughput for ``dtype``; ``ValueError`` names the dtypes the profile has. ``tf32`` (fp32
         matmuls where the user's code allows TF32) is fp32's where the profile has no TF32 rate (a CPU's, a
-        calibration's: ``vemesh calibrate`` does not measure it)."""
+        calibration's: ``vemesh calibrate`` does not measure it), and on a GPU's profile without ``fp16``, fp16 is
+        bf16's (their tensor cores' rates are one on every NVIDIA GPU since Ampere)."""
         if dtype == "tf32" and dtype not in self.matmul_flops:
             dtype = "fp32"
+        if dtype == "fp16" and dtype not in self.matmul_flops and self.queued:
+            dtype = "bf16"
         if dtype not in self.matmul_flops:
             raise ValueError(f"device profile {self.name!r} has no matmul throughput for {dtype}; it has "
                              f"{', '.join(sorted(self.matmul_flops))}")
