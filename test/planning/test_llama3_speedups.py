@@ -135,7 +135,7 @@ def test_bad_input_is_one_line_naming_the_value_and_the_choices(argv, message, c
 def test_a_profile_without_fp8_refuses_float8_when_timing() -> None:
     speed = Speedups(float8="tensorwise")
     c = SimpleNamespace(flops=10, counts={"linear_flops": 10}, memory_bytes=0, optimizer_bytes=0, ops=0, dtensor_ops=0)
-    with pytest.raises(ValueError, match="'a100-sxm-80gb' has no matmul throughput for fp8; it has bf16, fp32"):
+    with pytest.raises(ValueError, match="'a100-sxm-80gb' has no matmul throughput for fp8; it has bf16, fp16, fp32, tf32"):
         speed.compute_seconds(c, 0, load_profile("a100-sxm-80gb"), "bf16")
 
 
