@@ -230,7 +230,7 @@ def test_plan_with_a_profile_gives_the_step_time_and_its_parts() -> None:
     assert doc["device_profile"]["measured"] is False and 0 < doc["mfu"] < 1
     text = render(list(found.times), found.profile)
     assert text.startswith("step time on h100-sxm (published specifications, NOT MEASURED here)")
-    assert "  TP exposed " in text and "|#" in text and "host link;" in text
+    assert "  TP exposed " in text and "|#" in text and "host link;" in text and "|  matmuls in fp32\n" in text
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -645,6 +645,7 @@ def test_fsdp2s_bf16_compute_over_fp32_parameters_is_timed_and_its_mfu_taken_at_
     flops = [d["mfu"] * d["step_time"] * profile.flops(p) for d, p in ((mixed, "bf16"), (plain, "fp32"))]
     assert flops[0] == pytest.approx(flops[1], rel=1e-9)
     assert mixed["time"]["compute"] < plain["time"]["compute"]
+    assert (mixed["time"]["compute_dtype"], plain["time"]["compute_dtype"]) == ("bf16", "fp32")  # and said so
 
 
 def test_fp32_matmuls_that_the_users_code_lets_run_in_tf32_are_timed_at_tf32s_rate() -> None:

@@ -26,7 +26,6 @@ from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import Placement, place
 from vemesh.planning.profiles import DeviceProfile, load_profile
 from vemesh.planning.request import PlanRequest
-from vemesh.planning.speedups import compute_dtype
 from vemesh.planning.step_time import WORLD, StepTime, step_time
 
 __all__ = ["Answer", "answer", "hosts_of", "mesh_of", "model_document", "plan", "verdict", "whole_hosts"]
@@ -176,18 +175,14 @@ def time_document(times: tuple[StepTime, ...], profile: DeviceProfile, fit: Any,
         "time": _time_parts(slowest),
         "sequences_per_second_per_device": job.global_batch_size / slowest.total / world,
         # of the peak of the dtype the step's matmuls ran in (FSDP2's mixed precision: bf16 over fp32 parameters)
-        "mfu": flops / slowest.total / profile.flops(compute_dtype(_counts(fit, slowest.name), job.dtype)),
+        "mfu": flops / slowest.total / profile.flops(slowest.dtype or job.dtype),
         "time_by_class": [dict(name=t.name, step_time=t.total, **_time_parts(t)) for t in times],
     }
 
 
-def _counts(fit: Any, name: str) -> dict[str, int]:
-    """The counts of ``fit``'s rank class ``name``."""
-    return next((getattr(c, "counts", None) or {} for c in fit.classes if c.name == name), {})
-
-
 def _time_parts(t: StepTime) -> dict[str, Any]:
-    return {"compute": t.compute, "host_bound_device_work": t.device, "optimizer": t.optimizer, "bubble": t.bubble,
+    return {"compute": t.compute, "compute_dtype": t.dtype, "host_bound_device_work": t.device,
+            "optimizer": t.optimizer, "bubble": t.bubble,
             "exposed_communication": t.exposed,
             "communication": {d: {"link": x.link, "seconds": x.seconds, "hidden": x.hidden, "exposed": x.exposed}
                               for d, x in t.dims.items()}}

@@ -177,6 +177,8 @@ class StepTime:
     device: float | None = None
     #: timed with --compile's rules where the eager step would be bound by the host's dispatch (a queued profile's)
     compiled_host_bound: bool = False
+    #: the dtype most of its matmuls ran in (:func:`~vemesh.planning.speedups.compute_dtype`), whose peak is the MFU's
+    dtype: str | None = None
 
     @property
     def exposed(self) -> float:
@@ -203,6 +205,7 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
             raise ValueError(f"{c.name}: the plan counted no FLOPs (traced without timing, or not traced); a step "
                              "time needs a traced step planned with a device profile (Job(..., timed=True))")
         device, host = speed.compute_parts(c, index, profile, dtype)
+        ran_in = compute_dtype(getattr(c, "counts", None) or {}, dtype)  # the dtype most of its matmuls ran in
         compute = paced(device, host, profile)
         backward = compute * 2 / 3
         dims: dict[str, DimTime] = {}
@@ -231,8 +234,7 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
                 hidable = sum(t for op, t in wrapper.items() if _kind(op) not in _GATHERS)
                 cover = backward
             elif dim == "TP" and speed.async_tp:  # each gather or scatter fused with its matmuls, behind them only
-                ran = compute_dtype(getattr(c, "counts", None) or {}, dtype)
-                hidable = sum(min(t, ops[op][1] * speed.matmul_seconds(fed_flops(op), profile, ran))
+                hidable = sum(min(t, ops[op][1] * speed.matmul_seconds(fed_flops(op), profile, ran_in))
                               for op, t in each.items() if fed_flops(op))
                 cover = hidable
             else:
@@ -241,7 +243,7 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
         optimizer = c.optimizer_bytes / profile.memory_bandwidth
         eager = Speedups().compute_parts(c, index, profile, dtype) if speed.compile else (0.0, 0.0)
         out.append(StepTime(c.name, compute, optimizer, 0.0, dims, device if profile.queued and host > device else None,
-                            profile.queued and eager[1] > eager[0]))
+                            profile.queued and eager[1] > eager[0], ran_in))
     pp = fit.degrees.get("PP", 1)
     if pp > 1 and fit.pp_schedule and len(out) == pp:
         bubbles = pipeline_bubbles(fit.pp_schedule, pp, fit.micro_batches, [t.compute for t in out],
@@ -318,7 +320,8 @@ def render(times: list[StepTime], profile: DeviceProfile, width: int = 40) -> st
     said = "measured by vemesh calibrate" if profile.measured else "published specifications, NOT MEASURED here"
     lines = [f"step time on {profile.name} ({said}): {t.total * 1e3:.3f} ms ({t.name}; the slowest class)"]
     host = "" if t.device is None else f"  the host's dispatch sets it; the device's work is {t.device * 1e3:.3f} ms"
-    parts = [("compute", t.compute, host), ("optimizer", t.optimizer, "")]
+    parts = [("compute", t.compute, f"  matmuls in {t.dtype}" + (f";{host[1:]}" if host else "") if t.dtype else host),
+             ("optimizer", t.optimizer, "")]
     parts += [(f"{dim} exposed", d.exposed, f"  {d.link} link; {d.seconds * 1e3:.3f} ms in all, "
                f"{d.hidden * 1e3:.3f} ms hidden behind compute") for dim, d in t.dims.items()]
     if t.bubble:
