@@ -279,7 +279,10 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
     job.add_argument("--moe-load-factor", metavar="F", help="MoE: the busiest EP rank receives F x the balanced "
                      "share of the slots (default: 1, balanced; a run's measured expert_load is its own F)")
     job.add_argument("--global-batch-size", type=positive, metavar="N", help="sequences per step (default: 32)")
-    job.add_argument("--dtype", choices=("fp32", "bf16"), help="parameter and compute dtype (default: fp32)")
+    job.add_argument("--dtype", choices=("fp32", "bf16"),
+                     help="the model's dtype: a preset computes in it, your own model is converted to it before your "
+                          "function; the step is timed in the dtype its matmuls ran in (FSDP2's MixedPrecisionPolicy, "
+                          "autocast) (default: fp32)")
     job.add_argument("--optimizer", choices=("adamw",), default="adamw", help="the optimizer (AdamW's two moments)")
     job.add_argument("--optimizer-implementation", choices=OPTIMIZER_IMPLEMENTATIONS, help="how AdamW steps, as "
                      "torchtitan's optimizer.implementation names it: torch's loop over tensors (foreach=False), its "
