@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRELOAD", "libraries_of", "method", "start"]
+__all__ = ["PRELOAD", "discard_error_files", "libraries_of", "method", "start"]
 
 #: what the server imports once for every rank it starts (torch._dynamo: torch imports it on an optimizer's first
 #: step, 1 to 1.5 s a process)
@@ -43,7 +43,31 @@ def method() -> str:
 
 def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, preload: Sequence[str] = ()) -> Any:
     """``fn(rank, *args)`` in ``nprocs`` new processes: torch's ``start_processes`` (its ``ProcessContext``, or None
-    with ``join``), by forkserver where the system has one, else by spawn."""
+    with ``join``), by forkserver where the system has one, else by spawn. With ``join``, a rank's error file is
+    removed once read; without, the caller's :func:`discard_error_files` removes them once it has joined."""
+    context = _started(fn, args, nprocs, preload)
+    if not join:
+        return context
+    try:
+        while not context.join():
+            pass
+    finally:
+        discard_error_files(context)
+    return None
+
+
+def discard_error_files(context: Any) -> None:
+    """Remove the files in which torch's ranks write the traceback of an exception (``pytorch-errorfile-*.pickle``
+    in the temporary directory), once the ranks are joined: torch's ``join`` reads a rank's and leaves it, so each
+    failed run of ``vemesh check`` left one a failed rank in ``/tmp``."""
+    for path in context.error_files:
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # written only by a rank that raised
+            pass
+
+
+def _started(fn: Callable[..., None], args: tuple, nprocs: int, preload: Sequence[str]) -> Any:
     import torch.multiprocessing as mp
 
     how = method()
@@ -51,7 +75,7 @@ def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, prel
         multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *preload])
 
     def started() -> Any:
-        return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join,
+        return mp.start_processes(_rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=False,
                                   start_method=how)
 
     try:
@@ -63,7 +87,7 @@ def start(fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool, prel
     # the module's traceback above): started again without ``preload``, each rank imports those modules itself
     roots = sorted({name.partition(".")[0] for name in preload})
     warnings.warn(f"the ranks' server stopped at an error importing {', '.join(roots)} (above); each rank imports "
-                  "it itself", RuntimeWarning, stacklevel=2)
+                  "it itself", RuntimeWarning, stacklevel=3)
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     for wait in (0.1, 0.2, 0.5, 1, 2, 4):  # started again once it has exited: until then its socket refuses
         try:

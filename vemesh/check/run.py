@@ -295,6 +295,7 @@ def run_parallel(spec: Spec, out: str) -> tuple[list[int], dict[int, int | None]
                 p.terminate()
         for p in context.processes:
             p.join(5)
+        local_ranks.discard_error_files(context)
     return ([rank for rank, p in enumerate(context.processes) if p.exitcode == -signal.SIGTERM],
             {rank: p.exitcode for rank, p in enumerate(context.processes)})
 

@@ -1091,12 +1091,17 @@ def test_hf_olmo2_width_norms_under_llamas_plan_get_the_gathered_layout_tried() 
 
 
 @pytest.mark.slow  # one run of 4 processes
-def test_a_tp_degree_that_does_not_divide_the_kv_heads_is_named_with_the_degrees_that_do() -> None:
+def test_a_tp_degree_that_does_not_divide_the_kv_heads_is_named_with_the_degrees_that_do(tmp_path,
+                                                                                         monkeypatch) -> None:
     """HF's Qwen3-MoE (4 query heads, 2 KV heads of 32) under TP 4: each rank holds 16 of k_proj's 64 features, and
     the attention's view by head_dim raises. The hint names the projection, its heads and the TP degrees that divide
-    every split projection's heads; no recipe is tried. Before, the error alone, with no hint."""
+    every split projection's heads; no recipe is tried. Before, the error alone, with no hint. The check leaves
+    nothing in the temporary directory (the failed ranks' tracebacks, each in a file of torch's, stayed there)."""
+    import tempfile
+
     from vemesh.parallel.tp_split import uneven_hint
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = check(f"module:{HF}:make_qwen3_moe", f"{HF}:parallelize_tp", f"{HF}:step", world_size=4, tp=4,
                    micro_batch_size=1)
     assert not result.exact and result.error and "is invalid for input of size" in result.error, result.render()
@@ -1104,6 +1109,7 @@ def test_a_tp_degree_that_does_not_divide_the_kv_heads_is_named_with_the_degrees
         "TP 4 does not divide model.layers.0.self_attn.k_proj's 2 heads (head_dim 32): each rank would hold 16 of its "
         "64 features, part of a head. Choose TP from 1, 2, which divide the heads of every projection TP splits"], \
         result.render()
+    assert list(tmp_path.glob("pytorch-errorfile-*")) == []  # (multiprocessing's own pymp-* lives on)
     split = [("a.q", 128, 128, 2), ("a.k", 64, 128, 2)]
     assert uneven_hint("a", split, {"a": 32}) is None  # TP 2 divides both: not the cause
     assert uneven_hint("a", split, {}) is None  # no head_dim on the module: nothing said

@@ -40,11 +40,17 @@ def test_each_calls_ranks_see_the_callers_environment_of_that_call(tmp_path, mon
     assert all(r["path"] == sys.path[:3] and r["cwd"] == os.getcwd() for ranks in seen for r in ranks)
 
 
-def test_a_ranks_error_reaches_the_caller() -> None:
+def test_a_ranks_error_reaches_the_caller_and_its_file_is_removed(tmp_path, monkeypatch) -> None:
+    """The traceback torch's rank writes into a file of the temporary directory reaches the caller, and the file does
+    not stay there (torch's join reads it and leaves it: every failed ``vemesh check`` left one a failed rank)."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(mp.ProcessRaisedException, match="rank 1's own error"):
         local_ranks.start(_fail, (), 2, join=True)
+    assert list(tmp_path.glob("pytorch-errorfile-*")) == []  # (multiprocessing's own pymp-* lives on)
 
 
 def test_the_libraries_a_users_code_uses_are_named_for_the_server_and_its_own_modules_are_not(tmp_path,
