@@ -107,6 +107,17 @@ def parallelize_hf_checkpointed(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def parallelize_torch_checkpointed(model: nn.Module, mesh) -> nn.Module:
+    """Each decoder layer in torch's ``checkpoint_wrapper`` (as torchtitan wraps its blocks and
+    ``apply_activation_checkpointing`` wraps a model's), not HF's own checkpointing: HF's cache stays as the step
+    asks (one rank)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    return model
+
+
 def make_cohere(layers: int = 2) -> nn.Module:
     """HF's ``CohereForCausalLM``: its attention and MLP side by side in each block (both read the block's input and
     are added to it), 2 layers of width 256, SDPA attention."""
@@ -182,6 +193,15 @@ def parallelize_sp_ungathered(model: nn.Module, mesh) -> nn.Module:
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
     return model
+
+
+def step_without_cache(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    """:func:`step` with HF's KV cache off (``use_cache=False``): a training step keeps no keys and values of its own."""
+    tokens = torch.randint(0, VOCAB, (micro_batch_size, SEQ + 1))
+    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach()
 
 
 def step_positions(model: nn.Module, micro_batch_size: int) -> torch.Tensor:

@@ -759,13 +759,43 @@ def test_where_transformers_takes_its_tracing_branch_on_the_plans_fake_tensors_t
                               "--step", f"{hf}:{step}", "--world-size", "1", "--global-batch-size", "1",
                               "--device-type", "cpu", "--json")
         assert code == 0, err
-        said[parallelize, step] = [n for n in json.loads(out)["notes"] if n.startswith("transformers took")]
+        notes = json.loads(out)["notes"]
+        said[parallelize, step] = [n for n in notes if n.startswith("transformers took")]
     (note,) = said["parallelize_hf_checkpointed", "step_positions"]
     assert "its tracing branch in find_packed_sequence_indices" in note and "the plan builds the 4-D mask" in note
     assert said["parallelize_hf_checkpointed", "step"] == said["parallelize_forgot_tp", "step"] == []
+    assert not any("KV cache" in n for n in notes)  # the cache on without checkpointing costs nothing more
     assert not isinstance(sys.modules["transformers.utils.import_utils"].is_fake_tensor.__closure__, tuple)  # restored
     masks = sys.modules["transformers.masking_utils"]
     assert masks.find_packed_sequence_indices.__qualname__ == "find_packed_sequence_indices"  # restored too
+
+
+def test_hfs_kv_cache_on_under_torchs_checkpoint_wrapper_is_said_with_the_bytes_it_held(capsys) -> None:
+    """transformers' causal models keep their KV cache on in training unless told (only HF's own checkpointing turns
+    it off). Under torch's ``checkpoint_wrapper`` on each layer the cache holds every layer's keys and values, which
+    the checkpoint frees, and the recompute appends its own: the plan counts them (HF's Llama, 4 layers of width 256
+    under TP 2 and FSDP2 on 4 gloo ranks: plan and run within 16 bytes both ways, the cache 16% of the peak;
+    BENCHMARKS.md) and says how much the cache held at the forward's end. With ``use_cache=False`` the peak is lower
+    and nothing is said."""
+    import transformers  # noqa: F401  (the test extra)
+
+    hf = str(REPO / "test" / "models" / "hf_jobs.py")
+    planned = {}
+    for step in ("step", "step_without_cache"):
+        code, out, err = _cli(capsys, "--model", f"module:{hf}:make_llama", "--parallelize",
+                              f"{hf}:parallelize_torch_checkpointed", "--step", f"{hf}:{step}", "--world-size", "1",
+                              "--global-batch-size", "1", "--device-type", "cpu", "--json")
+        assert code == 0, err
+        planned[step] = json.loads(out)
+    said = [n for n in planned["step"]["notes"] if "KV cache" in n]
+    # 6 layers, each its keys and values: 4 KV heads of 32 features, 128 tokens, fp32
+    assert said == [f"HF's KV cache was on in training (use_cache, which transformers' causal models default to) "
+                    f"under torch's activation checkpointing: it held {6 * 2 * 4 * 32 * 128 * 4 / 2**20:.2f} MiB of "
+                    "keys and values at the forward's end, which the checkpoint would have freed, and the recompute "
+                    "appends its own; the figures count them as a run holds them. Call the model with use_cache=False "
+                    "(HF's gradient_checkpointing_enable sets it) to free them"], planned["step"]["notes"]
+    assert not any("KV cache" in n for n in planned["step_without_cache"]["notes"])
+    assert planned["step_without_cache"]["peak"] < planned["step"]["peak"] - 6 * 2 * 4 * 32 * 128 * 4
 
 
 def test_a_tp_collective_that_a_checkpoints_recompute_leaves_unread_is_said_as_the_leak_it_is(capsys) -> None:

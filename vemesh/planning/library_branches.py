@@ -28,9 +28,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["own_positions", "tracing_branches"]
+__all__ = ["TrainingCache", "own_positions", "tracing_branches"]
 
 #: for each transformers model whose forward is running (the innermost last): whether it was called without
 #: ``position_ids`` and ``attention_mask``, so that it makes its own positions, one unpadded sequence a row
@@ -77,19 +78,49 @@ def tracing_branches() -> Iterator[set[str]]:
             masks.find_packed_sequence_indices = packed
 
 
+class TrainingCache:
+    """HF's KV cache, made by a training forward whose layers torch's activation checkpointing wraps
+    (``checkpoint_wrapper``, as torchtitan and ``apply_activation_checkpointing`` wrap them).
+
+    transformers' causal models default to ``use_cache=True`` in training too (only HF's own
+    ``gradient_checkpointing_enable`` turns it off), and the cache copies every layer's keys and values. Without
+    checkpointing autograd keeps those anyway, and the cache costs nothing more; under it, the cache holds what the
+    checkpoint frees, and the recompute appends its own. The plan counts them as a run holds them (its peak is the
+    run's), and says how much the cache held at the forward's end (:meth:`~vemesh.planning.results.Counted.cache_note`).
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0  #: the most the cache held at the end of a forward (its keys' and values' storages), 0: none
+
+    def see(self, output: Any) -> None:
+        held = 0
+        for layer in getattr(getattr(output, "past_key_values", None), "layers", None) or ():
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                t = getattr(t, "_local_tensor", t)  # a DTensor's local part holds its bytes
+                if isinstance(t, torch.Tensor):
+                    held += t.untyped_storage().nbytes()
+        self.bytes = max(self.bytes, held)
+
+
 @contextlib.contextmanager
-def own_positions(parts: list[nn.Module]) -> Iterator[None]:
+def own_positions(parts: list[nn.Module]) -> Iterator[TrainingCache]:
     """While open, each transformers model in ``parts`` says, while its forward runs, whether it was called without
-    ``position_ids`` and ``attention_mask`` (see the module docstring); :func:`tracing_branches` reads it."""
-    handles = []
+    ``position_ids`` and ``attention_mask`` (see the module docstring); :func:`tracing_branches` reads it. Yields the
+    :class:`TrainingCache` that a training forward of a part checkpointed by torch's wrapper made."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    handles, cache = [], TrainingCache()
     pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
     for part in parts if pretrained is not None else ():  # transformers not imported: none of its models here
+        wrapped = any(isinstance(m, CheckpointWrapper) for m in part.modules())
         for module in part.modules():
             if isinstance(module, pretrained):  # a model (its base or its head), not one of its layers
                 handles += [module.register_forward_pre_hook(_called, with_kwargs=True),
-                            module.register_forward_hook(_returned, always_call=True)]
+                            module.register_forward_hook(functools.partial(_returned, cache if wrapped else None),
+                                                         always_call=True)]
     try:
-        yield
+        yield cache
     finally:
         for handle in handles:
             handle.remove()
@@ -109,6 +140,8 @@ def _called(module: nn.Module, args: tuple, kwargs: dict) -> None:
     _MADE.append(given.get("position_ids") is None and given.get("attention_mask") is None)
 
 
-def _returned(module: nn.Module, args: tuple, output: Any) -> None:
+def _returned(cache: TrainingCache | None, module: nn.Module, args: tuple, output: Any) -> None:
     if _MADE:
         _MADE.pop()
+    if cache is not None and module.training:
+        cache.see(output)

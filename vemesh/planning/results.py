@@ -104,6 +104,9 @@ class Counted:
     #: micro-batches and blocks; with PP, the traced actions'): held by torch's work registry in a run, step after
     #: step (:meth:`~vemesh.planning.measure.CollectiveBytes.unwaited`)
     unwaited: tuple[int, int] = (0, 0)
+    #: the bytes of HF's KV cache at the end of a training forward under torch's activation checkpointing
+    #: (:class:`~vemesh.planning.library_branches.TrainingCache`); 0: none
+    training_cache: int = 0
 
     @property
     def weights(self) -> int:
@@ -160,6 +163,16 @@ class Counted:
                 "4-D mask: the peak may be over that run's by the mask and what the attention does with it (HF's "
                 "Llama given an all-ones mask: 2% over; called without positions or a mask, exact; "
                 "vemesh.planning.library_branches)")
+
+    def cache_note(self) -> str | None:
+        """Said where HF's KV cache was on in a training forward under torch's activation checkpointing."""
+        if not self.training_cache:
+            return None
+        return (f"HF's KV cache was on in training (use_cache, which transformers' causal models default to) under "
+                f"torch's activation checkpointing: it held {_mib(self.training_cache)} of keys and values at the "
+                "forward's end, which the checkpoint would have freed, and the recompute appends its own; the figures "
+                "count them as a run holds them. Call the model with use_cache=False (HF's "
+                "gradient_checkpointing_enable sets it) to free them")
 
     @classmethod
     def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:

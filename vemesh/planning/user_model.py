@@ -153,7 +153,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                 parts = [wrapped]
                 held_sends.enter_context(step_parts(tracker, list(stack.children()) if stack is not None else []))
             del model  # the function's result holds what it kept (a stage cut from the model drops the rest)
-            held_sends.enter_context(own_positions(parts))  # a model that makes its own positions packs none
+            cache = held_sends.enter_context(own_positions(parts))  # a model making its own positions packs none
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = held_now = Held(parts, ddps)
             optimizer = optimizer_for(parts, mode, ddps, device, optimizer_implementation)
@@ -224,7 +224,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
                                     *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
                   compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))),
-                  branches=tuple(sorted(branches)),
+                  branches=tuple(sorted(branches)), training_cache=cache.bytes,
                   # with PP, what the traced actions left (a replayed action runs no collective)
                   unwaited=unwaited[1] if pp == 1 else max(unwaited, key=lambda u: u[1]))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
@@ -407,4 +407,4 @@ def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
     if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
         notes.append(_READ_MODES[counted.dp_mode])
     return notes + [n for n in (counted.buffers_note(), counted.compiled_note(), counted.skipped_note(),
-                                   counted.branches_note()) if n is not None]
+                                   counted.branches_note(), counted.cache_note()) if n is not None]
