@@ -118,6 +118,26 @@ def parallelize_torch_checkpointed(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def parallelize_tp_selective(model: nn.Module, mesh) -> nn.Module:
+    """HF's TP plan, each decoder layer in torch's ``checkpoint_wrapper`` under a per-op selective policy (the
+    matmuls' and the attention's outputs kept, the rest recomputed), as torchtitan's ``selective-op`` wraps its
+    blocks. With HF's KV cache on, the recompute's keys are longer than the forward's (the cache grew) and HF's SDPA
+    path slices them: torch's selective checkpoint raises in the backward, in any run of it (torch 2.13)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kept = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def policy(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    _tp(model, mesh)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False,
+                                                   context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    return model
+
+
 def make_cohere(layers: int = 2) -> nn.Module:
     """HF's ``CohereForCausalLM``: its attention and MLP side by side in each block (both read the block's input and
     are added to it), 2 layers of width 256, SDPA attention."""

@@ -8,7 +8,11 @@ The same code records the one-process run and each rank of the parallel run, so 
 * an output is keyed ``(module, call, index)``: the module's ``call``-th forward of the step, the ``index``-th tensor
   of what it returned. A DTensor is gathered whole (``full_tensor()``, a collective every rank of its mesh runs in
   the same order); a plain tensor is kept as this rank's (a TP shard is joined with its peers' when compared).
-  Forwards run again in the backward (activation checkpointing's recompute) are not recorded;
+  Forwards run again in the backward (activation checkpointing's recompute) are not recorded. What recording does
+  (a DTensor's gather, a copy) runs outside the step's dispatch modes: inside a region of torch's selective
+  checkpoint, whose mode counts each op of the forward to find it again in the recompute, the recording's ops
+  changed that count, and a step that raises in a run (HF's Llama with its KV cache on under a per-op policy and TP)
+  ran in the check and was called exact;
 * a gradient is gathered whole the same way (TP's and FSDP2's DTensors), under every name the parameter has.
 
 :class:`Deterministic` makes the step's dropout draw nothing in either run (``p`` taken as 0, counted), and
@@ -30,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from vemesh.parallel.experts.style import EXPERT
@@ -83,10 +88,11 @@ def outside_fsdp(model: Any) -> list[str]:
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return t.clone()
+    with _disable_current_modes():  # the recording's own ops, not the step's (the module docstring)
+        t = t.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        return t.clone()
 
 
 def _column_shard(module: nn.Module, t: torch.Tensor) -> torch.Tensor | None:
@@ -181,7 +187,8 @@ class Recorder:
         if name is not None and not _in_backward():  # also where not recorded: a pipeline stage's shape inference
             self.stack.append(name)  # runs the first forward, and a wrong plan raises there first (where, said)
             if isinstance(module, nn.Embedding) and args and isinstance(args[0], torch.Tensor):
-                self.indices.setdefault(name, args[0].detach().clone())
+                with _disable_current_modes():
+                    self.indices.setdefault(name, args[0].detach().clone())
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self.names.get(id(module))

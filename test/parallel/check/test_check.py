@@ -2184,6 +2184,21 @@ def test_the_llama3_presets_parallelize_is_exact(parallelize: str, degrees: dict
     assert result.outputs_not_comparable == 0 and result.outputs_compared > 20
 
 
+def test_a_selective_checkpoint_that_raises_in_a_run_raises_in_the_checks_run_too() -> None:
+    """HF's Llama under TP 2, each layer in torch's ``checkpoint_wrapper`` with a per-op policy, its KV cache on: the
+    step raises in any run (torch's selective checkpoint finds the recompute's ops other than the forward's). The
+    check's recording ran its own ops (each DTensor output gathered) inside the checkpointed regions, which changed
+    the count torch's mode keeps, and the step ran: the check said exact. Its ops now run outside the step's modes:
+    the parallel run raises as a run does, and with the cache off the check is exact."""
+    result = check(f"module:{HF}:make_llama", f"{HF}:parallelize_tp_selective", f"{HF}:step", world_size=2, tp=2,
+                   micro_batch_size=1)
+    assert not result.exact and "encountered during backward but not found in storage" in result.error, \
+        result.render()
+    fixed = check(f"module:{HF}:make_llama", f"{HF}:parallelize_tp_selective", f"{HF}:step_without_cache",
+                  world_size=2, tp=2, micro_batch_size=1)
+    assert fixed.exact, fixed.render()
+
+
 def test_a_degree_the_users_function_refuses_on_every_rank_is_its_own_error_not_a_rank_gone() -> None:
     """Every rank raises in --parallelize (TP 4 over 2 KV heads). torch's join SIGTERMed the other ranks as soon as
     the first had failed, so the ones that had not yet written their error were named as gone without a word
