@@ -88,11 +88,10 @@ def outside_fsdp(model: Any) -> list[str]:
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    with _disable_current_modes():  # the recording's own ops, not the step's (the module docstring)
-        t = t.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        return t.clone()
+    t = t.detach()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.clone()
 
 
 def _column_shard(module: nn.Module, t: torch.Tensor) -> torch.Tensor | None:
@@ -208,9 +207,10 @@ class Recorder:
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if not tensors and hasattr(output, "values"):  # HF's ModelOutput is a dict the pytree does not open
             tensors = [t for t in output.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        for i, t in enumerate(tensors):
-            shard = _column_shard(module, t) if i == 0 and len(tensors) == 1 else None
-            self.outputs[(name, call, i)] = _whole(t if shard is None else shard)
+        with _disable_current_modes():  # the recording's own ops, not the step's (the module docstring)
+            for i, t in enumerate(tensors):
+                shard = _column_shard(module, t) if i == 0 and len(tensors) == 1 else None
+                self.outputs[(name, call, i)] = _whole(t if shard is None else shard)
 
     def read(self, func: Any, args: Any, kwargs: dict, result: Any = None) -> None:
         """If ``func`` cuts a Linear's output into equal parts along its features' dim, note how many (read_parts);
