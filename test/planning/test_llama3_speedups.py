@@ -313,6 +313,23 @@ def test_float8_runs_the_linear_matmuls_at_the_fp8_rate_and_pays_their_casts() -
     assert both == pytest.approx(8e11 / fp8 + 2e11 / rate + (1e9 + 3 * 1e9) / profile.memory_bandwidth)
 
 
+def test_the_compute_line_says_what_share_of_the_flops_float8_timed_at_the_fp8_rate() -> None:
+    """Under --float8 the compute line said "matmuls in bf16" alone, though the Linears' matmuls were timed at fp8's
+    rate: it now names their share of the FLOPs (the head's stay bf16), and the JSON gives it."""
+    from vemesh.planning.step_time import render, step_time
+
+    profile = load_profile("h100-sxm")
+    c = SimpleNamespace(name="every rank", flops=1e12, memory_bytes=0, optimizer_bytes=0, ops=0, dtensor_ops=0,
+                        collectives={}, counts={"linear_flops": 8e11, "linear_elements": 0, "flops_in@bf16": 1e12})
+    fit = SimpleNamespace(classes=[c], degrees={}, pp_schedule=None, micro_batches=1)
+    kwargs = dict(dtype="bf16", dp_mode="fsdp", grad_dims=("DP",), sizes={}, links={})
+    (plain,) = step_time(fit, profile, **kwargs)
+    assert plain.fp8_share == 0 and render([plain], profile).splitlines()[1].endswith("|  matmuls in bf16")
+    (f8,) = step_time(fit, profile, speed=Speedups(float8="tensorwise", bf16_flops=(2e11,)), **kwargs)
+    assert f8.fp8_share == pytest.approx(0.6)
+    assert render([f8], profile).splitlines()[1].endswith("|  matmuls in bf16, the Linears' (60% of the FLOPs) in fp8")
+
+
 def test_attention_is_timed_at_the_profiles_own_fraction_for_it() -> None:
     profile = load_profile("h100-sxm")
     c = _class(memory=1e9, optimizer=1e9)

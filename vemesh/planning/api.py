@@ -181,7 +181,8 @@ def time_document(times: tuple[StepTime, ...], profile: DeviceProfile, fit: Any,
 
 
 def _time_parts(t: StepTime) -> dict[str, Any]:
-    return {"compute": t.compute, "compute_dtype": t.dtype, "host_bound_device_work": t.device,
+    return {"compute": t.compute, "compute_dtype": t.dtype, "compute_fp8_share": t.fp8_share,
+            "host_bound_device_work": t.device,
             "optimizer": t.optimizer, "bubble": t.bubble,
             "exposed_communication": t.exposed,
             "communication": {d: {"link": x.link, "seconds": x.seconds, "hidden": x.hidden, "exposed": x.exposed}

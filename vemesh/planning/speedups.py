@@ -110,7 +110,7 @@ class Speedups:
         cast = 0.0
         if self.float8 is not None:
             linear = counts.get("linear_flops", 0)
-            fp8 = max(0, linear - (self.bf16_flops[index] if index < len(self.bf16_flops) else 0))
+            fp8 = self.fp8_flops(c, index)
             matmul += fp8 / (profile.flops("fp8") * profile.achievable) - fp8 / rate
             elements = counts.get("linear_elements", 0) * (fp8 / linear if linear else 0)
             cast = elements * _CAST_BYTES[self.compile]
@@ -124,6 +124,14 @@ class Speedups:
             moved = c.memory_bytes - c.optimizer_bytes + cast
             host = c.ops * profile.op_overhead_s + c.dtensor_ops * profile.dtensor_op_overhead_s
         return matmul + arithmetic + moved / profile.memory_bandwidth, host
+
+    def fp8_flops(self, c: Any, index: int) -> int:
+        """The FLOPs of rank class ``c`` (the ``index``-th) timed at the fp8 rate: its ``nn.Linear`` matmuls but the
+        output head's, under ``--float8``; 0 without it."""
+        if self.float8 is None:
+            return 0
+        linear = (getattr(c, "counts", None) or {}).get("linear_flops", 0)
+        return max(0, linear - (self.bf16_flops[index] if index < len(self.bf16_flops) else 0))
 
     def matmul_seconds(self, flops: int, profile: Any, dtype: str) -> float:
         """The seconds of a TP-fed matmul of ``flops`` (under Float8 at the fp8 rate, but one that stays bf16): what

@@ -179,6 +179,8 @@ class StepTime:
     compiled_host_bound: bool = False
     #: the dtype most of its matmuls ran in (:func:`~vemesh.planning.speedups.compute_dtype`), whose peak is the MFU's
     dtype: str | None = None
+    #: the share of its FLOPs timed at the fp8 rate (``--float8``: the Linears' matmuls but the head's), else 0
+    fp8_share: float = 0.0
 
     @property
     def exposed(self) -> float:
@@ -243,7 +245,7 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
         optimizer = c.optimizer_bytes / profile.memory_bandwidth
         eager = Speedups().compute_parts(c, index, profile, dtype) if speed.compile else (0.0, 0.0)
         out.append(StepTime(c.name, compute, optimizer, 0.0, dims, device if profile.queued and host > device else None,
-                            profile.queued and eager[1] > eager[0], ran_in))
+                            profile.queued and eager[1] > eager[0], ran_in, speed.fp8_flops(c, index) / c.flops))
     pp = fit.degrees.get("PP", 1)
     if pp > 1 and fit.pp_schedule and len(out) == pp:
         bubbles = pipeline_bubbles(fit.pp_schedule, pp, fit.micro_batches, [t.compute for t in out],
@@ -320,7 +322,9 @@ def render(times: list[StepTime], profile: DeviceProfile, width: int = 40) -> st
     said = "measured by vemesh calibrate" if profile.measured else "published specifications, NOT MEASURED here"
     lines = [f"step time on {profile.name} ({said}): {t.total * 1e3:.3f} ms ({t.name}; the slowest class)"]
     host = "" if t.device is None else f"  the host's dispatch sets it; the device's work is {t.device * 1e3:.3f} ms"
-    parts = [("compute", t.compute, f"  matmuls in {t.dtype}" + (f";{host[1:]}" if host else "") if t.dtype else host),
+    fp8 = f", the Linears' ({t.fp8_share:.0%} of the FLOPs) in fp8" if t.fp8_share else ""
+    parts = [("compute", t.compute, f"  matmuls in {t.dtype}{fp8}" + (f";{host[1:]}" if host else "") if t.dtype
+              else host),
              ("optimizer", t.optimizer, "")]
     parts += [(f"{dim} exposed", d.exposed, f"  {d.link} link; {d.seconds * 1e3:.3f} ms in all, "
                f"{d.hidden * 1e3:.3f} ms hidden behind compute") for dim, d in t.dims.items()]
