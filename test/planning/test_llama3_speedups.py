@@ -534,6 +534,29 @@ def test_selective_checkpointing_keeps_less_than_none_and_recomputes_less_than_f
     assert full.activations <= every_other.activations < none.activations
 
 
+def test_the_presets_micro_batches_each_reduce_their_gradients_as_torchtitans_loop_does() -> None:
+    """torchtitan's loop leaves FSDP2's gradient sync on through gradient accumulation: each micro-batch's backward
+    reduce-scatters. The preset was planned with the sync off but on the last micro-batch (DDP's ``no_sync`` habit, a
+    user model's default), which holds every unsharded gradient until then: ``llama3:405b`` on DP 64 x TP 8, 8
+    micro-batches of 1, planned 214 GiB a rank where one micro-batch planned 20, and a search rejected it."""
+    from vemesh.planning.fit import _llama3_functions
+
+    assert _llama3_functions("llama3:8b", "fsdp", "bf16", "full", "1f1b").sync_each
+
+    def plan(sync_each: bool):
+        fns = UserFunctions(planned.factory(SMALL), planned.parallelize_for("fsdp", "bf16", "full"), planned.step,
+                            (f"llama3 {SMALL}", "parallelize", "step"), sync_each=sync_each)
+        return predict_user(fns, world_size=2, degrees={"PP": 1, "DP": 2, "CP": 1, "TP": 1, "EP": 1},
+                            global_batch_size=8, micro_batch_size=2, dtype="fp32", dp_mode="fsdp", load_factor=1.0,
+                            timed=False).classes[0]
+
+    once, each = plan(False), plan(True)
+    scatters = {k: v.get("_reduce_scatter_base_", (0, 0))[1] for k, v in (("once", once.collectives["DP"]),
+                                                                          ("each", each.collectives["DP"]))}
+    assert scatters["each"] == 2 * scatters["once"] > 0, scatters  # 2 micro-batches a step, each reduce-scattered
+    assert each.peak < once.peak, (each.peak, once.peak)  # no unsharded gradients held from one to the next
+
+
 def test_a_vocabulary_parallel_loss_holds_its_shard_of_the_logits_not_the_whole() -> None:
     """DTensor's sharding propagation runs ops on fake tensors of the global shape; those must not count: under TP 4
     the loss's fp32 logits are a quarter of TP 1's (vemesh.planning.fake_world.quiet_sharding_propagation)."""

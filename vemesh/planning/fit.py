@@ -124,7 +124,7 @@ def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: st
     return UserFunctions(llama3_planned.factory(config_of(spec)),
                          llama3_planned.parallelize_for(mode, dtype, ac, pp_schedule), llama3_planned.step,
                          (spec, "vemesh.models.llama3.parallelize", "vemesh.models.llama3.planned.step"),
-                         loss=llama3_planned.loss_fn, pp_schedule=pp_schedule,
+                         loss=llama3_planned.loss_fn, pp_schedule=pp_schedule, sync_each=True,
                          before_optimizer=llama3_planned.before_optimizer,
                          before_optimizer_name="vemesh.models.llama3.planned.before_optimizer",
                          stage_kinds=llama3_planned.stage_kinds_for(config_of(spec), ac, pp_schedule))

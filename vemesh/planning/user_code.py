@@ -77,6 +77,10 @@ class UserFunctions:
     #: are when a model of ``n_blocks`` blocks (None: the preset's own depth) is cut
     #: (:func:`vemesh.models.gpt.stages.stage_kinds`); it stands for building each rank's stages to compare them
     stage_kinds: Callable[[int, int, int | None], tuple] | None = None
+    #: the loop averages the gradients over DP on every micro-batch's backward (torchtitan's loop: FSDP2 reduce-scatters
+    #: after each one), not only the last's (the habit of DDP's ``no_sync``, which FSDP2 pays for by holding every
+    #: unsharded gradient until the last backward)
+    sync_each: bool = False
 
     @classmethod
     def of(cls, model: Any, parallelize: Any, step: Any, loss: Any = None, pp_schedule: str | None = None,

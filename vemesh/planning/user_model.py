@@ -11,8 +11,8 @@ answers with what the user's code does, not with a model of it:
    ``context_parallel`` in the step, ``ExpertParallel``, activation checkpointing, FSDP2 or vemesh DDP);
 3. the optimizer ``--dp-mode`` names on what the function returned (torch's AdamW, or vemesh's ZeRO-1
    ``DistributedOptimizer`` over the DDP model), and training steps: ``zero_grad``, ``STEP(model, micro_batch_size)``
-   per micro-batch (``no_sync`` / FSDP2's gradient sync off but the last), ``BEFORE_OPTIMIZER(model)`` when given
-   (``--before-optimizer``: the loop's clipping, its loss all-reduce), ``optimizer.step()``;
+   per micro-batch (``no_sync`` / FSDP2's gradient sync off but the last; each synced if ``UserFunctions.sync_each``),
+   ``BEFORE_OPTIMIZER(model)`` if given (``--before-optimizer``: clipping, a loss all-reduce), ``optimizer.step()``;
 4. torch's ``MemTracker`` holds every storage the steps touch (each parameter's local shard, whatever made it; the
    gradients; the optimizer state; the activations) and the peak is taken during the steps, as
    :class:`~vemesh.planning.measure.RunMeter` measures a run; every collective is counted at the dispatcher by the
@@ -191,7 +191,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                         if pp > 1:  # the schedule splits the batch and runs every micro-batch
                             call("--step", step_name, fns.step, run, n * micro_batch_size)
                         for i in range(n if pp == 1 else 0):
-                            with no_sync(wrapped, i == n - 1), _said_uneven_heads(wrapped):
+                            with no_sync(wrapped, i == n - 1 or fns.sync_each), _said_uneven_heads(wrapped):
                                 call("--step", step_name, fns.step, wrapped, micro_batch_size)
                         if pp == 1 and index == 0:  # a step without its backward would plan a forward alone
                             made_gradients(parts, step_name)
