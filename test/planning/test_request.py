@@ -51,6 +51,18 @@ def test_every_field_of_the_request_is_a_flag_of_vemesh_plan() -> None:
     (dict(world_size=8, model="gpt:n_layer=2", device_memory="8GiB", jobs=True), "--jobs must be a positive integer"),
     (dict(world_size=8, model="gpt:n_layer=2", device_memory=0), r"device_memory 0: give bytes \(at least 1\) or a size"),
     (dict(world_size=8, model="gpt:n_layer=2", device_memory=-2**30), "device_memory -1073741824: give bytes"),
+    (dict(world_size=8, model="module:m:make", step="m:s", gradient_sync="every"),
+     r"--gradient-sync 'every': choose last \(the last micro-batch's backward averages the gradients: no_sync on the "
+     r"others\) or each \(every micro-batch's does: torchtitan's loop\)"),
+    (dict(world_size=8, model="module:m:make", step="m:s", loss="m:l", pp=2, gradient_sync="each"),
+     "--gradient-sync each with --pp 2: torch's schedule runs the micro-batches and averages each stage's gradients"),
+    (dict(world_size=8, model="llama3:8b", gradient_sync="last"),
+     "--gradient-sync last: the Llama 3 preset runs torchtitan's loop, which averages the gradients on each "
+     "micro-batch's backward; give --gradient-sync each or leave it out"),
+    (dict(world_size=8, model="gpt:n_layer=2", gradient_sync="each"),
+     "--gradient-sync each: the GPT preset runs the example's loop, which averages the gradients on the last "
+     "micro-batch's backward; give --gradient-sync last or leave it out"),
+    (dict(world_size=8, gradient_sync="each"), "argument --gradient-sync: describes a job; give the model too"),
 ])
 def test_a_request_that_cannot_be_answered_says_why(python, message) -> None:
     with pytest.raises(ValueError, match=message):

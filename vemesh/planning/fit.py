@@ -2,15 +2,13 @@
 
 :func:`predict` answers for one mesh (degrees PP, DP, CP, TP, EP), :func:`search` for every mesh of a world size,
 ranked. The user's factory, parallelize function and step are traced on a fake world
-(:mod:`vemesh.planning.user_model`), and the presets the same way, through their own functions
-(:mod:`vemesh.models.gpt.planned`). With PP each PP rank is traced through torch's own schedule class
-(:mod:`vemesh.planning.pipeline_trace`): the micro-batches in flight, the receive buffers and the sends are the
-schedule's, not a formula's. Checked against real runs (``bench/plan_accuracy.py``, ``test/parallel/ddp_optim``).
+(:mod:`vemesh.planning.user_model`), the presets through their own functions (:mod:`vemesh.models.gpt.planned`);
+with PP each PP rank through torch's own schedule class (:mod:`vemesh.planning.pipeline_trace`): the micro-batches
+in flight, the receive buffers and the sends are the schedule's. Checked against runs (``bench/plan_accuracy.py``).
 
-What is not traced: a search's GPT-preset meshes with PP, without ``--trace-pp``
-(:mod:`vemesh.planning.pipeline_estimate`); a mesh whose weights, gradients and optimizer state alone exceed the
-device, rejected from :func:`vemesh.planning.estimate.rank_static` (equal to the byte to what vemesh DDP, ZeRO-1
-and FSDP2 allocate, but for ZeRO-1's padding); a module factory given without its step (its static and DP bytes).
+Not traced: a search's GPT-preset PP meshes without ``--trace-pp`` (:mod:`vemesh.planning.pipeline_estimate`); a
+mesh whose weights, gradients and optimizer state alone exceed the device (:func:`vemesh.planning.estimate.rank_static`:
+what DDP, ZeRO-1 and FSDP2 allocate, to the byte but ZeRO-1's padding); a factory without its step (static, DP bytes).
 """
 
 from __future__ import annotations
@@ -73,6 +71,7 @@ class Job:
     speed: Any = None  #: :class:`vemesh.planning.speedups.Speedups` (compile, Float8, async TP), None for none
     trace_pp: bool = False  #: a search traces its PP meshes through torch's schedule, as ``--pp N`` does
     optimizer_implementation: str | None = None  #: ``for-loop``, ``foreach``, ``fused``; None: as torch on ``device``
+    gradient_sync: str | None = None  #: ``each``: every micro-batch's backward averages the gradients (else the last)
 
     @property
     def mode(self) -> str:
@@ -160,7 +159,7 @@ def _traced_preset(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_
         dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,
         dtype="fp32" if job.mode == "fsdp" else job.dtype, dp_mode=job.mode, load_factor=job.moe_load_factor,
         timed=job.timed, device=job.device, optimizer_implementation=job.optimizer_implementation)
-    return replace(fit, notes=tuple(n for n in fit.notes if not n.startswith("dp mode ")))
+    return replace(fit, notes=tuple(n for n in fit.notes if not n.startswith(("dp mode ", "gradient accumulation"))))
 
 
 def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
@@ -175,6 +174,7 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         if job.dp_mode is not None and job.dp_mode not in ("ddp", "zero1", "fsdp"):
             raise ValueError(f"dp_mode must be ddp, zero1 or fsdp; got {job.dp_mode!r}")
         fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
+        fns = replace(fns, sync_each=job.gradient_sync == "each")
         return (predict_pipeline if pp > 1 else predict_user)(fns, world_size=pp * dp * cp * tp,
                             degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep}, dp_replicate=dp_replicate,
                             global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,

@@ -69,6 +69,8 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
     """The JSON of one mesh's prediction."""
     return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
             "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
+            # which micro-batches' backward averages the gradients over DP (under PP, torch's schedule: the last)
+            "gradient_sync": job.gradient_sync or ("each" if job.llama3 and fit.degrees["PP"] == 1 else "last"),
             "dp_mode": fit.dp_mode or job.mode, "optimizer_implementation": job.optimizer_implementation
             or ("foreach" if job.device == "cuda" else "for-loop"), "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
             "speedups": ({k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")}
@@ -288,6 +290,11 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "torchtitan's optimizer.implementation names it: torch's loop over tensors (foreach=False), its "
                      "foreach kernels, or its fused kernel (default: as torch picks on the device: foreach on a GPU, "
                      "the loop on cpu)")
+    job.add_argument("--gradient-sync", metavar="last|each", help="with several micro-batches a step: the last "
+                     "micro-batch's backward averages the gradients over DP (no_sync or FSDP2's "
+                     "set_requires_gradient_sync(False) on the others; your functions' default), or each one's "
+                     "(torchtitan's loop; FSDP2 then reduce-scatters every micro-batch and holds no unsharded gradient "
+                     "between them)")
     job.add_argument("--dp-mode", choices=("ddp", "zero1", "fsdp"),
                      help="vemesh DDP + AdamW, + the ZeRO-1 DistributedOptimizer, or torch's FSDP2 (default: zero1)")
     job.add_argument("--micro-batch-size", type=positive, metavar="N",

@@ -22,7 +22,8 @@ from vemesh.planning.pipeline_trace import MetaExchange, MissingMeta
 from vemesh.planning.results import Counted, MeshFit, RankClass
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, BlocksNotFound, collapse_actions, stage_slots
 from vemesh.planning.user_code import UserFunctions
-from vemesh.planning.user_model import stage_signatures, trace_arguments, trace_user, user_notes
+from vemesh.planning.user_model import stage_signatures, trace_arguments, trace_user
+from vemesh.planning.user_notes import user_notes
 from vemesh.planning.user_template import blocks_of
 
 __all__ = ["predict_pipeline", "shared_records", "trace_pipeline"]

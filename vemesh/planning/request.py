@@ -15,7 +15,7 @@ from vemesh.layout.names import divisors
 from vemesh.models.llama3.config import check_ac, config_of
 from vemesh.planning.speedups import Speedups
 
-__all__ = ["CHOICES", "JOB_FLAGS", "OPTIMIZER_IMPLEMENTATIONS", "PlanRequest"]
+__all__ = ["CHOICES", "GRADIENT_SYNC", "JOB_FLAGS", "OPTIMIZER_IMPLEMENTATIONS", "PlanRequest"]
 
 #: What a search by time may choose for each mesh (``--choose``), besides the mesh itself.
 CHOICES = ("micro-batch-size", "activation-checkpointing")
@@ -24,12 +24,18 @@ CHOICES = ("micro-batch-size", "activation-checkpointing")
 #: loop over tensors (``foreach=False``), its foreach kernels (``foreach=True``) or its fused kernel (``fused=True``).
 OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 
+#: With gradient accumulation, the micro-batches whose backward averages the gradients over DP
+#: (``--gradient-sync``): the last alone (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)`` on the
+#: others: Accelerate's default, the GPT example's loop), or each (torchtitan's loop; Accelerate's
+#: ``sync_each_batch``), which FSDP2 pays in reduce-scatters rather than in unsharded gradients held.
+GRADIENT_SYNC = ("last", "each")
+
 #: The fields that describe a job: given without a model they would be ignored, so they are refused.
 JOB_FLAGS: tuple[str, ...] = ("device_memory", "global_batch_size", "dtype", "dp_mode", "micro_batch_size",
                               "pp_schedule", "rank_by", "parallelize", "step", "loss", "before_optimizer", "moe_load_factor",
                               "sequence_parallel", "activation_checkpointing", "device_profile", "choose", "compile",
                               "float8", "float8_all_gather", "async_tp", "trace_pp",
-                              "jobs", "optimizer_implementation")
+                              "jobs", "optimizer_implementation", "gradient_sync")
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class PlanRequest:
     moe_load_factor: float | str | None = None
     #: one of :data:`OPTIMIZER_IMPLEMENTATIONS`; None: as torch picks on the device (foreach on a GPU, else the loop)
     optimizer_implementation: str | None = None
+    gradient_sync: str | None = None  #: ``last`` or ``each`` (:data:`GRADIENT_SYNC`); None: the preset's, else last
     # what GPU users turn on for speed (vemesh.planning.speedups): rules on the traced step's time
     compile: bool = False
     float8: str | None = None  #: ``tensorwise`` or ``rowwise``
@@ -131,6 +138,7 @@ class PlanRequest:
         if self.optimizer_implementation not in (None, *OPTIMIZER_IMPLEMENTATIONS):
             raise ValueError(f"--optimizer-implementation {self.optimizer_implementation!r}: choose one of "
                              f"{', '.join(OPTIMIZER_IMPLEMENTATIONS)} (or leave it out: as torch picks on the device)")
+        self._check_gradient_sync(user, llama3)
         if self.before_optimizer is not None and not user:
             raise ValueError("--before-optimizer is your loop's end of a step, for your own functions (--parallelize, "
                              "--step); the GPT preset runs the example's (its clipping and loss all-reduces)")
@@ -174,6 +182,22 @@ class PlanRequest:
                 raise ValueError("--choose activation-checkpointing is the GPT preset's choice, made without "
                                  "--activation-checkpointing" + ("; with --parallelize your function decides it: "
                                  "plan one function with it and one without to compare" if user else ""))
+
+    def _check_gradient_sync(self, user: bool, llama3: bool) -> None:
+        sync = self.gradient_sync
+        if sync is None:
+            return
+        if sync not in GRADIENT_SYNC:
+            raise ValueError(f"--gradient-sync {sync!r}: choose last (the last micro-batch's backward averages the "
+                             "gradients: no_sync on the others) or each (every micro-batch's does: torchtitan's loop)")
+        own, loop, which = ("each", "Llama 3 preset runs torchtitan's", "each") if llama3 else \
+            ("last", "GPT preset runs the example's", "the last")
+        if not user and sync != own:
+            raise ValueError(f"--gradient-sync {sync}: the {loop} loop, which averages the gradients on {which} "
+                             f"micro-batch's backward; give --gradient-sync {own} or leave it out")
+        if sync == "each" and isinstance(self.pp, int) and self.pp > 1:
+            raise ValueError(f"--gradient-sync each with --pp {self.pp}: torch's schedule runs the micro-batches and "
+                             "averages each stage's gradients on its last backward; leave --gradient-sync out")
 
     def _check_speedups(self) -> None:
         """--compile, --float8, --float8-all-gather and --async-tp: what they need, each in one line."""
@@ -240,7 +264,7 @@ class PlanRequest:
                    activation_checkpointing=ac if llama3 else ac == "full", parallelize=self.parallelize,
                    step=self.step, loss=self.loss, before_optimizer=self.before_optimizer, moe_load_factor=factor,
                    timed=self.device_profile is not None, speed=speed if speed.any else None, trace_pp=self.trace_pp,
-                   optimizer_implementation=self.optimizer_implementation)
+                   optimizer_implementation=self.optimizer_implementation, gradient_sync=self.gradient_sync)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanRequest:

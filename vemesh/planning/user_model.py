@@ -55,23 +55,13 @@ from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_pa
 from vemesh.planning.library_branches import own_positions, tracing_branches
 from vemesh.planning.user_code import (UserFunctions, as_traced, call, compiled_module, fsdp_covers, made_gradients,
                                       sharded_by_fsdp)
+from vemesh.planning.user_notes import user_notes
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
 
-__all__ = ["predict_user", "stage_signatures", "trace_arguments", "trace_user", "user_notes"]
+__all__ = ["predict_user", "stage_signatures", "trace_arguments", "trace_user"]
 
 _MODES = ("ddp", "zero1", "fsdp")
-#: what a plan says of the dp mode it read from the parallelize function's wrappers (no --dp-mode)
-_READ_MODES = {
-    "none": "dp mode none: the parallelize function wrapped no data parallelism (the mesh has none), and the "
-            "optimizer is torch's AdamW over what it returned",
-    "zero1": "dp mode zero1: the parallelize function wrapped vemesh DDP, and the optimizer is ZeRO-1's "
-             "DistributedOptimizer over it (--dp-mode ddp for torch's AdamW, unsplit)",
-    "fsdp": "dp mode fsdp: the parallelize function sharded the model with FSDP2 (fully_shard); the optimizer is "
-            "torch's AdamW over its shards",
-}
-
-
 def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: Any) -> tuple[str, list[Any]]:
     """The dp mode the function's wrappers mean, checked against ``--dp-mode``, ``none`` when it wrapped nothing on a
     mesh without data parallelism and none was asked for; and the vemesh DDP modules, if any.
@@ -384,27 +374,10 @@ def predict_user(fns: UserFunctions, **job: Any) -> Any:
                          f"of them ({type(e.__cause__).__name__}); all {n} traced")
     if counted is None:
         counted = trace_user(fns, **kwargs)
-    notes += user_notes(counted, kwargs)
+    notes += user_notes(counted, kwargs, fns.sync_each)
     held = counted.held
     static = RankMemory("every rank", counted.weights, held["grads"], held["optimizer"], 0)
     return MeshFit(dict(degrees), [RankClass("every rank", static, held["activations"], 0, counted.sent, counted.flops,
                                              counted.memory_bytes, counted.optimizer_bytes, counted.ops,
                                              counted.dtensor_ops, counted.by_op, counted.counts)],
                    kwargs["passes"], mbs, notes=tuple(notes), dp_mode=counted.dp_mode)
-
-
-def user_notes(counted: Counted, kwargs: dict[str, Any]) -> list[str]:
-    """What a plan of the user's functions assumed, said with its figures: the MoE routing, ZeRO-1's masters, the dp
-    mode read from the wrappers."""
-    leak = counted.unwaited_note(at_least=kwargs["degrees"].get("PP", 1) > 1)
-    notes = [leak] if leak is not None else []  # a leak first: the figures are of one step
-    if counted.moe:
-        notes.append(f"MoE routing: each expert gets an equal share of the slots, and the busiest EP rank receives "
-                     f"{kwargs['load_factor']:g} x the balanced share (--moe-load-factor; 1 is balanced, a run's "
-                     "measured expert_load is its own factor)")
-    if counted.dp_mode == "zero1" and kwargs["dtype"] == "bf16":
-        notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
-    if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
-        notes.append(_READ_MODES[counted.dp_mode])
-    return notes + [n for n in (counted.buffers_note(), counted.compiled_note(), counted.skipped_note(),
-                                   counted.branches_note(), counted.cache_note()) if n is not None]

@@ -1,0 +1,45 @@
+"""What a plan of the user's functions (or a preset's) assumed, said with its figures: the notes under its tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vemesh.planning.results import Counted
+
+__all__ = ["user_notes"]
+
+#: what a plan says of the dp mode it read from the parallelize function's wrappers (no --dp-mode)
+_READ_MODES = {
+    "none": "dp mode none: the parallelize function wrapped no data parallelism (the mesh has none), and the "
+            "optimizer is torch's AdamW over what it returned",
+    "zero1": "dp mode zero1: the parallelize function wrapped vemesh DDP, and the optimizer is ZeRO-1's "
+             "DistributedOptimizer over it (--dp-mode ddp for torch's AdamW, unsplit)",
+    "fsdp": "dp mode fsdp: the parallelize function sharded the model with FSDP2 (fully_shard); the optimizer is "
+            "torch's AdamW over its shards",
+}
+
+
+def user_notes(counted: Counted, kwargs: dict[str, Any], sync_each: bool = False) -> list[str]:
+    """What a plan of the user's functions assumed, said with its figures: the MoE routing, ZeRO-1's masters, the dp
+    mode read from the wrappers, FSDP2's gradient accumulation. ``kwargs`` are the trace's
+    (:func:`vemesh.planning.user_model.trace_arguments`); ``sync_each``: the functions' loop averages the gradients
+    on every micro-batch (:attr:`vemesh.planning.user_code.UserFunctions.sync_each`)."""
+    leak = counted.unwaited_note(at_least=kwargs["degrees"].get("PP", 1) > 1)
+    notes = [leak] if leak is not None else []  # a leak first: the figures are of one step
+    if counted.moe:
+        notes.append(f"MoE routing: each expert gets an equal share of the slots, and the busiest EP rank receives "
+                     f"{kwargs['load_factor']:g} x the balanced share (--moe-load-factor; 1 is balanced, a run's "
+                     "measured expert_load is its own factor)")
+    if counted.dp_mode == "zero1" and kwargs["dtype"] == "bf16":
+        notes.append("the optimizer column includes ZeRO-1's fp32 master weights")
+    if kwargs["dp_mode"] is None:  # read from the wrappers (_data_parallel): none, zero1 or fsdp
+        notes.append(_READ_MODES[counted.dp_mode])
+    if counted.dp_mode == "fsdp" and kwargs["passes"] > 1 and kwargs["degrees"].get("PP", 1) == 1:
+        notes.append(f"gradient accumulation: each of the {kwargs['passes']} micro-batches' backward reduce-scatters "
+                     "its gradients (--gradient-sync each)" if sync_each else
+                     f"gradient accumulation: FSDP2's gradient sync off but on the last of the {kwargs['passes']} "
+                     "micro-batches (set_requires_gradient_sync(False), as no_sync; --gradient-sync last), so every "
+                     "unsharded gradient is held until it; a loop that syncs each (torchtitan's) holds the sharded "
+                     "ones alone: plan it with --gradient-sync each")
+    return notes + [n for n in (counted.buffers_note(), counted.compiled_note(), counted.skipped_note(),
+                                   counted.branches_note(), counted.cache_note()) if n is not None]
