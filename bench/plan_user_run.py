@@ -3,7 +3,7 @@
 Launched by ``bench/plan_accuracy.py`` under torchrun, with the planner's flags. It does what a training script
 of the user's would: build the mesh with ``ParallelDims``, call the factory and the parallelize function, make
 the optimizer ``--dp-mode`` names, and train 3 steps (``zero_grad``, the step per micro-batch with ``no_sync``
-but on the last, ``optimizer.step``), inside vemesh's ``RunMeter`` (torch's MemTracker, and the collectives
+but on the last, or on none with ``--gradient-sync each``, ``optimizer.step``), inside vemesh's ``RunMeter`` (torch's MemTracker, and the collectives
 by mesh dim). Rank 0 writes the report; with MoE it also writes the run's expert load: the busiest EP rank's
 arriving slots over the slots it sent (the balanced share), the largest of any layer and step.
 
@@ -50,14 +50,14 @@ def _expert_load() -> dict[str, float]:
     return seen
 
 
-def _train_step(model, optimizer, step, per_dp: int, mbs: int, fsdp: bool) -> None:
+def _train_step(model, optimizer, step, per_dp: int, mbs: int, fsdp: bool, each: bool = False) -> None:
     optimizer.zero_grad()
     if isinstance(model, _Pipeline):  # torch's schedule runs the micro-batches
         step(model.schedule, per_dp)
         optimizer.step()
         return
     for i in range(per_dp // mbs):
-        last = i == per_dp // mbs - 1
+        last = each or i == per_dp // mbs - 1  # --gradient-sync each: every micro-batch averages its gradients
         if fsdp:
             model.set_requires_gradient_sync(last)
         with model.no_sync() if not last and not fsdp else contextlib.nullcontext():
@@ -112,7 +112,7 @@ def _time_steps(args, dims, factory, parallelize, step, per_dp: int, mbs: int, b
     for i in range(3 + args.time_steps):
         dist.barrier()
         start = time.perf_counter()
-        _train_step(model, optimizer, step, per_dp, mbs, fsdp)
+        _train_step(model, optimizer, step, per_dp, mbs, fsdp, args.gradient_sync == "each")
         took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         if i >= 3:
@@ -134,6 +134,8 @@ def main() -> None:
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--dp-mode", choices=("ddp", "zero1", "fsdp"))
     parser.add_argument("--pp-schedule", default="1f1b")
+    parser.add_argument("--gradient-sync", choices=("last", "each"), default="last",
+                        help="which micro-batches' backward averages the gradients (as vemesh plan --gradient-sync)")
     parser.add_argument("--keep-dp", action="store_true", help="a DP dim of size 1 too (as the GPT preset's mesh)")
     parser.add_argument("--loss", help="with --pp: loss_fn(output, target) for the schedule, MODULE:FUNCTION")
     parser.add_argument("--expert-load", help="write the run's expert load factor here")
@@ -165,7 +167,7 @@ def main() -> None:
         _seed_data(mesh)
         for _ in range(STEPS):
             with meter.step():
-                _train_step(model, optimizer, step, per_dp, mbs, fsdp)
+                _train_step(model, optimizer, step, per_dp, mbs, fsdp, args.gradient_sync == "each")
     report(meter, mesh, f"PP rank {mesh.lookup_rank('PP')}" if pp > 1 else "every rank", args.report)
     loads = [None] * dist.get_world_size()
     dist.all_gather_object(loads, load["load"])
