@@ -149,7 +149,8 @@ def time_of(fit: Any, mesh: MeshPlan, profile: DeviceProfile, job: Any, speed_of
     ``speed_of(job, fit)`` gives the job's switches (:func:`vemesh.planning.fit.speedups_of`)."""
     layout, per_host = mesh.layout, hosts_of(mesh, profile)
     found = data_dims(layout)
-    grad = tuple(n for n in (found.grad, *(("EDP",) if found.expert else ())) if n)
+    # the dims gradients are averaged over: the data dim, HSDP's replica and shard dims (FSDP2's 2-D mesh), EDP
+    grad = tuple(dict.fromkeys(n for n in (found.grad, *found.fsdp, *(("EDP",) if found.expert else ())) if n))
     used = {dim for c in fit.classes for dim in c.collectives}
     sizes, links = {}, {}
     for dim in used:

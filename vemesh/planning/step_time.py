@@ -210,6 +210,10 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
         ran_in = compute_dtype(getattr(c, "counts", None) or {}, dtype)  # the dtype most of its matmuls ran in
         compute = paced(device, host, profile)
         backward = compute * 2 / 3
+        # what the gradient dims' wrapper collectives may hide behind, shared by them: HSDP's dp_shard and dp_replicate
+        # (FSDP2's gathers and reduce-scatters, its all-reduce of the shard) hide behind the same compute, not each
+        # behind its own copy of it
+        left = {"fsdp": compute, "backward": backward}
         dims: dict[str, DimTime] = {}
         for dim, ops in sorted(c.collectives.items()):
             link_name = links.get(dim, "host")
@@ -230,11 +234,11 @@ def step_time(fit: Any, profile: DeviceProfile, *, dtype: str, dp_mode: str, gra
             # there is the forward's or backward's own exchange (CP's ring when FSDP shards over CP alone)
             wrapper = {op: t for op, t in each.items() if _base(op) not in FUNCTIONAL}
             if dim in grad_dims and dp_mode == "fsdp":
-                hidable = sum(wrapper.values())
-                cover = compute
+                hidable = cover = min(sum(wrapper.values()), left["fsdp"])
+                left["fsdp"] -= cover
             elif dim in grad_dims:  # the gradient reduction in backward; ZeRO-1's gather after the step is exposed
-                hidable = sum(t for op, t in wrapper.items() if _kind(op) not in _GATHERS)
-                cover = backward
+                hidable = cover = min(sum(t for op, t in wrapper.items() if _kind(op) not in _GATHERS), left["backward"])
+                left["backward"] -= cover
             elif dim == "TP" and speed.async_tp:  # each gather or scatter fused with its matmuls, behind them only
                 hidable = sum(min(t, ops[op][1] * speed.matmul_seconds(fed_flops(op), profile, ran_in))
                               for op, t in each.items() if fed_flops(op))
