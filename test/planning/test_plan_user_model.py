@@ -864,3 +864,24 @@ def test_hsdp_under_tp_is_planned_and_its_byte_columns_keep_their_names_apart(ca
     bars = [x for x in lines if x.startswith("  ") and "|" in x]
     assert any(x.lstrip().startswith("dp_replicate exposed") for x in bars), out
     assert len({x.index("|") for x in bars}) == 1, "\n".join(bars)
+
+
+def _parallelize_torch_ddp(model, mesh):
+    """What a torch user writes: torch's own DDP over the mesh's DP group."""
+    import torch
+
+    return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group())
+
+
+def test_torchs_own_ddp_is_refused_in_one_line_that_names_vemeshs_and_what_it_counts_otherwise() -> None:
+    """torch's DDP fails on a plan's fake tensors in its constructor (its reducer reads memory they do not have), where
+    the user read torch's "its data is not allocated yet ... mutable_data()": the line says what to wrap instead and
+    the gradients' copy that torch's default holds besides."""
+    with pytest.raises(ValueError) as raised:
+        plan(f"module:{JOBS}:make_dense", parallelize=_parallelize_torch_ddp, step=f"{JOBS}:step", world_size=2,
+             global_batch_size=4)
+    said = str(raised.value)
+    assert "\n" not in said
+    assert "failed at " in said and "_parallelize_torch_ddp" in said, said
+    assert "torch's DistributedDataParallel cannot be planned" in said, said
+    assert "vemesh.ddp.DistributedDataParallel(model, mesh['DP'])" in said and "gradient_as_bucket_view=True" in said

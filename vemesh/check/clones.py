@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vemesh.check.record import parts, plain_name
-from vemesh.planning.user_code import INPLACE_ON_TP_OUTPUT as REFUSAL
+from vemesh.planning.known_causes import INPLACE_ON_TP_OUTPUT as REFUSAL
 
 __all__ = ["candidate", "hint", "layer_pattern", "set_clones"]
 

@@ -38,7 +38,8 @@ from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel import plan_keys, tp_replicas
 from vemesh.parallel.tp_split import head_dims
 from vemesh.planning.pipeline_trace import pipeline_stages
-from vemesh.planning.user_code import UserFunctions, compiled_module, known_cause, on_this_cpu, unbindable, user_frame
+from vemesh.planning.known_causes import known_cause
+from vemesh.planning.user_code import UserFunctions, compiled_module, on_this_cpu, unbindable, user_frame
 
 __all__ = ["SEED", "Spec", "Timeout", "UserError", "call", "dims", "errors", "functions", "loss_of", "run_parallel"]
 
