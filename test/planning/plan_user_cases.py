@@ -59,6 +59,26 @@ def parallelize_nothing(model, mesh):
     return model
 
 
+def parallelize_torch_ddp(model, mesh):
+    """What a torch user writes: torch's own DDP over the mesh's DP group."""
+    return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group())
+
+
+def parallelize_fsdp1(model, mesh):
+    """torch's FSDP1 as its examples wrap a model (on a GPU it takes the device from the parameters)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, process_group=mesh["DP"].get_group(), use_orig_params=True)
+
+
+def parallelize_fsdp1_on_cpu(model, mesh):
+    """torch's FSDP1 told its device is the CPU: it builds on a plan's fake tensors."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, process_group=mesh["DP"].get_group(), use_orig_params=True,
+                                    device_id=torch.device("cpu"))
+
+
 def parallelize_torch_fsdp(model, mesh):
     """torch's own ``fully_shard`` with no mesh, as torch's FSDP2 examples call it: a 1-D mesh over the world."""
     from torch.distributed.fsdp import fully_shard

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import traceback
 
-__all__ = ["INPLACE_ON_TP_OUTPUT", "known_cause", "said"]
+__all__ = ["FSDP1_INSTEAD", "INPLACE_ON_TP_OUTPUT", "known_cause", "said", "worded"]
+
+#: what to write instead of torch's FSDP1, which the planner does not plan
+FSDP1_INSTEAD = ("it plans FSDP2, torch's successor to it, which shards each unit's parameters over the data ranks "
+                 "alike: call vemesh.parallel.fully_shard (or torch's fully_shard) on each block, then on the root")
 
 #: FSDP2's CPU offload, pinned (its default), traced for the CPU (``--device-type cpu``), or run where no function of
 #: the user's is under :class:`OnThisCPU`
@@ -61,6 +65,9 @@ _NO_CUDA = ("vemesh plan and vemesh check run your functions on this machine's C
 #: where torch fails in these, its text past the first line is about other uses than a plan's
 _FIRST_LINE_ONLY = ("_verify_param_shape_across_processes",)
 _KNOWN_ANYWHERE = {
+    "FSDP needs a non-CPU accelerator device":
+        "the planner traces on this machine's CPU, where torch's FullyShardedDataParallel (FSDP1) refuses to run, and "
+        f"does not plan FSDP1: {FSDP1_INSTEAD}",
     "Torch not compiled with CUDA enabled": _NO_CUDA,
     "Tried to instantiate dummy base class": _NO_CUDA,  # torch.cuda.Event, torch.cuda.Stream
     "has no attribute '_cuda_": _NO_CUDA,  # torch.cuda's memory statistics
@@ -99,5 +106,11 @@ def said(error: BaseException) -> str:
     on fake tensors goes on about custom kernels and Caffe2)."""
     text = str(error)
     if any(frame.name in _FIRST_LINE_ONLY for frame in traceback.extract_tb(error.__traceback__)):
-        return text.strip().splitlines()[0].rstrip(".") if text.strip() else text
+        return text.strip().splitlines()[0] if text.strip() else text
     return text
+
+
+def worded(error: BaseException) -> str:
+    """``error``'s text (:func:`said`) and its known cause (:func:`known_cause`), if any, after it."""
+    cause = known_cause(error)
+    return f"{said(error).rstrip().rstrip('.')}{cause}" if cause else said(error)

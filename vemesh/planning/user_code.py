@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from vemesh.parallel.tp_split import plain_name
 from vemesh.planning.estimate import load_object
-from vemesh.planning.known_causes import known_cause, said
+from vemesh.planning.known_causes import worded
 from vemesh.planning.pipeline_trace import MissingMeta
 
 __all__ = ["as_traced", "call", "compiled_module", "CONTRACTS", "on_this_cpu", "OnThisCPU", "resolve", "sharded_by_fsdp",
@@ -147,9 +147,9 @@ def call(what: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
     except ValueError as e:
         if str(e).startswith(("--", "the step ran")):
             raise
-        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {said(e)}{known_cause(e)}") from e
+        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {worded(e)}") from e
     except Exception as e:
-        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {said(e)}{known_cause(e)}") from e
+        raise ValueError(f"{what} {name} failed{user_frame(e)}: {type(e).__name__}: {worded(e)}") from e
 
 
 def compiled_module(parts: list[nn.Module]) -> str | None:

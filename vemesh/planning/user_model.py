@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from vemesh.layout.data_dims import data_dims
 from vemesh.layout.names import divisors, listed
@@ -53,6 +54,7 @@ from vemesh.planning.routing import routing
 from vemesh.planning.stage_signature import tensor_kinds
 from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_parts, step_parts
 from vemesh.planning.library_branches import own_positions, tracing_branches
+from vemesh.planning.known_causes import FSDP1_INSTEAD
 from vemesh.planning.user_code import (UserFunctions, as_traced, call, compiled_module, fsdp_covers, made_gradients,
                                       sharded_by_fsdp)
 from vemesh.planning.user_notes import user_notes
@@ -70,6 +72,9 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
            for m in parts):
         raise ValueError(f"--parallelize {name} wrapped torch's DistributedDataParallel; the planner counts vemesh's "
                          "(vemesh.ddp.DistributedDataParallel) and FSDP2 (fully_shard), whose buffers it knows")
+    if any(isinstance(m, FSDP1) for part in parts for m in part.modules()):
+        raise ValueError(f"--parallelize {name} wrapped torch's FullyShardedDataParallel (FSDP1), which the planner "
+                         f"does not plan: {FSDP1_INSTEAD}")
     fsdp = sharded_by_fsdp(parts, name)  # refuses FSDP2's CPU offload, which it does not plan
     ddps = [m for part in parts for m in part.modules() if isinstance(m, DistributedDataParallel)]
     found = "fsdp" if fsdp else "ddp" if ddps else None
