@@ -436,12 +436,12 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "DistributedDataParallel cannot be planned: its C++ reducer reads the parameters' and its buckets' memory, which "
      "a plan's fake tensors do not have. Wrap the model in vemesh.ddp.DistributedDataParallel(model, mesh['DP'])"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fsdp1", f"{JOBS}:step"),
-     "FSDP needs a non-CPU accelerator device, but no accelerator device is detected; the planner traces on this "
-     "machine's CPU, where torch's FullyShardedDataParallel (FSDP1) refuses to run, and does not plan FSDP1: it plans "
-     "FSDP2"),
+     "FSDP needs a non-CPU accelerator device, but no accelerator device is detected; torch's "
+     "FullyShardedDataParallel (FSDP1) needs an accelerator, and your functions run on this machine's CPU here; vemesh "
+     "plan and vemesh check take FSDP2"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fsdp1_on_cpu", f"{JOBS}:step"),
-     "parallelize_fsdp1_on_cpu wrapped torch's FullyShardedDataParallel (FSDP1), which the planner does not plan: it "
-     "plans FSDP2, torch's successor to it"),
+     "parallelize_fsdp1_on_cpu wrapped torch's FullyShardedDataParallel (FSDP1), which the planner does not plan; "
+     "vemesh plan and vemesh check take FSDP2, torch's successor to it"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
      "parallelize_returns_none returned NoneType, not the model"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),

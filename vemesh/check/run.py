@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from vemesh import local_ranks
 from vemesh.check.clones import set_clones
@@ -38,7 +39,7 @@ from vemesh.parallel.ties import BrokenTieError, tie_groups
 from vemesh.parallel import plan_keys, tp_replicas
 from vemesh.parallel.tp_split import head_dims
 from vemesh.planning.pipeline_trace import pipeline_stages
-from vemesh.planning.known_causes import known_cause
+from vemesh.planning.known_causes import FSDP1_INSTEAD, known_cause
 from vemesh.planning.user_code import UserFunctions, compiled_module, on_this_cpu, unbindable, user_frame
 
 __all__ = ["SEED", "Spec", "Timeout", "UserError", "call", "dims", "errors", "functions", "loss_of", "run_parallel"]
@@ -111,8 +112,9 @@ def call(what: str, name: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
         return on_this_cpu(fn, *args, **kwargs)  # a function written for an accelerator runs on this machine's CPU
     except Exception as e:
         said = _raised_by_vemesh(e) or e  # not torch's pipeline stage's own error raised from it
-        raise UserError(f"{what} {name} failed{user_frame(e)}: {type(said).__name__}: "
-                         f"{_said(said)}{known_cause(said)}") from e
+        cause = known_cause(said)
+        text = _said(said).rstrip(".") if cause else _said(said)
+        raise UserError(f"{what} {name} failed{user_frame(e)}: {type(said).__name__}: {text}{cause}") from e
 
 
 def _said(error: BaseException) -> str:
@@ -183,6 +185,9 @@ def _worker(rank: int, spec: Spec, out: str) -> None:
             stepped, model = _schedule(spec, model, names[1])
         elif not isinstance(model, torch.nn.Module):
             raise UserError(f"--parallelize {names[1]} returned {type(model).__name__}, not the model (an nn.Module)")
+        if any(isinstance(m, FSDP1) for part, _ in parts(model) for m in part.modules()):
+            raise UserError(f"--parallelize {names[1]} wrapped torch's FullyShardedDataParallel (FSDP1), which vemesh "
+                            f"check does not check (it gathers FSDP2's DTensor shards whole); {FSDP1_INSTEAD}")
         split = column_split_linears(model)
         heads = head_counts(model, split, built)  # as the user's function left them, before a recipe sets them
         widths = head_dims(model, split)

@@ -8,9 +8,10 @@ import traceback
 
 __all__ = ["FSDP1_INSTEAD", "INPLACE_ON_TP_OUTPUT", "known_cause", "said", "worded"]
 
-#: what to write instead of torch's FSDP1, which the planner does not plan
-FSDP1_INSTEAD = ("it plans FSDP2, torch's successor to it, which shards each unit's parameters over the data ranks "
-                 "alike: call vemesh.parallel.fully_shard (or torch's fully_shard) on each block, then on the root")
+#: what to write instead of torch's FSDP1, which vemesh plan and vemesh check do not take
+FSDP1_INSTEAD = ("vemesh plan and vemesh check take FSDP2, torch's successor to it, which shards each unit's parameters "
+                 "over the data ranks alike: call vemesh.parallel.fully_shard (or torch's fully_shard) on each block, "
+                 "then on the root")
 
 #: FSDP2's CPU offload, pinned (its default), traced for the CPU (``--device-type cpu``), or run where no function of
 #: the user's is under :class:`OnThisCPU`
@@ -66,8 +67,8 @@ _NO_CUDA = ("vemesh plan and vemesh check run your functions on this machine's C
 _FIRST_LINE_ONLY = ("_verify_param_shape_across_processes",)
 _KNOWN_ANYWHERE = {
     "FSDP needs a non-CPU accelerator device":
-        "the planner traces on this machine's CPU, where torch's FullyShardedDataParallel (FSDP1) refuses to run, and "
-        f"does not plan FSDP1: {FSDP1_INSTEAD}",
+        "torch's FullyShardedDataParallel (FSDP1) needs an accelerator, and your functions run on this machine's CPU "
+        f"here; {FSDP1_INSTEAD}",
     "Torch not compiled with CUDA enabled": _NO_CUDA,
     "Tried to instantiate dummy base class": _NO_CUDA,  # torch.cuda.Event, torch.cuda.Stream
     "has no attribute '_cuda_": _NO_CUDA,  # torch.cuda's memory statistics

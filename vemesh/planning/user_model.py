@@ -74,7 +74,7 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
                          "(vemesh.ddp.DistributedDataParallel) and FSDP2 (fully_shard), whose buffers it knows")
     if any(isinstance(m, FSDP1) for part in parts for m in part.modules()):
         raise ValueError(f"--parallelize {name} wrapped torch's FullyShardedDataParallel (FSDP1), which the planner "
-                         f"does not plan: {FSDP1_INSTEAD}")
+                         f"does not plan; {FSDP1_INSTEAD}")
     fsdp = sharded_by_fsdp(parts, name)  # refuses FSDP2's CPU offload, which it does not plan
     ddps = [m for part in parts for m in part.modules() if isinstance(m, DistributedDataParallel)]
     found = "fsdp" if fsdp else "ddp" if ddps else None

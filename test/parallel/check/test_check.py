@@ -2109,7 +2109,8 @@ def test_a_parallelize_that_raises_is_not_checked_and_a_plan_entry_torch_skipped
     """A parallelize function that raises in the parallel run (a typo) was "DIFFERS from one process" with 0 outputs
     compared, exit 1: a verdict on numbers never computed. It is "NOT CHECKED", exit 2, with the user's frame. And
     a plan entry that names no submodule, which torch's parallelize_module skips with a warning on each rank's
-    stderr, leaves the run exact but is said on the verdict, once, with where torch looked."""
+    stderr, leaves the run exact but is said on the verdict, once, with where torch looked. torch's FSDP1 is not
+    checked, and said so (its gradients are flat shards, not FSDP2's DTensors)."""
     code = main(["check", "--model", f"module:{nano('make')}", "--parallelize", nano("typo"), "--step", nano("step"),
                  "--world-size", "2", "--tp", "2"])
     out = capsys.readouterr().out
@@ -2123,6 +2124,13 @@ def test_a_parallelize_that_raises_is_not_checked_and_a_plan_entry_torch_skipped
     assert said.startswith("  but torch's parallelize_module skipped 1 plan entry whose name matches no submodule: "
                            "'q_proj' in CausalSelfAttention (2 times). What it names stays unsharded"), said
     assert "the numbers are right" in said and "could not be resolved" not in capsys.readouterr().err
+    # torch's FSDP1, built on the CPU (device_id), was "DIFFERS": every gradient, and "wrapped no data-parallel module"
+    cases, jobs = ROOT / "test" / "planning" / "plan_user_cases.py", ROOT / "test" / "models" / "llama_jobs.py"
+    code = main(["check", "--model", f"module:{cases}:make_six", "--parallelize", f"{cases}:parallelize_fsdp1_on_cpu",
+                 "--step", f"{jobs}:step", "--world-size", "2"])
+    out = capsys.readouterr().out
+    assert code == 2 and out.startswith("vemesh check: NOT CHECKED"), out
+    assert "wrapped torch's FullyShardedDataParallel (FSDP1), which vemesh check does not check" in out, out
 
 
 def test_a_step_that_raises_in_one_process_is_bad_input() -> None:
