@@ -71,6 +71,11 @@ CONFIGS: dict[str, tuple[int, list[str], list[str]]] = {
     "cp2": (2, ["--mesh-dims", "DP,CP", "--mesh-shape", "1,2"], ["--cp", "2"]),
     "ddp-accumulate": (2, ["--mesh-shape", "2,1", "--no-distributed-optimizer", "--micro-batch-size", "4"],
                        ["--dp-mode", "ddp", "--micro-batch-size", "4"]),
+    # FSDP2 over 4 passes: the gradients averaged on the last (every unsharded gradient held until it), or on each
+    "fsdp2-accumulate": (2, ["--mesh-shape", "2,1", "--fsdp", "--micro-batch-size", "4"],
+                         ["--dp-mode", "fsdp", "--micro-batch-size", "4"]),
+    "fsdp2-accumulate-each": (2, ["--mesh-shape", "2,1", "--fsdp", "--micro-batch-size", "4", "--gradient-sync", "each"],
+                              ["--dp-mode", "fsdp", "--micro-batch-size", "4", "--gradient-sync", "each"]),
 }
 
 

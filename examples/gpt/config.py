@@ -118,6 +118,11 @@ class TrainConfig(BaseModel):
         None, ge=1, description="sequences per forward on each DP rank; the DP rank's share of the global batch is "
         "run in global_batch_size / DP / this passes, gradients accumulated (default: all at once)"
     )
+    gradient_sync: Literal["last", "each"] = Field(
+        "last", description="with --micro-batch-size: which passes' backward averages the gradients over DP: the last "
+        "(DDP's no_sync, FSDP2's set_requires_gradient_sync(False) on the others; FSDP2 then holds every unsharded "
+        "gradient until it) or each (torchtitan's loop: FSDP2 reduce-scatters every pass, holding its shards)"
+    )
     lr: float = Field(2e-3, gt=0.0, description="peak learning rate")
     min_lr: float = Field(2e-4, ge=0.0, description="learning rate at the end of the cosine decay")
     warmup_steps: int = Field(10, ge=0)
@@ -402,6 +407,9 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--sequence-parallel: --seq-len {self.seq_len} must be divisible by {over}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if self.gradient_sync == "each" and pp > 1:
+            raise ValueError("--gradient-sync each with PP > 1: torch's schedule runs the micro-batches (--microbatches) "
+                             "and averages each stage's gradients on its last backward; leave --gradient-sync out")
         if self.micro_batch_size is not None:
             if pp > 1:
                 raise ValueError("--micro-batch-size splits the batch of the DDP path; with PP > 1 use --microbatches")

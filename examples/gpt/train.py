@@ -193,12 +193,13 @@ def compute(job: Job, loop: Loop, rows: tuple[int, int, int]) -> Step:
 
 def forward_backward(job: Job, x: torch.Tensor, y: torch.Tensor, passes: int):
     """The loss of this rank's batch and its gradients: ``passes`` slices without PP (all but the last
-    accumulate without DP communication), or micro-batches through torch's schedule (loss on the last stage)."""
+    accumulate without DP communication, unless --gradient-sync each), or micro-batches through torch's schedule
+    (loss on the last stage)."""
     if job.pipe is not None:
         return job.pipe.step(x, y), 0.0
     loss, aux_total = 0.0, 0.0
     for i, (xs, ys) in enumerate(zip(x.chunk(passes), y.chunk(passes))):
-        with gradient_sync(job.model, i == passes - 1):
+        with gradient_sync(job.model, i == passes - 1 or job.cfg.gradient_sync == "each"):
             part = loss_fn(job.model(xs), ys) / passes
             loss = loss + part.detach()
             if job.cfg.moe_aux_loss_coef:  # the load-balancing loss trains the router; the logged loss omits it

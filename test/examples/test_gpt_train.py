@@ -37,13 +37,17 @@ def single(tmp_path_factory):
     [
         ("4,1", ["--no-distributed-optimizer"]),  # pure DP, plain AdamW after DDP's averaging
         ("1,4", ["--sequence-parallel"]),  # pure TP, activations split along the sequence
-        ("4,1", ["--fsdp", "--dp-replicate", "2"]),  # torch's FSDP2 as HSDP: DP split into 2 replicas x 2 shards
-        ("2,2", ["--fsdp", "--activation-checkpointing"]),  # FSDP2 over DP with TP, blocks recomputed in backward
+        # torch's FSDP2 as HSDP: DP split into 2 replicas x 2 shards; each DP rank's 2 sequences in 2 passes, the
+        # gradients averaged on the last (set_requires_gradient_sync(False) on the first)
+        ("4,1", ["--fsdp", "--dp-replicate", "2", "--micro-batch-size", "1"]),
+        # FSDP2 over DP with TP, blocks recomputed in backward; 2 passes, each reduce-scattering its gradients
+        ("2,2", ["--fsdp", "--activation-checkpointing", "--micro-batch-size", "2", "--gradient-sync", "each"]),
         # each block torch.compile'd whole (fullgraph) under TP's DTensors and vemesh's FSDP2, whose weight-pass watch
         # hook dynamo could not trace (it crashed the first forward)
         ("2,2", ["--fsdp", "--compile"]),
     ],
-    ids=["dp4-tp1-plain-adamw", "dp1-tp4-sequence-parallel", "dp4-hsdp-2x2", "dp2-tp2-fsdp-ac", "dp2-tp2-fsdp-compiled"],
+    ids=["dp4-tp1-plain-adamw", "dp1-tp4-sequence-parallel", "dp4-hsdp-2x2-accumulated", "dp2-tp2-fsdp-ac-sync-each",
+         "dp2-tp2-fsdp-compiled"],
 )
 def test_loss_curve_matches_single_process(single, tmp_path, mesh, extra):
     """Each mesh's curve equals one process's, and prints no warning of torch's. (2,2) with the default ZeRO-1 optimizer is the first run of

@@ -59,9 +59,8 @@ def test_every_field_of_the_request_is_a_flag_of_vemesh_plan() -> None:
     (dict(world_size=8, model="llama3:8b", gradient_sync="last"),
      "--gradient-sync last: the Llama 3 preset runs torchtitan's loop, which averages the gradients on each "
      "micro-batch's backward; give --gradient-sync each or leave it out"),
-    (dict(world_size=8, model="gpt:n_layer=2", gradient_sync="each"),
-     "--gradient-sync each: the GPT preset runs the example's loop, which averages the gradients on the last "
-     "micro-batch's backward; give --gradient-sync last or leave it out"),
+    (dict(world_size=8, model="gpt:n_layer=2", pp=2, gradient_sync="each"),
+     "--gradient-sync each with --pp 2: torch's schedule runs the micro-batches and averages each stage's gradients"),
     (dict(world_size=8, gradient_sync="each"), "argument --gradient-sync: describes a job; give the model too"),
 ])
 def test_a_request_that_cannot_be_answered_says_why(python, message) -> None:

@@ -104,14 +104,14 @@ def _preset_factory(spec: str) -> Callable[[], Any]:
 
 @functools.lru_cache(maxsize=32)
 def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool, checkpointed: bool,
-                      pp_schedule: str, pp: bool) -> UserFunctions:
+                      pp_schedule: str, pp: bool, sync_each: bool = False) -> UserFunctions:
     """The GPT preset's functions (:mod:`vemesh.models.gpt.planned`), the same objects for the same job: with PP the
-    step runs a batch through torch's ``pp_schedule`` and the loss is the example's."""
+    step runs a batch through torch's ``pp_schedule``, the loss the example's; ``sync_each``: ``--gradient-sync each``."""
     step = gpt_planned.pipeline_step_for(pp_schedule) if pp else gpt_planned.step
     return UserFunctions(_preset_factory(spec),
                          gpt_planned.parallelize_for(mode, dtype, sequence_parallel, checkpointed, pp_schedule), step,
                          (spec, "vemesh.models.gpt.parallelize", f"vemesh.models.gpt.planned.{step.__qualname__}"),
-                         keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule,
+                         keep_dp=True, loss=gpt_planned.loss_fn, pp_schedule=pp_schedule, sync_each=sync_each,
                          before_optimizer=gpt_planned.before_optimizer_for(pp_schedule),
                          before_optimizer_name=f"vemesh.models.gpt.planned.before_optimizer_for({pp_schedule!r})",
                          stage_kinds=gpt_planned.stage_kinds_for(gpt_config(spec), pp_schedule))
@@ -153,7 +153,7 @@ def _traced_preset(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_
     computes in the job's dtype (the example's mixed precision), so its trace starts from fp32; DDP and ZeRO-1 train
     the model in the job's dtype (ZeRO-1 with fp32 masters)."""
     fns = _preset_functions(job.model, job.mode, job.dtype, job.sequence_parallel, job.activation_checkpointing,
-                            job.pp_schedule, pp > 1)
+                            job.pp_schedule, pp > 1, job.gradient_sync == "each")
     fit = (predict_pipeline if pp > 1 else predict_user)(
         fns, world_size=pp * dp * cp * tp, degrees={"PP": pp, "DP": dp, "CP": cp, "TP": tp, "EP": ep},
         dp_replicate=dp_replicate, global_batch_size=job.global_batch_size, micro_batch_size=job.micro_batch_size,

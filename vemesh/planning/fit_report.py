@@ -70,7 +70,7 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
     return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
             "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
             # which micro-batches' backward averages the gradients over DP (under PP, torch's schedule: the last)
-            "gradient_sync": job.gradient_sync or ("each" if job.llama3 and fit.degrees["PP"] == 1 else "last"),
+            "gradient_sync": "last" if fit.degrees["PP"] > 1 else job.gradient_sync or ("each" if job.llama3 else "last"),
             "dp_mode": fit.dp_mode or job.mode, "optimizer_implementation": job.optimizer_implementation
             or ("foreach" if job.device == "cuda" else "for-loop"), "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
             "speedups": ({k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")}

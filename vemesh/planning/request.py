@@ -138,7 +138,7 @@ class PlanRequest:
         if self.optimizer_implementation not in (None, *OPTIMIZER_IMPLEMENTATIONS):
             raise ValueError(f"--optimizer-implementation {self.optimizer_implementation!r}: choose one of "
                              f"{', '.join(OPTIMIZER_IMPLEMENTATIONS)} (or leave it out: as torch picks on the device)")
-        self._check_gradient_sync(user, llama3)
+        self._check_gradient_sync(llama3)
         if self.before_optimizer is not None and not user:
             raise ValueError("--before-optimizer is your loop's end of a step, for your own functions (--parallelize, "
                              "--step); the GPT preset runs the example's (its clipping and loss all-reduces)")
@@ -183,18 +183,16 @@ class PlanRequest:
                                  "--activation-checkpointing" + ("; with --parallelize your function decides it: "
                                  "plan one function with it and one without to compare" if user else ""))
 
-    def _check_gradient_sync(self, user: bool, llama3: bool) -> None:
+    def _check_gradient_sync(self, llama3: bool) -> None:
         sync = self.gradient_sync
         if sync is None:
             return
         if sync not in GRADIENT_SYNC:
             raise ValueError(f"--gradient-sync {sync!r}: choose last (the last micro-batch's backward averages the "
                              "gradients: no_sync on the others) or each (every micro-batch's does: torchtitan's loop)")
-        own, loop, which = ("each", "Llama 3 preset runs torchtitan's", "each") if llama3 else \
-            ("last", "GPT preset runs the example's", "the last")
-        if not user and sync != own:
-            raise ValueError(f"--gradient-sync {sync}: the {loop} loop, which averages the gradients on {which} "
-                             f"micro-batch's backward; give --gradient-sync {own} or leave it out")
+        if llama3 and sync != "each":  # the GPT preset runs the example's loop, which takes either
+            raise ValueError(f"--gradient-sync {sync}: the Llama 3 preset runs torchtitan's loop, which averages the "
+                             "gradients on each micro-batch's backward; give --gradient-sync each or leave it out")
         if sync == "each" and isinstance(self.pp, int) and self.pp > 1:
             raise ValueError(f"--gradient-sync each with --pp {self.pp}: torch's schedule runs the micro-batches and "
                              "averages each stage's gradients on its last backward; leave --gradient-sync out")
