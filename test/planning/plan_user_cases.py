@@ -64,6 +64,12 @@ def parallelize_torch_ddp(model, mesh):
     return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group())
 
 
+def parallelize_tp_torch_ddp(model, mesh):
+    """TP, then torch's own DDP over the mesh's DP group: its constructor meets TP's DTensors beside plain tensors."""
+    llama_jobs._model_parallel(model, mesh, sequence_parallel=False, checkpointed=False)
+    return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group())
+
+
 def parallelize_fsdp1(model, mesh):
     """torch's FSDP1 as its examples wrap a model (on a GPU it takes the device from the parameters)."""
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -113,7 +113,7 @@ def call(what: str, name: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     except Exception as e:
         said = _raised_by_vemesh(e) or e  # not torch's pipeline stage's own error raised from it
         cause = known_cause(said)
-        text = _said(said).rstrip(".") if cause else _said(said)
+        text = _said(said).rstrip(".!") if cause else _said(said)
         raise UserError(f"{what} {name} failed{user_frame(e)}: {type(said).__name__}: {text}{cause}") from e
 
 

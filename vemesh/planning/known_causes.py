@@ -23,6 +23,11 @@ _PINNED = ("FSDP2's CPUOffloadPolicy pins the offloaded shards in host memory (p
 #: torch failures whose words do not say the user's mistake: (the torch function the error left, the exception's
 #: words it starts with) and what to write instead
 _KNOWN = {
+    ("_sync_params_and_buffers", "aten.cat.default got mixed torch.Tensor and DTensor"):
+        "torch's DistributedDataParallel broadcasts the parameters in flat buffers, which cannot hold TP's DTensors "
+        "beside plain tensors: wrap the model in vemesh.ddp.DistributedDataParallel(model, mesh['DP']) (an instance "
+        "of torch's class, the group its second argument), which takes TP-sharded DTensor parameters, or shard it with "
+        "vemesh.parallel.fully_shard",
     ("_verify_param_shape_across_processes", "The tensor has a non-zero number of elements"):
         "torch's DistributedDataParallel cannot be planned: its C++ reducer reads the parameters' and its buckets' "
         "memory, which a plan's fake tensors do not have. Wrap the model in vemesh.ddp.DistributedDataParallel(model, "
@@ -114,4 +119,4 @@ def said(error: BaseException) -> str:
 def worded(error: BaseException) -> str:
     """``error``'s text (:func:`said`) and its known cause (:func:`known_cause`), if any, after it."""
     cause = known_cause(error)
-    return f"{said(error).rstrip().rstrip('.')}{cause}" if cause else said(error)
+    return f"{said(error).rstrip().rstrip('.!')}{cause}" if cause else said(error)

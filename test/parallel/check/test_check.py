@@ -2110,7 +2110,8 @@ def test_a_parallelize_that_raises_is_not_checked_and_a_plan_entry_torch_skipped
     compared, exit 1: a verdict on numbers never computed. It is "NOT CHECKED", exit 2, with the user's frame. And
     a plan entry that names no submodule, which torch's parallelize_module skips with a warning on each rank's
     stderr, leaves the run exact but is said on the verdict, once, with where torch looked. torch's FSDP1 is not
-    checked, and said so (its gradients are flat shards, not FSDP2's DTensors)."""
+    checked, and said so (its gradients are flat shards, not FSDP2's DTensors); torch's DDP over TP's DTensors is
+    told to take vemesh's."""
     code = main(["check", "--model", f"module:{nano('make')}", "--parallelize", nano("typo"), "--step", nano("step"),
                  "--world-size", "2", "--tp", "2"])
     out = capsys.readouterr().out
@@ -2131,6 +2132,13 @@ def test_a_parallelize_that_raises_is_not_checked_and_a_plan_entry_torch_skipped
     out = capsys.readouterr().out
     assert code == 2 and out.startswith("vemesh check: NOT CHECKED"), out
     assert "wrapped torch's FullyShardedDataParallel (FSDP1), which vemesh check does not check" in out, out
+    # torch's DDP over TP's DTensors fails in its constructor in torch's words alone ("aten.cat.default got mixed")
+    code = main(["check", "--model", f"module:{cases}:make_six", "--parallelize", f"{cases}:parallelize_tp_torch_ddp",
+                 "--step", f"{jobs}:step", "--world-size", "4", "--tp", "2"])
+    out = capsys.readouterr().out
+    assert code == 2, out
+    assert ("DTensor before calling distributed operators; torch's DistributedDataParallel broadcasts the parameters "
+            "in flat buffers") in out and "vemesh.ddp.DistributedDataParallel(model, mesh['DP'])" in out, out
 
 
 def test_a_step_that_raises_in_one_process_is_bad_input() -> None:
