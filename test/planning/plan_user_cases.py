@@ -70,6 +70,24 @@ def parallelize_tp_torch_ddp(model, mesh):
     return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group())
 
 
+def parallelize_torch_replicate(model, mesh):
+    """torch's composable DDP (``replicate``): DDP's C++ reducer, made at the first forward."""
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, device_mesh=mesh["DP"])
+    return model
+
+
+def parallelize_replicate_with_fsdp(model, mesh):
+    """torch's replicate on FSDP2's engine: each block and the root, every parameter whole on each DP rank."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for layer in model.layers.values():
+        replicate(layer, mesh=mesh["DP"])
+    replicate(model, mesh=mesh["DP"])
+    return model
+
+
 def parallelize_fsdp1(model, mesh):
     """torch's FSDP1 as its examples wrap a model (on a GPU it takes the device from the parameters)."""
     from torch.distributed.fsdp import FullyShardedDataParallel

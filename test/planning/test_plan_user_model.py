@@ -214,6 +214,21 @@ def test_what_the_function_did_is_counted(capsys) -> None:
     assert len(compiled) == 1 and "'layers.0'" in compiled[0] and "ran them eagerly" in compiled[0], compiled
 
 
+def test_torchs_replicate_on_fsdp2s_engine_is_planned_with_whole_parameters_and_all_reduced_gradients() -> None:
+    """torch's ``replicate`` of ``replicate_with_fsdp`` (FSDP2's engine, each parameter whole on every DP rank) is
+    planned as it runs: the parameters and optimizer state of vemesh DDP's plan, every gradient all-reduced once, one
+    call per unit (6 blocks and the root). A real run of a 4-block model over DP 2 (bench/plan_user_run.py) peaked at
+    the plan's 15,253,076 bytes, DP bytes and calls equal. Its note no longer says it sharded the model."""
+    job = dict(step=f"{JOBS}:step", world_size=4, global_batch_size=4)
+    replicated = plan(f"module:{CASES}:make_six", parallelize=f"{CASES}:parallelize_replicate_with_fsdp", **job)
+    ddp = plan(f"module:{CASES}:make_six", parallelize=f"{JOBS}:parallelize_ddp", dp_mode="ddp", **job)
+    r, d = replicated["classes"][0], ddp["classes"][0]
+    assert (r["params"], r["optimizer"]) == (d["params"], d["optimizer"]), (r, d)
+    assert r["bytes_per_step"]["DP"] == d["grads"] and r["calls_per_step"]["DP"] == 7, r
+    assert any(n.startswith("dp mode fsdp: the parallelize function applied FSDP2 (fully_shard; or torch's "
+                            "replicate_with_fsdp") for n in replicated["notes"]), replicated["notes"]
+
+
 def test_fsdp2_accumulating_micro_batches_is_planned_with_the_sync_the_loop_runs() -> None:
     """Over 4 micro-batches, FSDP2 with its gradient sync off but on the last (the habit of no_sync, the default) holds
     every unsharded gradient until then; ``--gradient-sync each`` (torchtitan's loop) reduce-scatters each micro-batch
@@ -444,6 +459,9 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet; torch's "
      "DistributedDataParallel cannot be planned: its C++ reducer reads the parameters' and its buckets' memory, which "
      "a plan's fake tensors do not have. Wrap the model in vemesh.ddp.DistributedDataParallel(model, mesh['DP'])"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_replicate", f"{JOBS}:step"),
+     "parallelize_torch_replicate applied torch's replicate (torch.distributed._composable.replicate), whose DDP "
+     "reducer (C++) reads memory that a plan's fake tensors do not have"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fsdp1", f"{JOBS}:step"),
      "FSDP needs a non-CPU accelerator device, but no accelerator device is detected; torch's "
      "FullyShardedDataParallel (FSDP1) needs an accelerator, and your functions run on this machine's CPU here; vemesh "

@@ -14,8 +14,8 @@ _READ_MODES = {
             "optimizer is torch's AdamW over what it returned",
     "zero1": "dp mode zero1: the parallelize function wrapped vemesh DDP, and the optimizer is ZeRO-1's "
              "DistributedOptimizer over it (--dp-mode ddp for torch's AdamW, unsplit)",
-    "fsdp": "dp mode fsdp: the parallelize function sharded the model with FSDP2 (fully_shard); the optimizer is "
-            "torch's AdamW over its shards",
+    "fsdp": "dp mode fsdp: the parallelize function applied FSDP2 (fully_shard; or torch's replicate_with_fsdp, its "
+            "engine with each parameter whole); the optimizer is torch's AdamW over its parameters",
 }
 
 
