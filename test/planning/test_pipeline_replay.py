@@ -370,37 +370,3 @@ def test_a_record_counts_the_collectives_its_action_ran_in_either_step() -> None
                 assert calls == sum(n for _, (_, n) in ops), (dim, effect.counters[3])
     broadcasts = [dict(e.counters[3])["DP"][2] for e in firsts]
     assert all(ops == (("broadcast_", ops[0][1]),) and ops[0][1][1] >= 1 for ops in broadcasts), broadcasts
-
-
-@pytest.mark.slow  # three pipelines of PP 5 (about 15 s alone)
-def test_a_searchs_second_mesh_of_the_same_stages_runs_no_prelude_and_plans_as_alone(monkeypatch) -> None:
-    """Inside ``shared_records`` (a search), the prelude's records of a stage's blocks serve every mesh whose records
-    are shared (the same TP, micro-batch, wrapper...: ``pipeline_plan._context``): a second mesh runs no prelude of its
-    own (the 70B GPT's PP 8 x DP 32 x TP 4 after PP 16 x DP 16 x TP 4: 40.8 s for 44.7), and its plan is the plan
-    it has alone, every figure of every rank and part. Under ZeRO-1 over PP 5, DP 2 then DP 4, 6 micro-batches."""
-    from vemesh.planning.pipeline_trace import MetaExchange
-    from vemesh.planning.user_model import trace_arguments
-
-    fns, kwargs = tiny_pipeline("1f1b", "zero1", 12, 5, 1)
-    wider = trace_arguments(**dict(world_size=20, degrees={"PP": 5, "DP": 4, "CP": 1, "TP": 1, "EP": 1}, dp_replicate=1,
-                                   global_batch_size=24, micro_batch_size=1, dtype="bf16", dp_mode="zero1",
-                                   load_factor=1.0, timed=True))
-    assert wider["passes"] == kwargs["passes"] == 6
-    pps: list[int] = []
-
-    def replay_for(self, stages, tracker, counter, mesh, schedule, pp, *rest, original=MetaExchange.replay_for):
-        pps.append(pp)
-        return original(self, stages, tracker, counter, mesh, schedule, pp, *rest)
-
-    monkeypatch.setattr(MetaExchange, "replay_for", replay_for)
-    monkeypatch.setattr(pipeline_plan, "PRELUDE_FROM", (5, 6))
-    with pipeline_plan.shared_records():
-        pipeline_plan._micro_batches(fns, kwargs, [])
-        assert pps.count(pipeline_plan.PRELUDE[0]) == 2, pps  # the first mesh's prelude: its PP ranks 0 and 1
-        pps.clear()
-        shared = pipeline_plan._micro_batches(fns, wider, [])
-        assert pipeline_plan.PRELUDE[0] not in pps, pps
-    pps.clear()
-    alone = pipeline_plan._micro_batches(fns, wider, [])
-    assert pps.count(pipeline_plan.PRELUDE[0]) == 2, pps
-    _same_plans(shared, alone)

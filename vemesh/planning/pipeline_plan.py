@@ -34,8 +34,6 @@ _log = logging.getLogger(__name__)
 #: inside :func:`shared_records`: the replays' records of every plan made there, by what a stage's action depends on
 #: besides its own key (:func:`_context`)
 _SHARED: dict[tuple, dict[tuple, list[Any]]] | None = None
-#: inside :func:`shared_records`: the preludes run there, as (id of the shared records, blocks a stage)
-_PRELUDES: set[tuple[int, int]] = set()
 
 
 @contextlib.contextmanager
@@ -49,8 +47,6 @@ def shared_records() -> Iterator[None]:
         yield
     finally:
         _SHARED = outer
-        if outer is None:
-            _PRELUDES.clear()
 
 
 def _context(fns: UserFunctions, kwargs: dict[str, Any]) -> tuple:
@@ -204,9 +200,7 @@ def _prelude(fns: UserFunctions, kwargs: dict[str, Any], records: dict[tuple, li
     one such pipeline. None where the model's blocks are not found, or where the user's functions fail on the short
     model (a stage cut by the model's configured depth, as :func:`predict_pipeline` meets it too): the pipeline's
     ranks then record their own, as without a prelude. A stage cut otherwise than the short pipeline's finds no
-    record of its own signature (:mod:`vemesh.planning.stage_signature`), and is traced as without. Inside
-    :func:`shared_records` a prelude runs once for each count of blocks on the records it fills: a search's next mesh
-    of those records (another PP or DP) finds them made."""
+    record of its own signature (:mod:`vemesh.planning.stage_signature`), and is traced as without."""
     pp = kwargs["degrees"]["PP"]
     found = kwargs.get("blocks") or blocks_of(fns.factory, fns.names[0])
     if found is None:
@@ -214,10 +208,7 @@ def _prelude(fns: UserFunctions, kwargs: dict[str, Any], records: dict[tuple, li
     path, n = found
     base, extra = divmod(n, pp)
     small, m = PRELUDE
-    shared = _SHARED is not None and any(r is records for r in _SHARED.values())
     for count in sorted({base + (extra > 0), base} if extra < pp - 1 else {base + 1}, reverse=True):
-        if shared and (id(records), count) in _PRELUDES:  # an earlier mesh's prelude recorded these stages
-            continue
         short = dict(kwargs, degrees=dict(kwargs["degrees"], PP=small), world_size=kwargs["world_size"] // pp * small,
                      passes=m, blocks=(path, small * count), cut_at_blocks="blocks" in kwargs)
         exchange = MetaExchange(replay=True)
@@ -232,8 +223,6 @@ def _prelude(fns: UserFunctions, kwargs: dict[str, Any], records: dict[tuple, li
             return
         _log.debug("recorded the stages of %d blocks on a pipeline of %d in %.1f s", count, small,
                    time.perf_counter() - started)
-        if shared:
-            _PRELUDES.add((id(records), count))
 
 
 def _slots(counted: Counted, rank: int, fns: UserFunctions, pp: int) -> Counted:
