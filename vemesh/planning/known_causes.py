@@ -14,7 +14,7 @@ FSDP1_INSTEAD = ("vemesh plan and vemesh check take FSDP2, torch's successor to 
                  "then on the root")
 
 #: FSDP2's CPU offload, pinned (its default), traced for the CPU (``--device-type cpu``), or run where no function of
-#: the user's is under :class:`OnThisCPU`
+#: the user's is under :class:`vemesh.planning.user_code.OnThisCPU`
 _PINNED = ("FSDP2's CPUOffloadPolicy pins the offloaded shards in host memory (pin_memory=True, its default), which "
            "needs an accelerator, and the planner does not plan CPU offload: plan the job without offload_policy, an "
            "upper bound of the device memory it holds")
@@ -67,9 +67,9 @@ _NO_CUDA = ("vemesh plan and vemesh check run your functions on this machine's C
             ".to('cuda'), .cuda(), model.to(device)) is the CPU there, but torch.cuda's own functions "
             "(torch.cuda.synchronize(), current_device(), set_device(), events, streams, memory statistics) need "
             "CUDA: keep them out of the factory, the parallelize function and the step")
-#: torch failures known by a phrase of their message wherever they are raised (autograd's, from C++) -> what to write
 #: where torch fails in these, its text past the first line is about other uses than a plan's
 _FIRST_LINE_ONLY = ("_verify_param_shape_across_processes",)
+#: torch failures known by a phrase of their message wherever they are raised (autograd's, from C++) -> what to write
 _KNOWN_ANYWHERE = {
     "FSDP needs a non-CPU accelerator device":
         "torch's FullyShardedDataParallel (FSDP1) needs an accelerator, and your functions run on this machine's CPU "
