@@ -229,6 +229,27 @@ def test_torchs_replicate_on_fsdp2s_engine_is_planned_with_whole_parameters_and_
                             "replicate_with_fsdp") for n in replicated["notes"]), replicated["notes"]
 
 
+def test_replicate_with_fsdp_is_said_to_all_reduce_whole_gradients_where_fully_shard_reduce_scatters(capsys) -> None:
+    """The FSDP2 table's legend and the accumulation note say what FSDP2's engine did with the gradients: under torch's
+    ``replicate_with_fsdp`` they are all-reduced whole, not reduce-scattered into shards (both said "the sharded
+    gradients FSDP2's reduce-scatters make" of it); under ``fully_shard``, as before. Read from the trace's
+    collectives on the data-parallel dim (TP's reduce-scatters under sequence parallelism are not the gradients')."""
+    job = ("--step", f"{JOBS}:step", "--world-size", "4", "--global-batch-size", "8", "--micro-batch-size", "1")
+    texts = {}
+    for name, parallelize, sync in (("replicate", f"{CASES}:parallelize_replicate_with_fsdp", "last"),
+                                    ("replicate-each", f"{CASES}:parallelize_replicate_with_fsdp", "each"),
+                                    ("shard", f"{JOBS}:parallelize_fsdp", "last")):
+        code, texts[name], err = _cli(capsys, "--model", f"module:{CASES}:make_six", "--parallelize", parallelize,
+                                      *job, "--gradient-sync", sync)
+        assert code == 0, err
+    assert "grads are the whole gradients FSDP2's all-reduces make (torch's replicate_with_fsdp)" in texts["replicate"]
+    assert "so every gradient is held whole and unreduced until it" in texts["replicate"]
+    assert "micro-batches' backward all-reduces its gradients (--gradient-sync each)" in texts["replicate-each"]
+    assert "grads are the sharded gradients FSDP2's reduce-scatters make" in texts["shard"]
+    assert "so every unsharded gradient is held until it" in texts["shard"]
+    assert not any("reduce-scatter" in t for t in (texts["replicate"], texts["replicate-each"])), texts
+
+
 def test_fsdp2_accumulating_micro_batches_is_planned_with_the_sync_the_loop_runs() -> None:
     """Over 4 micro-batches, FSDP2 with its gradient sync off but on the last (the habit of no_sync, the default) holds
     every unsharded gradient until then; ``--gradient-sync each`` (torchtitan's loop) reduce-scatters each micro-batch

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vemesh.planning.request import OPTIMIZER_IMPLEMENTATIONS
+from vemesh.planning.user_notes import fsdp_reduces_whole
 
 if TYPE_CHECKING:  # torch is imported only when a model is planned: `vemesh show` starts fast
     from vemesh.planning.fit import Job, MeshFit
@@ -130,9 +131,12 @@ def render_fit(job: Job, fit: MeshFit) -> str:
                      "which holds a second copy of DTensor parameters; the optimizer's state and the fp32 masters are "
                      "split over DP)")
     if (fit.dp_mode or job.mode) == "fsdp" and fit.traced and d["DP"] > 1 and any(not c.static.grads for c in fit.classes):
-        lines.append("  (FSDP2: each column is what the rank holds at its peak; grads are the sharded gradients FSDP2's "
-                     "reduce-scatters make, none yet at the peak (zero_grad() freed the last step's); the unsharded ones "
-                     "before them count in activations)")
+        whole = all(fsdp_reduces_whole(c.collectives) for c in fit.classes)
+        lines.append("  (FSDP2: each column is what the rank holds at its peak; grads are the "
+                     + ("whole gradients FSDP2's all-reduces make (torch's replicate_with_fsdp)" if whole else
+                        "sharded gradients FSDP2's reduce-scatters make")
+                     + ", none yet at the peak (zero_grad() freed the last step's); the "
+                     + ("unreduced" if whole else "unsharded") + " ones before them count in activations)")
     dims = sorted({k for c in fit.classes for k in c.sent})
     if dims:
         sdiv, sunit = _unit(max(max(c.sent.values(), default=0) for c in fit.classes))
