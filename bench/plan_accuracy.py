@@ -95,6 +95,9 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-moe-ep2-fsdp2": (2, "make_moe", "parallelize_fsdp", ["--ep", "2"]),
     "llama-fsdp2-checkpointed": (2, "make_dense", "parallelize_checkpointed", []),
     "llama-ddp-accumulate": (2, "make_dense", "parallelize_ddp", ["--dp-mode", "ddp", "--micro-batch-size", "2"]),
+    "llama-torch-ddp": (2, "make_dense", "parallelize_torch_ddp", ["--dp-mode", "ddp"]),
+    "llama-torch-ddp-view-accumulate": (2, "make_dense", "parallelize_torch_ddp_bucket_view",
+                                        ["--dp-mode", "ddp", "--micro-batch-size", "2"]),
     # a fine-tune's frozen embedding and norms, which no op returns where no DDP broadcasts them (TP alone)
     "llama-frozen-tp2": (2, "make_dense_frozen", "parallelize_any", ["--tp", "2", "--dp-mode", "ddp"]),
     "llama-trunc-normal-fsdp2-tp2": (4, "make_dense_trunc_normal", "parallelize_fsdp", ["--tp", "2"]),
@@ -124,6 +127,7 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
                                       f"{TITAN_JOBS}:step_llama3"]),
     # PP: the parallelize function returns torch PipelineStages, the step runs the schedule, the loss is the schedule's
     "llama-pp2-1f1b": (4, "make_dense", "parallelize_pp_1f1b", ["--pp", "2", *PIPELINE]),
+    "llama-pp2-1f1b-torch-ddp": (4, "make_dense", "parallelize_pp_1f1b_torch_ddp", ["--pp", "2", *PIPELINE]),
     "llama-pp2-interleaved": (4, "make_dense", "parallelize_pp_interleaved",
                               ["--pp", "2", "--pp-schedule", "interleaved-1f1b", *PIPELINE]),
 }

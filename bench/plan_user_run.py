@@ -86,7 +86,10 @@ def _build(args, factory, parallelize, loss=None, n_microbatches: int = 1):
         model = _Pipeline(stages, run)
     parts = model.parts if isinstance(model, _Pipeline) else [model]
     fsdp = isinstance(parts[0], torch.distributed.fsdp.FSDPModule)
-    mode = args.dp_mode or ("fsdp" if fsdp else "zero1")
+    # as the planner reads the wrappers: ZeRO-1 over vemesh DDP, torch's AdamW over torch's own DDP
+    from vemesh.planning.torch_ddp import torch_ddps
+
+    mode = args.dp_mode or ("fsdp" if fsdp else "ddp" if torch_ddps(parts) else "zero1")
     if mode == "zero1":
         from vemesh.optim import DistributedOptimizer
 

@@ -110,6 +110,17 @@ def parallelize_ddp(model: llama.Llama, mesh) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+def parallelize_torch_ddp(model: llama.Llama, mesh) -> nn.Module:
+    """torch's own DDP over the mesh's DP group, as a torch user wraps a model (its gradients beside its buckets)."""
+    return nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group())
+
+
+def parallelize_torch_ddp_bucket_view(model: llama.Llama, mesh) -> nn.Module:
+    """torch's own DDP with ``gradient_as_bucket_view=True``: each ``.grad`` a view into its bucket."""
+    return nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group(),
+                                               gradient_as_bucket_view=True)
+
+
 def parallelize_checkpointed(model: llama.Llama, mesh) -> nn.Module:
     """TP with sequence parallelism (when the mesh has TP), every block under activation checkpointing, then FSDP2:
     torchtitan's Llama recipe with full activation checkpointing."""
@@ -132,7 +143,7 @@ def before_optimizer(model: nn.Module) -> None:
 
 
 def _core(model: nn.Module) -> llama.Llama:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # torch's, or vemesh's
 
 
 def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
@@ -185,6 +196,12 @@ def _ddp_chunk(part: llama.Llama, mesh) -> nn.Module:
 def parallelize_pp_1f1b(model: llama.Llama, mesh) -> list:
     """PP with torch's 1F1B (one stage per PP rank), TP without sequence parallelism, vemesh DDP per stage."""
     return _pipeline(model, mesh, "1f1b", _ddp_chunk)
+
+
+def parallelize_pp_1f1b_torch_ddp(model: llama.Llama, mesh) -> list:
+    """PP with torch's 1F1B, torch's own DDP per stage over the mesh's DP group."""
+    return _pipeline(model, mesh, "1f1b", lambda part, mesh: nn.parallel.DistributedDataParallel(
+        part, process_group=mesh["DP"].get_group()))
 
 
 def parallelize_pp_interleaved(model: llama.Llama, mesh) -> list:

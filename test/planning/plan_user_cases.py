@@ -64,6 +64,15 @@ def parallelize_torch_ddp(model, mesh):
     return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group())
 
 
+def parallelize_torch_ddp_compressed(model, mesh):
+    """torch's own DDP with torch's fp16 compression hook, whose own casts the planner would not count."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group())
+    ddp.register_comm_hook(mesh["DP"].get_group(), default_hooks.fp16_compress_hook)
+    return ddp
+
+
 def parallelize_tp_torch_ddp(model, mesh):
     """TP, then torch's own DDP over the mesh's DP group: its constructor meets TP's DTensors beside plain tensors."""
     llama_jobs._model_parallel(model, mesh, sequence_parallel=False, checkpointed=False)

@@ -229,6 +229,33 @@ def test_torchs_replicate_on_fsdp2s_engine_is_planned_with_whole_parameters_and_
                             "replicate_with_fsdp") for n in replicated["notes"]), replicated["notes"]
 
 
+def test_torchs_own_ddp_is_planned_running_its_reducer_with_its_buckets_counted_as_gradients() -> None:
+    """torch's ``DistributedDataParallel`` in the user's function was refused (its C++ reducer cannot run on fake
+    tensors as it is); now the reducer runs, with the planner's all-reduce hook and no bucket re-cut
+    (:mod:`vemesh.planning.torch_ddp`). Its buckets are a copy of the gradients, in the grads column: under torch's
+    default ``.grad`` lives beside them, so with two micro-batches (the first's gradients held through the second's
+    backward) it peaks above vemesh DDP (whose ``.grad`` are views of its buffer) by the gradients once more. Real runs over DP 2 (``bench/plan_accuracy.py``: llama-torch-ddp,
+    llama-torch-ddp-view-accumulate, llama-pp2-1f1b-torch-ddp) peaked at the plans' bytes (ratio 1.000), DP bytes
+    equal; the plan's calls per step are the first step's cut (torch re-cuts its buckets after it)."""
+    job = dict(world_size=2, global_batch_size=8, micro_batch_size=2)
+    torch_ddp = plan(f"module:{JOBS}:make_dense", parallelize=f"{JOBS}:parallelize_torch_ddp", step=f"{JOBS}:step",
+                     **job)
+    ours = plan(f"module:{JOBS}:make_dense", parallelize=f"{JOBS}:parallelize_ddp", step=f"{JOBS}:step",
+                dp_mode="ddp", **job)
+    t, o = torch_ddp["classes"][0], ours["classes"][0]
+    assert torch_ddp["dp_mode"] == "ddp"
+    assert t["params"] == o["params"], (t, o)
+    # every gradient all-reduced once (fp32: the parameters' bytes) and the buffers broadcast once a step: torch's DDP
+    # skips the broadcast in the forward after a no_sync one, where vemesh DDP broadcasts before each forward
+    assert t["bytes_per_step"]["DP"] == t["params"] < o["bytes_per_step"]["DP"], (t, o)
+    assert t["grads"] == 2 * o["grads"] > 0, (t, o)  # the buckets, and the first micro-batch's .grad beside them
+    assert torch_ddp["peak"] - ours["peak"] == o["grads"], (torch_ddp["peak"], ours["peak"])
+    assert any(n.startswith("dp mode ddp: the parallelize function wrapped torch's DistributedDataParallel")
+               for n in torch_ddp["notes"]), torch_ddp["notes"]
+    assert any(n.startswith("torch's DistributedDataParallel ran as it is, its C++ reducer") for n in
+               torch_ddp["notes"]), torch_ddp["notes"]
+
+
 def test_replicate_with_fsdp_is_said_to_all_reduce_whole_gradients_where_fully_shard_reduce_scatters(capsys) -> None:
     """The FSDP2 table's legend and the accumulation note say what FSDP2's engine did with the gradients: under torch's
     ``replicate_with_fsdp`` they are all-reduced whole, not reduce-scattered into shards (both said "the sharded
@@ -476,10 +503,12 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
      "CPU: a device they name (device='cuda', .to('cuda'), .cuda(), model.to(device)) is the CPU there, but "
      "torch.cuda's own functions (torch.cuda.synchronize(), current_device(), set_device(), events, streams, memory "
      "statistics) need CUDA"),
-    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_ddp", f"{JOBS}:step"),
-     "RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet; torch's "
-     "DistributedDataParallel cannot be planned: its C++ reducer reads the parameters' and its buckets' memory, which "
-     "a plan's fake tensors do not have. Wrap the model in vemesh.ddp.DistributedDataParallel(model, mesh['DP'])"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_ddp", f"{JOBS}:step", "--dp-mode", "zero1"),
+     "--dp-mode zero1 needs vemesh DDP, and --parallelize {cwd}/{cases}:parallelize_torch_ddp wrapped torch's "
+     "DistributedDataParallel: give --dp-mode ddp"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_ddp_compressed", f"{JOBS}:step"),
+     "parallelize_torch_ddp_compressed gave torch's DistributedDataParallel a comm hook: the planner runs torch's "
+     "reducer with its plain all-reduce and would not count the hook's own work"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_replicate", f"{JOBS}:step"),
      "parallelize_torch_replicate applied torch's replicate (torch.distributed._composable.replicate), whose DDP "
      "reducer (C++) reads memory that a plan's fake tensors do not have"),
@@ -665,13 +694,13 @@ def test_a_forward_that_counts_its_blocks_is_traced_whole(capsys) -> None:
 
 @pytest.mark.slow
 def test_the_plan_is_within_ten_percent_of_a_real_run(tmp_path) -> None:
-    """DDP + ZeRO-1 + TP on 4 gloo ranks, CP 2 on 2, and HF's Qwen3-MoE (its fused experts through grouped_mm, fp32)
-    with EP 2 on 2: the same functions planned and run (3 steps, MemTracker), the MoE at balanced routing and at the
-    run's own load factor."""
+    """DDP + ZeRO-1 + TP on 4 gloo ranks, CP 2 on 2, HF's Qwen3-MoE (its fused experts through grouped_mm, fp32)
+    with EP 2 on 2, and torch's own DDP on 2: the same functions planned and run (3 steps, MemTracker), the MoE at
+    balanced routing and at the run's own load factor."""
     sys.path.insert(0, str(REPO / "bench"))
     import plan_accuracy
 
-    for name in ("llama-zero1-tp2", "llama-cp2", "hf-qwen3moe-ep2-ddp"):  # ranks and plans started from this process
+    for name in ("llama-zero1-tp2", "llama-cp2", "hf-qwen3moe-ep2-ddp", "llama-torch-ddp"):  # ranks, plans from here
         for row in plan_accuracy.compare(name, launch_script, plan_here):
             assert abs(row["peak_ratio"] - 1) <= 0.10, row
             if "load_factor" in row:  # the busiest rank's bytes; at F = 1 they are the mean over the ranks, checked

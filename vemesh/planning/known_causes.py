@@ -29,12 +29,9 @@ _KNOWN = {
         "of torch's class, the group its second argument), which takes TP-sharded DTensor parameters, or shard it with "
         "vemesh.parallel.fully_shard",
     ("_verify_param_shape_across_processes", "The tensor has a non-zero number of elements"):
-        "torch's DistributedDataParallel cannot be planned: its C++ reducer reads the parameters' and its buckets' "
-        "memory, which a plan's fake tensors do not have. Wrap the model in vemesh.ddp.DistributedDataParallel(model, "
-        "mesh['DP']) (an instance of torch's class; the group is its second argument, not process_group=), or shard "
-        "it with vemesh.parallel.fully_shard. vemesh's .grad are views of its buckets, as torch's "
-        "gradient_as_bucket_view=True: torch's default holds each gradient twice (.grad and its bucket), one copy of "
-        "the gradients more than the plan of vemesh's counts",
+        "torch's DistributedDataParallel was built outside your parallelize function, where its check of the ranks' "
+        "parameter shapes reads values a plan's fake tensors do not have: build it in the function --parallelize "
+        "names, where the planner runs it as it is (vemesh.planning.torch_ddp)",
     ("_init_sharding_spec_tp", "Invariant encountered"):
         "FSDP2's fully_shard was given a mesh without dim names for a parameter that TP already shards (torch's "
         "fully_shard without mesh= shards over every rank of the world, TP peers included); shard over the data "

@@ -107,6 +107,7 @@ class Counted:
     #: the bytes of HF's KV cache at the end of a training forward under torch's activation checkpointing
     #: (:class:`~vemesh.planning.library_branches.TrainingCache`); 0: none
     training_cache: int = 0
+    torch_ddp: bool = False  #: the user's functions wrapped torch's DDP, run as it is (:mod:`vemesh.planning.torch_ddp`)
 
     @property
     def weights(self) -> int:
@@ -173,6 +174,15 @@ class Counted:
                 "forward's end, which the checkpoint would have freed, and the recompute appends its own; the figures "
                 "count them as a run holds them. Call the model with use_cache=False (HF's "
                 "gradient_checkpointing_enable sets it) to free them")
+
+    def torch_ddp_note(self) -> str | None:
+        """Said where the user's functions wrapped torch's DDP: what of it ran, and what did not."""
+        if not self.torch_ddp:
+            return None
+        return ("torch's DistributedDataParallel ran as it is, its C++ reducer on the fake world: its buckets (a copy "
+                "of the gradients, beside .grad unless gradient_as_bucket_view=True) count in grads, each all-reduced "
+                "as torch's default hook does; not run there: the constructor's check of the ranks' parameter shapes, "
+                "and the buckets' re-cut after the first step (the same bytes, in the order the gradients came)")
 
     @classmethod
     def of_phases(cls, phases: dict[str, tuple[int, dict[str, int]]], *rest: Any, counts: dict[str, int]) -> Counted:

@@ -59,6 +59,7 @@ from vemesh.planning.library_branches import own_positions, tracing_branches
 from vemesh.planning.known_causes import FSDP1_INSTEAD
 from vemesh.planning.user_code import (UserFunctions, as_traced, call, compiled_module, fsdp_covers, made_gradients,
                                       sharded_by_fsdp)
+from vemesh.planning.torch_ddp import run_as_planned, shapes_not_compared, torch_ddps
 from vemesh.planning.user_notes import user_notes
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
 from vemesh.planning.user_template import blocks_of, copy_of_template, keep_blocks, repeated_blocks
@@ -70,10 +71,6 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
     """The dp mode the function's wrappers mean, checked against ``--dp-mode``, ``none`` when it wrapped nothing on a
     mesh without data parallelism and none was asked for; and the vemesh DDP modules, if any.
     ``parts`` is the model, or with PP the modules of this rank's stages."""
-    if any(isinstance(m, torch.nn.parallel.DistributedDataParallel) and not isinstance(m, DistributedDataParallel)
-           for m in parts):
-        raise ValueError(f"--parallelize {name} wrapped torch's DistributedDataParallel; the planner counts vemesh's "
-                         "(vemesh.ddp.DistributedDataParallel) and FSDP2 (fully_shard), whose buffers it knows")
     if any("replicate" in (_get_registry(m) or {}) and not isinstance(m, FSDPModule) for p in parts for m in p.modules()):
         raise ValueError(f"--parallelize {name} applied torch's replicate (torch.distributed._composable.replicate), "
                          "whose DDP reducer (C++) reads memory that a plan's fake tensors do not have: use "
@@ -84,7 +81,8 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
                          f"does not plan; {FSDP1_INSTEAD}")
     fsdp = sharded_by_fsdp(parts, name)  # refuses FSDP2's CPU offload, which it does not plan
     ddps = [m for part in parts for m in part.modules() if isinstance(m, DistributedDataParallel)]
-    found = "fsdp" if fsdp else "ddp" if ddps else None
+    torchs = torch_ddps(parts)  # run as they are (vemesh.planning.torch_ddp)
+    found = "fsdp" if fsdp else "ddp" if ddps or torchs else None
     grad = data_dims(mesh.layout).grad
     if given == "fsdp" and found is None and (grad is None or mesh.size(grad) == 1):
         raise ValueError(f"--dp-mode fsdp, but the mesh has no data-parallel ranks (DP x CP = 1) for FSDP2 to shard "
@@ -92,7 +90,7 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
                          "wrapper: the model in --dtype)")
     if given == "fsdp" and found != "fsdp":
         raise ValueError(f"--dp-mode fsdp, but --parallelize {name} did not call fully_shard "
-                         f"({'it wrapped vemesh DDP' if ddps else 'it wrapped no data parallelism'}); "
+                         f"(it wrapped {'vemesh DDP' if ddps else 'torch DDP' if torchs else 'no data parallelism'}); "
                          "give --dp-mode ddp or zero1, or leave --dp-mode out")
     if found == "fsdp" and grad is not None and mesh.size(grad) > 1:
         fsdp_covers(parts, name, mesh.size(grad), grad)
@@ -108,6 +106,12 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
         if given == "zero1":
             raise ValueError(f"--dp-mode zero1 needs vemesh DDP, and --parallelize {name} wrapped none")
         return given or "none", []  # "none": no wrapper (DP x CP = 1), torch's AdamW over what the function returned
+    if torchs and not ddps and found == "ddp":
+        if given == "zero1":
+            raise ValueError(f"--dp-mode zero1 needs vemesh DDP, and --parallelize {name} wrapped torch's "
+                             "DistributedDataParallel: give --dp-mode ddp (torch's AdamW over its parameters) or "
+                             "leave --dp-mode out, or wrap vemesh.ddp.DistributedDataParallel for ZeRO-1")
+        return "ddp", []
     return given or ("fsdp" if fsdp else "zero1"), ddps
 
 
@@ -158,6 +162,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             cache = held_sends.enter_context(own_positions(parts))  # a model making its own positions packs none
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = held_now = Held(parts, ddps)
+            run_as_planned(torch_ddps(parts), held_now.buffers, parallelize_name)  # their buckets are gradients
             optimizer = optimizer_for(parts, mode, ddps, device, optimizer_implementation)
             held_now.param_buffers = [s.param_data for s in getattr(optimizer, "shards", ())]
             tracker.track_weights(*parts, grads=False)  # built before the tracker: counted as in a run
@@ -226,7 +231,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
                                     *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
                   compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))),
-                  branches=tuple(sorted(branches)), training_cache=cache.bytes,
+                  branches=tuple(sorted(branches)), training_cache=cache.bytes, torch_ddp=bool(torch_ddps(parts)),
                   # with PP, what the traced actions left (a replayed action runs no collective)
                   unwaited=unwaited[1] if pp == 1 else max(unwaited, key=lambda u: u[1]))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
@@ -304,7 +309,8 @@ def stage_signatures(fns: UserFunctions, *, pp_rank: int, world_size: int, degre
 def _wrap(fns: UserFunctions, model: nn.Module, mesh: Any, degrees: dict[str, int], dp_mode: str | None) -> nn.Module:
     """The user's parallelize function, or the data parallelism ``--dp-mode`` names when there is none."""
     if fns.parallelize is not None:
-        out = call("--parallelize", fns.names[1], fns.parallelize, model, mesh)
+        with shapes_not_compared():  # torch's DDP, built as on one rank (vemesh.planning.torch_ddp)
+            out = call("--parallelize", fns.names[1], fns.parallelize, model, mesh)
         if degrees.get("PP", 1) > 1:  # the stages: checked by pipeline_stages
             return out
         if not isinstance(out, nn.Module):

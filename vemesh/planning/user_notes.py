@@ -12,6 +12,8 @@ __all__ = ["fsdp_reduces_whole", "user_notes"]
 _READ_MODES = {
     "none": "dp mode none: the parallelize function wrapped no data parallelism (the mesh has none), and the "
             "optimizer is torch's AdamW over what it returned",
+    "ddp": "dp mode ddp: the parallelize function wrapped torch's DistributedDataParallel, and the optimizer is "
+           "torch's AdamW over its parameters (--dp-mode zero1 needs vemesh DDP)",
     "zero1": "dp mode zero1: the parallelize function wrapped vemesh DDP, and the optimizer is ZeRO-1's "
              "DistributedOptimizer over it (--dp-mode ddp for torch's AdamW, unsplit)",
     "fsdp": "dp mode fsdp: the parallelize function applied FSDP2 (fully_shard; or torch's replicate_with_fsdp, its "
@@ -59,4 +61,5 @@ def user_notes(counted: Counted, kwargs: dict[str, Any], sync_each: bool = False
                         "unsharded gradient is held until it; a loop that syncs each (torchtitan's) holds the sharded "
                         "ones alone: plan it with --gradient-sync each"))
     return notes + [n for n in (counted.buffers_note(), counted.compiled_note(), counted.skipped_note(),
-                                   counted.branches_note(), counted.cache_note()) if n is not None]
+                                   counted.branches_note(), counted.cache_note(),
+                                   counted.torch_ddp_note()) if n is not None]
