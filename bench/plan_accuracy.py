@@ -98,6 +98,8 @@ USER_CONFIGS: dict[str, tuple[int, str, str, list[str]]] = {
     "llama-torch-ddp": (2, "make_dense", "parallelize_torch_ddp", ["--dp-mode", "ddp"]),
     "llama-torch-ddp-view-accumulate": (2, "make_dense", "parallelize_torch_ddp_bucket_view",
                                         ["--dp-mode", "ddp", "--micro-batch-size", "2"]),
+    "llama-torch-replicate-accumulate": (2, "make_dense", "parallelize_torch_replicate",
+                                         ["--dp-mode", "ddp", "--micro-batch-size", "2"]),
     # a fine-tune's frozen embedding and norms, which no op returns where no DDP broadcasts them (TP alone)
     "llama-frozen-tp2": (2, "make_dense_frozen", "parallelize_any", ["--tp", "2", "--dp-mode", "ddp"]),
     "llama-trunc-normal-fsdp2-tp2": (4, "make_dense_trunc_normal", "parallelize_fsdp", ["--tp", "2"]),

@@ -58,9 +58,10 @@ def _train_step(model, optimizer, step, per_dp: int, mbs: int, fsdp: bool, each:
         return
     for i in range(per_dp // mbs):
         last = each or i == per_dp // mbs - 1  # --gradient-sync each: every micro-batch averages its gradients
-        if fsdp:
+        composable = hasattr(model, "set_requires_gradient_sync")  # FSDP2, torch's composable replicate
+        if composable:
             model.set_requires_gradient_sync(last)
-        with model.no_sync() if not last and not fsdp else contextlib.nullcontext():
+        with model.no_sync() if not last and not composable else contextlib.nullcontext():
             step(model, mbs)
     optimizer.step()
 

@@ -121,6 +121,13 @@ def parallelize_torch_ddp_bucket_view(model: llama.Llama, mesh) -> nn.Module:
                                                gradient_as_bucket_view=True)
 
 
+def parallelize_torch_replicate(model: llama.Llama, mesh) -> nn.Module:
+    """torch's composable DDP, as torchtitan applies it (``replicate``; torch's DDP, built at the first forward)."""
+    from torch.distributed._composable.replicate import replicate
+
+    return replicate(model, device_mesh=mesh["DP"])
+
+
 def parallelize_checkpointed(model: llama.Llama, mesh) -> nn.Module:
     """TP with sequence parallelism (when the mesh has TP), every block under activation checkpointing, then FSDP2:
     torchtitan's Llama recipe with full activation checkpointing."""

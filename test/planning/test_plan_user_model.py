@@ -232,10 +232,10 @@ def test_torchs_replicate_on_fsdp2s_engine_is_planned_with_whole_parameters_and_
 def test_torchs_own_ddp_is_planned_running_its_reducer_with_its_buckets_counted_as_gradients() -> None:
     """torch's ``DistributedDataParallel`` in the user's function was refused (its C++ reducer cannot run on fake
     tensors as it is); now the reducer runs, with the planner's all-reduce hook and no bucket re-cut
-    (:mod:`vemesh.planning.torch_ddp`). Its buckets are a copy of the gradients, in the grads column: under torch's
+    (:mod:`vemesh.planning.torch_ddp`); so does torch's composable ``replicate`` (refused too). Its buckets are a copy of the gradients, in the grads column: under torch's
     default ``.grad`` lives beside them, so with two micro-batches (the first's gradients held through the second's
     backward) it peaks above vemesh DDP (whose ``.grad`` are views of its buffer) by the gradients once more. Real runs over DP 2 (``bench/plan_accuracy.py``: llama-torch-ddp,
-    llama-torch-ddp-view-accumulate, llama-pp2-1f1b-torch-ddp) peaked at the plans' bytes (ratio 1.000), DP bytes
+    llama-torch-ddp-view-accumulate, llama-torch-replicate-accumulate, llama-pp2-1f1b-torch-ddp) peaked at the plans' bytes (ratio 1.000), DP bytes
     equal; the plan's calls per step are the first step's cut (torch re-cuts its buckets after it)."""
     job = dict(world_size=2, global_batch_size=8, micro_batch_size=2)
     torch_ddp = plan(f"module:{JOBS}:make_dense", parallelize=f"{JOBS}:parallelize_torch_ddp", step=f"{JOBS}:step",
@@ -254,6 +254,13 @@ def test_torchs_own_ddp_is_planned_running_its_reducer_with_its_buckets_counted_
                for n in torch_ddp["notes"]), torch_ddp["notes"]
     assert any(n.startswith("torch's DistributedDataParallel ran as it is, its C++ reducer") for n in
                torch_ddp["notes"]), torch_ddp["notes"]
+    # torch's composable replicate (torchtitan's DDP) builds the same DDP at the first forward, over the parameters
+    # alone (no buffers to broadcast), and accumulates by set_requires_gradient_sync(False), as FSDP2 does
+    composable = plan(f"module:{JOBS}:make_dense", parallelize=f"{JOBS}:parallelize_torch_replicate",
+                      step=f"{JOBS}:step", **job)
+    c = composable["classes"][0]
+    assert (composable["dp_mode"], composable["peak"]) == ("ddp", torch_ddp["peak"]), composable
+    assert c["bytes_per_step"]["DP"] == o["grads"] and c["calls_per_step"]["DP"] == t["calls_per_step"]["DP"] - 1, (c, t)
 
 
 def test_replicate_with_fsdp_is_said_to_all_reduce_whole_gradients_where_fully_shard_reduce_scatters(capsys) -> None:
@@ -509,9 +516,6 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_ddp_compressed", f"{JOBS}:step"),
      "parallelize_torch_ddp_compressed gave torch's DistributedDataParallel a comm hook: the planner runs torch's "
      "reducer with its plain all-reduce and would not count the hook's own work"),
-    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_replicate", f"{JOBS}:step"),
-     "parallelize_torch_replicate applied torch's replicate (torch.distributed._composable.replicate), whose DDP "
-     "reducer (C++) reads memory that a plan's fake tensors do not have"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fsdp1", f"{JOBS}:step"),
      "FSDP needs a non-CPU accelerator device, but no accelerator device is detected; torch's "
      "FullyShardedDataParallel (FSDP1) needs an accelerator, and your functions run on this machine's CPU here; vemesh "

@@ -1,7 +1,8 @@
 """torch's own ``DistributedDataParallel`` planned as it runs: its C++ reducer, on the fake world.
 
-A parallelize function that wraps the model (or a pipeline stage) in torch's DDP gets torch's reducer in the trace, as
-in a run: its buckets (a flat copy of the gradients in the parameters' dtype, made when DDP is built; ``.grad``
+A parallelize function that wraps the model (or a pipeline stage) in torch's DDP, or applies torch's composable
+``replicate`` (torchtitan's DDP, which builds torch's DDP at the first forward: built here before the step), gets
+torch's reducer in the trace, as in a run: its buckets (a flat copy of the gradients in the parameters' dtype, made when DDP is built; ``.grad``
 beside them under torch's default, views into them with ``gradient_as_bucket_view=True``), each bucket's all-reduce as
 its gradients are ready, and ``no_sync``. Three steps of a run cannot happen on fake tensors, and the planner stands
 in for each:
@@ -39,10 +40,30 @@ from vemesh.parallel.ddp import DistributedDataParallel
 __all__ = ["run_as_planned", "shapes_not_compared", "torch_ddps"]
 
 
-def torch_ddps(parts: list[nn.Module]) -> list[nn.parallel.DistributedDataParallel]:
-    """torch's DDP modules in ``parts`` (the model, or a PP rank's stage modules); vemesh's, a subclass, left out."""
+def torch_ddps(parts: list[nn.Module]) -> list[nn.Module]:
+    """torch's DDP modules in ``parts`` (the model, or a PP rank's stage modules), vemesh's (a subclass) left out, and
+    the modules torch's composable ``replicate`` was applied to (torchtitan's DDP: torch's DDP, built at the first
+    forward; not the ``replicate`` of ``replicate_with_fsdp``, FSDP2's engine)."""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.fsdp import FSDPModule
+
     return [m for part in parts for m in part.modules()
-            if isinstance(m, nn.parallel.DistributedDataParallel) and not isinstance(m, DistributedDataParallel)]
+            if isinstance(m, nn.parallel.DistributedDataParallel) and not isinstance(m, DistributedDataParallel)
+            or "replicate" in (_get_registry(m) or {}) and not isinstance(m, FSDPModule)]
+
+
+def _ddp_of(wrapped: nn.Module) -> nn.parallel.DistributedDataParallel:
+    """``wrapped`` if it is torch's DDP; else the DDP torch's composable ``replicate`` builds at the module's first
+    forward, built now (its comm hooks registered), so that the planner's hook is the one it runs."""
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        return wrapped
+    from torch.distributed._composable.replicate import replicate
+
+    state = replicate.state(wrapped)
+    if state._init_args or state._init_kwargs:
+        with shapes_not_compared():
+            state.lazy_init()
+    return state._ddp
 
 
 @contextlib.contextmanager
@@ -62,12 +83,12 @@ def _one_rank(process_group: Any, tensors: Any, logger: Any = None) -> None:
     """The shapes are this rank's on every rank of a fake world: nothing to compare."""
 
 
-def run_as_planned(ddps: list[nn.parallel.DistributedDataParallel], buckets: list[torch.Tensor], name: str) -> None:
-    """Each of ``ddps`` set to run on the fake world (see the module docstring): the planner's comm hook, which adds
-    each bucket to ``buckets`` the first time it all-reduces it, and no bucket rebuild. Raises ``ValueError`` (one
-    line) where the user's function gave DDP a comm hook or mixed precision of its own."""
+def run_as_planned(wrapped: list[nn.Module], buckets: list[torch.Tensor], name: str) -> None:
+    """Each DDP of ``wrapped`` (:func:`torch_ddps`) set to run on the fake world (see the module docstring): the
+    planner's comm hook, which adds each bucket to ``buckets`` the first time it all-reduces it, and no bucket rebuild.
+    Raises ``ValueError`` (one line) where the user's function gave DDP a comm hook or mixed precision of its own."""
     seen: set[int] = set()
-    for ddp in ddps:
+    for ddp in map(_ddp_of, wrapped):
         if ddp._comm_hooks or getattr(ddp, "mixed_precision", None) is not None:
             what = "a comm hook" if ddp._comm_hooks else "mixed_precision (its own cast and hook)"
             raise ValueError(f"--parallelize {name} gave torch's DistributedDataParallel {what}: the planner runs "

@@ -35,8 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.contract import _get_registry
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from vemesh.layout.data_dims import data_dims
@@ -71,11 +69,6 @@ def _data_parallel(parts: list[nn.Module], given: str | None, name: str, mesh: A
     """The dp mode the function's wrappers mean, checked against ``--dp-mode``, ``none`` when it wrapped nothing on a
     mesh without data parallelism and none was asked for; and the vemesh DDP modules, if any.
     ``parts`` is the model, or with PP the modules of this rank's stages."""
-    if any("replicate" in (_get_registry(m) or {}) and not isinstance(m, FSDPModule) for p in parts for m in p.modules()):
-        raise ValueError(f"--parallelize {name} applied torch's replicate (torch.distributed._composable.replicate), "
-                         "whose DDP reducer (C++) reads memory that a plan's fake tensors do not have: use "
-                         "vemesh.ddp.DistributedDataParallel(model, mesh['DP']), or the replicate of "
-                         "torch.distributed._composable.replicate_with_fsdp (FSDP2's engine), which are planned")
     if any(isinstance(m, FSDP1) for part in parts for m in part.modules()):
         raise ValueError(f"--parallelize {name} wrapped torch's FullyShardedDataParallel (FSDP1), which the planner "
                          f"does not plan; {FSDP1_INSTEAD}")

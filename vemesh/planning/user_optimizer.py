@@ -48,9 +48,10 @@ def optimizer_for(parts: list[nn.Module], mode: str, ddps: list[Any], device: st
 
 def no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
     """Gradient accumulation as torch users write it: no gradient sync but on the last micro-batch."""
+    from torch.distributed._composable.replicate import DDP as ComposableDDP
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
+    if isinstance(model, (FSDPModule, ComposableDDP)):  # FSDP2's, and torch's composable replicate's (its DDP's)
         model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
     if not last and hasattr(model, "no_sync"):
