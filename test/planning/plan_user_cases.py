@@ -73,6 +73,12 @@ def parallelize_torch_ddp_compressed(model, mesh):
     return ddp
 
 
+def parallelize_torch_ddp_unused(model, mesh):
+    """torch's own DDP told to look for unused parameters each backward."""
+    return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["DP"].get_group(),
+                                                     find_unused_parameters=True)
+
+
 def parallelize_tp_torch_ddp(model, mesh):
     """TP, then torch's own DDP over the mesh's DP group: its constructor meets TP's DTensors beside plain tensors."""
     llama_jobs._model_parallel(model, mesh, sequence_parallel=False, checkpointed=False)

@@ -513,6 +513,9 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_ddp", f"{JOBS}:step", "--dp-mode", "zero1"),
      "--dp-mode zero1 needs vemesh DDP, and --parallelize {cwd}/{cases}:parallelize_torch_ddp wrapped torch's "
      "DistributedDataParallel: give --dp-mode ddp"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_ddp_unused", f"{JOBS}:step"),
+     "parallelize_torch_ddp_unused built torch's DistributedDataParallel with find_unused_parameters=True, under which "
+     "its reducer reads which parameters each rank used"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_ddp_compressed", f"{JOBS}:step"),
      "parallelize_torch_ddp_compressed gave torch's DistributedDataParallel a comm hook: the planner runs torch's "
      "reducer with its plain all-reduce and would not count the hook's own work"),

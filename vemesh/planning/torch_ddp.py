@@ -22,7 +22,9 @@ in for each:
 
 A real run of torch's DDP over DP 2 (``bench/plan_user_run.py``) peaked at the plan's bytes to the byte, with the
 gradients beside the buckets and as views into them. What the planner does not run is refused in one line: a comm hook
-of the user's (a compression hook, DDP's ``mixed_precision``), whose own work it would not count.
+of the user's (a compression hook, DDP's ``mixed_precision``), whose own work it would not count, and
+``find_unused_parameters=True`` or ``static_graph=True``, under which the reducer reads which parameters each rank
+used (its backward failed as if the user's step had read a value).
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ def run_as_planned(wrapped: list[nn.Module], buckets: list[torch.Tensor], name: 
     Raises ``ValueError`` (one line) where the user's function gave DDP a comm hook or mixed precision of its own."""
     seen: set[int] = set()
     for ddp in map(_ddp_of, wrapped):
+        flags = [f for f in ("find_unused_parameters", "static_graph") if getattr(ddp, f, False)]
+        if flags:  # else the backward fails in C++ as if the user's step read a value (.item())
+            raise ValueError(f"--parallelize {name} built torch's DistributedDataParallel with {'=True and '.join(flags)}"
+                             "=True, under which its reducer reads which parameters each rank used: values a plan's "
+                             "fake tensors do not have: plan it without (the bytes it holds differ by about a flag per "
+                             "parameter)")
         if ddp._comm_hooks or getattr(ddp, "mixed_precision", None) is not None:
             what = "a comm hook" if ddp._comm_hooks else "mixed_precision (its own cast and hook)"
             raise ValueError(f"--parallelize {name} gave torch's DistributedDataParallel {what}: the planner runs "
