@@ -356,17 +356,22 @@ def test_records_are_shared_across_pp_and_across_dp_sizes_under_ddp_and_zero1_on
 def test_a_record_counts_the_collectives_its_action_ran_in_either_step() -> None:
     """Each record's collectives are its action's own, in the warm-up step as in the step: on each mesh dim, the calls
     its ops made and nothing carried from before (the counter starts each step from zero; a step's first collective
-    on a dim once recorded every call of the step before it too, so that the first forward of the second step, which
-    broadcasts ZeRO-1's buffers once, was never alike the first step's)."""
+    on a dim once recorded every call of the step before it too, so that the first forward of the second step was never
+    alike the first step's)."""
     fns, kwargs = tiny_pipeline("1f1b", "zero1", 4, 2, 1)
     exchange = pipeline_plan.MetaExchange(replay=True)
     for rank in range(2):
         pipeline_plan.trace_user(fns, pp_rank=rank, exchange=exchange, **kwargs)
     firsts = [e for key, effects in exchange.records.items() if key[1:3] == ("F", None) for e in effects]
-    assert len(firsts) == 4 and all(_alike(firsts[0], e) for e in firsts[1:] if e.returned == firsts[0].returned)
+    # alike but for the first forward's broadcast (below): each step's the same, the first step's with its broadcast
+    assert len(firsts) == 4 and all(_alike(firsts[0], e) for e in firsts[1:]
+                                    if e.returned == firsts[0].returned and e.counters[3] == firsts[0].counters[3])
     for effects in exchange.records.values():
         for effect in effects:
             for dim, (_, calls, ops) in effect.counters[3]:
                 assert calls == sum(n for _, (_, n) in ops), (dim, effect.counters[3])
-    broadcasts = [dict(e.counters[3])["DP"][2] for e in firsts]
-    assert all(ops == (("broadcast_", ops[0][1]),) and ops[0][1][1] >= 1 for ops in broadcasts), broadcasts
+    # ZeRO-1's buffers broadcast in the first forward of the trace alone: torch's stages run every forward under
+    # no_sync, after which DDP (torch's, and vemesh's as it) keeps each rank's buffers
+    broadcasts = sorted((dict(e.counters[3]).get("DP", (0, 0, ()))[2] for e in firsts), key=len)
+    assert broadcasts[:2] == [(), ()] and all(ops == (("broadcast_", ops[0][1]),) and ops[0][1][1] >= 1
+                                               for ops in broadcasts[2:]), broadcasts

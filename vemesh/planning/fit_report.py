@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vemesh.planning.request import OPTIMIZER_IMPLEMENTATIONS
-from vemesh.planning.user_notes import fsdp_reduces_whole
 
 if TYPE_CHECKING:  # torch is imported only when a model is planned: `vemesh show` starts fast
     from vemesh.planning.fit import Job, MeshFit
@@ -131,6 +130,8 @@ def render_fit(job: Job, fit: MeshFit) -> str:
                      "which holds a second copy of DTensor parameters; the optimizer's state and the fp32 masters are "
                      "split over DP)")
     if (fit.dp_mode or job.mode) == "fsdp" and fit.traced and d["DP"] > 1 and any(not c.static.grads for c in fit.classes):
+        from vemesh.planning.user_notes import fsdp_reduces_whole  # here: building a request imports no torch
+
         whole = all(fsdp_reduces_whole(c.collectives) for c in fit.classes)
         lines.append("  (FSDP2: each column is what the rank holds at its peak; grads are the "
                      + ("whole gradients FSDP2's all-reduces make (torch's replicate_with_fsdp)" if whole else

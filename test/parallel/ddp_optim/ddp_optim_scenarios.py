@@ -279,6 +279,27 @@ def run_broadcast(mesh: DeviceMesh) -> None:
     assert [n for n, _ in model.named_buffers()] == ["module.running"] and list(model.buffers())[0].tolist() == [0.0] * 3
 
 
+def run_running_stats_as_torch(mesh: DeviceMesh) -> None:
+    """A BatchNorm's running statistics under ``no_sync()`` accumulation, 2 micro-batches a step, 3 steps: every rank's
+    buffers equal torch DDP's on the same data after each step. torch broadcasts DP rank 0's buffers before a training
+    forward but the one after a forward under ``no_sync()``; vemesh broadcast them before every one, so that the other
+    DP ranks' statistics differed from torch's run."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    ours = DDP(copy.deepcopy(net), mesh["DP"])
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(net), process_group=mesh["DP"].get_group())
+    rank, diffs = mesh["DP"].get_local_rank(), []
+    for step in range(3):
+        for m in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + 10 * m + rank))
+            for model in (ours, theirs):
+                with model.no_sync() if m == 0 else nullcontext():
+                    model(x).sum().backward()
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(ours.module.buffers(), theirs.module.buffers())
+                         if a.is_floating_point()))
+    assert diffs == [0.0] * 3, f"running statistics differ from torch DDP's after each step by {diffs}"
+
+
 def run_errors(mesh: DeviceMesh) -> None:
     """Every misuse raises the documented error with the bad value in the message (no collectives)."""
 
@@ -375,6 +396,7 @@ def worker(rank: int, world_size: int) -> Results:
             check(results, "state_dict", lambda: run_state_dict(mesh))
             check(results, "errors", lambda: run_errors(mesh))
             check(results, "broadcast", lambda: run_broadcast(mesh))
+            check(results, "running_stats_as_torch", lambda: run_running_stats_as_torch(mesh))
             check(results, "freeze_mid_training", lambda: run_freeze_mid_training(mesh))
         contract_scenarios(results, mesh, (dp, tp))
     check(results, "vescale_mesh", run_vescale_mesh)

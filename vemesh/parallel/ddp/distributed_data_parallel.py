@@ -45,8 +45,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
       or those that torch's zero-bubble pipeline schedules add to ``.grad`` by hand (:meth:`finish_grad_sync`).
 
     Parameters and buffers are broadcast from the first rank of the DP group at construction, and buffers
-    again before each forward with grad enabled (``broadcast_buffers``), except those a ``context_parallel``
-    holds sharded. A parameter that got no gradient on any rank in a step gets a zero gradient.
+    again before each forward with grad enabled (``broadcast_buffers``) but one after a forward under ``no_sync()``
+    (as torch's: torch's pipeline stages run every forward so), except those a ``context_parallel`` holds sharded. A parameter that got no gradient on any rank in a step gets a zero gradient.
 
     Args:
         module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
@@ -140,6 +140,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.broadcast_buffers = broadcast_buffers
         #: torch DDP's flag, toggled by :meth:`no_sync` (and by libraries that set it directly).
         self.require_backward_grad_sync = True
+        #: torch DDP's: whether the next training forward broadcasts the buffers (not after one under ``no_sync``)
+        self.require_forward_param_sync = True
         self.reducer = PipelineReducer()
         self._params = params
         #: The parameters whose gradients this wrapper averages, in its buffers' order (read by ZeRO-1 and clipping).
@@ -201,11 +203,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._abandon_pass()
         if torch.is_grad_enabled():
             check_params_kept(self.module, self._module_params, self._buffer_of)
-        if self.broadcast_buffers and self.dp_size > 1 and torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        if self.broadcast_buffers and self.dp_size > 1 and training and self.require_forward_param_sync:
             held = sharded_buffers()  # a context_parallel's shards differ by CP rank: never broadcast over them
             buffers = [b for b in self._module_buffers() if id(b) not in held]
             if buffers:
                 broadcast_from_first(buffers, self.data_parallel_group)
+        if training:  # as torch's DDP: the forward after one under no_sync keeps this rank's buffers
+            self.require_forward_param_sync = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
 
     def _module_buffers(self) -> list[torch.Tensor]:
