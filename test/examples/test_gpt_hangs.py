@@ -28,9 +28,10 @@ GPT = [str(REPO / "examples" / "gpt" / "train.py"), "--n-layer", "2", "--n-embd"
 
 @pytest.mark.parametrize("mesh, inject, expected", [
     ("2,2,2", "sleep:5:3",
-     ["HANG: DP broadcast #23 (256 B, [32] long) at step 3 is stuck in the DP group [5, 7] (PP=1, TP=1)",
+     ["HANG: TP all-reduce #95 (8.0 KiB, [1, 32, 64] float) at step 3 is stuck in the TP group [4, 5] (PP=1, DP=0)",
       "never entered: rank 5 (PP=1, DP=0, TP=1)",
-      "it is not in any collective (in compute), at examples/gpt/faults.py:68 in before_compute"]),
+      "it is not in any collective (in compute), at examples/gpt/faults.py:68 in before_compute",
+      "DP all-reduce #16 (130.9 KiB, [33504] float) at step 3 is stuck in the DP group [5, 7] (PP=1, TP=1)"]),
     ("2,2", "skip-dp:3:3", ["is stuck in the DP group [1, 3] (TP=1)", "never entered: rank 3 (DP=1, TP=1)",
                             "it skipped one"]),
     ("2,2", "wrong-size-tp:3:3", ["DIED: rank 2 (DP=1, TP=0): Fatal Python error: Aborted",
