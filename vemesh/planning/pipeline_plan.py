@@ -55,7 +55,7 @@ def _context(fns: UserFunctions, kwargs: dict[str, Any]) -> tuple:
     actions at the blocks (a plan by difference names each action's parts, before, in and after its blocks
     (:func:`~vemesh.planning.step_parts.pipeline_parts`), and a replay plays the parts its record names), and the mesh
     but for its PP (a stage's index is not in its record) and, under DDP and ZeRO-1, the size of its DP: only whether
-    it has one (their forward broadcasts the buffers; their backward without gradient sync sends nothing, and the last
+    it has one (their first forward broadcasts the buffers; their backward without gradient sync sends nothing, and the last
     micro-batch's, which syncs, is always traced). FSDP2's shards depend on it, and its DP stays."""
     degrees = dict(kwargs["degrees"], PP=None)
     if kwargs["dp_mode"] in ("ddp", "zero1"):  # not a user's own wrapping (dp_mode None), which may depend on DP
