@@ -44,9 +44,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
       ``model.zero_grad()`` and :meth:`zero_grad_buffer`. A step on gradients never averaged raises: ``no_sync()``'s,
       or those that torch's zero-bubble pipeline schedules add to ``.grad`` by hand (:meth:`finish_grad_sync`).
 
-    Parameters and buffers are broadcast from the first rank of the DP group at construction, and buffers
-    again before each forward with grad enabled (``broadcast_buffers``) but one after a forward under ``no_sync()``
-    (as torch's: torch's pipeline stages run every forward so), except those a ``context_parallel`` holds sharded. A parameter that got no gradient on any rank in a step gets a zero gradient.
+    Parameters and buffers are broadcast from DP's first rank at construction, buffers again before each forward
+    with grad enabled (``broadcast_buffers``) but one after a forward under ``no_sync()``, as torch's, but those a
+    ``context_parallel`` holds sharded. A parameter with no gradient on any rank in a step gets a zero one.
 
     Args:
         module: the module to wrap; its parameters may be DTensors (e.g. TP-sharded).
@@ -140,8 +140,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.broadcast_buffers = broadcast_buffers
         #: torch DDP's flag, toggled by :meth:`no_sync` (and by libraries that set it directly).
         self.require_backward_grad_sync = True
-        #: torch DDP's: whether the next training forward broadcasts the buffers (not after one under ``no_sync``)
-        self.require_forward_param_sync = True
+        self.require_forward_param_sync = True  #: torch DDP's: the next training forward broadcasts the buffers
         self.reducer = PipelineReducer()
         self._params = params
         #: The parameters whose gradients this wrapper averages, in its buffers' order (read by ZeRO-1 and clipping).
@@ -168,9 +167,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 broadcast_from_first([local_tensor(p) for p in module.parameters() if id(p) in experts], expert_group)
 
         #: One contiguous gradient buffer per (dense or expert, parameter dtype, gradient dtype).
-        self.grad_buffers: list[GradBuffer] = make_buffers(
-            params, experts, group, expert_group, bucket_size, fp32=accumulate_allreduce_grads_in_fp32
-        )
+        self.grad_buffers: list[GradBuffer] = make_buffers(params, experts, group, expert_group, bucket_size,
+                                                           fp32=accumulate_allreduce_grads_in_fp32)
         self._buffer_of = {id(p): b for b in self.grad_buffers for p in b.params}
         # What this wrapper puts in param.grad: the main_grad view, or where the dtype differs from the buffer's a
         # "holder" copy in the parameter's (versions tell whether anyone wrote to it since); a DTensor where needed.
@@ -203,13 +201,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._abandon_pass()
         if torch.is_grad_enabled():
             check_params_kept(self.module, self._module_params, self._buffer_of)
-        training = torch.is_grad_enabled()
-        if self.broadcast_buffers and self.dp_size > 1 and training and self.require_forward_param_sync:
-            held = sharded_buffers()  # a context_parallel's shards differ by CP rank: never broadcast over them
-            buffers = [b for b in self._module_buffers() if id(b) not in held]
-            if buffers:
-                broadcast_from_first(buffers, self.data_parallel_group)
-        if training:  # as torch's DDP: the forward after one under no_sync keeps this rank's buffers
+            if self.broadcast_buffers and self.dp_size > 1 and self.require_forward_param_sync:
+                held = sharded_buffers()  # a context_parallel's shards differ by CP rank: never broadcast over them
+                if buffers := [b for b in self._module_buffers() if id(b) not in held]:
+                    broadcast_from_first(buffers, self.data_parallel_group)
+            # as torch's DDP: the forward after one under no_sync keeps this rank's buffers
             self.require_forward_param_sync = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
 
@@ -241,8 +237,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _fold_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Tensor pre-hook of a low-precision parameter: fold its new gradient into the fp32 main_grad.
 
-        It runs before autograd adds ``grad`` into p.grad, so accumulation keeps fp32 precision
-        whatever happens to the low-precision .grad.
+        It runs before autograd adds ``grad`` into p.grad: accumulation keeps fp32 whatever happens to the .grad.
         """
         key = id(p)
         holder = self._holder[key]
