@@ -155,7 +155,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
             cache = held_sends.enter_context(own_positions(parts))  # a model making its own positions packs none
             mode, ddps = _data_parallel(parts, dp_mode, parallelize_name, mesh)
             tracker.on_step_peak = held_now = Held(parts, ddps)
-            run_as_planned(torch_ddps(parts), held_now.buffers, parallelize_name)  # their buckets are gradients
+            torchs = torch_ddps(parts)  # torch's own DDPs, run as they are: their buckets are gradients
+            run_as_planned(torchs, held_now.buffers, parallelize_name)
             optimizer = optimizer_for(parts, mode, ddps, device, optimizer_implementation)
             held_now.param_buffers = [s.param_data for s in getattr(optimizer, "shards", ())]
             tracker.track_weights(*parts, grads=False)  # built before the tracker: counted as in a run
@@ -224,7 +225,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
     one = replace(Counted.of_phases(phases, sent[1], mode, routed["used"], flops[1], moved[1], stepped[1],
                                     *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
                   compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))),
-                  branches=tuple(sorted(branches)), training_cache=cache.bytes, torch_ddp=bool(torch_ddps(parts)),
+                  branches=tuple(sorted(branches)), training_cache=cache.bytes, torch_ddp=bool(torchs),
                   # with PP, what the traced actions left (a replayed action runs no collective)
                   unwaited=unwaited[1] if pp == 1 else max(unwaited, key=lambda u: u[1]))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2
