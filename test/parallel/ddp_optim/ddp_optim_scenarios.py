@@ -283,7 +283,11 @@ def run_running_stats_as_torch(mesh: DeviceMesh) -> None:
     """A BatchNorm's running statistics under ``no_sync()`` accumulation, 2 micro-batches a step, 3 steps: every rank's
     buffers equal torch DDP's on the same data after each step. torch broadcasts DP rank 0's buffers before a training
     forward but the one after a forward under ``no_sync()``; vemesh broadcast them before every one, so that the other
-    DP ranks' statistics differed from torch's run."""
+    DP ranks' statistics differed from torch's run.
+
+    After each step an evaluation under ``no_grad``, in eval mode (step 0) and in train mode (steps 1, 2: the
+    statistics move): torch broadcasts before it and not before the next training forward; vemesh broadcast only
+    with gradients enabled, so the other DP ranks evaluated with their own statistics."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
     ours = DDP(copy.deepcopy(net), mesh["DP"])
@@ -297,7 +301,15 @@ def run_running_stats_as_torch(mesh: DeviceMesh) -> None:
                     model(x).sum().backward()
         diffs.append(max((a - b).abs().max().item() for a, b in zip(ours.module.buffers(), theirs.module.buffers())
                          if a.is_floating_point()))
-    assert diffs == [0.0] * 3, f"running statistics differ from torch DDP's after each step by {diffs}"
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 + step + rank))
+        evaluated = []
+        for model in (ours, theirs):
+            model.train(step > 0)
+            with torch.no_grad():
+                evaluated.append(model(x))
+            model.train()
+        diffs.append((evaluated[0] - evaluated[1]).abs().max().item())
+    assert diffs == [0.0] * 6, f"running statistics, then evaluations, differ from torch DDP's at each step by {diffs}"
 
 
 def run_errors(mesh: DeviceMesh) -> None:

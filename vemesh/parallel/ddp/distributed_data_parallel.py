@@ -45,7 +45,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
       or those that torch's zero-bubble pipeline schedules add to ``.grad`` by hand (:meth:`finish_grad_sync`).
 
     Parameters and buffers are broadcast from DP's first rank at construction, buffers again before each forward
-    with grad enabled (``broadcast_buffers``) but one after a forward under ``no_sync()``, as torch's, but those a
+    (``broadcast_buffers``) but one after a forward under ``no_sync()`` or ``no_grad``, as torch's, but those a
     ``context_parallel`` holds sharded. A parameter with no gradient on any rank in a step gets a zero one.
 
     Args:
@@ -140,7 +140,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.broadcast_buffers = broadcast_buffers
         #: torch DDP's flag, toggled by :meth:`no_sync` (and by libraries that set it directly).
         self.require_backward_grad_sync = True
-        self.require_forward_param_sync = True  #: torch DDP's: the next training forward broadcasts the buffers
+        self.require_forward_param_sync = True  #: torch DDP's: the next forward broadcasts the buffers
         self.reducer = PipelineReducer()
         self._params = params
         #: The parameters whose gradients this wrapper averages, in its buffers' order (read by ZeRO-1 and clipping).
@@ -199,14 +199,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """Run the wrapped module (after broadcasting its buffers, see ``broadcast_buffers``)."""
         if self._in_backward:  # a backward pass raised before its end-of-backward callback ran
             self._abandon_pass()
-        if torch.is_grad_enabled():
+        if training := torch.is_grad_enabled():
             check_params_kept(self.module, self._module_params, self._buffer_of)
-            if self.broadcast_buffers and self.dp_size > 1 and self.require_forward_param_sync:
-                held = sharded_buffers()  # a context_parallel's shards differ by CP rank: never broadcast over them
-                if buffers := [b for b in self._module_buffers() if id(b) not in held]:
-                    broadcast_from_first(buffers, self.data_parallel_group)
-            # as torch's DDP: the forward after one under no_sync keeps this rank's buffers
-            self.require_forward_param_sync = self.require_backward_grad_sync
+        if self.broadcast_buffers and self.dp_size > 1 and self.require_forward_param_sync:
+            held = sharded_buffers()  # a context_parallel's shards differ by CP rank: never broadcast over them
+            if buffers := [b for b in self._module_buffers() if id(b) not in held]:
+                broadcast_from_first(buffers, self.data_parallel_group)
+        # as torch's DDP (evaluations under no_grad too): the forward after one without gradient sync keeps the buffers
+        self.require_forward_param_sync = training and self.require_backward_grad_sync
         return self.module(*args, **kwargs)
 
     def _module_buffers(self) -> list[torch.Tensor]:
