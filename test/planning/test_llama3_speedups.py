@@ -8,6 +8,7 @@ sizes are planned in ``bench/plan_published.py`` and one slow test."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -394,6 +395,27 @@ def test_attentions_backward_is_counted_apart_and_timed_at_the_profiles_backward
 def test_float8_all_gather_halves_the_share_of_the_gather_that_is_linear_weights() -> None:
     assert Speedups(float8="tensorwise", float8_all_gather=True, float8_share=0.8).gathered_bytes(100) == pytest.approx(60)
     assert Speedups(float8="tensorwise").gathered_bytes(100) == 100
+
+
+def test_float8_all_gather_reads_the_users_wrapper_from_the_trace(capsys) -> None:
+    """``--float8-all-gather`` beside ``--parallelize`` was refused unless ``--dp-mode fsdp`` was given too ("got
+    zero1", a mode the user never gave), though the function's own ``fully_shard`` decides the mode: now read from the
+    trace. A function that shards plans with it, DP's gathers timed in fewer bytes; one that wraps vemesh's or torch's
+    DDP, which gathers no parameters, is refused in one line naming it (the flag would have changed nothing)."""
+    jobs = str(Path(__file__).resolve().parents[1] / "models" / "llama_jobs.py")
+    argv = ["plan", "--model", f"module:{jobs}:make_dense", "--step", f"{jobs}:step", "--world-size", "4", "--tp", "2",
+            "--dtype", "bf16", "--global-batch-size", "8", "--float8", "tensorwise", "--device-profile", "h100-sxm"]
+    seconds = []
+    for gather in ([], ["--float8-all-gather"]):
+        assert main([*argv, "--parallelize", f"{jobs}:parallelize_fsdp", "--json", *gather]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert (doc["dp_mode"], doc["speedups"]["float8_all_gather"]) == ("fsdp", bool(gather)), doc["speedups"]
+        seconds.append(doc["time"]["communication"]["DP"]["seconds"])
+    assert 0 < seconds[1] < seconds[0], seconds
+    for wrapper, mode in (("parallelize_ddp", "zero1"), ("parallelize_torch_ddp", "ddp")):
+        assert main([*argv, "--parallelize", f"{jobs}:{wrapper}", "--float8-all-gather"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--parallelize {jobs}:{wrapper} wrapped DDP (dp mode {mode})" in err[0], err
 
 
 def test_async_tp_hides_each_fused_gather_and_scatter_behind_its_own_matmuls_and_nothing_else() -> None:

@@ -33,7 +33,7 @@ from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.search_jobs import gib, not_searched, run, static_over, variants
 from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline, shared_records
-from vemesh.planning.speedups import linear_share
+from vemesh.planning.speedups import check_float8_all_gather, linear_share
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import predict_user
 from vemesh.planning.user_template import blocks_of, template_of
@@ -230,8 +230,7 @@ def _check_pipeline(job: Job, pp: int, data_ranks: int, blocks: int, model: str)
 
 
 def _as_traced(job: Job) -> Job:
-    """``job`` as its trace sees it: the switches (``speed``) change only the step time drawn from the trace, so a
-    plan that differs in them alone reuses the cached trace."""
+    """``job`` as its trace sees it: the switches (``speed``) change only the step time, so it reuses the trace."""
     return replace(job, speed=None, trace_pp=False)
 
 
@@ -406,5 +405,6 @@ def speedups_of(job: Any, fit: Any) -> Any:
                        float8_tp_gathers=speed.float8 == "tensorwise" and d["TP"] > 1)
     if speed.float8_all_gather and job.user:
         fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
+        check_float8_all_gather(fit.dp_mode, fns.names[1])  # the function's wrapper, as its trace read it
         return replace(speed, float8_share=linear_share(template_of(fns), ("output", "lm_head")))
     return speed

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ATTENTION_IN", "ATTENTION_KEY", "BACKWARD_KEY", "FLOAT8", "FLOPS_IN", "Speedups", "attention_key",
-           "attention_seconds", "compute_dtype", "flops_by_dtype", "linear_share"]
+           "attention_seconds", "check_float8_all_gather", "compute_dtype", "flops_by_dtype", "linear_share"]
 
 #: ``--float8``'s recipes (torchao's ``Float8LinearConfig.from_recipe_name``).
 FLOAT8 = ("tensorwise", "rowwise")
@@ -147,6 +147,15 @@ class Speedups:
     def gathered_bytes(self, nbytes: float) -> float:
         """FSDP2's all-gather bytes with the Float8 weights sent in 1 byte (half the 2-byte compute dtype's)."""
         return nbytes * (1 - 0.5 * self.float8_share) if self.float8_all_gather else nbytes
+
+
+def check_float8_all_gather(dp_mode: str, name: str) -> None:
+    """``--float8-all-gather`` with the user's function ``name``, which wrapped ``dp_mode`` (its trace's): FSDP2's
+    gather, so a ``ValueError`` (one line) where the function wrapped DDP, which gathers no parameters."""
+    if dp_mode in ("ddp", "zero1"):
+        raise ValueError(f"--float8-all-gather is FSDP2's parameter all-gather, but --parallelize {name} wrapped DDP "
+                         f"(dp mode {dp_mode}), which all-reduces gradients and gathers no parameters: leave "
+                         "--float8-all-gather out, or shard with fully_shard")
 
 
 def paced(device: float, host: float, profile: Any) -> float:
