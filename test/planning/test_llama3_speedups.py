@@ -397,23 +397,33 @@ def test_float8_all_gather_halves_the_share_of_the_gather_that_is_linear_weights
     assert Speedups(float8="tensorwise").gathered_bytes(100) == 100
 
 
-def test_float8_all_gather_reads_the_users_wrapper_from_the_trace(capsys) -> None:
-    """``--float8-all-gather`` beside ``--parallelize`` was refused unless ``--dp-mode fsdp`` was given too ("got
-    zero1", a mode the user never gave), though the function's own ``fully_shard`` decides the mode: now read from the
-    trace. A function that shards plans with it, DP's gathers timed in fewer bytes; one that wraps vemesh's or torch's
-    DDP, which gathers no parameters, is refused in one line naming it (the flag would have changed nothing)."""
+def test_float8_beside_the_users_functions_reads_their_mixed_precision_and_wrapper_from_the_trace(capsys) -> None:
+    """``--float8`` beside ``--parallelize`` was refused unless ``--dtype bf16``, which converts the model, so a job
+    that keeps fp32 parameters under mixed precision (torchtitan's: the planner's docs say to keep fp32 for it) could
+    not be planned with Float8; and ``--float8-all-gather`` unless ``--dp-mode fsdp`` ("got zero1", a mode never
+    given), though the function's ``fully_shard`` decides it. Both now read from the trace: a step under bf16 autocast
+    over fp32 parameters plans with Float8 (its matmuls in bf16, the Linears' at the fp8 rate), its DP gathers timed
+    in fewer bytes with the Float8 all-gather; a step whose matmuls run in fp32, and a function that wraps vemesh's or
+    torch's DDP (which gathers no parameters), are refused in one line each."""
     jobs = str(Path(__file__).resolve().parents[1] / "models" / "llama_jobs.py")
-    argv = ["plan", "--model", f"module:{jobs}:make_dense", "--step", f"{jobs}:step", "--world-size", "4", "--tp", "2",
-            "--dtype", "bf16", "--global-batch-size", "8", "--float8", "tensorwise", "--device-profile", "h100-sxm"]
+    argv = ["plan", "--model", f"module:{jobs}:make_dense", "--world-size", "4", "--tp", "2", "--global-batch-size",
+            "8", "--float8", "tensorwise", "--device-profile", "h100-sxm"]
     seconds = []
     for gather in ([], ["--float8-all-gather"]):
-        assert main([*argv, "--parallelize", f"{jobs}:parallelize_fsdp", "--json", *gather]) == 0
+        assert main([*argv, "--parallelize", f"{jobs}:parallelize_fsdp", "--step", f"{jobs}:step_amp_cpu", "--json",
+                     *gather]) == 0
         doc = json.loads(capsys.readouterr().out)
-        assert (doc["dp_mode"], doc["speedups"]["float8_all_gather"]) == ("fsdp", bool(gather)), doc["speedups"]
+        assert (doc["dp_mode"], doc["dtype"], doc["speedups"]["float8_all_gather"]) == ("fsdp", "fp32", bool(gather))
+        assert doc["time"]["compute_dtype"] == "bf16" and doc["time"]["compute_fp8_share"] > 0.5, doc["time"]
         seconds.append(doc["time"]["communication"]["DP"]["seconds"])
     assert 0 < seconds[1] < seconds[0], seconds
+    assert main([*argv, "--parallelize", f"{jobs}:parallelize_fsdp", "--step", f"{jobs}:step"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "in place of bf16 ones (torchao's training recipe), but your step ran them in fp32" in \
+        err[0], err
     for wrapper, mode in (("parallelize_ddp", "zero1"), ("parallelize_torch_ddp", "ddp")):
-        assert main([*argv, "--parallelize", f"{jobs}:{wrapper}", "--float8-all-gather"]) == 2
+        assert main([*argv, "--parallelize", f"{jobs}:{wrapper}", "--step", f"{jobs}:step_amp_cpu",
+                     "--float8-all-gather"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--parallelize {jobs}:{wrapper} wrapped DDP (dp mode {mode})" in err[0], err
 

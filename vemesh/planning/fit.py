@@ -33,7 +33,7 @@ from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.search_jobs import gib, not_searched, run, static_over, variants
 from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline, shared_records
-from vemesh.planning.speedups import check_float8_all_gather, linear_share
+from vemesh.planning.speedups import check_user_float8, linear_share
 from vemesh.planning.user_code import UserFunctions
 from vemesh.planning.user_model import predict_user
 from vemesh.planning.user_template import blocks_of, template_of
@@ -91,9 +91,8 @@ class Job:
     @property
     def name(self) -> str:
         """The model as the output names it."""
-        if isinstance(self.model, str):
-            return self.model
-        return f"{getattr(self.model, '__module__', '?')}:{getattr(self.model, '__qualname__', repr(self.model))}"
+        return self.model if isinstance(self.model, str) else \
+            f"{getattr(self.model, '__module__', '?')}:{getattr(self.model, '__qualname__', repr(self.model))}"
 
 
 @functools.lru_cache(maxsize=32)
@@ -403,8 +402,9 @@ def speedups_of(job: Any, fit: Any) -> Any:
         fed = 2 * fit.micro_batch_size * (cfg.seq_len // d["CP"]) * cfg.dim * (cfg.vocab_size // d["TP"])
         return replace(speed, bf16_flops=bf16, float8_share=llama3_linear_share(cfg), bf16_fed=(fed,),
                        float8_tp_gathers=speed.float8 == "tensorwise" and d["TP"] > 1)
-    if speed.float8_all_gather and job.user:
+    if speed.float8 is not None and job.user:  # the function's mixed precision and wrapper, as its trace read them
         fns = UserFunctions.of(job.model, job.parallelize, job.step, job.loss, job.pp_schedule, job.before_optimizer)
-        check_float8_all_gather(fit.dp_mode, fns.names[1])  # the function's wrapper, as its trace read it
-        return replace(speed, float8_share=linear_share(template_of(fns), ("output", "lm_head")))
+        check_user_float8(speed, fit, job.dtype, fns.names[1])
+        if speed.float8_all_gather:
+            return replace(speed, float8_share=linear_share(template_of(fns), ("output", "lm_head")))
     return speed

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ATTENTION_IN", "ATTENTION_KEY", "BACKWARD_KEY", "FLOAT8", "FLOPS_IN", "Speedups", "attention_key",
-           "attention_seconds", "check_float8_all_gather", "compute_dtype", "flops_by_dtype", "linear_share"]
+           "attention_seconds", "check_user_float8", "compute_dtype", "flops_by_dtype", "linear_share"]
 
 #: ``--float8``'s recipes (torchao's ``Float8LinearConfig.from_recipe_name``).
 FLOAT8 = ("tensorwise", "rowwise")
@@ -149,12 +149,20 @@ class Speedups:
         return nbytes * (1 - 0.5 * self.float8_share) if self.float8_all_gather else nbytes
 
 
-def check_float8_all_gather(dp_mode: str, name: str) -> None:
-    """``--float8-all-gather`` with the user's function ``name``, which wrapped ``dp_mode`` (its trace's): FSDP2's
-    gather, so a ``ValueError`` (one line) where the function wrapped DDP, which gathers no parameters."""
-    if dp_mode in ("ddp", "zero1"):
+def check_user_float8(speed: Speedups, fit: Any, dtype: str, name: str) -> None:
+    """``--float8`` (and ``--float8-all-gather``) with the user's function ``name``, as its trace read it: Float8 runs
+    in place of bf16 matmuls, which the function's own mixed precision may give under ``--dtype fp32`` (FSDP2's
+    ``MixedPrecisionPolicy``, autocast), and gathers FSDP2's parameters. ``ValueError`` (one line) where the matmuls
+    ran in another dtype, or where the function wrapped DDP, which gathers no parameters."""
+    ran = sorted({compute_dtype(getattr(c, "counts", None) or {}, dtype) for c in fit.classes} - {"bf16"})
+    if ran:
+        raise ValueError(f"--float8 {speed.float8} runs the Linear matmuls in float8 in place of bf16 ones (torchao's "
+                         f"training recipe), but your step ran them in {', '.join(ran)}: give FSDP2 a "
+                         "MixedPrecisionPolicy(param_dtype=torch.bfloat16) or the step torch.autocast(dtype="
+                         "torch.bfloat16), or plan with --dtype bf16")
+    if speed.float8_all_gather and fit.dp_mode in ("ddp", "zero1"):
         raise ValueError(f"--float8-all-gather is FSDP2's parameter all-gather, but --parallelize {name} wrapped DDP "
-                         f"(dp mode {dp_mode}), which all-reduces gradients and gathers no parameters: leave "
+                         f"(dp mode {fit.dp_mode}), which all-reduces gradients and gathers no parameters: leave "
                          "--float8-all-gather out, or shard with fully_shard")
 
 
