@@ -13,6 +13,7 @@ import llama  # noqa: E402
 import llama_jobs  # noqa: E402
 
 from vemesh.ddp import DistributedDataParallel  # noqa: E402
+from vemesh.parallel import fully_shard  # noqa: E402
 
 
 def make_six() -> torch.nn.Module:
@@ -187,6 +188,14 @@ def parallelize_offloaded(model, mesh):
 def parallelize_offloaded_unpinned(model, mesh):
     """FSDP2 with CPU offload, unpinned: it traces, and the plan would count the host's shards as the device's."""
     return _offloaded(model, mesh, pin_memory=False)
+
+
+def parallelize_reshard_to_pairs(model, mesh):
+    """FSDP2 resharding each block over pairs of its DP ranks after forward (an int reshard_after_forward): the plan
+    told the user their function read a tensor's value (FSDP2 builds the pairs' mesh from the rank tensor)."""
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=2)
+    return fully_shard(model)
 
 
 def parallelize_returns_none(model, mesh):

@@ -526,6 +526,9 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_fsdp1_on_cpu", f"{JOBS}:step"),
      "parallelize_fsdp1_on_cpu wrapped torch's FullyShardedDataParallel (FSDP1), which the planner does not plan; "
      "vemesh plan and vemesh check take FSDP2, torch's successor to it"),
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_reshard_to_pairs", f"{JOBS}:step"),
+     "in parallelize_reshard_to_pairs: ValueError: FSDP2's reshard_after_forward=2 reshards each unit over groups of "
+     "2 of its 4 ranks after forward, groups that are no mesh dim: the planner does not plan it"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
      "parallelize_returns_none returned NoneType, not the model"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),

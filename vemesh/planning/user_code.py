@@ -23,7 +23,7 @@ from vemesh.planning.known_causes import worded
 from vemesh.planning.pipeline_trace import MissingMeta
 
 __all__ = ["as_traced", "call", "compiled_module", "CONTRACTS", "on_this_cpu", "OnThisCPU", "resolve", "sharded_by_fsdp",
-           "shown_path", "unbindable", "user_frame", "UserFunctions"]
+           "shown_path", "unbindable", "user_frame", "UserFunctions", "whole_reshards_only"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
 CONTRACTS = {
@@ -229,6 +229,35 @@ def sharded_by_fsdp(parts: list[nn.Module], name: str) -> bool:
                              "plan CPU offload (it would count them as the device's); plan the job without "
                              "offload_policy, an upper bound of the device memory it holds")
     return bool(units)
+
+
+@contextlib.contextmanager
+def whole_reshards_only() -> Iterator[None]:
+    """Inside, FSDP2's ``reshard_after_forward=N`` (an int: each unit resharded over groups of N ranks after its
+    forward, gathered from them in backward) raises ``ValueError`` (one line): those groups are no mesh dim, which
+    the planner cannot name or time. (FSDP2 builds their mesh from the rank tensor, which under the plan's fake
+    tensors has no values: unrefused, the user was told their own function had read one.)"""
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    real = _fsdp_init._get_post_forward_mesh_info
+
+    def refused(reshard_after_forward: Any, mesh_info: Any) -> Any:
+        size = mesh_info.shard_mesh_size
+        if type(reshard_after_forward) is int and 1 < reshard_after_forward < size and size % reshard_after_forward == 0:
+            raise ValueError(f"FSDP2's reshard_after_forward={reshard_after_forward} reshards each unit over groups of "
+                             f"{reshard_after_forward} of its {size} ranks after forward, groups that are no mesh dim: "
+                             "the planner does not plan it; plan with reshard_after_forward=True (each unit's 1/"
+                             f"{size} kept between forward and backward, where this keeps 1/{reshard_after_forward}) "
+                             "or False (the whole unit)")
+        return real(reshard_after_forward, mesh_info)
+
+    for module in (_fsdp_init, _fully_shard):  # _fully_shard holds it by name
+        module._get_post_forward_mesh_info = refused
+    try:
+        yield
+    finally:
+        for module in (_fsdp_init, _fully_shard):
+            module._get_post_forward_mesh_info = real
 
 
 def outside_fsdp(parts: list[nn.Module]) -> list[str]:

@@ -56,7 +56,7 @@ from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_pa
 from vemesh.planning.library_branches import own_positions, tracing_branches
 from vemesh.planning.known_causes import FSDP1_INSTEAD
 from vemesh.planning.user_code import (UserFunctions, as_traced, call, compiled_module, fsdp_covers, made_gradients,
-                                      sharded_by_fsdp)
+                                      sharded_by_fsdp, whole_reshards_only)
 from vemesh.planning.torch_ddp import run_as_planned, shapes_not_compared, torch_ddps
 from vemesh.planning.user_notes import user_notes
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
@@ -267,7 +267,8 @@ def _rank_model(fns: UserFunctions, blocks: tuple[str, int] | None, *, world_siz
     model = copy_of_template(fns, blocks)  # the factory's model, built once on meta (the factory is called if not)
     with fake_world(world_size, degrees, dp_replicate, keep_dp=fns.keep_dp, pp_rank=pp_rank) as mesh, \
             FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, cpu_kernel_shapes(), copies_in_mode(fake_mode), \
-            real_mesh_tensors(), fakes_take_foreach(), routing(load_factor) as routed, warnings.catch_warnings():
+            real_mesh_tensors(), fakes_take_foreach(), routing(load_factor) as routed, warnings.catch_warnings(), \
+            whole_reshards_only():
         warnings.simplefilter("ignore")  # your code's warnings are your run's to print, not the plan's
         if model is None:
             with torch.device("meta"):  # as torchtitan builds a model: any __init__ that runs on meta runs here
