@@ -225,6 +225,12 @@ def step(model, micro_batch_size):
     llama_jobs.step(model, micro_batch_size)
 
 
+def step_without_cp(model, micro_batch_size):
+    """A step written before the job had CP: whole sequences, no ``context_parallel``."""
+    tokens = torch.randint(0, llama_jobs.SMALL["vocab_size"], (micro_batch_size, 65))
+    llama.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+
+
 def make_head_heavy() -> torch.nn.Module:
     """Nine blocks under a large vocabulary: under FSDP2, with 2 or 3 blocks the step peaks at the end of its
     backward (the head's and the embedding's unsharded gradients), with nine where every block's activations are

@@ -406,8 +406,11 @@ def test_float8_beside_the_users_functions_reads_their_mixed_precision_and_wrapp
     in fewer bytes with the Float8 all-gather; a step whose matmuls run in fp32, and a function that wraps vemesh's or
     torch's DDP (which gathers no parameters), are refused in one line each."""
     jobs = str(Path(__file__).resolve().parents[1] / "models" / "llama_jobs.py")
-    argv = ["plan", "--model", f"module:{jobs}:make_dense", "--world-size", "4", "--tp", "2", "--global-batch-size",
-            "8", "--float8", "tensorwise", "--device-profile", "h100-sxm"]
+    def args(tp: int) -> list[str]:
+        return ["plan", "--model", f"module:{jobs}:make_dense", "--world-size", "4", "--tp", str(tp),
+                "--global-batch-size", "8", "--float8", "tensorwise", "--device-profile", "h100-sxm"]
+
+    argv = args(2)
     seconds = []
     for gather in ([], ["--float8-all-gather"]):
         assert main([*argv, "--parallelize", f"{jobs}:parallelize_fsdp", "--step", f"{jobs}:step_amp_cpu", "--json",
@@ -421,8 +424,8 @@ def test_float8_beside_the_users_functions_reads_their_mixed_precision_and_wrapp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "in place of bf16 ones (torchao's training recipe), but your step ran them in fp32" in \
         err[0], err
-    for wrapper, mode in (("parallelize_ddp", "zero1"), ("parallelize_torch_ddp", "ddp")):
-        assert main([*argv, "--parallelize", f"{jobs}:{wrapper}", "--step", f"{jobs}:step_amp_cpu",
+    for wrapper, mode in (("parallelize_ddp", "zero1"), ("parallelize_torch_ddp", "ddp")):  # torch's applies no TP
+        assert main([*args(1), "--parallelize", f"{jobs}:{wrapper}", "--step", f"{jobs}:step_amp_cpu",
                      "--float8-all-gather"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--parallelize {jobs}:{wrapper} wrapped DDP (dp mode {mode})" in err[0], err

@@ -529,6 +529,14 @@ def test_a_users_file_imports_the_files_beside_it_from_any_directory(tmp_path, m
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_reshard_to_pairs", f"{JOBS}:step"),
      "in parallelize_reshard_to_pairs: ValueError: FSDP2's reshard_after_forward=2 reshards each unit over groups of "
      "2 of its 4 ranks after forward, groups that are no mesh dim: the planner does not plan it"),
+    # a mesh dim the functions leave idle: each of its ranks would do what its peers do (a plan of another job)
+    ((f"module:{CASES}:make_six", f"{CASES}:parallelize_torch_ddp", f"{JOBS}:step", "--tp", "2"),
+     "the mesh has TP 2, but --parallelize {cwd}/{cases}:parallelize_torch_ddp sharded no parameter over TP and the "
+     "step ran no collective on it: every TP rank would hold and compute the whole model, as its TP peers do; apply a "
+     "TP plan"),
+    ((f"module:{CASES}:make_six", f"{JOBS}:parallelize_fsdp", f"{CASES}:step_without_cp", "--cp", "2"),
+     "ran no collective on CP: every CP rank would compute whole sequences, as its CP peers do; run the forward and "
+     "backward inside vemesh.parallel.context_parallel(mesh['CP'], ...) (or torch's), or plan with --cp 1"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_returns_none", f"{JOBS}:step"),
      "parallelize_returns_none returned NoneType, not the model"),
     ((f"module:{CASES}:make_six", f"{CASES}:parallelize_nothing", f"{JOBS}:step"),

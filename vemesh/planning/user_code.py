@@ -23,7 +23,7 @@ from vemesh.planning.known_causes import worded
 from vemesh.planning.pipeline_trace import MissingMeta
 
 __all__ = ["as_traced", "call", "compiled_module", "CONTRACTS", "on_this_cpu", "OnThisCPU", "resolve", "sharded_by_fsdp",
-           "shown_path", "unbindable", "user_frame", "UserFunctions", "whole_reshards_only"]
+           "shown_path", "unbindable", "user_frame", "UserFunctions", "idle_dims", "whole_reshards_only"]
 
 #: how vemesh plan and vemesh check call each of the user's functions
 CONTRACTS = {
@@ -229,6 +229,30 @@ def sharded_by_fsdp(parts: list[nn.Module], name: str) -> bool:
                              "plan CPU offload (it would count them as the device's); plan the job without "
                              "offload_policy, an upper bound of the device memory it holds")
     return bool(units)
+
+
+#: what a mesh dim that the user's functions leave idle needs: (the dim, what its ranks would duplicate, the call)
+_IDLE = (("TP", "hold and compute the whole model", "apply a TP plan: parallelize_module(model, mesh['TP'], plan)"),
+         ("CP", "compute whole sequences", "run the forward and backward inside vemesh.parallel.context_parallel("
+                "mesh['CP'], ...) (or torch's)"),
+         ("EP", "hold every expert", "shard the experts: parallelize_module(experts, mesh['EP'], ExpertParallel())"))
+
+
+def idle_dims(parts: list[nn.Module], sent: dict[str, int], degrees: dict[str, int], names: tuple[str, ...]) -> None:
+    """Raises ``ValueError`` (one line) for a TP, CP or EP dim of the mesh that the user's functions (``names``: the
+    factory's, parallelize's and step's) left idle: no parameter of ``parts`` is a DTensor over it and the step (``sent``: its bytes by mesh dim) ran no collective on
+    it. Its ranks would each do what their peers do, and a plan of that mesh (a search's too) would be of another job
+    than the one asked for, e.g. TP 2 given to a parallelize function written for data parallelism alone."""
+    from torch.distributed.tensor import DTensor
+
+    dims = {d for part in parts for p in part.parameters() if isinstance(p, DTensor)
+            for d in p.device_mesh.mesh_dim_names or ()}
+    for dim, work, fix in _IDLE:
+        if degrees.get(dim, 1) > 1 and dim not in dims and not sent.get(dim):
+            what = (f"--step {names[2]} ran no collective on CP" if dim == "CP" else f"--parallelize {names[1]} "
+                    f"sharded no parameter over {dim} and the step ran no collective on it")
+            raise ValueError(f"the mesh has {dim} {degrees[dim]}, but {what}: every {dim} rank would {work}, as its "
+                             f"{dim} peers do; {fix}, or plan with --{dim.lower()} 1")
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ from vemesh.planning.step_parts import BY_DIFFERENCE_FROM, LOW_HIGH, pipeline_pa
 from vemesh.planning.library_branches import own_positions, tracing_branches
 from vemesh.planning.known_causes import FSDP1_INSTEAD
 from vemesh.planning.user_code import (UserFunctions, as_traced, call, compiled_module, fsdp_covers, made_gradients,
-                                      sharded_by_fsdp, whole_reshards_only)
+                                      idle_dims, sharded_by_fsdp, whole_reshards_only)
 from vemesh.planning.torch_ddp import run_as_planned, shapes_not_compared, torch_ddps
 from vemesh.planning.user_notes import user_notes
 from vemesh.planning.user_optimizer import no_sync, optimizer_for, step_optimizer
@@ -217,6 +217,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                     unwaited.append(counter.unwaited())
                     if (line := _unknown(counter, mesh)) is not None:
                         raise ValueError(line)
+                    idle_dims(parts, sent[-1], degrees, fns.names)
     phases = {}
     for phase, (peak, kinds, categories) in tracker.phase_peaks.items():
         held = dict(categories, optimizer=kinds.get("Optstate", 0))
