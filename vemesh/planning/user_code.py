@@ -240,9 +240,10 @@ _IDLE = (("TP", "hold and compute the whole model", "apply a TP plan: paralleliz
 
 def idle_dims(parts: list[nn.Module], sent: dict[str, int], degrees: dict[str, int], names: tuple[str, ...]) -> None:
     """Raises ``ValueError`` (one line) for a TP, CP or EP dim of the mesh that the user's functions (``names``: the
-    factory's, parallelize's and step's) left idle: no parameter of ``parts`` is a DTensor over it and the step (``sent``: its bytes by mesh dim) ran no collective on
-    it. Its ranks would each do what their peers do, and a plan of that mesh (a search's too) would be of another job
-    than the one asked for, e.g. TP 2 given to a parallelize function written for data parallelism alone."""
+    factory's, parallelize's and step's) left idle: no parameter of ``parts`` is a DTensor over it and the step
+    (``sent``: its bytes by mesh dim) ran no collective on it. Its ranks would each do what their peers do, and a plan
+    of that mesh (a search's too) would be of another job than the one asked for, e.g. TP 2 given to a parallelize
+    function written for data parallelism alone."""
     from torch.distributed.tensor import DTensor
 
     dims = {d for part in parts for p in part.parameters() if isinstance(p, DTensor)

@@ -217,7 +217,8 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                     unwaited.append(counter.unwaited())
                     if (line := _unknown(counter, mesh)) is not None:
                         raise ValueError(line)
-                    idle_dims(parts, sent[-1], degrees, fns.names)
+                    if index == 0:
+                        idle_dims(parts, sent[0], degrees, fns.names)
     phases = {}
     for phase, (peak, kinds, categories) in tracker.phase_peaks.items():
         held = dict(categories, optimizer=kinds.get("Optstate", 0))
