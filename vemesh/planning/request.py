@@ -205,7 +205,7 @@ class PlanRequest:
             raise ValueError(f"{given[0]} changes the predicted step time only (the peak is the eager trace's): give "
                              "--device-profile NAME|FILE too")
         Speedups(self.compile, self.float8, self.float8_all_gather, self.async_tp)  # what the switches need of each other
-        if self.float8 is not None and self.parallelize is None:  # your function's dtype: read from its trace
+        if self.float8 is not None and self.parallelize is None and self.step is None:  # yours: read from the trace
             if (self.dtype or "fp32") != "bf16":
                 raise ValueError(f"--float8 {self.float8} runs the Linear matmuls in float8 in place of bf16 ones "
                                  f"(torchao's training recipe): give --dtype bf16; got {self.dtype or 'fp32'}")
