@@ -157,16 +157,17 @@ class MeshLayout:
 
     # ------------------------------------------------------------------ names
     def dim_index(self, dim: str | int) -> int:
-        """Index of a mesh dim (a name, or an index counted from the outermost dim)."""
+        """Index of a mesh dim: a name, or an index from the outermost dim (a negative one from the innermost, as torch's)."""
         if isinstance(dim, str):
             try:
                 return self.dim_names.index(dim)
             except ValueError:
                 raise unknown_name_error("dim name", dim, self.dim_names) from None
         if isinstance(dim, int) and not isinstance(dim, bool):
-            if 0 <= dim < self.ndim:
-                return dim
-            raise ValueError(f"dim index {dim} is out of range for a {self.ndim}-D mesh; valid: 0..{self.ndim - 1}")
+            if -self.ndim <= dim < self.ndim:
+                return dim % self.ndim
+            raise ValueError(f"dim index {dim} is out of range for a {self.ndim}-D mesh; valid: 0..{self.ndim - 1}, "
+                             f"or -{self.ndim}..-1 counted from the innermost")
         raise TypeError(f"a dim is a name (str) or an index (int); got {dim!r}")
 
     def resolve(self, dims: Dims, absent_ok: bool = False) -> tuple[str, ...]:

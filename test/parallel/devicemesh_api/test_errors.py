@@ -110,7 +110,7 @@ def test_unknown_dim_is_a_key_error_with_closest_match(mesh_2x2x2, call, match):
         (lambda m: m.get_global_rank({"PP": 5}), r"PP=5 is out of range; valid: 0..1"),
         (lambda m: m.to_global_rank(2, "TP"), r"local rank 2 is out of range along TP \(size 2\); valid: 0..1"),
         (lambda m: m.to_global_rank(1, "CP"), r"local rank 1 is out of range along \(none\) \(size 1\); valid: 0..0"),
-        (lambda m: m.size(3), r"dim index 3 is out of range for a 3-D mesh; valid: 0..2"),
+        (lambda m: m.size(3), r"dim index 3 is out of range for a 3-D mesh; valid: 0..2, or -3..-1 counted from the innermost"),
         (lambda m: m["TP", "DP"], r"dims \(TP, DP\) do not form a sub-mesh in mesh order \('PP', 'DP', 'TP'\): a view, like torch's DeviceMesh"),
         (lambda m: m["TP", "TP"], r"name the same dim twice"),
         (lambda m: m.flatten(("TP", "PP")), r"dims \(TP, PP\) do not form a sub-mesh"),

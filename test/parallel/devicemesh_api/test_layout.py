@@ -140,8 +140,11 @@ def test_layout_bad_queries_name_the_value_and_range():
         layout.member(0, (1,), 4)
     with pytest.raises(KeyError, match=r"unknown dim name 'tp'.*did you mean 'TP'"):
         layout.dim_index("tp")
-    with pytest.raises(ValueError, match=r"dim index 2 is out of range for a 2-D mesh; valid: 0..1"):
+    with pytest.raises(ValueError, match=r"dim index 2 is out of range for a 2-D mesh; valid: 0..1, or -2..-1"):
         layout.dim_index(2)
+    with pytest.raises(ValueError, match=r"dim index -3 is out of range for a 2-D mesh"):
+        layout.dim_index(-3)
+    assert layout.dim_index(-1) == 1 and layout.dim_index(-2) == 0
     with pytest.raises(ValueError, match=r"group index 4 is out of range; valid: 0..3"):
         layout.group_at((0,), 4)
 

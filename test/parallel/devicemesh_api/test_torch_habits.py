@@ -23,13 +23,14 @@ def ranks(group: dist.ProcessGroup) -> list[int]:
 
 @pytest.mark.parametrize("shape,names", MESHES, ids=lambda v: "x".join(map(str, v)) if isinstance(v[0], int) else "")
 def test_torchs_keyword_and_group_list_answer_as_torchs_mesh_on_every_rank(fake_mesh, shape, names) -> None:
+    """By name, by index and by negative index (``get_local_rank(-1)``: the innermost dim, as torch takes it)."""
     world = 1
     for n in shape:
         world *= n
     for rank in range(world):
         mesh = fake_mesh(rank, shape, names)
         torch_mesh = mesh.mesh
-        for dim in [*names, *range(len(names))]:
+        for dim in [*names, *range(-len(names), len(names))]:  # torch counts a negative index from the innermost
             assert mesh.size(mesh_dim=dim if isinstance(dim, int) else names.index(dim)) == \
                 torch_mesh.size(mesh_dim=names.index(dim) if isinstance(dim, str) else dim)
             assert mesh.get_local_rank(mesh_dim=dim) == torch_mesh.get_local_rank(mesh_dim=dim)
