@@ -574,7 +574,8 @@ def _build_parser(cls: type[BaseModel]) -> argparse.ArgumentParser:
         if name == "world_size":
             continue
         default = field.get_default(call_default_factory=False)
-        help_text = f"{field.description or ''} (default: {default})".strip()
+        described = field.description or ""  # a description that says its own default keeps it: no "(default: None)"
+        help_text = described if "(default:" in described else f"{described} (default: {default})".strip()
         if field.annotation is bool:
             p.add_argument(_flag(name), dest=name, action="store_true", help=help_text)
             p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false")
