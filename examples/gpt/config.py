@@ -374,7 +374,8 @@ class TrainConfig(BaseModel):
         given = sorted(f for f in ("distributed_optimizer", "overlap_grad_reduce") if f in self.model_fields_set)
         if given:
             raise ValueError(f"--fsdp shards the optimizer state and reduces gradients itself; "
-                             f"{', '.join(_flag(f) for f in given)} does not apply to it")
+                             f"{' and '.join(_flag(f, getattr(self, f)) for f in given)} "
+                             f"{'do' if len(given) > 1 else 'does'} not apply to it")
         if dp % self.dp_replicate:
             divisors = listed(all_divisors(dp), 64)
             raise ValueError(f"--dp-replicate {self.dp_replicate} does not divide the DP size {dp} (choose from {divisors})")
@@ -560,8 +561,9 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _flag(name: str, value: object = True) -> str:
+    """The flag of field ``name``, as given: ``--no-...`` for a switch turned off."""
+    return ("--no-" if value is False else "--") + name.replace("_", "-")
 
 
 def _build_parser(cls: type[BaseModel]) -> argparse.ArgumentParser:

@@ -165,7 +165,7 @@ def example_cases(tmp: Path) -> list[tuple[str, Callable[[], Any], type, str]]:
         ("interval-without-dir", _config(["--checkpoint-interval-s", "60"]), ConfigError,
          "--checkpoint-interval-s 60.0 needs --checkpoint-dir"),
         ("fsdp-with-zero-flag", _config(["--mesh-shape", "2,1", "--fsdp", "--no-distributed-optimizer"], 2), ConfigError,
-         "--fsdp shards the optimizer state and reduces gradients itself; --distributed-optimizer does not apply"),
+         "--fsdp shards the optimizer state and reduces gradients itself; --no-distributed-optimizer does not apply"),
         ("dp-replicate-does-not-divide", _config(["--mesh-shape", "4,1", "--fsdp", "--dp-replicate", "3"], 4), ConfigError,
          "--dp-replicate 3 does not divide the DP size 4 (choose from 1, 2, 4)"),
         ("dp-replicate-without-fsdp", _config(["--mesh-shape", "4,1", "--dp-replicate", "2"], 4), ConfigError,
