@@ -540,6 +540,39 @@ class TrainConfig(BaseModel):
     def mesh_dim_names(self) -> tuple[str, ...]:
         return self.dims.mesh_dims
 
+    def plan_command(self, device_memory: int | None = None) -> str:
+        """The ``vemesh plan`` command of this run: the same GPT (``--model gpt:...``), mesh, batch, wrapper, dtype
+        and switches, so that the planner gives its peak per rank before a launch (or after one ran out of memory).
+        ``device_memory``: the device's bytes (``--device-memory``, which then checks that the peak fits)."""
+        model = {"n_layer": self.n_layer, "n_embd": self.n_embd, "n_head": self.n_head, "vocab": 256,
+                 "seq_len": self.seq_len}
+        if self.moe_experts:
+            model.update(moe_experts=self.moe_experts, moe_top_k=self.moe_top_k, moe_every=self.moe_every)
+        args = ["vemesh plan", "--model gpt:" + ",".join(f"{k}={v}" for k, v in model.items()),
+                f"--world-size {self.world_size}"]
+        args += [f"--{dim} {n}" for dim, n in (("pp", self.pp_size), ("dp", self.dp_size), ("cp", self.cp_size),
+                                               ("tp", self.tp_size), ("ep", self.ep)) if n > 1 or dim == "dp"]
+        args.append(f"--global-batch-size {self.global_batch_size}")
+        if self.pp_size > 1:  # each DP rank's share in the pipeline's micro-batches
+            per_dp = self.global_batch_size // self.dp_size
+            args += [f"--micro-batch-size {per_dp // (self.microbatches or 2 * self.pp_size)}",
+                     f"--pp-schedule {self.pp_schedule}"]
+        elif self.micro_batch_size is not None:
+            args += [f"--micro-batch-size {self.micro_batch_size}"] + \
+                (["--gradient-sync each"] if self.gradient_sync == "each" else [])
+        args.append("--dp-mode " + ("fsdp" if self.fsdp else "zero1" if self.distributed_optimizer else "ddp"))
+        if self.dp_replicate > 1:
+            args.append(f"--dp-replicate {self.dp_replicate}")
+        args.append(f"--dtype {self.dtype}")
+        if self.device == "cpu":  # the optimizer as torch runs it there (a loop over tensors, not foreach)
+            args.append("--device-type cpu")
+        args += [flag for on, flag in ((self.sequence_parallel and self.tp_size > 1, "--sequence-parallel"),
+                                       (self.activation_checkpointing, "--activation-checkpointing"),
+                                       (self.compile, "--compile")) if on]
+        if device_memory is not None:
+            args.append(f"--device-memory {device_memory / 2**30:.1f}GiB")
+        return " ".join(args)
+
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> TrainConfig:
         """Parse command-line flags into a validated config; raise ``ConfigError`` on any problem."""

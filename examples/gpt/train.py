@@ -103,9 +103,24 @@ def main(argv: list[str] | None = None) -> int:
     except ReplicaError as e:  # live fault tolerance cannot go on (no lighthouse, no quorum in time): one line
         print_error(str(e))
         code = 1
+    except RuntimeError as e:  # out of memory (CUDA's OutOfMemoryError, the CPU allocator's): what to plan instead
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        print_error(out_of_memory(cfg, e))
+        code = 1
     hangs.dump()  # with VEMESH_HANG_DIR: this rank's dump of a run that ended (vemesh diagnose --stragglers reads them)
     close_mesh()
     return code
+
+
+def out_of_memory(cfg: TrainConfig, e: RuntimeError) -> str:
+    """One line for a run that ran out of memory: the allocator's words, and the ``vemesh plan`` command of this run
+    (with the device's memory on CUDA), which gives each rank's peak before a launch."""
+    memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cfg.device == "cuda" else None
+    said = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+    return (f"out of memory: {said}. Plan this run before launching it (each rank's peak, and with --device-memory "
+            "whether it fits; a search without --dp and --tp finds the meshes that do): "
+            + cfg.plan_command(memory))
 
 
 def run(cfg: TrainConfig, dataset: ByteDataset, meter=None) -> int:
