@@ -89,6 +89,59 @@ def test_ranks_whose_program_ended_are_said_so_not_dead(tmp_path):
     assert "ENDED" not in diagnose(load(tmp_path)).text()
 
 
+RAISED_IN_WAIT = """Traceback (most recent call last):
+  File "/x/train.py", line 21, in <module>
+    dist.{call}
+  File "/v/torch/distributed/c10d_logger.py", line 83, in wrapper
+    return func(*args, **kwargs)
+  File "/v/torch/distributed/distributed_c10d.py", line 5356, in {name}
+    work.wait()
+RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:46470.
+"""
+
+
+@pytest.mark.parametrize("extra", ["own_group", "barrier"])
+def test_a_collective_one_rank_alone_entered_is_the_hang_not_the_one_it_holds_up(tmp_path, extra):
+    """Rank 1 enters, at step 2, a collective its peers never run: an all-reduce on a group of the user's own
+    (``dist.new_group([0, 1])``), or a world barrier. Ranks 0 and 2 finish and end; rank 3 waits in DP #2 for rank 1,
+    and rank 1 raises in its wait as the peers' connections close. gloo's recorder retires the collective rank 1 raised
+    in as if it had finished, and a dump sees the members of a group only where they entered it: the report said
+    "rank 1's last finished collective: world barrier #3" under the DP all-reduce it held up (or a group of one rank,
+    [1]). The collective rank 1 raised in is the hang, with the members that never entered it."""
+    steps = [(0, 1), (100 * MS, 2), (200 * MS, 3)]
+    own = {"process_group": ["5", "undefined"], "collective_seq_id": 1, "p2p_seq_id": 0, "is_p2p": False,
+           "profiling_name": "gloo:all_reduce", "input_sizes": [[1]], "input_dtypes": ["Float"],
+           "time_created_ns": 150 * MS, "retired": True, "state": "scheduled"}
+    barrier = entry("world", 3, 150 * MS, op="barrier", size=())
+    for r in range(4):
+        mine = [entry("DP", 1, 10 * MS + r)]
+        if r in (0, 2):
+            mine += [entry("DP", 2, 110 * MS + r), entry("DP", 3, 210 * MS + r)]
+        if r == 3:
+            mine.append(entry("DP", 2, 110 * MS + r, done=False))
+        if r == 1:
+            mine.append(own if extra == "own_group" else barrier)
+        write(tmp_path, r, mine, steps=steps, ended=r in (0, 2))
+    doc = json.loads((tmp_path / "rank-1.json").read_text())
+    call, name = ("all_reduce(torch.ones(1), group=side)", "all_reduce") if extra == "own_group" else ("barrier()", "barrier")
+    doc["exception"] = RAISED_IN_WAIT.format(call=call, name=name)
+    if extra == "own_group":  # what the rank's own description lists of the groups it is in
+        doc["mesh"]["groups"]["5"] = {"dim": "group 5", "ranks": [0, 1]}
+    (tmp_path / "rank-1.json").write_text(json.dumps(doc))
+    found = diagnose(load(tmp_path))
+    text = found.text()
+    first = found.stuck[0]
+    expected = ("group 5", [0, 1], [0]) if extra == "own_group" else ("world", [0, 1, 2, 3], [0, 2, 3])
+    assert (first.group.dim, first.group.ranks, first.missing) == expected, text
+    headline = ("HANG: group 5 all-reduce #1 (4 B, [1] float) at step 2 is stuck in group 5 [0, 1] (DP=0)"
+                if extra == "own_group" else "HANG: world barrier #3 at step 2 is stuck in the world group [0, 1, 2, 3]")
+    assert headline in text and "entered: rank 1\n" in text, text
+    assert "rank 0's last finished collective: DP all-reduce #3\n    it ended its program (the last step it marked: 3)" \
+        in text, text
+    assert "held up by the above:\n  DP all-reduce #2 (4.0 KiB, [1024] float) at step 2 is stuck in the DP group [1, 3]" \
+        in text, text
+
+
 def test_different_sizes_at_one_number_are_a_mismatch_but_a_scatter_is_not(tmp_path):
     for r in range(4):
         size = (2048,) if r == 1 else (1024,)

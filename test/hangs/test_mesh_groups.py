@@ -1,5 +1,6 @@
 """The groups a hang dump names (layer 2): on torch's fake backend, every rank of a (PP, DP, TP) mesh with a
-flattened and a split name describes, by process-group name, exactly the groups the layout's arithmetic gives."""
+flattened and a split name describes, by process-group name, exactly the groups the layout's arithmetic gives, and
+the members of a group of the user's own (``dist.new_group``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ def test_every_rank_describes_the_groups_the_layout_gives() -> None:
             mesh.init_device_mesh("cpu", (2, 4, 2), mesh_dim_names=("PP", "DP", "TP"))
             mesh.flatten(("DP", "TP"), "dp_tp")
             mesh.split("DP", ("dp_replicate", "dp_shard"), (2, 2))
+            own = dist.new_group([0, 1, 5])  # a group of the user's own: its members, not only those seen in a dump
             doc = mesh.hang_description()
+            mine = {g["dim"]: g["ranks"] for g in doc["groups"].values() if g["dim"].startswith("group ")}
+            assert mine == ({f"group {own.group_name}": [0, 1, 5]} if rank in (0, 1, 5) else {}), (rank, mine)
             layout = mesh.layout
             assert doc["coordinate"] == list(layout.coordinate(rank))
             dims = {g["dim"]: g["ranks"] for g in doc["groups"].values()}
@@ -33,7 +37,7 @@ def test_every_rank_describes_the_groups_the_layout_gives() -> None:
             assert list(read.coordinate(rank).values()) == doc["coordinate"]
             for name in read.dim_names:
                 assert read.group(rank, (name,)) == layout.group_ranks(rank, name)
-            seen[rank] = sorted(g["dim"] for g in doc["groups"].values())
+            seen[rank] = sorted(g["dim"] for g in doc["groups"].values() if g["dim"] not in mine)
         # one process group per name on every rank (their names are the same across the ranks of a real job, which
         # makes them in one order: the dumps of test_hang_jobs.py show it; here one process re-inits, so they count on)
         assert all(s == ["DP", "PP", "TP", "dp_replicate", "dp_shard", "dp_tp", "world"] for s in seen.values()), seen[0]

@@ -96,7 +96,8 @@ class Diagnosis:
         e = next(iter(s.entries.values()))
         step = self.job.ranks[e.rank].step_at(e.time_ns)
         at = f" at step {step}" if step is not None else ""
-        return f"{s.group.dim} {s.op} #{s.seq} ({_size(e.nbytes)}, {e.shape_text()}){at}"
+        data = f" ({_size(e.nbytes)}, {e.shape_text()})" if e.sizes else ""  # a barrier has no tensor
+        return f"{s.group.dim} {s.op} #{s.seq}{data}{at}"
 
     def _group(self, g: Group) -> str:
         job = self.job
@@ -105,7 +106,7 @@ class Diagnosis:
             coords = [job.layout.coordinate(r) for r in g.ranks]
             same = {n: c for n, c in coords[0].items() if all(x[n] == c for x in coords)}
             fixed = " (" + ", ".join(f"{n}={c}" for n, c in same.items()) + ")" if same else ""
-        return f"the {g.dim} group {g.ranks}{fixed}"
+        return f"{g.dim} {g.ranks}{fixed}" if g.dim.startswith("group ") else f"the {g.dim} group {g.ranks}{fixed}"
 
     def _last_done(self, rank: int) -> str:
         done = [e for e in self.job.ranks[rank].entries if e.done and not e.p2p]
@@ -122,7 +123,10 @@ class Diagnosis:
             e = min(waiting, key=lambda x: x.time_ns)
             lines.append(f"it waits in {self.job.group_of(rank, e.pg).dim} {e.op} #{e.seq} itself")
         main = next((s for s in dump.stacks if s.get("main")), None)
-        if dump.exception:
+        if dump.ended and not waiting:
+            last = dump.steps[-1][1] if dump.steps else None
+            lines.append("it ended its program" + (f" (the last step it marked: {last})" if last is not None else ""))
+        elif dump.exception:
             lines.append("it raised: " + dump.exception.strip().splitlines()[-1][:300])
         elif main is not None:
             frames = user_frames(main["frames"])

@@ -199,6 +199,19 @@ def _entries(rank: int, fr: dict[str, Any]) -> list[Entry]:
     return out
 
 
+def _raised_in(exception: str, entries: list[Entry]) -> Entry | None:
+    """The collective the rank raised in, when its traceback ends waiting in torch's synchronous call of one
+    (``distributed_c10d.py``, ``work.wait()``: gloo's "Connection closed by peer" as the peers end): its latest entry,
+    which the recorder marks retired as if it had finished. None otherwise (an error before the collective was
+    recorded, or in the rank's own code)."""
+    lines = [line.strip() for line in exception.strip().splitlines()]
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if not frames or "distributed_c10d.py" not in lines[frames[-1]] or \
+            not any("wait()" in line for line in lines[frames[-1] + 1:frames[-1] + 3]):
+        return None
+    return max(entries, key=lambda e: e.time_ns, default=None)
+
+
 def _descs(fr: dict[str, Any]) -> dict[str, str]:
     return {str(e["process_group"][0]): str(e["process_group"][1]) for e in fr.get("entries", []) if e.get("process_group")}
 
@@ -210,6 +223,9 @@ def rank_dump(doc: dict[str, Any], known: RankDump | None = None) -> RankDump:
     dump.dumped, dump.host, dump.exception = True, doc.get("host", ""), doc.get("exception", "")
     dump.ended = bool(doc.get("ended"))
     dump.entries = _entries(rank, doc["flight_recorder"])
+    raised_in = _raised_in(dump.exception, dump.entries)
+    if raised_in is not None:  # gloo retires the collective a rank raised in: it did not finish
+        raised_in.done = False
     dump.stacks, dump.steps = doc.get("stacks", []), [tuple(s) for s in doc.get("steps", [])]
     groups = doc.get("mesh", {}).get("groups", {})
     dump.groups = {name: Group(name, g["dim"], list(g["ranks"])) for name, g in groups.items()}

@@ -84,5 +84,11 @@ def hang_description(layout: MeshLayout, coordinate: tuple[int, ...], views: Tor
             groups[group.group_name] = {"dim": name, "ranks": dist.get_process_group_ranks(group)}
     world = dist.group.WORLD
     groups.setdefault(world.group_name, {"dim": "world", "ranks": list(range(dist.get_world_size()))})
+    # the groups of the user's own (dist.new_group): their members, which a dump cannot see where some never entered
+    for group, members in dist.distributed_c10d._world.pg_group_ranks.items():
+        if dist.get_rank() in members and group.group_name not in groups:
+            desc = getattr(group, "group_desc", "")
+            groups[group.group_name] = {"dim": f"group {group.group_name}" + (f" ({desc})" if desc not in ("", "undefined")
+                                                                              else ""), "ranks": sorted(members)}
     return {"shape": list(layout.shape), "dim_names": list(layout.dim_names), "strides": list(layout.strides),
             "first_rank": layout.first_rank, "coordinate": list(coordinate), "groups": groups}
