@@ -73,14 +73,30 @@ def warn_unwaited() -> None:
 
 
 @torch.no_grad()
+def inputs_fingerprint(inputs: object, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """``seen`` plus the sum and the sum of squares (fp64, on the CPU) of every tensor in ``inputs`` (a forward's
+    arguments): equal on TP ranks given the same batch. A DTensor's local part (a sequence-parallel input differs by
+    TP rank by design); ``check_tp_gradients`` reads it only to name a cause."""
+    out = torch.zeros(2, dtype=torch.float64) if seen is None else seen
+    for t in torch.utils._pytree.tree_leaves(inputs):
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            local = (t.to_local() if hasattr(t, "to_local") else t).detach().to("cpu", torch.float64)
+            out = out + torch.stack([local.sum(), local.square().sum()])
+    return out
+
+
+@torch.no_grad()
 def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | None]], tp: dist.ProcessGroup,
-                       data: list[dist.ProcessGroup], opt_out: str, rtol: float = 1e-3) -> None:
+                       data: list[dist.ProcessGroup], opt_out: str, rtol: float = 1e-3,
+                       inputs: torch.Tensor | None = None) -> None:
     """Raise on every rank when a replica over ``tp`` has the same values on every TP rank but not the same gradient.
 
     Args:
         entries: ``(name, this rank's values, this rank's gradient)`` of each replica over TP (None: no gradient).
         data: the data groups the verdict is agreed over too, so that no rank goes on alone.
         opt_out: how to turn the check off, for the error.
+        inputs: the forwards' inputs since the start, :func:`inputs_fingerprint` (None: not seen): which says whether
+            the TP ranks were given the same batches.
     """
     warn_unwaited()
     # on the groups' device (nccl takes CUDA tensors only), one row per entry on every rank whatever its gradient
@@ -93,8 +109,10 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
         t = t.detach().to(device=device, dtype=torch.float64)
         return [t.sum(), t.square().sum()]
 
-    stats = torch.stack([torch.stack(sums(v) + sums(g)) for _, v, g in entries]) if entries else \
-        torch.zeros((1, 4), dtype=torch.float64, device=device)
+    seen = torch.zeros(2, dtype=torch.float64) if inputs is None else inputs
+    # the last row: the inputs' fingerprint (and whether it was taken), the same shape on every rank
+    stats = torch.stack([torch.stack(sums(v) + sums(g)) for _, v, g in entries] +
+                        [torch.cat([seen, torch.tensor([float(inputs is not None), 0.0], dtype=torch.float64)]).to(device)])
     everyone = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp))]
     dist.all_gather(everyone, stats, group=tp)
     everyone = [e.cpu() for e in everyone]
@@ -117,15 +135,23 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
             "(on another TP group of the data ranks)"
         batches = ("the TP ranks were given different batches; every TP rank of a DP rank must see the same one "
                    "(seed the data by the DP rank, not the global rank).\n")
-        inputs = ("the module's input is this rank's part only (a norm over its own heads, or between sequence-"
+        partial = ("the module's input is this rank's part only (a norm over its own heads, or between sequence-"
                   "parallel regions): give it SequenceParallel; or an output of a replicated module reaches this "
                   "rank's heads outside the TP styles (DeepSeek-V3's k_pe): give it vemesh.parallel.SumGradOverTP; "
                   "`vemesh check` names the module and tries both.\n")
-        if agreed and bad:  # the other replicas agree: the TP ranks saw the same batch
-            causes = (f"Likeliest: {inputs}(The other {agreed} replicas' gradients agree across TP, so the TP ranks "
-                      "saw the same batch.)\n")
+        fingerprints = torch.stack([e[-1] for e in everyone])
+        if bool(fingerprints[:, 2].all()) and not torch.allclose(fingerprints[:, :2], fingerprints[0, :2].expand(
+                len(everyone), 2), rtol=1e-6, atol=1e-12):
+            causes = ("The cause: the TP ranks were given different batches (the wrapped model's forward got other inputs "
+                      "on each); every TP rank of a DP rank must see the same one: sample and seed the data by the DP "
+                      "rank, not the global rank (torch's DistributedSampler takes the world's unless given "
+                      "num_replicas=mesh['DP'].size(), rank=mesh.get_local_rank('DP')).\n")
+        elif bool(fingerprints[:, 2].all()) or (agreed and bad):  # the TP ranks saw the same batch
+            why = "its forward got the same inputs on each TP rank" if bool(fingerprints[:, 2].all()) else \
+                f"the other {agreed} replicas' gradients agree across TP"
+            causes = f"Likeliest: {partial}(The TP ranks saw the same batch: {why}.)\n"
         else:
-            causes = f"Likeliest: {batches}Else {inputs}"
+            causes = f"Likeliest: {batches}Else {partial}"
         raise TPReplicaError(
             f"the gradient of {names} differs across the TP ranks {dist.get_process_group_ranks(tp)}, while the "
             "parameter is the same on each.\n"

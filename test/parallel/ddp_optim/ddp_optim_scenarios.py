@@ -395,6 +395,49 @@ def run_vescale_mesh() -> None:
         VESCALE_DEVICE_MESH.reset()
 
 
+def run_tp_batches_named() -> None:
+    """A replica over TP whose gradient differs across the TP ranks, and its cause told from the forward's inputs:
+    TP ranks given other batches (a DistributedSampler over the world's ranks) and, with the same batches, a
+    LayerNorm over each rank's own features. Before, the first read "Likeliest: the module's input is this rank's
+    part only ... (the other 1 replicas' gradients agree across TP, so the TP ranks saw the same batch)": the
+    LayerNorm's bias, whose gradient TP's Colwise input sums over the ranks, agreed. A right plan on the DP rank's
+    batch trains."""
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from vemesh import VESCALE_DEVICE_MESH
+    from vemesh.parallel.tp_replicas import TPReplicaError
+
+    VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+    try:
+        def first_step(norm_after: bool, seed: int) -> str:
+            torch.manual_seed(0)
+            if norm_after:  # a LayerNorm over the Colwise output's local features: this rank's part only
+                model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(32), nn.ReLU(), nn.Linear(64, 16))
+                plan = {"0": ColwiseParallel(), "3": RowwiseParallel()}
+            else:
+                model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+                plan = {"1": ColwiseParallel(), "3": RowwiseParallel()}
+            ddp = DDP(parallelize_module(model, VESCALE_DEVICE_MESH["TP"], plan), VESCALE_DEVICE_MESH["DP"])
+            torch.manual_seed(seed)
+            try:
+                ddp(torch.randn(8, 16)).square().mean().backward()
+            except TPReplicaError as e:
+                return str(e)
+            return ""
+
+        by_rank = first_step(False, seed=dist.get_rank())  # the world's rank: each TP rank draws its own batch
+        assert "The cause: the TP ranks were given different batches" in by_rank and \
+            "num_replicas=mesh['DP'].size(), rank=mesh.get_local_rank('DP')" in by_rank, by_rank
+        dp_rank = VESCALE_DEVICE_MESH.get_local_rank("DP")
+        local = first_step(True, seed=dp_rank)
+        assert "Likeliest: the module's input is this rank's part only" in local and \
+            "(The TP ranks saw the same batch: its forward got the same inputs on each TP rank.)" in local, local
+        assert first_step(False, seed=dp_rank) == ""
+    finally:
+        VESCALE_DEVICE_MESH.reset()
+
+
 def worker(rank: int, world_size: int) -> Results:
     from torch_contract_scenarios import contract_scenarios
 
@@ -412,4 +455,5 @@ def worker(rank: int, world_size: int) -> Results:
             check(results, "freeze_mid_training", lambda: run_freeze_mid_training(mesh))
         contract_scenarios(results, mesh, (dp, tp))
     check(results, "vescale_mesh", run_vescale_mesh)
+    check(results, "tp_batches_named", run_tp_batches_named)
     return results

@@ -18,7 +18,8 @@ from launch import run_ranks
 WORLD_SIZE = 4
 
 PARITY = [f"parity[{dp}x{tp}-{c.name}]" for dp, tp in MESHES for c in CONFIGS[(dp, tp)]]
-OTHERS = ["bf16", "state_dict", "errors", "broadcast", "running_stats_as_torch", "freeze_mid_training", "vescale_mesh"]
+OTHERS = ["bf16", "state_dict", "errors", "broadcast", "running_stats_as_torch", "freeze_mid_training", "vescale_mesh",
+          "tp_batches_named"]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from vemesh.parallel.ddp.groups import check_covers_data, check_not_sharded_over
 from vemesh.parallel.ddp.support import (GradsOutside, PipelineReducer, broadcast_from_first, check_bucket_size,
                                         check_experts, check_params_kept, check_placement, like, point_grad,
                                         release_params, step_guard, tp_gradients_checked, weak_method, weak_param_hook)
-from vemesh.parallel.tp_replicas import tp_group_beside
+from vemesh.parallel.tp_replicas import inputs_fingerprint, tp_group_beside
 
 __all__ = ["DistributedDataParallel"]
 
@@ -153,11 +153,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.holds_unsynced_grads = False  #: gradients accumulated under no_sync() were never averaged
         #: The expert-data-parallel group (None without expert parameters), and the experts' ids.
         self.expert_data_parallel_group = expert_group
-        self._experts = experts
-        self.expert_parameter_ids = experts  #: the ``id()`` of every expert parameter (averaged over EDP instead)
+        self._experts = self.expert_parameter_ids = experts  #: the ``id()`` of every expert parameter (averaged over EDP)
         #: The fault-tolerant replica dim gradients are averaged across after DP (None: no such dim).
         self.replicas = replicas
         self._tp_to_check = tp_group_beside(set(dist.get_process_group_ranks(group))) if check_tp_gradients else None
+        self.inputs_seen: torch.Tensor | None = None  #: until the TP check: the forwards' inputs, summed (its cause)
 
         check_placement(list(module.named_parameters()), experts, group, expert_group)  # ties kept; names, shapes agree
         if self.dp_size > 1:  # every DP rank starts from the first one's parameters and buffers
@@ -207,16 +207,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 broadcast_from_first(buffers, self.data_parallel_group)
         # as torch's DDP (evaluations under no_grad too): the forward after one without gradient sync keeps the buffers
         self.require_forward_param_sync = training and self.require_backward_grad_sync
+        if self._tp_to_check is not None and training:
+            self.inputs_seen = inputs_fingerprint((args, kwargs), self.inputs_seen)
         return self.module(*args, **kwargs)
 
     def _module_buffers(self) -> list[torch.Tensor]:
         return [local_tensor(b) for b in self.module.buffers()]
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
-            "a vemesh DistributedDataParallel holds process groups and gradient-buffer views and cannot be "
-            "pickled or deep-copied; copy or save model.module (or its state_dict) instead"
-        )
+        raise TypeError("a vemesh DistributedDataParallel holds process groups and gradient-buffer views and cannot be "
+                        "pickled or deep-copied; copy or save model.module (or its state_dict) instead")
 
     def register_comm_hook(self, state: object, hook: Any) -> None:  # the buckets always average
         raise NotImplementedError("vemesh DistributedDataParallel has no communication hooks; its buckets always all-reduce")

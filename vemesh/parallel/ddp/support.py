@@ -341,5 +341,5 @@ def tp_gradients_checked(ddp: Any, tp: dist.ProcessGroup | None) -> None:
     if tp is not None:
         check_tp_gradients([(ddp.parameter_names[id(p)], p, p.grad) for p in ddp.averaged_parameters
                             if id(p) not in ddp.expert_parameter_ids and not isinstance(p, DTensor)], tp,
-                           [ddp.data_parallel_group], "wrap with check_tp_gradients=False")
+                           [ddp.data_parallel_group], "wrap with check_tp_gradients=False", inputs=ddp.inputs_seen)
     return None
