@@ -18,6 +18,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,7 +34,7 @@ from vemesh.parallel.ddp.groups import data_ranks
 from vemesh.parallel.experts.style import expert_modules
 from vemesh.parallel.fused import fsdp_placement
 from vemesh.parallel.ties import check_ties
-from vemesh.parallel.tp_replicas import check_tp_gradients, tp_group_beside
+from vemesh.parallel.tp_replicas import check_tp_gradients, inputs_fingerprint, tp_group_beside
 from vemesh.parallel.weight_pass import watch_weight_passes
 
 __all__ = ["fully_shard"]
@@ -120,16 +121,24 @@ def _with_fused(user: Any) -> Any:
     return placement
 
 
-#: the sharded roots whose replicas over TP the first optimizer step checks: (module, TP group, data groups)
-_PENDING: list[tuple[weakref.ref, dist.ProcessGroup, list[dist.ProcessGroup]]] = []
+#: the sharded roots whose replicas over TP the first optimizer step checks: (module, TP group, data groups, the
+#: forward hook that sums its inputs until then)
+_PENDING: list[tuple[weakref.ref, dist.ProcessGroup, list[dist.ProcessGroup], Any]] = []
 _HOOK: list[Any] = []
+_INPUTS: dict[int, torch.Tensor] = {}  #: id of a queued module -> its forwards' inputs (inputs_fingerprint)
 
 
 def _check_at_first_step(module: nn.Module, tp: dist.ProcessGroup, data: list[dist.ProcessGroup]) -> None:
     """Queue ``module`` for the check; the modules it holds (its blocks, sharded first) go with it."""
     inside = {id(m) for m in module.modules()}
-    _PENDING[:] = [e for e in _PENDING if e[0]() is not None and id(e[0]()) not in inside]
-    _PENDING.append((weakref.ref(module), tp, data))
+    for entry in [e for e in _PENDING if e[0]() is None or id(e[0]()) in inside]:
+        _PENDING.remove(entry), entry[3].remove()
+
+    def seen(m: nn.Module, args: Any, kwargs: Any) -> None:  # which says whether the TP ranks got the same batch
+        if torch.is_grad_enabled():
+            _INPUTS[id(m)] = inputs_fingerprint((args, kwargs), _INPUTS.get(id(m)))
+
+    _PENDING.append((weakref.ref(module), tp, data, module.register_forward_pre_hook(seen, with_kwargs=True)))
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_first_step))
 
@@ -140,10 +149,11 @@ def _first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         module, tp, data = entry[0](), entry[1], entry[2]
         if module is None or not any(id(p) in stepped for p in module.parameters()):
             continue
-        _PENDING.remove(entry)
+        _PENDING.remove(entry), entry[3].remove()
         check_tp_gradients([(n, p.to_local(), None if p.grad is None else p.grad.to_local())
                             for n, p in module.named_parameters() if isinstance(p, DTensor)
                             and "TP" not in (p.device_mesh.mesh_dim_names or ())], tp, data,
-                           "shard with vemesh.parallel.fully_shard(..., check_tp_gradients=False)")
+                           "shard with vemesh.parallel.fully_shard(..., check_tp_gradients=False)",
+                           inputs=_INPUTS.pop(id(module), None))
     if not _PENDING and _HOOK:
         _HOOK.pop().remove()

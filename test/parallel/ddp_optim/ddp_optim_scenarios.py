@@ -398,7 +398,7 @@ def run_vescale_mesh() -> None:
 def run_tp_batches_named() -> None:
     """A replica over TP whose gradient differs across the TP ranks, and its cause told from the forward's inputs:
     TP ranks given other batches (a DistributedSampler over the world's ranks) and, with the same batches, a
-    LayerNorm over each rank's own features. Before, the first read "Likeliest: the module's input is this rank's
+    LayerNorm over each rank's own features; under vemesh's DDP and its ``fully_shard``. Before, the first read "Likeliest: the module's input is this rank's
     part only ... (the other 1 replicas' gradients agree across TP, so the TP ranks saw the same batch)": the
     LayerNorm's bias, whose gradient TP's Colwise input sums over the ranks, agreed. A right plan on the DP rank's
     batch trains."""
@@ -406,6 +406,7 @@ def run_tp_batches_named() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from vemesh import VESCALE_DEVICE_MESH
+    from vemesh.parallel import fully_shard
     from vemesh.parallel.tp_replicas import TPReplicaError
 
     VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
@@ -418,22 +419,26 @@ def run_tp_batches_named() -> None:
             else:
                 model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
                 plan = {"1": ColwiseParallel(), "3": RowwiseParallel()}
-            ddp = DDP(parallelize_module(model, VESCALE_DEVICE_MESH["TP"], plan), VESCALE_DEVICE_MESH["DP"])
+            model = parallelize_module(model, VESCALE_DEVICE_MESH["TP"], plan)
+            wrapped = DDP(model, VESCALE_DEVICE_MESH["DP"]) if wrapper == "ddp" else fully_shard(model)
             torch.manual_seed(seed)
-            try:
-                ddp(torch.randn(8, 16)).square().mean().backward()
+            try:  # DDP checks at the first averaged backward, vemesh's fully_shard at the first optimizer step
+                wrapped(torch.randn(8, 16)).square().mean().backward()
+                torch.optim.SGD(wrapped.parameters(), lr=0.1).step()
             except TPReplicaError as e:
                 return str(e)
             return ""
 
-        by_rank = first_step(False, seed=dist.get_rank())  # the world's rank: each TP rank draws its own batch
-        assert "The cause: the TP ranks were given different batches" in by_rank and \
-            "num_replicas=mesh['DP'].size(), rank=mesh.get_local_rank('DP')" in by_rank, by_rank
         dp_rank = VESCALE_DEVICE_MESH.get_local_rank("DP")
-        local = first_step(True, seed=dp_rank)
-        assert "Likeliest: the module's input is this rank's part only" in local and \
-            "(The TP ranks saw the same batch: its forward got the same inputs on each TP rank.)" in local, local
-        assert first_step(False, seed=dp_rank) == ""
+        for wrapper in ("ddp", "fsdp"):
+            by_rank = first_step(False, seed=dist.get_rank())  # the world's rank: each TP rank draws its own batch
+            assert "The cause: the TP ranks were given different batches" in by_rank and \
+                "num_replicas=mesh['DP'].size(), rank=mesh.get_local_rank('DP')" in by_rank, (wrapper, by_rank)
+            local = first_step(True, seed=dp_rank)
+            assert "Likeliest: the module's input is this rank's part only" in local and \
+                "(The TP ranks saw the same batch: its forward got the same inputs on each TP rank.)" in local, \
+                (wrapper, local)
+            assert first_step(False, seed=dp_rank) == "", wrapper
     finally:
         VESCALE_DEVICE_MESH.reset()
 
