@@ -74,14 +74,15 @@ def warn_unwaited() -> None:
 
 @torch.no_grad()
 def inputs_fingerprint(inputs: object, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """``seen`` plus the sum and the sum of squares (fp64, on the CPU) of every tensor in ``inputs`` (a forward's
-    arguments): equal on TP ranks given the same batch. A DTensor's local part (a sequence-parallel input differs by
-    TP rank by design); ``check_tp_gradients`` reads it only to name a cause."""
+    """``seen`` plus the sum and the sum of squares of every tensor in ``inputs`` (a forward's arguments), summed in
+    fp64 on the tensor's device and kept on the CPU: equal on TP ranks given the same batch. A DTensor's local part (a
+    sequence-parallel input differs by TP rank by design); ``check_tp_gradients`` reads it only to name a cause."""
     out = torch.zeros(2, dtype=torch.float64) if seen is None else seen
     for t in torch.utils._pytree.tree_leaves(inputs):
         if isinstance(t, torch.Tensor) and not t.is_meta:
-            local = (t.to_local() if hasattr(t, "to_local") else t).detach().to("cpu", torch.float64)
-            out = out + torch.stack([local.sum(), local.square().sum()])
+            local = (t.to_local() if hasattr(t, "to_local") else t).detach()
+            local = (local.abs() if local.is_complex() else local).float()
+            out = out + torch.stack([local.sum(dtype=torch.float64), local.square().sum(dtype=torch.float64)]).cpu()
     return out
 
 
