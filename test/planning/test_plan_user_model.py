@@ -352,6 +352,23 @@ def test_a_plan_entry_torch_skips_is_said_and_planned_as_it_would_run(monkeypatc
 
 
 @pytest.mark.slow
+def test_stages_of_torchs_tracer_frontend_are_planned_as_the_same_stages_cut_by_hand() -> None:
+    """torch's tracer frontend (``pipeline(model, mb_args, split_spec)``, then ``pipe.build_stage``) gives its own stage
+    class, which the planner refused ("the planner runs PipelineStage stages"); ``vemesh check`` ran it, exact. Its
+    stages know their shapes from the graph. Planned, each PP rank equals the same stages cut by hand into
+    ``PipelineStage`` modules, every figure, and a note says that the stage's graph keeps every stage's parameters
+    alive (a gloo run holds the other stage's parameters more than the hand-cut run, to the byte: BENCHMARKS.md)."""
+    jobs = str(REPO / "test" / "models" / "tracer_pipe_jobs.py")
+    common = dict(step=f"{jobs}:step", loss=f"{jobs}:loss_fn", world_size=2, pp=2, global_batch_size=4,
+                  micro_batch_size=1, device_type="cpu")
+    traced, by_hand = (plan(f"module:{jobs}:make", parallelize=f"{jobs}:{fn}", **common)
+                       for fn in ("parallelize", "parallelize_by_hand"))
+    assert traced["classes"] == by_hand["classes"], (traced["classes"], by_hand["classes"])
+    assert any("torch's tracer frontend's (pipeline(...).build_stage)" in n for n in traced["notes"]), traced["notes"]
+    assert not any("tracer frontend" in n for n in by_hand["notes"])
+
+
+@pytest.mark.slow
 def test_a_search_with_the_pipelines_loss_plans_pp_meshes_as_a_plan_of_each_does() -> None:
     """With ``--loss`` a search over the user's functions tries PP too (up to the blocks), each PP mesh traced through
     torch's schedule as ``--pp`` plans it: the same peak and bytes per PP rank. Without ``--loss``, no PP mesh."""

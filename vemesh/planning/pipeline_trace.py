@@ -113,10 +113,8 @@ def build_schedule(stages: list[Any], schedule: str, n_microbatches: int, loss_f
     from torch.distributed.pipelining.stage import InferenceMode, PipelineStage
 
     for stage in stages:
-        if not isinstance(stage, PipelineStage):
-            raise ValueError(f"stage {stage.stage_index} is a {type(stage).__name__}; the planner runs "
-                             "torch.distributed.pipelining.PipelineStage stages")
-        exchange.attach(stage)
+        if isinstance(stage, PipelineStage):  # torch's tracer frontend's stages (pipe.build_stage) know their shapes
+            exchange.attach(stage)
     run = schedule_class(schedule)(stages if schedule in MULTI_STAGE else stages[0], n_microbatches, loss_fn=loss_fn)
 
     def infer_shapes(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:

@@ -108,6 +108,8 @@ class Counted:
     #: (:class:`~vemesh.planning.library_branches.TrainingCache`); 0: none
     training_cache: int = 0
     torch_ddp: bool = False  #: the user's functions wrapped torch's DDP, run as it is (:mod:`vemesh.planning.torch_ddp`)
+    #: the stages are torch's tracer frontend's (``pipeline(...).build_stage``), whose graph keeps the split model alive
+    split_graph: bool = False
 
     @property
     def weights(self) -> int:
@@ -123,6 +125,15 @@ class Counted:
         name, size = self.largest_buffer
         return (f"the params column includes the model's own buffers, {_mib(held)} a rank, which TP, FSDP2 and ZeRO-1 "
                 f"leave whole; the largest: {name}, {_mib(size)} each")
+
+    def split_graph_note(self) -> str | None:
+        """Said where the stages are torch's tracer frontend's: each keeps every stage's parameters alive."""
+        if not self.split_graph:
+            return None
+        return ("your stages are torch's tracer frontend's (pipeline(...).build_stage): each holds the split model's "
+                "graph, which keeps every stage's parameters alive where the model was built; the peak counts this "
+                "rank's stage's, as a job holds on its GPU when it builds the model on the CPU or the meta device "
+                "(built on the GPU, each rank holds all of them there; a CPU run holds them too)")
 
     def compiled_note(self) -> str | None:
         """Said where the user's functions compiled modules: the trace ran them eagerly."""

@@ -228,6 +228,7 @@ def trace_user(fns: UserFunctions, *, world_size: int, degrees: dict[str, int], 
                                     *dispatched[1], ops[1], counts=counts[1]), largest_buffer=held_now.largest_buffer,
                   compiled=compiled_module(parts), skipped_plan=tuple(sorted(set(skipped))),
                   branches=tuple(sorted(branches)), training_cache=cache.bytes, torch_ddp=bool(torchs),
+                  split_graph=pp > 1 and any(hasattr(stage, "pipe_info") for stage in stages),
                   # with PP, what the traced actions left (a replayed action runs no collective)
                   unwaited=unwaited[1] if pp == 1 else max(unwaited, key=lambda u: u[1]))
     if passes > 1 and pp == 1:  # the per-micro-batch bytes and FLOPs by difference; the peak does not grow after 2

@@ -62,4 +62,4 @@ def user_notes(counted: Counted, kwargs: dict[str, Any], sync_each: bool = False
                         "ones alone: plan it with --gradient-sync each"))
     return notes + [n for n in (counted.buffers_note(), counted.compiled_note(), counted.skipped_note(),
                                    counted.branches_note(), counted.cache_note(),
-                                   counted.torch_ddp_note()) if n is not None]
+                                   counted.torch_ddp_note(), counted.split_graph_note()) if n is not None]
