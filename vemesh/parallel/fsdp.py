@@ -133,6 +133,7 @@ def _check_at_first_step(module: nn.Module, tp: dist.ProcessGroup, data: list[di
     inside = {id(m) for m in module.modules()}
     for entry in [e for e in _PENDING if e[0]() is None or id(e[0]()) in inside]:
         _PENDING.remove(entry), entry[3].remove()
+        _INPUTS.pop(id(entry[0]()), None)
 
     def seen(m: nn.Module, args: Any, kwargs: Any) -> None:  # which says whether the TP ranks got the same batch
         if torch.is_grad_enabled():

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from vemesh.mesh import VESCALE_DEVICE_MESH as mesh
 
@@ -75,12 +76,15 @@ def warn_unwaited() -> None:
 @torch.no_grad()
 def inputs_fingerprint(inputs: object, seen: torch.Tensor | None = None) -> torch.Tensor:
     """``seen`` plus the sum and the sum of squares of every tensor in ``inputs`` (a forward's arguments), summed in
-    fp64 on the tensor's device and kept on the CPU: equal on TP ranks given the same batch. A DTensor's local part (a
-    sequence-parallel input differs by TP rank by design); ``check_tp_gradients`` reads it only to name a cause."""
+    fp64 on the tensor's device and kept on the CPU: equal on TP ranks given the same batch. A DTensor counts where it
+    is replicated (a sharded one, a sequence-parallel input, differs by rank by design); ``check_tp_gradients``
+    reads it only to name a cause."""
     out = torch.zeros(2, dtype=torch.float64) if seen is None else seen
     for t in torch.utils._pytree.tree_leaves(inputs):
         if isinstance(t, torch.Tensor) and not t.is_meta:
-            local = (t.to_local() if hasattr(t, "to_local") else t).detach()
+            if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
+                continue
+            local = (t.to_local() if isinstance(t, DTensor) else t).detach()
             local = (local.abs() if local.is_complex() else local).float()
             out = out + torch.stack([local.sum(dtype=torch.float64), local.square().sum(dtype=torch.float64)]).cpu()
     return out
@@ -137,9 +141,9 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
         batches = ("the TP ranks were given different batches; every TP rank of a DP rank must see the same one "
                    "(seed the data by the DP rank, not the global rank).\n")
         partial = ("the module's input is this rank's part only (a norm over its own heads, or between sequence-"
-                  "parallel regions): give it SequenceParallel; or an output of a replicated module reaches this "
-                  "rank's heads outside the TP styles (DeepSeek-V3's k_pe): give it vemesh.parallel.SumGradOverTP; "
-                  "`vemesh check` names the module and tries both.\n")
+                   "parallel regions): give it SequenceParallel; or an output of a replicated module reaches this "
+                   "rank's heads outside the TP styles (DeepSeek-V3's k_pe): give it vemesh.parallel.SumGradOverTP; "
+                   "`vemesh check` names the module and tries both.\n")
         fingerprints = torch.stack([e[-1] for e in everyone])
         if bool(fingerprints[:, 2].all()) and not torch.allclose(fingerprints[:, :2], fingerprints[0, :2].expand(
                 len(everyone), 2), rtol=1e-6, atol=1e-12):
