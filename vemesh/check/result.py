@@ -128,8 +128,9 @@ class CheckResult:
                 f"{self.micro_batch_size}: {self.outputs_compared} module outputs and {self.gradients_compared} "
                 "gradients compared" + (f" ({self.outputs_not_comparable} outputs of another shape that no join of "
                                         "TP or CP shards explains left out)" if self.outputs_not_comparable else "")
-                + (f" ({self.outputs_partial} modules of a stage that are not the model's of their name, such as "
-                   "the base model over the stage's layers, left out)" if self.outputs_partial else ""))
+                + (f" ({self.outputs_partial} module{'s' if self.outputs_partial > 1 else ''} of a stage that "
+                   f"{'are' if self.outputs_partial > 1 else 'is'} not the model's of {'their' if self.outputs_partial > 1 else 'its'} "
+                   "name, such as the base model over the stage's layers, left out)" if self.outputs_partial else ""))
         lines = []
         if self.exact:
             lines.append(f"vemesh check: exact. {head}; largest relative difference {self.largest:.1e}"
