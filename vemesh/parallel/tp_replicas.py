@@ -145,14 +145,15 @@ def check_tp_gradients(entries: list[tuple[str, torch.Tensor, torch.Tensor | Non
                    "rank's heads outside the TP styles (DeepSeek-V3's k_pe): give it vemesh.parallel.SumGradOverTP; "
                    "`vemesh check` names the module and tries both.\n")
         fingerprints = torch.stack([e[-1] for e in everyone])
-        if bool(fingerprints[:, 2].all()) and not torch.allclose(fingerprints[:, :2], fingerprints[0, :2].expand(
-                len(everyone), 2), rtol=1e-6, atol=1e-12):
+        taken = bool(fingerprints[:, 2].all())  # every TP rank summed its inputs
+        if taken and not torch.allclose(fingerprints[:, :2], fingerprints[0, :2].expand(len(everyone), 2), rtol=1e-6,
+                                        atol=1e-12):
             causes = ("The cause: the TP ranks were given different batches (the wrapped model's forward got other inputs "
                       "on each); every TP rank of a DP rank must see the same one: sample and seed the data by the DP "
                       "rank, not the global rank (torch's DistributedSampler takes the world's unless given "
                       "num_replicas=mesh['DP'].size(), rank=mesh.get_local_rank('DP')).\n")
-        elif bool(fingerprints[:, 2].all()) or (agreed and bad):  # the TP ranks saw the same batch
-            why = "its forward got the same inputs on each TP rank" if bool(fingerprints[:, 2].all()) else \
+        elif taken or (agreed and bad):  # the TP ranks saw the same batch
+            why = "its forward got the same inputs on each TP rank" if taken else \
                 f"the other {agreed} replicas' gradients agree across TP"
             causes = f"Likeliest: {partial}(The TP ranks saw the same batch: {why}.)\n"
         else:
