@@ -99,7 +99,8 @@ def render_fit(job: Job, fit: MeshFit) -> str:
     div, unit = _unit(fit.peak)
     d = fit.degrees
     per_dp = job.global_batch_size // d["DP"]
-    batch = f"; global batch {job.global_batch_size}, {per_dp} sequence{'s' if per_dp != 1 else ''} per DP rank in " \
+    item = "sample" if job.user else "sequence"  # a user's model may be of images; the presets take sequences
+    batch = f"; global batch {job.global_batch_size}, {per_dp} {item}{'s' if per_dp != 1 else ''} per DP rank in " \
         f"{fit.micro_batches} micro-batch{'es' if fit.micro_batches > 1 else ''} of {fit.micro_batch_size}" \
         if fit.traced else ""
     ac = job.activation_checkpointing
@@ -285,7 +286,7 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "FUNCTION(schedule, batch_size), one schedule.step(...) of a DP rank's batch)")
     job.add_argument("--moe-load-factor", metavar="F", help="MoE: the busiest EP rank receives F x the balanced "
                      "share of the slots (default: 1, balanced; a run's measured expert_load is its own F)")
-    job.add_argument("--global-batch-size", type=positive, metavar="N", help="sequences per step (default: 32)")
+    job.add_argument("--global-batch-size", type=positive, metavar="N", help="samples per step: sequences, for the presets (default: 32)")
     job.add_argument("--dtype", choices=("fp32", "bf16"),
                      help="the model's dtype: a preset computes in it, your own model is converted to it before your "
                           "function; the step is timed in the dtype its matmuls ran in (FSDP2's MixedPrecisionPolicy, "
