@@ -74,9 +74,9 @@ class _PassThrough(TorchDispatchMode):
 
 @contextmanager
 def _way(before: bool):  # type: ignore[no-untyped-def]
-    from vemesh.planning import activations, user_model, wrapper_costs
+    from vemesh.planning import user_model
 
-    modules = (fusion, user_model, activations, wrapper_costs)
+    modules = (fusion, user_model)
     saved = [m.step_counters for m in modules]
     shapes = user_model.cpu_kernel_shapes
 

@@ -118,10 +118,11 @@ def test_a_pipelines_default_micro_batch_gives_torchs_schedule_enough_micro_batc
 
 
 def test_a_search_rejects_a_pp_mesh_with_too_few_micro_batches_in_the_planners_words() -> None:
-    """A search's PP meshes (estimated) ask torch's schedule as a traced ``--pp`` plan does, and a mesh it refuses is
-    rejected naming the fix; before, the rejection was torch's own "Number of microbatches (2) must be ..."."""
+    """A search's PP meshes (``--trace-pp``) ask torch's schedule before any trace, as a ``--pp`` plan does, and a mesh
+    it refuses is rejected naming the fix; before, the rejection was torch's own "Number of microbatches (2) must be
+    ..."."""
     out = plan(PlanRequest(model="gpt:n_layer=16,n_embd=16,n_head=2,vocab=64,seq_len=8", world_size=16,
-                           device_memory="80GiB", global_batch_size=8))
+                           device_memory="80GiB", global_batch_size=8, trace_pp=True))
     reasons = {r["degrees"]["PP"]: r["reason"] for r in out["rejected"] if r["degrees"]["PP"] > 1}
     assert reasons[4] == ("PP 4 under 1f1b: 2 micro-batches of 1 per DP rank (2 sequences), which torch's schedule "
                           "refuses (Number of microbatches (2) must be greater than or equal to the number of stages "

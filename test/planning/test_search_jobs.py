@@ -113,8 +113,7 @@ def test_a_search_with_dp_replicate_plans_each_mesh_as_the_command_it_gives_for_
     planned and placed as the command the search gives for it plans it alone (``plan_alone``; the text names #1's),
     its DP bytes on ``dp_shard`` and ``dp_replicate``, the replicas between the hosts. That command carries the
     search's micro-batch size: a plan of one mesh otherwise takes the DP rank's whole share, and gave another peak.
-    A DP that 2 does not divide, and a GPT-preset PP mesh (whose estimate shards over all of DP) without
-    ``--trace-pp``, are rejected with their reason."""
+    A DP that 2 does not divide, and a GPT-preset PP mesh without ``--trace-pp``, are rejected with their reason."""
     import shlex
 
     from vemesh.cli import main
@@ -136,7 +135,7 @@ def test_a_search_with_dp_replicate_plans_each_mesh_as_the_command_it_gives_for_
         assert row["inter_host_dims"] == alone["placement"]["crossing_hosts"] and "dp_replicate" in row["inter_host_dims"]
     reasons = {tuple(r["degrees"][d] for d in ("PP", "DP", "TP")): r["reason"] for r in searched["rejected"]}
     assert reasons[1, 1, 4] == "DP 1 is not a multiple of --dp-replicate 2: HSDP splits DP into 2 replicas of DP / 2 ranks"
-    assert reasons[2, 2, 1].startswith("not planned in a search: under HSDP the GPT preset's PP meshes are traced"), reasons
+    assert reasons[2, 2, 1].startswith("not planned in a search: the GPT preset's PP meshes are traced"), reasons
     assert reasons[2, 2, 1].endswith("plan it with --pp 2 --dp-replicate 2, or search with --trace-pp"), reasons
     assert main(flags) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (

@@ -6,9 +6,10 @@ ranked. The user's factory, parallelize function and step are traced on a fake w
 with PP each PP rank through torch's own schedule class (:mod:`vemesh.planning.pipeline_trace`): the micro-batches
 in flight, the receive buffers and the sends are the schedule's. Checked against runs (``bench/plan_accuracy.py``).
 
-Not traced: a search's GPT-preset PP meshes without ``--trace-pp`` (:mod:`vemesh.planning.pipeline_estimate`); a
-mesh whose weights, gradients and optimizer state alone exceed the device (:func:`vemesh.planning.estimate.rank_static`:
-what DDP, ZeRO-1 and FSDP2 allocate, to the byte but ZeRO-1's padding); a factory without its step (static, DP bytes).
+Not traced: a mesh whose weights, gradients and optimizer state alone exceed the device (:func:`vemesh.planning.estimate.rank_static`:
+what DDP, ZeRO-1 and FSDP2 allocate, to the byte but ZeRO-1's padding); a factory without its step (static, DP bytes:
+:mod:`vemesh.planning.static_traffic`). A search leaves a preset's PP meshes out unless ``--trace-pp``
+(:func:`vemesh.planning.search_jobs.not_searched`): each is traced as ``--pp N`` traces it, or not planned.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from vemesh.planning.mesh_plan import MeshPlan, plan_mesh
 from vemesh.planning.placement import place
 from vemesh.planning.results import MeshFit, RankClass
 from vemesh.planning.search_jobs import gib, not_searched, run, static_over, variants
-from vemesh.planning.pipeline_estimate import dp_traffic, estimate_pipeline, nbytes
+from vemesh.planning.static_traffic import dp_traffic, nbytes
 from vemesh.planning.pipeline_plan import predict_pipeline, shared_records
 from vemesh.planning.speedups import check_user_float8, linear_share
 from vemesh.planning.user_code import UserFunctions
@@ -162,12 +163,10 @@ def _traced_preset(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_
 
 
 def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-            dp_replicate: int = 1, trace_pipeline: bool = True) -> MeshFit:
-    """The prediction per rank class for the mesh ``(PP, DP, CP, TP)`` (EP folded over DP x CP).
-
-    ``trace_pipeline=False`` (a search without ``--trace-pp``) plans a GPT-preset mesh with PP by
-    :func:`~vemesh.planning.pipeline_estimate.estimate_pipeline` (not under HSDP). Raises ``ValueError`` (one line,
-    naming the value) for what the job or the mesh cannot be.
+            dp_replicate: int = 1) -> MeshFit:
+    """The prediction per rank class for the mesh ``(PP, DP, CP, TP)`` (EP folded over DP x CP), traced; with PP
+    through torch's schedule (:func:`~vemesh.planning.pipeline_plan.predict_pipeline`). Raises ``ValueError`` (one
+    line, naming the value) for what the job or the mesh cannot be.
     """
     if job.user:
         if job.dp_mode is not None and job.dp_mode not in ("ddp", "zero1", "fsdp"):
@@ -201,8 +200,6 @@ def predict(job: Job, *, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
                                  "moe_every=1")
     if pp > 1:
         _check_pipeline(job, pp, dp * cp, model.n_layer, "the model")
-        if not trace_pipeline and dp_replicate == 1:  # the estimate shards over all of DP: HSDP is traced
-            return estimate_pipeline(job, model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     return _traced_preset(_as_traced(job), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate)
 
 
@@ -351,7 +348,7 @@ def _tried(tried: list[Job], degrees: dict[str, int], memory: int | None, hsdp: 
     pp, dp, cp, tp, ep = (degrees[d] for d in ("PP", "DP", "CP", "TP", "EP"))
     for index, variant in enumerate(tried):
         try:
-            fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=hsdp, trace_pipeline=variant.trace_pp)
+            fit = predict(variant, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=hsdp)
         except ValueError as e:
             out.append((index, str(e)))
             continue

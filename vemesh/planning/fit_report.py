@@ -14,29 +14,15 @@ if TYPE_CHECKING:  # torch is imported only when a model is planned: `vemesh sho
 __all__ = ["HOW", "add_job_arguments", "fit_document", "render_fit",
            "render_search", "search_document"]
 
-#: How each figure is obtained, printed under the tables and put in the JSON.
-HOW = {  # a search's estimate of a GPT-preset mesh with PP (one mesh with --pp is traced: HOW_USER)
-    "params, grads, optimizer, masters": "the real model on the meta device, sharded by the example's TP plan and "
-    "PP cut, with the wrappers' rules (equal to the byte to what vemesh DDP, ZeRO-1 and FSDP2 allocate)",
-    "activations": "one micro-batch through the rank's stage on fake tensors under torch's MemTracker "
-    "(3 blocks traced, the rest by difference), times the micro-batches in flight along torch's action list of "
-    "the schedule",
-    "buffers": "FSDP2's all-gathered root, and a block and the next one; a pipeline stage's receive buffers, "
-    "one per micro-batch and direction (as torch.distributed.pipelining allocates them)",
-    "bytes": "TP and CP: the collectives of the traced micro-batch, per micro-batch; DP: the wrappers' "
-    "collectives (all-reduce of the fp32 gradient buffer, ZeRO-1's parameter gather, FSDP2's all-gathers "
-    "and reduce-scatters); PP: each micro-batch's activations forward and gradients back. The size of "
-    "each collective's tensor, as nccl-tests counts it",
-}
-
-
-#: How each figure is obtained for the user's own functions (``--parallelize``, ``--step``).
-HOW_USER = {
-    "params, grads, optimizer": "held at the step peak by the model your parallelize function returned, on rank 0 of "
+#: How each figure is obtained, put in the JSON: for the user's own functions (``--parallelize``, ``--step``) and
+#: for the presets, which the same engine traces through their own functions
+HOW = {
+    "params, grads, optimizer": "held at the step peak by the model the parallelize function (yours, or the preset's) "
+    "returned, on rank 0 of "
     "a fake world of the planned mesh: each parameter's local shard (a DTensor's, FSDP2's, an EP slice) and ZeRO-1's "
     "flat parameter buffer (the plain parameters are views of it; it holds a copy of the DTensor ones), the "
     "gradients the wrappers keep, the --optimizer state (ZeRO-1's shard and fp32 masters with --dp-mode zero1)",
-    "activations": "everything else your step holds at the peak, traced on fake tensors under torch's MemTracker "
+    "activations": "everything else the step holds at the peak, traced on fake tensors under torch's MemTracker "
     "through warm-up and training steps (optimizer.step included); 8 or more identical blocks: 3 and 4 traced, the rest "
     "by difference, each part of the step on its own; with PP every PP rank through torch's schedule (3 and 4 blocks "
     "per stage traced)",
@@ -76,7 +62,7 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
             "speedups": ({k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")}
                          if job.speed else None), "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
             "peak": fit.peak, "activations_traced": fit.traced, "notes": _notes(fit), "classes": [_class_row(c) for c in fit.classes],
-            "how": HOW if fit.notes and fit.notes[0].startswith("pipeline estimated") else HOW_USER}
+            "how": HOW}
 
 
 def search_document(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,
@@ -91,7 +77,7 @@ def search_document(job: Job, world_size: int, device_memory: int | None, device
                          if f.activation_checkpointing is not None else {}),
                       "classes": [_class_row(c) for c in f.classes]} for f in fits],
             "rejected": [{"degrees": f.degrees, "reason": f.reason} for f in rejected],
-            "how": HOW_USER if job.user else HOW}
+            "how": HOW}
 
 
 def render_fit(job: Job, fit: MeshFit) -> str:
@@ -163,6 +149,8 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
               f", {device_memory / 2**20:.1f} MiB per device") if device_memory else ""
     hosts = f", {devices_per_host} devices per host" if devices_per_host else ""
     chosen = any(f.activation_checkpointing is not None for f in fits)  # --choose: each mesh's own mbs and AC
+    unplanned = [f for f in rejected if f.not_planned]
+    rejected = [f for f in rejected if f not in unplanned]
     lines = [f"plan: {job.name}" + (f" through {_name(job.parallelize)}" if job.parallelize else ""),
              f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
              + ("each mesh's own micro-batch (the mbs column), " if chosen else
@@ -171,7 +159,9 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
              + f"{job.dtype}, {job.dp_mode or ('as the function applies' if job.user else 'zero1')}"
              + (f", HSDP: each DP split into dp_replicate {dp_replicate} x dp_shard DP / {dp_replicate}"
                 if dp_replicate > 1 else "") + f"; ranked by {cost}",
-             f"{len(fits) + len(rejected)} meshes considered (" + _considered(job, world_size) + f"); {len(fits)} fit"
+             f"{len(fits) + len(rejected) + len(unplanned)} meshes considered (" + _considered(job, world_size) + ")"
+             + f"; {len(fits)} fit" + (f" of the {len(fits) + len(rejected)} planned ({len(unplanned)} with PP left "
+                                        "out: see below)" if unplanned else "")
              + (f"; the best {min(top, len(fits))}:" if fits else "")]
     timed = any(f.times for f in fits)
     if fits:
@@ -189,18 +179,18 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
     if timed and len(fits) > 1:
         lines.extend(_why_slower(fits[0], fits[1:top]))
     piped = any(f.degrees["PP"] > 1 for f in fits[:top]) and not job.user
-    if piped and not job.trace_pp:
-        lines.append("PP meshes are estimated, not traced: one micro-batch per stage traced, times the schedule's "
-                     "micro-batches and chunks in flight" + (" (timed within 2% of the traced plan at width 1024, "
-                     "up to 11% short at width 512)" if timed else "") + "; plan one with --pp N to trace it, or "
-                     "search with --trace-pp to trace every one")
-    elif piped:
+    if piped:
         lines.append("PP meshes traced through torch's schedule, as --pp N plans each (--trace-pp)")
     if rejected:
         lines.append(f"{len(rejected)} mesh{'es' if len(rejected) != 1 else ''} rejected:")
         lines.extend(f"  {f.shape():28} {f.reason}" for f in rejected)
+    if unplanned:
+        degrees = sorted({f.degrees["PP"] for f in unplanned})
+        lines.append(f"{len(unplanned)} mesh{'es' if len(unplanned) != 1 else ''} with PP {', '.join(map(str, degrees))} "
+                     f"not planned: {unplanned[0].reason.split(': ', 1)[1]}"
+                     .replace(f"plan it with --pp {unplanned[0].degrees['PP']}", "plan one with --pp N"))
     if not fits and device_memory:
-        lines.append(_none_fit(job, rejected))
+        lines.append(_none_fit(job, rejected + unplanned))
     return "\n".join(lines)
 
 
@@ -215,7 +205,7 @@ def _none_fit(job: Any, rejected: list[MeshFit]) -> str:
         tries.append(f"a --micro-batch-size below {job.micro_batch_size}")
     if not job.user and job.mode in ("ddp", "zero1"):
         tries.append("--dp-mode fsdp (FSDP2 shards the parameters and gradients too)")
-    unplanned = sum(f.reason is not None and f.reason.startswith("not planned in a search") for f in rejected)
+    unplanned = sum(f.not_planned for f in rejected)
     if unplanned:
         tries.append(f"--trace-pp, which plans the {unplanned} PP mesh{'es' if unplanned != 1 else ''} left out")
     best = min((f for f in rejected if f.classes and f.traced), key=lambda f: f.peak, default=None)
@@ -335,11 +325,11 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "bubble shrinks with more micro-batches), activation-checkpointing (the GPT preset: on only "
                      "where nothing fits without it); comma-separated")
     job.add_argument("--trace-pp", action="store_true", help="a search traces each PP mesh through torch's "
-                     "schedule, as --pp N plans it (seconds to minutes a mesh), where otherwise the GPT preset's PP "
-                     "meshes are estimated and the Llama 3 preset's left out")
+                     "schedule, as --pp N plans it (seconds to minutes a mesh), where otherwise a preset's PP meshes are "
+                     "left out, each named with the --pp N that plans it (your own functions' are always traced)")
     job.add_argument("--jobs", type=int, metavar="N", help="a search plans its meshes in N processes at once, "
-                     "each mesh in one (default 1): on N free cores a search whose meshes are traced (--trace-pp, the "
-                     "Llama 3 preset) takes about 1/N of the time")
+                     "each mesh in one (default 1): on N free cores a search whose meshes are traced (--trace-pp, your own "
+                     "functions' PP meshes) takes about 1/N of the time")
     job.add_argument("--rank-by", choices=("time", "inter-host", "peak"),
                      help="search order: the predicted step time (needs --device-profile), the bytes between hosts, "
                      "or the peak (default: time with --device-profile, else inter-host with --devices-per-host, "

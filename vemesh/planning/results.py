@@ -12,7 +12,10 @@ from typing import Any
 from vemesh.parallel.plan_keys import describe
 from vemesh.planning.estimate import RankMemory
 
-__all__ = ["Counted", "MeshFit", "RankClass", "more_counts", "more_ops"]
+#: how a search's reason for a mesh it leaves out begins (:func:`vemesh.planning.search_jobs.not_searched`)
+NOT_PLANNED = "not planned in a search: "
+
+__all__ = ["NOT_PLANNED", "Counted", "MeshFit", "RankClass", "more_counts", "more_ops"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,11 @@ class MeshFit:
     def step_time(self) -> float | None:
         """The slowest class's predicted seconds per step (a search with a device profile), else None."""
         return max(t.total for t in self.times) if self.times else None
+
+    @property
+    def not_planned(self) -> bool:
+        """Whether a search left this mesh out without planning it (a preset's PP mesh without ``--trace-pp``)."""
+        return self.reason is not None and self.reason.startswith(NOT_PLANNED)
 
     def shape(self) -> str:
         """The degrees, in the placed order when there is one: ``"PP=2 x DP=4 x TP=8"``."""

@@ -30,7 +30,7 @@ from typing import Any
 from vemesh import local_ranks
 from vemesh.planning.estimate import check_degrees, load_model, rank_static, stage_keys
 from vemesh.planning.pipeline_plan import shared_records
-from vemesh.planning.results import MeshFit, RankClass
+from vemesh.planning.results import NOT_PLANNED, MeshFit, RankClass
 
 __all__ = ["gib", "not_searched", "run", "static_over", "variants"]
 
@@ -118,16 +118,17 @@ def variants(job: Any, choose: tuple[str, ...], per_dp: int) -> list[Any]:
 
 def not_searched(job: Any, degrees: dict[str, int], dp_replicate: int) -> str | None:
     """Why a search does not plan the mesh of ``degrees``, in one line, or None: a DP that ``dp_replicate`` (HSDP's
-    replicas) does not divide; without ``--trace-pp``, a preset's PP mesh that only a trace through torch's schedule
-    plans (the Llama 3 preset's; the GPT preset's under HSDP, which its estimate, sharding over all of DP, is not)."""
+    replicas) does not divide; without ``--trace-pp``, a preset's PP mesh, which only a trace through torch's schedule
+    plans, as ``--pp N`` does (seconds to minutes a mesh). A user's own functions have their PP meshes traced: there
+    is nothing else to plan them by."""
     pp, dp = degrees["PP"], degrees["DP"]
     if dp % dp_replicate:
         return (f"DP {dp} is not a multiple of --dp-replicate {dp_replicate}: HSDP splits DP into {dp_replicate} "
                 f"replicas of DP / {dp_replicate} ranks")
-    if pp == 1 or job.user or job.trace_pp or not (job.llama3 or dp_replicate > 1):
+    if pp == 1 or job.user or job.trace_pp:
         return None
-    what = "the Llama 3 preset's PP meshes are" if job.llama3 else "under HSDP the GPT preset's PP meshes are"
-    return (f"not planned in a search: {what} traced through torch's schedule (seconds to minutes each); plan it "
+    what = "the Llama 3 preset's PP meshes are" if job.llama3 else "the GPT preset's PP meshes are"
+    return (f"{NOT_PLANNED}{what} traced through torch's schedule (seconds to minutes each); plan it "
             f"with --pp {pp}{f' --dp-replicate {dp_replicate}' if dp_replicate > 1 else ''}, or search with "
             "--trace-pp")
 

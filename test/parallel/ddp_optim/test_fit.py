@@ -105,13 +105,21 @@ def test_plan_exits_1_when_nothing_fits_so_that_a_script_stops_there(capsys) -> 
     """A search in which no mesh fits, and a plan of one mesh that does not fit, exit 1 after printing their answer
     (``vemesh plan ... && torchrun ...``); a mesh that fits exits 0. Before, all three exited 0."""
     tiny = ["plan", "--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--world-size", "2"]
-    assert main([*tiny, "--device-memory", "1MiB"]) == 1
+    assert main([*tiny, "--device-memory", "1MiB", "--trace-pp"]) == 1
     out = capsys.readouterr().out
     assert "; 0 fit" in out
     # and what to ask again with: the switches that lower a peak, not given (the lowest traced peak first)
     assert out.splitlines()[-1].startswith("none fits: of the meshes traced, the lowest peak is PP=2 x DP=1's, ")
     assert out.splitlines()[-1].endswith("; search again with --activation-checkpointing full; or --dp-mode fsdp "
                                          "(FSDP2 shards the parameters and gradients too)")
+    # without --trace-pp the preset's PP mesh is left out: said once, below the rejections, and asked again with
+    assert main([*tiny, "--device-memory", "1MiB"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].endswith("; 0 fit of the 2 planned (1 with PP left out: see below)"), out[2]
+    assert out[-2] == ("1 mesh with PP 2 not planned: the GPT preset's PP meshes are traced through torch's schedule "
+                       "(seconds to minutes each); plan one with --pp N, or search with --trace-pp")
+    assert out[-1].startswith("none fits: no mesh was traced; search again with --activation-checkpointing full")
+    assert out[-1].endswith("; or --trace-pp, which plans the 1 PP mesh left out")
     assert main([*tiny, "--dp", "2", "--device-memory", "1MiB", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False
     assert main([*tiny, "--dp", "2", "--device-memory", "1GiB"]) == 0
