@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -547,7 +548,7 @@ def test_a_search_by_time_chooses_each_meshs_micro_batch_and_checkpointing() -> 
 def test_a_search_with_trace_pp_plans_each_pp_mesh_as_pp_n_does(capsys) -> None:
     """``--trace-pp``: a search plans its PP meshes through torch's schedule, the engine of ``--pp N``. The PP mesh
     of a GPT search over 2 ranks has the peak and step time of its own plan, made after the caches are emptied;
-    without the flag the same search leaves it out, naming the ``--pp`` that plans it (an analytic estimate stood
+    without the flag the same search leaves it out, with the command that plans it alone (``plan_alone``) (an analytic estimate stood
     there before; at this width, where the schedule's own ops weigh, its step was 0.56 of the trace's). Each traced
     PP mesh is told on stderr as it goes. (That a plan asks a search's traces of the cache:
     test_llama3_speedups.py.)"""
@@ -561,7 +562,7 @@ def test_a_search_with_trace_pp_plans_each_pp_mesh_as_pp_n_does(capsys) -> None:
         assert main(["plan", *gpt, "--device-memory", "8GiB", *(["--trace-pp"] if trace else [])]) == 0
         out, err = capsys.readouterr()
         searched[trace] = {tuple(f["degrees"].values()): f for f in json.loads(out)["fits"]}
-        rejected[trace] = {tuple(f["degrees"].values()): f["reason"] for f in json.loads(out)["rejected"]}
+        rejected[trace] = {tuple(f["degrees"].values()): f for f in json.loads(out)["rejected"]}
         progress[trace] = [line for line in err.splitlines() if line.startswith("vemesh: trac")]
     # a line on stderr as each PP mesh's trace starts and ends; none where the search leaves them out
     assert progress[True][0] == "vemesh: tracing PP=2 through torch's 1f1b schedule, 4 micro-batches", progress
@@ -570,12 +571,16 @@ def test_a_search_with_trace_pp_plans_each_pp_mesh_as_pp_n_does(capsys) -> None:
     key = (2, 1, 1, 1, 1)
     piped = {k: f for k, f in searched[True].items() if f["degrees"]["PP"] > 1}
     assert list(piped) == [key], list(searched[True])
+    # left out without the flag, with the command that plans it alone: the figures of the traced search's row
+    assert key not in searched[False]
+    assert rejected[False][key]["reason"].endswith("plan it with --pp 2, or search with --trace-pp")
+    command = shlex.split(rejected[False][key]["plan_alone"])
+    assert command[:2] == ["vemesh", "plan"] and "--trace-pp" not in command and "--pp" in command
     fit._traced_preset.cache_clear()
-    assert main(["plan", *gpt, "--pp", "2", "--micro-batch-size", str(piped[key]["micro_batch_size"])]) == 0
+    assert main([*command[1:], "--json"]) == 0
     alone = json.loads(capsys.readouterr().out)
     assert (piped[key]["peak"], piped[key]["step_time"]) == (alone["peak"], alone["step_time"])
     assert fit._traced_preset.cache_info().misses == 1
-    assert key not in searched[False] and rejected[False][key].endswith("plan it with --pp 2, or search with --trace-pp")
 
 
 def test_each_matmuls_flops_are_timed_at_the_rate_of_the_dtype_it_ran_in() -> None:

@@ -12,7 +12,7 @@ import logging
 import shlex
 import sys
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from vemesh.cli.common import UsageError, check_rank, check_world, degree, positive, print_json, print_warnings
@@ -154,6 +154,9 @@ def _search(request: PlanRequest, as_json: bool) -> int:
         doc = found.document()
         for row, fit in zip(doc["fits"], found.fits):
             row["plan_alone"] = plan_alone(request, fit)
+        for row, fit in zip(doc["rejected"], found.rejected):  # a PP mesh left out: the command that plans it
+            if fit.not_planned:
+                row["plan_alone"] = plan_alone(request, replace(fit, micro_batch_size=found.job.micro_batch_size))
         print_json(doc)
     else:
         print(render_search(found.job, request.world_size, found.device_memory, request.devices_per_host,
