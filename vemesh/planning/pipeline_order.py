@@ -66,7 +66,7 @@ def gradients_may_change(schedule: str, pp: int, pp_rank: int, n_microbatches: i
 def check_micro_batches(schedule: str, pp: int, per_dp: int, mbs: int) -> None:
     """A ``ValueError`` naming the flags where torch's schedule refuses ``per_dp / mbs`` micro-batches over ``pp``
     ranks (1F1B needs at least as many as stages), before any stage is built: its own rule, from its action list.
-    A traced pipeline and a search's estimate of one both ask it."""
+    A traced pipeline asks it before any stage is built, so a search rejects such a mesh at no cost."""
     def refusal(n: int) -> str | None:
         try:
             actions(schedule, pp, n)

@@ -98,8 +98,8 @@ class PlanRequest:
     device_profile: Any = None  #: a built-in profile's name, a JSON file, or a DeviceProfile: adds the step time
     #: a search by time: what it chooses for each mesh as well, of :data:`CHOICES` (or one comma-separated string)
     choose: tuple[str, ...] | str | None = None
-    #: a search traces each PP mesh through torch's schedule, as ``pp=N`` plans it (the GPT preset's are otherwise
-    #: estimated, the Llama 3 preset's left out)
+    #: a search traces each of a preset's PP meshes through torch's schedule, as ``pp=N`` plans it (otherwise it
+    #: leaves them out, each with the command that plans it; a user's own functions' are always traced)
     trace_pp: bool = False
     #: a search plans its meshes in this many processes at once (:mod:`vemesh.planning.search_jobs`; None: one)
     jobs: int | None = None
