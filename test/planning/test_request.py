@@ -121,7 +121,8 @@ def test_a_search_rejects_a_pp_mesh_with_too_few_micro_batches_in_the_planners_w
     """A search's PP meshes (``--trace-pp``) ask torch's schedule before any trace, as a ``--pp`` plan does, and a mesh
     it refuses is rejected naming the fix; before, the rejection was torch's own "Number of microbatches (2) must be
     ..."."""
-    out = plan(PlanRequest(model="gpt:n_layer=16,n_embd=16,n_head=2,vocab=64,seq_len=8", world_size=16,
+    # one head, so TP 1 only: every PP mesh is one that torch's schedule refuses, and only DP 16 is traced
+    out = plan(PlanRequest(model="gpt:n_layer=16,n_embd=16,n_head=1,vocab=64,seq_len=8", world_size=16,
                            device_memory="80GiB", global_batch_size=8, trace_pp=True))
     reasons = {r["degrees"]["PP"]: r["reason"] for r in out["rejected"] if r["degrees"]["PP"] > 1}
     assert reasons[4] == ("PP 4 under 1f1b: 2 micro-batches of 1 per DP rank (2 sequences), which torch's schedule "
