@@ -546,17 +546,17 @@ def test_a_search_by_time_chooses_each_meshs_micro_batch_and_checkpointing() -> 
 
 @pytest.mark.slow  # 15 s alone: started with the other long runs (conftest.py)
 def test_a_search_with_trace_pp_plans_each_pp_mesh_as_pp_n_does(capsys) -> None:
-    """``--trace-pp``: a search plans its PP meshes through torch's schedule, the engine of ``--pp N``. The PP mesh
-    of a GPT search over 2 ranks has the peak and step time of its own plan, made after the caches are emptied;
-    without the flag the same search leaves it out, with the command that plans it alone (``plan_alone``) (an analytic estimate stood
-    there before; at this width, where the schedule's own ops weigh, its step was 0.56 of the trace's). Each traced
-    PP mesh is told on stderr as it goes. (That a plan asks a search's traces of the cache:
-    test_llama3_speedups.py.)"""
+    """``--trace-pp``: a search plans its PP meshes through torch's schedule, the engine of ``--pp N`` (issue 51's
+    one engine). Each PP mesh of a GPT search over 4 ranks (PP 2 x DP 2, PP 2 x TP 2, PP 4) has the peak and step
+    time of its own plan, made after the caches are emptied by the command the search gives for it (``plan_alone``);
+    without the flag the same search leaves each out, with that same command. (An analytic estimate stood there
+    before: at this width, where the schedule's own ops weigh, its step was 0.56 of the trace's.) Each traced PP
+    mesh is told on stderr as it goes. (That a plan asks a search's traces of the cache: test_llama3_speedups.py.)"""
     from vemesh.cli import main
     from vemesh.planning import fit
 
-    gpt = ["--model", "gpt:n_layer=2,n_embd=64,n_head=4,vocab=256,seq_len=64", "--world-size", "2",
-           "--global-batch-size", "4", "--device-profile", "h100-sxm", "--json"]
+    gpt = ["--model", "gpt:n_layer=4,n_embd=64,n_head=4,vocab=256,seq_len=64", "--world-size", "4",
+           "--global-batch-size", "8", "--device-profile", "h100-sxm", "--json"]
     searched, progress, rejected = {}, {}, {}
     for trace in (True, False):
         assert main(["plan", *gpt, "--device-memory", "8GiB", *(["--trace-pp"] if trace else [])]) == 0
@@ -564,23 +564,22 @@ def test_a_search_with_trace_pp_plans_each_pp_mesh_as_pp_n_does(capsys) -> None:
         searched[trace] = {tuple(f["degrees"].values()): f for f in json.loads(out)["fits"]}
         rejected[trace] = {tuple(f["degrees"].values()): f for f in json.loads(out)["rejected"]}
         progress[trace] = [line for line in err.splitlines() if line.startswith("vemesh: trac")]
-    # a line on stderr as each PP mesh's trace starts and ends; none where the search leaves them out
-    assert progress[True][0] == "vemesh: tracing PP=2 through torch's 1f1b schedule, 4 micro-batches", progress
-    assert len(progress[True]) == 2 and progress[True][1].startswith("vemesh: traced PP=2 in "), progress
-    assert progress[False] == []
-    key = (2, 1, 1, 1, 1)
     piped = {k: f for k, f in searched[True].items() if f["degrees"]["PP"] > 1}
-    assert list(piped) == [key], list(searched[True])
-    # left out without the flag, with the command that plans it alone: the figures of the traced search's row
-    assert key not in searched[False]
-    assert rejected[False][key]["reason"].endswith("plan it with --pp 2, or search with --trace-pp")
-    command = shlex.split(rejected[False][key]["plan_alone"])
-    assert command[:2] == ["vemesh", "plan"] and "--trace-pp" not in command and "--pp" in command
-    fit._traced_preset.cache_clear()
-    assert main([*command[1:], "--json"]) == 0
-    alone = json.loads(capsys.readouterr().out)
-    assert (piped[key]["peak"], piped[key]["step_time"]) == (alone["peak"], alone["step_time"])
-    assert fit._traced_preset.cache_info().misses == 1
+    assert sorted(piped) == [(2, 1, 1, 2, 1), (2, 2, 1, 1, 1), (4, 1, 1, 1, 1)], list(searched[True])
+    # a line on stderr as each PP mesh's trace starts and ends; none where the search leaves them out
+    assert "vemesh: tracing PP=4 through torch's 1f1b schedule, 8 micro-batches" in progress[True], progress
+    assert len(progress[True]) == 2 * len(piped) and progress[False] == [], progress
+    for key, row in piped.items():
+        # left out without the flag, with the command the traced search gives for it
+        assert key not in searched[False] and rejected[False][key]["plan_alone"] == row["plan_alone"], key
+        assert rejected[False][key]["reason"].endswith(f"plan it with --pp {key[0]}, or search with --trace-pp")
+        command = shlex.split(row["plan_alone"])
+        assert command[:2] == ["vemesh", "plan"] and "--trace-pp" not in command and "--pp" in command
+        fit._traced_preset.cache_clear()
+        assert main([*command[1:], "--json"]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        assert (row["peak"], row["step_time"]) == (alone["peak"], alone["step_time"]), key
+        assert fit._traced_preset.cache_info().misses == 1
 
 
 def test_each_matmuls_flops_are_timed_at_the_rate_of_the_dtype_it_ran_in() -> None:
