@@ -150,7 +150,7 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
     hosts = f", {devices_per_host} devices per host" if devices_per_host else ""
     chosen = any(f.activation_checkpointing is not None for f in fits)  # --choose: each mesh's own mbs and AC
     unplanned = [f for f in rejected if f.not_planned]
-    rejected = [f for f in rejected if f not in unplanned]
+    rejected = [f for f in rejected if not f.not_planned]
     lines = [f"plan: {job.name}" + (f" through {_name(job.parallelize)}" if job.parallelize else ""),
              f"  {world_size} ranks{memory}{hosts}; global batch {job.global_batch_size}, "
              + ("each mesh's own micro-batch (the mbs column), " if chosen else
