@@ -258,6 +258,33 @@ def test_a_view_from_before_a_reset_is_refused(as_rank) -> None:
         clip_grad_norm_([nn.Parameter(torch.ones(2))], 1.0, groups=[pp])
 
 
+def test_the_mesh_refuses_every_question_once_its_process_group_is_destroyed(as_rank) -> None:
+    """After ``destroy_process_group()`` the mesh's groups are dead and its ranks of a world that is gone; after a new
+    ``init_process_group()`` (an in-process restart on fewer ranks) it would answer the old world's sizes."""
+    as_rank(3, 8)
+    mesh = VESCALE_DEVICE_MESH
+    mesh.init_device_mesh("cpu", (2, 4), mesh_dim_names=("DP", "TP"))
+    assert mesh.get_strategy_size("TP") == 4 and mesh.is_initialized()
+    questions = {"get_strategy_size": lambda: mesh.get_strategy_size("TP"), "view": lambda: mesh["TP"],
+                 "get_group": lambda: mesh.get_group("TP"), "get_rank": mesh.get_rank,
+                 "get_local_rank": lambda: mesh.get_local_rank("TP"), "size": mesh.size, "mesh": lambda: mesh.mesh,
+                 "get_submeshes": lambda: mesh.get_submeshes("TP"), "to_global_rank": lambda: mesh.to_global_rank(1, "TP"),
+                 "get_strategy_coordinate": lambda: mesh.get_strategy_coordinate(5)}
+    dist.destroy_process_group()
+    assert not mesh.is_initialized() and "stale" in repr(mesh)
+    for asked, question in questions.items():
+        with pytest.raises(RuntimeError, match=r"^the device mesh \(DP=2, TP=4\) was built on a process group that "
+                           r"was destroyed \(destroy_process_group\(\)\).*init_device_mesh"):
+            question()
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())  # a restart on 4 ranks
+    assert not mesh.is_initialized()
+    for asked, question in questions.items():
+        with pytest.raises(RuntimeError, match="destroyed and replaced by another"):
+            question()
+    mesh.init_device_mesh("cpu", (4,))  # the fix
+    assert mesh.size() == 4 and mesh.get_rank() == 1 and mesh.is_initialized()
+
+
 def test_clipping_a_pipeline_stage_without_the_pp_group_raises(as_rank) -> None:
     as_rank(2, 4)
     VESCALE_DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "DP"))

@@ -22,8 +22,9 @@ works on any mesh, unless the mesh spells the name another way (``dp``, ``dp_sha
 This class holds the layout and this rank's place in it, and answers the queries; it owns one
 :class:`~vemesh.mesh.views.TorchViews` per epoch (torch's meshes, their groups and caches). Start-up lives in
 :func:`vemesh.mesh.startup.build_mesh`, the display and the hang watch's hooks in :mod:`vemesh.mesh.debug`, and
-veScale's method names (over the public queries only) in :mod:`vemesh.mesh.vescale_names`. The fault-tolerant replica dim (:mod:`vemesh.ft`) holds
-the mesh and answers for its own name; the mesh only reserves the name (:meth:`VeDeviceMesh.reserve`).
+veScale's method names (over the public queries only) in :mod:`vemesh.mesh.vescale_names`. The fault-tolerant
+replica dim (:mod:`vemesh.ft`) answers for its own name; the mesh only reserves it (:meth:`VeDeviceMesh.reserve`).
+A mesh whose process group was destroyed raises on every question (:func:`~vemesh.mesh.startup.check_world`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import vemesh.mesh.debug as debug
 from vemesh.mesh.lineage import track as track_ties
 from vemesh.layout.mesh_layout import Dims, MeshLayout
 from vemesh.mesh.queries import LayoutQueries, torch_dim
-from vemesh.mesh.startup import apply_timeout, build_mesh
+from vemesh.mesh.startup import apply_timeout, build_mesh, check_world, world_gone
 from vemesh.mesh.vescale_names import VeScaleAliases
 from vemesh.mesh.views import TorchViews, torch_only
 
@@ -73,6 +74,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
         self._timeout: timedelta | None = None  # given to every group this mesh creates
         self._epoch = 0  # one more at every reset(): views of an older epoch are refused by the wrappers
         self._entered: list[DeviceMesh] = []  # the torch meshes ``with`` made current, innermost last
+        self._built_on: dist.ProcessGroup | None = None  # the default process group the mesh was built on
 
     # ================================================================ set-up
     def init_device_mesh(
@@ -118,10 +120,9 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
             The torch ``DeviceMesh``; on 8 ranks with shape ``(2, -1, 2)`` every rank gets
             ``DeviceMesh((PP=2, DP=2, TP=2), ...)``.
 
-        Under torchrun the process group comes from its environment; a plain
-        ``python script.py`` gets a one-rank group. Every rank must pass the
-        same arguments: on a real backend a mismatch raises ``ValueError`` on
-        every rank instead of hanging in group creation.
+        Under torchrun the process group comes from its environment; a plain ``python script.py`` gets a one-rank
+        group. Every rank must pass the same arguments: on a real backend a mismatch raises ``ValueError`` on every
+        rank instead of hanging in group creation.
         """
         if check_uniqueness and self._torch is not None:
             raise RuntimeError(
@@ -133,7 +134,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
             device_type, mesh_shape, mesh_dim_names, timeout, backend_override, rank_offset
         )
         self.reset()
-        self._timeout, self._rank = group_timeout, dist.get_rank()
+        self._timeout, self._rank, self._built_on = group_timeout, dist.get_rank(), dist.group.WORLD
         self._torch = TorchViews(mesh, self._stamp, self._track)
         self._set_layout(layout)
         if log_layout is None:
@@ -200,15 +201,13 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
 
     def get(self, **kwargs: Any) -> DeviceMesh:
         """The global torch mesh, initialized from ``kwargs`` on the first call (``get()`` before init raises)."""
-        if self._torch is None:
-            if not kwargs:
-                raise RuntimeError(_NOT_INITIALIZED)
+        if kwargs and not self.is_initialized():
             return self.init_device_mesh(**kwargs)
-        return self._torch.mesh
+        return self._views().mesh
 
     def is_initialized(self) -> bool:
-        """Whether :meth:`init_device_mesh` has run (and :meth:`reset` has not since)."""
-        return self._torch is not None
+        """Whether :meth:`init_device_mesh` has run, and neither :meth:`reset` nor ``destroy_process_group()`` since."""
+        return self._torch is not None and world_gone(self._built_on) is None
 
     @property
     def epoch(self) -> int:
@@ -225,7 +224,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
         Views handed out before are stale from now on: vemesh's wrappers refuse them (take them again after init).
         """
         self._torch, self._layout, self._rank, self._coordinate, self._member = None, None, -1, (), False
-        self._timeout = None
+        self._timeout, self._built_on = None, None
         self._epoch += 1
 
     # ============================================================= the mesh
@@ -239,6 +238,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
         """The mesh as pure arithmetic, with every name (:class:`~vemesh.layout.MeshLayout`)."""
         if self._layout is None:
             raise RuntimeError(_NOT_INITIALIZED)
+        check_world(self._built_on, self._layout)
         return self._layout
 
     @property
@@ -265,9 +265,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
 
     def get_optional_mesh(self, dims: Dims) -> DeviceMesh | None:
         """Like ``mesh[dims]`` but None for an absent standard strategy: ``get_optional_mesh("CP")`` is None."""
-        if not self.layout.resolve(dims, absent_ok=True):
-            return None
-        return self[dims]
+        return self[dims] if self.layout.resolve(dims, absent_ok=True) else None
 
     def get_group(self, dim: Dims | None = None, *, mesh_dim: Dims | None = None) -> dist.ProcessGroup:
         """This rank's process group along one dim (a mesh dim, a flattened or a split one).
@@ -354,6 +352,9 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
         if self._layout is None:
             return "VeDeviceMesh(uninitialized)"
         dims = ", ".join(f"{n}={s}" for n, s in zip(self._layout.dim_names, self._layout.shape))
+        gone = world_gone(self._built_on)
+        if gone is not None:
+            return f"VeDeviceMesh(({dims}), stale: its process group {gone})"
         where = f"coordinate={self._coordinate}" if self._member else "not a member"
         return f"VeDeviceMesh(({dims}), device_type={self.device_type!r}, rank={self._rank}, {where})"
 
@@ -375,6 +376,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
     def _views(self) -> TorchViews:
         if self._torch is None:
             raise RuntimeError(_NOT_INITIALIZED)
+        check_world(self._built_on, self._layout)
         return self._torch
 
     def _stamp(self, mesh: DeviceMesh) -> DeviceMesh:
@@ -391,6 +393,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
         """This rank's global rank; ``RuntimeError`` before init, or on a rank outside a mesh over part of the world."""
         if self._torch is None:
             raise RuntimeError(_NOT_INITIALIZED)
+        check_world(self._built_on, self._layout)
         if not self._member:
             first, n = self.layout.first_rank, self.layout.world_size
             raise RuntimeError(

@@ -25,7 +25,7 @@ from vemesh.layout.spec import MeshSpec
 
 __all__ = [
     "DEFAULT_TIMEOUT", "as_timeout", "apply_timeout", "bound_device", "build_mesh", "check_same_on_all_ranks",
-    "ensure_process_group",
+    "check_world", "ensure_process_group", "world_gone",
 ]
 
 #: How long a collective, or the start-up rendezvous, waits for the other ranks (NCCL's default;
@@ -278,3 +278,26 @@ def check_same_on_all_ranks(device_type: str, layout: MeshLayout) -> None:
         f"{layout.dim_names} on {device_type!r}, but {summary}. Every rank must call init_device_mesh "
         f"with the same arguments."
     )
+
+
+def world_gone(world: dist.ProcessGroup | None) -> str | None:
+    """How ``world``, the default process group a mesh was built on, is gone (destroyed, or destroyed and replaced by
+    another), else None (also where there was none to keep)."""
+    if world is None:
+        return None
+    if not dist.is_initialized():
+        return "was destroyed (destroy_process_group())"
+    if dist.group.WORLD is not world:
+        return "was destroyed and replaced by another (init_process_group() since)"
+    return None
+
+
+def check_world(world: dist.ProcessGroup | None, layout: MeshLayout | None) -> None:
+    """Raise where ``world`` (:func:`world_gone`), the process group of the mesh of ``layout``, is gone: every answer
+    of that mesh would be of a world that is not."""
+    how = world_gone(world)
+    if how is not None:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(layout.dim_names, layout.shape)) if layout is not None else ""
+        raise RuntimeError(f"the device mesh ({dims}) was built on a process group that {how}: its groups and ranks "
+                           "are of that world, not of this one; call VESCALE_DEVICE_MESH.init_device_mesh(...) again "
+                           "(is_initialized() is False until then)")

@@ -50,4 +50,4 @@ def test_the_mesh_is_composed_and_its_base_classes_read_only_its_public_answers(
         assert not private, (base.__name__, private)
     mesh = VeDeviceMesh()
     assert set(vars(mesh)) == {"_torch", "_layout", "_rank", "_coordinate", "_member", "_timeout", "_epoch",
-                               "_entered"}
+                               "_entered", "_built_on"}
