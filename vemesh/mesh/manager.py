@@ -43,7 +43,7 @@ import vemesh.mesh.debug as debug
 from vemesh.mesh.lineage import track as track_ties
 from vemesh.layout.mesh_layout import Dims, MeshLayout
 from vemesh.mesh.queries import LayoutQueries, torch_dim
-from vemesh.mesh.startup import apply_timeout, build_mesh, check_world, world_gone
+from vemesh.mesh.startup import C10D_WORLD, apply_timeout, build_mesh, check_world, world_gone
 from vemesh.mesh.vescale_names import VeScaleAliases
 from vemesh.mesh.views import TorchViews, torch_only
 
@@ -238,7 +238,8 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
         """The mesh as pure arithmetic, with every name (:class:`~vemesh.layout.MeshLayout`)."""
         if self._layout is None:
             raise RuntimeError(_NOT_INITIALIZED)
-        check_world(self._built_on, self._layout)
+        if C10D_WORLD._default_pg is not self._built_on:  # its world is gone: raise (about 30 ns when it is not)
+            check_world(self._built_on, self._layout)
         return self._layout
 
     @property
@@ -376,7 +377,8 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
     def _views(self) -> TorchViews:
         if self._torch is None:
             raise RuntimeError(_NOT_INITIALIZED)
-        check_world(self._built_on, self._layout)
+        if C10D_WORLD._default_pg is not self._built_on:  # its world is gone: raise (about 30 ns when it is not)
+            check_world(self._built_on, self._layout)
         return self._torch
 
     def _stamp(self, mesh: DeviceMesh) -> DeviceMesh:
@@ -391,9 +393,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
 
     def get_rank(self) -> int:
         """This rank's global rank; ``RuntimeError`` before init, or on a rank outside a mesh over part of the world."""
-        if self._torch is None:
-            raise RuntimeError(_NOT_INITIALIZED)
-        check_world(self._built_on, self._layout)
+        self._views()  # RuntimeError before init, or once the mesh's world is gone
         if not self._member:
             first, n = self.layout.first_rank, self.layout.world_size
             raise RuntimeError(
