@@ -70,7 +70,17 @@ def test_activation_checkpointing_modes(mode, want) -> None:
      "--activation-checkpointing selective-0: N of selective-N must be a whole number of blocks, 1 or more"),
     (["--model", "llama3:8b", "--activation-checkpointing", "some"],
      "--activation-checkpointing 'some': choose one of none, full, selective-op, selective-N"),
-    (["--model", "llama3:8b", "--compile"], "--compile changes the predicted step time only"),
+    (["--model", "llama3:8b", "--compile"], "--compile changes the predicted step time (the peak is the eager trace's"),
+    (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--compile", "fast"],
+     "--compile 'fast': 'fast' is not a component; give model or model,loss (torchtitan's compile.components), or "
+     "the bare flag"),
+    (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--compile", "loss"],
+     "--compile 'loss': the plan times the blocks compiled; give model,loss"),
+    (["--model", "gpt:n_layer=2,n_embd=64,n_head=4,vocab=256,seq_len=32", "--device-profile", "h100-sxm",
+      "--compile", "model,loss"],
+     "--compile 'model,loss': the loss is compiled as the Llama 3 preset's (torchtitan's); the GPT example compiles "
+     "its blocks alone, and your own step's loss is traced as your step runs it: give --compile model, or the bare "
+     "flag"),
     (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--dtype", "bf16", "--float8-all-gather"],
      "--float8-all-gather sends FSDP2's Float8 weights in 1 byte: give --float8 tensorwise|rowwise too"),
     # pairs torchtitan refuses, which a plan would time as if they ran
@@ -576,7 +586,7 @@ def test_the_presets_micro_batches_each_reduce_their_gradients_as_torchtitans_lo
     micro-batches of 1, planned 214 GiB a rank where one micro-batch planned 20, and a search rejected it."""
     from vemesh.planning.fit import _llama3_functions
 
-    assert _llama3_functions("llama3:8b", "fsdp", "bf16", "full", "1f1b").sync_each
+    assert _llama3_functions("llama3:8b", "fsdp", "bf16", "full", "1f1b", False).sync_each
 
     def plan(sync_each: bool):
         fns = UserFunctions(planned.factory(SMALL), planned.parallelize_for("fsdp", "bf16", "full"), planned.step,
@@ -590,6 +600,40 @@ def test_the_presets_micro_batches_each_reduce_their_gradients_as_torchtitans_lo
                                                                           ("each", each.collectives["DP"]))}
     assert scatters["each"] == 2 * scatters["once"] > 0, scatters  # 2 micro-batches a step, each reduce-scattered
     assert each.peak < once.peak, (each.peak, once.peak)  # no unsharded gradients held from one to the next
+
+
+@pytest.mark.slow  # inductor compiles the loss on this CPU: about 15 s alone
+def test_the_compiled_loss_holds_what_torch_compile_holds_and_computes_the_cross_entropy() -> None:
+    """torchtitan compiles its loss (``--compile``'s loss component): inductor reads the bf16 logits for each row's
+    log-sum-exp and writes their gradient in one kernel, so the step holds one bf16 gradient at the loss where eager
+    holds the fp32 logits, their log-softmax and an fp32 gradient (4 times as much). The planner's stand-in
+    (``planned.compiled_loss_fn``) holds, to the byte, what ``torch.compile`` of the eager loss holds on this CPU
+    (the profiler's allocations over a forward and backward), and computes the same loss and gradient."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 64, 2048, dtype=torch.bfloat16), torch.randint(0, 2048, (2, 64))
+
+    def held(fn) -> tuple[int, torch.Tensor, torch.Tensor]:
+        x = logits.clone().requires_grad_()
+        fn(x, targets).backward()  # compiled once, outside the profile
+        x.grad = None
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = fn(x, targets)
+            loss.backward()
+        live = peak = 0
+        for e in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+            live += e.self_cpu_memory_usage
+            peak = max(peak, live)
+        return peak, loss.detach(), x.grad
+
+    eager, compiled, stand_in = (held(fn) for fn in (planned.loss_fn, torch.compile(planned.loss_fn),
+                                                     planned.compiled_loss_fn))
+    grad_bytes = logits.numel() * 2
+    assert grad_bytes <= compiled[0] < grad_bytes + 64 and eager[0] >= 4 * grad_bytes, (eager[0], compiled[0])
+    assert stand_in[0] == compiled[0]
+    torch.testing.assert_close(stand_in[1], eager[1], rtol=2e-3, atol=0)  # logsumexp in bf16
+    torch.testing.assert_close(stand_in[2], eager[2], rtol=0.02, atol=1e-5)
 
 
 def test_a_vocabulary_parallel_loss_holds_its_shard_of_the_logits_not_the_whole() -> None:
@@ -639,13 +683,18 @@ def test_the_llama3_8b_preset_is_planned_with_its_switches_in_the_json(capsys) -
     assert main(argv) == 0
     eager = json.loads(capsys.readouterr().out)
     traced = _traced_llama3.cache_info()
-    assert main([*argv, "--compile", "--float8", "tensorwise", "--float8-all-gather"]) == 0
+    assert main([*argv, "--compile", "model", "--float8", "tensorwise", "--float8-all-gather"]) == 0
     fast = json.loads(capsys.readouterr().out)
     # the switches change the time drawn from the trace, not the trace: the second plan traces nothing again
     assert _traced_llama3.cache_info().misses == traced.misses and _traced_llama3.cache_info().hits > traced.hits
-    assert fast["speedups"] == {"compile": True, "float8": "tensorwise", "float8_all_gather": True, "async_tp": False}
+    assert fast["speedups"] == {"compile": True, "float8": "tensorwise", "float8_all_gather": True,
+                                "async_tp": False, "compiled_loss": False}
     assert eager["peak"] == fast["peak"] and 0 < fast["step_time"] < 0.8 * eager["step_time"]
     assert eager["activation_checkpointing"] == "selective-op" and eager["dp_mode"] == "fsdp"
+    # torchtitan's default compiles the loss too: no fp32 logits, log-softmax or fp32 gradient held at the loss
+    assert main([*argv, "--compile", "--float8", "tensorwise", "--float8-all-gather"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["speedups"]["compiled_loss"] and whole["peak"] < eager["peak"], (whole["peak"], eager["peak"])
 
 
 def test_the_request_turns_the_flags_into_the_job() -> None:
@@ -653,6 +702,10 @@ def test_the_request_turns_the_flags_into_the_job() -> None:
                       float8="rowwise", activation_checkpointing="selective-3").job()
     assert job.llama3 and job.mode == "fsdp" and job.activation_checkpointing == "selective-3"
     assert job.speed == Speedups(compile=True, float8="rowwise")
+    assert job.compiled_loss  # the bare flag: torchtitan's components, the blocks and the loss
+    assert not PlanRequest(world_size=8, model="llama3:8b", device_profile="h100-sxm", compile="model").job().compiled_loss
+    assert not PlanRequest(world_size=8, model="gpt:n_layer=2,n_embd=64,n_head=4", device_profile="h100-sxm",
+                           compile=True).job().compiled_loss  # the GPT example compiles its blocks alone
     assert PlanRequest(world_size=8, model="gpt:n_layer=2,n_embd=64,n_head=4",
                        activation_checkpointing="full").job().activation_checkpointing is True
     assert AC_MODES == ("none", "full", "selective-op", "selective-N")

@@ -22,8 +22,7 @@ from typing import Any
 
 from vemesh.models.gpt import planned as gpt_planned
 from vemesh.models.llama3 import planned as llama3_planned
-from vemesh.models.llama3.config import check_ac, config_of
-from vemesh.models.llama3.config import linear_share as llama3_linear_share
+from vemesh.models.llama3.config import check_ac, config_of, linear_share as llama3_linear_share
 from vemesh.layout.names import divisors
 from vemesh.parallel.context.ring import check_sequence_split
 from vemesh.parallel.schedules import ZERO_BUBBLE, schedule_class, stage_owner, stages_per_rank
@@ -73,6 +72,7 @@ class Job:
     trace_pp: bool = False  #: a search traces its PP meshes through torch's schedule, as ``--pp N`` does
     optimizer_implementation: str | None = None  #: ``for-loop``, ``foreach``, ``fused``; None: as torch on ``device``
     gradient_sync: str | None = None  #: ``each``: every micro-batch's backward averages the gradients (else the last)
+    compiled_loss: bool = False  #: the Llama 3 preset's loss compiled (``--compile``): traced as inductor holds it
 
     @property
     def mode(self) -> str:
@@ -118,12 +118,14 @@ def _preset_functions(spec: str, mode: str, dtype: str, sequence_parallel: bool,
 
 
 @functools.lru_cache(maxsize=64)
-def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: str) -> UserFunctions:
+def _llama3_functions(spec: str, mode: str, dtype: str, ac: str, pp_schedule: str, compiled: bool) -> UserFunctions:
     """The Llama 3 preset's functions (:mod:`vemesh.models.llama3.planned`), the same objects for the same job."""
+    step = llama3_planned.step_for(compiled)  # the loss as torch.compile holds it, where it is compiled
     return UserFunctions(llama3_planned.factory(config_of(spec)),
-                         llama3_planned.parallelize_for(mode, dtype, ac, pp_schedule), llama3_planned.step,
-                         (spec, "vemesh.models.llama3.parallelize", "vemesh.models.llama3.planned.step"),
-                         loss=llama3_planned.loss_fn, pp_schedule=pp_schedule, sync_each=True,
+                         llama3_planned.parallelize_for(mode, dtype, ac, pp_schedule), step,
+                         (spec, "vemesh.models.llama3.parallelize", f"vemesh.models.llama3.planned.{step.__name__}"),
+                         loss=llama3_planned.compiled_loss_fn if compiled else llama3_planned.loss_fn,
+                         pp_schedule=pp_schedule, sync_each=True,
                          before_optimizer=llama3_planned.before_optimizer,
                          before_optimizer_name="vemesh.models.llama3.planned.before_optimizer",
                          stage_kinds=llama3_planned.stage_kinds_for(config_of(spec), ac, pp_schedule))
@@ -135,7 +137,8 @@ def _traced_llama3(job: Job, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_
     rank's batch), else a micro-batch. FSDP2 keeps fp32 parameters and computes in the job's dtype."""
     if ep > 1:
         raise ValueError(f"EP {ep}: the Llama 3 preset is dense (no experts); plan it with --ep 1")
-    fns = _llama3_functions(job.model, job.mode, job.dtype, check_ac(job.activation_checkpointing), job.pp_schedule)
+    fns = _llama3_functions(job.model, job.mode, job.dtype, check_ac(job.activation_checkpointing), job.pp_schedule,
+                            job.compiled_loss)
     if pp > 1:
         fns = replace(fns, step=llama3_planned.pipeline_step_for(job.pp_schedule),
                       names=(fns.names[0], fns.names[1],

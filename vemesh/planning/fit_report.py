@@ -59,8 +59,8 @@ def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
             "gradient_sync": "last" if fit.degrees["PP"] > 1 else job.gradient_sync or ("each" if job.llama3 else "last"),
             "dp_mode": fit.dp_mode or job.mode, "optimizer_implementation": job.optimizer_implementation
             or ("foreach" if job.device == "cuda" else "for-loop"), "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
-            "speedups": ({k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")}
-                         if job.speed else None), "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
+            "speedups": ({**{k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")},
+                          "compiled_loss": job.compiled_loss and fit.degrees["TP"] == 1} if job.speed else None), "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
             "peak": fit.peak, "activations_traced": fit.traced, "notes": _notes(fit), "classes": [_class_row(c) for c in fit.classes],
             "how": HOW}
 
@@ -92,7 +92,9 @@ def render_fit(job: Job, fit: MeshFit) -> str:
     ac = job.activation_checkpointing
     ac_text = "" if ac in (False, "none") else ", activation checkpointing" + (f" {ac}" if isinstance(ac, str) else "")
     speed = job.speed
-    on = [n for n, v in (("compile", speed.compile), (f"float8 {speed.float8}", speed.float8),
+    compiled = "compile" + ((" (the loss too)" if d["TP"] == 1 else " (the loss under TP: traced eager)")
+                            if job.compiled_loss else "")
+    on = [n for n, v in ((compiled, speed.compile), (f"float8 {speed.float8}", speed.float8),
                          ("float8 all-gather", speed.float8_all_gather), ("async TP", speed.async_tp)) if v] if speed else []
     given = f", AdamW {job.optimizer_implementation}" if job.optimizer_implementation else ""
     lines = [f"job: {job.name}, {job.dtype}, {fit.dp_mode or job.mode}" + given + ac_text + batch
@@ -310,8 +312,10 @@ def add_job_arguments(plan: argparse.ArgumentParser, positive: Callable[[str], i
                      "for the Llama 3 preset selective-op (torchtitan's per-op policy: keep the matmuls' and "
                      "attention's outputs, but every second matmul's) or selective-N (every N-th block full)")
     speed = plan.add_argument_group("what GPU users turn on, modelled on the traced step's time (needs --device-profile)")
-    speed.add_argument("--compile", action="store_true", help="torch.compile: the pointwise ops and the reductions "
-                       "beside them fuse into one kernel per run, paying only the bytes that leave it")
+    speed.add_argument("--compile", nargs="?", const=True, default=False, metavar="model[,loss]", help="torch.compile: "
+                       "the pointwise ops and the reductions beside them fuse into one kernel per run, paying only the "
+                       "bytes that leave it; for the Llama 3 preset the bare flag also compiles the loss, as torchtitan "
+                       "does (model,loss; model: the blocks alone), which holds no fp32 logits")
     speed.add_argument("--float8", choices=("tensorwise", "rowwise"), help="torchao's Float8 training: the Linear "
                        "matmuls (not the output head) at the profile's fp8 rate, their casts and scales paid in bytes "
                        "(needs --dtype bf16)")

@@ -11,7 +11,7 @@ a write nobody reads again is never made. Every other memory-bound op pays its r
 it gives: ``fused_bytes`` (the memory-bound bytes under compile) and ``kernels`` (the launches: each region one,
 every other op one), in place of eager's bytes and ops. What it does not model: inductor's own recomputation
 choices in backward (its min-cut partitioner), and so the activation memory a compiled step saves: the plan's
-peak stays eager's.
+peak stays eager's (but the Llama 3 preset's compiled loss, traced as inductor holds it).
 
 **Transcendental ops** (``transcendental_bytes``): eager's bytes of the memory-bound ops whose arithmetic is
 transcendental, a division or a normalization (exp, GELU, SiLU, tanh, rsqrt, softmax, layer and RMS norms). A GPU

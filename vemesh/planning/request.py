@@ -15,7 +15,7 @@ from vemesh.layout.names import divisors
 from vemesh.models.llama3.config import check_ac, config_of
 from vemesh.planning.speedups import Speedups
 
-__all__ = ["CHOICES", "GRADIENT_SYNC", "JOB_FLAGS", "OPTIMIZER_IMPLEMENTATIONS", "PlanRequest"]
+__all__ = ["CHOICES", "COMPILE_COMPONENTS", "GRADIENT_SYNC", "JOB_FLAGS", "OPTIMIZER_IMPLEMENTATIONS", "PlanRequest"]
 
 #: What a search by time may choose for each mesh (``--choose``), besides the mesh itself.
 CHOICES = ("micro-batch-size", "activation-checkpointing")
@@ -23,6 +23,10 @@ CHOICES = ("micro-batch-size", "activation-checkpointing")
 #: How AdamW steps (``--optimizer-implementation``), as torchtitan's ``optimizer.implementation`` names it: torch's
 #: loop over tensors (``foreach=False``), its foreach kernels (``foreach=True``) or its fused kernel (``fused=True``).
 OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
+
+#: What ``--compile`` compiles, as torchtitan's ``compile.components`` names it: the blocks, and the loss (the Llama 3
+#: preset's: torchtitan's default since 2025; its December 2024 commit compiled the blocks alone)
+COMPILE_COMPONENTS = ("model", "loss")
 
 #: With gradient accumulation, the micro-batches whose backward averages the gradients over DP
 #: (``--gradient-sync``): the last alone (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)`` on the
@@ -88,7 +92,9 @@ class PlanRequest:
     optimizer_implementation: str | None = None
     gradient_sync: str | None = None  #: ``last`` or ``each`` (:data:`GRADIENT_SYNC`); None: the preset's, else last
     # what GPU users turn on for speed (vemesh.planning.speedups): rules on the traced step's time
-    compile: bool = False
+    #: True (the bare flag: the blocks, and the Llama 3 preset's loss as torchtitan compiles it) or the components
+    #: of :data:`COMPILE_COMPONENTS`, comma-separated (``"model"``: the blocks alone)
+    compile: bool | str = False
     float8: str | None = None  #: ``tensorwise`` or ``rowwise``
     float8_all_gather: bool = False
     async_tp: bool = False
@@ -202,9 +208,10 @@ class PlanRequest:
         given = [f for f, v in (("--compile", self.compile), ("--float8", self.float8), ("--async-tp", self.async_tp),
                                 ("--float8-all-gather", self.float8_all_gather)) if v]
         if given and self.device_profile is None:
-            raise ValueError(f"{given[0]} changes the predicted step time only (the peak is the eager trace's): give "
-                             "--device-profile NAME|FILE too")
-        Speedups(self.compile, self.float8, self.float8_all_gather, self.async_tp)  # what the switches need of each other
+            raise ValueError(f"{given[0]} changes the predicted step time (the peak is the eager trace's, but for a "
+                             "compiled loss): give --device-profile NAME|FILE too")
+        Speedups(bool(self.compile), self.float8, self.float8_all_gather, self.async_tp)  # what they need of each other
+        self.compiled_parts()
         if self.float8 is not None and self.parallelize is None and self.step is None:  # yours: read from the trace
             if (self.dtype or "fp32") != "bf16":
                 raise ValueError(f"--float8 {self.float8} runs the Linear matmuls in float8 in place of bf16 ones "
@@ -216,6 +223,27 @@ class PlanRequest:
         if self.async_tp and not self.searches and self.tp in (None, 1, "1"):
             raise ValueError("--async-tp overlaps TP's all-gathers and reduce-scatters with the matmuls they feed, "
                              f"but the mesh has no TP (--tp {self.tp or 1}): give --tp N, or leave --async-tp out")
+
+    def compiled_parts(self) -> tuple[str, ...]:
+        """What ``compile`` compiles (:data:`COMPILE_COMPONENTS`): none, the blocks, or the blocks and the Llama 3
+        preset's loss (the bare flag's for that preset); ``ValueError`` names a bad one."""
+        llama3 = str(self.model).startswith("llama3:") and self.parallelize is None and self.step is None
+        if self.compile in (False, None):
+            return ()
+        if self.compile is True:
+            return COMPILE_COMPONENTS if llama3 else ("model",)
+        parts = tuple(dict.fromkeys(p.strip() for p in str(self.compile).split(",")))
+        for part in parts:
+            if part not in COMPILE_COMPONENTS:
+                raise ValueError(f"--compile {self.compile!r}: {part!r} is not a component; give model or model,loss "
+                                 "(torchtitan's compile.components), or the bare flag")
+        if "model" not in parts:
+            raise ValueError(f"--compile {self.compile!r}: the plan times the blocks compiled; give model,loss")
+        if "loss" in parts and not llama3:
+            raise ValueError(f"--compile {self.compile!r}: the loss is compiled as the Llama 3 preset's (torchtitan's); "
+                             "the GPT example compiles its blocks alone, and your own step's loss is traced as your "
+                             "step runs it: give --compile model, or the bare flag")
+        return parts
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -255,14 +283,15 @@ class PlanRequest:
         micro = self.micro_batch_size if self.micro_batch_size is not None or not self.searches else 1
         llama3 = isinstance(self.model, str) and self.model.startswith("llama3:")
         ac = check_ac(self.activation_checkpointing)
-        speed = Speedups(self.compile, self.float8, self.float8_all_gather, self.async_tp)
+        speed = Speedups(bool(self.compile), self.float8, self.float8_all_gather, self.async_tp)
         return Job(self.model, self.global_batch_size or 32, dtype=self.dtype or "fp32",
                    dp_mode=self.dp_mode or ("fsdp" if llama3 else None), micro_batch_size=micro,
                    pp_schedule=self.pp_schedule or "1f1b", sequence_parallel=self.sequence_parallel,
                    activation_checkpointing=ac if llama3 else ac == "full", parallelize=self.parallelize,
                    step=self.step, loss=self.loss, before_optimizer=self.before_optimizer, moe_load_factor=factor,
                    timed=self.device_profile is not None, speed=speed if speed.any else None, trace_pp=self.trace_pp,
-                   optimizer_implementation=self.optimizer_implementation, gradient_sync=self.gradient_sync)
+                   optimizer_implementation=self.optimizer_implementation, gradient_sync=self.gradient_sync,
+                   compiled_loss="loss" in self.compiled_parts())
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanRequest:

@@ -26,7 +26,8 @@ its counts (:mod:`vemesh.planning.fusion`) by these rules.
   :mod:`vemesh.planning.tp_overlap` finds them on the trace) hides behind those matmuls' time, call by call; the
   rest of TP's traffic (the reduce-scatter of a sum of matmuls' gradients, all-reduces) stays exposed.
 
-None of these changes the predicted peak: the trace is eager (a compiled step saves less for backward).
+None of these changes the predicted peak (the trace is eager), but for the Llama 3 preset's compiled loss: the request
+traces it as inductor holds it (:func:`vemesh.models.llama3.planned.compiled_loss_fn`).
 """
 
 from __future__ import annotations

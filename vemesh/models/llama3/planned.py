@@ -6,6 +6,12 @@ The step draws a micro-batch of ``seq_len`` tokens, runs the model, and the fp32
 torch's ``loss_parallel``, the logits sharded on the vocabulary), then backward; with CP inside ``context_parallel``
 with the tokens, the labels and RoPE's tables. Between the last backward and ``optimizer.step()`` it clips the
 gradients' global norm, as torchtitan's loop does.
+
+torchtitan compiles that loss with the blocks (``compile.components``, ``["model", "loss"]`` by default since 2025;
+its December 2024 commit left it eager). Compiled, the cross-entropy holds neither the fp32 logits nor their
+log-softmax nor an fp32 gradient: inductor reads the bf16 logits once for each row's log-sum-exp and writes their
+gradient in one kernel, in bf16. :func:`compiled_loss_fn` holds what that kernel holds (measured against
+``torch.compile`` on this CPU: ``test_llama3_speedups.py``), for the planner's trace of ``--compile``.
 """
 
 from __future__ import annotations
@@ -25,7 +31,38 @@ from vemesh.parallel import context_parallel
 from vemesh.models.gpt.stages import stage_kinds
 from vemesh.parallel.schedules import build_stages, run_schedule
 
-__all__ = ["before_optimizer", "factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step"]
+__all__ = ["before_optimizer", "compiled_loss_fn", "factory", "loss_fn", "parallelize_for", "pipeline_step_for", "step",
+           "step_for"]
+
+
+class _CompiledCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of ``(N, V)`` logits as inductor's compiled kernels hold it: the forward keeps each row's
+    log-sum-exp (``N`` values) and the logits it was given; the backward writes the gradient, ``softmax - one_hot``
+    scaled, into one new tensor of the logits' dtype (computed in place there)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, targets[:, None]).squeeze(1)
+        ctx.save_for_backward(logits, targets, lse)
+        return (lse.float() - picked.float()).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, targets, lse = ctx.saved_tensors
+        scale = grad / logits.shape[0]
+        out = (logits - lse[:, None]).exp_().mul_(scale)  # one region under compile's replay (vemesh.planning.fusion)
+        return out.scatter_add_(1, targets[:, None], (-scale).expand(targets.shape[0], 1).to(out.dtype)), None
+
+
+def compiled_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`loss_fn` as ``torch.compile`` runs it (see the module docstring). Vocabulary-parallel logits (DTensors,
+    under TP's ``loss_parallel``) are left to :func:`loss_fn`: traced eager."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        return loss_fn(logits, targets)
+    return _CompiledCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
 def factory(config: Llama3Config) -> Any:
@@ -85,22 +122,32 @@ def _core(model: nn.Module) -> Llama3:
     return getattr(model, "module", model)
 
 
-def step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+def step(model: nn.Module, micro_batch_size: int, loss: Any = loss_fn) -> torch.Tensor:
     """One micro-batch: tokens and labels, the model, the fp32 cross-entropy, backward (see the module docstring)."""
     core = _core(model)
     cfg = core.cfg
     x = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len))
     y = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len))
     with _cp_context([x, y, core.rope_cos, core.rope_sin], [1, 1, 0, 0]), _loss_context():
-        loss = loss_fn(model(x), y)
-        loss.backward()
-    return loss.detach()
+        value = loss(model(x), y)
+        value.backward()
+    return value.detach()
+
+
+def _compiled_step(model: nn.Module, micro_batch_size: int) -> torch.Tensor:
+    return step(model, micro_batch_size, compiled_loss_fn)
+
+
+def step_for(compiled_loss: bool) -> Any:
+    """``STEP(model, micro_batch_size)``: :func:`step`, with :func:`compiled_loss_fn` where the loss is compiled."""
+    return _compiled_step if compiled_loss else step
 
 
 @functools.lru_cache(maxsize=16)
 def pipeline_step_for(pp_schedule: str) -> Any:
     """``STEP(schedule, batch_size)``: a DP rank's batch through torch's schedule (tokens on the first stage, labels
-    and losses on the last), inside ``context_parallel`` and ``loss_parallel`` where the mesh has CP and TP."""
+    and losses on the last, the schedule's ``loss_fn``), inside ``context_parallel`` and ``loss_parallel`` where the
+    mesh has CP and TP."""
 
     def pipeline_step(schedule: Any, batch_size: int) -> None:
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
