@@ -207,7 +207,7 @@ class VeDeviceMesh(LayoutQueries, VeScaleAliases):
 
     def is_initialized(self) -> bool:
         """Whether :meth:`init_device_mesh` has run, and neither :meth:`reset` nor ``destroy_process_group()`` since."""
-        return self._torch is not None and world_gone(self._built_on) is None
+        return self._torch is not None and C10D_WORLD._default_pg is self._built_on  # its world is the default one
 
     @property
     def epoch(self) -> int:
