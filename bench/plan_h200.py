@@ -18,7 +18,8 @@ Each row is planned as issue 51's interface command plans it::
 
 on ``h200-sxm`` (published specifications, not measured). Printed: the predicted and published tokens/s/GPU and
 memory, their ratios, and whether the rows' order by throughput is the published one. The plan's peak is the bytes
-of live tensors of an eager bf16 step (``--compile`` and ``--float8`` are timed, not traced: docs/planning.md);
+of live tensors of a bf16 step, eager but for its loss (``--compile`` traces the loss as inductor holds it, and times
+the blocks compiled; ``--float8`` is timed, not traced: docs/planning.md);
 ``force_recompute_fp8_weight_in_bwd`` and ``precompute_float8_dynamic_scale_for_fsdp`` have no flag of their own.
 """
 

@@ -70,7 +70,12 @@ def test_activation_checkpointing_modes(mode, want) -> None:
      "--activation-checkpointing selective-0: N of selective-N must be a whole number of blocks, 1 or more"),
     (["--model", "llama3:8b", "--activation-checkpointing", "some"],
      "--activation-checkpointing 'some': choose one of none, full, selective-op, selective-N"),
-    (["--model", "llama3:8b", "--compile"], "--compile changes the predicted step time (the peak is the eager trace's"),
+    (["--model", "llama3:8b", "--compile", "model"],
+     "--compile changes the predicted step time only (the peak is the eager trace's, but for the Llama 3 preset's "
+     "compiled loss): give --device-profile NAME|FILE too"),
+    (["--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--compile"], "--compile changes the predicted step time only"),
+    (["--model", "llama3:8b", "--compile", "--dtype", "bf16", "--float8", "tensorwise"],
+     "--float8 changes the predicted step time only"),
     (["--model", "llama3:8b", "--device-profile", "h100-sxm", "--compile", "fast"],
      "--compile 'fast': 'fast' is not a component; give model or model,loss (torchtitan's compile.components), or "
      "the bare flag"),
@@ -695,6 +700,10 @@ def test_the_llama3_8b_preset_is_planned_with_its_switches_in_the_json(capsys) -
     assert main([*argv, "--compile", "--float8", "tensorwise", "--float8-all-gather"]) == 0
     whole = json.loads(capsys.readouterr().out)
     assert whole["speedups"]["compiled_loss"] and whole["peak"] < eager["peak"], (whole["peak"], eager["peak"])
+    # the compiled loss changes the peak, so a plan of memory alone takes the bare flag (no device profile)
+    assert main([a for a in argv if a not in ("--device-profile", "h100-sxm")] + ["--compile"]) == 0
+    memory = json.loads(capsys.readouterr().out)
+    assert memory["peak"] == whole["peak"] and memory["speedups"]["compiled_loss"], memory
 
 
 def test_the_request_turns_the_flags_into_the_job() -> None:

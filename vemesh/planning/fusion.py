@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch.distributed._tools.fake_collectives import collective_ops
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from vemesh.planning.measure import FLOP_FORMULAS
@@ -274,6 +274,7 @@ class MemoryBoundBytes(TorchDispatchMode):
         self.dtensor_ops = 0  #: the ops on DTensors (each also costs DTensor's sharding propagation)
         self.fusion = Fusion()
         self._decomposing = 0  #: inside an op's decomposition: its ops count FLOPs alone
+        self._apart: Any = None  #: the fake mode in which decompositions run apart (:meth:`_decompose`)
 
     def counts(self) -> dict[str, int]:
         """What compile and Float8 change (:meth:`vemesh.planning.fusion.Fusion.counts`)."""
@@ -307,19 +308,14 @@ class MemoryBoundBytes(TorchDispatchMode):
         return result
 
     def _flops(self, func, args, kwargs):  # type: ignore[no-untyped-def]
-        """Run ``func`` as torch's ``FlopCounterMode`` does: its decomposition if it has one (each of its ops seen
-        here), else the op itself, counting its FLOPs."""
+        """Run ``func``, counting its FLOPs as torch's ``FlopCounterMode`` does: its decomposition's, if it has one
+        (:meth:`_decompose`), else its own."""
         if not self.count_flops:
             return func(*args, **kwargs)
         if func in _FLOPS_PASS:
             return NotImplemented
         if func is not torch.ops.prim.device.default and _decomposes(func):
-            self._decomposing += 1
-            try:
-                with self:
-                    result = func.decompose(*args, **kwargs)
-            finally:
-                self._decomposing -= 1
+            result = self._decompose(func, args, kwargs)
             if result is not NotImplemented:
                 return result
         out = func(*args, **kwargs)
@@ -329,6 +325,41 @@ class MemoryBoundBytes(TorchDispatchMode):
             self.flop_counts["Global"][func._overloadpacket] += flops
             self.fusion.ran(func, out, flops)
         return out
+
+    def _decompose(self, func, args, kwargs):  # type: ignore[no-untyped-def]
+        """``func``'s result, the FLOPs of its decomposition counted; NotImplemented where it has none.
+
+        The decomposition runs apart, on fake tensors of its arguments' shapes in a fake mode of its own, below none
+        of the trace's modes (its fake world and memory tracker see none of it), and the op itself computes the
+        result, as a GPU's kernel does: the decomposition's temporaries (``silu_backward``'s sigmoid and products,
+        each of the MLP's hidden size) are not the step's, and a timed trace held them (``llama3:8b``, compiled loss:
+        110 MiB over the untimed one). One that cannot run apart runs in place, as FlopCounterMode runs it."""
+        if self._apart is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            self._apart = FakeTensorMode(allow_non_fake_inputs=True)
+
+        def alike(t: Any) -> Any:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) \
+                if isinstance(t, torch.Tensor) else t
+
+        before = {k: dict(v) for k, v in self.flop_counts.items()}, dict(self.fusion.by_key)
+        self._decomposing += 1
+        try:
+            try:
+                with _disable_current_modes(), self._apart:
+                    apart = tree_map(alike, (args, kwargs))
+                    with self:
+                        ran = func.decompose(*apart[0], **apart[1])
+            except Exception:  # noqa: BLE001 (whatever stopped it apart: what it counted is undone, and it runs here)
+                self.flop_counts.clear()
+                self.flop_counts.update({k: defaultdict(int, v) for k, v in before[0].items()})
+                self.fusion.by_key = before[1]
+                with self:
+                    return func.decompose(*args, **kwargs)
+        finally:
+            self._decomposing -= 1
+        return NotImplemented if ran is NotImplemented else func(*args, **kwargs)
 
 
 def _tf32() -> bool:
