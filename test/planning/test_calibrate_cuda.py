@@ -35,13 +35,24 @@ def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path: 
     assert f"--output {tmp_path} is a directory" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_the_bare_cuda_command_without_a_gpu_says_so_in_one_line(capsys) -> None:
+    assert main(["calibrate", "--device", "cuda"]) == 2
+    assert "--device cuda: this machine sees no GPU (torch.cuda.device_count() is 0); measure its CPU with --device " \
+           "cpu, or calibrate where the job's GPUs are" in capsys.readouterr().err
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_calibrate_one_gpu_writes_a_profile_that_plan_reads(tmp_path: Path) -> None:
-    out = tmp_path / "gpu.json"
-    done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--device", "cuda", "--nproc", "1", "--quick",
-                           "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """The issue's command as written, with ``--quick``: every GPU the machine sees (one where a GPU is lent), the
+    profile named by the device and the processes, in the current directory."""
+    n = torch.cuda.device_count()
+    out = tmp_path / f"profile-cuda-{n}.json"
+    done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--device", "cuda", "--quick"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {out.name}: "), done.stdout
     profile = load_profile(out)
     assert profile.measured and profile.matmul_flops["bf16"] > profile.matmul_flops["fp32"] > 0
     assert ("fp8" in profile.matmul_flops) == (torch.cuda.get_device_capability(0) >= (8, 9))

@@ -329,10 +329,11 @@ def test_a_gpus_attention_calls_have_the_heads_of_a_step_at_long_sequences() -> 
 
 @pytest.mark.slow
 def test_calibrate_writes_a_measured_profile_that_plan_reads(tmp_path) -> None:
-    out = tmp_path / "me.json"
-    done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--nproc", "2", "--output", str(out), "--quick",
-                           "--repeat", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = tmp_path / "profile-cpu-2.json"  # without --nproc and --output: 2 processes, the file named so, here
+    done = subprocess.run([sys.executable, "-m", "vemesh", "calibrate", "--quick", "--repeat", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("wrote profile-cpu-2.json: "), done.stdout
     p = load_profile(str(out))
     assert isinstance(p, DeviceProfile) and p.measured and p.devices_per_host == 2
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}

@@ -1,4 +1,5 @@
-"""``vemesh calibrate --nproc N --output FILE``: measure this machine and write a device profile for ``vemesh plan``."""
+"""``vemesh calibrate [--device cpu|cuda] [--nproc N] [--output FILE]``: measure this machine and write a device profile
+for ``vemesh plan``."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def add_calibrate(commands: Any) -> argparse.ArgumentParser:
                     "kind over the N ranks, all at once), and write a device profile for vemesh plan "
                     "--device-profile FILE.",
     )
-    sub.add_argument("--nproc", type=positive, required=True, metavar="N", help="processes (ranks) to measure with")
-    sub.add_argument("--output", required=True, metavar="FILE", help="the profile to write (JSON)")
+    sub.add_argument("--nproc", type=positive, metavar="N", help="processes (ranks) to measure with (default: every "
+                     "GPU this machine sees with --device cuda, else 2)")
+    sub.add_argument("--output", metavar="FILE", help="the profile to write (JSON; default: profile-DEVICE-N.json "
+                     "here, as profile-cuda-1.json)")
     sub.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl; one GPU "
                      "per process)")
     sub.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a smoke run, seconds)")
@@ -32,15 +35,17 @@ def add_calibrate(commands: Any) -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from vemesh.planning.calibrate import calibrate  # torch only when calibrating: `vemesh show` starts fast
 
-    if args.nproc < 2 and args.device != "cuda":
-        raise UsageError(f"argument --nproc: {args.nproc}: collectives need at least 2 processes; choose 2 or more "
+    nproc = args.nproc or (_gpus() if args.device == "cuda" else 2)
+    output = args.output or f"profile-{args.device}-{nproc}.json"
+    if nproc < 2 and args.device != "cuda":
+        raise UsageError(f"argument --nproc: {nproc}: collectives need at least 2 processes; choose 2 or more "
                          "(one process measures one GPU: --device cuda --nproc 1)")
     try:
-        profile = calibrate(args.nproc, args.output, device_type=args.device, quick=args.quick, repeat=args.repeat)
+        profile = calibrate(nproc, output, device_type=args.device, quick=args.quick, repeat=args.repeat)
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
     ar = profile.host
-    print(f"wrote {args.output}: {profile.name}, {args.nproc} processes; matmul fp32 "
+    print(f"wrote {output}: {profile.name}, {nproc} processes; matmul fp32 "
           f"{profile.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 {profile.matmul_flops['bf16'] / 1e9:.1f} GFLOP/s"
           + (f", fp8 {profile.matmul_flops['fp8'] / 1e9:.1f} GFLOP/s" if "fp8" in profile.matmul_flops else "") + " "
           f"per rank; memory {profile.memory_bandwidth / 1e9:.1f} GB/s "
@@ -51,3 +56,15 @@ def _run(args: argparse.Namespace) -> int:
              f"{max(a.achievable for a in profile.attention):.2f} of the matmul rate over "
              f"{len(profile.attention)} shapes" if profile.attention else ""))
     return 0
+
+
+def _gpus() -> int:
+    """The GPUs this machine sees: ``--device cuda``'s processes without ``--nproc``."""
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise UsageError("--device cuda: this machine sees no GPU (torch.cuda.device_count() is 0); measure its CPU "
+                         "with --device cpu, or calibrate where the job's GPUs are")
+    return n
+
