@@ -51,28 +51,48 @@ def _name(ref: Any) -> str | None:
     return f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
 
 
+def _job_fields(job: Job) -> dict[str, Any]:
+    """What the job trains with, as both documents give it (a mesh's own figures aside)."""
+    return {"global_batch_size": job.global_batch_size, "dtype": job.dtype,
+            "optimizer_implementation": job.optimizer_implementation or ("foreach" if job.device == "cuda" else "for-loop"),
+            "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
+            "speedups": ({**{k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")},
+                          "compiled_loss": job.compiled_loss} if job.speed else None)}
+
+
+def _sync(job: Job, degrees: dict[str, int]) -> str:
+    """Which micro-batches' backward averages the gradients over DP (under PP, torch's schedule's: the last)."""
+    return "last" if degrees["PP"] > 1 else job.gradient_sync or ("each" if job.llama3 else "last")
+
+
 def fit_document(job: Job, fit: MeshFit) -> dict[str, Any]:
     """The JSON of one mesh's prediction."""
-    return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "degrees": fit.degrees, "global_batch_size": job.global_batch_size,
-            "micro_batch_size": fit.micro_batch_size, "micro_batches": fit.micro_batches, "dtype": job.dtype,
-            # which micro-batches' backward averages the gradients over DP (under PP, torch's schedule: the last)
-            "gradient_sync": "last" if fit.degrees["PP"] > 1 else job.gradient_sync or ("each" if job.llama3 else "last"),
-            "dp_mode": fit.dp_mode or job.mode, "optimizer_implementation": job.optimizer_implementation
-            or ("foreach" if job.device == "cuda" else "for-loop"), "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
-            "speedups": ({**{k: getattr(job.speed, k) for k in ("compile", "float8", "float8_all_gather", "async_tp")},
-                          "compiled_loss": job.compiled_loss and fit.degrees["TP"] == 1} if job.speed else None), "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
+    f = _job_fields(job)
+    if f["speedups"] is not None:  # under TP the loss is vocabulary-parallel, traced eager
+        f["speedups"]["compiled_loss"] = job.compiled_loss and fit.degrees["TP"] == 1
+    return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "degrees": fit.degrees,
+            "global_batch_size": job.global_batch_size, "micro_batch_size": fit.micro_batch_size,
+            "micro_batches": fit.micro_batches, "dtype": job.dtype, "gradient_sync": _sync(job, fit.degrees),
+            "dp_mode": fit.dp_mode or job.mode, "optimizer_implementation": f["optimizer_implementation"],
+            "moe_load_factor": job.moe_load_factor, "activation_checkpointing": job.activation_checkpointing,
+            "speedups": f["speedups"], "pp_schedule": job.pp_schedule if fit.degrees["PP"] > 1 else None,
             "peak": fit.peak, "activations_traced": fit.traced, "notes": _notes(fit), "classes": [_class_row(c) for c in fit.classes],
             "how": HOW}
 
 
 def search_document(job: Job, world_size: int, device_memory: int | None, devices_per_host: int | None,
                     rank_by: str, fits: list[MeshFit], rejected: list[MeshFit], dp_replicate: int = 1) -> dict[str, Any]:
-    """The JSON of a search: the meshes that fit, best first, and the rejected ones with their reasons."""
+    """The JSON of a search: the job, the meshes that fit, best first, and the rejected ones with their reasons.
+    What depends on a mesh is each fit's own (its micro-batches, DP mode, gradient sync, PP schedule and, where the
+    search chose it, activation checkpointing)."""
     return {"model": job.name, "parallelize": _name(job.parallelize), "step": _name(job.step), "world_size": world_size, "device_memory": device_memory,
-            "devices_per_host": devices_per_host, "ranked_by": rank_by, "dp_replicate": dp_replicate,
+            "devices_per_host": devices_per_host, "ranked_by": rank_by, "dp_replicate": dp_replicate, **_job_fields(job),
             "fits": [{"degrees": f.degrees, "order": list(f.order), "peak": f.peak,
                       "inter_host_bytes_per_step": f.slow_bytes,
                       "inter_host_dims": list(f.slow_dims), "micro_batch_size": f.micro_batch_size,
+                      "micro_batches": f.micro_batches, "dp_mode": f.dp_mode or job.mode,
+                      "gradient_sync": _sync(job, f.degrees),
+                      "pp_schedule": job.pp_schedule if f.degrees["PP"] > 1 else None,
                       **({"activation_checkpointing": f.activation_checkpointing}
                          if f.activation_checkpointing is not None else {}),
                       "classes": [_class_row(c) for c in f.classes]} for f in fits],

@@ -99,6 +99,15 @@ def test_cli_prints_the_tables_and_the_json(capsys) -> None:
     assert main(["plan", "--model", SMALL, "--world-size", "2", "--device-memory", "16MiB", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ranked_by"] == "peak" and {"fits", "rejected"} <= set(doc)
+    # the job as a single plan's JSON gives it (before, a search's JSON named none of it), and each mesh's own
+    assert (doc["global_batch_size"], doc["dtype"], doc["speedups"], doc["activation_checkpointing"]) == \
+        (32, "fp32", None, False)
+    assert all(f["micro_batches"] * f["micro_batch_size"] * f["degrees"]["DP"] == 32 and f["dp_mode"] == "zero1"
+               for f in doc["fits"])
+    assert main(["plan", "--model", SMALL, "--world-size", "2", "--device-memory", "16MiB", "--json", "--dtype", "bf16",
+                 "--device-profile", "h100-sxm", "--compile"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dtype"] == "bf16" and doc["speedups"]["compile"] and not doc["speedups"]["compiled_loss"]
 
 
 def test_plan_exits_1_when_nothing_fits_so_that_a_script_stops_there(capsys) -> None:
