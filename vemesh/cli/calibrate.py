@@ -67,4 +67,3 @@ def _gpus() -> int:
         raise UsageError("--device cuda: this machine sees no GPU (torch.cuda.device_count() is 0); measure its CPU "
                          "with --device cpu, or calibrate where the job's GPUs are")
     return n
-
