@@ -704,6 +704,8 @@ def test_the_llama3_8b_preset_is_planned_with_its_switches_in_the_json(capsys) -
     assert main([a for a in argv if a not in ("--device-profile", "h100-sxm")] + ["--compile"]) == 0
     memory = json.loads(capsys.readouterr().out)
     assert memory["peak"] == whole["peak"] and memory["speedups"]["compiled_loss"], memory
+    assert main([a for a in argv if a not in ("--device-profile", "h100-sxm", "--json")] + ["--compile"]) == 0
+    assert "; with compile (the loss too)\n" in capsys.readouterr().out  # nothing timed: not "timed with"
 
 
 def test_the_request_turns_the_flags_into_the_job() -> None:

@@ -100,6 +100,24 @@ def search_document(job: Job, world_size: int, device_memory: int | None, device
             "how": HOW}
 
 
+def _ac_text(job: Job) -> str:
+    ac = job.activation_checkpointing
+    return "" if ac in (False, "none") else ", activation checkpointing" + (f" {ac}" if isinstance(ac, str) else "")
+
+
+def _switches(job: Job, tp: int | None) -> str:
+    """The job's speed switches, as its line says them (``tp``: the mesh's TP; None: a search's meshes, every TP)."""
+    speed = job.speed
+    if speed is None:
+        return ""
+    loss = {1: " (the loss too)", None: " (the loss too; under TP traced eager)"}.get(tp, " (the loss under TP: "
+                                                                                          "traced eager)")
+    on = [n for n, v in (("compile" + (loss if job.compiled_loss else ""), speed.compile),
+                         (f"float8 {speed.float8}", speed.float8), ("float8 all-gather", speed.float8_all_gather),
+                         ("async TP", speed.async_tp)) if v]
+    return (f"; timed with {', '.join(on)}" if job.timed else f"; with {', '.join(on)}") if on else ""
+
+
 def render_fit(job: Job, fit: MeshFit) -> str:
     """One mesh's tables: memory per rank class, bytes per dim per step."""
     div, unit = _unit(fit.peak)
@@ -109,16 +127,9 @@ def render_fit(job: Job, fit: MeshFit) -> str:
     batch = f"; global batch {job.global_batch_size}, {per_dp} {item}{'s' if per_dp != 1 else ''} per DP rank in " \
         f"{fit.micro_batches} micro-batch{'es' if fit.micro_batches > 1 else ''} of {fit.micro_batch_size}" \
         if fit.traced else ""
-    ac = job.activation_checkpointing
-    ac_text = "" if ac in (False, "none") else ", activation checkpointing" + (f" {ac}" if isinstance(ac, str) else "")
-    speed = job.speed
-    compiled = "compile" + ((" (the loss too)" if d["TP"] == 1 else " (the loss under TP: traced eager)")
-                            if job.compiled_loss else "")
-    on = [n for n, v in ((compiled, speed.compile), (f"float8 {speed.float8}", speed.float8),
-                         ("float8 all-gather", speed.float8_all_gather), ("async TP", speed.async_tp)) if v] if speed else []
     given = f", AdamW {job.optimizer_implementation}" if job.optimizer_implementation else ""
-    lines = [f"job: {job.name}, {job.dtype}, {fit.dp_mode or job.mode}" + given + ac_text + batch
-             + (f", {job.pp_schedule}" if d["PP"] > 1 else "") + (f"; timed with {', '.join(on)}" if on else ""),
+    lines = [f"job: {job.name}, {job.dtype}, {fit.dp_mode or job.mode}" + given + _ac_text(job) + batch
+             + (f", {job.pp_schedule}" if d["PP"] > 1 else "") + _switches(job, d["TP"]),
              f"memory per rank ({unit}):" if fit.traced else f"static memory per rank ({unit}); ACTIVATIONS ARE NOT "
              "INCLUDED: give your step (--step MODULE:FUNCTION) and the planner traces them:"]
     buffers = any(c.extra for c in fit.classes)
@@ -179,6 +190,7 @@ def render_search(job: Job, world_size: int, device_memory: int | None, devices_
                 f"micro-batch {job.micro_batch_size} (--micro-batch-size B sets it), " if job.micro_batch_size else
                 "micro-batches of 2 x PP per DP rank, ")
              + f"{job.dtype}, {job.dp_mode or ('as the function applies' if job.user else 'zero1')}"
+             + ("" if chosen else _ac_text(job)) + _switches(job, None)
              + (f", HSDP: each DP split into dp_replicate {dp_replicate} x dp_shard DP / {dp_replicate}"
                 if dp_replicate > 1 else "") + f"; ranked by {cost}",
              f"{len(fits) + len(rejected) + len(unplanned)} meshes considered (" + _considered(job, world_size) + ")"

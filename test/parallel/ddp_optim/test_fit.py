@@ -104,10 +104,14 @@ def test_cli_prints_the_tables_and_the_json(capsys) -> None:
         (32, "fp32", None, False)
     assert all(f["micro_batches"] * f["micro_batch_size"] * f["degrees"]["DP"] == 32 and f["dp_mode"] == "zero1"
                for f in doc["fits"])
-    assert main(["plan", "--model", SMALL, "--world-size", "2", "--device-memory", "16MiB", "--json", "--dtype", "bf16",
-                 "--device-profile", "h100-sxm", "--compile"]) == 0
+    switched = ["plan", "--model", SMALL, "--world-size", "2", "--device-memory", "16MiB", "--dtype", "bf16",
+                "--device-profile", "h100-sxm", "--compile", "--activation-checkpointing"]
+    assert main([*switched, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["dtype"] == "bf16" and doc["speedups"]["compile"] and not doc["speedups"]["compiled_loss"]
+    assert doc["activation_checkpointing"] is True
+    assert main(switched) == 0  # the same search again: nothing traced again, and its text says the switches too
+    assert ", bf16, zero1, activation checkpointing; timed with compile; ranked by " in capsys.readouterr().out
 
 
 def test_plan_exits_1_when_nothing_fits_so_that_a_script_stops_there(capsys) -> None:
